@@ -1,0 +1,41 @@
+# hetpar: the two set-up commands are `make test` and `make demo` (see README.md).
+# Every target installs what it needs first; nothing else has to be set up by hand.
+
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+JOBS ?= $(shell nproc)
+CTEST_ARGS ?=
+
+.PHONY: all deps configure build test demo format format-check tidy clean
+
+all: build
+
+deps:
+	./deploy/install-deps.sh
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
+
+configure: deps $(BUILD_DIR)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+# Builds everything and runs the whole suite (labels: unit, integration, parity, fault, slow).
+test: build
+	cd $(BUILD_DIR) && ctest -j2 --output-on-failure $(CTEST_ARGS)
+
+SOURCES = $(shell git ls-files '*.cc' '*.h')
+
+format:
+	clang-format -i $(SOURCES)
+
+format-check:
+	clang-format --dry-run --Werror $(SOURCES)
+
+tidy: configure
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_EXPORT_COMPILE_COMMANDS=ON >/dev/null
+	clang-tidy -p $(BUILD_DIR) --quiet $(filter %.cc,$(SOURCES))
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,919 @@
+#include "common/config/config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "google/protobuf/reflection.h"
+#include "yaml-cpp/yaml.h"
+
+namespace hetpar::config {
+namespace {
+
+namespace fs = std::filesystem;
+namespace pb = google::protobuf;
+using hetpar::v1::RunSpec;
+
+constexpr int kMaxDepth = 16;
+
+std::string Join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+// Levenshtein distance, for "did you mean" suggestions.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string Suggest(std::string_view key, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = std::string::npos;
+  for (const auto& candidate : candidates) {
+    size_t d = EditDistance(key, candidate);
+    if (d < best_distance) {
+      best_distance = d;
+      best = candidate;
+    }
+  }
+  // Suggest only plausible typos: at most a third of the word changed.
+  if (best.empty() || best_distance > std::max<size_t>(2, key.size() / 3)) return "";
+  return best;
+}
+
+std::vector<std::string> FieldNames(const pb::Descriptor* descriptor) {
+  std::vector<std::string> names;
+  for (int i = 0; i < descriptor->field_count(); ++i) names.push_back(descriptor->field(i)->name());
+  return names;
+}
+
+std::string Lower(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// "TransportKind" -> "TRANSPORT_KIND_", the prefix of its value names.
+std::string EnumPrefix(const pb::EnumDescriptor* descriptor) {
+  std::string prefix;
+  const std::string& name = descriptor->name();
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (i > 0 && std::isupper(static_cast<unsigned char>(name[i]))) prefix += '_';
+    prefix += static_cast<char>(std::toupper(static_cast<unsigned char>(name[i])));
+  }
+  return prefix + "_";
+}
+
+// The YAML spelling of an enum value: DTYPE_FLOAT32 -> "float32".
+std::string EnumYamlName(const pb::EnumValueDescriptor* value) {
+  std::string prefix = EnumPrefix(value->type());
+  std::string name = value->name();
+  if (name.rfind(prefix, 0) == 0) name = name.substr(prefix.size());
+  return Lower(name);
+}
+
+std::vector<std::string> EnumChoices(const pb::EnumDescriptor* descriptor) {
+  std::vector<std::string> names;
+  for (int i = 0; i < descriptor->value_count(); ++i) {
+    if (descriptor->value(i)->number() == 0) continue;  // UNSPECIFIED is not a user choice
+    names.push_back(EnumYamlName(descriptor->value(i)));
+  }
+  return names;
+}
+
+std::string Quote(std::string_view text) {
+  std::string out = "'";
+  for (char c : text.substr(0, 60)) out += (std::isprint(static_cast<unsigned char>(c)) ? c : '?');
+  if (text.size() > 60) out += "...";
+  return out + "'";
+}
+
+std::string NodeKind(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Null:
+      return "nothing";
+    case YAML::NodeType::Scalar:
+      return Quote(node.Scalar());
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a mapping";
+    case YAML::NodeType::Undefined:
+      return "nothing";
+  }
+  return "nothing";
+}
+
+bool ParseInt64(const std::string& text, int64_t* out) {
+  if (text.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || end != text.c_str() + text.size()) return false;
+  *out = v;
+  return true;
+}
+
+bool ParseDouble(const std::string& text, double* out) {
+  if (text.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (errno != 0 || end != text.c_str() + text.size() || !std::isfinite(v)) return false;
+  *out = v;
+  return true;
+}
+
+bool ParseBool(const std::string& text, bool* out) {
+  std::string t = Lower(text);
+  if (t == "true" || t == "yes" || t == "on") {
+    *out = true;
+  } else if (t == "false" || t == "no" || t == "off") {
+    *out = false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Converts a YAML tree onto a proto message by reflection, collecting every problem.
+class YamlToProto {
+ public:
+  YamlToProto(SourceMap* source, std::vector<ConfigIssue>* issues)
+      : source_(source), issues_(issues) {}
+
+  void Message(const YAML::Node& node, pb::Message* message, const std::string& path, int depth) {
+    const pb::Descriptor* descriptor = message->GetDescriptor();
+    if (node.IsNull()) return;  // `encoder:` with nothing under it: all defaults
+    if (!node.IsMap()) {
+      Issue(path,
+            absl::StrCat("expected a mapping with keys ", KeyList(descriptor), ", got ",
+                         NodeKind(node)),
+            node);
+      return;
+    }
+    if (depth > kMaxDepth) {
+      Issue(path, "nested too deeply", node);
+      return;
+    }
+    for (const auto& item : node) {
+      const YAML::Node& key = item.first;
+      const YAML::Node& value = item.second;
+      if (!key.IsScalar()) {
+        Issue(path, absl::StrCat("keys must be plain names, got ", NodeKind(key)), key);
+        continue;
+      }
+      const std::string name = key.Scalar();
+      const std::string field_path = Join(path, name);
+      const pb::FieldDescriptor* field = descriptor->FindFieldByName(name);
+      if (field == nullptr) {
+        std::string message = absl::StrCat("unknown key ", Quote(name));
+        std::string suggestion = Suggest(name, FieldNames(descriptor));
+        if (!suggestion.empty()) {
+          absl::StrAppend(&message, "; did you mean '", suggestion, "'?");
+        } else {
+          absl::StrAppend(&message, "; expected one of ", KeyList(descriptor));
+        }
+        Issue(field_path, message, key);
+        continue;
+      }
+      if (key.Mark().line >= 0) {
+        source_->Set(field_path, absl::StrCat(source_->source_name(), ":", key.Mark().line + 1));
+      }
+      Field(value, message, field, field_path, depth);
+    }
+  }
+
+ private:
+  void Field(const YAML::Node& value, pb::Message* message, const pb::FieldDescriptor* field,
+             const std::string& path, int depth) {
+    const pb::Reflection* reflection = message->GetReflection();
+    if (field->is_repeated()) {
+      Issue(path, "list fields are not supported", value);
+      return;
+    }
+    if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      Message(value, reflection->MutableMessage(message, field), path, depth + 1);
+      return;
+    }
+    if (!value.IsScalar()) {
+      Issue(path, absl::StrCat("expected ", Expected(field), ", got ", NodeKind(value)), value);
+      return;
+    }
+    const std::string& text = value.Scalar();
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_INT64: {
+        int64_t v;
+        if (!ParseInt64(text, &v)) return Bad(path, field, value);
+        reflection->SetInt64(message, field, v);
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_INT32: {
+        int64_t v;
+        if (!ParseInt64(text, &v) || v < INT32_MIN || v > INT32_MAX) {
+          return Bad(path, field, value);
+        }
+        reflection->SetInt32(message, field, static_cast<int32_t>(v));
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
+        double v;
+        if (!ParseDouble(text, &v)) return Bad(path, field, value);
+        reflection->SetDouble(message, field, v);
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_FLOAT: {
+        double v;
+        if (!ParseDouble(text, &v)) return Bad(path, field, value);
+        reflection->SetFloat(message, field, static_cast<float>(v));
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_BOOL: {
+        bool v;
+        if (!ParseBool(text, &v)) return Bad(path, field, value);
+        reflection->SetBool(message, field, v);
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        reflection->SetString(message, field, text);
+        return;
+      case pb::FieldDescriptor::CPPTYPE_ENUM: {
+        const pb::EnumDescriptor* type = field->enum_type();
+        const std::string wanted = Lower(text);
+        for (int i = 0; i < type->value_count(); ++i) {
+          if (type->value(i)->number() != 0 && EnumYamlName(type->value(i)) == wanted) {
+            reflection->SetEnum(message, field, type->value(i));
+            return;
+          }
+        }
+        std::string message_text = absl::StrCat("unknown value ", Quote(text), "; expected ",
+                                                absl::StrJoin(EnumChoices(type), " | "));
+        std::string suggestion = Suggest(wanted, EnumChoices(type));
+        if (!suggestion.empty())
+          absl::StrAppend(&message_text, " (did you mean '", suggestion, "'?)");
+        Issue(path, message_text, value);
+        return;
+      }
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+      case pb::FieldDescriptor::CPPTYPE_UINT64:
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        Issue(path, "field type is not supported in YAML", value);
+        return;
+    }
+  }
+
+  static std::string Expected(const pb::FieldDescriptor* field) {
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_INT32:
+      case pb::FieldDescriptor::CPPTYPE_INT64:
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+      case pb::FieldDescriptor::CPPTYPE_UINT64:
+        return "an integer";
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+        return "a number";
+      case pb::FieldDescriptor::CPPTYPE_BOOL:
+        return "true or false";
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        return "a string";
+      case pb::FieldDescriptor::CPPTYPE_ENUM:
+        return "one of " + absl::StrJoin(EnumChoices(field->enum_type()), " | ");
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        return "a mapping";
+    }
+    return "a value";
+  }
+
+  static std::string KeyList(const pb::Descriptor* descriptor) {
+    return "{" + absl::StrJoin(FieldNames(descriptor), ", ") + "}";
+  }
+
+  void Bad(const std::string& path, const pb::FieldDescriptor* field, const YAML::Node& value) {
+    Issue(path, absl::StrCat("expected ", Expected(field), ", got ", NodeKind(value)), value);
+  }
+
+  void Issue(const std::string& path, std::string message, const YAML::Node& at) {
+    std::string where = source_->source_name();
+    if (at.Mark().line >= 0) where = absl::StrCat(where, ":", at.Mark().line + 1);
+    issues_->push_back({path, std::move(message), where});
+  }
+
+  SourceMap* source_;
+  std::vector<ConfigIssue>* issues_;
+};
+
+// Applies one `a.b.c=value` override onto the YAML tree.
+absl::Status ApplyOverride(YAML::Node root, const std::string& assignment) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--set ", Quote(assignment), ": expected KEY.PATH=VALUE, for example llm.layout.tp=2"));
+  }
+  const std::string path = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  std::vector<std::string> keys = absl::StrSplit(path, '.');
+  YAML::Node value;
+  try {
+    value = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set ", path, ": cannot parse value ", Quote(text), ": ", e.msg));
+  }
+  // yaml-cpp's operator[] returns handles; walk with explicit copies so nested maps are created.
+  std::vector<YAML::Node> chain{root};
+  for (size_t i = 0; i + 1 < keys.size(); ++i) {
+    if (keys[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--set ", Quote(path), ": empty key"));
+    }
+    YAML::Node parent = chain.back();
+    if (parent[keys[i]] && !parent[keys[i]].IsMap() && !parent[keys[i]].IsNull()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--set ", path, ": '", absl::StrJoin(keys.begin(), keys.begin() + i + 1, "."),
+          "' is a value, not a mapping"));
+    }
+    if (!parent[keys[i]] || parent[keys[i]].IsNull())
+      parent[keys[i]] = YAML::Node(YAML::NodeType::Map);
+    chain.push_back(parent[keys[i]]);
+  }
+  chain.back()[keys.back()] = value;
+  return absl::OkStatus();
+}
+
+// Field access by dotted path, for defaults and path resolution.
+pb::Message* MutableAt(pb::Message* root, const std::string& path,
+                       const pb::FieldDescriptor** leaf) {
+  std::vector<std::string> keys = absl::StrSplit(path, '.');
+  pb::Message* message = root;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const pb::FieldDescriptor* field = message->GetDescriptor()->FindFieldByName(keys[i]);
+    if (field == nullptr) return nullptr;
+    if (i + 1 == keys.size()) {
+      *leaf = field;
+      return message;
+    }
+    message = message->GetReflection()->MutableMessage(message, field);
+  }
+  return nullptr;
+}
+
+class Defaults {
+ public:
+  Defaults(LoadedRunSpec* loaded) : loaded_(loaded) {}
+
+  void Int(const std::string& path, int64_t value) {
+    const pb::FieldDescriptor* field = nullptr;
+    pb::Message* message = Target(path, &field);
+    if (message != nullptr) message->GetReflection()->SetInt64(message, field, value);
+  }
+  void Double(const std::string& path, double value) {
+    const pb::FieldDescriptor* field = nullptr;
+    pb::Message* message = Target(path, &field);
+    if (message != nullptr) message->GetReflection()->SetDouble(message, field, value);
+  }
+  void String(const std::string& path, const std::string& value) {
+    const pb::FieldDescriptor* field = nullptr;
+    pb::Message* message = Target(path, &field);
+    if (message != nullptr) message->GetReflection()->SetString(message, field, value);
+  }
+  void Enum(const std::string& path, int number) {
+    const pb::FieldDescriptor* field = nullptr;
+    pb::Message* message = Target(path, &field);
+    if (message != nullptr) message->GetReflection()->SetEnumValue(message, field, number);
+  }
+
+ private:
+  // The message holding `path` when the input did not write it; nullptr otherwise.
+  pb::Message* Target(const std::string& path, const pb::FieldDescriptor** field) {
+    if (loaded_->source.Has(path)) return nullptr;
+    return MutableAt(&loaded_->spec, path, field);
+  }
+  LoadedRunSpec* loaded_;
+};
+
+void ResolvePath(LoadedRunSpec* loaded, const std::string& path) {
+  const pb::FieldDescriptor* field = nullptr;
+  pb::Message* message = MutableAt(&loaded->spec, path, &field);
+  if (message == nullptr) return;
+  std::string value = message->GetReflection()->GetString(*message, field);
+  if (value.empty()) return;
+  fs::path p(value);
+  if (p.is_relative()) {
+    // Written in the file: relative to the file. Otherwise (--set, default): to the cwd.
+    const std::string where = loaded->source.Where(path);
+    const bool from_file = loaded->source.Has(path) && where.rfind("--set", 0) != 0;
+    fs::path base =
+        from_file && !loaded->base_dir.empty() ? fs::path(loaded->base_dir) : fs::current_path();
+    p = base / p;
+  }
+  message->GetReflection()->SetString(message, field, p.lexically_normal().string());
+}
+
+// Marks every sub-message present, so a normalised spec is the same whether or not the input
+// wrote an empty section.
+void MaterialiseMessages(pb::Message* message) {
+  const pb::Descriptor* descriptor = message->GetDescriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const pb::FieldDescriptor* field = descriptor->field(i);
+    if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE && !field->is_repeated()) {
+      MaterialiseMessages(message->GetReflection()->MutableMessage(message, field));
+    }
+  }
+}
+
+// Emits a message as a YAML mapping by reflection.
+void EmitMessage(YAML::Emitter& out, const pb::Message& message) {
+  const pb::Descriptor* descriptor = message.GetDescriptor();
+  const pb::Reflection* reflection = message.GetReflection();
+  out << YAML::BeginMap;
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const pb::FieldDescriptor* field = descriptor->field(i);
+    if (field->is_repeated()) continue;
+    out << YAML::Key << field->name() << YAML::Value;
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        EmitMessage(out, reflection->GetMessage(message, field));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_INT64:
+        out << reflection->GetInt64(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_INT32:
+        out << reflection->GetInt32(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+        out << reflection->GetUInt32(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_UINT64:
+        out << reflection->GetUInt64(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+        out << FormatDouble(reflection->GetDouble(message, field));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+        out << FormatDouble(reflection->GetFloat(message, field));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_BOOL:
+        out << reflection->GetBool(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        out << YAML::DoubleQuoted << reflection->GetString(message, field);
+        break;
+      case pb::FieldDescriptor::CPPTYPE_ENUM:
+        out << EnumYamlName(reflection->GetEnum(message, field));
+        break;
+    }
+  }
+  out << YAML::EndMap;
+}
+
+// ---- semantic validation ----
+
+class Checker {
+ public:
+  Checker(const LoadedRunSpec& loaded, std::vector<ConfigIssue>* issues)
+      : loaded_(loaded), issues_(issues) {}
+
+  void Fail(const std::string& path, std::string message) {
+    issues_->push_back({path, std::move(message), loaded_.source.Where(path)});
+  }
+
+  // A size that must be >= minimum. Returns whether it is.
+  bool AtLeast(const std::string& path, int64_t value, int64_t minimum) {
+    if (value >= minimum) return true;
+    if (!loaded_.source.Has(path)) {
+      Fail(path, absl::StrCat("is required: expected an integer >= ", minimum));
+    } else {
+      Fail(path, absl::StrCat("=", value, " must be >= ", minimum));
+    }
+    return false;
+  }
+
+  void Divides(const std::string& divisor_path, int64_t divisor, const std::string& path,
+               int64_t value, std::string_view why = "") {
+    if (divisor <= 0 || value <= 0 || value % divisor == 0) return;
+    Fail(divisor_path,
+         absl::StrCat("=", divisor, " does not divide ", path, "=", value,
+                      why.empty() ? std::string() : absl::StrCat(" (", std::string(why), ")")));
+  }
+
+  void FileExists(const std::string& path, const std::string& value, bool required) {
+    if (value.empty()) {
+      if (required) Fail(path, "is required: expected a file path");
+      return;
+    }
+    std::error_code ec;
+    if (!fs::exists(value, ec)) Fail(path, absl::StrCat("file '", value, "' does not exist"));
+  }
+
+ private:
+  const LoadedRunSpec& loaded_;
+  std::vector<ConfigIssue>* issues_;
+};
+
+}  // namespace
+
+std::string SourceMap::Where(std::string_view path) const {
+  std::string p(path);
+  while (true) {
+    auto it = locations_.find(p);
+    if (it != locations_.end()) return it->second;
+    size_t dot = p.rfind('.');
+    if (dot == std::string::npos) break;
+    p.resize(dot);
+  }
+  return source_name_;
+}
+
+std::string ConfigIssue::ToString() const {
+  return where.empty() ? absl::StrCat(path, ": ", message)
+                       : absl::StrCat(path, ": ", message, " (", where, ")");
+}
+
+std::string FormatDouble(double value) {
+  char buffer[64];
+  // Shortest text that parses back to the same double (fixed or scientific, whichever is shorter).
+  auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  std::string text(buffer, result.ptr);
+  // Keep it a YAML float, not an integer: "1" -> "1.0".
+  if (text.find_first_of(".eEn") == std::string::npos) text += ".0";
+  return text;
+}
+
+int64_t TokensPerImage(const hetpar::v1::EncoderModel& model) {
+  if (model.patch() <= 0 || model.image_size() <= 0) return 0;
+  const int64_t side = model.image_size() / model.patch();
+  return side * side;
+}
+
+absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
+                                               std::string_view source_name,
+                                               const std::vector<std::string>& overrides) {
+  LoadedRunSpec loaded;
+  loaded.source = SourceMap(std::string(source_name));
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(yaml_text));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid YAML: ", e.msg, " (", std::string(source_name), ":", e.mark.line + 1, ")"));
+  }
+  if (!root.IsMap() && !root.IsNull()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the config must be a mapping with keys run, placement, encoder, llm, data, transport, "
+        "checkpoint, coordinator; got ",
+        NodeKind(root), " (", std::string(source_name), ")"));
+  }
+  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  for (const auto& assignment : overrides) {
+    absl::Status status = ApplyOverride(root, assignment);
+    if (!status.ok()) return status;
+  }
+  std::vector<ConfigIssue> issues;
+  YamlToProto converter(&loaded.source, &issues);
+  converter.Message(root, &loaded.spec, "", 0);
+  // Overridden fields point at the flag that set them.
+  for (const auto& assignment : overrides) {
+    const std::string path = assignment.substr(0, assignment.find('='));
+    loaded.source.Set(path, absl::StrCat("--set ", assignment));
+  }
+  if (!issues.empty()) {
+    std::vector<std::string> lines;
+    for (const auto& issue : issues) lines.push_back(issue.ToString());
+    return absl::InvalidArgumentError(absl::StrJoin(lines, "\n"));
+  }
+  return loaded;
+}
+
+void ApplyDefaults(LoadedRunSpec* loaded) {
+  MaterialiseMessages(&loaded->spec);
+  Defaults d(loaded);
+  RunSpec& s = loaded->spec;
+  d.String("run.name", "hetpar-run");
+  d.Int("run.steps", 10);
+  d.Int("run.micro_batch", 1);
+  d.Int("run.seed", 1234);
+  d.Enum("run.dtype", hetpar::v1::DTYPE_FLOAT32);
+  d.Int("run.max_inflight", 2);
+  d.Double("run.grad_clip", 1.0);
+  d.Int("run.log_every", 1);
+  d.String("run.out_dir", "runs/" + s.run().name());
+  d.Enum("placement", hetpar::v1::PLACEMENT_NON_COLOCATED);
+  for (const std::string module : {"encoder", "llm"}) {
+    for (const std::string dim : {"dp", "tp", "cp", "pp"}) d.Int(module + ".layout." + dim, 1);
+    d.Double(module + ".optimizer.lr", 1e-3);
+    d.Double(module + ".optimizer.weight_decay", 0.0);
+    d.Double(module + ".optimizer.beta1", 0.9);
+    d.Double(module + ".optimizer.beta2", 0.999);
+    d.Double(module + ".optimizer.eps", 1e-8);
+    d.Int(module + ".optimizer.warmup_steps", 0);
+  }
+  d.Int("encoder.model.channels", 3);
+  d.Int("llm.model.kv_heads", s.llm().model().heads());
+  d.Double("llm.model.rope_theta", 10000.0);
+  d.Double("llm.model.norm_eps", 1e-5);
+  d.String("data.image_token", "<image>");
+  d.Enum("data.overlong", hetpar::v1::OVERLONG_POLICY_REJECT);
+  if (s.data().synth().samples() > 0) {
+    d.Int("data.synth.val_samples", std::max<int64_t>(1, s.data().synth().samples() / 8));
+    d.Int("data.synth.seed", 7);
+  }
+  d.Enum("transport", hetpar::v1::TRANSPORT_KIND_UCX);
+  d.Int("checkpoint.every", 0);
+  d.String("coordinator.listen", "127.0.0.1:50051");
+  d.Double("coordinator.heartbeat_timeout_s", 10.0);
+  d.Double("coordinator.register_timeout_s", 120.0);
+
+  for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
+                           "coordinator.token_file", "checkpoint.dir", "run.out_dir"}) {
+    ResolvePath(loaded, path);
+  }
+  // The index sits beside the manifest unless the config names one.
+  if (!loaded->source.Has("data.index") && !s.data().manifest().empty()) {
+    s.mutable_data()->set_index(s.data().manifest() + ".index");
+  }
+  ResolvePath(loaded, "data.index");
+}
+
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files) {
+  std::vector<ConfigIssue> issues;
+  Checker c(loaded, &issues);
+  const RunSpec& s = loaded.spec;
+
+  // run
+  c.AtLeast("run.steps", s.run().steps(), 1);
+  const bool batch_ok = c.AtLeast("run.global_batch", s.run().global_batch(), 1);
+  const bool micro_ok = c.AtLeast("run.micro_batch", s.run().micro_batch(), 1);
+  c.AtLeast("run.max_inflight", s.run().max_inflight(), 1);
+  c.AtLeast("run.log_every", s.run().log_every(), 1);
+  if (s.run().grad_clip() < 0) {
+    c.Fail("run.grad_clip", absl::StrCat("=", FormatDouble(s.run().grad_clip()),
+                                         " must be >= 0 (0 turns clipping off)"));
+  }
+  if (s.run().name().empty()) c.Fail("run.name", "must not be empty");
+
+  // layouts
+  bool layouts_ok = true;
+  for (const std::string module : {"encoder", "llm"}) {
+    const auto& layout = module == "encoder" ? s.encoder().layout() : s.llm().layout();
+    const std::string p = module + ".layout.";
+    layouts_ok &= c.AtLeast(p + "dp", layout.dp(), 1);
+    layouts_ok &= c.AtLeast(p + "tp", layout.tp(), 1);
+    layouts_ok &= c.AtLeast(p + "cp", layout.cp(), 1);
+    layouts_ok &= c.AtLeast(p + "pp", layout.pp(), 1);
+  }
+  const auto& el = s.encoder().layout();
+  const auto& ll = s.llm().layout();
+  if (el.cp() > 1) {
+    c.Fail("encoder.layout.cp", absl::StrCat("=", el.cp(),
+                                             ": the encoder has no context "
+                                             "parallelism (images are independent); expected 1"));
+  }
+  if (el.pp() > 1) {
+    c.Fail("encoder.layout.pp",
+           absl::StrCat("=", el.pp(), ": the encoder is not pipelined; expected 1"));
+  }
+  if (el.sequence_parallel()) {
+    c.Fail("encoder.layout.sequence_parallel", "is not supported for the encoder; expected false");
+  }
+
+  // encoder model
+  const auto& em = s.encoder().model();
+  bool enc_ok = true;
+  for (const auto& [name, value] :
+       std::vector<std::pair<std::string, int64_t>>{{"image_size", em.image_size()},
+                                                    {"patch", em.patch()},
+                                                    {"hidden", em.hidden()},
+                                                    {"layers", em.layers()},
+                                                    {"heads", em.heads()},
+                                                    {"mlp", em.mlp()},
+                                                    {"out_hidden", em.out_hidden()},
+                                                    {"channels", em.channels()}}) {
+    enc_ok &= c.AtLeast("encoder.model." + name, value, 1);
+  }
+  if (enc_ok) {
+    if (em.image_size() % em.patch() != 0) {
+      c.Fail("encoder.model.patch", absl::StrCat("=", em.patch(),
+                                                 " does not divide "
+                                                 "encoder.model.image_size=",
+                                                 em.image_size()));
+    }
+    if (em.hidden() % em.heads() != 0) {
+      c.Fail("encoder.model.heads",
+             absl::StrCat("=", em.heads(), " does not divide encoder.model.hidden=", em.hidden()));
+    }
+    if (layouts_ok) {
+      c.Divides("encoder.layout.tp", el.tp(), "encoder.model.heads", em.heads(),
+                "attention is split by heads");
+      c.Divides("encoder.layout.tp", el.tp(), "encoder.model.hidden", em.hidden());
+      c.Divides("encoder.layout.tp", el.tp(), "encoder.model.mlp", em.mlp());
+    }
+  }
+
+  // llm model
+  const auto& lm = s.llm().model();
+  bool llm_ok = true;
+  for (const auto& [name, value] :
+       std::vector<std::pair<std::string, int64_t>>{{"hidden", lm.hidden()},
+                                                    {"layers", lm.layers()},
+                                                    {"heads", lm.heads()},
+                                                    {"kv_heads", lm.kv_heads()},
+                                                    {"ffn", lm.ffn()},
+                                                    {"vocab", lm.vocab()},
+                                                    {"seq_len", lm.seq_len()}}) {
+    llm_ok &= c.AtLeast("llm.model." + name, value, 1);
+  }
+  if (lm.rope_theta() <= 0) c.Fail("llm.model.rope_theta", "must be > 0");
+  if (lm.norm_eps() <= 0) c.Fail("llm.model.norm_eps", "must be > 0");
+  if (llm_ok) {
+    if (lm.hidden() % lm.heads() != 0) {
+      c.Fail("llm.model.heads",
+             absl::StrCat("=", lm.heads(), " does not divide llm.model.hidden=", lm.hidden()));
+    } else if ((lm.hidden() / lm.heads()) % 2 != 0) {
+      c.Fail("llm.model.heads", absl::StrCat("gives an odd head size ", lm.hidden() / lm.heads(),
+                                             " (llm.model.hidden=", lm.hidden(),
+                                             "); rotary embeddings need an even head size"));
+    }
+    if (lm.heads() % lm.kv_heads() != 0) {
+      c.Fail("llm.model.kv_heads",
+             absl::StrCat("=", lm.kv_heads(), " does not divide llm.model.heads=", lm.heads(),
+                          " (grouped-query attention)"));
+    }
+    if (layouts_ok) {
+      c.Divides("llm.layout.tp", ll.tp(), "llm.model.heads", lm.heads(),
+                "attention is split by heads");
+      c.Divides("llm.layout.tp", ll.tp(), "llm.model.kv_heads", lm.kv_heads(),
+                "key/value heads are split too");
+      c.Divides("llm.layout.tp", ll.tp(), "llm.model.hidden", lm.hidden());
+      c.Divides("llm.layout.tp", ll.tp(), "llm.model.ffn", lm.ffn());
+      c.Divides("llm.layout.tp", ll.tp(), "llm.model.vocab", lm.vocab(),
+                "the embedding and output head are split by vocabulary");
+      if (ll.pp() > lm.layers()) {
+        c.Fail("llm.layout.pp", absl::StrCat("=", ll.pp(), " is more than llm.model.layers=",
+                                             lm.layers(), "; each stage needs a layer"));
+      }
+      if (ll.cp() > 1 && lm.seq_len() % (2 * ll.cp()) != 0) {
+        c.Fail("llm.model.seq_len",
+               absl::StrCat("=", lm.seq_len(), " is not a multiple of 2 x llm.layout.cp=",
+                            2 * ll.cp(), " (causal load-balanced sequence chunks)"));
+      }
+      const int64_t shards = ll.tp() * (ll.cp() > 1 ? 2 * ll.cp() : 1);
+      if (ll.sequence_parallel() && lm.seq_len() % shards != 0) {
+        c.Fail("llm.model.seq_len",
+               absl::StrCat("=", lm.seq_len(), " is not a multiple of ", shards,
+                            " (llm.layout.tp x sequence chunks) needed by sequence_parallel"));
+      }
+    }
+  }
+
+  // across modules
+  if (enc_ok && llm_ok) {
+    if (em.out_hidden() != lm.hidden()) {
+      c.Fail("encoder.model.out_hidden",
+             absl::StrCat("=", em.out_hidden(), " must equal llm.model.hidden=", lm.hidden(),
+                          " (the projector feeds image embeddings into the LLM)"));
+    }
+    const int64_t tokens = TokensPerImage(em);
+    if (em.image_size() % em.patch() == 0 && lm.seq_len() < tokens) {
+      c.Fail("llm.model.seq_len",
+             absl::StrCat("=", lm.seq_len(), " is too short for one image's ", tokens,
+                          " tokens (encoder.model.image_size=", em.image_size(),
+                          " / patch=", em.patch(), " gives ", em.image_size() / em.patch(), "x",
+                          em.image_size() / em.patch(), " patches)"));
+    }
+  }
+  if (batch_ok && micro_ok && layouts_ok) {
+    const int64_t per_wave = s.run().micro_batch() * ll.dp();
+    if (s.run().global_batch() % per_wave != 0) {
+      c.Fail("run.global_batch",
+             absl::StrCat("=", s.run().global_batch(), " is not divisible into run.micro_batch=",
+                          s.run().micro_batch(), " per LLM replica x llm.layout.dp=", ll.dp(),
+                          " (needs a multiple of ", per_wave, ")"));
+    }
+  }
+  if (s.placement() == hetpar::v1::PLACEMENT_UNSPECIFIED) c.Fail("placement", "is required");
+  if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED && layouts_ok) {
+    const int64_t encoder_world = el.dp() * el.tp();
+    const int64_t llm_world = ll.dp() * ll.tp() * ll.cp() * ll.pp();
+    if (encoder_world != llm_world) {
+      c.Fail("placement", absl::StrCat("colocated layouts must cover the same ranks: encoder "
+                                       "dp x tp = ",
+                                       encoder_world, ", llm dp x tp x cp x pp = ", llm_world));
+    }
+  }
+
+  // optimizers
+  for (const std::string module : {"encoder", "llm"}) {
+    const auto& o = module == "encoder" ? s.encoder().optimizer() : s.llm().optimizer();
+    const std::string p = module + ".optimizer.";
+    if (!(o.lr() > 0)) c.Fail(p + "lr", absl::StrCat("=", FormatDouble(o.lr()), " must be > 0"));
+    if (o.weight_decay() < 0) c.Fail(p + "weight_decay", "must be >= 0");
+    if (o.beta1() < 0 || o.beta1() >= 1) c.Fail(p + "beta1", "must be in [0, 1)");
+    if (o.beta2() < 0 || o.beta2() >= 1) c.Fail(p + "beta2", "must be in [0, 1)");
+    if (!(o.eps() > 0)) c.Fail(p + "eps", "must be > 0");
+    if (o.warmup_steps() < 0) c.Fail(p + "warmup_steps", "must be >= 0");
+  }
+
+  // data
+  if (s.data().image_token().empty()) c.Fail("data.image_token", "must not be empty");
+  const bool synth = s.data().synth().samples() > 0;
+  if (s.data().synth().samples() < 0) {
+    c.Fail("data.synth.samples",
+           absl::StrCat("=", s.data().synth().samples(), " must be >= 0 (0 turns generation off)"));
+  }
+  if (synth) c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
+  if (check_files) {
+    // A synthetic dataset is generated before a run, so its files may not exist yet.
+    if (!synth) {
+      c.FileExists("data.manifest", s.data().manifest(), true);
+      c.FileExists("data.tokenizer", s.data().tokenizer(), true);
+      c.FileExists("data.val_manifest", s.data().val_manifest(), false);
+    }
+    c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
+  } else if (!synth) {
+    if (s.data().manifest().empty()) c.Fail("data.manifest", "is required: expected a file path");
+    if (s.data().tokenizer().empty()) c.Fail("data.tokenizer", "is required: expected a file path");
+  }
+
+  // transport, checkpoint, coordinator
+  if (s.transport() == hetpar::v1::TRANSPORT_KIND_INPROC &&
+      s.placement() == hetpar::v1::PLACEMENT_NON_COLOCATED) {
+    c.Fail("transport",
+           "inproc needs placement: colocated (non-colocated modules run in "
+           "separate processes); expected ucx");
+  }
+  if (s.checkpoint().every() < 0) c.Fail("checkpoint.every", "must be >= 0");
+  if (s.coordinator().listen().empty()) c.Fail("coordinator.listen", "must not be empty");
+  if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
+    c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
+  }
+  if (!(s.coordinator().register_timeout_s() > 0)) {
+    c.Fail("coordinator.register_timeout_s", "must be > 0 seconds");
+  }
+  return issues;
+}
+
+namespace {
+
+// Defaults and validation over a parsed spec; all problems become one InvalidArgument.
+absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& options) {
+  ApplyDefaults(&loaded);
+  std::vector<ConfigIssue> issues = Validate(loaded, options.check_files);
+  if (issues.empty()) return loaded;
+  std::vector<std::string> lines;
+  for (const auto& issue : issues) lines.push_back(issue.ToString());
+  return absl::InvalidArgumentError(absl::StrJoin(lines, "\n"));
+}
+
+}  // namespace
+
+absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,
+                                                    std::string_view source_name,
+                                                    const LoadOptions& options) {
+  auto parsed = ParseRunSpecYaml(yaml_text, source_name, options.overrides);
+  if (!parsed.ok()) return parsed.status();
+  return Finish(std::move(parsed).value(), options);
+}
+
+absl::StatusOr<LoadedRunSpec> LoadRunSpecFile(const std::string& path, const LoadOptions& options) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  auto parsed = ParseRunSpecYaml(buffer.str(), path, options.overrides);
+  if (!parsed.ok()) return parsed.status();
+  LoadedRunSpec loaded = std::move(parsed).value();
+  std::error_code ec;
+  loaded.base_dir = fs::absolute(fs::path(path), ec).parent_path().string();
+  return Finish(std::move(loaded), options);
+}
+
+std::string RunSpecToYaml(const RunSpec& spec) {
+  YAML::Emitter out;
+  EmitMessage(out, spec);
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace hetpar::config

@@ -1,0 +1,97 @@
+// RunSpec configuration: YAML in, a validated and normalised hetpar.v1.RunSpec out.
+//
+// The schema is proto/hetpar/v1/run_spec.proto; this module maps YAML onto it by reflection, so
+// a field added to the proto is accepted in YAML, printed and round-tripped without code here.
+// Every problem is reported with the field path, the value, what was expected and where the
+// value came from (`configs/run.yaml:12`, or `--set llm.layout.tp=3`). All problems in a file are
+// reported at once, not just the first.
+//
+// Paths written in a config file are relative to that file's directory; paths from `--set` and
+// defaults are relative to the current directory. The normalised spec holds absolute paths.
+#ifndef HETPAR_COMMON_CONFIG_CONFIG_H_
+#define HETPAR_COMMON_CONFIG_CONFIG_H_
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::config {
+
+// Where each field of a loaded RunSpec was written: field path ("llm.layout.tp") -> location
+// ("configs/tiny.yaml:14" or "--set llm.layout.tp=4"). Fields absent from the input have none.
+class SourceMap {
+ public:
+  explicit SourceMap(std::string source_name = "") : source_name_(std::move(source_name)) {}
+
+  void Set(const std::string& path, std::string location) {
+    locations_[path] = std::move(location);
+  }
+  bool Has(const std::string& path) const { return locations_.count(path) > 0; }
+  // The location of `path`, else of its nearest written ancestor, else the source name.
+  std::string Where(std::string_view path) const;
+  const std::string& source_name() const { return source_name_; }
+
+ private:
+  std::string source_name_;
+  std::map<std::string, std::string> locations_;
+};
+
+struct LoadedRunSpec {
+  hetpar::v1::RunSpec spec;
+  SourceMap source;
+  std::string base_dir;  // directory that relative paths in the file are resolved against
+};
+
+// One problem found in a config.
+struct ConfigIssue {
+  std::string path;              // field path, e.g. "encoder.layout.tp"
+  std::string message;           // what is wrong and what was expected
+  std::string where;             // "file:line", "--set ...", or the file name
+  std::string ToString() const;  // "encoder.layout.tp: ... (configs/run.yaml:12)"
+};
+
+struct LoadOptions {
+  // `key.path=value` overrides applied on top of the file, as from `--set`.
+  std::vector<std::string> overrides;
+  // Check that input files (manifest, tokenizer, token file) exist.
+  bool check_files = true;
+};
+
+// Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
+// keys (with a "did you mean") and wrong types are returned together as InvalidArgument.
+absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
+                                               std::string_view source_name,
+                                               const std::vector<std::string>& overrides = {});
+
+// Fills every field the input left out with its documented default and resolves relative paths.
+void ApplyDefaults(LoadedRunSpec* loaded);
+
+// Semantic checks over a spec with defaults applied: sizes, divisibility, layouts, files.
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files = true);
+
+// Parse + defaults + validation of a YAML text. Errors are InvalidArgument, one issue per line.
+absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,
+                                                    std::string_view source_name,
+                                                    const LoadOptions& options = {});
+
+// The same for a file; a missing or unreadable file is NotFound naming the path.
+absl::StatusOr<LoadedRunSpec> LoadRunSpecFile(const std::string& path,
+                                              const LoadOptions& options = {});
+
+// The whole spec as YAML, every field written, in the proto's field order. Loading the result
+// gives back an equal RunSpec.
+std::string RunSpecToYaml(const hetpar::v1::RunSpec& spec);
+
+// Shortest decimal text that parses back to exactly `value`.
+std::string FormatDouble(double value);
+
+// Number of image tokens the encoder produces per image: (image_size / patch)^2.
+int64_t TokensPerImage(const hetpar::v1::EncoderModel& model);
+
+}  // namespace hetpar::config
+
+#endif  // HETPAR_COMMON_CONFIG_CONFIG_H_

@@ -1,0 +1,339 @@
+#include "common/config/config.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_replace.h"
+#include "gmock/gmock.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::config {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+// A valid spec; each test breaks one thing. Line numbers matter: tests assert them.
+constexpr char kValid[] = R"(run:
+  name: t
+  steps: 3
+  global_batch: 8
+  micro_batch: 2
+  dtype: float64
+placement: non_colocated
+encoder:
+  model:
+    image_size: 32
+    patch: 8
+    hidden: 64
+    layers: 2
+    heads: 4
+    mlp: 128
+    out_hidden: 64
+  layout: {dp: 2, tp: 2}
+llm:
+  model:
+    hidden: 64
+    layers: 2
+    heads: 4
+    kv_heads: 2
+    ffn: 128
+    vocab: 256
+    seq_len: 64
+  layout: {dp: 2, tp: 2}
+data:
+  manifest: train.jsonl
+  tokenizer: tok.model
+)";
+
+// Line (1-based) of the first line of kValid containing `needle`.
+int LineOf(const std::string& text, const std::string& needle) {
+  size_t pos = text.find(needle);
+  EXPECT_NE(pos, std::string::npos) << needle;
+  return 1 + static_cast<int>(std::count(text.begin(), text.begin() + pos, '\n'));
+}
+
+absl::StatusOr<LoadedRunSpec> Load(const std::string& text,
+                                   std::vector<std::string> overrides = {}) {
+  LoadOptions options;
+  options.overrides = std::move(overrides);
+  options.check_files = false;
+  return LoadRunSpecFromString(text, "run.yaml", options);
+}
+
+std::string Replace(const std::string& from, const std::string& to) {
+  std::string text = kValid;
+  EXPECT_NE(text.find(from), std::string::npos) << from;
+  return absl::StrReplaceAll(text, {{from, to}});
+}
+
+// The load fails, and its message names `field` at `run.yaml:line` and contains `detail`.
+void ExpectIssue(const absl::StatusOr<LoadedRunSpec>& result, const std::string& field, int line,
+                 const std::string& detail) {
+  ASSERT_FALSE(result.ok()) << "expected an error about " << field;
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(result.status().message());
+  EXPECT_THAT(message, HasSubstr(field + ":"));
+  if (line > 0) {
+    EXPECT_THAT(message, HasSubstr("run.yaml:" + std::to_string(line) + ")"));
+  }
+  EXPECT_THAT(message, HasSubstr(detail));
+}
+
+TEST(ConfigTest, ValidSpecLoadsWithDefaults) {
+  auto loaded = Load(kValid);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const auto& s = loaded->spec;
+  EXPECT_EQ(s.run().global_batch(), 8);
+  EXPECT_EQ(s.run().dtype(), hetpar::v1::DTYPE_FLOAT64);
+  EXPECT_EQ(s.run().seed(), 1234);       // default
+  EXPECT_EQ(s.run().max_inflight(), 2);  // default
+  EXPECT_EQ(s.llm().layout().cp(), 1);   // default
+  EXPECT_EQ(s.llm().model().kv_heads(), 2);
+  EXPECT_EQ(s.transport(), hetpar::v1::TRANSPORT_KIND_UCX);
+  EXPECT_DOUBLE_EQ(s.encoder().optimizer().lr(), 1e-3);
+  EXPECT_EQ(s.data().image_token(), "<image>");
+  EXPECT_TRUE(fs::path(s.data().manifest()).is_absolute());
+  EXPECT_EQ(s.data().index(), s.data().manifest() + ".index");
+  EXPECT_EQ(loaded->source.Where("llm.layout.tp"), "run.yaml:27");
+}
+
+TEST(ConfigTest, KvHeadsDefaultsToHeads) {
+  auto loaded = Load(Replace("    kv_heads: 2\n", ""));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->spec.llm().model().kv_heads(), 4);
+}
+
+TEST(ConfigTest, RoundTripYamlSpecYamlSpec) {
+  auto first = Load(kValid);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const std::string yaml = RunSpecToYaml(first->spec);
+  auto second = Load(yaml);
+  ASSERT_TRUE(second.ok()) << second.status() << "\n" << yaml;
+  EXPECT_TRUE(google::protobuf::util::MessageDifferencer::Equals(first->spec, second->spec))
+      << first->spec.DebugString() << "\nvs\n"
+      << second->spec.DebugString();
+  EXPECT_EQ(RunSpecToYaml(second->spec), yaml);
+}
+
+TEST(ConfigTest, RoundTripKeepsDoublesExact) {
+  auto loaded = Load(kValid, {"llm.optimizer.lr=0.1", "encoder.optimizer.eps=1.2345678901234567e-9",
+                              "run.grad_clip=3"});
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto again = Load(RunSpecToYaml(loaded->spec));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->spec.llm().optimizer().lr(), 0.1);
+  EXPECT_EQ(again->spec.encoder().optimizer().eps(), 1.2345678901234567e-9);
+  EXPECT_EQ(again->spec.run().grad_clip(), 3.0);
+}
+
+TEST(ConfigTest, FormatDoubleIsShortestExact) {
+  EXPECT_EQ(FormatDouble(0.001), "0.001");
+  EXPECT_EQ(FormatDouble(1.0), "1.0");
+  EXPECT_EQ(FormatDouble(1e-8), "1e-08");
+  EXPECT_EQ(FormatDouble(10000), "10000.0");
+  EXPECT_EQ(std::stod(FormatDouble(0.1 + 0.2)), 0.1 + 0.2);
+}
+
+TEST(ConfigTest, UnknownKeySuggestsTheNearestName) {
+  const std::string text = Replace("    kv_heads: 2", "    kv_haeds: 2");
+  ExpectIssue(Load(text), "llm.model.kv_haeds", LineOf(text, "kv_haeds"),
+              "unknown key 'kv_haeds'; did you mean 'kv_heads'?");
+}
+
+TEST(ConfigTest, UnknownTopLevelKeyListsChoicesWhenNothingIsClose) {
+  const std::string text = std::string(kValid) + "zzzzzzzz: 1\n";
+  ExpectIssue(Load(text), "zzzzzzzz", LineOf(text, "zzzzzzzz"), "expected one of {run,");
+}
+
+TEST(ConfigTest, WrongTypeNamesTheExpectedType) {
+  const std::string text =
+      Replace("layers: 2\n    heads: 4\n    mlp", "layers: two\n    heads: 4\n    mlp");
+  ExpectIssue(Load(text), "encoder.model.layers", LineOf(text, "layers: two"),
+              "expected an integer, got 'two'");
+}
+
+TEST(ConfigTest, MappingWhereScalarExpected) {
+  const std::string text = Replace("  steps: 3", "  steps: {a: 1}");
+  ExpectIssue(Load(text), "run.steps", LineOf(text, "steps:"),
+              "expected an integer, got a mapping");
+}
+
+TEST(ConfigTest, BadEnumValueListsChoices) {
+  const std::string text = Replace("dtype: float64", "dtype: flaot64");
+  ExpectIssue(Load(text), "run.dtype", LineOf(text, "dtype:"),
+              "expected float32 | float64 | bfloat16 (did you mean 'float64'?)");
+}
+
+TEST(ConfigTest, ZeroSize) {
+  const std::string text =
+      Replace("  layout: {dp: 2, tp: 2}\nllm", "  layout: {dp: 0, tp: 2}\nllm");
+  ExpectIssue(Load(text), "encoder.layout.dp", LineOf(text, "{dp: 0"), "=0 must be >= 1");
+}
+
+TEST(ConfigTest, NegativeSize) {
+  const std::string text = Replace("    hidden: 64\n    layers: 2\n    heads: 4\n    kv",
+                                   "    hidden: -64\n    layers: 2\n    heads: 4\n    kv");
+  ExpectIssue(Load(text), "llm.model.hidden", LineOf(text, "-64"), "=-64 must be >= 1");
+}
+
+TEST(ConfigTest, MissingRequiredField) {
+  const std::string text = Replace("    vocab: 256\n", "");
+  ExpectIssue(Load(text), "llm.model.vocab",
+              LineOf(text, "  model:\n    hidden: 64\n    layers: 2\n    heads: 4\n    kv"),
+              "is required");
+}
+
+TEST(ConfigTest, TpMustDivideHeads) {
+  const std::string text =
+      Replace("  layout: {dp: 2, tp: 2}\nllm", "  layout: {dp: 2, tp: 3}\nllm");
+  ExpectIssue(Load(text), "encoder.layout.tp", LineOf(text, "tp: 3"),
+              "=3 does not divide encoder.model.heads=4");
+}
+
+TEST(ConfigTest, TpMustDivideHidden) {
+  const std::string text = Replace("    hidden: 64\n    layers: 2\n    heads: 4\n    mlp",
+                                   "    hidden: 68\n    layers: 2\n    heads: 4\n    mlp");
+  // heads 4 divides 68, tp 2 divides 68 too; make tp 4 via override to hit hidden.
+  auto result = Load(text, {"encoder.layout.tp=8"});
+  ExpectIssue(result, "encoder.layout.tp", 0, "=8 does not divide encoder.model.hidden=68");
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("--set encoder.layout.tp=8"));
+}
+
+TEST(ConfigTest, TpMustDivideFfn) {
+  const std::string text = Replace("    ffn: 128", "    ffn: 129");
+  ExpectIssue(Load(text), "llm.layout.tp", 0, "does not divide llm.model.ffn=129");
+  ExpectIssue(Load(text), "llm.layout.tp", LineOf(text, "  layout: {dp: 2, tp: 2}\ndata"), "");
+}
+
+TEST(ConfigTest, KvHeadsMustDivideHeads) {
+  const std::string text = Replace("    kv_heads: 2", "    kv_heads: 3");
+  ExpectIssue(Load(text), "llm.model.kv_heads", LineOf(text, "kv_heads: 3"),
+              "=3 does not divide llm.model.heads=4");
+}
+
+TEST(ConfigTest, GlobalBatchMustSplitIntoMicroBatchesPerReplica) {
+  const std::string text = Replace("  global_batch: 8", "  global_batch: 6");
+  ExpectIssue(Load(text), "run.global_batch", LineOf(text, "global_batch"),
+              "=6 is not divisible into run.micro_batch=2 per LLM replica x llm.layout.dp=2 "
+              "(needs a multiple of 4)");
+}
+
+TEST(ConfigTest, SeqLenTooShortForOneImage) {
+  const std::string text = Replace("    seq_len: 64", "    seq_len: 12");
+  ExpectIssue(Load(text), "llm.model.seq_len", LineOf(text, "seq_len"),
+              "=12 is too short for one image's 16 tokens");
+}
+
+TEST(ConfigTest, ColocatedLayoutsMustCoverTheSameRanks) {
+  const std::string text = Replace("placement: non_colocated", "placement: colocated");
+  auto result = Load(text, {"llm.layout.dp=1"});
+  ExpectIssue(result, "placement", LineOf(text, "placement"),
+              "encoder dp x tp = 4, llm dp x tp x cp x pp = 2");
+  EXPECT_TRUE(Load(text).ok());
+}
+
+TEST(ConfigTest, OutHiddenMustMatchLlmHidden) {
+  const std::string text = Replace("    out_hidden: 64", "    out_hidden: 32");
+  ExpectIssue(Load(text), "encoder.model.out_hidden", LineOf(text, "out_hidden"),
+              "=32 must equal llm.model.hidden=64");
+}
+
+TEST(ConfigTest, CpMustSplitTheSequence) {
+  auto result = Load(kValid, {"llm.layout.cp=3"});
+  ExpectIssue(result, "llm.model.seq_len", LineOf(kValid, "seq_len"),
+              "=64 is not a multiple of 2 x llm.layout.cp=6");
+}
+
+TEST(ConfigTest, EncoderHasNoPipeline) {
+  ExpectIssue(Load(kValid, {"encoder.layout.pp=2"}), "encoder.layout.pp", 0,
+              "the encoder is not pipelined");
+}
+
+TEST(ConfigTest, SeveralProblemsAreAllReported) {
+  std::string text = Replace("    kv_heads: 2", "    kv_heads: 3");
+  text = absl::StrReplaceAll(text, {{"  global_batch: 8", "  global_batch: 6"}});
+  auto result = Load(text);
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("llm.model.kv_heads"));
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("run.global_batch"));
+}
+
+TEST(ConfigTest, YamlSyntaxErrorNamesTheLine) {
+  auto result = Load("run:\n  steps: [1,\n");
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("invalid YAML"));
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("run.yaml:"));
+}
+
+TEST(ConfigTest, BadOverrideSyntax) {
+  auto result = Load(kValid, {"llm.layout.tp"});
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("expected KEY.PATH=VALUE"));
+}
+
+TEST(ConfigTest, OverrideUnknownKeyIsReported) {
+  auto result = Load(kValid, {"llm.layuot.tp=2"});
+  ExpectIssue(result, "llm.layuot", 0, "did you mean 'layout'?");
+}
+
+class ConfigFilesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("hetpar_config_test_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Write(const std::string& name, const std::string& text) {
+    std::ofstream(dir_ / name) << text;
+    return (dir_ / name).string();
+  }
+  fs::path dir_;
+};
+
+TEST_F(ConfigFilesTest, MissingFilesAreNamed) {
+  const std::string path = Write("run.yaml", kValid);
+  auto result = LoadRunSpecFile(path);
+  ASSERT_FALSE(result.ok());
+  const std::string message(result.status().message());
+  EXPECT_THAT(message, HasSubstr("data.manifest: file '" + (dir_ / "train.jsonl").string() +
+                                 "' does not exist (" + path + ":" +
+                                 std::to_string(LineOf(kValid, "manifest")) + ")"));
+  EXPECT_THAT(message, HasSubstr("data.tokenizer: file '"));
+}
+
+TEST_F(ConfigFilesTest, RelativePathsResolveAgainstTheConfigFile) {
+  Write("train.jsonl", "");
+  Write("tok.model", "");
+  auto result = LoadRunSpecFile(Write("run.yaml", kValid));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.data().manifest(), (dir_ / "train.jsonl").string());
+}
+
+TEST_F(ConfigFilesTest, SynthesisedDataMayBeAbsent) {
+  const std::string path = Write("run.yaml", std::string(kValid) + "  synth: {samples: 64}\n");
+  auto result = LoadRunSpecFile(path);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.data().synth().val_samples(), 8);
+}
+
+TEST_F(ConfigFilesTest, MissingConfigFileIsNotFound) {
+  auto result = LoadRunSpecFile((dir_ / "nope.yaml").string());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("nope.yaml"));
+}
+
+TEST_F(ConfigFilesTest, ExampleConfigsValidate) {
+  for (const char* name : {"tiny.yaml", "large-example.yaml"}) {
+    const std::string path = std::string(HETPAR_SOURCE_DIR) + "/configs/" + name;
+    auto result = LoadRunSpecFile(path);
+    EXPECT_TRUE(result.ok()) << name << ": " << result.status();
+  }
+}
+
+}  // namespace
+}  // namespace hetpar::config

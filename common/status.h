@@ -1,0 +1,43 @@
+// Status helpers shared by every hetpar component.
+//
+// Every fallible boundary returns absl::Status or absl::StatusOr<T>. These macros keep the
+// plumbing short; they never throw.
+#ifndef HETPAR_COMMON_STATUS_H_
+#define HETPAR_COMMON_STATUS_H_
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#define HETPAR_STATUS_CONCAT_INNER_(a, b) a##b
+#define HETPAR_STATUS_CONCAT_(a, b) HETPAR_STATUS_CONCAT_INNER_(a, b)
+
+// Returns from the enclosing function if `expr` (an absl::Status) is not OK.
+#define HETPAR_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::absl::Status hetpar_status_ = (expr);          \
+    if (!hetpar_status_.ok()) return hetpar_status_; \
+  } while (false)
+
+// `HETPAR_ASSIGN_OR_RETURN(auto x, MakeX());` declares x from an OK StatusOr, or returns its
+// status from the enclosing function.
+#define HETPAR_ASSIGN_OR_RETURN(lhs, expr) \
+  HETPAR_ASSIGN_OR_RETURN_IMPL_(HETPAR_STATUS_CONCAT_(hetpar_statusor_, __LINE__), lhs, expr)
+
+#define HETPAR_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                  \
+  if (!tmp.ok()) return std::move(tmp).status();      \
+  lhs = std::move(tmp).value()
+
+namespace hetpar {
+
+// Prefixes a status message with context, keeping its code: "loading checkpoint: <message>".
+inline absl::Status Annotate(const absl::Status& status, std::string_view context) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), std::string(context) + ": " + std::string(status.message()));
+}
+
+}  // namespace hetpar
+
+#endif  // HETPAR_COMMON_STATUS_H_

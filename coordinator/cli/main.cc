@@ -1,0 +1,27 @@
+// `hetpar`: the command line of a hetpar run (coordinator, planning, data, validation).
+#include <iostream>
+
+#include "CLI/CLI.hpp"
+#include "common/version.h"
+#include "coordinator/cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "hetpar: train multimodal LLMs with heterogeneous parallelism. The image encoder and the\n"
+      "LLM each run their own layout (TP/DP, and CP/PP for the LLM), on separate machines or\n"
+      "on the same ranks. Every run is described by one RunSpec YAML file (see configs/)."};
+  app.name("hetpar");
+  app.set_version_flag("--version",
+                       std::string("hetpar ") + HETPAR_VERSION + " (" + HETPAR_GIT_REVISION + ")");
+  app.require_subcommand(1);
+  int exit_code = hetpar::cli::kExitOk;
+  hetpar::cli::AddValidateCommand(app, &exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    // --help and --version are successes; any usage error is invalid input.
+    return code == 0 ? 0 : hetpar::cli::kExitInvalidInput;
+  }
+  return exit_code;
+}

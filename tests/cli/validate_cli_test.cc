@@ -1,0 +1,91 @@
+// `hetpar validate` as a user runs it: real process, exit codes, stdout and stderr.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunCommand;
+namespace fs = std::filesystem;
+
+const std::string kBin = HETPAR_BIN;
+const std::string kSource = HETPAR_SOURCE_DIR;
+
+TEST(CliValidateTest, Help) {
+  auto r = RunCommand({kBin, "--help"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0);
+  EXPECT_THAT(r->stdout_text, HasSubstr("validate"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("heterogeneous parallelism"));
+}
+
+TEST(CliValidateTest, Version) {
+  auto r = RunCommand({kBin, "--version"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0);
+  EXPECT_THAT(r->stdout_text, HasSubstr("hetpar 0."));
+}
+
+TEST(CliValidateTest, ExampleConfigsPrintTheirSpec) {
+  for (const char* name : {"tiny.yaml", "large-example.yaml"}) {
+    auto r = RunCommand({kBin, "validate", "--config", kSource + "/configs/" + name});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+    EXPECT_THAT(r->stdout_text, HasSubstr("global_batch:"));
+    EXPECT_THAT(r->stdout_text, HasSubstr("kv_heads:"));
+  }
+}
+
+TEST(CliValidateTest, OverridesApply) {
+  auto r = RunCommand(
+      {kBin, "validate", "--config", kSource + "/configs/tiny.yaml", "--set", "run.steps=77"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("steps: 77"));
+}
+
+TEST(CliValidateTest, BadConfigExitsTwoWithFieldAndLine) {
+  const fs::path path =
+      fs::temp_directory_path() / ("hetpar_cli_bad_" + std::to_string(::getpid()) + ".yaml");
+  {
+    std::ifstream in(kSource + "/configs/tiny.yaml");
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string yaml = text.str();
+    const std::string from = "    kv_heads: 2";
+    yaml.replace(yaml.find(from), from.size(), "    kv_heads: 3");
+    std::ofstream(path) << yaml;
+  }
+  auto r = RunCommand({kBin, "validate", "--config", path.string()});
+  fs::remove(path);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("llm.model.kv_heads: =3 does not divide llm.model.heads=4"));
+  EXPECT_THAT(r->stderr_text, HasSubstr(path.string() + ":"));
+  EXPECT_EQ(r->stdout_text, "");
+}
+
+TEST(CliValidateTest, MissingConfigExitsTwo) {
+  auto r = RunCommand({kBin, "validate", "--config", "/nonexistent/run.yaml"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, HasSubstr("cannot read config file '/nonexistent/run.yaml'"));
+}
+
+TEST(CliValidateTest, UsageErrorExitsTwo) {
+  auto r = RunCommand({kBin, "validate"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, HasSubstr("--config"));
+}
+
+}  // namespace
+}  // namespace hetpar

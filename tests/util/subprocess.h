@@ -1,0 +1,51 @@
+// Helpers for tests that start real processes: run a command to completion with a deadline and
+// capture its output, or start one in the background and end it by pid.
+#ifndef HETPAR_TESTS_UTIL_SUBPROCESS_H_
+#define HETPAR_TESTS_UTIL_SUBPROCESS_H_
+
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace hetpar::testing {
+
+struct CommandResult {
+  int exit_code = -1;  // exit status, or 128 + signal when killed
+  std::string stdout_text;
+  std::string stderr_text;
+};
+
+// Runs argv[0] with arguments, waits at most `timeout_s` (then kill -9, DeadlineExceeded).
+absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv,
+                                         double timeout_s = 60);
+
+// A child process started in the background; killed with SIGKILL on destruction if alive.
+class ChildProcess {
+ public:
+  static absl::StatusOr<ChildProcess> Start(const std::vector<std::string>& argv,
+                                            const std::string& log_path = "");
+  ChildProcess(ChildProcess&& other) noexcept;
+  ChildProcess& operator=(ChildProcess&& other) noexcept;
+  ChildProcess(const ChildProcess&) = delete;
+  ChildProcess& operator=(const ChildProcess&) = delete;
+  ~ChildProcess();
+
+  pid_t pid() const { return pid_; }
+  // Sends `signal`; returns false if the process is already gone.
+  bool Signal(int signal);
+  // Waits up to `timeout_s` for exit; returns the exit code (128 + signal when killed), or
+  // DeadlineExceeded.
+  absl::StatusOr<int> Wait(double timeout_s);
+
+ private:
+  explicit ChildProcess(pid_t pid) : pid_(pid) {}
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+}  // namespace hetpar::testing
+
+#endif  // HETPAR_TESTS_UTIL_SUBPROCESS_H_
