@@ -1,9 +1,19 @@
 // `hetpar`: the command line of a hetpar run (coordinator, planning, data, validation).
+#include <algorithm>
 #include <iostream>
 
 #include "CLI/CLI.hpp"
 #include "common/version.h"
 #include "coordinator/cli/commands.h"
+
+namespace hetpar::cli {
+
+std::vector<CommandEntry>& CommandRegistry() {
+  static std::vector<CommandEntry> registry;
+  return registry;
+}
+
+}  // namespace hetpar::cli
 
 int main(int argc, char** argv) {
   CLI::App app{
@@ -15,7 +25,10 @@ int main(int argc, char** argv) {
                        std::string("hetpar ") + HETPAR_VERSION + " (" + HETPAR_GIT_REVISION + ")");
   app.require_subcommand(1);
   int exit_code = hetpar::cli::kExitOk;
-  hetpar::cli::AddValidateCommand(app, &exit_code);
+  auto commands = hetpar::cli::CommandRegistry();
+  std::stable_sort(commands.begin(), commands.end(),
+                   [](const auto& a, const auto& b) { return a.order < b.order; });
+  for (const auto& command : commands) command.add(app, &exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -7,6 +7,7 @@
 #include "coordinator/cli/commands.h"
 
 namespace hetpar::cli {
+namespace {
 
 void AddValidateCommand(CLI::App& app, int* exit_code) {
   struct Options {
@@ -39,5 +40,9 @@ void AddValidateCommand(CLI::App& app, int* exit_code) {
     *exit_code = kExitOk;
   });
 }
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(10, AddValidateCommand);
 
 }  // namespace hetpar::cli
