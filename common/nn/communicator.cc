@@ -1,0 +1,278 @@
+#include "common/nn/communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/nn/torch_status.h"
+
+namespace hetpar::nn {
+namespace {
+
+std::chrono::milliseconds ToChrono(absl::Duration duration) {
+  return std::chrono::milliseconds(absl::ToInt64Milliseconds(duration));
+}
+
+c10d::ReduceOp ToC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Gloo has kernels for float, double, half and the integer types, not for bfloat16.
+bool NeedsUpcast(const at::Tensor& tensor, Backend backend) {
+  return backend == Backend::kGloo && tensor.scalar_type() == at::kBFloat16;
+}
+
+void Wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+          const char* what) {
+  if (!work->wait(timeout)) {
+    TORCH_CHECK(false, what, " did not complete within ", timeout.count(), " ms");
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> OpenFileStore(const std::string& path,
+                                                              int world_size) {
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("file store ", path, ": world_size=", world_size, ", expected >= 1"));
+  }
+  return RunTorchOr(absl::StrCat("opening file store ", path), [&] {
+    return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::FileStore>(path, world_size));
+  });
+}
+
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> OpenTcpStore(const std::string& host, int port,
+                                                             bool is_server, int world_size,
+                                                             absl::Duration timeout) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp store ", host, ":", port, ": port out of range 0..65535"));
+  }
+  if (!is_server && port == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp store ", host, ": a client needs the server's port, got 0"));
+  }
+  if (world_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("tcp store ", host, ":", port,
+                                                   ": world_size=", world_size, ", expected >= 1"));
+  }
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = is_server;
+  options.numWorkers = static_cast<std::size_t>(world_size);
+  options.waitWorkers = false;
+  options.timeout = ToChrono(timeout);
+  return RunTorchOr(
+      absl::StrCat("opening tcp store ", host, ":", port, is_server ? " (server)" : " (client)"),
+      [&] {
+        return c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::TCPStore>(host, options));
+      });
+}
+
+absl::StatusOr<int> TcpStorePort(const c10::intrusive_ptr<c10d::Store>& store) {
+  const auto* tcp = dynamic_cast<const c10d::TCPStore*>(store.get());
+  if (tcp == nullptr) return absl::InvalidArgumentError("store is not a TCP store");
+  return static_cast<int>(tcp->getPort());
+}
+
+c10::intrusive_ptr<c10d::Store> OpenHashStore() { return c10::make_intrusive<c10d::HashStore>(); }
+
+CommGroup::CommGroup(c10::intrusive_ptr<c10d::ProcessGroup> process_group, int rank, int size,
+                     Backend backend, std::chrono::milliseconds timeout)
+    : process_group_(std::move(process_group)),
+      rank_(rank),
+      size_(size),
+      backend_(backend),
+      timeout_(timeout) {}
+
+CommGroup::~CommGroup() = default;
+
+void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
+  if (size_ == 1) return;
+  TORCH_CHECK(tensor.is_contiguous(), "AllReduce needs a contiguous tensor");
+  const bool upcast = NeedsUpcast(tensor, backend_);
+  std::vector<at::Tensor> buffers{upcast ? tensor.to(at::kFloat) : tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = ToC10d(op);
+  options.timeout = timeout_;
+  Wait(process_group_->allreduce(buffers, options), timeout_, "all-reduce");
+  if (upcast) tensor.copy_(buffers[0]);
+}
+
+at::Tensor CommGroup::AllGatherRows(const at::Tensor& tensor) const {
+  if (size_ == 1) return tensor;
+  const bool upcast = NeedsUpcast(tensor, backend_);
+  at::Tensor input = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
+  std::vector<at::Tensor> inputs{input};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(input));
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  Wait(process_group_->allgather(outputs, inputs, options), timeout_, "all-gather");
+  at::Tensor gathered = at::cat(outputs[0], 0);
+  return upcast ? gathered.to(tensor.scalar_type()) : gathered;
+}
+
+at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
+  if (size_ == 1) return tensor;
+  TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
+              "ReduceScatterRows: ", tensor.dim() >= 1 ? tensor.size(0) : 0,
+              " rows do not split into ", size_, " equal parts");
+  const bool upcast = NeedsUpcast(tensor, backend_);
+  at::Tensor input = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
+  const int64_t rows = input.size(0) / size_;
+  std::vector<int64_t> shape = input.sizes().vec();
+  at::Tensor output;
+  if (backend_ == Backend::kNccl) {
+    shape[0] = rows;
+    output = at::empty(shape, input.options());
+    c10d::ReduceScatterOptions options;
+    options.timeout = timeout_;
+    Wait(process_group_->_reduce_scatter_base(output, input, options), timeout_, "reduce-scatter");
+  } else {
+    // Gloo in this libtorch has no reduce-scatter: exchange the row blocks all-to-all (block r of
+    // every rank lands on rank r) and sum them here, in rank order.
+    at::Tensor exchanged = at::empty_like(input);
+    std::vector<int64_t> equal_splits;
+    c10d::AllToAllOptions options;
+    options.timeout = timeout_;
+    Wait(process_group_->alltoall_base(exchanged, input, equal_splits, equal_splits, options),
+         timeout_, "reduce-scatter (all-to-all)");
+    shape[0] = rows;
+    shape.insert(shape.begin(), size_);
+    output = exchanged.view(shape).sum(0);
+  }
+  return upcast ? output.to(tensor.scalar_type()) : output;
+}
+
+void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
+  if (size_ == 1) return;
+  TORCH_CHECK(tensor.is_contiguous(), "Broadcast needs a contiguous tensor");
+  TORCH_CHECK(root >= 0 && root < size_, "Broadcast root ", root, " is not a rank of a group of ",
+              size_);
+  const bool upcast = NeedsUpcast(tensor, backend_);
+  std::vector<at::Tensor> buffers{upcast ? tensor.to(at::kFloat) : tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  options.timeout = timeout_;
+  Wait(process_group_->broadcast(buffers, options), timeout_, "broadcast");
+  if (upcast) tensor.copy_(buffers[0]);
+}
+
+void CommGroup::Barrier() const {
+  if (size_ == 1) return;
+  c10d::BarrierOptions options;
+  options.timeout = timeout_;
+  Wait(process_group_->barrier(options), timeout_, "barrier");
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
+    const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options) {
+  const std::string where = absl::StrCat("group '", options.prefix, "'");
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": rank=", options.rank,
+                                                   " size=", options.size,
+                                                   ", expected size >= 1 and 0 <= rank < size"));
+  }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": timeout=", absl::FormatDuration(options.timeout), ", expected > 0"));
+  }
+  if (options.size == 1) {
+    auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::ProcessGroup>(), 0, 1,
+                                                options.backend, ToChrono(options.timeout));
+    return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+  }
+  if (!store) return absl::InvalidArgumentError(absl::StrCat(where, ": no rendezvous store"));
+  if (options.prefix.empty()) {
+    return absl::InvalidArgumentError(
+        "a process group needs a non-empty store prefix (unique per group and generation)");
+  }
+  const auto timeout = ToChrono(options.timeout);
+  auto process_group =
+      RunTorchOr(absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
+                 [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::ProcessGroup>> {
+                   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
+                   prefixed->setTimeout(timeout);
+                   switch (options.backend) {
+                     case Backend::kGloo: {
+                       auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+                       gloo_options->devices.push_back(
+                           c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
+                       gloo_options->threads = 1;
+                       return c10::intrusive_ptr<c10d::ProcessGroup>(
+                           c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, options.rank,
+                                                                       options.size, gloo_options));
+                     }
+                     case Backend::kNccl: {
+#ifdef USE_C10D_NCCL
+                       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+                       nccl_options->timeout = timeout;
+                       return c10::intrusive_ptr<c10d::ProcessGroup>(
+                           c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, options.rank,
+                                                                       options.size, nccl_options));
+#else
+            return absl::UnimplementedError(
+                "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "
+                "use gloo or build against a CUDA libtorch");
+#endif
+                     }
+                   }
+                   return absl::InvalidArgumentError("unknown backend");
+                 });
+  if (!process_group.ok()) return process_group.status();
+  auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
+                                              options.backend, timeout);
+  return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+}
+
+std::unique_ptr<Communicator> Communicator::CreateSingle() {
+  auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::ProcessGroup>(), 0, 1,
+                                              Backend::kGloo, std::chrono::milliseconds(60000));
+  return std::unique_ptr<Communicator>(new Communicator(std::move(group), ""));
+}
+
+absl::Status Communicator::AllReduce(at::Tensor& tensor, ReduceOp op) {
+  return RunTorch(absl::StrCat("all-reduce in group '", prefix_, "'"),
+                  [&] { group_->AllReduce(tensor, op); });
+}
+
+absl::StatusOr<at::Tensor> Communicator::AllGatherRows(const at::Tensor& tensor) {
+  return RunTorchOr(absl::StrCat("all-gather in group '", prefix_, "'"),
+                    [&] { return group_->AllGatherRows(tensor); });
+}
+
+absl::StatusOr<at::Tensor> Communicator::ReduceScatterRows(const at::Tensor& tensor) {
+  return RunTorchOr(absl::StrCat("reduce-scatter in group '", prefix_, "'"),
+                    [&] { return group_->ReduceScatterRows(tensor); });
+}
+
+absl::Status Communicator::Broadcast(at::Tensor& tensor, int root) {
+  return RunTorch(absl::StrCat("broadcast in group '", prefix_, "'"),
+                  [&] { group_->Broadcast(tensor, root); });
+}
+
+absl::Status Communicator::Barrier() {
+  return RunTorch(absl::StrCat("barrier in group '", prefix_, "'"), [&] { group_->Barrier(); });
+}
+
+}  // namespace hetpar::nn

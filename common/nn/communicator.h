@@ -1,0 +1,147 @@
+// Process groups for a module's tensor-parallel (and data-parallel) ranks.
+//
+// A Communicator is one c10d process group, created from a rendezvous store and a key prefix: all
+// ranks that call Create with the same store, prefix and size form one group. Several groups
+// (TP, DP; a new one per membership generation) share one store by using different prefixes.
+//
+//   HETPAR_ASSIGN_OR_RETURN(auto store, nn::OpenTcpStore("10.0.0.1", 29500, rank == 0, world, t));
+//   nn::CommunicatorOptions options;
+//   options.prefix = "gen3/llm/replica0/tp";
+//   options.rank = tp_rank;
+//   options.size = tp_size;
+//   HETPAR_ASSIGN_OR_RETURN(auto tp, nn::Communicator::Create(store, options));
+//
+// Backends: Gloo on CPU tensors; NCCL on CUDA tensors when libtorch is built with NCCL (the
+// USE_C10D_NCCL definition libtorch exports), else Create(kNccl) is Unimplemented. A group of
+// size 1 needs no store (CreateSingle) and all its collectives are the identity.
+//
+// Tensors of any floating dtype are accepted; Gloo has no bfloat16 kernels, so bfloat16 tensors
+// are reduced in float32 and rounded back once (sums are then at least as accurate as in
+// bfloat16).
+//
+// Every collective waits at most `timeout`; a rank that does not arrive, or a peer whose
+// connection drops, fails the call (DeadlineExceeded / Unavailable) instead of hanging.
+//
+// Threading: one group's collectives must be called in the same order on every rank, from one
+// thread at a time (c10d's rule). The Communicator owns the group; CommGroup references held by
+// autograd graphs keep the group alive until those graphs are gone.
+#ifndef HETPAR_COMMON_NN_COMMUNICATOR_H_
+#define HETPAR_COMMON_NN_COMMUNICATOR_H_
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace hetpar::nn {
+
+enum class Backend { kGloo, kNccl };
+
+enum class ReduceOp { kSum, kMax };
+
+// A rendezvous store for tests and single-machine runs: a file every rank can open.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> OpenFileStore(const std::string& path,
+                                                              int world_size);
+
+// A c10d TCP store: rank 0 passes is_server=true and listens on `port` (0 picks a free port; read
+// it back with TcpStorePort); the others connect to host:port. Waits at most `timeout` for the
+// server and for `world_size` clients.
+absl::StatusOr<c10::intrusive_ptr<c10d::Store>> OpenTcpStore(const std::string& host, int port,
+                                                             bool is_server, int world_size,
+                                                             absl::Duration timeout);
+
+// The port a TCP store from OpenTcpStore listens on (InvalidArgument for other stores).
+absl::StatusOr<int> TcpStorePort(const c10::intrusive_ptr<c10d::Store>& store);
+
+// An in-memory store for groups whose ranks are threads of one process.
+c10::intrusive_ptr<c10d::Store> OpenHashStore();
+
+struct CommunicatorOptions {
+  std::string prefix;  // keys of this group in the store; unique per group and generation
+  int rank = 0;
+  int size = 1;
+  Backend backend = Backend::kGloo;
+  // Deadline of the rendezvous and of every collective.
+  absl::Duration timeout = absl::Seconds(60);
+  // Address Gloo binds and advertises to peers.
+  std::string hostname = "127.0.0.1";
+};
+
+// The shared state of a group, reference-counted so that autograd nodes can hold it. Its methods
+// throw c10::Error (or Gloo's exceptions) like the rest of libtorch: they are called inside
+// forward and backward passes; Communicator wraps them for Status-returning callers.
+class CommGroup : public torch::CustomClassHolder {
+ public:
+  CommGroup(c10::intrusive_ptr<c10d::ProcessGroup> process_group, int rank, int size,
+            Backend backend, std::chrono::milliseconds timeout);
+  ~CommGroup() override;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // In place; every rank ends with the same values.
+  void AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum) const;
+  // Concatenation along dim 0 of every rank's `tensor` (equal shapes), in rank order.
+  at::Tensor AllGatherRows(const at::Tensor& tensor) const;
+  // `tensor` has size() * m rows; returns rows [rank * m, (rank + 1) * m) summed over ranks.
+  at::Tensor ReduceScatterRows(const at::Tensor& tensor) const;
+  // In place; every rank ends with root's values.
+  void Broadcast(at::Tensor& tensor, int root) const;
+  void Barrier() const;
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null when size_ == 1
+  int rank_;
+  int size_;
+  Backend backend_;
+  std::chrono::milliseconds timeout_;
+};
+
+using CommGroupPtr = c10::intrusive_ptr<CommGroup>;
+
+// Owner of one process group. Non-copyable; the factory fails with the reason when the
+// rendezvous or the backend cannot be set up.
+class Communicator {
+ public:
+  static absl::StatusOr<std::unique_ptr<Communicator>> Create(
+      const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options);
+  // A group of one rank: no store, no process group; every collective is the identity.
+  static std::unique_ptr<Communicator> CreateSingle();
+
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return group_->rank(); }
+  int size() const { return group_->size(); }
+  const std::string& prefix() const { return prefix_; }
+  const CommGroupPtr& group() const { return group_; }
+
+  absl::Status AllReduce(at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  absl::StatusOr<at::Tensor> AllGatherRows(const at::Tensor& tensor);
+  absl::StatusOr<at::Tensor> ReduceScatterRows(const at::Tensor& tensor);
+  absl::Status Broadcast(at::Tensor& tensor, int root);
+  absl::Status Barrier();
+
+ private:
+  Communicator(CommGroupPtr group, std::string prefix)
+      : group_(std::move(group)), prefix_(std::move(prefix)) {}
+
+  CommGroupPtr group_;
+  std::string prefix_;
+};
+
+}  // namespace hetpar::nn
+
+#endif  // HETPAR_COMMON_NN_COMMUNICATOR_H_
