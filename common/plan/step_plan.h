@@ -1,0 +1,159 @@
+// The step plan: everything the workers of one step need, built from the global batch by pure
+// functions, and each rank's part of it.
+//
+//   auto options = StepPlanOptionsFromRunSpec(spec, step, generation);
+//   auto plan = BuildStepPlan(placement, samples, *options);   // the coordinator, once per step
+//   auto mine = ExtractRankPlan(*plan, rank);                  // what one worker receives
+//
+// N_global (n_global) is the number of loss tokens in the global batch: each LLM microbatch
+// contributes sum(token losses) / N_global, so gradients do not depend on DP sizes or waves.
+#ifndef HETPAR_COMMON_PLAN_STEP_PLAN_H_
+#define HETPAR_COMMON_PLAN_STEP_PLAN_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/plan/boundary_plan.h"
+#include "common/plan/cost_model.h"
+#include "common/plan/layout.h"
+#include "common/plan/message_header.h"
+#include "common/plan/sample.h"
+#include "common/plan/schedule.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::plan {
+
+struct StepPlanOptions {
+  int64_t step = 0;
+  int64_t generation = 0;
+  uint64_t seed = 0;
+  int64_t waves = 1;        // M = global_batch / (micro_batch * llm dp)
+  int64_t micro_batch = 1;  // samples per LLM replica per wave
+  int64_t seq_len = 0;      // llm.model.seq_len
+  int64_t row_bytes = 0;    // llm.model.hidden x dtype size
+  CostModel encoder_cost;   // per image
+  CostModel llm_cost;       // per sample
+};
+
+// Bytes per element: float32 4, float64 8, bfloat16 2; 0 for an unspecified dtype.
+int64_t DtypeBytes(hetpar::v1::Dtype dtype);
+
+// Options from a RunSpec with defaults applied: seed = run.seed, waves = run.global_batch /
+// (run.micro_batch x llm.layout.dp), seq_len = llm.model.seq_len, row_bytes = llm.model.hidden
+// x dtype size, cost models from both models. InvalidArgument when the batch does not divide.
+absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
+                                                           int64_t step, int64_t generation);
+
+struct StepPlan {
+  int64_t step = 0;
+  int64_t generation = 0;
+  Placement placement;
+  StepPlanOptions options;
+  std::vector<SampleDescriptor> samples;  // the global batch; positions are batch indices
+  int64_t n_global = 0;                   // loss tokens in the global batch
+  LlmAssignment llm;
+  EncoderAssignment encoder;
+  BoundaryPlan boundary;
+};
+
+// Validates the batch (every sample fits seq_len, unique ids, batch size = waves x micro_batch x
+// llm dp) and builds the assignments and the boundary plan.
+absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
+                                       std::vector<SampleDescriptor> samples,
+                                       const StepPlanOptions& options);
+
+// One rank's part of a step plan: copies, so it can be shipped on its own. Transfers and jobs
+// refer to samples by batch index; `samples` holds the descriptors of exactly the samples they
+// mention (Sample() finds one).
+struct RankStepPlan {
+  int64_t rank = 0;
+  int64_t step = 0;
+  int64_t generation = 0;
+  int64_t waves = 0;
+  int64_t n_global = 0;
+  int64_t seq_len = 0;
+  int64_t row_bytes = 0;
+
+  bool encoder_role = false;
+  RankCoords encoder_coords;
+  std::vector<EncoderJob> encoder_jobs;     // its replica's non-empty jobs, by wave
+  std::vector<Transfer> forward_sends;      // by (wave, dst_rank)
+  std::vector<Transfer> backward_receives;  // by (wave, src_rank)
+  std::vector<ShareStep> encoder_shares;    // gradient share steps of its TP group, by wave
+
+  bool llm_role = false;
+  RankCoords llm_coords;
+  std::vector<LlmMicrobatch> microbatches;  // its replica's, one per wave
+  std::vector<int64_t> image_rows;          // per wave: rows of its image-row buffer
+  std::vector<Transfer> forward_receives;   // by (wave, src_rank)
+  std::vector<Transfer> backward_sends;     // by (wave, dst_rank)
+  std::vector<ShareStep> llm_shares;        // image-row share steps of its TP group, by wave
+
+  std::vector<int64_t> sample_indices;    // increasing batch indices
+  std::vector<SampleDescriptor> samples;  // parallel to sample_indices
+
+  // The descriptor of batch index `batch_index`, or nullptr when this part does not mention it.
+  const SampleDescriptor* Sample(int64_t batch_index) const;
+};
+
+// InvalidArgument when the rank is outside the world.
+absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank);
+
+// The header of `transfer` travelling in `direction` (forward transfers from plan.boundary
+// .forward, backward ones from .backward).
+MessageHeader HeaderFor(const StepPlan& plan, Direction direction, const Transfer& transfer);
+MessageHeader HeaderFor(const RankStepPlan& plan, Direction direction, const Transfer& transfer);
+
+// Checks a header received by `plan.rank`: the rank must expect a message in that direction
+// from header.src_rank in header.wave, and the header must equal the one its plan gives.
+absl::Status CheckReceivedHeader(const RankStepPlan& plan, const MessageHeader& header);
+
+// Load of one world rank in a step. Boundary bytes count the forward direction; backward moves
+// the same bytes the other way.
+struct RankLoad {
+  int64_t rank = 0;
+  bool encoder_role = false;
+  bool llm_role = false;
+  double encoder_cost = 0;     // encoder cost model on this rank: replica cost / encoder tp
+  int64_t images = 0;          // images its encoder replica encodes in the step
+  int64_t llm_tokens = 0;      // tokens its LLM replica trains in the step
+  double llm_cost = 0;         // LLM cost model of its replica's samples
+  int64_t bytes_sent = 0;      // forward boundary bytes it sends
+  int64_t bytes_received = 0;  // forward boundary bytes it receives
+  int64_t messages_sent = 0;
+  int64_t messages_received = 0;
+  int64_t share_bytes_sent = 0;  // bytes it sends in share steps (LLM forward, encoder backward)
+};
+
+// Traffic between two ranks, summed over the step's waves (forward direction).
+struct Link {
+  int64_t src_rank = 0;
+  int64_t dst_rank = 0;
+  int64_t bytes = 0;
+  int64_t messages = 0;
+};
+
+struct PlanStats {
+  std::vector<RankLoad> ranks;  // one per world rank
+  std::vector<Link> links;      // sorted by (src_rank, dst_rank)
+  int64_t images = 0;
+  int64_t image_rows = 0;
+  int64_t boundary_bytes = 0;  // forward; backward is the same
+  int64_t messages = 0;        // forward transfers; backward has as many
+  int64_t pieces = 0;
+  int64_t share_steps = 0;
+  double llm_imbalance = 1;                 // max / mean LLM cost over replicas
+  double encoder_step_imbalance = 1;        // max / mean encoder cost over replicas, whole step
+  double encoder_worst_wave_imbalance = 1;  // worst wave's max / mean over encoder replicas
+  double encoder_mean_wave_imbalance = 1;
+  double send_imbalance = 1;     // max / mean forward bytes sent over encoder ranks
+  double receive_imbalance = 1;  // max / mean forward bytes received over first-stage LLM ranks
+};
+
+PlanStats ComputePlanStats(const StepPlan& plan);
+
+}  // namespace hetpar::plan
+
+#endif  // HETPAR_COMMON_PLAN_STEP_PLAN_H_

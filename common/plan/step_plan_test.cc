@@ -1,0 +1,364 @@
+#include "common/plan/step_plan.h"
+
+#include <map>
+#include <set>
+
+#include "common/plan/synthetic_batch.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::plan {
+namespace {
+
+using ::testing::HasSubstr;
+
+hetpar::v1::RunSpec TinySpec() {
+  hetpar::v1::RunSpec spec;
+  spec.set_placement(hetpar::v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  spec.mutable_run()->set_seed(1234);
+  spec.mutable_run()->set_dtype(hetpar::v1::DTYPE_FLOAT32);
+  auto* em = spec.mutable_encoder()->mutable_model();
+  em->set_image_size(32);
+  em->set_patch(8);
+  em->set_hidden(64);
+  em->set_layers(2);
+  em->set_heads(4);
+  em->set_mlp(128);
+  em->set_out_hidden(64);
+  auto* el = spec.mutable_encoder()->mutable_layout();
+  el->set_dp(2);
+  el->set_tp(2);
+  el->set_cp(1);
+  el->set_pp(1);
+  auto* lm = spec.mutable_llm()->mutable_model();
+  lm->set_hidden(64);
+  lm->set_layers(2);
+  lm->set_heads(4);
+  lm->set_kv_heads(2);
+  lm->set_ffn(128);
+  lm->set_vocab(256);
+  lm->set_seq_len(128);
+  auto* ll = spec.mutable_llm()->mutable_layout();
+  ll->set_dp(2);
+  ll->set_tp(2);
+  ll->set_cp(2);
+  ll->set_pp(2);
+  return spec;
+}
+
+StepPlan TinyPlan(const hetpar::v1::RunSpec& spec, int64_t step, int64_t generation = 0) {
+  auto placement = PlacementFromRunSpec(spec);
+  EXPECT_TRUE(placement.ok()) << placement.status();
+  auto options = StepPlanOptionsFromRunSpec(spec, step, generation);
+  EXPECT_TRUE(options.ok()) << options.status();
+  SyntheticBatchOptions batch;
+  batch.samples = spec.run().global_batch();
+  batch.first_id = step * batch.samples;
+  batch.min_images = 0;
+  batch.max_images = 3;
+  batch.tokens_per_image = 16;
+  batch.seq_len = 128;
+  batch.min_text_tokens = 8;
+  batch.max_text_tokens = 60;
+  auto samples = SyntheticBatch(batch);
+  EXPECT_TRUE(samples.ok()) << samples.status();
+  auto plan = BuildStepPlan(*placement, *samples, *options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return *plan;
+}
+
+TEST(StepPlanTest, OptionsFromRunSpec) {
+  auto options = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2);
+  ASSERT_TRUE(options.ok()) << options.status();
+  EXPECT_EQ(options->waves, 2);  // 8 / (2 x dp 2)
+  EXPECT_EQ(options->micro_batch, 2);
+  EXPECT_EQ(options->seq_len, 128);
+  EXPECT_EQ(options->row_bytes, 256);  // 64 x float32
+  EXPECT_EQ(options->seed, 1234u);
+  EXPECT_EQ(options->step, 5);
+  EXPECT_EQ(options->generation, 2);
+  // Encoder: 2 layers x 2 x (4 x 64^2 + 2 x 64 x 128) + 2 x 64 x 64 per token; 2 x 4 x 64 per
+  // token pair.
+  EXPECT_DOUBLE_EQ(options->encoder_cost.per_token, 2 * 2.0 * (4 * 4096 + 2 * 64 * 128) + 8192);
+  EXPECT_DOUBLE_EQ(options->encoder_cost.per_token_squared, 2 * 4.0 * 64);
+  EXPECT_DOUBLE_EQ(options->llm_cost.per_token_squared, 2 * 2.0 * 64);
+
+  auto bad = TinySpec();
+  bad.mutable_run()->set_global_batch(6);
+  auto r = StepPlanOptionsFromRunSpec(bad, 0, 0);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("run.global_batch=6"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("multiple of 4"));
+}
+
+TEST(StepPlanTest, NGlobalIsTheBatchLossTokens) {
+  const StepPlan plan = TinyPlan(TinySpec(), 0);
+  int64_t loss = 0;
+  for (const SampleDescriptor& s : plan.samples) loss += s.loss_tokens;
+  EXPECT_EQ(plan.n_global, loss);
+  EXPECT_GT(plan.n_global, 0);
+  int64_t from_microbatches = 0;
+  for (const LlmMicrobatch& mb : plan.llm.microbatches) from_microbatches += mb.loss_tokens;
+  EXPECT_EQ(from_microbatches, loss);
+}
+
+// The parts of all ranks together are the whole plan, and every message each rank sends
+// passes the receiver's header check after encoding.
+void CheckRankPlans(const StepPlan& plan) {
+  std::map<int64_t, RankStepPlan> parts;
+  for (int64_t r = 0; r < plan.placement.world_size; ++r) {
+    auto part = ExtractRankPlan(plan, r);
+    ASSERT_TRUE(part.ok()) << part.status();
+    parts.emplace(r, std::move(*part));
+  }
+  size_t sends = 0, receives = 0, backward_sends = 0, backward_receives = 0;
+  for (const auto& [rank, part] : parts) {
+    EXPECT_EQ(part.n_global, plan.n_global);
+    EXPECT_EQ(part.encoder_role, plan.placement.encoder.Contains(rank));
+    EXPECT_EQ(part.llm_role, plan.placement.llm.Contains(rank));
+    sends += part.forward_sends.size();
+    receives += part.forward_receives.size();
+    backward_sends += part.backward_sends.size();
+    backward_receives += part.backward_receives.size();
+    if (part.llm_role) {
+      ASSERT_EQ(static_cast<int64_t>(part.microbatches.size()), plan.llm.waves);
+      for (int64_t m = 0; m < plan.llm.waves; ++m) {
+        EXPECT_EQ(part.image_rows[m], plan.boundary.LlmBufferRows(rank, m));
+        EXPECT_TRUE(part.microbatches[m] == plan.llm.At(part.llm_coords.dp, m));
+      }
+    }
+    // Every sample the part mentions has its descriptor, equal to the plan's.
+    auto check_sample = [&](int64_t s) {
+      const SampleDescriptor* d = part.Sample(s);
+      ASSERT_NE(d, nullptr) << "rank " << rank << " sample " << s;
+      EXPECT_TRUE(*d == plan.samples[s]);
+    };
+    for (const EncoderJob& job : part.encoder_jobs) {
+      EXPECT_EQ(job.replica, part.encoder_coords.dp);
+      for (const ImageRef& ref : job.images) check_sample(ref.sample);
+    }
+    for (const auto* list : {&part.forward_sends, &part.forward_receives, &part.backward_sends,
+                             &part.backward_receives}) {
+      for (const Transfer& t : *list) {
+        for (const BlockPiece& p : t.pieces) check_sample(p.sample);
+      }
+    }
+    EXPECT_EQ(part.Sample(static_cast<int64_t>(plan.samples.size())), nullptr);
+    // Headers: every send is accepted by its receiver, bit for bit.
+    for (const Transfer& t : part.forward_sends) {
+      EXPECT_EQ(t.src_rank, rank);
+      const MessageHeader sent = HeaderFor(part, Direction::kForward, t);
+      EXPECT_TRUE(sent == HeaderFor(plan, Direction::kForward, t));
+      auto decoded = DecodeHeader(EncodeHeader(sent));
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      EXPECT_TRUE(CheckReceivedHeader(parts.at(t.dst_rank), *decoded).ok());
+      EXPECT_EQ(decoded->payload_rows(), t.rows);
+    }
+    for (const Transfer& t : part.backward_sends) {
+      EXPECT_EQ(t.src_rank, rank);
+      auto decoded = DecodeHeader(EncodeHeader(HeaderFor(part, Direction::kBackward, t)));
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      absl::Status s = CheckReceivedHeader(parts.at(t.dst_rank), *decoded);
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  }
+  EXPECT_EQ(sends, plan.boundary.forward.size());
+  EXPECT_EQ(receives, plan.boundary.forward.size());
+  EXPECT_EQ(backward_sends, plan.boundary.backward.size());
+  EXPECT_EQ(backward_receives, plan.boundary.backward.size());
+}
+
+TEST(StepPlanTest, RankPlansPartitionThePlanAndHeadersCheckOut) {
+  for (int64_t step = 0; step < 4; ++step) {
+    CheckRankPlans(TinyPlan(TinySpec(), step, step % 2));
+  }
+  auto sp = TinySpec();
+  sp.mutable_llm()->mutable_layout()->set_sequence_parallel(true);
+  CheckRankPlans(TinyPlan(sp, 1));
+}
+
+TEST(StepPlanTest, ColocatedRanksHaveBothParts) {
+  auto spec = TinySpec();
+  spec.set_placement(hetpar::v1::PLACEMENT_COLOCATED);
+  spec.mutable_encoder()->mutable_layout()->set_dp(8);  // 8 x 2 = 16 = 2 x 2 x 2 x 2
+  const StepPlan plan = TinyPlan(spec, 0);
+  EXPECT_EQ(plan.placement.world_size, 16);
+  CheckRankPlans(plan);
+  auto part = ExtractRankPlan(plan, 3);
+  ASSERT_TRUE(part.ok());
+  EXPECT_TRUE(part->encoder_role);
+  EXPECT_TRUE(part->llm_role);
+}
+
+TEST(StepPlanTest, ReceiverRejectsForeignHeaders) {
+  const StepPlan plan = TinyPlan(TinySpec(), 2, 1);
+  ASSERT_FALSE(plan.boundary.forward.empty());
+  const Transfer& t = plan.boundary.forward.front();
+  auto receiver = ExtractRankPlan(plan, t.dst_rank);
+  ASSERT_TRUE(receiver.ok());
+  const MessageHeader good = HeaderFor(plan, Direction::kForward, t);
+  ASSERT_TRUE(CheckReceivedHeader(*receiver, good).ok());
+
+  MessageHeader stale = good;
+  stale.generation = 0;
+  absl::Status s = CheckReceivedHeader(*receiver, stale);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()),
+              HasSubstr("generation is 0 in the header but 1 in the plan"));
+
+  MessageHeader shifted = good;
+  shifted.blocks[0].offset += 1;
+  s = CheckReceivedHeader(*receiver, shifted);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("block 0 is sample"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("in the plan"));
+
+  MessageHeader stranger = good;
+  stranger.src_rank = plan.placement.world_size - 1;  // an LLM rank never sends forward
+  s = CheckReceivedHeader(*receiver, stranger);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("expects no forward message from rank " +
+                                                  std::to_string(plan.placement.world_size - 1)));
+
+  MessageHeader backward = good;
+  backward.direction = Direction::kBackward;
+  EXPECT_FALSE(CheckReceivedHeader(*receiver, backward).ok());
+}
+
+TEST(StepPlanTest, StatsAddUp) {
+  const StepPlan plan = TinyPlan(TinySpec(), 3);
+  const PlanStats stats = ComputePlanStats(plan);
+  ASSERT_EQ(static_cast<int64_t>(stats.ranks.size()), plan.placement.world_size);
+  int64_t image_rows = 0;
+  for (const SampleDescriptor& s : plan.samples) image_rows += s.image_tokens();
+  EXPECT_EQ(stats.image_rows, image_rows);
+  // Without SP every image row crosses the boundary exactly once.
+  EXPECT_EQ(stats.boundary_bytes, image_rows * plan.options.row_bytes);
+  int64_t sent = 0, received = 0, link_bytes = 0, link_messages = 0;
+  for (const RankLoad& r : stats.ranks) {
+    sent += r.bytes_sent;
+    received += r.bytes_received;
+    if (!r.encoder_role) {
+      EXPECT_EQ(r.bytes_sent, 0);
+    }
+    if (!r.llm_role) {
+      EXPECT_EQ(r.bytes_received, 0);
+    }
+  }
+  for (const Link& l : stats.links) {
+    link_bytes += l.bytes;
+    link_messages += l.messages;
+  }
+  EXPECT_EQ(sent, stats.boundary_bytes);
+  EXPECT_EQ(received, stats.boundary_bytes);
+  EXPECT_EQ(link_bytes, stats.boundary_bytes);
+  EXPECT_EQ(link_messages, stats.messages);
+  EXPECT_EQ(stats.messages, static_cast<int64_t>(plan.boundary.forward.size()));
+  EXPECT_GE(stats.send_imbalance, 1.0);
+  EXPECT_GE(stats.encoder_step_imbalance, 1.0);
+  // Share bytes: LLM groups of tp 2 copy each row once, encoder groups of tp 2 too.
+  int64_t share = 0;
+  for (const RankLoad& r : stats.ranks) share += r.share_bytes_sent;
+  EXPECT_EQ(share, 2 * image_rows * plan.options.row_bytes);
+  double encoder_cost = 0;
+  for (const RankLoad& r : stats.ranks) encoder_cost += r.encoder_cost;
+  double model_cost = 0;
+  for (const SampleDescriptor& s : plan.samples) {
+    model_cost +=
+        static_cast<double>(s.image_count()) * plan.options.encoder_cost.Cost(s.tokens_per_image);
+  }
+  EXPECT_NEAR(encoder_cost, model_cost, 1e-6 * model_cost);
+}
+
+TEST(StepPlanTest, RejectsBadBatchesWithClearErrors) {
+  const auto spec = TinySpec();
+  auto placement = PlacementFromRunSpec(spec);
+  auto options = StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(placement.ok() && options.ok());
+  std::vector<SampleDescriptor> samples;
+  for (int64_t i = 0; i < 8; ++i) samples.push_back(MakeSample(i, 1, 16, 10, 4));
+
+  auto wrong_size = samples;
+  wrong_size.pop_back();
+  auto r = BuildStepPlan(*placement, wrong_size, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("has 7 samples; expected waves 2 x micro_batch 2 x llm dp 2 = 8"));
+
+  auto duplicate = samples;
+  duplicate[5].id = 2;
+  r = BuildStepPlan(*placement, duplicate, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("sample id 2 appears twice in the batch, at positions 2 and 5"));
+
+  auto too_long = samples;
+  too_long[3] = MakeSample(3, 7, 16, 20, 4);
+  r = BuildStepPlan(*placement, too_long, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("sample 3 (batch position 3) is 132 tokens (20 text + 7 images x 16); "
+                        "expected at most llm seq_len=128"));
+
+  auto overlap = samples;
+  overlap[1] = MakeSample(1, 2, 16, 10, 4);
+  overlap[1].image_starts[1] = 8;
+  r = BuildStepPlan(*placement, overlap, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("image 1 starts at position 8 (16 tokens); expected a start >= 16"));
+
+  auto loss = samples;
+  loss[0].loss_tokens = 11;
+  r = BuildStepPlan(*placement, loss, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("loss_tokens=11 is more than"));
+
+  auto no_tokens = samples;
+  no_tokens[0].tokens_per_image = 0;
+  r = BuildStepPlan(*placement, no_tokens, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("tokens_per_image=0"));
+
+  auto plan = BuildStepPlan(*placement, samples, *options);
+  ASSERT_TRUE(plan.ok());
+  auto outside = ExtractRankPlan(*plan, plan->placement.world_size);
+  ASSERT_FALSE(outside.ok());
+  EXPECT_THAT(std::string(outside.status().message()), HasSubstr("rank 20 is outside"));
+}
+
+TEST(StepPlanTest, SyntheticBatchIsSeededAndFits) {
+  SyntheticBatchOptions o;
+  o.samples = 200;
+  o.first_id = 50;
+  o.dataset_size = 220;
+  o.min_images = 0;
+  o.max_images = 5;
+  o.tokens_per_image = 20;
+  o.min_text_tokens = 1;
+  o.max_text_tokens = 80;
+  o.seq_len = 128;
+  auto a = SyntheticBatch(o);
+  auto b = SyntheticBatch(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(*a == *b);
+  EXPECT_TRUE(ValidateBatch(*a, 128).ok());
+  std::set<int64_t> counts;
+  for (const auto& s : *a) counts.insert(s.image_count());
+  EXPECT_EQ(counts, (std::set<int64_t>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ((*a)[169].id, 219);
+  EXPECT_EQ((*a)[170].id, 0);  // wraps around the dataset
+  o.seed = 8;
+  EXPECT_FALSE(*SyntheticBatch(o) == *a);
+  o.samples = 221;
+  EXPECT_FALSE(SyntheticBatch(o).ok());
+  o.samples = 10;
+  o.min_images = 7;
+  o.max_images = 7;
+  auto too_big = SyntheticBatch(o);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_THAT(std::string(too_big.status().message()), HasSubstr("does not fit in seq_len=128"));
+}
+
+}  // namespace
+}  // namespace hetpar::plan
