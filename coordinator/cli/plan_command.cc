@@ -1,0 +1,498 @@
+// `hetpar plan`: show the step plan of a config before launching it. The layouts, which ranks
+// talk to which over the boundary, each rank's load and the imbalance, as text or JSON.
+//
+// The batch is synthetic and seeded: sample ids step x global_batch onwards (modulo --samples),
+// each with a uniform number of images (--images-per-sample) of the config's tokens per image
+// and a uniform text length (--text-tokens).
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/config/config.h"
+#include "common/plan/step_plan.h"
+#include "common/plan/synthetic_batch.h"
+#include "coordinator/cli/commands.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::cli {
+namespace {
+
+using plan::Layout;
+using plan::PlanStats;
+using plan::StepPlan;
+
+struct Range {
+  int64_t lo = 0;
+  int64_t hi = 0;
+};
+
+// "A-B" or "A" (A = B), non-negative, A <= B.
+absl::StatusOr<Range> ParseRange(const std::string& flag, const std::string& text) {
+  std::vector<std::string> parts = absl::StrSplit(text, '-');
+  Range range;
+  bool ok = (parts.size() == 1 || parts.size() == 2) && absl::SimpleAtoi(parts[0], &range.lo);
+  range.hi = range.lo;
+  if (ok && parts.size() == 2) ok = absl::SimpleAtoi(parts[1], &range.hi);
+  if (!ok || range.lo < 0 || range.hi < range.lo) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, " ", text, " is not a range; expected MIN-MAX or N with 0 <= MIN <= MAX, e.g. 0-3"));
+  }
+  return range;
+}
+
+std::string Bytes(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
+  return text;
+}
+
+// Floating-point operations with a unit: "12.3 GFLOP".
+std::string Flops(double flops) {
+  const char* units[] = {"FLOP", "kFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"};
+  int unit = 0;
+  while (flops >= 1000 && unit < 6) {
+    flops /= 1000;
+    ++unit;
+  }
+  char text[48];
+  std::snprintf(text, sizeof(text), "%.1f %s", flops, units[unit]);
+  return text;
+}
+
+std::string Fixed(double value, int digits) {
+  char text[48];
+  std::snprintf(text, sizeof(text), "%.*f", digits, value);
+  return text;
+}
+
+// "32-47, 64, 66-67": sorted ranks as ranges.
+std::string RankRanges(std::vector<int64_t> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    parts.push_back(j == i ? absl::StrCat(ranks[i]) : absl::StrCat(ranks[i], "-", ranks[j]));
+    i = j + 1;
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+std::string EncoderCoords(const Layout& l, int64_t rank) {
+  const plan::RankCoords c = l.CoordsOf(rank);
+  return absl::StrCat("enc dp", c.dp, " tp", c.tp);
+}
+
+std::string LlmCoords(const Layout& l, int64_t rank) {
+  const plan::RankCoords c = l.CoordsOf(rank);
+  return absl::StrCat("llm dp", c.dp, " tp", c.tp, " cp", c.cp, " pp", c.pp);
+}
+
+std::string RoleText(const plan::Placement& p, int64_t rank) {
+  std::vector<std::string> roles;
+  if (p.encoder.Contains(rank)) roles.push_back(EncoderCoords(p.encoder, rank));
+  if (p.llm.Contains(rank)) roles.push_back(LlmCoords(p.llm, rank));
+  return absl::StrJoin(roles, " + ");
+}
+
+struct Options {
+  std::string config;
+  std::vector<std::string> overrides;
+  int64_t step = 0;
+  int64_t generation = 0;
+  bool json = false;
+  std::string images_per_sample = "0-3";
+  std::string text_tokens;
+  int64_t samples = 0;
+  int64_t data_seed = -1;
+  int64_t wave = -1;
+};
+
+// Everything the printers need besides the plan.
+struct Context {
+  std::string config;
+  Range images;
+  Range text;
+  int64_t dataset_size = 0;
+  uint64_t data_seed = 0;
+  int64_t tokens_per_image = 0;
+};
+
+nlohmann::ordered_json LayoutJson(const Layout& l) {
+  return {{"dp", l.dp},
+          {"tp", l.tp},
+          {"cp", l.cp},
+          {"pp", l.pp},
+          {"sequence_parallel", l.sequence_parallel},
+          {"first_rank", l.rank_offset},
+          {"ranks", l.size()}};
+}
+
+nlohmann::ordered_json TransferJson(const plan::Transfer& t, const StepPlan& p) {
+  nlohmann::ordered_json pieces = nlohmann::ordered_json::array();
+  for (const plan::BlockPiece& piece : t.pieces) {
+    pieces.push_back({{"sample_id", p.samples[piece.sample].id},
+                      {"image", piece.image},
+                      {"row_begin", piece.row_begin},
+                      {"rows", piece.rows},
+                      {"src_offset", piece.src_offset},
+                      {"dst_offset", piece.dst_offset}});
+  }
+  return {{"wave", t.wave},
+          {"src_rank", t.src_rank},
+          {"dst_rank", t.dst_rank},
+          {"rows", t.rows},
+          {"bytes", t.rows * p.options.row_bytes},
+          {"pieces", pieces}};
+}
+
+void PrintJson(const StepPlan& p, const PlanStats& stats, const Context& ctx, int64_t wave) {
+  nlohmann::ordered_json out;
+  out["config"] = ctx.config;
+  out["step"] = p.step;
+  out["generation"] = p.generation;
+  out["placement"] = std::string(plan::PlacementKindName(p.placement.kind));
+  out["world_size"] = p.placement.world_size;
+  out["encoder"] = LayoutJson(p.placement.encoder);
+  out["llm"] = LayoutJson(p.placement.llm);
+  out["batch"] = {{"samples", p.samples.size()},
+                  {"synthetic",
+                   {{"images_per_sample", {ctx.images.lo, ctx.images.hi}},
+                    {"text_tokens", {ctx.text.lo, ctx.text.hi}},
+                    {"tokens_per_image", ctx.tokens_per_image},
+                    {"dataset_size", ctx.dataset_size},
+                    {"seed", ctx.data_seed}}},
+                  {"images", stats.images},
+                  {"image_rows", stats.image_rows},
+                  {"n_global", p.n_global},
+                  {"waves", p.llm.waves},
+                  {"micro_batch", p.llm.micro_batch},
+                  {"seq_len", p.options.seq_len},
+                  {"row_bytes", p.options.row_bytes}};
+  out["boundary"] = {{"messages", stats.messages},
+                     {"pieces", stats.pieces},
+                     {"bytes", stats.boundary_bytes},
+                     {"llm_share_steps", p.boundary.llm_shares.size()},
+                     {"encoder_share_steps", p.boundary.encoder_shares.size()}};
+  out["imbalance"] = {{"llm_replicas", stats.llm_imbalance},
+                      {"encoder_replicas_step", stats.encoder_step_imbalance},
+                      {"encoder_worst_wave", stats.encoder_worst_wave_imbalance},
+                      {"encoder_mean_wave", stats.encoder_mean_wave_imbalance},
+                      {"encoder_send_bytes", stats.send_imbalance},
+                      {"llm_receive_bytes", stats.receive_imbalance}};
+  nlohmann::ordered_json replicas = nlohmann::ordered_json::array();
+  for (int64_t d = 0; d < p.llm.replicas; ++d) {
+    nlohmann::ordered_json waves = nlohmann::ordered_json::array();
+    int64_t tokens = 0;
+    for (int64_t m = 0; m < p.llm.waves; ++m) {
+      std::vector<int64_t> ids;
+      for (int64_t s : p.llm.At(d, m).samples) ids.push_back(p.samples[s].id);
+      waves.push_back(ids);
+      tokens += p.llm.At(d, m).tokens;
+    }
+    replicas.push_back({{"replica", d},
+                        {"cost_gflop", p.llm.replica_cost[d] / 1e9},
+                        {"tokens", tokens},
+                        {"sample_ids_by_wave", waves}});
+  }
+  out["llm_replicas"] = replicas;
+  nlohmann::ordered_json encoders = nlohmann::ordered_json::array();
+  for (int64_t e = 0; e < p.encoder.replicas; ++e) {
+    const auto [begin, end] = p.encoder.JobsOf(e);
+    nlohmann::ordered_json jobs = nlohmann::ordered_json::array();
+    for (int64_t j = begin; j < end; ++j) {
+      const plan::EncoderJob& job = p.encoder.jobs[j];
+      nlohmann::ordered_json images = nlohmann::ordered_json::array();
+      for (const plan::ImageRef& ref : job.images) {
+        images.push_back({p.samples[ref.sample].id, ref.image});
+      }
+      jobs.push_back({{"wave", job.wave}, {"rows", job.rows}, {"images", images}});
+    }
+    encoders.push_back(
+        {{"replica", e}, {"cost_gflop", p.encoder.replica_cost[e] / 1e9}, {"jobs", jobs}});
+  }
+  out["encoder_replicas"] = encoders;
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  for (const plan::RankLoad& r : stats.ranks) {
+    ranks.push_back({{"rank", r.rank},
+                     {"role", RoleText(p.placement, r.rank)},
+                     {"encoder_gflop", r.encoder_cost / 1e9},
+                     {"images", r.images},
+                     {"llm_tokens", r.llm_tokens},
+                     {"bytes_sent", r.bytes_sent},
+                     {"bytes_received", r.bytes_received},
+                     {"messages_sent", r.messages_sent},
+                     {"messages_received", r.messages_received},
+                     {"share_bytes_sent", r.share_bytes_sent}});
+  }
+  out["ranks"] = ranks;
+  nlohmann::ordered_json links = nlohmann::ordered_json::array();
+  for (const plan::Link& l : stats.links) {
+    links.push_back({{"src_rank", l.src_rank},
+                     {"dst_rank", l.dst_rank},
+                     {"bytes", l.bytes},
+                     {"messages", l.messages}});
+  }
+  out["links"] = links;
+  if (wave >= 0) {
+    nlohmann::ordered_json transfers = nlohmann::ordered_json::array();
+    for (const plan::Transfer& t : p.boundary.forward) {
+      if (t.wave == wave) transfers.push_back(TransferJson(t, p));
+    }
+    out["wave"] = {{"wave", wave}, {"forward_transfers", transfers}};
+  }
+  std::cout << out.dump(2) << "\n";
+}
+
+void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, int64_t wave) {
+  const plan::Placement& pl = p.placement;
+  const int64_t row_bytes = p.options.row_bytes;
+  std::cout << "hetpar plan: " << ctx.config << ", step " << p.step << ", generation "
+            << p.generation << "\n\n";
+  std::cout << "placement  " << plan::PlacementKindName(pl.kind) << ", " << pl.world_size
+            << " ranks\n";
+  std::cout << "encoder    " << pl.encoder.ToString() << "; " << ctx.tokens_per_image
+            << " tokens per image\n";
+  std::cout << "llm        " << pl.llm.ToString() << "; seq_len " << p.options.seq_len
+            << ", micro_batch " << p.llm.micro_batch << ", " << p.llm.waves << " waves\n";
+  std::cout << "batch      " << p.samples.size() << " synthetic samples (" << ctx.images.lo << "-"
+            << ctx.images.hi << " images, " << ctx.text.lo << "-" << ctx.text.hi
+            << " text tokens, dataset of " << ctx.dataset_size << ", seed " << ctx.data_seed
+            << "): " << stats.images << " images, " << stats.image_rows << " image rows, N_global "
+            << p.n_global << " loss tokens\n";
+  std::cout << "boundary   " << stats.messages << " messages forward and " << stats.messages
+            << " backward, " << stats.pieces << " pieces, " << Bytes(stats.boundary_bytes)
+            << " each way (" << Bytes(row_bytes) << " per row); " << p.boundary.llm_shares.size()
+            << " LLM and " << p.boundary.encoder_shares.size() << " encoder share steps\n";
+  std::cout << "imbalance  (max / mean) LLM replicas " << Fixed(stats.llm_imbalance, 3)
+            << "; encoder replicas " << Fixed(stats.encoder_step_imbalance, 3) << " over the step, "
+            << Fixed(stats.encoder_mean_wave_imbalance, 3) << " per wave on average, "
+            << Fixed(stats.encoder_worst_wave_imbalance, 3)
+            << " in the worst wave; bytes sent per encoder rank " << Fixed(stats.send_imbalance, 3)
+            << ", received per first-stage LLM rank " << Fixed(stats.receive_imbalance, 3) << "\n";
+
+  std::cout << "\nLLM replicas\n";
+  const bool small = p.llm.replicas * p.llm.waves <= 32;
+  for (int64_t d = 0; d < p.llm.replicas; ++d) {
+    int64_t tokens = 0;
+    int64_t images = 0;
+    for (int64_t m = 0; m < p.llm.waves; ++m) {
+      tokens += p.llm.At(d, m).tokens;
+      for (int64_t s : p.llm.At(d, m).samples) images += p.samples[s].image_count();
+    }
+    std::cout << "  replica " << d << ": " << p.llm.waves * p.llm.micro_batch << " samples, "
+              << images << " images, " << tokens << " tokens, " << Flops(p.llm.replica_cost[d])
+              << " forward\n";
+    if (!small) continue;
+    for (int64_t m = 0; m < p.llm.waves; ++m) {
+      std::vector<std::string> items;
+      for (int64_t s : p.llm.At(d, m).samples) {
+        items.push_back(absl::StrCat("sample ", p.samples[s].id, " (", p.samples[s].image_count(),
+                                     " img, ", p.samples[s].sequence_length(), " tok)"));
+      }
+      std::cout << "    wave " << m << ": " << absl::StrJoin(items, ", ") << "\n";
+    }
+  }
+
+  std::cout << "\nEncoder replicas\n";
+  for (int64_t e = 0; e < p.encoder.replicas; ++e) {
+    const auto [begin, end] = p.encoder.JobsOf(e);
+    int64_t images = 0;
+    int64_t rows = 0;
+    for (int64_t j = begin; j < end; ++j) {
+      images += static_cast<int64_t>(p.encoder.jobs[j].images.size());
+      rows += p.encoder.jobs[j].rows;
+    }
+    std::cout << "  replica " << e << ": " << images << " images in " << end - begin << " of "
+              << p.encoder.waves << " waves, " << rows << " rows, "
+              << Flops(p.encoder.replica_cost[e]) << " forward\n";
+  }
+
+  std::cout << "\nRoutes (forward over all waves; gradients take each route back)\n";
+  for (int64_t src = pl.encoder.rank_offset; src < pl.encoder.end_rank(); ++src) {
+    std::vector<int64_t> destinations;
+    int64_t bytes = 0;
+    int64_t messages = 0;
+    for (const plan::Link& l : stats.links) {
+      if (l.src_rank != src) continue;
+      destinations.push_back(l.dst_rank);
+      bytes += l.bytes;
+      messages += l.messages;
+    }
+    std::cout << "  rank " << src << " (" << EncoderCoords(pl.encoder, src) << ") -> ";
+    if (destinations.empty()) {
+      std::cout << "nothing\n";
+    } else {
+      std::cout << (destinations.size() == 1 ? "rank " : "ranks ") << RankRanges(destinations)
+                << ": " << messages << " messages, " << Bytes(bytes) << "\n";
+    }
+  }
+
+  std::cout << "\nPer-rank load (encoder work is the replica's forward FLOP / tp; tokens are the "
+               "LLM replica's)\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "  %6s  %-36s %12s %7s %9s %11s %11s %11s\n", "rank", "role",
+                "enc work", "images", "tokens", "sent", "received", "shared");
+  std::cout << line;
+  for (const plan::RankLoad& r : stats.ranks) {
+    std::snprintf(line, sizeof(line), "  %6lld  %-36s %12s %7s %9s %11s %11s %11s\n",
+                  static_cast<long long>(r.rank), RoleText(pl, r.rank).c_str(),
+                  r.encoder_role ? Flops(r.encoder_cost).c_str() : "-",
+                  r.encoder_role ? std::to_string(r.images).c_str() : "-",
+                  r.llm_role ? std::to_string(r.llm_tokens).c_str() : "-",
+                  r.bytes_sent > 0 ? Bytes(r.bytes_sent).c_str() : "-",
+                  r.bytes_received > 0 ? Bytes(r.bytes_received).c_str() : "-",
+                  r.share_bytes_sent > 0 ? Bytes(r.share_bytes_sent).c_str() : "-");
+    std::cout << line;
+  }
+
+  if (wave >= 0) {
+    std::cout << "\nWave " << wave << " transfers (forward; offsets are rows in the sender's job "
+              << "buffer and the receiver's image-row buffer)\n";
+    for (const plan::Transfer& t : p.boundary.forward) {
+      if (t.wave != wave) continue;
+      std::cout << "  rank " << t.src_rank << " -> " << t.dst_rank << ": " << t.rows << " rows\n";
+      for (const plan::BlockPiece& piece : t.pieces) {
+        std::cout << "    sample " << p.samples[piece.sample].id << " image " << piece.image
+                  << " rows [" << piece.row_begin << ", " << piece.row_begin + piece.rows
+                  << ") from row " << piece.src_offset << " to row " << piece.dst_offset << "\n";
+      }
+    }
+    for (const plan::ShareStep& s : p.boundary.llm_shares) {
+      if (s.wave != wave) continue;
+      std::vector<std::string> segments;
+      for (const plan::ShareSegment& seg : s.segments) {
+        segments.push_back(absl::StrCat("rank ", seg.holder_rank, " rows [", seg.offset, ", ",
+                                        seg.offset + seg.rows, ")"));
+      }
+      std::cout << "  share in llm replica " << s.replica << " cp " << s.cp_rank << " (ranks "
+                << RankRanges(s.ranks) << "): " << absl::StrJoin(segments, "; ") << "\n";
+    }
+  }
+}
+
+int RunPlan(const Options& o) {
+  config::LoadOptions load;
+  load.overrides = o.overrides;
+  load.check_files = false;  // planning reads no data files
+  auto loaded = config::LoadRunSpecFile(o.config, load);
+  if (!loaded.ok()) {
+    std::cerr << "hetpar: invalid config " << o.config << ":\n"
+              << loaded.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  const hetpar::v1::RunSpec& spec = loaded->spec;
+  auto fail = [](const absl::Status& status) {
+    std::cerr << "hetpar plan: " << status.message() << "\n";
+    return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+  };
+  if (o.step < 0 || o.generation < 0) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--step ", o.step, " and --generation ", o.generation, " must be >= 0")));
+  }
+  auto images = ParseRange("--images-per-sample", o.images_per_sample);
+  if (!images.ok()) return fail(images.status());
+  auto placement = plan::PlacementFromRunSpec(spec);
+  if (!placement.ok()) return fail(placement.status());
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, o.step, o.generation);
+  if (!options.ok()) return fail(options.status());
+  if (o.wave >= options->waves) {
+    return fail(absl::InvalidArgumentError(absl::StrCat("--wave ", o.wave, " is past the step's ",
+                                                        options->waves, " waves (0-",
+                                                        options->waves - 1, ")")));
+  }
+
+  Context ctx;
+  ctx.config = o.config;
+  ctx.images = *images;
+  ctx.tokens_per_image = config::TokensPerImage(spec.encoder().model());
+  const int64_t seq_len = options->seq_len;
+  if (o.text_tokens.empty()) {
+    ctx.text.lo = std::min<int64_t>(8, seq_len);
+    ctx.text.hi = std::max(ctx.text.lo, seq_len - ctx.images.hi * ctx.tokens_per_image);
+  } else {
+    auto text = ParseRange("--text-tokens", o.text_tokens);
+    if (!text.ok()) return fail(text.status());
+    ctx.text = *text;
+  }
+  const int64_t global_batch = spec.run().global_batch();
+  ctx.dataset_size = o.samples > 0                       ? o.samples
+                     : spec.data().synth().samples() > 0 ? spec.data().synth().samples()
+                                                         : global_batch;
+  if (ctx.dataset_size < global_batch) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--samples ", ctx.dataset_size, " is smaller than run.global_batch=", global_batch,
+        "; one step needs that many distinct samples")));
+  }
+  ctx.data_seed =
+      static_cast<uint64_t>(o.data_seed >= 0 ? o.data_seed : spec.data().synth().seed());
+  plan::SyntheticBatchOptions batch;
+  batch.samples = global_batch;
+  batch.first_id = (o.step * global_batch) % ctx.dataset_size;
+  batch.dataset_size = ctx.dataset_size;
+  batch.min_images = ctx.images.lo;
+  batch.max_images = ctx.images.hi;
+  batch.min_text_tokens = ctx.text.lo;
+  batch.max_text_tokens = ctx.text.hi;
+  batch.tokens_per_image = ctx.tokens_per_image;
+  batch.seq_len = seq_len;
+  batch.seed = ctx.data_seed;
+  auto samples = plan::SyntheticBatch(batch);
+  if (!samples.ok()) return fail(samples.status());
+  auto step_plan = plan::BuildStepPlan(*placement, std::move(*samples), *options);
+  if (!step_plan.ok()) return fail(step_plan.status());
+  const PlanStats stats = plan::ComputePlanStats(*step_plan);
+  if (o.json) {
+    PrintJson(*step_plan, stats, ctx, o.wave);
+  } else {
+    PrintText(*step_plan, stats, ctx, o.wave);
+  }
+  return kExitOk;
+}
+
+void AddPlanCommand(CLI::App& app, int* exit_code) {
+  auto options = std::make_shared<Options>();
+  CLI::App* command = app.add_subcommand(
+      "plan",
+      "Show one step's plan for a config: layouts, which encoder ranks send image embeddings to "
+      "which LLM ranks, per-rank load and imbalance; check routing before launching");
+  command->add_option("-c,--config", options->config, "RunSpec YAML file")->required();
+  command->add_option("--set", options->overrides,
+                      "Override a config field, e.g. --set llm.layout.cp=2 (repeatable)");
+  command->add_option("--step", options->step, "Step to plan (default 0)");
+  command->add_option("--generation", options->generation, "Membership generation (default 0)");
+  command->add_flag("--json", options->json, "Print the plan as one JSON object");
+  command->add_option("--images-per-sample", options->images_per_sample,
+                      "Images per synthetic sample, MIN-MAX (default 0-3)");
+  command->add_option("--text-tokens", options->text_tokens,
+                      "Text tokens per synthetic sample, MIN-MAX (default 8 to what fits beside "
+                      "the most images in llm.model.seq_len)");
+  command->add_option("--samples", options->samples,
+                      "Synthetic dataset size; step N plans ids N x global_batch onwards, modulo "
+                      "this (default data.synth.samples, else run.global_batch)");
+  command->add_option("--data-seed", options->data_seed,
+                      "Seed of the synthetic samples (default data.synth.seed)");
+  command->add_option("--wave", options->wave,
+                      "Also list every transfer and share step of this wave");
+  command->callback([options, exit_code] { *exit_code = RunPlan(*options); });
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(30, AddPlanCommand);
+
+}  // namespace hetpar::cli
