@@ -1,0 +1,290 @@
+#include "coordinator/membership.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hetpar::coordinator {
+
+GridShape GridShape::FromLayout(const v1::Layout& layout) {
+  GridShape grid;
+  grid.dp = std::max<int64_t>(1, layout.dp());
+  grid.tp = std::max<int64_t>(1, layout.tp());
+  grid.cp = std::max<int64_t>(1, layout.cp());
+  grid.pp = std::max<int64_t>(1, layout.pp());
+  return grid;
+}
+
+v1::RankCoordinates CoordinatesOf(v1::Module module, const GridShape& grid, int64_t rank) {
+  v1::RankCoordinates c;
+  c.set_module(module);
+  c.set_rank(rank);
+  int64_t rest = rank;
+  c.set_tp(rest % grid.tp);
+  rest /= grid.tp;
+  c.set_cp(rest % grid.cp);
+  rest /= grid.cp;
+  c.set_dp(rest % grid.dp);
+  rest /= grid.dp;
+  c.set_pp(rest);
+  return c;
+}
+
+const char* RoleName(v1::WorkerRole role) {
+  switch (role) {
+    case v1::WORKER_ROLE_ENCODER:
+      return "encoder";
+    case v1::WORKER_ROLE_LLM:
+      return "llm";
+    case v1::WORKER_ROLE_COLOCATED:
+      return "colocated";
+    case v1::WORKER_ROLE_UNSPECIFIED:
+    case v1::WorkerRole_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::WorkerRole_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return "unspecified";
+}
+
+const char* ModuleName(v1::Module module) {
+  switch (module) {
+    case v1::MODULE_ENCODER:
+      return "encoder";
+    case v1::MODULE_LLM:
+      return "llm";
+    case v1::MODULE_UNSPECIFIED:
+    case v1::Module_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::Module_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return "unspecified";
+}
+
+std::string DescribeRank(const v1::RankCoordinates& rank) {
+  std::string text = absl::StrCat(ModuleName(rank.module()), " rank ", rank.rank(), " (dp ",
+                                  rank.dp(), ", tp ", rank.tp());
+  if (rank.module() == v1::MODULE_LLM)
+    absl::StrAppend(&text, ", cp ", rank.cp(), ", pp ", rank.pp());
+  return text + ")";
+}
+
+std::string WorkerRecord::Describe() const {
+  std::vector<std::string> rank_text;
+  for (const auto& rank : ranks) rank_text.push_back(DescribeRank(rank));
+  return absl::StrCat(worker_id, " (", absl::StrJoin(rank_text, " + "), ", host ",
+                      host.empty() ? "?" : host, ")");
+}
+
+absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
+  Membership m;
+  m.placement_ = spec.placement() == v1::PLACEMENT_COLOCATED ? v1::PLACEMENT_COLOCATED
+                                                             : v1::PLACEMENT_NON_COLOCATED;
+  m.encoder_grid_ = GridShape::FromLayout(spec.encoder().layout());
+  // The encoder has no context or pipeline parallelism.
+  m.encoder_grid_.cp = 1;
+  m.encoder_grid_.pp = 1;
+  m.llm_grid_ = GridShape::FromLayout(spec.llm().layout());
+  if (m.placement_ == v1::PLACEMENT_COLOCATED) {
+    if (m.encoder_grid_.size() != m.llm_grid_.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("placement colocated needs both layouts to cover the same ranks: encoder ",
+                       m.encoder_grid_.size(), " ranks, llm ", m.llm_grid_.size(), " ranks"));
+    }
+    m.slots_[v1::WORKER_ROLE_COLOCATED].assign(m.llm_grid_.size(), "");
+    m.expected_workers_ = m.llm_grid_.size();
+  } else {
+    m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), "");
+    m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), "");
+    m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
+  }
+  return m;
+}
+
+std::vector<v1::WorkerRole> Membership::roles() const {
+  std::vector<v1::WorkerRole> roles;
+  for (const auto& [role, slots] : slots_) roles.push_back(role);
+  return roles;
+}
+
+std::vector<v1::RankCoordinates> Membership::RanksOfSlot(v1::WorkerRole role, int64_t slot) const {
+  std::vector<v1::RankCoordinates> ranks;
+  if (role == v1::WORKER_ROLE_ENCODER || role == v1::WORKER_ROLE_COLOCATED) {
+    ranks.push_back(CoordinatesOf(v1::MODULE_ENCODER, encoder_grid_, slot));
+  }
+  if (role == v1::WORKER_ROLE_LLM || role == v1::WORKER_ROLE_COLOCATED) {
+    ranks.push_back(CoordinatesOf(v1::MODULE_LLM, llm_grid_, slot));
+  }
+  return ranks;
+}
+
+absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& request,
+                                                int64_t generation, absl::Time now) {
+  auto it = slots_.find(request.role());
+  if (it == slots_.end()) {
+    std::vector<std::string> names;
+    for (const auto& [role, slots] : slots_) names.push_back(RoleName(role));
+    return absl::InvalidArgumentError(
+        absl::StrCat("role ", RoleName(request.role()), " has no ranks in this run (placement ",
+                     placement_ == v1::PLACEMENT_COLOCATED ? "colocated" : "non_colocated",
+                     "); expected role ", absl::StrJoin(names, " or ")));
+  }
+  std::vector<std::string>& slots = it->second;
+  int64_t slot = -1;
+  if (request.has_requested_rank()) {
+    const int64_t wanted = request.requested_rank();
+    if (wanted < 0 || wanted >= static_cast<int64_t>(slots.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("requested_rank=", wanted, " is out of range for role ",
+                       RoleName(request.role()), ": expected 0..", slots.size() - 1));
+    }
+    if (!slots[wanted].empty()) {
+      return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
+                                                       " is already held by worker ",
+                                                       slots[wanted]));
+    }
+    slot = wanted;
+  } else {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].empty()) {
+        slot = static_cast<int64_t>(i);
+        break;
+      }
+    }
+    if (slot < 0) {
+      return absl::ResourceExhaustedError(absl::StrCat("every ", RoleName(request.role()),
+                                                       " rank is taken (", slots.size(),
+                                                       " ranks, all registered and alive)"));
+    }
+  }
+  const char* prefix = request.role() == v1::WORKER_ROLE_ENCODER ? "enc"
+                       : request.role() == v1::WORKER_ROLE_LLM   ? "llm"
+                                                                 : "col";
+  const std::string worker_id = absl::StrCat(prefix, slot, "-", ++next_serial_);
+  auto record = std::make_unique<WorkerRecord>();
+  record->worker_id = worker_id;
+  record->role = request.role();
+  record->slot = slot;
+  record->ranks = RanksOfSlot(request.role(), slot);
+  record->host = request.host();
+  record->data_address = request.data_address();
+  record->capabilities.assign(request.capabilities().begin(), request.capabilities().end());
+  record->generation = generation;
+  record->registered_at = now;
+  record->last_heartbeat = now;
+  slots[slot] = worker_id;
+  WorkerRecord* raw = record.get();
+  by_id_[worker_id] = raw;
+  workers_.push_back(std::move(record));
+  return raw;
+}
+
+WorkerRecord* Membership::Find(const std::string& worker_id) {
+  auto it = by_id_.find(worker_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+const WorkerRecord* Membership::Find(const std::string& worker_id) const {
+  auto it = by_id_.find(worker_id);
+  return it == by_id_.end() ? nullptr : it->second;
+}
+
+void Membership::MarkDead(const std::string& worker_id, const std::string& reason) {
+  WorkerRecord* worker = Find(worker_id);
+  if (worker == nullptr || !worker->alive) return;
+  worker->alive = false;
+  worker->session_open = false;
+  worker->dead_reason = reason;
+  auto& slots = slots_[worker->role];
+  if (worker->slot >= 0 && worker->slot < static_cast<int64_t>(slots.size()) &&
+      slots[worker->slot] == worker_id) {
+    slots[worker->slot].clear();
+  }
+}
+
+bool Membership::Complete() const {
+  for (const auto& [role, slots] : slots_) {
+    for (const auto& id : slots) {
+      if (id.empty()) return false;
+    }
+  }
+  return true;
+}
+
+int64_t Membership::alive_workers() const {
+  int64_t n = 0;
+  for (const auto& [role, slots] : slots_) {
+    for (const auto& id : slots) n += id.empty() ? 0 : 1;
+  }
+  return n;
+}
+
+std::vector<std::string> Membership::Missing() const {
+  std::vector<std::string> missing;
+  for (const auto& [role, slots] : slots_) {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (!slots[i].empty()) continue;
+      std::vector<std::string> rank_text;
+      for (const auto& rank : RanksOfSlot(role, static_cast<int64_t>(i))) {
+        rank_text.push_back(DescribeRank(rank));
+      }
+      std::string line = absl::StrJoin(rank_text, " + ");
+      if (role == v1::WORKER_ROLE_COLOCATED) line = "colocated " + line;
+      missing.push_back(std::move(line));
+    }
+  }
+  return missing;
+}
+
+v1::PeerInfo Membership::PeerInfoOf(const WorkerRecord& worker) const {
+  v1::PeerInfo peer;
+  peer.set_worker_id(worker.worker_id);
+  peer.set_role(worker.role);
+  for (const auto& rank : worker.ranks) *peer.add_ranks() = rank;
+  peer.set_host(worker.host);
+  peer.set_data_address(worker.data_address);
+  return peer;
+}
+
+std::vector<const WorkerRecord*> Membership::PeersOf(const WorkerRecord& worker) const {
+  std::vector<const WorkerRecord*> peers;
+  auto add_role = [&](v1::WorkerRole role, bool first_stage_only) {
+    auto it = slots_.find(role);
+    if (it == slots_.end()) return;
+    for (const auto& id : it->second) {
+      if (id.empty() || id == worker.worker_id) continue;
+      const WorkerRecord* peer = Find(id);
+      if (first_stage_only && peer->ranks.back().pp() != 0) continue;
+      peers.push_back(peer);
+    }
+  };
+  switch (worker.role) {
+    case v1::WORKER_ROLE_ENCODER:
+      add_role(v1::WORKER_ROLE_LLM, /*first_stage_only=*/true);
+      break;
+    case v1::WORKER_ROLE_LLM:
+      if (worker.ranks.back().pp() == 0) add_role(v1::WORKER_ROLE_ENCODER, false);
+      break;
+    case v1::WORKER_ROLE_COLOCATED:
+      add_role(v1::WORKER_ROLE_COLOCATED, false);
+      break;
+    case v1::WORKER_ROLE_UNSPECIFIED:
+    case v1::WorkerRole_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::WorkerRole_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return peers;
+}
+
+std::vector<WorkerRecord*> Membership::LiveWorkers() const {
+  std::vector<WorkerRecord*> live;
+  for (const auto& [role, slots] : slots_) {
+    for (const auto& id : slots) {
+      if (!id.empty()) live.push_back(by_id_.at(id));
+    }
+  }
+  return live;
+}
+
+}  // namespace hetpar::coordinator

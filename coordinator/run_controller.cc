@@ -1,0 +1,479 @@
+#include "coordinator/run_controller.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/logging.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+// Dead workers shown in Status, most recent last.
+constexpr size_t kDeadWorkersShown = 64;
+
+v1::CoordinatorMessage StopMessage(const std::string& reason) {
+  v1::CoordinatorMessage message;
+  message.mutable_stop()->set_reason(reason);
+  return message;
+}
+
+}  // namespace
+
+const char* RunStateName(v1::RunState state) {
+  switch (state) {
+    case v1::RUN_STATE_WAITING:
+      return "waiting";
+    case v1::RUN_STATE_RUNNING:
+      return "running";
+    case v1::RUN_STATE_STOPPING:
+      return "stopping";
+    case v1::RUN_STATE_DONE:
+      return "done";
+    case v1::RUN_STATE_FAILED:
+      return "failed";
+    case v1::RUN_STATE_UNSPECIFIED:
+    case v1::RunState_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::RunState_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return "unspecified";
+}
+
+absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
+    const v1::RunSpec& spec, ControllerOptions options, std::unique_ptr<StepPlanner> planner,
+    absl::Time now) {
+  absl::StatusOr<Membership> membership = Membership::Create(spec);
+  if (!membership.ok()) return membership.status();
+  if (options.heartbeat_timeout <= absl::ZeroDuration()) {
+    options.heartbeat_timeout = absl::Seconds(spec.coordinator().heartbeat_timeout_s());
+  }
+  if (options.register_timeout <= absl::ZeroDuration()) {
+    options.register_timeout = absl::Seconds(spec.coordinator().register_timeout_s());
+  }
+  if (options.heartbeat_timeout <= absl::ZeroDuration() ||
+      options.register_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator.heartbeat_timeout_s=", spec.coordinator().heartbeat_timeout_s(),
+        " and coordinator.register_timeout_s=", spec.coordinator().register_timeout_s(),
+        " must be > 0 seconds (is the RunSpec normalised?)"));
+  }
+  if (options.heartbeat_interval <= absl::ZeroDuration()) {
+    options.heartbeat_interval = std::min(absl::Seconds(1), options.heartbeat_timeout / 5);
+  }
+  if (options.max_step_attempts < 1) options.max_step_attempts = 1;
+  return std::unique_ptr<RunController>(
+      new RunController(spec, *std::move(membership), std::move(options), std::move(planner), now));
+}
+
+RunController::RunController(const v1::RunSpec& spec, Membership membership,
+                             ControllerOptions options, std::unique_ptr<StepPlanner> planner,
+                             absl::Time now)
+    : spec_(spec),
+      membership_(std::move(membership)),
+      options_(std::move(options)),
+      planner_(std::move(planner)),
+      orchestrator_(membership_,
+                    StepOrchestrator::Options{spec.run().grad_clip(), options_.step_timeout, 32}),
+      created_(now),
+      incomplete_since_(now) {}
+
+v1::Assignment RunController::AssignmentOf(const WorkerRecord& worker, bool with_peers) const {
+  v1::Assignment assignment;
+  assignment.set_worker_id(worker.worker_id);
+  assignment.set_role(worker.role);
+  for (const auto& rank : worker.ranks) *assignment.add_ranks() = rank;
+  assignment.set_generation(generation_);
+  assignment.set_heartbeat_interval_s(absl::ToDoubleSeconds(options_.heartbeat_interval));
+  assignment.set_heartbeat_timeout_s(absl::ToDoubleSeconds(options_.heartbeat_timeout));
+  if (with_peers) {
+    for (const WorkerRecord* peer : membership_.PeersOf(worker)) {
+      *assignment.add_peers() = membership_.PeerInfoOf(*peer);
+    }
+    assignment.set_peers_complete(true);
+  }
+  return assignment;
+}
+
+void RunController::SendAssignments(Actions* actions) {
+  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    if (!worker->session_open) continue;
+    v1::CoordinatorMessage message;
+    *message.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/true);
+    actions->messages.emplace_back(worker->worker_id, std::move(message));
+  }
+}
+
+absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterRequest& request,
+                                                             absl::Time now, Actions* actions) {
+  if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the run is ", RunStateName(state_), " and admits no workers",
+                     state_message_.empty() ? "" : ": " + state_message_));
+  }
+  absl::StatusOr<WorkerRecord*> admitted = membership_.Admit(request, generation_, now);
+  if (!admitted.ok()) return admitted.status();
+  WorkerRecord* worker = *admitted;
+  HETPAR_LOG(INFO) << "registered " << worker->Describe() << " data-plane "
+                   << (worker->data_address.empty() ? "-" : worker->data_address) << " ("
+                   << membership_.alive_workers() << "/" << membership_.expected_workers() << ")";
+  const bool complete = membership_.Complete();
+  if (state_ == v1::RUN_STATE_RUNNING) {
+    // A worker took a rank that was lost: membership changed.
+    ++generation_;
+    worker->generation = generation_;
+    HETPAR_LOG(INFO) << "generation " << generation_ << ": " << worker->worker_id
+                     << " replaces a lost rank";
+  }
+  if (complete) {
+    incomplete_since_ = absl::InfiniteFuture();
+    if (state_ == v1::RUN_STATE_WAITING) {
+      state_ = v1::RUN_STATE_RUNNING;
+      HETPAR_LOG(INFO) << "every rank registered (" << membership_.expected_workers()
+                       << " workers): run " << spec_.run().name() << " is running, generation "
+                       << generation_;
+    }
+    SendAssignments(actions);
+  }
+  v1::RegisterResponse response;
+  *response.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/complete);
+  *response.mutable_spec() = spec_;
+  return response;
+}
+
+absl::Status RunController::OpenSession(const std::string& worker_id, absl::Time now,
+                                        Actions* actions) {
+  WorkerRecord* worker = membership_.Find(worker_id);
+  if (worker == nullptr) {
+    return absl::NotFoundError(absl::StrCat("unknown worker id '", worker_id,
+                                            "': call Register first and open the session with "
+                                            "the worker_id it returned"));
+  }
+  if (!worker->alive) {
+    return absl::FailedPreconditionError(absl::StrCat("worker ", worker_id,
+                                                      " is no longer in the run (",
+                                                      worker->dead_reason, "); register again"));
+  }
+  if (worker->session_open) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", worker_id, " already has an open session"));
+  }
+  worker->session_open = true;
+  worker->last_heartbeat = now;
+  if (state_ == v1::RUN_STATE_STOPPING) {
+    actions->messages.emplace_back(worker_id, StopMessage(state_message_));
+    return absl::OkStatus();
+  }
+  if (state_ == v1::RUN_STATE_RUNNING && membership_.Complete()) {
+    v1::CoordinatorMessage message;
+    *message.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/true);
+    actions->messages.emplace_back(worker_id, std::move(message));
+  }
+  MaybeStartStep(now, actions);
+  return absl::OkStatus();
+}
+
+absl::Status RunController::HandleMessage(const std::string& worker_id,
+                                          const v1::WorkerMessage& message, absl::Time now,
+                                          Actions* actions) {
+  WorkerRecord* worker = membership_.Find(worker_id);
+  if (worker == nullptr || !worker->alive) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", worker_id, " is no longer in the run",
+        worker == nullptr ? "" : " (" + worker->dead_reason + ")", "; register again"));
+  }
+  // Any message proves the worker alive.
+  worker->last_heartbeat = now;
+  switch (message.kind_case()) {
+    case v1::WorkerMessage::kHeartbeat: {
+      v1::CoordinatorMessage ack;
+      v1::HeartbeatAck* a = ack.mutable_heartbeat_ack();
+      a->set_seq(message.heartbeat().seq());
+      a->set_client_time_ns(message.heartbeat().client_time_ns());
+      a->set_generation(generation_);
+      actions->messages.emplace_back(worker_id, std::move(ack));
+      return absl::OkStatus();
+    }
+    case v1::WorkerMessage::kProgress:
+      worker->progress = message.progress();
+      return absl::OkStatus();
+    case v1::WorkerMessage::kGradNormPartial:
+      HandleOutcome(orchestrator_.OnGradNormPartial(*worker, message.grad_norm_partial(), now,
+                                                    &actions->messages),
+                    now, actions);
+      return absl::OkStatus();
+    case v1::WorkerMessage::kReport:
+      HandleOutcome(orchestrator_.OnReport(*worker, message.report(), now, &actions->messages), now,
+                    actions);
+      return absl::OkStatus();
+    case v1::WorkerMessage::kOpen:
+      return absl::InvalidArgumentError(
+          absl::StrCat("worker ", worker_id, " sent a second SessionOpen on its session"));
+    case v1::WorkerMessage::KIND_NOT_SET:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("worker ", worker_id, " sent an empty WorkerMessage"));
+}
+
+void RunController::SessionEnded(const std::string& worker_id, const std::string& why,
+                                 absl::Time now, Actions* actions) {
+  WorkerRecord* worker = membership_.Find(worker_id);
+  if (worker == nullptr) return;
+  worker->session_open = false;
+  if (worker->alive) {
+    if (state_ == v1::RUN_STATE_STOPPING || state_ == v1::RUN_STATE_DONE ||
+        state_ == v1::RUN_STATE_FAILED) {
+      membership_.MarkDead(worker_id, "left after stop");
+    } else {
+      LoseWorker(worker, absl::StrCat("session ended: ", why), /*end_session=*/false, now, actions);
+    }
+  }
+  MaybeFinishStopping(now, actions);
+}
+
+void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session,
+                               absl::Time now, Actions* actions) {
+  const bool had_session = worker->session_open;
+  membership_.MarkDead(worker->worker_id, reason);
+  HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " is dead: " << reason;
+  if (end_session && had_session) {
+    actions->end_sessions.emplace_back(
+        worker->worker_id,
+        absl::UnavailableError(absl::StrCat("declared dead by the coordinator: ", reason)));
+  }
+  if (state_ != v1::RUN_STATE_RUNNING) return;
+  ++generation_;
+  if (incomplete_since_ == absl::InfiniteFuture()) incomplete_since_ = now;
+  v1::CoordinatorMessage change;
+  v1::MembershipChange* c = change.mutable_membership_change();
+  c->set_generation(generation_);
+  *c->add_lost() = membership_.PeerInfoOf(*worker);
+  c->set_reason(absl::StrCat("worker ", worker->Describe(), " lost: ", reason));
+  // Abort first, so the workers see the abort of the old generation before the change.
+  HandleOutcome(orchestrator_.OnWorkerLost(*worker, now, &actions->messages), now, actions);
+  for (WorkerRecord* live : membership_.LiveWorkers()) {
+    if (live->session_open) actions->messages.emplace_back(live->worker_id, change);
+  }
+  HETPAR_LOG(WARNING) << "generation " << generation_ << ": waiting up to "
+                      << absl::FormatDuration(options_.register_timeout)
+                      << " for a worker to take the lost rank";
+}
+
+void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now,
+                                  Actions* actions) {
+  switch (outcome) {
+    case StepOrchestrator::Outcome::kPending:
+      return;
+    case StepOrchestrator::Outcome::kCommitted:
+      ++committed_steps_;
+      step_attempts_ = 0;
+      if (committed_steps_ >= spec_.run().steps()) {
+        BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
+        return;
+      }
+      MaybeStartStep(now, actions);
+      return;
+    case StepOrchestrator::Outcome::kAborted:
+      ++step_attempts_;
+      HETPAR_LOG(WARNING) << "step " << orchestrator_.step() << " aborted (attempt "
+                          << step_attempts_ << " of " << options_.max_step_attempts
+                          << "): " << orchestrator_.last_abort_reason();
+      if (step_attempts_ >= options_.max_step_attempts) {
+        Fail(absl::StrCat("step ", orchestrator_.step(), " aborted ", step_attempts_,
+                          " times in a row; last: ", orchestrator_.last_abort_reason()),
+             now, actions);
+        return;
+      }
+      MaybeStartStep(now, actions);
+      return;
+  }
+}
+
+void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
+  if (state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr || orchestrator_.in_flight() ||
+      committed_steps_ >= spec_.run().steps() || !membership_.Complete()) {
+    return;
+  }
+  std::vector<WorkerRecord*> live = membership_.LiveWorkers();
+  for (const WorkerRecord* worker : live) {
+    if (!worker->session_open) return;
+  }
+  absl::StatusOr<PlannedStep> plan = planner_->Plan(committed_steps_, generation_, membership_);
+  if (!plan.ok()) {
+    Fail(absl::StrCat("planning step ", committed_steps_, " failed: ", plan.status().message()),
+         now, actions);
+    return;
+  }
+  std::vector<const WorkerRecord*> participants(live.begin(), live.end());
+  orchestrator_.Begin(committed_steps_, generation_, *std::move(plan), participants, now,
+                      &actions->messages);
+}
+
+void RunController::Tick(absl::Time now, Actions* actions) {
+  if (state_ == v1::RUN_STATE_DONE || state_ == v1::RUN_STATE_FAILED) return;
+  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    const absl::Duration silent = now - worker->last_heartbeat;
+    if (silent > options_.heartbeat_timeout) {
+      LoseWorker(worker,
+                 absl::StrCat("no heartbeat for ",
+                              absl::FormatDuration(absl::Trunc(silent, absl::Milliseconds(100))),
+                              " (heartbeat_timeout ",
+                              absl::FormatDuration(options_.heartbeat_timeout), ")"),
+                 /*end_session=*/true, now, actions);
+    }
+  }
+  if (state_ == v1::RUN_STATE_STOPPING) {
+    if (now >= stop_deadline_) {
+      std::vector<std::string> open;
+      for (WorkerRecord* worker : membership_.LiveWorkers()) {
+        if (!worker->session_open) continue;
+        open.push_back(worker->worker_id);
+        actions->end_sessions.emplace_back(
+            worker->worker_id, absl::AbortedError(absl::StrCat("run stopped: ", state_message_)));
+        membership_.MarkDead(worker->worker_id, "did not close its session after stop");
+      }
+      HETPAR_LOG(WARNING) << open.size() << " worker(s) did not close their session within "
+                          << absl::FormatDuration(options_.stop_timeout)
+                          << " of stop: " << absl::StrJoin(open, ", ");
+      state_ = v1::RUN_STATE_DONE;
+    }
+    return;
+  }
+  if ((state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) &&
+      !membership_.Complete() && now - incomplete_since_ > options_.register_timeout) {
+    const std::vector<std::string> missing = membership_.Missing();
+    Fail(absl::StrCat(missing.size(), " of ", membership_.expected_workers(),
+                      " ranks not registered within register_timeout ",
+                      absl::FormatDuration(options_.register_timeout),
+                      "; missing: ", absl::StrJoin(missing, "; ")),
+         now, actions);
+    return;
+  }
+  HandleOutcome(orchestrator_.CheckDeadline(now, &actions->messages), now, actions);
+}
+
+void RunController::BeginStopping(const std::string& reason, absl::Time now, Actions* actions) {
+  if (orchestrator_.in_flight()) {
+    (void)orchestrator_.Abort(absl::StrCat("run stopping: ", reason), now, &actions->messages);
+  }
+  state_ = v1::RUN_STATE_STOPPING;
+  state_message_ = reason;
+  stop_deadline_ = now + options_.stop_timeout;
+  HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
+  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    if (worker->session_open)
+      actions->messages.emplace_back(worker->worker_id, StopMessage(reason));
+  }
+  MaybeFinishStopping(now, actions);
+}
+
+void RunController::MaybeFinishStopping(absl::Time now, Actions* actions) {
+  (void)now;
+  (void)actions;
+  if (state_ != v1::RUN_STATE_STOPPING) return;
+  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    if (worker->session_open) return;
+  }
+  state_ = v1::RUN_STATE_DONE;
+  HETPAR_LOG(INFO) << "run " << spec_.run().name() << " done: " << state_message_;
+}
+
+void RunController::Fail(const std::string& reason, absl::Time now, Actions* actions) {
+  if (orchestrator_.in_flight()) {
+    (void)orchestrator_.Abort(absl::StrCat("run failed: ", reason), now, &actions->messages);
+  }
+  state_ = v1::RUN_STATE_FAILED;
+  state_message_ = reason;
+  HETPAR_LOG(ERROR) << "run " << spec_.run().name() << " failed: " << reason;
+  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    if (!worker->session_open) continue;
+    actions->messages.emplace_back(worker->worker_id, StopMessage("run failed: " + reason));
+    actions->end_sessions.emplace_back(worker->worker_id,
+                                       absl::AbortedError("run failed: " + reason));
+  }
+}
+
+v1::StopResponse RunController::Stop(const std::string& reason, absl::Time now, Actions* actions) {
+  if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
+    BeginStopping(reason.empty() ? "stop requested" : "stop requested: " + reason, now, actions);
+  }
+  v1::StopResponse response;
+  response.set_state(state_);
+  return response;
+}
+
+absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& request) {
+  if (membership_.placement() == v1::PLACEMENT_COLOCATED) {
+    return absl::FailedPreconditionError(
+        "the encoder pool of a colocated run shares its ranks with the LLM and cannot be scaled "
+        "alone; scaling needs placement non_colocated");
+  }
+  if (request.encoder_replicas() < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("encoder_replicas=", request.encoder_replicas(), "; expected >= 1"));
+  }
+  if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the run is ", RunStateName(state_), "; scaling is not possible"));
+  }
+  requested_encoder_replicas_ = request.encoder_replicas();
+  v1::ScaleResponse response;
+  response.set_current_encoder_replicas(membership_.encoder_grid().dp);
+  response.set_requested_encoder_replicas(requested_encoder_replicas_);
+  response.set_message(absl::StrCat("recorded: ", requested_encoder_replicas_,
+                                    " encoder replicas requested; generation ", generation_,
+                                    " runs ", membership_.encoder_grid().dp));
+  HETPAR_LOG(INFO) << "scale request recorded: encoder replicas " << membership_.encoder_grid().dp
+                   << " -> " << requested_encoder_replicas_;
+  return response;
+}
+
+v1::StatusResponse RunController::Status(absl::Time now) const {
+  v1::StatusResponse status;
+  status.set_run_name(spec_.run().name());
+  status.set_state(state_);
+  status.set_state_message(state_message_);
+  status.set_generation(generation_);
+  status.set_committed_steps(committed_steps_);
+  status.set_total_steps(spec_.run().steps());
+  status.set_step_in_flight(orchestrator_.in_flight() ? orchestrator_.step() : -1);
+  status.set_expected_workers(membership_.expected_workers());
+  status.set_placement(membership_.placement());
+  status.set_listen_address(options_.listen_address);
+  status.set_uptime_s(absl::ToDoubleSeconds(now - created_));
+  status.set_requested_encoder_replicas(requested_encoder_replicas_);
+  auto add_worker = [&](const WorkerRecord& worker) {
+    v1::WorkerStatus* w = status.add_workers();
+    w->set_worker_id(worker.worker_id);
+    w->set_role(worker.role);
+    for (const auto& rank : worker.ranks) *w->add_ranks() = rank;
+    w->set_host(worker.host);
+    w->set_data_address(worker.data_address);
+    for (const auto& capability : worker.capabilities) w->add_capabilities(capability);
+    w->set_alive(worker.alive);
+    w->set_session_open(worker.session_open);
+    w->set_last_heartbeat_age_s(absl::ToDoubleSeconds(now - worker.last_heartbeat));
+    w->set_dead_reason(worker.dead_reason);
+    *w->mutable_progress() = worker.progress;
+    w->set_generation(worker.generation);
+  };
+  for (const WorkerRecord* worker : membership_.LiveWorkers()) add_worker(*worker);
+  std::vector<const WorkerRecord*> dead;
+  for (const auto& worker : membership_.workers()) {
+    if (!worker->alive) dead.push_back(worker.get());
+  }
+  const size_t first = dead.size() > kDeadWorkersShown ? dead.size() - kDeadWorkersShown : 0;
+  for (size_t i = first; i < dead.size(); ++i) add_worker(*dead[i]);
+  for (const auto& line : membership_.Missing()) status.add_missing(line);
+  if ((state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) &&
+      incomplete_since_ != absl::InfiniteFuture()) {
+    status.set_missing_deadline_s(
+        std::max(0.0, absl::ToDoubleSeconds(incomplete_since_ + options_.register_timeout - now)));
+  }
+  for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
+  return status;
+}
+
+}  // namespace hetpar::coordinator

@@ -1,0 +1,129 @@
+// The coordinator's state machine for one run: membership, run state, generations, heartbeat
+// deadlines and step orchestration, with no gRPC in it.
+//
+// States: waiting -> running -> stopping -> done | failed.
+//  * waiting: workers register into the ranks of the RunSpec layouts. When every rank is held
+//    the run starts (running) and every worker gets its Assignment with all its peers. If ranks
+//    are still missing register_timeout after the coordinator started (or after a worker was
+//    lost while running), the run fails with a message listing them.
+//  * A worker whose heartbeats stop for heartbeat_timeout, or whose session ends while the run
+//    is running, is dead: its rank is freed, the generation is bumped, the others are told
+//    (MembershipChange) and the step in flight is aborted. A new worker may take the free rank
+//    (the generation is bumped again, and everyone gets a new Assignment).
+//  * Steps run while every rank is held and every worker's session is open: plan, StepPlan to
+//    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
+//    max_step_attempts times in a row fails the run. After run.steps commits the run stops.
+//  * stopping: StopRun has been sent; the run is done when every session has closed, or at
+//    stop_timeout.
+//
+// Every method takes the current time and appends what the server must do to `Actions`. Not
+// thread-safe: the server calls it with its own lock held.
+#ifndef HETPAR_COORDINATOR_RUN_CONTROLLER_H_
+#define HETPAR_COORDINATOR_RUN_CONTROLLER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "coordinator/membership.h"
+#include "coordinator/step_orchestrator.h"
+#include "hetpar/v1/coordinator.pb.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::coordinator {
+
+struct ControllerOptions {
+  // Zero: from the RunSpec (coordinator.heartbeat_timeout_s, coordinator.register_timeout_s).
+  absl::Duration heartbeat_timeout = absl::ZeroDuration();
+  absl::Duration register_timeout = absl::ZeroDuration();
+  // Zero: heartbeat_timeout / 5, at most 1 s.
+  absl::Duration heartbeat_interval = absl::ZeroDuration();
+  absl::Duration stop_timeout = absl::Seconds(10);
+  absl::Duration step_timeout = absl::Minutes(10);
+  int max_step_attempts = 3;
+  std::string listen_address;  // shown in Status
+};
+
+// What the server must do after a call, in order: send messages, then end sessions.
+struct Actions {
+  Outbox messages;
+  // (worker id, status to end its session stream with) once its queued messages are sent.
+  std::vector<std::pair<std::string, absl::Status>> end_sessions;
+};
+
+class RunController {
+ public:
+  // `spec` is normalised and valid. `planner` may be null: the run then admits workers, starts
+  // and stays running without steps until stopped.
+  static absl::StatusOr<std::unique_ptr<RunController>> Create(const v1::RunSpec& spec,
+                                                               ControllerOptions options,
+                                                               std::unique_ptr<StepPlanner> planner,
+                                                               absl::Time now);
+
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request, absl::Time now,
+                                                Actions* actions);
+  // The first message of a session stream. NotFound for an unknown worker; FailedPrecondition
+  // for a dead one or one that already has a session.
+  absl::Status OpenSession(const std::string& worker_id, absl::Time now, Actions* actions);
+  // Any later message of the worker's session.
+  absl::Status HandleMessage(const std::string& worker_id, const v1::WorkerMessage& message,
+                             absl::Time now, Actions* actions);
+  // The worker's session stream ended (`why` says how).
+  void SessionEnded(const std::string& worker_id, const std::string& why, absl::Time now,
+                    Actions* actions);
+  // Deadlines: heartbeats, missing ranks, the step in flight, stopping.
+  void Tick(absl::Time now, Actions* actions);
+
+  v1::StatusResponse Status(absl::Time now) const;
+  v1::StopResponse Stop(const std::string& reason, absl::Time now, Actions* actions);
+  absl::StatusOr<v1::ScaleResponse> Scale(const v1::ScaleRequest& request);
+
+  v1::RunState state() const { return state_; }
+  const std::string& state_message() const { return state_message_; }
+  int64_t generation() const { return generation_; }
+  int64_t committed_steps() const { return committed_steps_; }
+  const Membership& membership() const { return membership_; }
+  const ControllerOptions& options() const { return options_; }
+
+ private:
+  RunController(const v1::RunSpec& spec, Membership membership, ControllerOptions options,
+                std::unique_ptr<StepPlanner> planner, absl::Time now);
+
+  v1::Assignment AssignmentOf(const WorkerRecord& worker, bool with_peers) const;
+  void SendAssignments(Actions* actions);
+  void LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session, absl::Time now,
+                  Actions* actions);
+  void HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now, Actions* actions);
+  void MaybeStartStep(absl::Time now, Actions* actions);
+  void BeginStopping(const std::string& reason, absl::Time now, Actions* actions);
+  void Fail(const std::string& reason, absl::Time now, Actions* actions);
+  void MaybeFinishStopping(absl::Time now, Actions* actions);
+
+  v1::RunSpec spec_;
+  Membership membership_;
+  ControllerOptions options_;
+  std::unique_ptr<StepPlanner> planner_;
+  StepOrchestrator orchestrator_;
+  absl::Time created_;
+
+  v1::RunState state_ = v1::RUN_STATE_WAITING;
+  std::string state_message_;
+  int64_t generation_ = 1;
+  // When ranks became missing (creation, or a loss while running); InfiniteFuture when complete.
+  absl::Time incomplete_since_;
+  absl::Time stop_deadline_ = absl::InfiniteFuture();
+  int64_t committed_steps_ = 0;
+  int step_attempts_ = 0;  // aborts of the current step in a row
+  int64_t requested_encoder_replicas_ = 0;
+};
+
+const char* RunStateName(v1::RunState state);
+
+}  // namespace hetpar::coordinator
+
+#endif  // HETPAR_COORDINATOR_RUN_CONTROLLER_H_

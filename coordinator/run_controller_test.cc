@@ -1,0 +1,351 @@
+#include "coordinator/run_controller.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+
+const absl::Time kT0 = absl::FromUnixSeconds(1000);
+
+// Plans every step with 10 loss tokens and a plan naming the step and the worker.
+class CountingPlanner : public StepPlanner {
+ public:
+  absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
+                                   const Membership& membership) override {
+    ++calls;
+    if (fail) return absl::InternalError("no samples left");
+    PlannedStep plan;
+    plan.global_loss_tokens = 10;
+    for (const WorkerRecord* w : membership.LiveWorkers()) {
+      plan.worker_plans[w->worker_id] = absl::StrCat("step ", step, " gen ", generation);
+    }
+    return plan;
+  }
+  int calls = 0;
+  bool fail = false;
+};
+
+v1::RunSpec TinySpec(int64_t steps = 2) {
+  v1::RunSpec spec;
+  spec.mutable_run()->set_name("tiny");
+  spec.mutable_run()->set_steps(steps);
+  spec.mutable_run()->set_grad_clip(1.0);
+  spec.set_placement(v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_encoder()->mutable_layout()->set_dp(2);
+  spec.mutable_encoder()->mutable_layout()->set_tp(1);
+  spec.mutable_llm()->mutable_layout()->set_dp(1);
+  spec.mutable_llm()->mutable_layout()->set_tp(2);
+  spec.mutable_coordinator()->set_heartbeat_timeout_s(10);
+  spec.mutable_coordinator()->set_register_timeout_s(60);
+  return spec;
+}
+
+class RunControllerTest : public ::testing::Test {
+ protected:
+  void Create(int64_t steps = 2, bool with_planner = true) {
+    auto planner = std::make_unique<CountingPlanner>();
+    planner_ = planner.get();
+    ControllerOptions options;
+    options.step_timeout = absl::Seconds(100);
+    auto c = RunController::Create(TinySpec(steps), options,
+                                   with_planner ? std::move(planner) : nullptr, kT0);
+    ASSERT_TRUE(c.ok()) << c.status();
+    controller_ = *std::move(c);
+  }
+
+  std::string Register(v1::WorkerRole role, absl::Time now = kT0) {
+    v1::RegisterRequest request;
+    request.set_role(role);
+    request.set_host("host");
+    request.set_data_address("host:1");
+    auto response = controller_->Register(request, now, &actions_);
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.ok() ? response->assignment().worker_id() : "";
+  }
+
+  // Registers all four workers and opens their sessions.
+  void StartAll() {
+    for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                      v1::WORKER_ROLE_LLM}) {
+      ids_.push_back(Register(role));
+    }
+    for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  }
+
+  std::vector<v1::CoordinatorMessage> SentTo(const std::string& id,
+                                             v1::CoordinatorMessage::KindCase kind) const {
+    std::vector<v1::CoordinatorMessage> result;
+    for (const auto& [to, m] : actions_.messages) {
+      if (to == id && m.kind_case() == kind) result.push_back(m);
+    }
+    return result;
+  }
+
+  void Send(const std::string& id, const v1::WorkerMessage& m, absl::Time now = kT0) {
+    ASSERT_TRUE(controller_->HandleMessage(id, m, now, &actions_).ok());
+  }
+
+  // Every worker completes step `step`: the dp-0 ranks send partials, all report.
+  void CompleteStep(int64_t step) {
+    const int64_t generation = controller_->generation();
+    for (size_t i : {0u, 2u, 3u}) {  // enc rank 0, llm ranks 0 and 1
+      v1::WorkerMessage m;
+      auto* p = m.mutable_grad_norm_partial();
+      p->set_step(step);
+      p->set_generation(generation);
+      p->set_module(i == 0 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+      p->set_sum_squares(1.0);
+      Send(ids_[i], m);
+    }
+    for (size_t i = 0; i < ids_.size(); ++i) {
+      v1::WorkerMessage m;
+      auto* r = m.mutable_report();
+      r->set_step(step);
+      r->set_generation(generation);
+      r->set_ok(true);
+      if (i == 2) {
+        r->set_loss_sum(30.0);
+        r->set_loss_tokens(10);
+      }
+      Send(ids_[i], m);
+    }
+  }
+
+  CountingPlanner* planner_ = nullptr;
+  std::unique_ptr<RunController> controller_;
+  Actions actions_;
+  std::vector<std::string> ids_;
+};
+
+TEST_F(RunControllerTest, RunStartsWhenEveryRankHasRegistered) {
+  Create();
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_WAITING);
+  const std::string e0 = Register(v1::WORKER_ROLE_ENCODER);
+  ASSERT_TRUE(controller_->OpenSession(e0, kT0, &actions_).ok());
+  Register(v1::WORKER_ROLE_LLM);
+  Register(v1::WORKER_ROLE_ENCODER);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_WAITING);
+  EXPECT_TRUE(actions_.messages.empty());
+  v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(5));
+  ASSERT_EQ(status.missing_size(), 1);
+  EXPECT_EQ(status.missing(0), "llm rank 1 (dp 0, tp 1, cp 0, pp 0)");
+  EXPECT_DOUBLE_EQ(status.missing_deadline_s(), 55.0);
+
+  v1::RegisterRequest last;
+  last.set_role(v1::WORKER_ROLE_LLM);
+  auto response = controller_->Register(last, kT0, &actions_);
+  ASSERT_TRUE(response.ok());
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  // The last one learns its peers at once (both encoders); earlier ones on their session.
+  EXPECT_TRUE(response->assignment().peers_complete());
+  EXPECT_EQ(response->assignment().peers_size(), 2);
+  EXPECT_EQ(response->assignment().generation(), 1);
+  EXPECT_EQ(response->spec().run().name(), "tiny");
+  auto assignments = SentTo(e0, v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(assignments.size(), 1u);
+  EXPECT_TRUE(assignments[0].assignment().peers_complete());
+  EXPECT_EQ(assignments[0].assignment().peers_size(), 2);  // both llm ranks
+  EXPECT_EQ(assignments[0].assignment().peers(1).ranks(0).tp(), 1);
+  EXPECT_DOUBLE_EQ(assignments[0].assignment().heartbeat_interval_s(), 1.0);
+}
+
+TEST_F(RunControllerTest, MissingRanksFailTheRunAfterTheRegisterTimeout) {
+  Create();
+  Register(v1::WORKER_ROLE_ENCODER);
+  Register(v1::WORKER_ROLE_LLM);
+  // Heartbeats keep these two alive; the run still fails for the missing ones.
+  for (auto* w : controller_->membership().LiveWorkers())
+    w->last_heartbeat = kT0 + absl::Seconds(59);
+  controller_->Tick(kT0 + absl::Seconds(59), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_WAITING);
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("2 of 4 ranks not registered"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("encoder rank 1 (dp 1, tp 0)"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
+  v1::RegisterRequest late;
+  late.set_role(v1::WORKER_ROLE_LLM);
+  EXPECT_EQ(controller_->Register(late, kT0 + absl::Seconds(62), &actions_).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RunControllerTest, SilentWorkerIsDeclaredDeadAndOthersAreTold) {
+  Create(/*steps=*/5, /*with_planner=*/false);
+  StartAll();
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  actions_ = {};
+  // Everyone but ids_[1] keeps heartbeating.
+  v1::WorkerMessage heartbeat;
+  heartbeat.mutable_heartbeat()->set_seq(1);
+  heartbeat.mutable_heartbeat()->set_client_time_ns(77);
+  for (int t = 1; t <= 10; ++t) {
+    for (size_t i : {0u, 2u, 3u}) Send(ids_[i], heartbeat, kT0 + absl::Seconds(t));
+  }
+  auto acks = SentTo(ids_[0], v1::CoordinatorMessage::kHeartbeatAck);
+  ASSERT_EQ(acks.size(), 10u);
+  EXPECT_EQ(acks[0].heartbeat_ack().client_time_ns(), 77);
+  EXPECT_EQ(acks[0].heartbeat_ack().generation(), 1);
+  controller_->Tick(kT0 + absl::Seconds(10), &actions_);
+  EXPECT_EQ(controller_->generation(), 1);
+  controller_->Tick(kT0 + absl::Milliseconds(10100), &actions_);
+  EXPECT_EQ(controller_->generation(), 2);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  auto changes = SentTo(ids_[3], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].membership_change().generation(), 2);
+  EXPECT_EQ(changes[0].membership_change().lost(0).worker_id(), ids_[1]);
+  EXPECT_THAT(changes[0].membership_change().reason(), HasSubstr("no heartbeat for 10.1s"));
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kMembershipChange).empty());
+  ASSERT_EQ(actions_.end_sessions.size(), 1u);
+  EXPECT_EQ(actions_.end_sessions[0].first, ids_[1]);
+  // Its messages are refused from now on.
+  EXPECT_EQ(controller_->HandleMessage(ids_[1], heartbeat, kT0, &actions_).code(),
+            absl::StatusCode::kFailedPrecondition);
+  v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(11));
+  EXPECT_EQ(status.missing_size(), 1);
+  ASSERT_EQ(status.workers_size(), 4);
+  EXPECT_FALSE(status.workers(3).alive());
+  EXPECT_THAT(status.workers(3).dead_reason(), HasSubstr("no heartbeat"));
+
+  // A replacement takes the rank: generation 3, everyone gets a new assignment.
+  actions_ = {};
+  const std::string replacement = Register(v1::WORKER_ROLE_ENCODER, kT0 + absl::Seconds(11));
+  EXPECT_EQ(controller_->generation(), 3);
+  auto assignments = SentTo(ids_[0], v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(assignments.size(), 1u);
+  EXPECT_EQ(assignments[0].assignment().generation(), 3);
+  EXPECT_EQ(controller_->Status(kT0 + absl::Seconds(11)).missing_size(), 0);
+}
+
+TEST_F(RunControllerTest, LostRankNotReplacedFailsTheRun) {
+  Create(5, false);
+  StartAll();
+  controller_->SessionEnded(ids_[2], "cancelled", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->generation(), 2);
+  for (auto* w : controller_->membership().LiveWorkers())
+    w->last_heartbeat = kT0 + absl::Seconds(60);
+  controller_->Tick(kT0 + absl::Seconds(60), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  controller_->Tick(kT0 + absl::Seconds(62), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 0"));
+}
+
+TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
+  Create(/*steps=*/2);
+  StartAll();
+  ASSERT_EQ(planner_->calls, 1);
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().worker_plan(), "step 0 gen 1");
+  EXPECT_EQ(plans[0].step_plan().global_loss_tokens(), 10);
+  actions_ = {};
+  CompleteStep(0);
+  auto commits = SentTo(ids_[0], v1::CoordinatorMessage::kCommit);
+  ASSERT_EQ(commits.size(), 1u);
+  EXPECT_DOUBLE_EQ(commits[0].commit().loss(), 3.0);
+  EXPECT_EQ(controller_->committed_steps(), 1);
+  EXPECT_EQ(planner_->calls, 2);
+  ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+  CompleteStep(1);
+  EXPECT_EQ(controller_->committed_steps(), 2);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(SentTo(ids_[3], v1::CoordinatorMessage::kStop).size(), 1u);
+  EXPECT_EQ(controller_->state_message(), "completed 2 steps");
+  for (const auto& id : ids_) controller_->SessionEnded(id, "closed by the worker", kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  v1::StatusResponse status = controller_->Status(kT0);
+  EXPECT_EQ(status.committed_steps(), 2);
+  ASSERT_EQ(status.recent_steps_size(), 2);
+  EXPECT_EQ(status.recent_steps(0).step(), 1);
+  EXPECT_DOUBLE_EQ(status.recent_steps(0).grad_norm(), std::sqrt(3.0));
+  // Workers that left after stop are not "dead" failures.
+  EXPECT_EQ(status.workers(0).dead_reason(), "left after stop");
+}
+
+TEST_F(RunControllerTest, StepsWaitForEverySession) {
+  Create(2);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                    v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (size_t i = 0; i < 3; ++i)
+    ASSERT_TRUE(controller_->OpenSession(ids_[i], kT0, &actions_).ok());
+  EXPECT_EQ(planner_->calls, 0);
+  ASSERT_TRUE(controller_->OpenSession(ids_[3], kT0, &actions_).ok());
+  EXPECT_EQ(planner_->calls, 1);
+  EXPECT_EQ(controller_->OpenSession(ids_[3], kT0, &actions_).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(controller_->OpenSession("enc9-99", kT0, &actions_).code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(RunControllerTest, RepeatedAbortsFailTheRun) {
+  Create(5);
+  StartAll();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    v1::WorkerMessage m;
+    m.mutable_report()->set_step(0);
+    m.mutable_report()->set_generation(1);
+    m.mutable_report()->set_ok(false);
+    m.mutable_report()->set_error("nan loss");
+    Send(ids_[0], m);
+  }
+  EXPECT_EQ(planner_->calls, 3);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("step 0 aborted 3 times in a row"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("nan loss"));
+  ASSERT_FALSE(actions_.end_sessions.empty());
+}
+
+TEST_F(RunControllerTest, PlannerErrorFailsTheRun) {
+  Create(5);
+  planner_->fail = true;
+  StartAll();
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("planning step 0 failed: no samples left"));
+}
+
+TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
+  Create(5, false);
+  StartAll();
+  auto response = controller_->Stop("maintenance", kT0, &actions_);
+  EXPECT_EQ(response.state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop)[0].stop().reason(),
+            "stop requested: maintenance");
+  controller_->SessionEnded(ids_[0], "closed by the worker", kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  for (auto* w : controller_->membership().LiveWorkers())
+    w->last_heartbeat = kT0 + absl::Seconds(10);
+  actions_ = {};
+  controller_->Tick(kT0 + absl::Seconds(10), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(actions_.end_sessions.size(), 3u);
+  // Stop is idempotent.
+  EXPECT_EQ(controller_->Stop("again", kT0, &actions_).state(), v1::RUN_STATE_DONE);
+}
+
+TEST_F(RunControllerTest, StopWhileWaitingIsDoneAtOnce) {
+  Create();
+  EXPECT_EQ(controller_->Stop("", kT0, &actions_).state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->state_message(), "stop requested");
+}
+
+TEST_F(RunControllerTest, ScaleIsRecorded) {
+  Create();
+  v1::ScaleRequest request;
+  request.set_encoder_replicas(4);
+  auto response = controller_->Scale(request);
+  ASSERT_TRUE(response.ok());
+  EXPECT_EQ(response->current_encoder_replicas(), 2);
+  EXPECT_EQ(response->requested_encoder_replicas(), 4);
+  EXPECT_EQ(controller_->Status(kT0).requested_encoder_replicas(), 4);
+  request.set_encoder_replicas(0);
+  EXPECT_EQ(controller_->Scale(request).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace hetpar::coordinator

@@ -1,0 +1,680 @@
+#include "coordinator/server.h"
+
+#include <sys/resource.h>
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "coordinator/grpc_status.h"
+#include "coordinator/kv_store.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/support/server_callback.h"
+#include "hetpar/v1/coordinator.grpc.pb.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+double ProcessCpuSeconds() {
+  struct rusage usage;
+  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+std::chrono::system_clock::time_point ChronoDeadline(absl::Time deadline) {
+  return absl::ToChronoTime(deadline);
+}
+
+using SessionReactorBase = grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+// The write side of one session stream, shared by the stream's reactor and the server's session
+// table: a queue with one write in flight, and a Finish issued once the queue has drained. The
+// reactor pointer is cleared when the reactor is done; later sends are dropped.
+class SessionOutbox {
+ public:
+  explicit SessionOutbox(SessionReactorBase* reactor) : reactor_(reactor) {}
+
+  void Send(v1::CoordinatorMessage message) {
+    absl::MutexLock lock(&mu_);
+    if (reactor_ == nullptr || finish_wanted_) return;
+    queue_.push_back(std::move(message));
+    if (!writing_) {
+      writing_ = true;
+      reactor_->StartWrite(&queue_.front());
+    }
+  }
+
+  // Finishes the stream with `status` after the queued messages (first call wins).
+  void Finish(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (reactor_ == nullptr || finish_wanted_) return;
+    finish_wanted_ = true;
+    finish_status_ = std::move(status);
+    if (!writing_) DoFinishLocked();
+  }
+
+  void OnWriteDone(bool ok) {
+    absl::MutexLock lock(&mu_);
+    queue_.pop_front();
+    if (!ok) queue_.clear();
+    if (!queue_.empty() && reactor_ != nullptr) {
+      reactor_->StartWrite(&queue_.front());
+      return;
+    }
+    writing_ = false;
+    if (finish_wanted_) DoFinishLocked();
+  }
+
+  // Whether Finish has been issued (for the reader: stop reading).
+  bool finishing() const {
+    absl::MutexLock lock(&mu_);
+    return finish_wanted_;
+  }
+
+  void Detach() {
+    absl::MutexLock lock(&mu_);
+    reactor_ = nullptr;
+  }
+
+ private:
+  void DoFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || reactor_ == nullptr) return;
+    finished_ = true;
+    reactor_->Finish(finish_status_);
+  }
+
+  mutable absl::Mutex mu_;
+  SessionReactorBase* reactor_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finish_wanted_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status finish_status_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+
+namespace internal {
+
+// Everything the services share: the controller under the lock, the session table, the store.
+class ServerCore {
+ public:
+  ServerCore(ServerOptions options, std::unique_ptr<RunController> controller)
+      : options_(std::move(options)),
+        metadata_value_(std::string(kBearerPrefix) + options_.token),
+        controller_(std::move(controller)),
+        kv_(controller_->generation()) {}
+
+  ~ServerCore() { Shutdown(absl::Seconds(1)); }
+
+  absl::Status Start();
+  void Shutdown(absl::Duration grace);
+
+  // Checks the run token of a call; logs and returns false when it is missing or wrong.
+  bool Authorized(grpc::CallbackServerContext* context, const char* method) {
+    const auto& metadata = context->client_metadata();
+    auto it = metadata.find(kAuthMetadataKey);
+    const char* problem = "missing run token";
+    if (it != metadata.end()) {
+      const std::string_view presented(it->second.data(), it->second.size());
+      if (TokenMatches(metadata_value_, presented)) return true;
+      problem = "wrong run token";
+    }
+    rejected_calls_.fetch_add(1, std::memory_order_relaxed);
+    HETPAR_LOG(WARNING) << "rejected " << method << " from " << context->peer() << ": " << problem;
+    return false;
+  }
+
+  static grpc::Status Unauthenticated() {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing or wrong run token: pass the run's token (--token-file, "
+                        "HETPAR_TOKEN or coordinator.token_file)");
+  }
+
+  // Runs `fn(controller, now, actions)` under the lock, applies the actions, then moves the
+  // key-value store to the controller's generation.
+  template <typename Fn>
+  auto WithController(Fn&& fn) {
+    Actions actions;
+    int64_t generation = 0;
+    if constexpr (std::is_void_v<decltype(fn(*controller_, absl::Now(), &actions))>) {
+      {
+        absl::MutexLock lock(&mu_);
+        fn(*controller_, absl::Now(), &actions);
+        ApplyLocked(&actions);
+        generation = controller_->generation();
+      }
+      kv_.SetGeneration(generation);
+    } else {
+      auto result = [&] {
+        absl::MutexLock lock(&mu_);
+        auto r = fn(*controller_, absl::Now(), &actions);
+        ApplyLocked(&actions);
+        generation = controller_->generation();
+        return r;
+      }();
+      kv_.SetGeneration(generation);
+      return result;
+    }
+  }
+
+  void ApplyLocked(Actions* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    for (auto& [worker_id, message] : actions->messages) {
+      auto it = sessions_.find(worker_id);
+      if (it != sessions_.end()) it->second->Send(std::move(message));
+    }
+    for (auto& [worker_id, status] : actions->end_sessions) {
+      auto it = sessions_.find(worker_id);
+      if (it == sessions_.end()) continue;
+      it->second->Finish(ToGrpcStatus(status));
+      sessions_.erase(it);
+    }
+  }
+
+  // Session table (the reactor calls these).
+  absl::Status OpenSession(const std::string& worker_id, std::shared_ptr<SessionOutbox> outbox) {
+    return WithController([&](RunController& c, absl::Time now, Actions* actions) {
+      absl::Status status = c.OpenSession(worker_id, now, actions);
+      // Registered before the actions are applied, so the session gets its first messages.
+      if (status.ok()) sessions_[worker_id] = std::move(outbox);
+      return status;
+    });
+  }
+
+  void SessionEnded(const std::string& worker_id, const std::string& why) {
+    WithController([&](RunController& c, absl::Time now, Actions* actions) {
+      sessions_.erase(worker_id);
+      c.SessionEnded(worker_id, why, now, actions);
+    });
+  }
+
+  absl::Status HandleMessage(const std::string& worker_id, const v1::WorkerMessage& message) {
+    return WithController([&](RunController& c, absl::Time now, Actions* actions) {
+      return c.HandleMessage(worker_id, message, now, actions);
+    });
+  }
+
+  v1::StatusResponse Status() const {
+    v1::StatusResponse status;
+    {
+      absl::MutexLock lock(&mu_);
+      status = controller_->Status(absl::Now());
+    }
+    status.set_cpu_seconds(ProcessCpuSeconds());
+    status.set_listen_address(address_);
+    return status;
+  }
+
+  v1::RunState state() const {
+    absl::MutexLock lock(&mu_);
+    return controller_->state();
+  }
+
+  v1::RunState WaitForEnd(absl::Duration timeout) const {
+    absl::MutexLock lock(&mu_);
+    auto ended = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return controller_->state() == v1::RUN_STATE_DONE ||
+             controller_->state() == v1::RUN_STATE_FAILED;
+    };
+    mu_.AwaitWithTimeout(absl::Condition(&ended), timeout);
+    return controller_->state();
+  }
+
+  void WatchdogLoop();
+
+  ServerOptions options_;
+  const std::string metadata_value_;  // "Bearer <token>"
+  std::string address_;
+  int port_ = 0;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<RunController> controller_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+
+  KeyValueStore kv_;
+  std::atomic<int64_t> rejected_calls_{0};
+
+  std::unique_ptr<v1::Coordinator::CallbackService> coordinator_service_;
+  std::unique_ptr<v1::KeyValue::CallbackService> kv_service_;
+  std::unique_ptr<v1::Admin::CallbackService> admin_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::thread watchdog_;
+  bool shut_down_ = false;
+};
+
+}  // namespace internal
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Coordinator service
+
+class SessionReactor : public SessionReactorBase {
+ public:
+  SessionReactor(internal::ServerCore* impl, grpc::CallbackServerContext* context)
+      : impl_(impl), context_(context), outbox_(std::make_shared<SessionOutbox>(this)) {
+    if (!impl_->Authorized(context, "Coordinator.Session")) {
+      Finish(internal::ServerCore::Unauthenticated());
+      return;
+    }
+    StartRead(&incoming_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      // The worker half-closed its side or the call was cancelled.
+      if (opened_) ReportEnded(context_->IsCancelled() ? "cancelled" : "closed by the worker");
+      outbox_->Finish(grpc::Status::OK);
+      return;
+    }
+    if (outbox_->finishing()) return;
+    absl::Status status;
+    if (!opened_) {
+      if (incoming_.kind_case() != v1::WorkerMessage::kOpen) {
+        status = absl::InvalidArgumentError(
+            "the first message of a session must be SessionOpen with the worker_id from Register");
+      } else {
+        worker_id_ = incoming_.open().worker_id();
+        status = impl_->OpenSession(worker_id_, outbox_);
+        opened_ = status.ok();
+      }
+    } else {
+      status = impl_->HandleMessage(worker_id_, incoming_);
+    }
+    if (!status.ok()) {
+      HETPAR_LOG(WARNING) << "ending session of " << (worker_id_.empty() ? "?" : worker_id_)
+                          << " from " << context_->peer() << ": " << status.message();
+      if (opened_) ReportEnded(std::string(status.message()));
+      outbox_->Finish(ToGrpcStatus(status));
+      return;
+    }
+    StartRead(&incoming_);
+  }
+
+  void OnWriteDone(bool ok) override { outbox_->OnWriteDone(ok); }
+
+  void OnDone() override {
+    outbox_->Detach();
+    if (opened_) ReportEnded("stream closed");
+    delete this;
+  }
+
+ private:
+  void ReportEnded(const std::string& why) {
+    if (ended_reported_.exchange(true)) return;
+    impl_->SessionEnded(worker_id_, why);
+  }
+
+  internal::ServerCore* impl_;
+  grpc::CallbackServerContext* context_;
+  std::shared_ptr<SessionOutbox> outbox_;
+  v1::WorkerMessage incoming_;
+  // Written by the read reaction only; OnDone runs after every other reaction.
+  bool opened_ = false;
+  std::string worker_id_;
+  std::atomic<bool> ended_reported_{false};
+};
+
+class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
+ public:
+  explicit CoordinatorServiceImpl(internal::ServerCore* impl) : impl_(impl) {}
+
+  grpc::ServerUnaryReactor* Register(grpc::CallbackServerContext* context,
+                                     const v1::RegisterRequest* request,
+                                     v1::RegisterResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!impl_->Authorized(context, "Coordinator.Register")) {
+      reactor->Finish(internal::ServerCore::Unauthenticated());
+      return reactor;
+    }
+    absl::StatusOr<v1::RegisterResponse> result =
+        impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
+          return c.Register(*request, now, actions);
+        });
+    if (!result.ok()) {
+      HETPAR_LOG(WARNING) << "refused registration of a " << RoleName(request->role())
+                          << " worker from " << context->peer() << ": "
+                          << result.status().message();
+      reactor->Finish(ToGrpcStatus(result.status()));
+      return reactor;
+    }
+    *response = *std::move(result);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
+      grpc::CallbackServerContext* context) override {
+    return new SessionReactor(impl_, context);
+  }
+
+ private:
+  internal::ServerCore* impl_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// KeyValue service
+
+// A unary call that completes when a key-value wait ends. The wait id is taken before the wait
+// starts: once the wait may have completed (and the call finished and been deleted), the reactor
+// touches nothing of itself.
+class KvWaitReactor : public grpc::ServerUnaryReactor {
+ public:
+  explicit KvWaitReactor(KeyValueStore* kv) : kv_(kv), id_(kv->NewWaitId()) {}
+  KeyValueStore::WaitId id() const { return id_; }
+  void OnCancel() override { kv_->Cancel(id_); }
+  void OnDone() override { delete this; }
+
+ private:
+  KeyValueStore* kv_;
+  const KeyValueStore::WaitId id_;
+};
+
+class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
+ public:
+  explicit KeyValueServiceImpl(internal::ServerCore* impl) : impl_(impl) {}
+
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
+                                const v1::KvSetRequest* request, v1::KvSetResponse*) override {
+    return Simple(context, "KeyValue.Set", [&] {
+      return impl_->kv_.Set(request->generation(), request->key(), request->value());
+    });
+  }
+
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context,
+                                const v1::KvGetRequest* request,
+                                v1::KvGetResponse* response) override {
+    if (request->timeout_ms() <= 0) {
+      return Simple(context, "KeyValue.Get", [&]() -> absl::Status {
+        absl::StatusOr<std::string> value = impl_->kv_.Get(request->generation(), request->key());
+        if (!value.ok()) return value.status();
+        response->set_value(*std::move(value));
+        return absl::OkStatus();
+      });
+    }
+    if (!impl_->Authorized(context, "KeyValue.Get")) return Unauthenticated(context);
+    auto* reactor = new KvWaitReactor(&impl_->kv_);
+    impl_->kv_.GetAsync(reactor->id(), request->generation(), request->key(),
+                        absl::Now() + absl::Milliseconds(request->timeout_ms()),
+                        [reactor, response](absl::StatusOr<std::string> value) {
+                          if (value.ok()) response->set_value(*std::move(value));
+                          reactor->Finish(ToGrpcStatus(value.status()));
+                        });
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Add(grpc::CallbackServerContext* context,
+                                const v1::KvAddRequest* request,
+                                v1::KvAddResponse* response) override {
+    return Simple(context, "KeyValue.Add", [&]() -> absl::Status {
+      absl::StatusOr<int64_t> value =
+          impl_->kv_.Add(request->generation(), request->key(), request->delta());
+      if (!value.ok()) return value.status();
+      response->set_value(*value);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* CompareSet(grpc::CallbackServerContext* context,
+                                       const v1::KvCompareSetRequest* request,
+                                       v1::KvCompareSetResponse* response) override {
+    return Simple(context, "KeyValue.CompareSet", [&]() -> absl::Status {
+      absl::StatusOr<std::string> value = impl_->kv_.CompareSet(
+          request->generation(), request->key(), request->expected(), request->desired());
+      if (!value.ok()) return value.status();
+      response->set_value(*std::move(value));
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Wait(grpc::CallbackServerContext* context,
+                                 const v1::KvWaitRequest* request, v1::KvWaitResponse*) override {
+    if (!impl_->Authorized(context, "KeyValue.Wait")) return Unauthenticated(context);
+    if (request->timeout_ms() <= 0) {
+      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                   absl::StrCat("KeyValue.Wait timeout_ms=", request->timeout_ms(),
+                                                "; expected > 0 (every wait has a deadline)")));
+      return reactor;
+    }
+    auto* reactor = new KvWaitReactor(&impl_->kv_);
+    impl_->kv_.Wait(reactor->id(), request->generation(),
+                    std::vector<std::string>(request->keys().begin(), request->keys().end()),
+                    absl::Now() + absl::Milliseconds(request->timeout_ms()),
+                    [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context,
+                                  const v1::KvCheckRequest* request,
+                                  v1::KvCheckResponse* response) override {
+    return Simple(context, "KeyValue.Check", [&]() -> absl::Status {
+      absl::StatusOr<bool> exist = impl_->kv_.Check(
+          request->generation(),
+          std::vector<std::string>(request->keys().begin(), request->keys().end()));
+      if (!exist.ok()) return exist.status();
+      response->set_all_exist(*exist);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* Delete(grpc::CallbackServerContext* context,
+                                   const v1::KvDeleteRequest* request,
+                                   v1::KvDeleteResponse* response) override {
+    return Simple(context, "KeyValue.Delete", [&]() -> absl::Status {
+      absl::StatusOr<bool> deleted = impl_->kv_.Delete(request->generation(), request->key());
+      if (!deleted.ok()) return deleted.status();
+      response->set_deleted(*deleted);
+      return absl::OkStatus();
+    });
+  }
+
+  grpc::ServerUnaryReactor* NumKeys(grpc::CallbackServerContext* context,
+                                    const v1::KvNumKeysRequest* request,
+                                    v1::KvNumKeysResponse* response) override {
+    return Simple(context, "KeyValue.NumKeys", [&]() -> absl::Status {
+      absl::StatusOr<int64_t> n = impl_->kv_.NumKeys(request->generation());
+      if (!n.ok()) return n.status();
+      response->set_num_keys(*n);
+      return absl::OkStatus();
+    });
+  }
+
+ private:
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Simple(grpc::CallbackServerContext* context, const char* method,
+                                   Fn&& fn) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!impl_->Authorized(context, method)) {
+      reactor->Finish(internal::ServerCore::Unauthenticated());
+      return reactor;
+    }
+    reactor->Finish(ToGrpcStatus(fn()));
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Unauthenticated(grpc::CallbackServerContext* context) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(internal::ServerCore::Unauthenticated());
+    return reactor;
+  }
+
+  internal::ServerCore* impl_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Admin service
+
+class AdminServiceImpl final : public v1::Admin::CallbackService {
+ public:
+  explicit AdminServiceImpl(internal::ServerCore* impl) : impl_(impl) {}
+
+  grpc::ServerUnaryReactor* Status(grpc::CallbackServerContext* context, const v1::StatusRequest*,
+                                   v1::StatusResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!impl_->Authorized(context, "Admin.Status")) {
+      reactor->Finish(internal::ServerCore::Unauthenticated());
+      return reactor;
+    }
+    *response = impl_->Status();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Stop(grpc::CallbackServerContext* context,
+                                 const v1::StopRequest* request,
+                                 v1::StopResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!impl_->Authorized(context, "Admin.Stop")) {
+      reactor->Finish(internal::ServerCore::Unauthenticated());
+      return reactor;
+    }
+    HETPAR_LOG(INFO) << "stop requested by " << context->peer()
+                     << (request->reason().empty() ? "" : ": " + request->reason());
+    *response = impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
+      return c.Stop(request->reason(), now, actions);
+    });
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* Scale(grpc::CallbackServerContext* context,
+                                  const v1::ScaleRequest* request,
+                                  v1::ScaleResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (!impl_->Authorized(context, "Admin.Scale")) {
+      reactor->Finish(internal::ServerCore::Unauthenticated());
+      return reactor;
+    }
+    absl::StatusOr<v1::ScaleResponse> result = impl_->WithController(
+        [&](RunController& c, absl::Time, Actions*) { return c.Scale(*request); });
+    if (result.ok()) *response = *std::move(result);
+    reactor->Finish(ToGrpcStatus(result.status()));
+    return reactor;
+  }
+
+ private:
+  internal::ServerCore* impl_;
+};
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------
+// ServerCore
+
+absl::Status internal::ServerCore::Start() {
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(options_.tls);
+  if (!credentials.ok()) return credentials.status();
+  coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(this);
+  kv_service_ = std::make_unique<KeyValueServiceImpl>(this);
+  admin_service_ = std::make_unique<AdminServiceImpl>(this);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options_.listen_address, *credentials, &port_);
+  // A second coordinator on the same port must fail, not share the port.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  builder.RegisterService(coordinator_service_.get());
+  builder.RegisterService(kv_service_.get());
+  builder.RegisterService(admin_service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options_.listen_address,
+                     ": the address is in use or not local (expected host:port; port 0 picks a "
+                     "free one)"));
+  }
+  const size_t colon = options_.listen_address.rfind(':');
+  address_ = absl::StrCat(options_.listen_address.substr(0, colon), ":", port_);
+  watchdog_ = std::thread([this] { WatchdogLoop(); });
+  return absl::OkStatus();
+}
+
+void internal::ServerCore::WatchdogLoop() {
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return shutting_down_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), options_.tick)) return;
+    }
+    WithController(
+        [](RunController& c, absl::Time now, Actions* actions) { c.Tick(now, actions); });
+    kv_.ExpireWaits(absl::Now());
+  }
+}
+
+void internal::ServerCore::Shutdown(absl::Duration grace) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    for (auto& [worker_id, outbox] : sessions_) {
+      outbox->Finish(
+          grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
+    }
+    sessions_.clear();
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  if (server_ != nullptr) {
+    server_->Shutdown(ChronoDeadline(absl::Now() + grace));
+    server_.reset();
+  }
+  // Waits that outlived the server are ended by their cancellation; nothing is left pending.
+  kv_.SetGeneration(-1);
+}
+
+// ------------------------------------------------------------------------------------------------
+// CoordinatorServer
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Create(
+    const v1::RunSpec& spec, ServerOptions options, std::unique_ptr<StepPlanner> planner) {
+  if (absl::Status s = ValidateToken(options.token, "the coordinator options"); !s.ok()) return s;
+  options.controller.listen_address = options.listen_address;
+  absl::StatusOr<std::unique_ptr<RunController>> controller =
+      RunController::Create(spec, options.controller, std::move(planner), absl::Now());
+  if (!controller.ok()) return controller.status();
+  auto impl = std::make_unique<internal::ServerCore>(std::move(options), *std::move(controller));
+  if (absl::Status s = impl->Start(); !s.ok()) return s;
+  return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
+}
+
+CoordinatorServer::CoordinatorServer(std::unique_ptr<internal::ServerCore> impl)
+    : impl_(std::move(impl)) {}
+CoordinatorServer::~CoordinatorServer() = default;
+
+const std::string& CoordinatorServer::address() const { return impl_->address_; }
+int CoordinatorServer::port() const { return impl_->port_; }
+v1::RunState CoordinatorServer::state() const { return impl_->state(); }
+v1::StatusResponse CoordinatorServer::Status() const { return impl_->Status(); }
+
+v1::StopResponse CoordinatorServer::Stop(const std::string& reason) {
+  return impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
+    return c.Stop(reason, now, actions);
+  });
+}
+
+v1::RunState CoordinatorServer::WaitForEnd(absl::Duration timeout) const {
+  return impl_->WaitForEnd(timeout);
+}
+
+void CoordinatorServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
+
+}  // namespace hetpar::coordinator

@@ -1,0 +1,441 @@
+// Every RPC of the coordinator against an in-process server on a free port.
+#include "coordinator/server.h"
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "coordinator/client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/client_context.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr char kToken[] = "test-run-token-5f1e";
+
+v1::RunSpec TinySpec(double heartbeat_timeout_s = 10, int64_t steps = 1) {
+  v1::RunSpec spec;
+  spec.mutable_run()->set_name("tiny");
+  spec.mutable_run()->set_steps(steps);
+  spec.mutable_run()->set_grad_clip(1.0);
+  spec.set_placement(v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_encoder()->mutable_layout()->set_dp(2);
+  spec.mutable_encoder()->mutable_layout()->set_tp(1);
+  spec.mutable_llm()->mutable_layout()->set_dp(1);
+  spec.mutable_llm()->mutable_layout()->set_tp(2);
+  spec.mutable_coordinator()->set_heartbeat_timeout_s(heartbeat_timeout_s);
+  spec.mutable_coordinator()->set_register_timeout_s(60);
+  return spec;
+}
+
+// Plans each step with 8 loss tokens and a per-worker plan text.
+class FixedPlanner : public StepPlanner {
+ public:
+  absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
+                                   const Membership& membership) override {
+    PlannedStep plan;
+    plan.global_loss_tokens = 8;
+    for (const WorkerRecord* w : membership.LiveWorkers()) {
+      plan.worker_plans[w->worker_id] = absl::StrCat(w->worker_id, "/", step, "/", generation);
+    }
+    return plan;
+  }
+};
+
+class ServerTest : public ::testing::Test {
+ protected:
+  void StartServer(v1::RunSpec spec, std::unique_ptr<StepPlanner> planner = nullptr) {
+    ServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.token = kToken;
+    options.controller.stop_timeout = absl::Seconds(5);
+    auto server = CoordinatorServer::Create(spec, options, std::move(planner));
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    ASSERT_GT(server_->port(), 0);
+    EXPECT_EQ(server_->address(), absl::StrCat("127.0.0.1:", server_->port()));
+  }
+
+  std::shared_ptr<CoordinatorConnection> Connect(const std::string& token = kToken,
+                                                 bool dedicated = false) {
+    ClientOptions options;
+    options.address = server_->address();
+    options.token = token;
+    options.rpc_timeout = absl::Seconds(10);
+    options.dedicated_connection = dedicated;
+    auto connection = CoordinatorConnection::Create(options);
+    EXPECT_TRUE(connection.ok()) << connection.status();
+    return *connection;
+  }
+
+  std::unique_ptr<WorkerSession> StartWorker(v1::WorkerRole role, const std::string& host) {
+    WorkerSession::Options options;
+    options.registration.set_role(role);
+    options.registration.set_host(host);
+    options.registration.set_data_address(host + ":7000");
+    options.registration.add_capabilities("cpu");
+    auto session = WorkerSession::Start(Connect(), std::move(options));
+    EXPECT_TRUE(session.ok()) << session.status();
+    return session.ok() ? *std::move(session) : nullptr;
+  }
+
+  // Two encoders and two LLM ranks, in that order, all past WaitForRunStart.
+  std::vector<std::unique_ptr<WorkerSession>> StartFourWorkers() {
+    std::vector<std::unique_ptr<WorkerSession>> workers;
+    workers.push_back(StartWorker(v1::WORKER_ROLE_ENCODER, "enc-a"));
+    workers.push_back(StartWorker(v1::WORKER_ROLE_ENCODER, "enc-b"));
+    workers.push_back(StartWorker(v1::WORKER_ROLE_LLM, "llm-a"));
+    workers.push_back(StartWorker(v1::WORKER_ROLE_LLM, "llm-b"));
+    for (auto& w : workers) {
+      auto assignment = w->WaitForRunStart(absl::Seconds(20));
+      EXPECT_TRUE(assignment.ok()) << assignment.status();
+    }
+    return workers;
+  }
+
+  // The next message of `kind`, skipping others (assignments).
+  static absl::StatusOr<v1::CoordinatorMessage> NextOf(WorkerSession& w,
+                                                       v1::CoordinatorMessage::KindCase kind,
+                                                       absl::Duration timeout = absl::Seconds(20)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      auto m = w.Next(deadline - absl::Now());
+      if (!m.ok() || m->kind_case() == kind) return m;
+    }
+  }
+
+  std::unique_ptr<CoordinatorServer> server_;
+};
+
+TEST_F(ServerTest, RegisterSessionsStatusAndStop) {
+  StartServer(TinySpec());
+  auto admin = AdminClient(Connect());
+  auto status = admin.Status();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->state(), v1::RUN_STATE_WAITING);
+  EXPECT_EQ(status->expected_workers(), 4);
+  EXPECT_EQ(status->missing_size(), 4);
+  EXPECT_EQ(status->listen_address(), server_->address());
+
+  auto workers = StartFourWorkers();
+  const v1::Assignment e0 = workers[0]->assignment();
+  EXPECT_EQ(e0.role(), v1::WORKER_ROLE_ENCODER);
+  ASSERT_EQ(e0.ranks_size(), 1);
+  EXPECT_EQ(e0.ranks(0).rank(), 0);
+  EXPECT_EQ(e0.generation(), 1);
+  ASSERT_EQ(e0.peers_size(), 2);
+  EXPECT_EQ(e0.peers(0).host(), "llm-a");
+  EXPECT_EQ(e0.peers(0).data_address(), "llm-a:7000");
+  EXPECT_EQ(e0.peers(1).ranks(0).tp(), 1);
+  const v1::Assignment l1 = workers[3]->assignment();
+  EXPECT_EQ(l1.ranks(0).module(), v1::MODULE_LLM);
+  EXPECT_EQ(l1.ranks(0).tp(), 1);
+  ASSERT_EQ(l1.peers_size(), 2);
+  EXPECT_EQ(l1.peers(1).host(), "enc-b");
+  EXPECT_EQ(workers[2]->registration().spec().run().name(), "tiny");
+
+  // The last worker learns its peers from Register, possibly before its session is open.
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  do {
+    status = admin.Status();
+    ASSERT_TRUE(status.ok());
+  } while (absl::Now() < deadline &&
+           std::any_of(status->workers().begin(), status->workers().end(),
+                       [](const v1::WorkerStatus& w) { return !w.session_open(); }));
+  EXPECT_EQ(status->state(), v1::RUN_STATE_RUNNING);
+  ASSERT_EQ(status->workers_size(), 4);
+  const std::vector<std::string> hosts = {"enc-a", "enc-b", "llm-a", "llm-b"};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(status->workers(i).host(), hosts[i]);
+    EXPECT_TRUE(status->workers(i).alive());
+    EXPECT_TRUE(status->workers(i).session_open());
+    EXPECT_EQ(status->workers(i).capabilities(0), "cpu");
+    EXPECT_LT(status->workers(i).last_heartbeat_age_s(), 5.0);
+  }
+  EXPECT_EQ(status->missing_size(), 0);
+  EXPECT_GT(status->cpu_seconds(), 0.0);
+
+  // A fifth worker finds every rank taken.
+  WorkerSession::Options extra;
+  extra.registration.set_role(v1::WORKER_ROLE_LLM);
+  auto fifth = WorkerSession::Start(Connect(), extra);
+  EXPECT_EQ(fifth.status().code(), absl::StatusCode::kResourceExhausted);
+
+  auto stop = admin.Stop("test over");
+  ASSERT_TRUE(stop.ok()) << stop.status();
+  EXPECT_EQ(stop->state(), v1::RUN_STATE_STOPPING);
+  for (auto& w : workers) {
+    auto m = NextOf(*w, v1::CoordinatorMessage::kStop);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->stop().reason(), "stop requested: test over");
+    EXPECT_TRUE(w->Close(absl::Seconds(10)).ok());
+  }
+  EXPECT_EQ(server_->WaitForEnd(absl::Seconds(10)), v1::RUN_STATE_DONE);
+  status = admin.Status();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->state(), v1::RUN_STATE_DONE);
+}
+
+TEST_F(ServerTest, MissingOrWrongTokenIsUnauthenticatedAndLoggedWithoutTheToken) {
+  StartServer(TinySpec());
+  const std::string wrong = "wrong-token-0000";
+  ::testing::internal::CaptureStderr();
+  {
+    WorkerSession::Options options;
+    options.registration.set_role(v1::WORKER_ROLE_ENCODER);
+    auto session = WorkerSession::Start(Connect(wrong), options);
+    EXPECT_EQ(session.status().code(), absl::StatusCode::kUnauthenticated);
+    EXPECT_THAT(std::string(session.status().message()), HasSubstr("Register RPC to coordinator"));
+  }
+  auto admin = AdminClient(Connect(wrong));
+  EXPECT_EQ(admin.Status().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(admin.Stop("x").status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(admin.Scale(3).status().code(), absl::StatusCode::kUnauthenticated);
+  KeyValueClient kv(Connect(wrong), 1);
+  EXPECT_EQ(kv.Set("k", "v").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(kv.Get("k", absl::Seconds(1)).status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(kv.Wait({"k"}, absl::Seconds(1)).code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(kv.Add("k", 1).status().code(), absl::StatusCode::kUnauthenticated);
+  // No token at all, on the raw stubs.
+  auto connection = Connect();
+  {
+    grpc::ClientContext context;
+    v1::RegisterRequest request;
+    request.set_role(v1::WORKER_ROLE_ENCODER);
+    v1::RegisterResponse response;
+    EXPECT_EQ(connection->coordinator().Register(&context, request, &response).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext context;
+    auto stream = connection->coordinator().Session(&context);
+    v1::WorkerMessage open;
+    open.mutable_open()->set_worker_id("enc0-1");
+    stream->Write(open);
+    v1::CoordinatorMessage reply;
+    EXPECT_FALSE(stream->Read(&reply));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(log, HasSubstr("rejected Coordinator.Register from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("rejected Admin.Status from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("rejected KeyValue.Wait from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("rejected Coordinator.Session from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("wrong run token"));
+  EXPECT_THAT(log, HasSubstr("missing run token"));
+  EXPECT_THAT(log, Not(HasSubstr(wrong)));
+  EXPECT_THAT(log, Not(HasSubstr(kToken)));
+  // Nothing was admitted; Status never shows the token.
+  auto status = AdminClient(Connect()).Status();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->workers_size(), 0);
+  EXPECT_THAT(status->DebugString(), Not(HasSubstr(kToken)));
+}
+
+TEST_F(ServerTest, SilentWorkerIsDeclaredDeadWithinTheTimeout) {
+  constexpr double kTimeout = 2.0;
+  StartServer(TinySpec(kTimeout));
+  auto workers = StartFourWorkers();
+  EXPECT_DOUBLE_EQ(workers[1]->assignment().heartbeat_interval_s(), 0.4);
+  const absl::Time paused = absl::Now();
+  workers[1]->PauseHeartbeats(true);
+  auto change = NextOf(*workers[0], v1::CoordinatorMessage::kMembershipChange);
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - paused);
+  ASSERT_TRUE(change.ok()) << change.status();
+  EXPECT_GE(elapsed, kTimeout - 1.0);
+  EXPECT_LE(elapsed, kTimeout + 1.0);
+  EXPECT_EQ(change->membership_change().generation(), 2);
+  ASSERT_EQ(change->membership_change().lost_size(), 1);
+  EXPECT_EQ(change->membership_change().lost(0).worker_id(), workers[1]->worker_id());
+  EXPECT_THAT(change->membership_change().reason(), HasSubstr("no heartbeat for"));
+  // The others got it too, and the silent one's session was ended.
+  auto other = NextOf(*workers[3], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_TRUE(other.ok());
+  auto ended = NextOf(*workers[1], v1::CoordinatorMessage::kMembershipChange, absl::Seconds(10));
+  EXPECT_EQ(ended.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(ended.status().message()), HasSubstr("declared dead"));
+  auto status = AdminClient(Connect()).Status();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->generation(), 2);
+  ASSERT_EQ(status->missing_size(), 1);
+  EXPECT_EQ(status->missing(0), "encoder rank 1 (dp 1, tp 0)");
+  // The heartbeating workers stay alive well past the timeout.
+  absl::SleepFor(absl::Seconds(kTimeout));
+  status = AdminClient(Connect()).Status();
+  ASSERT_TRUE(status.ok());
+  int alive = 0;
+  for (const auto& w : status->workers()) alive += w.alive() ? 1 : 0;
+  EXPECT_EQ(alive, 3);
+  for (auto& w : workers) (void)w->Close(absl::Seconds(5));
+}
+
+TEST_F(ServerTest, CrashedWorkerIsLostAtOnce) {
+  StartServer(TinySpec(/*heartbeat_timeout_s=*/30));
+  auto workers = StartFourWorkers();
+  const absl::Time crashed = absl::Now();
+  workers[2]->Cancel();
+  auto change = NextOf(*workers[0], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_TRUE(change.ok()) << change.status();
+  EXPECT_LT(absl::Now() - crashed, absl::Seconds(10));
+  EXPECT_EQ(change->membership_change().lost(0).worker_id(), workers[2]->worker_id());
+  EXPECT_THAT(change->membership_change().reason(), HasSubstr("session ended"));
+  for (auto& w : workers) (void)w->Close(absl::Seconds(5));
+}
+
+TEST_F(ServerTest, StepRunsThroughGradNormToCommit) {
+  StartServer(TinySpec(10, /*steps=*/1), std::make_unique<FixedPlanner>());
+  auto workers = StartFourWorkers();
+  std::vector<v1::StepPlan> plans;
+  for (auto& w : workers) {
+    auto m = NextOf(*w, v1::CoordinatorMessage::kStepPlan);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->step_plan().worker_plan(), absl::StrCat(w->worker_id(), "/0/1"));
+    EXPECT_EQ(m->step_plan().grad_norm_contributors(), 3);
+    plans.push_back(m->step_plan());
+  }
+  // dp-0 ranks: encoder 0 (worker 0), llm 0 and 1 (workers 2, 3).
+  const double partials[] = {9.0, 0.0, 16.0, 0.0};
+  for (int i : {0, 2, 3}) {
+    v1::GradNormPartial p;
+    p.set_step(0);
+    p.set_generation(1);
+    p.set_module(i == 0 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+    p.set_sum_squares(partials[i]);
+    ASSERT_TRUE(workers[i]->SendGradNormPartial(p).ok());
+  }
+  for (auto& w : workers) {
+    auto m = NextOf(*w, v1::CoordinatorMessage::kGradNorm);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_DOUBLE_EQ(m->grad_norm().norm(), 5.0);
+    EXPECT_DOUBLE_EQ(m->grad_norm().clip_coefficient(), 1.0 / (5.0 + 1e-6));
+  }
+  for (size_t i = 0; i < workers.size(); ++i) {
+    v1::StepReport r;
+    r.set_step(0);
+    r.set_generation(1);
+    r.set_ok(true);
+    if (i == 2) {
+      r.set_loss_sum(20.0);
+      r.set_loss_tokens(8);
+    }
+    ASSERT_TRUE(workers[i]->SendReport(r).ok());
+  }
+  for (auto& w : workers) {
+    auto m = NextOf(*w, v1::CoordinatorMessage::kCommit);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_DOUBLE_EQ(m->commit().loss(), 2.5);
+    auto stop = NextOf(*w, v1::CoordinatorMessage::kStop);
+    ASSERT_TRUE(stop.ok()) << stop.status();
+    EXPECT_EQ(stop->stop().reason(), "completed 1 steps");
+    EXPECT_TRUE(w->Close(absl::Seconds(10)).ok());
+  }
+  EXPECT_EQ(server_->WaitForEnd(absl::Seconds(10)), v1::RUN_STATE_DONE);
+  const v1::StatusResponse status = server_->Status();
+  EXPECT_EQ(status.committed_steps(), 1);
+  ASSERT_EQ(status.recent_steps_size(), 1);
+  EXPECT_TRUE(status.recent_steps(0).committed());
+  EXPECT_DOUBLE_EQ(status.recent_steps(0).loss(), 2.5);
+}
+
+TEST_F(ServerTest, KeyValueStoreSemantics) {
+  StartServer(TinySpec());
+  KeyValueClient kv(Connect(), 1);
+  ASSERT_TRUE(kv.Set("a", std::string("\0\xff", 2)).ok());
+  EXPECT_EQ(*kv.Get("a", absl::Seconds(1)), std::string("\0\xff", 2));
+  EXPECT_TRUE(*kv.Check({"a"}));
+  EXPECT_FALSE(*kv.Check({"a", "b"}));
+  EXPECT_EQ(*kv.NumKeys(), 1);
+  EXPECT_EQ(*kv.CompareSet("a", std::string("\0\xff", 2), "swapped"), "swapped");
+  EXPECT_EQ(*kv.CompareSet("a", "nope", "x"), "swapped");
+  EXPECT_TRUE(*kv.Delete("a"));
+  EXPECT_FALSE(*kv.Delete("a"));
+  EXPECT_EQ(*kv.NumKeys(), 0);
+
+  // Get waits for a key written later by someone else.
+  std::thread writer([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    KeyValueClient other(Connect(), 1);
+    ASSERT_TRUE(other.Set("late", "here").ok());
+  });
+  auto late = kv.Get("late", absl::Seconds(20));
+  writer.join();
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(*late, "here");
+  ASSERT_TRUE(kv.Wait({"late"}, absl::Seconds(1)).ok());
+
+  // Wait times out at its deadline, not before.
+  const absl::Time start = absl::Now();
+  absl::Status timed_out = kv.Wait({"late", "never"}, absl::Milliseconds(400));
+  const absl::Duration waited = absl::Now() - start;
+  EXPECT_EQ(timed_out.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(timed_out.message()), HasSubstr("'never'"));
+  EXPECT_GE(waited, absl::Milliseconds(400));
+  EXPECT_LT(waited, absl::Milliseconds(400) + absl::Seconds(1));
+  EXPECT_EQ(kv.Get("never", absl::Milliseconds(100)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(kv.Get("never", absl::ZeroDuration()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(kv.Wait({"x"}, absl::ZeroDuration()).code(), absl::StatusCode::kInvalidArgument);
+
+  // Another generation's keyspace is refused.
+  KeyValueClient stale(Connect(), 7);
+  auto refused = stale.Set("a", "b");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("generation 7"));
+}
+
+TEST_F(ServerTest, AddIsAtomicUnder32ConcurrentClients) {
+  StartServer(TinySpec());
+  constexpr int kClients = 32;
+  constexpr int kAdds = 25;
+  std::vector<std::vector<int64_t>> seen(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c, connection = Connect(kToken, /*dedicated=*/true)] {
+      KeyValueClient kv(connection, 1);
+      for (int i = 0; i < kAdds; ++i) {
+        auto value = kv.Add("counter", 1);
+        ASSERT_TRUE(value.ok()) << value.status();
+        seen[c].push_back(*value);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<int64_t> all;
+  for (const auto& s : seen) all.insert(all.end(), s.begin(), s.end());
+  std::sort(all.begin(), all.end());
+  ASSERT_EQ(all.size(), static_cast<size_t>(kClients * kAdds));
+  for (size_t i = 0; i < all.size(); ++i) ASSERT_EQ(all[i], static_cast<int64_t>(i) + 1);
+  EXPECT_EQ(*KeyValueClient(Connect(), 1).Get("counter", absl::Seconds(1)),
+            std::to_string(kClients * kAdds));
+}
+
+TEST_F(ServerTest, ScaleIsRecordedAndShownInStatus) {
+  StartServer(TinySpec());
+  AdminClient admin(Connect());
+  auto scaled = admin.Scale(5);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(scaled->current_encoder_replicas(), 2);
+  EXPECT_EQ(scaled->requested_encoder_replicas(), 5);
+  EXPECT_EQ(admin.Status()->requested_encoder_replicas(), 5);
+  EXPECT_EQ(admin.Scale(-1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ServerTest, ListenFailureIsReported) {
+  StartServer(TinySpec());
+  ServerOptions options;
+  options.listen_address = server_->address();  // taken
+  options.token = kToken;
+  auto second = CoordinatorServer::Create(TinySpec(), options);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()), HasSubstr(server_->address()));
+}
+
+}  // namespace
+}  // namespace hetpar::coordinator

@@ -1,0 +1,223 @@
+#include "coordinator/step_orchestrator.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hetpar::coordinator {
+
+StepOrchestrator::StepOrchestrator(const Membership& membership, Options options)
+    : encoder_grid_(membership.encoder_grid()),
+      llm_grid_(membership.llm_grid()),
+      options_(options) {}
+
+void StepOrchestrator::Broadcast(const v1::CoordinatorMessage& message, Outbox* out) const {
+  for (const auto& id : participants_) out->emplace_back(id, message);
+}
+
+bool StepOrchestrator::CountsLoss(const v1::RankCoordinates& rank) const {
+  return rank.module() == v1::MODULE_LLM && rank.tp() == 0 && rank.pp() == llm_grid_.pp - 1;
+}
+
+void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
+                             const std::vector<const WorkerRecord*>& participants, absl::Time now,
+                             Outbox* out) {
+  in_flight_ = true;
+  step_ = step;
+  generation_ = generation;
+  started_ = now;
+  global_loss_tokens_ = plan.global_loss_tokens;
+  participants_.clear();
+  expected_contributors_.clear();
+  contributed_.clear();
+  sum_squares_ = 0;
+  grad_norm_sent_ = false;
+  grad_norm_ = 0;
+  reported_.clear();
+  loss_sum_ = 0;
+  loss_tokens_ = 0;
+  any_loss_reported_ = false;
+  last_abort_reason_.clear();
+  for (const WorkerRecord* worker : participants) {
+    participants_.push_back(worker->worker_id);
+    for (const auto& rank : worker->ranks) {
+      if (rank.dp() == 0) expected_contributors_.insert({rank.module(), rank.rank()});
+    }
+  }
+  for (const WorkerRecord* worker : participants) {
+    v1::CoordinatorMessage message;
+    v1::StepPlan* step_plan = message.mutable_step_plan();
+    step_plan->set_step(step);
+    step_plan->set_generation(generation);
+    step_plan->set_global_loss_tokens(plan.global_loss_tokens);
+    step_plan->set_grad_norm_contributors(static_cast<int64_t>(expected_contributors_.size()));
+    auto it = plan.worker_plans.find(worker->worker_id);
+    if (it != plan.worker_plans.end()) step_plan->set_worker_plan(std::move(it->second));
+    out->emplace_back(worker->worker_id, std::move(message));
+  }
+}
+
+StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord& worker,
+                                                              const v1::GradNormPartial& partial,
+                                                              absl::Time now, Outbox* out) {
+  if (!in_flight_ || partial.step() != step_ || partial.generation() != generation_) {
+    return Outcome::kPending;
+  }
+  const v1::RankCoordinates* rank = nullptr;
+  for (const auto& r : worker.ranks) {
+    if (r.module() == partial.module()) rank = &r;
+  }
+  if (rank == nullptr || rank->dp() != 0) {
+    return DoAbort(
+        absl::StrCat(
+            "worker ", worker.Describe(), " sent a grad-norm partial for module ",
+            ModuleName(partial.module()),
+            rank == nullptr ? " it has no rank in" : absl::StrCat(" from dp replica ", rank->dp()),
+            "; expected partials only from ranks of dp replica 0"),
+        now, out);
+  }
+  const ContributorKey key{rank->module(), rank->rank()};
+  if (!contributed_.insert(key).second) {
+    return DoAbort(absl::StrCat("worker ", worker.Describe(), " sent a second grad-norm partial ",
+                                "for ", DescribeRank(*rank), " in step ", step_),
+                   now, out);
+  }
+  if (!std::isfinite(partial.sum_squares()) || partial.sum_squares() < 0) {
+    return DoAbort(
+        absl::StrCat("grad-norm partial of ", DescribeRank(*rank), " in step ", step_, " is ",
+                     partial.sum_squares(), "; expected a finite sum of squares >= 0 (diverged?)"),
+        now, out);
+  }
+  sum_squares_ += partial.sum_squares();
+  if (contributed_.size() < expected_contributors_.size()) return Outcome::kPending;
+  grad_norm_ = std::sqrt(sum_squares_);
+  grad_norm_sent_ = true;
+  v1::CoordinatorMessage message;
+  v1::GradNorm* norm = message.mutable_grad_norm();
+  norm->set_step(step_);
+  norm->set_generation(generation_);
+  norm->set_norm(grad_norm_);
+  norm->set_clip_coefficient(
+      options_.grad_clip > 0 ? std::min(1.0, options_.grad_clip / (grad_norm_ + 1e-6)) : 1.0);
+  Broadcast(message, out);
+  return MaybeCommit(now, out);
+}
+
+StepOrchestrator::Outcome StepOrchestrator::OnReport(const WorkerRecord& worker,
+                                                     const v1::StepReport& report, absl::Time now,
+                                                     Outbox* out) {
+  if (!in_flight_ || report.step() != step_ || report.generation() != generation_) {
+    return Outcome::kPending;
+  }
+  if (!report.ok()) {
+    return DoAbort(absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
+                                report.error().empty() ? "no reason given" : report.error()),
+                   now, out);
+  }
+  if (!reported_.insert(worker.worker_id).second) {
+    return DoAbort(absl::StrCat("worker ", worker.Describe(), " reported step ", step_, " twice"),
+                   now, out);
+  }
+  for (const auto& rank : worker.ranks) {
+    if (!CountsLoss(rank)) continue;
+    loss_sum_ += report.loss_sum();
+    loss_tokens_ += report.loss_tokens();
+    any_loss_reported_ = any_loss_reported_ || report.loss_tokens() != 0;
+  }
+  return MaybeCommit(now, out);
+}
+
+StepOrchestrator::Outcome StepOrchestrator::MaybeCommit(absl::Time now, Outbox* out) {
+  if (reported_.size() < participants_.size()) return Outcome::kPending;
+  if (!grad_norm_sent_ && !expected_contributors_.empty()) {
+    return DoAbort(absl::StrCat("every worker reported step ", step_, " but only ",
+                                contributed_.size(), " of ", expected_contributors_.size(),
+                                " grad-norm partials arrived; the optimizer ran without the ",
+                                "global grad norm"),
+                   now, out);
+  }
+  if (any_loss_reported_ && loss_tokens_ != global_loss_tokens_) {
+    return DoAbort(absl::StrCat("step ", step_, " counted ", loss_tokens_,
+                                " loss tokens over the last-stage tp-0 LLM ranks; the plan has ",
+                                global_loss_tokens_, " (a sample was lost or trained twice)"),
+                   now, out);
+  }
+  const double loss =
+      global_loss_tokens_ > 0 ? loss_sum_ / static_cast<double>(global_loss_tokens_) : 0.0;
+  v1::CoordinatorMessage message;
+  v1::StepCommit* commit = message.mutable_commit();
+  commit->set_step(step_);
+  commit->set_generation(generation_);
+  commit->set_loss(loss);
+  Broadcast(message, out);
+  in_flight_ = false;
+  Record(true, loss, now, "");
+  return Outcome::kCommitted;
+}
+
+StepOrchestrator::Outcome StepOrchestrator::OnWorkerLost(const WorkerRecord& worker, absl::Time now,
+                                                         Outbox* out) {
+  if (!in_flight_) return Outcome::kPending;
+  if (std::find(participants_.begin(), participants_.end(), worker.worker_id) ==
+      participants_.end()) {
+    return Outcome::kPending;
+  }
+  // The lost worker cannot receive the abort.
+  participants_.erase(std::find(participants_.begin(), participants_.end(), worker.worker_id));
+  return DoAbort(absl::StrCat("worker ", worker.Describe(), " was lost during step ", step_, ": ",
+                              worker.dead_reason),
+                 now, out);
+}
+
+StepOrchestrator::Outcome StepOrchestrator::CheckDeadline(absl::Time now, Outbox* out) {
+  if (!in_flight_ || now < deadline()) return Outcome::kPending;
+  std::vector<std::string> silent;
+  for (const auto& id : participants_) {
+    if (!reported_.count(id)) silent.push_back(id);
+  }
+  return DoAbort(
+      absl::StrCat(
+          "step ", step_, " did not finish within ", absl::FormatDuration(options_.step_timeout),
+          "; no report from ", silent.size(), " worker(s): ",
+          absl::StrJoin(silent.begin(), silent.begin() + std::min<size_t>(8, silent.size()), ", "),
+          silent.size() > 8 ? ", ..." : ""),
+      now, out);
+}
+
+StepOrchestrator::Outcome StepOrchestrator::Abort(const std::string& reason, absl::Time now,
+                                                  Outbox* out) {
+  if (!in_flight_) return Outcome::kPending;
+  return DoAbort(reason, now, out);
+}
+
+StepOrchestrator::Outcome StepOrchestrator::DoAbort(std::string reason, absl::Time now,
+                                                    Outbox* out) {
+  v1::CoordinatorMessage message;
+  v1::StepAbort* abort = message.mutable_abort();
+  abort->set_step(step_);
+  abort->set_generation(generation_);
+  abort->set_reason(reason);
+  Broadcast(message, out);
+  in_flight_ = false;
+  last_abort_reason_ = reason;
+  Record(false, 0, now, reason);
+  return Outcome::kAborted;
+}
+
+void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
+                              const std::string& reason) {
+  v1::StepTiming timing;
+  timing.set_step(step_);
+  timing.set_generation(generation_);
+  timing.set_committed(committed);
+  timing.set_duration_s(absl::ToDoubleSeconds(now - started_));
+  timing.set_loss(loss);
+  timing.set_grad_norm(grad_norm_);
+  timing.set_abort_reason(reason);
+  recent_.push_front(std::move(timing));
+  while (recent_.size() > options_.recent_steps) recent_.pop_back();
+}
+
+}  // namespace hetpar::coordinator

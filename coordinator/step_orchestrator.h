@@ -1,0 +1,136 @@
+// One step at a time: send each worker its part of the plan, combine the global gradient norm
+// from the modules' partial sums, collect the reports, and commit the step when every rank
+// reports success or abort it on a failure report, a dead worker, a bad message or the step
+// deadline.
+//
+// Protocol of a step (generation g, step s), as the workers see it:
+//   StepPlan(s, g) -> [DP replica 0 ranks] GradNormPartial(s, g, module, sum of squares)
+//   -> GradNorm(s, g, norm, clip coefficient) to every worker -> clip, optimizer
+//   -> StepReport(s, g, ok, loss) -> StepCommit(s, g, loss) or, at any point, StepAbort(s, g).
+// Grad-norm contributions are counted per (module, rank): every rank of DP replica 0 of each
+// module sends one (a colocated worker sends one per module). The loss is counted from the LLM
+// ranks with tp 0 on the last pipeline stage; their loss_tokens must add up to the plan's
+// global_loss_tokens.
+//
+// Pure state machine: no clock, no I/O, no locking (RunController owns one and locks around it).
+#ifndef HETPAR_COORDINATOR_STEP_ORCHESTRATOR_H_
+#define HETPAR_COORDINATOR_STEP_ORCHESTRATOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "coordinator/membership.h"
+#include "hetpar/v1/coordinator.pb.h"
+
+namespace hetpar::coordinator {
+
+// Messages to send, in order: (worker id, message).
+using Outbox = std::vector<std::pair<std::string, v1::CoordinatorMessage>>;
+
+// One step planned for the current membership.
+struct PlannedStep {
+  // Loss tokens in the global batch (the divisor of every microbatch loss).
+  int64_t global_loss_tokens = 0;
+  // Each live worker's part of the plan, encoded by the plan library, by worker id. Every live
+  // worker gets a StepPlan; a worker missing here gets an empty worker_plan.
+  std::map<std::string, std::string> worker_plans;
+};
+
+// Builds step plans. Called with the RunController's lock held, on the thread that completed
+// the previous step.
+class StepPlanner {
+ public:
+  virtual ~StepPlanner() = default;
+  // Plans step `step` (0-based; an aborted step is planned again with the same number) for the
+  // live workers of a complete `membership`.
+  virtual absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
+                                           const Membership& membership) = 0;
+};
+
+class StepOrchestrator {
+ public:
+  struct Options {
+    double grad_clip = 0;  // RunOptions.grad_clip; 0: off
+    absl::Duration step_timeout = absl::Minutes(10);
+    size_t recent_steps = 32;  // StepTimings kept for Status
+  };
+  enum class Outcome { kPending, kCommitted, kAborted };
+
+  StepOrchestrator(const Membership& membership, Options options);
+
+  // Starts step `step` in `generation` for `participants` (the live workers) and queues each
+  // one its StepPlan. Requires !in_flight().
+  void Begin(int64_t step, int64_t generation, PlannedStep plan,
+             const std::vector<const WorkerRecord*>& participants, absl::Time now, Outbox* out);
+
+  // Messages of a worker about a step. A message for a step or generation that is not the one in
+  // flight is stale and ignored (kPending). A malformed or duplicate one aborts the step.
+  Outcome OnGradNormPartial(const WorkerRecord& worker, const v1::GradNormPartial& partial,
+                            absl::Time now, Outbox* out);
+  Outcome OnReport(const WorkerRecord& worker, const v1::StepReport& report, absl::Time now,
+                   Outbox* out);
+  // A participant died or left: the step in flight is aborted.
+  Outcome OnWorkerLost(const WorkerRecord& worker, absl::Time now, Outbox* out);
+  // Aborts the step in flight when its deadline has passed.
+  Outcome CheckDeadline(absl::Time now, Outbox* out);
+  // Aborts the step in flight (run stopping, failing).
+  Outcome Abort(const std::string& reason, absl::Time now, Outbox* out);
+
+  bool in_flight() const { return in_flight_; }
+  int64_t step() const { return step_; }  // the step in flight, or the last one
+  absl::Time deadline() const {
+    return in_flight_ ? started_ + options_.step_timeout : absl::InfiniteFuture();
+  }
+  // Why the last step was aborted (empty after a commit).
+  const std::string& last_abort_reason() const { return last_abort_reason_; }
+  // Most recent first.
+  const std::deque<v1::StepTiming>& recent() const { return recent_; }
+
+ private:
+  struct ContributorKey {
+    v1::Module module;
+    int64_t rank;
+    bool operator<(const ContributorKey& other) const {
+      return std::tie(module, rank) < std::tie(other.module, other.rank);
+    }
+  };
+  void Broadcast(const v1::CoordinatorMessage& message, Outbox* out) const;
+  Outcome DoAbort(std::string reason, absl::Time now, Outbox* out);
+  Outcome MaybeCommit(absl::Time now, Outbox* out);
+  bool CountsLoss(const v1::RankCoordinates& rank) const;
+  void Record(bool committed, double loss, absl::Time now, const std::string& reason);
+
+  GridShape encoder_grid_;
+  GridShape llm_grid_;
+  Options options_;
+
+  bool in_flight_ = false;
+  int64_t step_ = -1;
+  int64_t generation_ = 0;
+  absl::Time started_;
+  int64_t global_loss_tokens_ = 0;
+  std::vector<std::string> participants_;
+  std::set<ContributorKey> expected_contributors_;
+  std::set<ContributorKey> contributed_;
+  double sum_squares_ = 0;
+  bool grad_norm_sent_ = false;
+  double grad_norm_ = 0;
+  std::set<std::string> reported_;
+  double loss_sum_ = 0;
+  int64_t loss_tokens_ = 0;
+  bool any_loss_reported_ = false;
+  std::string last_abort_reason_;
+  std::deque<v1::StepTiming> recent_;
+};
+
+}  // namespace hetpar::coordinator
+
+#endif  // HETPAR_COORDINATOR_STEP_ORCHESTRATOR_H_
