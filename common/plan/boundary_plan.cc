@@ -189,18 +189,16 @@ absl::StatusOr<BoundaryPlan> BuildBoundaryPlan(const Placement& placement,
         "boundary plan: the LLM assignment is for ", llm.replicas, " replicas and ",
         llm.sample_wave.size(), " samples; expected llm dp ", ll.dp, " and ", batch, " samples"));
   }
-  if (encoder.replicas != el.dp || encoder.waves != llm.waves ||
-      encoder.total_images() !=
-          [&] {
-            int64_t images = 0;
-            for (const SampleDescriptor& s : samples) images += s.image_count();
-            return images;
-          }() ||
-      static_cast<int64_t>(encoder.image_base.size()) != batch + 1) {
+  bool images_match =
+      static_cast<int64_t>(encoder.image_base.size()) == batch + 1 && encoder.image_base[0] == 0;
+  for (int64_t i = 0; images_match && i < batch; ++i) {
+    images_match = encoder.image_base[i + 1] - encoder.image_base[i] == samples[i].image_count();
+  }
+  if (encoder.replicas != el.dp || encoder.waves != llm.waves || !images_match) {
     return absl::InvalidArgumentError(absl::StrCat(
         "boundary plan: the encoder assignment is for ", encoder.replicas, " replicas, ",
         encoder.waves, " waves and ", encoder.total_images(), " images; expected encoder dp ",
-        el.dp, ", ", llm.waves, " waves and the batch's images"));
+        el.dp, ", ", llm.waves, " waves and the batch's images, sample by sample"));
   }
 
   BoundaryPlan plan;

@@ -191,6 +191,16 @@ absl::StatusOr<EncoderAssignment> AssignEncoder(const std::vector<SampleDescript
                                                    llm.sample_wave.size(),
                                                    " samples; the batch has ", batch));
   }
+  for (const LlmMicrobatch& mb : llm.microbatches) {
+    for (int64_t s : mb.samples) {
+      if (s < 0 || s >= batch || llm.sample_wave[s] != mb.wave) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("encoder assignment: LLM microbatch (replica ", mb.replica, ", wave ",
+                         mb.wave, ") lists batch position ", s, ", which is outside the batch of ",
+                         batch, " or assigned to another wave"));
+      }
+    }
+  }
   EncoderAssignment out;
   out.replicas = replicas;
   out.waves = llm.waves;
