@@ -1,0 +1,44 @@
+// Small file helpers for the data pipeline: whole-file reads, atomic writes, and the
+// (size, modification time) stamp that data index files are validated against.
+#ifndef HETPAR_COMMON_DATA_FILE_UTIL_H_
+#define HETPAR_COMMON_DATA_FILE_UTIL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace hetpar::data {
+
+// Size and modification time of a file, as stat(2) reports them.
+struct FileStamp {
+  int64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileStamp& other) const {
+    return size == other.size && mtime_ns == other.mtime_ns;
+  }
+  bool operator!=(const FileStamp& other) const { return !(*this == other); }
+};
+
+// NotFound when `path` does not exist; FailedPrecondition when it is not a regular file.
+absl::StatusOr<FileStamp> StatFile(const std::string& path);
+
+// The whole file; NotFound / PermissionDenied / DataLoss name the path.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+
+// Writes `contents` to `path` through a temporary file in the same directory, fsync and rename,
+// so a reader sees either the old file or the whole new one. Creates missing parent directories.
+// `durable` = false skips the fsync (for many small files made durable at once by SyncFileSystem).
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                                 bool durable = true);
+
+// Flushes the file system that holds `path` (syncfs(2)).
+absl::Status SyncFileSystem(const std::string& path);
+
+// Creates `path` and its parents if missing.
+absl::Status MakeDirectories(const std::string& path);
+
+}  // namespace hetpar::data
+
+#endif  // HETPAR_COMMON_DATA_FILE_UTIL_H_

@@ -1,0 +1,219 @@
+#include "common/data/image.h"
+
+#include <png.h>
+#include <stdlib.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+
+#include "common/data/file_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::data {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+RgbImage Pattern(int w, int h) {
+  RgbImage image(w, h);
+  for (int y = 0; y < h; ++y) {
+    for (int x = 0; x < w; ++x) {
+      uint8_t* p = image.at(y, x);
+      p[0] = static_cast<uint8_t>((x * 37 + y * 11) & 0xff);
+      p[1] = static_cast<uint8_t>((x * 5 + y * 91 + 13) & 0xff);
+      p[2] = static_cast<uint8_t>((x ^ y) * 3 & 0xff);
+    }
+  }
+  return image;
+}
+
+void ExpectSamePixels(const RgbImage& a, const RgbImage& b, int tolerance) {
+  ASSERT_EQ(a.width, b.width);
+  ASSERT_EQ(a.height, b.height);
+  ASSERT_EQ(a.pixels.size(), b.pixels.size());
+  for (size_t i = 0; i < a.pixels.size(); ++i) {
+    ASSERT_LE(std::abs(int{a.pixels[i]} - int{b.pixels[i]}), tolerance)
+        << "mismatch at byte " << i << " (pixel " << i / 3 << ", channel " << i % 3 << ")";
+  }
+}
+
+TEST(ImageTest, PngRoundTripIsExact) {
+  const RgbImage image = Pattern(37, 23);
+  absl::StatusOr<std::string> png = EncodePng(image);
+  ASSERT_TRUE(png.ok()) << png.status();
+  EXPECT_EQ(*DetectImageFormat(*png, "mem"), ImageFormat::kPng);
+  absl::StatusOr<RgbImage> decoded = DecodeImage(*png, "mem");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ExpectSamePixels(image, *decoded, 0);
+}
+
+TEST(ImageTest, JpegRoundTripIsClose) {
+  // Smooth content: JPEG at quality 100 with 4:4:4 chroma stays within a few levels.
+  RgbImage image(32, 24);
+  for (int y = 0; y < 24; ++y) {
+    for (int x = 0; x < 32; ++x) {
+      uint8_t* p = image.at(y, x);
+      p[0] = static_cast<uint8_t>(60 + 4 * x);
+      p[1] = static_cast<uint8_t>(40 + 6 * y);
+      p[2] = 128;
+    }
+  }
+  absl::StatusOr<std::string> jpeg = EncodeJpeg(image, 100);
+  ASSERT_TRUE(jpeg.ok()) << jpeg.status();
+  EXPECT_EQ(*DetectImageFormat(*jpeg, "mem"), ImageFormat::kJpeg);
+  absl::StatusOr<RgbImage> decoded = DecodeImage(*jpeg, "mem");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ExpectSamePixels(image, *decoded, 4);
+}
+
+TEST(ImageTest, RgbaPngIsCompositedOverBlack) {
+  // Two pixels: opaque orange and fully transparent white.
+  const uint8_t rgba[] = {250, 120, 10, 255, 255, 255, 255, 0};
+  png_image png;
+  std::memset(&png, 0, sizeof(png));
+  png.version = PNG_IMAGE_VERSION;
+  png.width = 2;
+  png.height = 1;
+  png.format = PNG_FORMAT_RGBA;
+  png_alloc_size_t size = 0;
+  ASSERT_TRUE(png_image_write_to_memory(&png, nullptr, &size, 0, rgba, 0, nullptr));
+  std::string bytes(size, '\0');
+  ASSERT_TRUE(png_image_write_to_memory(&png, bytes.data(), &size, 0, rgba, 0, nullptr));
+  bytes.resize(size);
+  absl::StatusOr<RgbImage> decoded = DecodeImage(bytes, "rgba");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  ASSERT_EQ(decoded->width, 2);
+  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{250, 120, 10, 0, 0, 0}));
+}
+
+TEST(ImageTest, GreyPngExpandsToRgb) {
+  const uint8_t grey[] = {0, 77, 255};
+  png_image png;
+  std::memset(&png, 0, sizeof(png));
+  png.version = PNG_IMAGE_VERSION;
+  png.width = 3;
+  png.height = 1;
+  png.format = PNG_FORMAT_GRAY;
+  png_alloc_size_t size = 0;
+  ASSERT_TRUE(png_image_write_to_memory(&png, nullptr, &size, 0, grey, 0, nullptr));
+  std::string bytes(size, '\0');
+  ASSERT_TRUE(png_image_write_to_memory(&png, bytes.data(), &size, 0, grey, 0, nullptr));
+  bytes.resize(size);
+  absl::StatusOr<RgbImage> decoded = DecodeImage(bytes, "grey");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{0, 0, 0, 77, 77, 77, 255, 255, 255}));
+}
+
+TEST(ImageTest, CorruptPngIsDataLossNamingTheSource) {
+  std::string png = *EncodePng(Pattern(16, 16));
+  // Flip a byte inside the IDAT payload: the CRC (or the zlib stream) no longer checks out.
+  const size_t idat = png.find("IDAT");
+  ASSERT_NE(idat, std::string::npos);
+  png[idat + 10] = static_cast<char>(png[idat + 10] ^ 0x5a);
+  absl::StatusOr<RgbImage> decoded = DecodeImage(png, "images/bad.png");
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kDataLoss) << decoded.status();
+  EXPECT_THAT(std::string(decoded.status().message()), HasSubstr("corrupt PNG images/bad.png"));
+}
+
+TEST(ImageTest, TruncatedFilesAreDataLoss) {
+  const std::string png = *EncodePng(Pattern(16, 16));
+  absl::StatusOr<RgbImage> p = DecodeImage(png.substr(0, png.size() / 2), "half.png");
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kDataLoss) << p.status();
+  const std::string jpeg = *EncodeJpeg(Pattern(64, 64), 90);
+  absl::StatusOr<RgbImage> j = DecodeImage(jpeg.substr(0, jpeg.size() / 2), "half.jpg");
+  EXPECT_EQ(j.status().code(), absl::StatusCode::kDataLoss) << j.status();
+  EXPECT_THAT(std::string(j.status().message()), HasSubstr("corrupt JPEG half.jpg"));
+}
+
+TEST(ImageTest, UnknownFormatIsInvalidArgument) {
+  absl::StatusOr<RgbImage> decoded = DecodeImage("GIF89a....", "x.gif");
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(decoded.status().message()), HasSubstr("x.gif"));
+  EXPECT_THAT(std::string(decoded.status().message()), HasSubstr("neither PNG nor JPEG"));
+}
+
+TEST(ImageTest, ResizeIdentityAndTriangleFilterDownscale) {
+  const RgbImage image = Pattern(8, 6);
+  ExpectSamePixels(image, ResizeImage(image, 8, 6), 0);
+  // Halving: each output pixel is the triangle-filter average of its 4x4 source neighbourhood.
+  const RgbImage half = ResizeImage(image, 4, 3);
+  ASSERT_EQ(half.width, 4);
+  ASSERT_EQ(half.height, 3);
+  for (int y = 0; y < 3; ++y) {
+    for (int x = 0; x < 4; ++x) {
+      for (int c = 0; c < 3; ++c) {
+        // The triangle filter at scale 2 weights the 4 covered source pixels of each axis as
+        // 1/8, 3/8, 3/8, 1/8 (clipped at the borders): compute the expectation the same way.
+        double acc = 0, wsum = 0;
+        for (int sy = 2 * y - 1; sy <= 2 * y + 2; ++sy) {
+          for (int sx = 2 * x - 1; sx <= 2 * x + 2; ++sx) {
+            if (sy < 0 || sy >= 6 || sx < 0 || sx >= 8) continue;
+            const double wy = 1 - std::abs((sy + 0.5 - (y + 0.5) * 2) / 2);
+            const double wx = 1 - std::abs((sx + 0.5 - (x + 0.5) * 2) / 2);
+            acc += wy * wx * image.at(sy, sx)[c];
+            wsum += wy * wx;
+          }
+        }
+        EXPECT_NEAR(half.at(y, x)[c], acc / wsum, 1.0) << y << "," << x << "," << c;
+      }
+    }
+  }
+}
+
+TEST(ImageTest, ResizeKeepsConstantImagesConstant) {
+  RgbImage flat(5, 7);
+  for (size_t i = 0; i < flat.pixels.size(); i += 3) {
+    flat.pixels[i] = 10;
+    flat.pixels[i + 1] = 200;
+    flat.pixels[i + 2] = 99;
+  }
+  for (auto [w, h] : {std::pair{32, 32}, std::pair{3, 2}, std::pair{11, 4}}) {
+    const RgbImage out = ResizeImage(flat, w, h);
+    ASSERT_EQ(out.pixels.size(), static_cast<size_t>(w * h * 3));
+    for (size_t i = 0; i < out.pixels.size(); i += 3) {
+      ASSERT_EQ(out.pixels[i], 10);
+      ASSERT_EQ(out.pixels[i + 1], 200);
+      ASSERT_EQ(out.pixels[i + 2], 99);
+    }
+  }
+}
+
+TEST(ImageTest, NormalizedChwHasEveryElementInPlace) {
+  const RgbImage image = Pattern(5, 4);
+  Normalization norm;
+  norm.mean = {0.1f, 0.2f, 0.3f};
+  norm.stddev = {0.5f, 0.25f, 2.0f};
+  const std::vector<float> chw = ToNormalizedChw(image, norm);
+  ASSERT_EQ(chw.size(), 3u * 5 * 4);
+  for (int c = 0; c < 3; ++c) {
+    for (int y = 0; y < 4; ++y) {
+      for (int x = 0; x < 5; ++x) {
+        const float expected =
+            (static_cast<float>(image.at(y, x)[c]) / 255.0f - norm.mean[c]) / norm.stddev[c];
+        ASSERT_EQ(chw[static_cast<size_t>(c * 20 + y * 5 + x)], expected) << c << y << x;
+      }
+    }
+  }
+}
+
+TEST(ImageTest, LoadImageForEncoderReadsResizesAndNormalises) {
+  std::string dir = (fs::temp_directory_path() / "hetpar_image_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const RgbImage image = Pattern(64, 64);
+  ASSERT_TRUE(WriteFileAtomically(dir + "/a.png", *EncodePng(image)).ok());
+  absl::StatusOr<std::vector<float>> loaded =
+      LoadImageForEncoder(dir + "/a.png", 32, Normalization());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, ToNormalizedChw(ResizeImage(image, 32, 32), Normalization()));
+  absl::StatusOr<std::vector<float>> missing =
+      LoadImageForEncoder(dir + "/missing.png", 32, Normalization());
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("missing.png"));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace hetpar::data

@@ -1,0 +1,345 @@
+#include "common/data/index.h"
+
+#include <algorithm>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::data {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr size_t kMaxListedProblems = 20;
+
+const char* OverlongName(OverlongPolicy policy) {
+  switch (policy) {
+    case OverlongPolicy::kReject:
+      return "reject";
+    case OverlongPolicy::kTruncate:
+      return "truncate";
+  }
+  return "reject";
+}
+
+void Reindex(DataIndex* index) {
+  index->by_id.clear();
+  for (size_t i = 0; i < index->records.size(); ++i) index->by_id[index->records[i].id] = i;
+}
+
+Json BadToJson(const BadSample& bad) {
+  return Json{{"id", bad.id},     {"where", bad.where},   {"line", bad.line},
+              {"path", bad.path}, {"reason", bad.reason}, {"code", static_cast<int>(bad.code)}};
+}
+
+}  // namespace
+
+absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
+  IndexSource source;
+  source.manifest = options.manifest;
+  absl::StatusOr<FileStamp> manifest = StatFile(options.manifest);
+  if (!manifest.ok()) return Annotate(manifest.status(), "manifest");
+  source.manifest_stamp = *manifest;
+  source.tokenizer = options.tokenizer;
+  absl::StatusOr<FileStamp> tokenizer = StatFile(options.tokenizer);
+  if (!tokenizer.ok()) return Annotate(tokenizer.status(), "tokenizer");
+  source.tokenizer_stamp = *tokenizer;
+  source.image_token = options.image_token;
+  source.tokens_per_image = options.tokens_per_image;
+  source.seq_len = options.seq_len;
+  source.overlong = options.overlong;
+  source.skip_bad_samples = options.skip_bad_samples;
+  return source;
+}
+
+const IndexRecord* DataIndex::Find(const std::string& id) const {
+  auto it = by_id.find(id);
+  return it == by_id.end() ? nullptr : &records[it->second];
+}
+
+int64_t DataIndex::total_tokens() const {
+  int64_t sum = 0;
+  for (const IndexRecord& r : records) sum += r.total_tokens();
+  return sum;
+}
+
+int64_t DataIndex::total_loss_tokens() const {
+  int64_t sum = 0;
+  for (const IndexRecord& r : records) sum += r.loss_tokens;
+  return sum;
+}
+
+int64_t DataIndex::total_images() const {
+  int64_t sum = 0;
+  for (const IndexRecord& r : records) sum += r.image_count;
+  return sum;
+}
+
+absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options) {
+  // Stat before reading any sample: a manifest edited during the build then looks stale.
+  absl::StatusOr<IndexSource> source = CurrentIndexSource(loader.options());
+  if (!source.ok()) return source.status();
+  const int64_t n = loader.size();
+  std::vector<absl::StatusOr<IndexRecord>> described(static_cast<size_t>(n),
+                                                     absl::UnknownError("not described"));
+  const int threads =
+      static_cast<int>(std::clamp<int64_t>(options.threads, 1, std::max<int64_t>(1, n)));
+  auto work = [&](int t) {
+    for (int64_t i = t; i < n; i += threads) {
+      described[static_cast<size_t>(i)] = loader.Describe(i, options.verify_images);
+    }
+  };
+  if (threads == 1) {
+    work(0);
+  } else {
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
+    for (std::thread& th : pool) th.join();
+  }
+
+  DataIndex index;
+  index.source = *source;
+  // Malformed manifest lines the loader skipped and the samples' own problems, by line.
+  std::vector<std::pair<int64_t, BadSample>> bad;
+  for (const BadSample& b : loader.manifest().bad) {
+    bad.emplace_back(b.line, b);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    absl::StatusOr<IndexRecord>& r = described[static_cast<size_t>(i)];
+    if (r.ok()) {
+      index.records.push_back(std::move(*r));
+    } else {
+      BadSample problem = loader.DescribeProblem(i, r.status());
+      bad.emplace_back(problem.line, std::move(problem));
+    }
+  }
+  std::stable_sort(bad.begin(), bad.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (auto& entry : bad) index.bad.push_back(std::move(entry.second));
+
+  if (!index.bad.empty() && !loader.options().skip_bad_samples) {
+    std::string message =
+        absl::StrCat(index.bad.size(), " bad sample(s) in ", loader.options().manifest,
+                     " (fix them, or set data.skip_bad_samples: true to skip them):");
+    for (size_t i = 0; i < index.bad.size() && i < kMaxListedProblems; ++i) {
+      absl::StrAppend(&message, "\n  ", index.bad[i].ToString());
+    }
+    if (index.bad.size() > kMaxListedProblems) {
+      absl::StrAppend(&message, "\n  ... and ", index.bad.size() - kMaxListedProblems, " more");
+    }
+    return absl::Status(index.bad.front().code, message);
+  }
+  for (const BadSample& b : index.bad) {
+    HETPAR_LOG(WARNING) << "skipping bad sample: " << b.ToString();
+  }
+  if (index.records.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("manifest ", loader.options().manifest,
+                                                      " has no usable sample (", index.bad.size(),
+                                                      " bad)"));
+  }
+  Reindex(&index);
+  return index;
+}
+
+absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
+  const IndexSource& s = index.source;
+  Json header = {{"hetpar_data_index", kIndexFormatVersion},
+                 {"manifest", s.manifest},
+                 {"manifest_size", s.manifest_stamp.size},
+                 {"manifest_mtime_ns", s.manifest_stamp.mtime_ns},
+                 {"tokenizer", s.tokenizer},
+                 {"tokenizer_size", s.tokenizer_stamp.size},
+                 {"tokenizer_mtime_ns", s.tokenizer_stamp.mtime_ns},
+                 {"image_token", s.image_token},
+                 {"tokens_per_image", s.tokens_per_image},
+                 {"seq_len", s.seq_len},
+                 {"overlong", OverlongName(s.overlong)},
+                 {"skip_bad_samples", s.skip_bad_samples},
+                 {"samples", index.records.size()},
+                 {"bad_samples", index.bad.size()}};
+  std::string out = header.dump();
+  out.push_back('\n');
+  for (const IndexRecord& r : index.records) {
+    Json line = {{"id", r.id},
+                 {"ordinal", r.ordinal},
+                 {"line", r.line},
+                 {"images", r.image_count},
+                 {"tokens_per_image", r.tokens_per_image},
+                 {"text_tokens", r.text_tokens},
+                 {"loss_tokens", r.loss_tokens},
+                 {"image_offsets", r.image_offsets},
+                 {"truncated", r.truncated}};
+    out += line.dump();
+    out.push_back('\n');
+  }
+  for (const BadSample& b : index.bad) {
+    out += Json{{"bad", BadToJson(b)}}.dump();
+    out.push_back('\n');
+  }
+  return WriteFileAtomically(path, out);
+}
+
+absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
+  absl::StatusOr<std::string> contents = ReadFileToString(path);
+  if (!contents.ok()) return Annotate(contents.status(), "data index");
+  DataIndex index;
+  int64_t expected_samples = -1;
+  int64_t expected_bad = -1;
+  int64_t line_number = 0;
+  size_t start = 0;
+  try {
+    while (start < contents->size()) {
+      size_t end = contents->find('\n', start);
+      if (end == std::string::npos) end = contents->size();
+      const std::string line = contents->substr(start, end - start);
+      start = end + 1;
+      ++line_number;
+      if (line.empty()) continue;
+      const Json json = Json::parse(line);
+      if (line_number == 1) {
+        if (!json.contains("hetpar_data_index")) {
+          return absl::DataLossError(
+              absl::StrCat("data index ", path, ": line 1 is not an index header"));
+        }
+        const int version = json.at("hetpar_data_index").get<int>();
+        if (version != kIndexFormatVersion) {
+          return absl::DataLossError(absl::StrCat("data index ", path, " has format version ",
+                                                  version, "; expected ", kIndexFormatVersion));
+        }
+        IndexSource& s = index.source;
+        s.manifest = json.at("manifest").get<std::string>();
+        s.manifest_stamp.size = json.at("manifest_size").get<int64_t>();
+        s.manifest_stamp.mtime_ns = json.at("manifest_mtime_ns").get<int64_t>();
+        s.tokenizer = json.at("tokenizer").get<std::string>();
+        s.tokenizer_stamp.size = json.at("tokenizer_size").get<int64_t>();
+        s.tokenizer_stamp.mtime_ns = json.at("tokenizer_mtime_ns").get<int64_t>();
+        s.image_token = json.at("image_token").get<std::string>();
+        s.tokens_per_image = json.at("tokens_per_image").get<int32_t>();
+        s.seq_len = json.at("seq_len").get<int32_t>();
+        s.overlong = json.at("overlong").get<std::string>() == "truncate"
+                         ? OverlongPolicy::kTruncate
+                         : OverlongPolicy::kReject;
+        s.skip_bad_samples = json.at("skip_bad_samples").get<bool>();
+        expected_samples = json.at("samples").get<int64_t>();
+        expected_bad = json.at("bad_samples").get<int64_t>();
+        continue;
+      }
+      if (json.contains("bad")) {
+        const Json& b = json.at("bad");
+        BadSample bad;
+        bad.id = b.at("id").get<std::string>();
+        bad.where = b.at("where").get<std::string>();
+        bad.line = b.at("line").get<int64_t>();
+        bad.path = b.at("path").get<std::string>();
+        bad.reason = b.at("reason").get<std::string>();
+        bad.code = static_cast<absl::StatusCode>(b.at("code").get<int>());
+        index.bad.push_back(std::move(bad));
+        continue;
+      }
+      IndexRecord r;
+      r.id = json.at("id").get<std::string>();
+      r.ordinal = json.at("ordinal").get<int64_t>();
+      r.line = json.at("line").get<int64_t>();
+      r.image_count = json.at("images").get<int32_t>();
+      r.tokens_per_image = json.at("tokens_per_image").get<int32_t>();
+      r.text_tokens = json.at("text_tokens").get<int32_t>();
+      r.loss_tokens = json.at("loss_tokens").get<int32_t>();
+      r.image_offsets = json.at("image_offsets").get<std::vector<int32_t>>();
+      r.truncated = json.at("truncated").get<bool>();
+      if (static_cast<int32_t>(r.image_offsets.size()) != r.image_count) {
+        return absl::DataLossError(absl::StrCat("data index ", path, ":", line_number, ": sample '",
+                                                r.id, "' has ", r.image_count, " images but ",
+                                                r.image_offsets.size(), " image offsets"));
+      }
+      index.records.push_back(std::move(r));
+    }
+  } catch (const Json::exception& e) {
+    return absl::DataLossError(
+        absl::StrCat("data index ", path, ":", line_number, " is not valid: ", e.what()));
+  }
+  if (expected_samples < 0) {
+    return absl::DataLossError(absl::StrCat("data index ", path, " is empty (no header)"));
+  }
+  if (static_cast<int64_t>(index.records.size()) != expected_samples ||
+      static_cast<int64_t>(index.bad.size()) != expected_bad) {
+    return absl::DataLossError(absl::StrCat(
+        "data index ", path, " is incomplete: header says ", expected_samples, " samples and ",
+        expected_bad, " bad, the file holds ", index.records.size(), " and ", index.bad.size()));
+  }
+  Reindex(&index);
+  if (index.by_id.size() != index.records.size()) {
+    return absl::DataLossError(absl::StrCat("data index ", path, " repeats a sample id"));
+  }
+  return index;
+}
+
+absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current) {
+  const IndexSource& built = index.source;
+  std::vector<std::string> changes;
+  if (built.manifest_stamp != current.manifest_stamp) {
+    changes.push_back(absl::StrCat(
+        "manifest ", current.manifest, " is now ", current.manifest_stamp.size, " bytes, mtime ",
+        current.manifest_stamp.mtime_ns, " ns (index built from ", built.manifest_stamp.size,
+        " bytes, mtime ", built.manifest_stamp.mtime_ns, " ns)"));
+  }
+  if (built.tokenizer_stamp != current.tokenizer_stamp) {
+    changes.push_back(absl::StrCat("tokenizer ", current.tokenizer, " changed (now ",
+                                   current.tokenizer_stamp.size, " bytes, mtime ",
+                                   current.tokenizer_stamp.mtime_ns, " ns)"));
+  }
+  if (built.image_token != current.image_token) {
+    changes.push_back(absl::StrCat("image_token is '", current.image_token, "' (index: '",
+                                   built.image_token, "')"));
+  }
+  if (built.tokens_per_image != current.tokens_per_image) {
+    changes.push_back(absl::StrCat("tokens per image is ", current.tokens_per_image,
+                                   " (index: ", built.tokens_per_image, ")"));
+  }
+  if (built.seq_len != current.seq_len) {
+    changes.push_back(
+        absl::StrCat("seq_len is ", current.seq_len, " (index: ", built.seq_len, ")"));
+  }
+  if (built.overlong != current.overlong) {
+    changes.push_back(absl::StrCat("overlong is ", OverlongName(current.overlong),
+                                   " (index: ", OverlongName(built.overlong), ")"));
+  }
+  if (built.skip_bad_samples != current.skip_bad_samples) {
+    changes.push_back(absl::StrCat("skip_bad_samples is ", current.skip_bad_samples,
+                                   " (index: ", built.skip_bad_samples, ")"));
+  }
+  if (changes.empty()) return absl::OkStatus();
+  std::string message = "data index is stale:";
+  for (const std::string& c : changes) absl::StrAppend(&message, " ", c, ";");
+  absl::StrAppend(&message, " rebuild it (hetpar data index)");
+  return absl::FailedPreconditionError(message);
+}
+
+absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
+                                           const IndexBuildOptions& options, bool* rebuilt) {
+  if (rebuilt != nullptr) *rebuilt = false;
+  absl::StatusOr<IndexSource> current = CurrentIndexSource(loader.options());
+  if (!current.ok()) return current.status();
+  absl::StatusOr<DataIndex> existing = ReadIndex(path);
+  if (existing.ok()) {
+    absl::Status fresh = CheckIndexSource(*existing, *current);
+    if (fresh.ok()) {
+      for (const BadSample& b : existing->bad) {
+        HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();
+      }
+      return existing;
+    }
+    HETPAR_LOG(INFO) << "rebuilding " << path << ": " << fresh.message();
+  } else if (existing.status().code() != absl::StatusCode::kNotFound) {
+    HETPAR_LOG(WARNING) << "rebuilding " << path << ": " << existing.status().message();
+  }
+  absl::StatusOr<DataIndex> built = BuildIndex(loader, options);
+  if (!built.ok()) return built.status();
+  if (absl::Status s = WriteIndex(*built, path); !s.ok()) return s;
+  if (rebuilt != nullptr) *rebuilt = true;
+  return built;
+}
+
+}  // namespace hetpar::data

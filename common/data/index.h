@@ -1,0 +1,87 @@
+// The data index: one record per usable sample (id, image count, tokens per image, text tokens,
+// loss tokens, where each image's placeholder rows start), so the coordinator can plan steps
+// without decoding an image. Built once from a DataLoader and written beside the manifest; it
+// remembers the manifest's and the tokenizer's size and modification time and the sequence
+// settings, and is rebuilt when any of them changed.
+//
+// File format (JSON lines): a header line {"hetpar_data_index": 1, ...}, one line per usable
+// sample {"id", "ordinal", "line", "images", "tokens_per_image", "text_tokens", "loss_tokens",
+// "image_offsets", "truncated"}, then one line per skipped sample {"bad": {...}}.
+#ifndef HETPAR_COMMON_DATA_INDEX_H_
+#define HETPAR_COMMON_DATA_INDEX_H_
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/data/file_util.h"
+#include "common/data/loader.h"
+#include "common/data/manifest.h"
+#include "common/data/record.h"
+
+namespace hetpar::data {
+
+inline constexpr int kIndexFormatVersion = 1;
+
+// What an index was built from; an index is valid only while all of it still holds.
+struct IndexSource {
+  std::string manifest;
+  FileStamp manifest_stamp;
+  std::string tokenizer;
+  FileStamp tokenizer_stamp;
+  std::string image_token;
+  int32_t tokens_per_image = 0;
+  int32_t seq_len = 0;
+  OverlongPolicy overlong = OverlongPolicy::kReject;
+  bool skip_bad_samples = false;
+};
+
+// The IndexSource for a loader's options as the files are now (stat of manifest and tokenizer).
+absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options);
+
+struct DataIndex {
+  IndexSource source;
+  std::vector<IndexRecord> records;  // usable samples, in manifest order
+  std::vector<BadSample> bad;        // samples skipped (skip_bad_samples), in manifest order
+
+  // The record of `id`, or nullptr.
+  const IndexRecord* Find(const std::string& id) const;
+  int64_t total_tokens() const;
+  int64_t total_loss_tokens() const;
+  int64_t total_images() const;
+
+  std::unordered_map<std::string, size_t> by_id;  // id -> position in records
+};
+
+struct IndexBuildOptions {
+  // Decode every image once (catches corrupt files); otherwise only check the files exist.
+  bool verify_images = true;
+  // Worker threads for building (samples are independent).
+  int threads = 1;
+};
+
+// Describes every sample of the loader's manifest. A bad sample (including malformed manifest
+// lines the loader skipped) fails the build with every problem listed, unless the loader's
+// skip_bad_samples, which logs each one (HETPAR_LOG(WARNING), the run's log) and records it in
+// DataIndex::bad. The records keep their ids and ordinals: a skipped sample never shifts another.
+absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options);
+
+absl::Status WriteIndex(const DataIndex& index, const std::string& path);
+// NotFound when missing; DataLoss for a file that is not a complete index.
+absl::StatusOr<DataIndex> ReadIndex(const std::string& path);
+
+// OK when `index` was built from `current`; FailedPrecondition naming what changed otherwise.
+absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current);
+
+// Reads the index at `path` when it matches the loader's files and settings; otherwise builds
+// it and writes it to `path`. *rebuilt (optional) tells which happened.
+absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
+                                           const IndexBuildOptions& options,
+                                           bool* rebuilt = nullptr);
+
+}  // namespace hetpar::data
+
+#endif  // HETPAR_COMMON_DATA_INDEX_H_

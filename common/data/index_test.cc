@@ -1,0 +1,258 @@
+#include "common/data/index.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/data/file_util.h"
+#include "common/data/synth.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::data {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+class IndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / "hetpar_index_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(dir_.data()), nullptr);
+    SynthOptions o = SynthOptionsForDirectory(dir_);
+    o.samples = 40;
+    o.val_samples = 0;
+    o.val_manifest.clear();
+    o.seed = 3;
+    absl::StatusOr<SynthReport> report = GenerateSyntheticDataset(o);
+    ASSERT_TRUE(report.ok()) << report.status();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  LoaderOptions Options(const std::string& manifest = "") const {
+    LoaderOptions o;
+    o.manifest = manifest.empty() ? dir_ + "/train.jsonl" : manifest;
+    o.tokenizer = dir_ + "/tokenizer.model";
+    o.image_size = 32;
+    o.tokens_per_image = 16;
+    o.seq_len = 128;
+    return o;
+  }
+  std::unique_ptr<DataLoader> Make(const LoaderOptions& o) const {
+    absl::StatusOr<std::unique_ptr<DataLoader>> loader = DataLoader::Create(o);
+    EXPECT_TRUE(loader.ok()) << loader.status();
+    return loader.ok() ? std::move(*loader) : nullptr;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(IndexTest, RecordsMatchTheDecodedSamples) {
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  ASSERT_NE(loader, nullptr);
+  for (int threads : {1, 3}) {
+    IndexBuildOptions build;
+    build.threads = threads;
+    absl::StatusOr<DataIndex> index = BuildIndex(*loader, build);
+    ASSERT_TRUE(index.ok()) << index.status();
+    ASSERT_EQ(index->records.size(), 40u);
+    EXPECT_TRUE(index->bad.empty());
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < loader->size(); ++i) {
+      absl::StatusOr<LoadedSample> sample = loader->Load(i);
+      ASSERT_TRUE(sample.ok()) << sample.status();
+      const IndexRecord& r = index->records[static_cast<size_t>(i)];
+      EXPECT_EQ(r.id, sample->id);
+      EXPECT_EQ(index->Find(sample->id), &r);
+      EXPECT_EQ(r.ordinal, i);
+      EXPECT_EQ(r.line, i + 1);
+      EXPECT_EQ(r.image_count, static_cast<int32_t>(sample->images.size()));
+      EXPECT_EQ(r.tokens_per_image, 16);
+      EXPECT_EQ(r.text_tokens, sample->tokens.text_tokens);
+      EXPECT_EQ(r.loss_tokens, sample->tokens.loss_tokens);
+      EXPECT_EQ(r.image_offsets, sample->tokens.image_offsets);
+      EXPECT_EQ(r.total_tokens(), sample->tokens.length());
+      EXPECT_FALSE(r.truncated);
+      tokens += sample->tokens.length();
+    }
+    EXPECT_EQ(index->total_tokens(), tokens);
+  }
+}
+
+TEST_F(IndexTest, FileRoundTripKeepsEveryField) {
+  // The generator already wrote the index; reading it gives what building gives.
+  absl::StatusOr<DataIndex> read = ReadIndex(dir_ + "/train.jsonl.index");
+  ASSERT_TRUE(read.ok()) << read.status();
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  absl::StatusOr<DataIndex> built = BuildIndex(*loader, IndexBuildOptions());
+  ASSERT_TRUE(built.ok());
+  ASSERT_EQ(read->records.size(), built->records.size());
+  for (size_t i = 0; i < built->records.size(); ++i) {
+    EXPECT_EQ(read->records[i], built->records[i]) << i;
+  }
+  EXPECT_EQ(read->source.manifest_stamp, built->source.manifest_stamp);
+  EXPECT_EQ(read->source.tokenizer_stamp, built->source.tokenizer_stamp);
+  EXPECT_EQ(read->source.seq_len, 128);
+  EXPECT_EQ(read->source.tokens_per_image, 16);
+  EXPECT_EQ(read->source.image_token, "<image>");
+  EXPECT_TRUE(CheckIndexSource(*read, *CurrentIndexSource(Options())).ok());
+}
+
+TEST_F(IndexTest, StaleIndexIsDetectedAndRebuilt) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  bool rebuilt = true;
+  absl::StatusOr<DataIndex> same = LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_FALSE(rebuilt);
+
+  // A different seq_len makes it stale.
+  LoaderOptions longer = Options();
+  longer.seq_len = 100;
+  absl::Status s = CheckIndexSource(*same, *CurrentIndexSource(longer));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("seq_len is 100 (index: 128)"));
+
+  // Appending a sample changes the manifest's size and time.
+  ::usleep(10000);
+  {
+    std::ofstream out(dir_ + "/train.jsonl", std::ios::app);
+    ManifestRecord r;
+    r.id = "extra";
+    r.prompt = "what is one plus one?";
+    r.text = "two.";
+    out << ManifestRecordToJson(r) << "\n";
+  }
+  s = CheckIndexSource(*same, *CurrentIndexSource(Options()));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("manifest " + dir_ + "/train.jsonl is now"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("hetpar data index"));
+
+  std::unique_ptr<DataLoader> reloaded = Make(Options());
+  absl::StatusOr<DataIndex> fresh =
+      LoadOrBuildIndex(*reloaded, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_TRUE(rebuilt);
+  ASSERT_EQ(fresh->records.size(), 41u);
+  EXPECT_EQ(fresh->records.back().id, "extra");
+  EXPECT_EQ(fresh->records.back().image_count, 0);
+  // And now it is current.
+  absl::StatusOr<DataIndex> again =
+      LoadOrBuildIndex(*reloaded, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(rebuilt);
+  EXPECT_EQ(again->records.size(), 41u);
+}
+
+TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
+  // Lines 1-3 good, 4 missing image, 5 corrupt manifest line, 6 good, 7 corrupt image.
+  std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
+  png.resize(png.size() / 2);
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/half.png", png).ok());
+  std::vector<std::string> lines;
+  for (int i = 0; i < 3; ++i)
+    lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record));
+  ManifestRecord missing;
+  missing.id = "missing";
+  missing.prompt = "<image>describe the image.";
+  missing.images = {"images/none.png"};
+  missing.text = "the image is empty.";
+  lines.push_back(ManifestRecordToJson(missing));
+  lines.push_back("{\"id\": \"broken\"");
+  lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", 5, 3).record));
+  ManifestRecord corrupt = missing;
+  corrupt.id = "corrupt";
+  corrupt.images = {"half.png"};
+  lines.push_back(ManifestRecordToJson(corrupt));
+  std::string text;
+  for (const std::string& l : lines) text += l + "\n";
+  const std::string manifest = dir_ + "/mixed.jsonl";
+  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+
+  // Strict: the manifest line already fails loading.
+  EXPECT_FALSE(DataLoader::Create(Options(manifest)).ok());
+  // Strict over a manifest without the malformed line: the build lists both bad images.
+  std::string no_broken;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    if (i != 4) no_broken += lines[i] + "\n";
+  }
+  const std::string manifest2 = dir_ + "/mixed2.jsonl";
+  ASSERT_TRUE(WriteFileAtomically(manifest2, no_broken).ok());
+  absl::StatusOr<DataIndex> strict = BuildIndex(*Make(Options(manifest2)), IndexBuildOptions());
+  ASSERT_FALSE(strict.ok());
+  EXPECT_EQ(strict.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(strict.status().message()), HasSubstr("2 bad sample(s)"));
+  EXPECT_THAT(std::string(strict.status().message()),
+              HasSubstr("sample 'missing' (" + manifest2 + ":4): image file not found"));
+  EXPECT_THAT(std::string(strict.status().message()),
+              HasSubstr("sample 'corrupt' (" + manifest2 + ":6): corrupt PNG"));
+  EXPECT_THAT(std::string(strict.status().message()), HasSubstr("data.skip_bad_samples"));
+
+  // Skipping: the three bad ones are recorded with ids, lines and paths; the others keep theirs.
+  LoaderOptions skip = Options(manifest);
+  skip.skip_bad_samples = true;
+  std::unique_ptr<DataLoader> loader = Make(skip);
+  ASSERT_NE(loader, nullptr);
+  absl::StatusOr<DataIndex> index = BuildIndex(*loader, IndexBuildOptions());
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_EQ(index->records.size(), 4u);
+  const std::vector<std::string> ids = {"train-000000", "train-000001", "train-000002",
+                                        "train-000005"};
+  const std::vector<int64_t> line_numbers = {1, 2, 3, 6};
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(index->records[i].id, ids[i]);
+    EXPECT_EQ(index->records[i].line, line_numbers[i]);
+    absl::StatusOr<LoadedSample> sample = loader->LoadById(ids[i]);
+    ASSERT_TRUE(sample.ok());
+    EXPECT_EQ(index->records[i].loss_tokens, sample->tokens.loss_tokens);
+  }
+  ASSERT_EQ(index->bad.size(), 3u);
+  EXPECT_EQ(index->bad[0].id, "missing");
+  EXPECT_EQ(index->bad[0].line, 4);
+  EXPECT_EQ(index->bad[0].path, dir_ + "/images/none.png");
+  EXPECT_EQ(index->bad[0].code, absl::StatusCode::kNotFound);
+  EXPECT_EQ(index->bad[1].line, 5);
+  EXPECT_THAT(index->bad[1].reason, HasSubstr("not valid JSON"));
+  EXPECT_EQ(index->bad[2].id, "corrupt");
+  EXPECT_EQ(index->bad[2].path, dir_ + "/half.png");
+  EXPECT_EQ(index->bad[2].code, absl::StatusCode::kDataLoss);
+
+  // The skipped samples survive a write and a read.
+  ASSERT_TRUE(WriteIndex(*index, dir_ + "/mixed.index").ok());
+  absl::StatusOr<DataIndex> read = ReadIndex(dir_ + "/mixed.index");
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->bad.size(), 3u);
+  EXPECT_EQ(read->bad[2].ToString(), index->bad[2].ToString());
+  EXPECT_EQ(read->bad[2].code, absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(read->source.skip_bad_samples);
+}
+
+TEST_F(IndexTest, DamagedIndexFilesAreDataLoss) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  std::string text = *ReadFileToString(path);
+  // Drop the last record: the header's count no longer matches.
+  text.resize(text.rfind('\n', text.size() - 2) + 1);
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/short.index", text).ok());
+  absl::StatusOr<DataIndex> a = ReadIndex(dir_ + "/short.index");
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(a.status().message()), HasSubstr("incomplete"));
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/junk.index", "{\"x\": 1}\n").ok());
+  EXPECT_EQ(ReadIndex(dir_ + "/junk.index").status().code(), absl::StatusCode::kDataLoss);
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/broken.index", text.substr(0, 40)).ok());
+  EXPECT_EQ(ReadIndex(dir_ + "/broken.index").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(ReadIndex(dir_ + "/none.index").status().code(), absl::StatusCode::kNotFound);
+  // A damaged index is rebuilt by LoadOrBuildIndex.
+  ASSERT_TRUE(WriteFileAtomically(path, text).ok());
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> index =
+      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(index->records.size(), 40u);
+}
+
+}  // namespace
+}  // namespace hetpar::data

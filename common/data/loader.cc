@@ -1,0 +1,288 @@
+#include "common/data/loader.h"
+
+#include <sys/stat.h>
+
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+#include "common/data/file_util.h"
+
+namespace hetpar::data {
+namespace {
+
+// Status payload carrying the file a sample error is about (BadSample::path).
+constexpr char kPathPayload[] = "type.hetpar.dev/data.path";
+
+std::string Where(const Manifest& manifest, const ManifestRecord& record) {
+  return absl::StrCat(manifest.path, ":", record.line);
+}
+
+// Splits `text` at each occurrence of `marker` into segments; counts the markers.
+void AppendSegments(const std::string& text, const std::string& marker,
+                    std::vector<std::pair<bool, std::string>>* out, int* markers) {
+  size_t start = 0;
+  while (true) {
+    const size_t found = text.find(marker, start);
+    const std::string chunk =
+        text.substr(start, found == std::string::npos ? std::string::npos : found - start);
+    if (!chunk.empty()) out->emplace_back(false, chunk);
+    if (found == std::string::npos) break;
+    out->emplace_back(true, std::string());
+    ++*markers;
+    start = found + marker.size();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
+                                                       Split split) {
+  LoaderOptions options;
+  options.manifest = split == Split::kTrain ? spec.data().manifest() : spec.data().val_manifest();
+  if (options.manifest.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(split == Split::kTrain ? "data.manifest" : "data.val_manifest",
+                     " is empty: expected a JSONL manifest path"));
+  }
+  options.tokenizer = spec.data().tokenizer();
+  options.image_token = spec.data().image_token().empty() ? "<image>" : spec.data().image_token();
+  options.image_size = static_cast<int32_t>(spec.encoder().model().image_size());
+  options.tokens_per_image = static_cast<int32_t>(config::TokensPerImage(spec.encoder().model()));
+  options.seq_len = static_cast<int32_t>(spec.llm().model().seq_len());
+  options.max_vocab = static_cast<int32_t>(spec.llm().model().vocab());
+  options.overlong = spec.data().overlong() == hetpar::v1::OVERLONG_POLICY_TRUNCATE
+                         ? OverlongPolicy::kTruncate
+                         : OverlongPolicy::kReject;
+  options.skip_bad_samples = spec.data().skip_bad_samples();
+  return options;
+}
+
+DataLoader::DataLoader(LoaderOptions options, Manifest manifest,
+                       std::unique_ptr<Tokenizer> tokenizer, int32_t image_token_id)
+    : options_(std::move(options)),
+      manifest_(std::move(manifest)),
+      tokenizer_(std::move(tokenizer)),
+      image_token_id_(image_token_id) {}
+
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptions& options) {
+  if (options.image_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loader image_size=", options.image_size, "; expected >= 1"));
+  }
+  if (options.tokens_per_image <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loader tokens_per_image=", options.tokens_per_image, "; expected >= 1"));
+  }
+  if (options.seq_len < 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loader seq_len=", options.seq_len, "; expected >= 2"));
+  }
+  if (options.image_token.empty()) {
+    return absl::InvalidArgumentError("loader image_token is empty; expected e.g. <image>");
+  }
+  for (int c = 0; c < 3; ++c) {
+    if (!(options.normalization.stddev[c] > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "normalisation stddev[", c, "]=", options.normalization.stddev[c], "; expected > 0"));
+    }
+  }
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::Load(options.tokenizer);
+  if (!tokenizer.ok()) return tokenizer.status();
+  if (options.max_vocab > 0 && (*tokenizer)->vocab_size() > options.max_vocab) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer ", options.tokenizer, " has ", (*tokenizer)->vocab_size(),
+                     " pieces > llm.model.vocab=", options.max_vocab,
+                     "; train it with a vocabulary of at most ", options.max_vocab, " pieces"));
+  }
+  std::optional<int32_t> image_id = (*tokenizer)->PieceId(options.image_token);
+  if (!image_id) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokenizer ", options.tokenizer, " has no piece for the image token '",
+                     options.image_token, "'; train it with '", options.image_token,
+                     "' as a user-defined symbol (hetpar data synth does)"));
+  }
+  absl::StatusOr<Manifest> manifest = ReadManifest(options.manifest, options.skip_bad_samples);
+  if (!manifest.ok()) return manifest.status();
+  return std::unique_ptr<DataLoader>(
+      new DataLoader(options, std::move(*manifest), std::move(*tokenizer), *image_id));
+}
+
+absl::StatusOr<int64_t> DataLoader::Ordinal(const std::string& id) const {
+  std::optional<int64_t> ordinal = manifest_.Find(id);
+  if (!ordinal) {
+    return absl::NotFoundError(
+        absl::StrCat("sample '", id, "' is not in manifest ", manifest_.path));
+  }
+  return *ordinal;
+}
+
+absl::Status DataLoader::CheckOrdinal(int64_t ordinal) const {
+  if (ordinal < 0 || ordinal >= size()) {
+    return absl::OutOfRangeError(absl::StrCat("sample ordinal ", ordinal, " is outside [0, ",
+                                              size(), ") of manifest ", manifest_.path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DataLoader::SampleError(const ManifestRecord& record, absl::StatusCode code,
+                                     const std::string& reason) const {
+  BadSample bad;
+  bad.id = record.id;
+  bad.where = Where(manifest_, record);
+  bad.line = record.line;
+  bad.reason = reason;
+  bad.code = code;
+  return bad.ToStatus();
+}
+
+BadSample DataLoader::DescribeProblem(int64_t ordinal, const absl::Status& status) const {
+  BadSample bad;
+  bad.code = status.code();
+  bad.reason = std::string(status.message());
+  if (ordinal < 0 || ordinal >= size()) return bad;
+  const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
+  bad.id = record.id;
+  bad.where = Where(manifest_, record);
+  bad.line = record.line;
+  // Strip the "sample 'id' (where): " prefix SampleError wrote.
+  BadSample prefix = bad;
+  prefix.reason.clear();
+  const std::string head = prefix.ToString();
+  if (bad.reason.compare(0, head.size(), head) == 0) bad.reason.erase(0, head.size());
+  if (auto path = status.GetPayload(kPathPayload)) {
+    bad.path = std::string(*path);
+  }
+  return bad;
+}
+
+absl::StatusOr<TokenSequence> DataLoader::Tokenize(int64_t ordinal) const {
+  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
+  std::vector<std::pair<bool, std::string>> prompt_parts, response_parts;
+  int markers = 0;
+  AppendSegments(record.prompt, options_.image_token, &prompt_parts, &markers);
+  AppendSegments(record.text, options_.image_token, &response_parts, &markers);
+  if (markers != static_cast<int>(record.images.size())) {
+    return SampleError(record, absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("prompt and text hold ", markers, " '", options_.image_token,
+                                    "' placeholder(s) but \"images\" lists ", record.images.size(),
+                                    " file(s); expected one placeholder "
+                                    "per image"));
+  }
+  std::vector<Segment> prompt, response;
+  for (int part = 0; part < 2; ++part) {
+    for (const auto& [is_image, text] : part == 0 ? prompt_parts : response_parts) {
+      Segment segment;
+      segment.is_image = is_image;
+      if (!is_image) {
+        absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(text);
+        if (!ids.ok()) {
+          return SampleError(record, ids.status().code(), std::string(ids.status().message()));
+        }
+        if (ids->empty()) continue;
+        segment.ids = std::move(*ids);
+      }
+      (part == 0 ? prompt : response).push_back(std::move(segment));
+    }
+  }
+  SequenceOptions seq;
+  seq.tokens_per_image = options_.tokens_per_image;
+  seq.seq_len = options_.seq_len;
+  seq.overlong = options_.overlong;
+  seq.image_token_id = image_token_id_;
+  seq.bos_id = tokenizer_->bos_id();
+  seq.eos_id = tokenizer_->eos_id();
+  absl::StatusOr<TokenSequence> sequence = BuildTokenSequence(prompt, response, seq);
+  if (!sequence.ok()) {
+    return SampleError(record, sequence.status().code(), std::string(sequence.status().message()));
+  }
+  return sequence;
+}
+
+absl::StatusOr<std::vector<float>> DataLoader::LoadImage(const ManifestRecord& record,
+                                                         size_t k) const {
+  const std::string path = manifest_.ResolveImagePath(record.images[k]);
+  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  absl::Status error;
+  if (!bytes.ok()) {
+    error = SampleError(record, bytes.status().code(),
+                        bytes.status().code() == absl::StatusCode::kNotFound
+                            ? absl::StrCat("image file not found: ", path)
+                            : std::string(bytes.status().message()));
+  } else {
+    absl::StatusOr<RgbImage> image = DecodeImage(*bytes, path);
+    if (image.ok()) {
+      return ToNormalizedChw(ResizeImage(*image, options_.image_size, options_.image_size),
+                             options_.normalization);
+    }
+    error = SampleError(record, image.status().code(), std::string(image.status().message()));
+  }
+  error.SetPayload(kPathPayload, absl::Cord(path));
+  return error;
+}
+
+absl::StatusOr<IndexRecord> DataLoader::Describe(int64_t ordinal, bool verify_images) const {
+  absl::StatusOr<TokenSequence> sequence = Tokenize(ordinal);
+  if (!sequence.ok()) return sequence.status();
+  const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
+  for (size_t k = 0; k < static_cast<size_t>(sequence->images()); ++k) {
+    if (verify_images) {
+      absl::StatusOr<std::vector<float>> image = LoadImage(record, k);
+      if (!image.ok()) return image.status();
+    } else {
+      const std::string path = manifest_.ResolveImagePath(record.images[k]);
+      absl::StatusOr<FileStamp> stamp = StatFile(path);
+      if (!stamp.ok()) {
+        absl::Status error = SampleError(record, stamp.status().code(),
+                                         stamp.status().code() == absl::StatusCode::kNotFound
+                                             ? absl::StrCat("image file not found: ", path)
+                                             : std::string(stamp.status().message()));
+        error.SetPayload(kPathPayload, absl::Cord(path));
+        return error;
+      }
+    }
+  }
+  IndexRecord out;
+  out.id = record.id;
+  out.ordinal = ordinal;
+  out.line = record.line;
+  out.image_count = sequence->images();
+  out.tokens_per_image = options_.tokens_per_image;
+  out.text_tokens = sequence->text_tokens;
+  out.loss_tokens = sequence->loss_tokens;
+  out.image_offsets = sequence->image_offsets;
+  out.truncated = sequence->truncated;
+  return out;
+}
+
+absl::StatusOr<LoadedSample> DataLoader::Load(int64_t ordinal) const {
+  absl::StatusOr<TokenSequence> sequence = Tokenize(ordinal);
+  if (!sequence.ok()) return sequence.status();
+  const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
+  LoadedSample sample;
+  sample.id = record.id;
+  sample.ordinal = ordinal;
+  sample.images.reserve(static_cast<size_t>(sequence->images()));
+  const size_t pixels = static_cast<size_t>(options_.image_size) * options_.image_size * 3;
+  for (size_t k = 0; k < static_cast<size_t>(sequence->images()); ++k) {
+    if (options_.blank_images) {
+      sample.images.emplace_back(pixels, 0.0f);
+      continue;
+    }
+    absl::StatusOr<std::vector<float>> image = LoadImage(record, k);
+    if (!image.ok()) return image.status();
+    sample.images.push_back(std::move(*image));
+  }
+  sample.tokens = std::move(*sequence);
+  return sample;
+}
+
+absl::StatusOr<LoadedSample> DataLoader::LoadById(const std::string& id) const {
+  absl::StatusOr<int64_t> ordinal = Ordinal(id);
+  if (!ordinal.ok()) return ordinal.status();
+  return Load(*ordinal);
+}
+
+}  // namespace hetpar::data

@@ -1,0 +1,108 @@
+// The sample loader the workers use: manifest + tokenizer + images -> token ids, labels, loss
+// mask and normalised image buffers, by sample id. No libtorch: images are float CHW buffers and
+// tokens are int32 vectors; the workers make tensors of them.
+//
+// Every sample-level problem (missing image, corrupt image, placeholder count different from the
+// image count, sequence longer than seq_len under `reject`) is an error naming the sample id, the
+// manifest line, the file and the reason. One bad sample never affects another: samples are
+// addressed by id (or manifest ordinal), never by position in a filtered list.
+#ifndef HETPAR_COMMON_DATA_LOADER_H_
+#define HETPAR_COMMON_DATA_LOADER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/data/image.h"
+#include "common/data/manifest.h"
+#include "common/data/record.h"
+#include "common/data/sequence.h"
+#include "common/data/tokenizer.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::data {
+
+struct LoaderOptions {
+  std::string manifest;                 // JSONL manifest path
+  std::string tokenizer;                // sentencepiece .model path
+  std::string image_token = "<image>";  // placeholder written in the text; a tokenizer piece
+  int32_t image_size = 0;               // encoder input side, pixels
+  int32_t tokens_per_image = 0;         // encoder output rows per image
+  int32_t seq_len = 0;                  // LLM sequence length
+  int32_t max_vocab = 0;                // > 0: the tokenizer must have at most this many pieces
+  OverlongPolicy overlong = OverlongPolicy::kReject;
+  bool skip_bad_samples = false;  // skip malformed manifest lines (logged); see index.h
+  Normalization normalization;
+  // Text-only baseline: every image is returned as zeros (the normalised value of mid-grey,
+  // pixel 127.5 with the default normalisation) and no image file is read.
+  bool blank_images = false;
+};
+
+enum class Split { kTrain, kVal };
+
+// Options for the train or validation split of a RunSpec (with defaults applied): data paths,
+// encoder.model.image_size, tokens per image from image_size and patch, llm.model.seq_len,
+// llm.model.vocab as max_vocab. InvalidArgument when the split has no manifest.
+absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
+                                                       Split split);
+
+// One sample, ready for the workers.
+struct LoadedSample {
+  std::string id;
+  int64_t ordinal = 0;
+  TokenSequence tokens;
+  // One buffer per image kept in the sequence, in placeholder order: 3 x image_size x
+  // image_size floats, CHW, normalised.
+  std::vector<std::vector<float>> images;
+};
+
+// Owns a parsed manifest and a tokenizer. Immutable after Create; Load/Describe are const and
+// may be called from many threads at once.
+class DataLoader {
+ public:
+  // Reads the manifest and the tokenizer and checks the options (the image token must be one
+  // tokenizer piece; the vocabulary must fit max_vocab).
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(const LoaderOptions& options);
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  const LoaderOptions& options() const { return options_; }
+  const Manifest& manifest() const { return manifest_; }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  int32_t image_token_id() const { return image_token_id_; }
+  // Readable manifest records (ordinals are 0 .. size() - 1).
+  int64_t size() const { return static_cast<int64_t>(manifest_.records.size()); }
+  // Ordinal of a sample id; NotFound naming the id and the manifest.
+  absl::StatusOr<int64_t> Ordinal(const std::string& id) const;
+
+  // Tokenises the sample and builds its sequence; images are not read.
+  absl::StatusOr<TokenSequence> Tokenize(int64_t ordinal) const;
+  // The sample's index record. With verify_images every image the sequence keeps is read and
+  // decoded (catches missing and corrupt files); otherwise only its existence is checked.
+  absl::StatusOr<IndexRecord> Describe(int64_t ordinal, bool verify_images) const;
+  // Tokens and decoded, resized, normalised images.
+  absl::StatusOr<LoadedSample> Load(int64_t ordinal) const;
+  absl::StatusOr<LoadedSample> LoadById(const std::string& id) const;
+
+  // The bad-sample description of an error about `ordinal` (for skip logs and reports).
+  BadSample DescribeProblem(int64_t ordinal, const absl::Status& status) const;
+
+ private:
+  DataLoader(LoaderOptions options, Manifest manifest, std::unique_ptr<Tokenizer> tokenizer,
+             int32_t image_token_id);
+  absl::Status CheckOrdinal(int64_t ordinal) const;
+  absl::Status SampleError(const ManifestRecord& record, absl::StatusCode code,
+                           const std::string& reason) const;
+  absl::StatusOr<std::vector<float>> LoadImage(const ManifestRecord& record, size_t k) const;
+
+  LoaderOptions options_;
+  Manifest manifest_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  int32_t image_token_id_;
+};
+
+}  // namespace hetpar::data
+
+#endif  // HETPAR_COMMON_DATA_LOADER_H_

@@ -1,0 +1,102 @@
+#include "common/data/sequence.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace hetpar::data {
+namespace {
+
+// One position before labels are derived.
+struct Position {
+  int32_t id;
+  int16_t image;  // image index, or -1 for text
+  bool response;  // a response text token or the final eos: a loss target
+};
+
+}  // namespace
+
+absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& prompt,
+                                                 const std::vector<Segment>& response,
+                                                 const SequenceOptions& options) {
+  if (options.tokens_per_image <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens_per_image=", options.tokens_per_image, "; expected >= 1"));
+  }
+  if (options.seq_len < 2) {
+    return absl::InvalidArgumentError(absl::StrCat("seq_len=", options.seq_len, "; expected >= 2"));
+  }
+  if (options.image_token_id < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("image_token_id=", options.image_token_id, "; expected >= 0"));
+  }
+  std::vector<Position> positions;
+  int16_t image = 0;
+  if (options.bos_id >= 0) positions.push_back({options.bos_id, -1, false});
+  for (int part = 0; part < 2; ++part) {
+    const bool is_response = part == 1;
+    for (const Segment& segment : is_response ? response : prompt) {
+      if (segment.is_image) {
+        for (int32_t k = 0; k < options.tokens_per_image; ++k) {
+          positions.push_back({options.image_token_id, image, false});
+        }
+        ++image;
+      } else {
+        for (int32_t id : segment.ids) positions.push_back({id, -1, is_response});
+      }
+    }
+  }
+  if (options.eos_id >= 0) positions.push_back({options.eos_id, -1, true});
+
+  TokenSequence seq;
+  const int64_t full_length = static_cast<int64_t>(positions.size());
+  if (full_length > options.seq_len) {
+    const int64_t image_positions = static_cast<int64_t>(image) * options.tokens_per_image;
+    if (options.overlong == OverlongPolicy::kReject) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sequence has ", full_length, " tokens (", full_length - image_positions, " text + ",
+          image, " images x ", options.tokens_per_image, ") > llm.model.seq_len=", options.seq_len,
+          "; shorten the text, or set data.overlong: truncate"));
+    }
+    size_t keep = static_cast<size_t>(options.seq_len);
+    // Never cut through an image block: drop a partial block and everything after it.
+    if (positions[keep - 1].image >= 0 && positions[keep].image == positions[keep - 1].image) {
+      const int16_t cut_image = positions[keep - 1].image;
+      while (keep > 0 && positions[keep - 1].image == cut_image) --keep;
+    }
+    positions.resize(keep);
+    seq.truncated = true;
+  }
+
+  const size_t n = positions.size();
+  seq.input_ids.resize(n);
+  seq.labels.assign(n, kIgnoreLabel);
+  seq.loss_mask.assign(n, 0);
+  int16_t last_image = -1;
+  for (size_t i = 0; i < n; ++i) {
+    seq.input_ids[i] = positions[i].id;
+    if (positions[i].image >= 0) {
+      if (positions[i].image != last_image) {
+        seq.image_offsets.push_back(static_cast<int32_t>(i));
+        last_image = positions[i].image;
+      }
+    } else {
+      ++seq.text_tokens;
+    }
+    if (i + 1 < n && positions[i + 1].response) {
+      seq.labels[i] = positions[i + 1].id;
+      seq.loss_mask[i] = 1;
+      ++seq.loss_tokens;
+    }
+  }
+  if (seq.loss_tokens == 0) {
+    if (seq.truncated) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "truncating the ", full_length, "-token sequence to llm.model.seq_len=", options.seq_len,
+          " leaves no response token to train on"));
+    }
+    return absl::InvalidArgumentError(
+        "the sample has no response token to train on (empty text and no eos)");
+  }
+  return seq;
+}
+
+}  // namespace hetpar::data

@@ -1,0 +1,124 @@
+#include "common/data/sequence.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::data {
+namespace {
+
+using ::testing::HasSubstr;
+
+Segment Text(std::vector<int32_t> ids) { return Segment{false, std::move(ids)}; }
+Segment Image() { return Segment{true, {}}; }
+
+SequenceOptions Options(int32_t tpi, int32_t seq_len, OverlongPolicy overlong) {
+  SequenceOptions o;
+  o.tokens_per_image = tpi;
+  o.seq_len = seq_len;
+  o.overlong = overlong;
+  o.image_token_id = 4;
+  o.bos_id = 1;
+  o.eos_id = 2;
+  return o;
+}
+
+constexpr int32_t X = kIgnoreLabel;
+
+TEST(SequenceTest, ExpandsImagesAndShiftsLabelsOntoTheResponse) {
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence(
+      {Image(), Text({10, 11})}, {Text({20, 21, 22})}, Options(3, 32, OverlongPolicy::kReject));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 4, 4, 4, 10, 11, 20, 21, 22, 2}));
+  // Position i predicts input_ids[i + 1]; only response tokens and the eos are targets.
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, X, X, X, X, 20, 21, 22, 2, X}));
+  EXPECT_EQ(s->loss_mask, (std::vector<uint8_t>{0, 0, 0, 0, 0, 1, 1, 1, 1, 0}));
+  EXPECT_EQ(s->image_offsets, (std::vector<int32_t>{1}));
+  EXPECT_EQ(s->text_tokens, 7);
+  EXPECT_EQ(s->loss_tokens, 4);
+  EXPECT_EQ(s->length(), 10);
+  EXPECT_EQ(s->images(), 1);
+  EXPECT_FALSE(s->truncated);
+}
+
+TEST(SequenceTest, ImagesInsideTheResponseAreNeverTargets) {
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence({Image()}, {Text({30}), Image(), Text({31})},
+                                                       Options(2, 32, OverlongPolicy::kReject));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 4, 4, 30, 4, 4, 31, 2}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, X, 30, X, X, 31, 2, X}));
+  EXPECT_EQ(s->loss_mask, (std::vector<uint8_t>{0, 0, 1, 0, 0, 1, 1, 0}));
+  EXPECT_EQ(s->image_offsets, (std::vector<int32_t>{1, 4}));
+  EXPECT_EQ(s->loss_tokens, 3);
+  EXPECT_EQ(s->text_tokens, 4);
+}
+
+TEST(SequenceTest, TextOnlyAndNoSpecialTokens) {
+  SequenceOptions o = Options(4, 16, OverlongPolicy::kReject);
+  o.bos_id = -1;
+  o.eos_id = -1;
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence({Text({7, 8})}, {Text({9, 10})}, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{7, 8, 9, 10}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, 9, 10, X}));
+  EXPECT_EQ(s->loss_tokens, 2);
+  EXPECT_TRUE(s->image_offsets.empty());
+}
+
+// prompt [10], response [20 21] <image> [22 23], tpi 3:
+//   0:bos 1:10 2:20 3:21 4-6:image 7:22 8:23 9:eos  (10 tokens)
+std::vector<Segment> LongResponse() { return {Text({20, 21}), Image(), Text({22, 23})}; }
+
+TEST(SequenceTest, RejectsOverlongWithCounts) {
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence({Text({10})}, LongResponse(), Options(3, 8, OverlongPolicy::kReject));
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.status().message()),
+              HasSubstr("sequence has 10 tokens (7 text + 1 images x 3) > llm.model.seq_len=8"));
+}
+
+TEST(SequenceTest, TruncatesInText) {
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence({Text({10})}, LongResponse(), Options(3, 8, OverlongPolicy::kTruncate));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 10, 20, 21, 4, 4, 4, 22}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, 20, 21, X, X, X, 22, X}));
+  EXPECT_EQ(s->image_offsets, (std::vector<int32_t>{4}));
+  EXPECT_EQ(s->loss_tokens, 3);
+  EXPECT_TRUE(s->truncated);
+}
+
+TEST(SequenceTest, TruncationNeverSplitsAnImage) {
+  // A cut at 6 would keep 2 of the image's 3 rows: the whole image goes.
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence({Text({10})}, LongResponse(), Options(3, 6, OverlongPolicy::kTruncate));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 10, 20, 21}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, 20, 21, X}));
+  EXPECT_TRUE(s->image_offsets.empty());
+  EXPECT_EQ(s->loss_tokens, 2);
+  EXPECT_TRUE(s->truncated);
+  // A cut right after the image keeps it whole.
+  absl::StatusOr<TokenSequence> t =
+      BuildTokenSequence({Text({10})}, LongResponse(), Options(3, 7, OverlongPolicy::kTruncate));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->input_ids, (std::vector<int32_t>{1, 10, 20, 21, 4, 4, 4}));
+  EXPECT_EQ(t->image_offsets, (std::vector<int32_t>{4}));
+}
+
+TEST(SequenceTest, TruncationThatLeavesNoTargetIsAnError) {
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence({Image(), Text({10, 11, 12})}, {Text({20})},
+                                                       Options(3, 5, OverlongPolicy::kTruncate));
+  ASSERT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("leaves no response token"));
+}
+
+TEST(SequenceTest, BadOptions) {
+  EXPECT_FALSE(BuildTokenSequence({}, {Text({1})}, Options(0, 8, OverlongPolicy::kReject)).ok());
+  EXPECT_FALSE(BuildTokenSequence({}, {Text({1})}, Options(1, 1, OverlongPolicy::kReject)).ok());
+  SequenceOptions o = Options(1, 8, OverlongPolicy::kReject);
+  o.image_token_id = -1;
+  EXPECT_FALSE(BuildTokenSequence({}, {Text({1})}, o).ok());
+}
+
+}  // namespace
+}  // namespace hetpar::data

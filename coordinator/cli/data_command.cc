@@ -1,0 +1,445 @@
+// `hetpar data ...`: generate the synthetic data set, build and check data indexes, show how a
+// sample is tokenised.
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+#include "common/data/index.h"
+#include "common/data/loader.h"
+#include "common/data/synth.h"
+#include "coordinator/cli/commands.h"
+
+namespace hetpar::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ConfigOptions {
+  std::string config;
+  std::vector<std::string> overrides;
+  std::string split = "train";
+};
+
+void AddConfigFlags(CLI::App* command, ConfigOptions* options, bool required) {
+  auto* config = command->add_option("-c,--config", options->config, "RunSpec YAML file");
+  if (required) config->required();
+  command->add_option("--set", options->overrides,
+                      "Override a config field, e.g. --set data.overlong=truncate (repeatable)");
+}
+
+// Loads the config without requiring the data files (they may be what the command makes).
+absl::StatusOr<config::LoadedRunSpec> LoadConfig(const ConfigOptions& options) {
+  config::LoadOptions load;
+  load.overrides = options.overrides;
+  load.check_files = false;
+  return config::LoadRunSpecFile(options.config, load);
+}
+
+absl::StatusOr<data::Split> ParseSplit(const std::string& split) {
+  if (split == "train") return data::Split::kTrain;
+  if (split == "val") return data::Split::kVal;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--split ", split, " is not a split; expected train or val"));
+}
+
+std::string IndexPath(const hetpar::v1::RunSpec& spec, data::Split split) {
+  return split == data::Split::kTrain ? spec.data().index() : spec.data().val_manifest() + ".index";
+}
+
+int Fail(const absl::Status& status, const std::string& context) {
+  std::cerr << "hetpar data " << context << ": " << status.message() << "\n";
+  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+}
+
+void AddSynthCommand(CLI::App* data, int* exit_code) {
+  struct Options {
+    ConfigOptions config;
+    std::string out;
+    int64_t samples = 0;
+    int64_t val_samples = -1;
+    int64_t seed = -1;
+    int32_t image_size = 0;
+    int32_t patch = 0;
+    int32_t vocab_size = 0;
+    int32_t seq_len = 0;
+    bool force = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* command = data->add_subcommand(
+      "synth",
+      "Generate the synthetic image-caption data set (PNG images of coloured shapes, captions, "
+      "JSONL manifests, a sentencepiece tokenizer, data indexes): into --out DIR, or where a "
+      "config's data section says");
+  command->add_option("-o,--out", o->out,
+                      "Directory for train.jsonl, val.jsonl, tokenizer.model and images/");
+  AddConfigFlags(command, &o->config, false);
+  command->add_option("-n,--samples", o->samples,
+                      "Training samples (default: the config's "
+                      "data.synth.samples)");
+  command->add_option("--val-samples", o->val_samples,
+                      "Validation samples (default: the config's, else samples / 8)");
+  command->add_option("--seed", o->seed, "Generator seed (default: the config's, else 7)");
+  command->add_option("--image-size", o->image_size,
+                      "Image side in pixels (default: encoder.model.image_size, else 32)");
+  command->add_option("--patch", o->patch,
+                      "Encoder patch side; tokens per image = (image-size / patch)^2 (default: "
+                      "encoder.model.patch, else 8)");
+  command->add_option("--vocab-size", o->vocab_size,
+                      "Largest tokenizer vocabulary (default: llm.model.vocab, else 256)");
+  command->add_option("--seq-len", o->seq_len,
+                      "Sequence length every sample must fit (default: llm.model.seq_len, else "
+                      "128)");
+  command->add_flag("--force", o->force, "Overwrite a data set that is already there");
+  command->callback([o, exit_code] {
+    if (o->out.empty() == o->config.config.empty()) {
+      std::cerr << "hetpar data synth: give exactly one of --out DIR and --config FILE\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    data::SynthOptions options;
+    if (!o->config.config.empty()) {
+      absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(o->config);
+      if (!loaded.ok()) {
+        std::cerr << "hetpar: invalid config " << o->config.config << ":\n"
+                  << loaded.status().message() << "\n";
+        *exit_code = kExitInvalidInput;
+        return;
+      }
+      hetpar::v1::RunSpec spec = loaded->spec;
+      auto* synth = spec.mutable_data()->mutable_synth();
+      if (o->samples > 0) synth->set_samples(o->samples);
+      if (synth->samples() <= 0) {
+        std::cerr << "hetpar data synth: " << o->config.config
+                  << " has no data.synth.samples; pass --samples N\n";
+        *exit_code = kExitInvalidInput;
+        return;
+      }
+      if (o->val_samples >= 0) {
+        synth->set_val_samples(o->val_samples);
+      } else if (synth->val_samples() <= 0) {
+        synth->set_val_samples(std::max<int64_t>(1, synth->samples() / 8));
+      }
+      if (o->seed >= 0) synth->set_seed(o->seed);
+      absl::StatusOr<data::SynthOptions> from_spec = data::SynthOptionsFromRunSpec(spec);
+      if (!from_spec.ok()) {
+        *exit_code = Fail(from_spec.status(), "synth");
+        return;
+      }
+      options = *from_spec;
+    } else {
+      options = data::SynthOptionsForDirectory(o->out);
+      if (o->samples <= 0) {
+        std::cerr << "hetpar data synth: --samples N (N >= 1) is required with --out\n";
+        *exit_code = kExitInvalidInput;
+        return;
+      }
+      options.samples = o->samples;
+      options.val_samples =
+          o->val_samples >= 0 ? o->val_samples : std::max<int64_t>(1, o->samples / 8);
+      options.seed = static_cast<uint64_t>(o->seed >= 0 ? o->seed : 7);
+    }
+    if (o->image_size > 0 || o->patch > 0) {
+      const int32_t size = o->image_size > 0 ? o->image_size : options.image_size;
+      const int32_t patch = o->patch > 0 ? o->patch : 8;
+      if (size % patch != 0) {
+        std::cerr << "hetpar data synth: --patch " << patch << " does not divide --image-size "
+                  << size << "\n";
+        *exit_code = kExitInvalidInput;
+        return;
+      }
+      options.image_size = size;
+      options.tokens_per_image = (size / patch) * (size / patch);
+    }
+    if (o->vocab_size > 0) options.vocab_size = o->vocab_size;
+    if (o->seq_len > 0) options.seq_len = o->seq_len;
+    std::error_code ec;
+    if (!o->force && fs::exists(options.train_manifest, ec)) {
+      std::cerr << "hetpar data synth: " << options.train_manifest
+                << " already exists; pass --force to regenerate the data set\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    absl::StatusOr<data::SynthReport> report = data::GenerateSyntheticDataset(options);
+    if (!report.ok()) {
+      *exit_code = Fail(report.status(), "synth");
+      return;
+    }
+    std::cout << "wrote " << report->train_samples << " training samples to "
+              << options.train_manifest << "\n";
+    if (report->val_samples > 0) {
+      std::cout << "wrote " << report->val_samples << " validation samples to "
+                << options.val_manifest << "\n";
+    }
+    std::cout << "images: " << report->images << " PNG, " << options.image_size << "x"
+              << options.image_size << " (" << options.tokens_per_image << " tokens each)\n"
+              << "training samples by image count: 0: " << report->train_samples_by_images[0]
+              << ", 1: " << report->train_samples_by_images[1]
+              << ", 2: " << report->train_samples_by_images[2]
+              << ", 3: " << report->train_samples_by_images[3] << "\n"
+              << "tokenizer: " << options.tokenizer << " (" << report->vocab_size
+              << " pieces, at most " << options.vocab_size << ")\n"
+              << "longest sequence: " << report->max_total_tokens << " tokens (seq_len "
+              << options.seq_len << ")\n";
+    *exit_code = kExitOk;
+  });
+}
+
+void AddIndexCommand(CLI::App* data, int* exit_code) {
+  struct Options {
+    ConfigOptions config;
+    bool rebuild = false;
+    bool no_verify = false;
+    int threads = 1;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* command = data->add_subcommand(
+      "index",
+      "Build the data index of a split (sample id -> images, tokens per image, text and loss "
+      "tokens), or reuse it when it matches the manifest and the settings");
+  AddConfigFlags(command, &o->config, true);
+  command->add_option("--split", o->config.split, "train or val");
+  command->add_flag("--rebuild", o->rebuild, "Build even when the index is up to date");
+  command->add_flag("--no-verify-images", o->no_verify,
+                    "Only check that image files exist instead of decoding each one");
+  command->add_option("--threads", o->threads, "Worker threads for building");
+  command->callback([o, exit_code] {
+    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(o->config);
+    if (!loaded.ok()) {
+      std::cerr << "hetpar: invalid config " << o->config.config << ":\n"
+                << loaded.status().message() << "\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    absl::StatusOr<data::Split> split = ParseSplit(o->config.split);
+    if (!split.ok()) {
+      *exit_code = Fail(split.status(), "index");
+      return;
+    }
+    absl::StatusOr<data::LoaderOptions> loader_options =
+        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
+    if (!loader_options.ok()) {
+      *exit_code = Fail(loader_options.status(), "index");
+      return;
+    }
+    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
+        data::DataLoader::Create(*loader_options);
+    if (!loader.ok()) {
+      *exit_code = Fail(loader.status(), "index");
+      return;
+    }
+    const std::string path = IndexPath(loaded->spec, *split);
+    data::IndexBuildOptions build;
+    build.verify_images = !o->no_verify;
+    build.threads = o->threads;
+    bool rebuilt = true;
+    absl::StatusOr<data::DataIndex> index;
+    if (o->rebuild) {
+      index = data::BuildIndex(**loader, build);
+      if (index.ok()) {
+        if (absl::Status s = data::WriteIndex(*index, path); !s.ok()) index = s;
+      }
+    } else {
+      index = data::LoadOrBuildIndex(**loader, path, build, &rebuilt);
+    }
+    if (!index.ok()) {
+      *exit_code = Fail(index.status(), "index");
+      return;
+    }
+    for (const data::BadSample& bad : index->bad) {
+      std::cerr << "skipped bad sample: " << bad.ToString() << "\n";
+    }
+    std::cout << "index " << path << (rebuilt ? " (built)" : " (up to date)") << ": "
+              << index->records.size() << " samples, " << index->bad.size() << " skipped, "
+              << index->total_images() << " images, " << index->total_tokens() << " tokens, "
+              << index->total_loss_tokens() << " loss tokens\n";
+    *exit_code = kExitOk;
+  });
+}
+
+void AddCheckCommand(CLI::App* data, int* exit_code) {
+  auto o = std::make_shared<ConfigOptions>();
+  CLI::App* command = data->add_subcommand(
+      "check",
+      "Load every sample of a split as training would (decode, resize, tokenise) and compare "
+      "it with the data index; list every bad sample; exit 1 if there is one");
+  AddConfigFlags(command, o.get(), true);
+  command->add_option("--split", o->split, "train or val");
+  command->callback([o, exit_code] {
+    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(*o);
+    if (!loaded.ok()) {
+      std::cerr << "hetpar: invalid config " << o->config << ":\n"
+                << loaded.status().message() << "\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    absl::StatusOr<data::Split> split = ParseSplit(o->split);
+    if (!split.ok()) {
+      *exit_code = Fail(split.status(), "check");
+      return;
+    }
+    absl::StatusOr<data::LoaderOptions> loader_options =
+        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
+    if (!loader_options.ok()) {
+      *exit_code = Fail(loader_options.status(), "check");
+      return;
+    }
+    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
+        data::DataLoader::Create(*loader_options);
+    if (!loader.ok()) {
+      *exit_code = Fail(loader.status(), "check");
+      return;
+    }
+    // The index, when there is an up-to-date one, must agree with every loaded sample.
+    const std::string path = IndexPath(loaded->spec, *split);
+    std::unique_ptr<data::DataIndex> index;
+    absl::StatusOr<data::DataIndex> read = data::ReadIndex(path);
+    absl::StatusOr<data::IndexSource> current = data::CurrentIndexSource(*loader_options);
+    if (read.ok() && current.ok()) {
+      absl::Status fresh = data::CheckIndexSource(*read, *current);
+      if (fresh.ok()) {
+        index = std::make_unique<data::DataIndex>(std::move(*read));
+      } else {
+        std::cerr << "not comparing with " << path << ": " << fresh.message() << "\n";
+      }
+    } else if (!read.ok()) {
+      std::cerr << "not comparing with an index: " << read.status().message() << "\n";
+    }
+    int64_t good = 0;
+    int64_t bad = 0;
+    int64_t mismatched = 0;
+    for (const data::BadSample& b : (*loader)->manifest().bad) {
+      std::cout << "bad: " << b.ToString() << "\n";
+      ++bad;
+    }
+    for (int64_t i = 0; i < (*loader)->size(); ++i) {
+      absl::StatusOr<data::LoadedSample> sample = (*loader)->Load(i);
+      if (!sample.ok()) {
+        std::cout << "bad: " << sample.status().message() << "\n";
+        ++bad;
+        continue;
+      }
+      ++good;
+      if (index == nullptr) continue;
+      const data::IndexRecord* record = index->Find(sample->id);
+      const data::TokenSequence& t = sample->tokens;
+      if (record == nullptr || record->image_count != t.images() ||
+          record->text_tokens != t.text_tokens || record->loss_tokens != t.loss_tokens ||
+          record->image_offsets != t.image_offsets ||
+          static_cast<int64_t>(sample->images.size()) != t.images()) {
+        std::cout << "index mismatch: sample '" << sample->id << "' loads as " << t.images()
+                  << " images, " << t.text_tokens << " text and " << t.loss_tokens
+                  << " loss tokens; the index says "
+                  << (record == nullptr
+                          ? std::string("nothing (not indexed)")
+                          : absl::StrCat(record->image_count, " images, ", record->text_tokens,
+                                         " text and ", record->loss_tokens, " loss tokens"))
+                  << "\n";
+        ++mismatched;
+      }
+    }
+    std::cout << "checked " << (*loader)->manifest().path << ": " << good << " good, " << bad
+              << " bad" << (index ? absl::StrCat(", ", mismatched, " index mismatches") : "")
+              << "\n";
+    *exit_code = bad == 0 && mismatched == 0 ? kExitOk : kExitFailure;
+  });
+}
+
+void AddShowCommand(CLI::App* data, int* exit_code) {
+  struct Options {
+    ConfigOptions config;
+    std::string id;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* command = data->add_subcommand(
+      "show",
+      "Print one sample's token sequence: position, token id, piece, label and loss mask, with "
+      "each image's placeholder block");
+  AddConfigFlags(command, &o->config, true);
+  command->add_option("--split", o->config.split, "train or val");
+  command->add_option("--id", o->id, "Sample id")->required();
+  command->callback([o, exit_code] {
+    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(o->config);
+    if (!loaded.ok()) {
+      std::cerr << "hetpar: invalid config " << o->config.config << ":\n"
+                << loaded.status().message() << "\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    absl::StatusOr<data::Split> split = ParseSplit(o->config.split);
+    if (!split.ok()) {
+      *exit_code = Fail(split.status(), "show");
+      return;
+    }
+    absl::StatusOr<data::LoaderOptions> loader_options =
+        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
+    if (!loader_options.ok()) {
+      *exit_code = Fail(loader_options.status(), "show");
+      return;
+    }
+    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
+        data::DataLoader::Create(*loader_options);
+    if (!loader.ok()) {
+      *exit_code = Fail(loader.status(), "show");
+      return;
+    }
+    absl::StatusOr<int64_t> ordinal = (*loader)->Ordinal(o->id);
+    if (!ordinal.ok()) {
+      *exit_code = Fail(ordinal.status(), "show");
+      return;
+    }
+    absl::StatusOr<data::TokenSequence> seq = (*loader)->Tokenize(*ordinal);
+    if (!seq.ok()) {
+      *exit_code = Fail(seq.status(), "show");
+      return;
+    }
+    const data::Tokenizer& tok = (*loader)->tokenizer();
+    const data::ManifestRecord& record =
+        (*loader)->manifest().records[static_cast<size_t>(*ordinal)];
+    std::cout << "sample '" << record.id << "' (" << (*loader)->manifest().path << ":"
+              << record.line << "): " << seq->length() << " tokens, " << seq->images()
+              << " images, " << seq->text_tokens << " text tokens, " << seq->loss_tokens
+              << " loss tokens" << (seq->truncated ? ", truncated" : "") << "\n";
+    std::cout << "pos  id    piece            label  loss\n";
+    size_t image = 0;
+    for (int32_t i = 0; i < seq->length(); ++i) {
+      const size_t p = static_cast<size_t>(i);
+      if (image < seq->image_offsets.size() && seq->image_offsets[image] == i) {
+        const int32_t end = i + loader_options->tokens_per_image - 1;
+        std::cout << std::setw(3) << i << "-" << end << "  image " << image << ": "
+                  << record.images[image] << " (" << loader_options->tokens_per_image
+                  << " placeholder rows, id " << seq->input_ids[p] << ")\n";
+        i = end;
+        ++image;
+        continue;
+      }
+      std::cout << std::setw(3) << i << "  " << std::setw(4) << seq->input_ids[p] << "  "
+                << std::left << std::setw(16) << tok.Piece(seq->input_ids[p]) << std::right << " "
+                << std::setw(5)
+                << (seq->loss_mask[p] ? std::to_string(seq->labels[p]) : std::string("-")) << "  "
+                << static_cast<int>(seq->loss_mask[p]) << "\n";
+    }
+    *exit_code = kExitOk;
+  });
+}
+
+void AddDataCommand(CLI::App& app, int* exit_code) {
+  CLI::App* data = app.add_subcommand(
+      "data", "The training data: generate the synthetic set, build and check data indexes");
+  data->require_subcommand(1);
+  AddSynthCommand(data, exit_code);
+  AddIndexCommand(data, exit_code);
+  AddCheckCommand(data, exit_code);
+  AddShowCommand(data, exit_code);
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(40, AddDataCommand);
+
+}  // namespace hetpar::cli
