@@ -673,6 +673,18 @@ TEST(BoundaryPlanTest, RejectsInconsistentInputs) {
   auto b = BuildBoundaryPlan(cp, plan.samples, plan.llm, plan.encoder, {100, 8});
   ASSERT_FALSE(b.ok());
   EXPECT_THAT(std::string(b.status().message()), HasSubstr("seq_len=100"));
+  // A sample whose image count changed after the assignment.
+  auto changed = plan.samples;
+  for (auto& s : changed) {
+    if (s.image_count() > 0) {
+      s.image_starts.pop_back();
+      s.text_tokens += s.tokens_per_image;
+      break;
+    }
+  }
+  auto c = BuildBoundaryPlan(plan.placement, changed, plan.llm, plan.encoder, options);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("sample by sample"));
   // Zero row size.
   EXPECT_FALSE(BuildBoundaryPlan(plan.placement, plan.samples, plan.llm, plan.encoder,
                                  {plan.options.seq_len, 0})

@@ -233,6 +233,11 @@ TEST(ScheduleTest, RejectsWrongBatchSize) {
   ASSERT_TRUE(ok.ok());
   EXPECT_FALSE(AssignEncoder(Batch(4, 1), *ok, 0, kEncoderCost, 0, 0).ok());
   EXPECT_FALSE(AssignEncoder(Batch(6, 1), *ok, 2, kEncoderCost, 0, 0).ok());
+  LlmAssignment tampered = *ok;
+  tampered.microbatches[0].samples[0] = 9;
+  auto bad = AssignEncoder(Batch(4, 1), tampered, 2, kEncoderCost, 0, 0);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("lists batch position 9"));
 }
 
 }  // namespace
