@@ -52,6 +52,13 @@ absl::StatusOr<at::ScalarType> TorchDtype(hetpar::v1::Dtype dtype) {
                    " is not usable; expected float32, float64 or bfloat16"));
 }
 
+std::string DtypeName(at::ScalarType dtype) {
+  if (dtype == at::kFloat) return "float32";
+  if (dtype == at::kDouble) return "float64";
+  if (dtype == at::kBFloat16) return "bfloat16";
+  return c10::toString(dtype);
+}
+
 uint64_t ParameterSeed(int64_t run_seed, std::string_view name) {
   uint64_t hash = 0xcbf29ce484222325ULL;  // FNV-1a over the name's bytes
   for (unsigned char c : name) {

@@ -29,6 +29,8 @@ namespace hetpar::nn {
 
 // The torch dtype of a RunSpec dtype (run.dtype); DTYPE_UNSPECIFIED is an error.
 absl::StatusOr<at::ScalarType> TorchDtype(hetpar::v1::Dtype dtype);
+// The RunSpec spelling of a torch dtype ("float32", "float64", "bfloat16"), else torch's name.
+std::string DtypeName(at::ScalarType dtype);
 
 // How a parameter's full tensor is initialised.
 struct InitRule {

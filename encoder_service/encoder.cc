@@ -1,0 +1,227 @@
+#include "encoder_service/encoder.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/nn/torch_status.h"
+#include "common/status.h"
+
+namespace hetpar::encoder {
+namespace {
+
+constexpr double kLayerNormEps = 1e-6;
+constexpr double kInitStd = 0.02;
+
+absl::Status CheckPositive(const char* field, int64_t value) {
+  if (value >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, "=", value, " must be >= 1"));
+}
+
+absl::Status CheckDivides(const char* divisor_field, int64_t divisor, const char* field,
+                          int64_t value, const char* why = "") {
+  if (value % divisor == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(divisor_field, "=", divisor, " does not divide ",
+                                                 field, "=", value, *why ? " (" : "", why,
+                                                 *why ? ")" : ""));
+}
+
+}  // namespace
+
+absl::StatusOr<EncoderOptions> EncoderOptionsFromSpec(const hetpar::v1::RunSpec& spec) {
+  EncoderOptions options;
+  HETPAR_ASSIGN_OR_RETURN(options.dtype, nn::TorchDtype(spec.run().dtype()));
+  options.seed = spec.run().seed();
+  options.sequence_parallel = spec.encoder().layout().sequence_parallel();
+  return options;
+}
+
+VisionEncoder::VisionEncoder(const hetpar::v1::EncoderModel& model, const EncoderOptions& options,
+                             nn::TensorParallel tp)
+    : model_(model), options_(options), tp_(std::move(tp)), tokens_per_image_(0) {}
+
+absl::StatusOr<std::unique_ptr<VisionEncoder>> VisionEncoder::Create(
+    const hetpar::v1::EncoderModel& model, const EncoderOptions& options,
+    const nn::Communicator& tp) {
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.image_size", model.image_size()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.patch", model.patch()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.hidden", model.hidden()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.layers", model.layers()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.heads", model.heads()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.mlp", model.mlp()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.out_hidden", model.out_hidden()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("encoder.model.channels", model.channels()));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.model.patch", model.patch(),
+                                      "encoder.model.image_size", model.image_size()));
+  HETPAR_RETURN_IF_ERROR(
+      CheckDivides("encoder.model.heads", model.heads(), "encoder.model.hidden", model.hidden()));
+  const int size = tp.size();
+  HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.layout.tp", size, "encoder.model.heads",
+                                      model.heads(), "attention is split by heads"));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.layout.tp", size, "encoder.model.mlp", model.mlp()));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.layout.tp", size, "encoder.model.out_hidden",
+                                      model.out_hidden(), "the projector is split by features"));
+  auto encoder = std::unique_ptr<VisionEncoder>(
+      new VisionEncoder(model, options, nn::TensorParallel{tp.group(), options.sequence_parallel}));
+  HETPAR_RETURN_IF_ERROR(encoder->Build());
+  return encoder;
+}
+
+absl::Status VisionEncoder::Build() {
+  const int64_t grid = model_.image_size() / model_.patch();
+  tokens_per_image_ = grid * grid;
+  const int64_t hidden = model_.hidden();
+  const int64_t patch_features = model_.channels() * model_.patch() * model_.patch();
+  const bool sp = options_.sequence_parallel;
+  parameters_ = std::make_unique<nn::ParameterSet>(options_.seed, options_.dtype, tp_.rank(),
+                                                   tp_.size(), options_.init_style);
+  nn::ParameterSet& p = *parameters_;
+  const nn::InitRule weight = nn::InitRule::Normal(kInitStd);
+  const nn::InitRule output_weight =
+      nn::InitRule::Normal(kInitStd / std::sqrt(2.0 * static_cast<double>(model_.layers())));
+  HETPAR_ASSIGN_OR_RETURN(
+      patch_weight_, p.Add("encoder.patch_embed.weight", {hidden, patch_features}, -1, weight));
+  HETPAR_ASSIGN_OR_RETURN(patch_bias_,
+                          p.Add("encoder.patch_embed.bias", {hidden}, -1, p.BiasInit()));
+  HETPAR_ASSIGN_OR_RETURN(pos_embed_,
+                          p.Add("encoder.pos_embed", {tokens_per_image_, hidden}, -1, weight));
+  for (int64_t i = 0; i < model_.layers(); ++i) {
+    const std::string n = absl::StrCat("encoder.layers.", i, ".");
+    Layer layer;
+    HETPAR_ASSIGN_OR_RETURN(layer.norm1_weight,
+                            p.Add(n + "norm1.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.norm1_bias,
+                            p.Add(n + "norm1.bias", {hidden}, -1, p.BiasInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.qkv_weight,
+                            p.Add(n + "attn.qkv.weight", {3 * hidden, hidden}, 0, weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.qkv_bias,
+                            p.Add(n + "attn.qkv.bias", {3 * hidden}, 0, p.BiasInit()));
+    HETPAR_ASSIGN_OR_RETURN(layer.proj_weight,
+                            p.Add(n + "attn.proj.weight", {hidden, hidden}, 1, output_weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.proj_bias,
+                            p.Add(n + "attn.proj.bias", {hidden}, -1, p.BiasInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.norm2_weight,
+                            p.Add(n + "norm2.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.norm2_bias,
+                            p.Add(n + "norm2.bias", {hidden}, -1, p.BiasInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.fc1_weight,
+                            p.Add(n + "mlp.fc1.weight", {model_.mlp(), hidden}, 0, weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.fc1_bias,
+                            p.Add(n + "mlp.fc1.bias", {model_.mlp()}, 0, p.BiasInit()));
+    HETPAR_ASSIGN_OR_RETURN(layer.fc2_weight,
+                            p.Add(n + "mlp.fc2.weight", {hidden, model_.mlp()}, 1, output_weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.fc2_bias,
+                            p.Add(n + "mlp.fc2.bias", {hidden}, -1, p.BiasInit(), sp));
+    layers_.push_back(std::move(layer));
+  }
+  HETPAR_ASSIGN_OR_RETURN(norm_weight_,
+                          p.Add("encoder.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+  HETPAR_ASSIGN_OR_RETURN(norm_bias_, p.Add("encoder.norm.bias", {hidden}, -1, p.BiasInit(), sp));
+  const int64_t out = model_.out_hidden();
+  HETPAR_ASSIGN_OR_RETURN(proj1_weight_,
+                          p.Add("encoder.projector.fc1.weight", {out, hidden}, 0, weight));
+  HETPAR_ASSIGN_OR_RETURN(proj1_bias_, p.Add("encoder.projector.fc1.bias", {out}, 0, p.BiasInit()));
+  HETPAR_ASSIGN_OR_RETURN(proj2_weight_,
+                          p.Add("encoder.projector.fc2.weight", {out, out}, 1, weight));
+  HETPAR_ASSIGN_OR_RETURN(proj2_bias_,
+                          p.Add("encoder.projector.fc2.bias", {out}, -1, p.BiasInit()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> VisionEncoder::Forward(const at::Tensor& images) {
+  const int64_t size = model_.image_size();
+  if (!images.defined() || images.dim() != 4 || images.size(0) < 1 ||
+      images.size(1) != model_.channels() || images.size(2) != size || images.size(3) != size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "encoder input: images have shape [",
+        images.defined() ? absl::StrJoin(images.sizes(), ", ") : std::string("undefined"),
+        "], expected [n >= 1, ", model_.channels(), ", ", size, ", ", size,
+        "] (encoder.model.channels, image_size)"));
+  }
+  if (!at::isFloatingType(images.scalar_type())) {
+    return absl::InvalidArgumentError(absl::StrCat("encoder input: images have dtype ",
+                                                   nn::DtypeName(images.scalar_type()),
+                                                   ", expected a floating dtype"));
+  }
+  return nn::RunTorchOr(absl::StrCat("encoder forward on TP rank ", tp_.rank(), " of ", tp_.size()),
+                        [&] { return ForwardUnchecked(images); });
+}
+
+at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
+  const int64_t n = images.size(0);
+  const int64_t channels = model_.channels();
+  const int64_t patch = model_.patch();
+  const int64_t grid = model_.image_size() / patch;
+  const int64_t tokens = tokens_per_image_;
+  const int64_t rows = n * tokens;
+  const int64_t hidden = model_.hidden();
+  const int64_t local_heads = model_.heads() / tp_.size();
+  const int64_t head_dim = hidden / model_.heads();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const at::ScalarType dtype = options_.dtype;
+  const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
+
+  // [n, C, gy, py, gx, px] -> [n, gy, gx, C, py, px]: one row per patch, features in conv order.
+  at::Tensor patches = images.to(dtype)
+                           .reshape({n, channels, grid, patch, grid, patch})
+                           .permute({0, 2, 4, 1, 3, 5})
+                           .reshape({rows, channels * patch * patch});
+  at::Tensor x = at::linear(patches, patch_weight_, patch_bias_) +
+                 pos_embed_.unsqueeze(0).expand({n, tokens, hidden}).reshape({rows, hidden});
+  x = nn::ToSequenceLayout(x, tp_);
+
+  for (const Layer& layer : layers_) {
+    at::Tensor h = nn::EnterTensorParallel(
+        nn::LayerNorm(x, layer.norm1_weight, layer.norm1_bias, kLayerNormEps), rows, tp_);
+    at::Tensor qkv = nn::ColumnParallelLinear(h, layer.qkv_weight, layer.qkv_bias)
+                         .view({n, tokens, local_heads, 3, head_dim});
+    at::Tensor q = qkv.select(3, 0).permute({0, 2, 1, 3});  // [n, heads, tokens, d]
+    at::Tensor k = qkv.select(3, 1).permute({0, 2, 1, 3});
+    at::Tensor v = qkv.select(3, 2).permute({0, 2, 1, 3});
+    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);
+    at::Tensor probs = at::softmax(scores, -1, softmax_type).to(dtype);
+    at::Tensor attended =
+        at::matmul(probs, v).permute({0, 2, 1, 3}).reshape({rows, local_heads * head_dim});
+    x = x + nn::RowParallelLinear(attended, layer.proj_weight, layer.proj_bias, tp_);
+
+    h = nn::EnterTensorParallel(
+        nn::LayerNorm(x, layer.norm2_weight, layer.norm2_bias, kLayerNormEps), rows, tp_);
+    at::Tensor inner = at::gelu(nn::ColumnParallelLinear(h, layer.fc1_weight, layer.fc1_bias));
+    x = x + nn::RowParallelLinear(inner, layer.fc2_weight, layer.fc2_bias, tp_);
+  }
+  x = nn::LayerNorm(x, norm_weight_, norm_bias_, kLayerNormEps);
+
+  // Projector: the last layer's partial sums are all-reduced (not reduce-scattered) so that every
+  // rank holds the whole boundary tensor.
+  at::Tensor h = nn::EnterTensorParallel(x, rows, tp_);
+  at::Tensor inner = at::gelu(nn::ColumnParallelLinear(h, proj1_weight_, proj1_bias_));
+  return nn::ReduceFromTensorParallel(at::linear(inner, proj2_weight_), tp_.group) + proj2_bias_;
+}
+
+absl::Status VisionEncoder::Backward(const at::Tensor& output, const at::Tensor& grad_output) {
+  if (!output.defined() || !output.requires_grad()) {
+    return absl::FailedPreconditionError(
+        "encoder backward: the output is not attached to an autograd graph (was it produced by "
+        "Forward with gradients enabled, and not already backpropagated?)");
+  }
+  if (!grad_output.defined() || grad_output.sizes() != output.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "encoder backward: gradient has shape [",
+        grad_output.defined() ? absl::StrJoin(grad_output.sizes(), ", ") : std::string("undefined"),
+        "], expected the output's [", absl::StrJoin(output.sizes(), ", "), "]"));
+  }
+  return nn::RunTorch(absl::StrCat("encoder backward on TP rank ", tp_.rank(), " of ", tp_.size()),
+                      [&] { output.backward(grad_output.to(output.scalar_type())); });
+}
+
+absl::Status VisionEncoder::FinishGradients() {
+  if (!tp_.sharded()) return absl::OkStatus();
+  return parameters_->ReducePartialGrads(*tp_.group);
+}
+
+}  // namespace hetpar::encoder

@@ -1,0 +1,348 @@
+#include "llm_trainer/language_model.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/nn/torch_status.h"
+#include "common/status.h"
+
+namespace hetpar::llm {
+namespace {
+
+constexpr double kInitStd = 0.02;
+
+absl::Status CheckPositive(const char* field, int64_t value) {
+  if (value >= 1) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, "=", value, " must be >= 1"));
+}
+
+absl::Status CheckDivides(const char* divisor_field, int64_t divisor, const char* field,
+                          int64_t value, const char* why = "") {
+  if (value % divisor == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(divisor_field, "=", divisor, " does not divide ",
+                                                 field, "=", value, *why ? " (" : "", why,
+                                                 *why ? ")" : ""));
+}
+
+std::string SampleName(const LlmSample& sample, size_t index) {
+  return absl::StrCat("sample '", sample.id, "' (#", index, " of the microbatch)");
+}
+
+// x: [rows, heads, d]; cos, sin: [rows, 1, d]. Rotates the two halves of each head.
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor rotated = at::cat({x.narrow(-1, half, half).neg(), x.narrow(-1, 0, half)}, -1);
+  return x * cos + rotated * sin;
+}
+
+}  // namespace
+
+absl::StatusOr<LlmOptions> LlmOptionsFromSpec(const hetpar::v1::RunSpec& spec) {
+  LlmOptions options;
+  HETPAR_ASSIGN_OR_RETURN(options.dtype, nn::TorchDtype(spec.run().dtype()));
+  options.seed = spec.run().seed();
+  options.sequence_parallel = spec.llm().layout().sequence_parallel();
+  return options;
+}
+
+LanguageModel::LanguageModel(const hetpar::v1::LlmModel& model, const LlmOptions& options,
+                             nn::TensorParallel tp)
+    : model_(model), options_(options), tp_(std::move(tp)) {}
+
+absl::StatusOr<std::unique_ptr<LanguageModel>> LanguageModel::Create(
+    const hetpar::v1::LlmModel& model, const LlmOptions& options, const nn::Communicator& tp) {
+  hetpar::v1::LlmModel m = model;
+  if (m.kv_heads() == 0) m.set_kv_heads(m.heads());
+  if (m.rope_theta() == 0) m.set_rope_theta(10000);
+  if (m.norm_eps() == 0) m.set_norm_eps(1e-5);
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.hidden", m.hidden()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.layers", m.layers()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.heads", m.heads()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.kv_heads", m.kv_heads()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.ffn", m.ffn()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.vocab", m.vocab()));
+  HETPAR_RETURN_IF_ERROR(CheckPositive("llm.model.seq_len", m.seq_len()));
+  if (!(m.rope_theta() > 0) || !(m.norm_eps() > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("llm.model.rope_theta=", m.rope_theta(),
+                                                   " and llm.model.norm_eps=", m.norm_eps(),
+                                                   " must be > 0"));
+  }
+  HETPAR_RETURN_IF_ERROR(
+      CheckDivides("llm.model.heads", m.heads(), "llm.model.hidden", m.hidden()));
+  if ((m.hidden() / m.heads()) % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("llm.model.heads=", m.heads(), " gives an odd head size ",
+                     m.hidden() / m.heads(), "; rotary embeddings need an even head size"));
+  }
+  HETPAR_RETURN_IF_ERROR(CheckDivides("llm.model.kv_heads", m.kv_heads(), "llm.model.heads",
+                                      m.heads(), "grouped-query attention"));
+  const int size = tp.size();
+  HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.heads", m.heads(),
+                                      "attention is split by heads"));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.kv_heads", m.kv_heads(),
+                                      "key/value heads are split too"));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.ffn", m.ffn()));
+  HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.vocab", m.vocab(),
+                                      "the embedding and output head are split by vocabulary"));
+  auto lm = std::unique_ptr<LanguageModel>(
+      new LanguageModel(m, options, nn::TensorParallel{tp.group(), options.sequence_parallel}));
+  HETPAR_RETURN_IF_ERROR(lm->Build());
+  return lm;
+}
+
+absl::Status LanguageModel::Build() {
+  const int64_t hidden = model_.hidden();
+  const int64_t head_dim = hidden / model_.heads();
+  const int64_t qkv_rows = (model_.heads() + 2 * model_.kv_heads()) * head_dim;
+  const bool sp = options_.sequence_parallel;
+  parameters_ = std::make_unique<nn::ParameterSet>(options_.seed, options_.dtype, tp_.rank(),
+                                                   tp_.size(), options_.init_style);
+  nn::ParameterSet& p = *parameters_;
+  const nn::InitRule weight = nn::InitRule::Normal(kInitStd);
+  const nn::InitRule output_weight =
+      nn::InitRule::Normal(kInitStd / std::sqrt(2.0 * static_cast<double>(model_.layers())));
+  HETPAR_ASSIGN_OR_RETURN(embed_, p.Add("llm.embed.weight", {model_.vocab(), hidden}, 0, weight));
+  for (int64_t i = 0; i < model_.layers(); ++i) {
+    const std::string n = absl::StrCat("llm.layers.", i, ".");
+    Layer layer;
+    HETPAR_ASSIGN_OR_RETURN(layer.attn_norm,
+                            p.Add(n + "attn_norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.qkv, p.Add(n + "attn.qkv.weight", {qkv_rows, hidden}, 0, weight));
+    HETPAR_ASSIGN_OR_RETURN(
+        layer.proj,
+        p.Add(n + "attn.proj.weight", {hidden, model_.heads() * head_dim}, 1, output_weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.mlp_norm,
+                            p.Add(n + "mlp_norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(layer.gate,
+                            p.Add(n + "mlp.gate.weight", {model_.ffn(), hidden}, 0, weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.up,
+                            p.Add(n + "mlp.up.weight", {model_.ffn(), hidden}, 0, weight));
+    HETPAR_ASSIGN_OR_RETURN(layer.down,
+                            p.Add(n + "mlp.down.weight", {hidden, model_.ffn()}, 1, output_weight));
+    layers_.push_back(std::move(layer));
+  }
+  HETPAR_ASSIGN_OR_RETURN(norm_, p.Add("llm.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+  HETPAR_ASSIGN_OR_RETURN(output_, p.Add("llm.output.weight", {model_.vocab(), hidden}, 0, weight));
+  return nn::RunTorch("building rotary tables", [&] {
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    at::Tensor inv_freq =
+        at::pow(model_.rope_theta(),
+                at::arange(0, head_dim, 2, f64).div(static_cast<double>(head_dim)))
+            .reciprocal();
+    at::Tensor angles = at::outer(at::arange(model_.seq_len(), f64), inv_freq);
+    at::Tensor table = at::cat({angles, angles}, -1);  // [seq_len, head_dim]
+    rope_cos_ = table.cos().to(options_.dtype);
+    rope_sin_ = table.sin().to(options_.dtype);
+  });
+}
+
+absl::Status LanguageModel::Validate(const std::vector<LlmSample>& samples,
+                                     const at::Tensor& image_rows, int64_t n_global) const {
+  if (samples.empty()) return absl::InvalidArgumentError("llm forward: the microbatch is empty");
+  if (n_global < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("llm forward: N_global=", n_global,
+                                                   ", expected >= 1 (loss tokens in the "
+                                                   "global batch)"));
+  }
+  int64_t expected_rows = 0;
+  for (size_t s = 0; s < samples.size(); ++s) {
+    const LlmSample& sample = samples[s];
+    const int64_t length = static_cast<int64_t>(sample.tokens.size());
+    const std::string name = SampleName(sample, s);
+    if (length < 1 || length > model_.seq_len()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " has ", length, " tokens, expected 1..llm.model.seq_len=", model_.seq_len()));
+    }
+    if (static_cast<int64_t>(sample.labels.size()) != length ||
+        static_cast<int64_t>(sample.loss_mask.size()) != length) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has ", length, " tokens but ", sample.labels.size(), " labels and ",
+                       sample.loss_mask.size(), " loss-mask entries; expected one each"));
+    }
+    for (int64_t i = 0; i < length; ++i) {
+      if (sample.tokens[i] < 0 || sample.tokens[i] >= model_.vocab()) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": token ", sample.tokens[i],
+                                                       " at position ", i,
+                                                       " is outside the "
+                                                       "vocabulary [0, ",
+                                                       model_.vocab(), ")"));
+      }
+      if (sample.loss_mask[i] && (sample.labels[i] < 0 || sample.labels[i] >= model_.vocab())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": label ", sample.labels[i], " at loss position ", i,
+                         " is outside the vocabulary [0, ", model_.vocab(), ")"));
+      }
+    }
+    const int64_t placeholders = static_cast<int64_t>(sample.image_positions.size());
+    if (placeholders != sample.image_rows) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " has ", placeholders, " image placeholder tokens but ", sample.image_rows,
+          " image rows were assigned to it; each image row needs one placeholder"));
+    }
+    int64_t previous = -1;
+    for (int64_t position : sample.image_positions) {
+      if (position <= previous || position >= length) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": image position ", position,
+                                                       " is not increasing inside [0, ", length,
+                                                       ") (previous ", previous, ")"));
+      }
+      previous = position;
+    }
+    expected_rows += sample.image_rows;
+  }
+  const int64_t given_rows = image_rows.defined() ? image_rows.size(0) : 0;
+  if (image_rows.defined() && (image_rows.dim() != 2 || image_rows.size(1) != model_.hidden())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llm forward: image rows have shape [", absl::StrJoin(image_rows.sizes(), ", "),
+        "], expected [rows, llm.model.hidden=", model_.hidden(), "]"));
+  }
+  if (given_rows != expected_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llm forward: the image-rows tensor has ", given_rows, " rows but the microbatch's ",
+        samples.size(), " samples have ", expected_rows, " image placeholder tokens"));
+  }
+  if (image_rows.defined() && given_rows > 0 && image_rows.scalar_type() != options_.dtype) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("llm forward: image rows have dtype ", nn::DtypeName(image_rows.scalar_type()),
+                     ", expected the model dtype ", nn::DtypeName(options_.dtype)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LlmForwardResult> LanguageModel::Forward(const std::vector<LlmSample>& samples,
+                                                        const at::Tensor& image_rows,
+                                                        int64_t n_global) {
+  HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, n_global));
+  return nn::RunTorchOr(absl::StrCat("llm forward on TP rank ", tp_.rank(), " of ", tp_.size()),
+                        [&] { return ForwardUnchecked(samples, image_rows, n_global); });
+}
+
+LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& samples,
+                                                 const at::Tensor& image_rows, int64_t n_global) {
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const at::ScalarType dtype = options_.dtype;
+  const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
+  const int64_t hidden = model_.hidden();
+  const int64_t head_dim = hidden / model_.heads();
+  const int64_t group = model_.heads() / model_.kv_heads();
+  const int64_t local_heads = model_.heads() / tp_.size();
+  const int64_t local_kv = model_.kv_heads() / tp_.size();
+  const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+
+  // Pack the samples: row r of the sequence is (sample, position).
+  std::vector<int64_t> starts, ids, positions, image_targets, loss_rows, loss_labels;
+  int64_t rows = 0;
+  for (const LlmSample& sample : samples) {
+    starts.push_back(rows);
+    const int64_t length = static_cast<int64_t>(sample.tokens.size());
+    for (int64_t i = 0; i < length; ++i) {
+      ids.push_back(sample.tokens[i]);
+      positions.push_back(i);
+      if (sample.loss_mask[i]) {
+        loss_rows.push_back(rows + i);
+        loss_labels.push_back(sample.labels[i]);
+      }
+    }
+    for (int64_t position : sample.image_positions) image_targets.push_back(rows + position);
+    rows += length;
+  }
+  starts.push_back(rows);
+
+  // Embedding, then image rows in place of their placeholders (in this rank's rows only).
+  at::Tensor x = nn::LeaveTensorParallel(
+      nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
+  if (!image_targets.empty()) {
+    int64_t first_row = 0;
+    int64_t end_row = rows;
+    if (tp_.sharded()) {
+      const nn::SequenceShard shard = nn::ShardSequence(rows, tp_.rank(), tp_.size());
+      first_row = shard.shard_rows * tp_.rank();
+      end_row = shard.end;
+    }
+    std::vector<int64_t> local_targets, sources;
+    for (size_t k = 0; k < image_targets.size(); ++k) {
+      if (image_targets[k] >= first_row && image_targets[k] < end_row) {
+        local_targets.push_back(image_targets[k] - first_row);
+        sources.push_back(static_cast<int64_t>(k));
+      }
+    }
+    if (!local_targets.empty()) {
+      x = x.index_copy(0, at::tensor(local_targets, i64),
+                       image_rows.index_select(0, at::tensor(sources, i64)));
+    }
+  }
+
+  const at::Tensor position_ids = at::tensor(positions, i64);
+  const at::Tensor cos = rope_cos_.index_select(0, position_ids).unsqueeze(1);
+  const at::Tensor sin = rope_sin_.index_select(0, position_ids).unsqueeze(1);
+  std::vector<at::Tensor> causal_masks(samples.size());
+  for (size_t s = 0; s < samples.size(); ++s) {
+    const int64_t length = starts[s + 1] - starts[s];
+    causal_masks[s] = at::ones({length, length}, at::TensorOptions().dtype(at::kBool)).triu(1);
+  }
+
+  for (const Layer& layer : layers_) {
+    at::Tensor h =
+        nn::EnterTensorParallel(nn::RmsNorm(x, layer.attn_norm, model_.norm_eps()), rows, tp_);
+    at::Tensor qkv = nn::ColumnParallelLinear(h, layer.qkv, at::Tensor())
+                         .view({rows, local_kv, group + 2, head_dim});
+    at::Tensor q =
+        ApplyRope(qkv.narrow(2, 0, group).reshape({rows, local_heads, head_dim}), cos, sin);
+    at::Tensor k = ApplyRope(qkv.select(2, group), cos, sin);  // [rows, local_kv, d]
+    at::Tensor v = qkv.select(2, group + 1);
+    std::vector<at::Tensor> outputs;
+    for (size_t s = 0; s < samples.size(); ++s) {
+      const int64_t start = starts[s];
+      const int64_t length = starts[s + 1] - start;
+      at::Tensor qs = q.narrow(0, start, length).transpose(0, 1);  // [heads, L, d]
+      at::Tensor ks = k.narrow(0, start, length).transpose(0, 1);  // [kv, L, d]
+      at::Tensor vs = v.narrow(0, start, length).transpose(0, 1);
+      if (group > 1) {
+        ks = ks.repeat_interleave(group, 0);
+        vs = vs.repeat_interleave(group, 0);
+      }
+      at::Tensor scores =
+          at::matmul(qs, ks.transpose(-2, -1)).mul(scale).masked_fill(causal_masks[s], -INFINITY);
+      at::Tensor probs = at::softmax(scores, -1, softmax_type).to(dtype);
+      outputs.push_back(
+          at::matmul(probs, vs).transpose(0, 1).reshape({length, local_heads * head_dim}));
+    }
+    x = x + nn::RowParallelLinear(at::cat(outputs, 0), layer.proj, at::Tensor(), tp_);
+
+    h = nn::EnterTensorParallel(nn::RmsNorm(x, layer.mlp_norm, model_.norm_eps()), rows, tp_);
+    at::Tensor inner = at::silu(nn::ColumnParallelLinear(h, layer.gate, at::Tensor())) *
+                       nn::ColumnParallelLinear(h, layer.up, at::Tensor());
+    x = x + nn::RowParallelLinear(inner, layer.down, at::Tensor(), tp_);
+  }
+
+  at::Tensor h = nn::EnterTensorParallel(nn::RmsNorm(x, norm_, model_.norm_eps()), rows, tp_);
+  at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
+  at::Tensor logits = nn::ColumnParallelLinear(selected, output_, at::Tensor());
+  at::Tensor token_loss =
+      nn::VocabParallelCrossEntropy(logits, at::tensor(loss_labels, i64), vocab_begin, tp_.group);
+  LlmForwardResult result;
+  result.loss = token_loss.sum().div(static_cast<double>(n_global));
+  result.loss_tokens = static_cast<int64_t>(loss_rows.size());
+  return result;
+}
+
+absl::Status LanguageModel::Backward(const at::Tensor& loss) {
+  if (!loss.defined() || loss.numel() != 1 || !loss.requires_grad()) {
+    return absl::FailedPreconditionError(
+        "llm backward: expected the scalar loss of a Forward with gradients enabled");
+  }
+  return nn::RunTorch(absl::StrCat("llm backward on TP rank ", tp_.rank(), " of ", tp_.size()),
+                      [&] { loss.backward(); });
+}
+
+absl::Status LanguageModel::FinishGradients() {
+  if (!tp_.sharded()) return absl::OkStatus();
+  return parameters_->ReducePartialGrads(*tp_.group);
+}
+
+}  // namespace hetpar::llm

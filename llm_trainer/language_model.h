@@ -1,0 +1,150 @@
+// The decoder-only LLM, tensor-parallel over a TP group, with image rows spliced into its input.
+//
+// A microbatch is a list of samples packed into one sequence of rows (sample after sample);
+// attention is causal inside each sample and never crosses samples; rotary positions restart at
+// 0 in each sample.
+//
+//   token ids -> vocab-parallel embedding -> image rows replace the rows of image placeholders
+//     -> `layers` pre-norm blocks: x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x))
+//        attention: causal, RoPE, grouped-query when kv_heads < heads, split by heads over TP
+//     -> final RMSNorm -> vocab-parallel output head (only at loss positions)
+//     -> vocab-parallel cross-entropy per loss token
+//   loss = sum over the microbatch's loss tokens / N_global
+//
+// N_global is the number of loss tokens in the whole global batch (all microbatches, all DP
+// replicas): with it every microbatch's loss adds up to the global mean and no gradient depends
+// on the DP size or the number of microbatches.
+//
+// Image rows: one [n_image_rows, hidden] tensor per microbatch holding the blocks of every image
+// of every sample, in sample order (and image order within a sample). Sample s takes the next
+// `image_rows` rows and puts them, in order, at its `image_positions`. The gradient with respect
+// to these rows is what goes back to the encoder: pass a leaf with requires_grad(true) and read
+// its grad() after Backward (or pass the encoder's output itself, in one process, and the
+// gradient flows on into the encoder). Without sequence parallelism every TP rank gets the full
+// gradient; with it each rank gets the rows inside its sequence shard (zeros elsewhere), and the
+// sum over TP ranks is the full gradient (image_rows_grad_is_partial()).
+//
+// Parameter names (stable; init seeds and checkpoints use them), d = hidden / heads,
+// g = heads / kv_heads:
+//   llm.embed.weight [vocab, hidden]                       split on dim 0 (vocabulary)
+//   llm.layers.<i>.attn_norm.weight [hidden]
+//   llm.layers.<i>.attn.qkv.weight [(heads + 2*kv_heads)*d, hidden]   split on dim 0; rows
+//       grouped by kv head: group j owns rows [(g+2)*d*j, (g+2)*d*(j+1)) = its g query heads,
+//       then its key head, then its value head (so any TP size that divides kv_heads slices it)
+//   llm.layers.<i>.attn.proj.weight [hidden, heads*d]      split on dim 1
+//   llm.layers.<i>.mlp_norm.weight [hidden]
+//   llm.layers.<i>.mlp.gate.weight [ffn, hidden]           split on dim 0
+//   llm.layers.<i>.mlp.up.weight [ffn, hidden]             split on dim 0
+//   llm.layers.<i>.mlp.down.weight [hidden, ffn]           split on dim 1
+//   llm.norm.weight [hidden]
+//   llm.output.weight [vocab, hidden]                      split on dim 0 (vocabulary)
+//
+// dtypes: float32, float64, bfloat16. Norms, softmax and cross-entropy run in float32 for
+// bfloat16; the loss is float64 for a float64 model and float32 otherwise.
+//
+// Threading: one thread drives a LanguageModel (its collectives follow the TP group's order).
+#ifndef HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_
+#define HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/nn/communicator.h"
+#include "common/nn/parameters.h"
+#include "common/nn/tp_ops.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::llm {
+
+// One training sample as the LLM sees it.
+struct LlmSample {
+  std::string id;                        // names the sample in errors
+  std::vector<int64_t> tokens;           // token ids (text and image placeholders), 1..seq_len
+  std::vector<int64_t> labels;           // target id at each position (the next token)
+  std::vector<uint8_t> loss_mask;        // 1 where the position's label counts in the loss
+  std::vector<int64_t> image_positions;  // increasing positions of image placeholder tokens
+  int64_t image_rows = 0;                // rows of the image tensor that belong to this sample
+};
+
+struct LlmOptions {
+  at::ScalarType dtype = at::kFloat;
+  int64_t seed = 1234;  // run seed; parameter seeds derive from it and their names
+  bool sequence_parallel = false;
+  nn::InitStyle init_style = nn::InitStyle::kTraining;
+};
+
+// Options of a RunSpec: run.dtype, run.seed and llm.layout.sequence_parallel.
+absl::StatusOr<LlmOptions> LlmOptionsFromSpec(const hetpar::v1::RunSpec& spec);
+
+struct LlmForwardResult {
+  at::Tensor loss;          // scalar: sum of token losses / N_global, attached to autograd
+  int64_t loss_tokens = 0;  // loss tokens of this microbatch
+};
+
+class LanguageModel {
+ public:
+  // Builds and initialises this rank's part of the model over the TP group `tp` (the model keeps
+  // a reference to the group, not to `tp`). Sizes that do not split over the group are
+  // InvalidArgument naming the field.
+  static absl::StatusOr<std::unique_ptr<LanguageModel>> Create(const hetpar::v1::LlmModel& model,
+                                                               const LlmOptions& options,
+                                                               const nn::Communicator& tp);
+
+  LanguageModel(const LanguageModel&) = delete;
+  LanguageModel& operator=(const LanguageModel&) = delete;
+
+  // Forward of one microbatch. `image_rows` is [sum of samples' image_rows, hidden] in the model
+  // dtype, or undefined when no sample has images. Every TP rank passes the same samples and
+  // rows. Errors (InvalidArgument) name the sample and what is wrong.
+  absl::StatusOr<LlmForwardResult> Forward(const std::vector<LlmSample>& samples,
+                                           const at::Tensor& image_rows, int64_t n_global);
+
+  // Backpropagates a loss returned by Forward: parameter gradients accumulate, and so does the
+  // gradient of the image rows passed to that Forward.
+  absl::Status Backward(const at::Tensor& loss);
+
+  // Once per step, after the last Backward: sums over the TP group the gradients that sequence
+  // parallelism leaves partial (the norm scales). No-op without SP.
+  absl::Status FinishGradients();
+
+  // True when each TP rank's gradient of the image rows covers only its sequence shard.
+  bool image_rows_grad_is_partial() const { return tp_.sharded(); }
+
+  nn::ParameterSet& parameters() { return *parameters_; }
+  const nn::ParameterSet& parameters() const { return *parameters_; }
+  const hetpar::v1::LlmModel& model() const { return model_; }
+  const LlmOptions& options() const { return options_; }
+
+ private:
+  struct Layer {
+    at::Tensor attn_norm, qkv, proj, mlp_norm, gate, up, down;
+  };
+
+  LanguageModel(const hetpar::v1::LlmModel& model, const LlmOptions& options,
+                nn::TensorParallel tp);
+  absl::Status Build();
+  absl::Status Validate(const std::vector<LlmSample>& samples, const at::Tensor& image_rows,
+                        int64_t n_global) const;
+  LlmForwardResult ForwardUnchecked(const std::vector<LlmSample>& samples,
+                                    const at::Tensor& image_rows, int64_t n_global);
+
+  hetpar::v1::LlmModel model_;
+  LlmOptions options_;
+  nn::TensorParallel tp_;
+  std::unique_ptr<nn::ParameterSet> parameters_;
+  at::Tensor embed_;
+  std::vector<Layer> layers_;
+  at::Tensor norm_;
+  at::Tensor output_;
+  at::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim] in the model dtype
+};
+
+}  // namespace hetpar::llm
+
+#endif  // HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_

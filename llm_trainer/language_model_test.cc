@@ -1,0 +1,306 @@
+#include "llm_trainer/language_model.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "common/nn/test_ranks.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::llm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kVocab = 40;
+constexpr int64_t kPlaceholder = 39;
+
+hetpar::v1::LlmModel TinyModel() {
+  hetpar::v1::LlmModel m;
+  m.set_hidden(32);
+  m.set_layers(2);
+  m.set_heads(8);
+  m.set_kv_heads(4);
+  m.set_ffn(48);
+  m.set_vocab(kVocab);
+  m.set_seq_len(24);
+  m.set_rope_theta(10000);
+  m.set_norm_eps(1e-5);
+  return m;
+}
+
+std::unique_ptr<LanguageModel> Make(at::ScalarType dtype = at::kDouble,
+                                    nn::InitStyle style = nn::InitStyle::kAllRandom) {
+  static auto single = nn::Communicator::CreateSingle();
+  LlmOptions options;
+  options.dtype = dtype;
+  options.seed = 11;
+  options.init_style = style;
+  auto lm = LanguageModel::Create(TinyModel(), options, *single);
+  EXPECT_TRUE(lm.ok()) << lm.status();
+  return lm.ok() ? *std::move(lm) : nullptr;
+}
+
+// A sample whose labels are the next tokens; every position but the last and the image
+// placeholders counts in the loss.
+LlmSample MakeSample(std::string id, std::vector<int64_t> tokens,
+                     std::vector<int64_t> image_positions = {}) {
+  LlmSample s;
+  s.id = std::move(id);
+  s.tokens = std::move(tokens);
+  const size_t n = s.tokens.size();
+  s.labels.assign(n, 0);
+  s.loss_mask.assign(n, 1);
+  for (size_t i = 0; i + 1 < n; ++i) s.labels[i] = s.tokens[i + 1];
+  s.loss_mask[n - 1] = 0;
+  for (int64_t p : image_positions) s.loss_mask[p] = 0;
+  s.image_positions = std::move(image_positions);
+  s.image_rows = static_cast<int64_t>(s.image_positions.size());
+  return s;
+}
+
+std::vector<int64_t> Tokens(int64_t n, int64_t salt) {
+  std::vector<int64_t> t;
+  for (int64_t i = 0; i < n; ++i) t.push_back((i * 7 + salt * 13 + 3) % (kVocab - 1));
+  return t;
+}
+
+// Samples with 0, 1 (3 rows) and 2 (2 + 3 rows) images.
+std::vector<LlmSample> MixedBatch() {
+  return {MakeSample("text", Tokens(9, 1)), MakeSample("one-image", Tokens(12, 2), {2, 3, 4}),
+          MakeSample("two-images", Tokens(15, 3), {1, 2, 8, 9, 10})};
+}
+
+at::Tensor Random(std::vector<int64_t> shape, uint64_t seed) {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::normal(0.0, 1.0, shape, generator, at::TensorOptions().dtype(at::kDouble));
+}
+
+double Loss(LanguageModel& lm, const std::vector<LlmSample>& samples, const at::Tensor& rows,
+            int64_t n_global = 20) {
+  auto out = lm.Forward(samples, rows, n_global);
+  EXPECT_TRUE(out.ok()) << out.status();
+  return out.ok() ? out->loss.item<double>() : NAN;
+}
+
+TEST(LanguageModelTest, SplicedRowsLandExactlyOnTheirPlaceholders) {
+  auto lm = Make();
+  ASSERT_NE(lm, nullptr);
+  // Text-only: the original tokens everywhere.
+  std::vector<LlmSample> text = MixedBatch();
+  for (auto& s : text) {
+    for (int64_t p : s.image_positions) s.loss_mask[p] = 0;
+    s.image_positions.clear();
+    s.image_rows = 0;
+  }
+  // With images: placeholders at the image positions, and as image rows the embeddings of the
+  // tokens they replaced, in sample order. Only a splice that puts row k exactly on placeholder
+  // k gives back the text-only loss.
+  std::vector<LlmSample> spliced = MixedBatch();
+  const at::Tensor embed = lm->parameters().Find("llm.embed.weight")->tensor.detach();
+  std::vector<int64_t> replaced;
+  for (auto& s : spliced) {
+    for (int64_t p : s.image_positions) {
+      replaced.push_back(s.tokens[p]);
+      s.tokens[p] = kPlaceholder;
+    }
+  }
+  const at::Tensor rows = embed.index_select(0, at::tensor(replaced, at::kLong));
+  const double text_loss = Loss(*lm, text, at::Tensor());
+  const double spliced_loss = Loss(*lm, spliced, rows);
+  EXPECT_NEAR(spliced_loss, text_loss, 1e-13 * std::abs(text_loss));
+  // Swapping two rows of different images changes the loss.
+  at::Tensor swapped = rows.clone();
+  swapped[0].copy_(rows[4]);
+  swapped[4].copy_(rows[0]);
+  EXPECT_GT(std::abs(Loss(*lm, spliced, swapped) - text_loss), 1e-6);
+  // Placeholders without the splice give another loss.
+  std::vector<LlmSample> unspliced = spliced;
+  for (auto& s : unspliced) {
+    s.image_positions.clear();
+    s.image_rows = 0;
+  }
+  EXPECT_GT(std::abs(Loss(*lm, unspliced, at::Tensor()) - text_loss), 1e-6);
+}
+
+TEST(LanguageModelTest, GradientsMatchFiniteDifferences) {
+  auto lm = Make();
+  const std::vector<LlmSample> batch = MixedBatch();
+  at::Tensor rows = Random({8, 32}, 3).mul(0.5).requires_grad_(true);
+  auto out = lm->Forward(batch, rows, 20);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->loss_tokens, 8 + 11 - 3 + 14 - 5);
+  ASSERT_TRUE(lm->Backward(out->loss).ok());
+  ASSERT_TRUE(lm->FinishGradients().ok());
+  ASSERT_TRUE(rows.grad().defined());
+  auto check = [&](const std::string& what, at::Tensor values, const at::Tensor& grad) {
+    at::Tensor flat = values.view({-1});
+    for (int64_t index : {int64_t{0}, flat.numel() / 3, flat.numel() - 1}) {
+      const double original = flat[index].item<double>();
+      const double eps = 1e-6;
+      flat[index] = original + eps;
+      const double plus = Loss(*lm, batch, rows.detach());
+      flat[index] = original - eps;
+      const double minus = Loss(*lm, batch, rows.detach());
+      flat[index] = original;
+      const double numeric = (plus - minus) / (2 * eps);
+      EXPECT_NEAR(grad.view({-1})[index].item<double>(), numeric,
+                  1e-7 * std::max(1.0, std::abs(numeric)))
+          << what << "[" << index << "]";
+    }
+  };
+  check("image rows", rows.detach(), rows.grad());
+  for (const char* name :
+       {"llm.embed.weight", "llm.layers.0.attn.qkv.weight", "llm.layers.1.attn.proj.weight",
+        "llm.layers.0.attn_norm.weight", "llm.layers.1.mlp.gate.weight",
+        "llm.layers.0.mlp.down.weight", "llm.norm.weight", "llm.output.weight"}) {
+    const nn::NamedParameter* p = lm->parameters().Find(name);
+    ASSERT_NE(p, nullptr) << name;
+    ASSERT_TRUE(p->tensor.grad().defined()) << name;
+    check(name, p->tensor.detach(), p->tensor.grad());
+  }
+}
+
+TEST(LanguageModelTest, LossIsTheTokenSumOverNGlobal) {
+  auto lm = Make();
+  const std::vector<LlmSample> batch = MixedBatch();
+  const at::Tensor rows = Random({8, 32}, 3);
+  const double at_20 = Loss(*lm, batch, rows, 20);
+  const double at_40 = Loss(*lm, batch, rows, 40);
+  EXPECT_NEAR(at_40 * 2, at_20, 1e-15 * std::abs(at_20));
+  // Microbatches add up: two halves over the same N_global give the whole.
+  const std::vector<LlmSample> first = {batch[0]};
+  const std::vector<LlmSample> rest = {batch[1], batch[2]};
+  const double whole = Loss(*lm, batch, rows, 33);
+  const double parts = Loss(*lm, first, at::Tensor(), 33) + Loss(*lm, rest, rows, 33);
+  EXPECT_NEAR(whole, parts, 1e-13 * std::abs(whole));
+  // With the training initialisation the logits are near zero: the mean token loss is near
+  // log(vocab).
+  auto fresh = Make(at::kDouble, nn::InitStyle::kTraining);
+  auto out = fresh->Forward(batch, rows, 1);
+  ASSERT_TRUE(out.ok());
+  EXPECT_NEAR(out->loss.item<double>() / out->loss_tokens, std::log(double{kVocab}), 0.05);
+}
+
+TEST(LanguageModelTest, AttentionIsCausalAndStaysInsideItsSample) {
+  auto lm = Make();
+  LlmSample a = MakeSample("a", Tokens(10, 4));
+  LlmSample b = MakeSample("b", Tokens(10, 5));
+  LlmSample b_changed = b;
+  b_changed.tokens = Tokens(10, 6);
+  b.loss_mask.assign(10, 0);
+  b_changed.loss_mask.assign(10, 0);
+  // Loss on `a` only: whatever follows it in the microbatch does not matter.
+  EXPECT_EQ(Loss(*lm, {a, b}, at::Tensor()), Loss(*lm, {a, b_changed}, at::Tensor()));
+  // Loss on positions 0..4 only: tokens after position 4 do not matter.
+  LlmSample early = a;
+  for (int i = 5; i < 10; ++i) early.loss_mask[i] = 0;
+  LlmSample early_changed = early;
+  for (int i = 5; i < 10; ++i) early_changed.tokens[i] = (early.tokens[i] + 1) % kVocab;
+  EXPECT_EQ(Loss(*lm, {early}, at::Tensor()), Loss(*lm, {early_changed}, at::Tensor()));
+  // ...but token 4 does.
+  early_changed.tokens[4] = (early.tokens[4] + 1) % kVocab;
+  EXPECT_NE(Loss(*lm, {early}, at::Tensor()), Loss(*lm, {early_changed}, at::Tensor()));
+}
+
+TEST(LanguageModelTest, MismatchesAreErrorsNamingTheSample) {
+  auto lm = Make();
+  std::vector<LlmSample> batch = MixedBatch();
+  const at::Tensor rows = Random({8, 32}, 3);
+  batch[2].image_rows = 4;
+  auto out = lm->Forward(batch, rows, 20);
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("sample 'two-images' (#2 of the microbatch) has 5 image placeholder "
+                        "tokens but 4 image rows were assigned to it"));
+
+  batch = MixedBatch();
+  out = lm->Forward(batch, Random({7, 32}, 3), 20);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("the image-rows tensor has 7 rows but the microbatch's 3 samples have 8 "
+                        "image placeholder tokens"));
+  out = lm->Forward(batch, at::Tensor(), 20);
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("has 0 rows"));
+  out = lm->Forward(batch, Random({8, 31}, 3), 20);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("expected [rows, llm.model.hidden=32]"));
+  out = lm->Forward(batch, Random({8, 32}, 3).to(at::kFloat), 20);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("image rows have dtype float32, expected the model dtype float64"));
+  out = lm->Forward(batch, rows, 0);
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("N_global=0"));
+
+  batch[0].tokens[3] = kVocab;
+  out = lm->Forward(batch, rows, 20);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("sample 'text' (#0 of the microbatch): token 40 at position 3 is outside "
+                        "the vocabulary [0, 40)"));
+  batch = MixedBatch();
+  batch[1] = MakeSample("long", Tokens(25, 1));
+  batch[2].image_rows = 8;
+  batch[2].image_positions = {0, 1, 2, 3, 4, 5, 6, 7};
+  out = lm->Forward(batch, rows, 20);
+  EXPECT_THAT(std::string(out.status().message()),
+              HasSubstr("sample 'long' (#1 of the microbatch) has 25 tokens, expected "
+                        "1..llm.model.seq_len=24"));
+  batch = MixedBatch();
+  batch[1].image_positions = {4, 3, 2};
+  out = lm->Forward(batch, rows, 20);
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("image position 3 is not increasing"));
+}
+
+TEST(LanguageModelTest, Float32AndBfloat16StayCloseToFloat64) {
+  const std::vector<LlmSample> batch = MixedBatch();
+  const at::Tensor rows = Random({8, 32}, 3).mul(0.1);
+  auto reference = Make(at::kDouble);
+  const double expected = Loss(*reference, batch, rows);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto lm = Make(dtype);
+    at::Tensor typed_rows = rows.to(dtype).requires_grad_(true);
+    auto out = lm->Forward(batch, typed_rows, 20);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_EQ(out->loss.scalar_type(), at::kFloat);
+    EXPECT_NEAR(out->loss.item<double>(), expected,
+                (dtype == at::kFloat ? 1e-5 : 2e-2) * std::abs(expected))
+        << dtype;
+    ASSERT_TRUE(lm->Backward(out->loss).ok());
+    EXPECT_EQ(typed_rows.grad().scalar_type(), dtype);
+    EXPECT_TRUE(at::isfinite(typed_rows.grad()).all().item<bool>());
+  }
+}
+
+TEST(LanguageModelTest, TpThatDoesNotSplitKvHeadsIsRejected) {
+  hetpar::v1::LlmModel model = TinyModel();
+  model.set_kv_heads(2);
+  absl::Status status = nn::testing::RunRanks(4, [&](int, nn::Communicator& comm) {
+    auto lm = LanguageModel::Create(model, LlmOptions(), comm);
+    EXPECT_FALSE(lm.ok());
+    EXPECT_THAT(std::string(lm.status().message()),
+                HasSubstr("llm.layout.tp=4 does not divide llm.model.kv_heads=2"));
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  model = TinyModel();
+  model.set_hidden(24);  // head size 3
+  auto single = nn::Communicator::CreateSingle();
+  auto lm = LanguageModel::Create(model, LlmOptions(), *single);
+  EXPECT_THAT(std::string(lm.status().message()), HasSubstr("odd head size 3"));
+}
+
+TEST(LanguageModelTest, OptionsComeFromTheRunSpec) {
+  hetpar::v1::RunSpec spec;
+  spec.mutable_run()->set_dtype(hetpar::v1::DTYPE_FLOAT64);
+  spec.mutable_run()->set_seed(9);
+  spec.mutable_llm()->mutable_layout()->set_sequence_parallel(true);
+  auto options = LlmOptionsFromSpec(spec);
+  ASSERT_TRUE(options.ok());
+  EXPECT_EQ(options->dtype, at::kDouble);
+  EXPECT_EQ(options->seed, 9);
+  EXPECT_TRUE(options->sequence_parallel);
+}
+
+}  // namespace
+}  // namespace hetpar::llm
