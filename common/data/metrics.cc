@@ -1,5 +1,6 @@
 #include "common/data/metrics.h"
 
+#include <algorithm>
 #include <cctype>
 
 #include "absl/strings/str_cat.h"
@@ -169,6 +170,39 @@ absl::StatusOr<ImageReliance> CompareWithBlankImages(const CaptionMetrics& with_
   for (size_t a = 0; a < kAttributes; ++a) {
     out.attributes[a] = with_images.attributes[a].value() - blank.attributes[a].value();
   }
+  return out;
+}
+
+std::string CaptionEvaluation::ToJson() const {
+  return absl::StrCat("{\"with_images\":", with_images.ToJson(),
+                      ",\"blank_images\":", blank_images.ToJson(),
+                      ",\"image_reliance\":", reliance.ToJson(), "}");
+}
+
+absl::StatusOr<CaptionEvaluation> EvaluateCaptions(const DataLoader& loader,
+                                                   const AttributeLexicon& lexicon,
+                                                   const PredictFn& predict, int64_t max_samples) {
+  const int64_t n = max_samples < 0 ? loader.size() : std::min(max_samples, loader.size());
+  CaptionMetricsAccumulator with(&loader.tokenizer(), lexicon, /*blank_images=*/false);
+  CaptionMetricsAccumulator blank(&loader.tokenizer(), lexicon, /*blank_images=*/true);
+  for (int64_t i = 0; i < n; ++i) {
+    absl::StatusOr<LoadedSample> sample = loader.Load(i);
+    if (!sample.ok()) return sample.status();
+    absl::StatusOr<std::vector<int32_t>> predicted = predict(*sample);
+    if (!predicted.ok()) return predicted.status();
+    if (absl::Status s = with.Add(sample->tokens, *predicted, sample->id); !s.ok()) return s;
+    for (std::vector<float>& image : sample->images) std::fill(image.begin(), image.end(), 0.0f);
+    absl::StatusOr<std::vector<int32_t>> baseline = predict(*sample);
+    if (!baseline.ok()) return baseline.status();
+    if (absl::Status s = blank.Add(sample->tokens, *baseline, sample->id); !s.ok()) return s;
+  }
+  CaptionEvaluation out;
+  out.with_images = with.metrics();
+  out.blank_images = blank.metrics();
+  absl::StatusOr<ImageReliance> reliance =
+      CompareWithBlankImages(out.with_images, out.blank_images);
+  if (!reliance.ok()) return reliance.status();
+  out.reliance = *reliance;
   return out;
 }
 

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <string_view>
@@ -20,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/data/loader.h"
 #include "common/data/sequence.h"
 #include "common/data/tokenizer.h"
 
@@ -86,6 +88,26 @@ struct ImageReliance {
 // of samples and caption tokens (the same split).
 absl::StatusOr<ImageReliance> CompareWithBlankImages(const CaptionMetrics& with_images,
                                                      const CaptionMetrics& blank);
+
+// The model under evaluation: for a loaded sample, one predicted token id per position (the
+// argmax of its logits). Called with real images and again with blank ones.
+using PredictFn = std::function<absl::StatusOr<std::vector<int32_t>>(const LoadedSample&)>;
+
+struct CaptionEvaluation {
+  CaptionMetrics with_images;
+  CaptionMetrics blank_images;  // the text-only baseline: every image zeros (mid-grey)
+  ImageReliance reliance;       // with_images - blank_images
+  // {"with_images":{...},"blank_images":{...},"image_reliance":{...}}
+  std::string ToJson() const;
+};
+
+// Evaluates `predict` on the first `max_samples` samples of `loader` (all when < 0), usually the
+// validation split: each sample is loaded once, predicted with its images and with blank images
+// (same tokens, image buffers zeroed). The first load or prediction error stops it.
+absl::StatusOr<CaptionEvaluation> EvaluateCaptions(const DataLoader& loader,
+                                                   const AttributeLexicon& lexicon,
+                                                   const PredictFn& predict,
+                                                   int64_t max_samples = -1);
 
 }  // namespace hetpar::data
 

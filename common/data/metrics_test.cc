@@ -1,5 +1,9 @@
 #include "common/data/metrics.h"
 
+#include <stdlib.h>
+
+#include <filesystem>
+
 #include "common/data/synth.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -164,6 +168,64 @@ TEST(MetricsTest, PredictionLengthMustMatch) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(status.message()), HasSubstr("sample 'val-000001': 3 predictions"));
   EXPECT_EQ(m.metrics().samples, 0);
+}
+
+TEST(MetricsTest, EvaluationOnASplitSeesWhatTheImagesAreWorth) {
+  namespace fs = std::filesystem;
+  std::string dir = (fs::temp_directory_path() / "hetpar_metrics_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  SynthOptions o = SynthOptionsForDirectory(dir);
+  o.samples = 8;
+  o.val_samples = 24;
+  o.seed = 2;
+  ASSERT_TRUE(GenerateSyntheticDataset(o).ok());
+  LoaderOptions lo;
+  lo.manifest = dir + "/val.jsonl";
+  lo.tokenizer = dir + "/tokenizer.model";
+  lo.image_size = 32;
+  lo.tokens_per_image = 16;
+  lo.seq_len = 128;
+  std::unique_ptr<DataLoader> loader = std::move(*DataLoader::Create(lo));
+  const AttributeLexicon lexicon = SynthAttributeLexicon();
+  // A model that reads its images: perfect when it sees any non-blank pixel, and without them
+  // right on everything but the colours.
+  int64_t calls = 0;
+  int64_t image_samples = 0;
+  PredictFn predict = [&](const LoadedSample& s) -> absl::StatusOr<std::vector<int32_t>> {
+    ++calls;
+    bool sees = false;
+    for (const std::vector<float>& image : s.images) {
+      for (float v : image) sees = sees || v != 0.0f;
+    }
+    if (sees) ++image_samples;
+    const std::vector<int8_t> a = TargetAttributes(s.tokens, loader->tokenizer(), lexicon);
+    return Predict(s.tokens, a, s.images.empty() || sees ? -2 : 0);
+  };
+  absl::StatusOr<CaptionEvaluation> eval = EvaluateCaptions(*loader, lexicon, predict);
+  ASSERT_TRUE(eval.ok()) << eval.status();
+  EXPECT_EQ(calls, 48);
+  EXPECT_GT(image_samples, 10);
+  EXPECT_EQ(eval->with_images.samples, 24);
+  EXPECT_EQ(eval->blank_images.samples, 24);
+  EXPECT_FALSE(eval->with_images.blank_images);
+  EXPECT_TRUE(eval->blank_images.blank_images);
+  EXPECT_EQ(eval->with_images.caption_tokens.value(), 1.0);
+  const Accuracy& colour = eval->blank_images.attributes[0];
+  EXPECT_GT(colour.total, 0);
+  EXPECT_EQ(colour.correct, 0);
+  EXPECT_EQ(eval->reliance.attributes[0], 1.0);
+  EXPECT_EQ(eval->reliance.attributes[1], 0.0);
+  EXPECT_DOUBLE_EQ(eval->reliance.caption_tokens,
+                   static_cast<double>(colour.total) / eval->with_images.caption_tokens.total);
+  EXPECT_THAT(eval->ToJson(), HasSubstr("\"image_reliance\":{\"caption_token_accuracy_gain\""));
+  // A failing model stops the evaluation with its error.
+  PredictFn broken = [](const LoadedSample& s) -> absl::StatusOr<std::vector<int32_t>> {
+    return absl::InternalError("model failed on " + s.id);
+  };
+  absl::StatusOr<CaptionEvaluation> failed = EvaluateCaptions(*loader, lexicon, broken, 3);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal);
+  EXPECT_THAT(std::string(failed.status().message()), HasSubstr("val-000000"));
+  fs::remove_all(dir);
 }
 
 }  // namespace
