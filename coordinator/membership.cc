@@ -166,6 +166,7 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
   record->worker_id = worker_id;
   record->role = request.role();
   record->slot = slot;
+  record->world_rank = request.role() == v1::WORKER_ROLE_LLM ? encoder_grid_.size() + slot : slot;
   record->ranks = RanksOfSlot(request.role(), slot);
   record->host = request.host();
   record->data_address = request.data_address();
@@ -244,6 +245,7 @@ v1::PeerInfo Membership::PeerInfoOf(const WorkerRecord& worker) const {
   for (const auto& rank : worker.ranks) *peer.add_ranks() = rank;
   peer.set_host(worker.host);
   peer.set_data_address(worker.data_address);
+  peer.set_world_rank(worker.world_rank);
   return peer;
 }
 

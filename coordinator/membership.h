@@ -46,6 +46,9 @@ struct WorkerRecord {
   std::string worker_id;
   v1::WorkerRole role = v1::WORKER_ROLE_UNSPECIFIED;
   int64_t slot = -1;  // rank within the role's module(s)
+  // Rank in the step plans' world: encoder ranks, then LLM ranks (non-colocated); the slot
+  // (colocated).
+  int64_t world_rank = -1;
   std::vector<v1::RankCoordinates> ranks;
   std::string host;
   std::string data_address;

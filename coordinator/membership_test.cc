@@ -78,6 +78,10 @@ TEST(MembershipTest, NonColocatedAdmitsIntoLowestFreeRankPerRole) {
   ASSERT_EQ((*e1)->ranks.size(), 1u);
   EXPECT_EQ((*e1)->ranks[0].module(), v1::MODULE_ENCODER);
   EXPECT_EQ((*e1)->ranks[0].dp(), 1);
+  // World ranks: encoder ranks first, then the LLM's.
+  EXPECT_EQ((*e0)->world_rank, 0);
+  EXPECT_EQ((*e1)->world_rank, 1);
+  EXPECT_EQ((*l0)->world_rank, 2);
   EXPECT_EQ((*e0)->worker_id, "enc0-1");
   EXPECT_EQ((*l0)->worker_id, "llm0-2");
   EXPECT_EQ((*e1)->worker_id, "enc1-3");
@@ -159,6 +163,7 @@ TEST(MembershipTest, PeersAreTheBoundaryRanks) {
   EXPECT_EQ(info.ranks(0).pp(), 1);
   EXPECT_EQ(info.ranks(0).tp(), 1);
   EXPECT_EQ(info.data_address(), "h:9000");
+  EXPECT_EQ(info.world_rank(), 2 + 3);
   // Dead peers are not listed.
   m->MarkDead(llm[0]->worker_id, "gone");
   EXPECT_THAT(ids(m->PeersOf(*enc[1])), ElementsAre(llm[1]->worker_id));
@@ -178,6 +183,7 @@ TEST(MembershipTest, ColocatedWorkersHoldARankOfBothModules) {
   auto w2 = m->Admit(Request(v1::WORKER_ROLE_COLOCATED), 1, {});
   auto w1 = m->Admit(Request(v1::WORKER_ROLE_COLOCATED), 1, {});
   ASSERT_TRUE(w1.ok() && w2.ok() && w3.ok());
+  EXPECT_EQ((*w1)->world_rank, 3);
   // Slot 3: encoder dp 1 tp 1; llm dp 0 tp 3.
   EXPECT_EQ((*w1)->ranks[0].dp(), 1);
   EXPECT_EQ((*w1)->ranks[0].tp(), 1);

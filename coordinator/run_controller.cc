@@ -85,6 +85,7 @@ v1::Assignment RunController::AssignmentOf(const WorkerRecord& worker, bool with
   assignment.set_role(worker.role);
   for (const auto& rank : worker.ranks) *assignment.add_ranks() = rank;
   assignment.set_generation(generation_);
+  assignment.set_world_rank(worker.world_rank);
   assignment.set_heartbeat_interval_s(absl::ToDoubleSeconds(options_.heartbeat_interval));
   assignment.set_heartbeat_timeout_s(absl::ToDoubleSeconds(options_.heartbeat_timeout));
   if (with_peers) {
@@ -267,6 +268,7 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
     case StepOrchestrator::Outcome::kPending:
       return;
     case StepOrchestrator::Outcome::kCommitted:
+      if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
       ++committed_steps_;
       step_attempts_ = 0;
       if (committed_steps_ >= spec_.run().steps()) {
@@ -473,6 +475,7 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
         std::max(0.0, absl::ToDoubleSeconds(incomplete_since_ + options_.register_timeout - now)));
   }
   for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
+  if (planner_ != nullptr) status.set_data_position(planner_->DataPosition());
   return status;
 }
 

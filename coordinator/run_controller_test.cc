@@ -20,7 +20,10 @@ class CountingPlanner : public StepPlanner {
     PlannedStep plan;
     plan.global_loss_tokens = 10;
     for (const WorkerRecord* w : membership.LiveWorkers()) {
-      plan.worker_plans[w->worker_id] = absl::StrCat("step ", step, " gen ", generation);
+      v1::RankStepPlan& rank_plan = plan.worker_plans[w->worker_id];
+      rank_plan.set_rank(w->world_rank);
+      rank_plan.set_step(step);
+      rank_plan.set_generation(generation);
     }
     return plan;
   }
@@ -240,7 +243,9 @@ TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
   ASSERT_EQ(planner_->calls, 1);
   auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
   ASSERT_EQ(plans.size(), 1u);
-  EXPECT_EQ(plans[0].step_plan().worker_plan(), "step 0 gen 1");
+  EXPECT_EQ(plans[0].step_plan().rank_plan().step(), 0);
+  EXPECT_EQ(plans[0].step_plan().rank_plan().generation(), 1);
+  EXPECT_EQ(plans[0].step_plan().rank_plan().rank(), 1);  // encoder rank 1
   EXPECT_EQ(plans[0].step_plan().global_loss_tokens(), 10);
   actions_ = {};
   CompleteStep(0);

@@ -43,7 +43,10 @@ class FixedPlanner : public StepPlanner {
     PlannedStep plan;
     plan.global_loss_tokens = 8;
     for (const WorkerRecord* w : membership.LiveWorkers()) {
-      plan.worker_plans[w->worker_id] = absl::StrCat(w->worker_id, "/", step, "/", generation);
+      v1::RankStepPlan& rank_plan = plan.worker_plans[w->worker_id];
+      rank_plan.set_rank(w->world_rank);
+      rank_plan.set_step(step);
+      rank_plan.set_generation(generation);
     }
     return plan;
   }
@@ -296,7 +299,9 @@ TEST_F(ServerTest, StepRunsThroughGradNormToCommit) {
   for (auto& w : workers) {
     auto m = NextOf(*w, v1::CoordinatorMessage::kStepPlan);
     ASSERT_TRUE(m.ok()) << m.status();
-    EXPECT_EQ(m->step_plan().worker_plan(), absl::StrCat(w->worker_id(), "/0/1"));
+    EXPECT_EQ(m->step_plan().rank_plan().rank(), w->assignment().world_rank());
+    EXPECT_EQ(m->step_plan().rank_plan().step(), 0);
+    EXPECT_EQ(m->step_plan().rank_plan().generation(), 1);
     EXPECT_EQ(m->step_plan().grad_norm_contributors(), 3);
     plans.push_back(m->step_plan());
   }

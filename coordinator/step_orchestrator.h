@@ -39,9 +39,9 @@ using Outbox = std::vector<std::pair<std::string, v1::CoordinatorMessage>>;
 struct PlannedStep {
   // Loss tokens in the global batch (the divisor of every microbatch loss).
   int64_t global_loss_tokens = 0;
-  // Each live worker's part of the plan, encoded by the plan library, by worker id. Every live
-  // worker gets a StepPlan; a worker missing here gets an empty worker_plan.
-  std::map<std::string, std::string> worker_plans;
+  // Each live worker's part of the plan, by worker id. Every live worker gets a StepPlan; a
+  // worker missing here gets one without a rank_plan.
+  std::map<std::string, v1::RankStepPlan> worker_plans;
 };
 
 // Builds step plans. Called with the RunController's lock held, on the thread that completed
@@ -49,10 +49,14 @@ struct PlannedStep {
 class StepPlanner {
  public:
   virtual ~StepPlanner() = default;
-  // Plans step `step` (0-based; an aborted step is planned again with the same number) for the
-  // live workers of a complete `membership`.
+  // Plans step `step` (0-based; an aborted step is planned again with the same number, over the
+  // same samples) for the live workers of a complete `membership`.
   virtual absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
                                            const Membership& membership) = 0;
+  // The step last planned was committed: the next one trains the following samples.
+  virtual void Committed(int64_t step) { (void)step; }
+  // Where the next step's samples start ("epoch=0,offset=16"), for Status; empty if untracked.
+  virtual std::string DataPosition() const { return ""; }
 };
 
 class StepOrchestrator {

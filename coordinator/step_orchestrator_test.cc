@@ -38,8 +38,8 @@ class StepOrchestratorTest : public ::testing::Test {
   void Begin(int64_t step, int64_t global_tokens = 100) {
     PlannedStep plan;
     plan.global_loss_tokens = global_tokens;
-    plan.worker_plans[e0_->worker_id] = "plan-e0";
-    plan.worker_plans[l1_->worker_id] = "plan-l1";
+    plan.worker_plans[e0_->worker_id].set_rank(e0_->world_rank);
+    plan.worker_plans[l1_->worker_id].set_rank(l1_->world_rank);
     out_.clear();
     orchestrator_->Begin(step, 1, plan, {e0_, e1_, l0_, l1_}, kT0, &out_);
   }
@@ -98,9 +98,10 @@ TEST_F(StepOrchestratorTest, BeginSendsEachWorkerItsPlan) {
     // dp-0 ranks: encoder rank 0, llm ranks 0 and 1.
     EXPECT_EQ(plan.grad_norm_contributors(), 3);
   }
-  EXPECT_EQ(out_[0].second.step_plan().worker_plan(), "plan-e0");
-  EXPECT_EQ(out_[1].second.step_plan().worker_plan(), "");
-  EXPECT_EQ(out_[3].second.step_plan().worker_plan(), "plan-l1");
+  EXPECT_TRUE(out_[0].second.step_plan().has_rank_plan());
+  EXPECT_EQ(out_[0].second.step_plan().rank_plan().rank(), 0);
+  EXPECT_FALSE(out_[1].second.step_plan().has_rank_plan());
+  EXPECT_EQ(out_[3].second.step_plan().rank_plan().rank(), 3);  // llm rank 1 = world rank 2 + 1
   EXPECT_TRUE(orchestrator_->in_flight());
 }
 

@@ -1,0 +1,193 @@
+// `hetpar coordinator`: run the coordinator of one run until it is done or failed.
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/config/config.h"
+#include "common/logging.h"
+#include "coordinator/cli/commands.h"
+#include "coordinator/membership.h"
+#include "coordinator/run_controller.h"
+#include "coordinator/security.h"
+#include "coordinator/server.h"
+#include "coordinator/step_planner.h"
+
+namespace hetpar::cli {
+namespace {
+
+struct CoordinatorFlags {
+  std::string config;
+  std::vector<std::string> overrides;
+  std::string listen;
+  std::string token_file;
+  coordinator::ServerTlsOptions tls;
+  double step_timeout_s = 600;
+  double stop_timeout_s = 10;
+  bool synthetic_batches = false;
+};
+
+// Who-expects-what line: "4 workers (2 encoder, 2 llm)".
+std::string ExpectedWorkers(const v1::RunSpec& spec) {
+  absl::StatusOr<coordinator::Membership> membership = coordinator::Membership::Create(spec);
+  if (!membership.ok()) return "?";
+  if (membership->placement() == v1::PLACEMENT_COLOCATED) {
+    return absl::StrCat(membership->expected_workers(), " colocated workers");
+  }
+  return absl::StrCat(membership->expected_workers(), " workers (",
+                      membership->encoder_grid().size(), " encoder, ",
+                      membership->llm_grid().size(), " llm)");
+}
+
+int RunCoordinator(const CoordinatorFlags& flags) {
+  SetLogTag("coordinator");
+  config::LoadOptions load;
+  load.overrides = flags.overrides;
+  absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
+  if (!loaded.ok()) {
+    std::cerr << "hetpar: invalid config " << flags.config << ":\n"
+              << loaded.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  const v1::RunSpec& spec = loaded->spec;
+
+  coordinator::ServerOptions options;
+  options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
+  options.tls = flags.tls;
+  options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
+  options.controller.stop_timeout = absl::Seconds(flags.stop_timeout_s);
+  bool generated_token = false;
+  absl::StatusOr<coordinator::RunToken> token =
+      coordinator::ResolveToken(flags.token_file, spec.coordinator().token_file());
+  if (!token.ok() && absl::IsNotFound(token.status())) {
+    absl::StatusOr<std::string> fresh = coordinator::GenerateToken();
+    if (!fresh.ok()) {
+      std::cerr << "hetpar: " << fresh.status().message() << "\n";
+      return kExitFailure;
+    }
+    token = coordinator::RunToken{*fresh, "generated"};
+    generated_token = true;
+  }
+  if (!token.ok()) {
+    std::cerr << "hetpar: " << token.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  options.token = token->value;
+
+  absl::StatusOr<std::unique_ptr<coordinator::StepPlanner>> planner =
+      coordinator::MakeStepPlanner(spec, flags.synthetic_batches);
+  if (!planner.ok()) {
+    std::cerr << "hetpar: cannot plan steps for " << flags.config << ": "
+              << planner.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+
+  // Signals are taken by one thread with sigwait; block them before gRPC starts its threads.
+  // SIGUSR1 only wakes that thread when the run is over.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
+      coordinator::CoordinatorServer::Create(spec, options, *std::move(planner));
+  if (!server.ok()) {
+    std::cerr << "hetpar: cannot start the coordinator: " << server.status().message() << "\n";
+    return kExitFailure;
+  }
+  std::string token_path;
+  if (generated_token) {
+    token_path = coordinator::LocalTokenPath((*server)->port());
+    if (absl::Status s = coordinator::WriteLocalTokenFile(token_path, options.token); !s.ok()) {
+      std::cerr << "hetpar: " << s.message()
+                << " (set a run token with --token-file or HETPAR_TOKEN instead)\n";
+      return kExitFailure;
+    }
+    HETPAR_LOG(INFO) << "run token: generated, in " << token_path
+                     << " (readable by this user only)";
+  } else {
+    HETPAR_LOG(INFO) << "run token from " << token->origin;
+  }
+  std::cout << "hetpar coordinator: run " << spec.run().name() << " listening on "
+            << (*server)->address() << (options.tls.enabled() ? " (TLS)" : "") << "; waiting for "
+            << ExpectedWorkers(spec) << std::endl;
+
+  coordinator::CoordinatorServer* raw = server->get();
+  std::thread signal_thread([raw, signals] {
+    int signal = 0;
+    if (sigwait(&signals, &signal) != 0) return;
+    if (signal == SIGUSR1) return;  // woken to exit
+    HETPAR_LOG(WARNING) << "received " << (signal == SIGINT ? "SIGINT" : "SIGTERM")
+                        << ": stopping the run";
+    raw->Stop(signal == SIGINT ? "interrupted" : "terminated");
+  });
+
+  v1::RunState state = v1::RUN_STATE_WAITING;
+  while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
+    state = (*server)->WaitForEnd(absl::Seconds(1));
+  }
+  const v1::StatusResponse final_status = (*server)->Status();
+  // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
+  absl::SleepFor(absl::Milliseconds(500));
+  (*server)->Shutdown(absl::Seconds(2));
+  if (!token_path.empty()) ::unlink(token_path.c_str());
+  pthread_kill(signal_thread.native_handle(), SIGUSR1);
+  signal_thread.join();
+
+  if (state == v1::RUN_STATE_FAILED) {
+    std::cerr << "hetpar: run " << spec.run().name() << " failed: " << final_status.state_message()
+              << "\n";
+    return kExitFailure;
+  }
+  std::cout << "hetpar coordinator: run " << spec.run().name()
+            << " done: " << final_status.state_message() << " (" << final_status.committed_steps()
+            << "/" << final_status.total_steps() << " steps committed)" << std::endl;
+  return kExitOk;
+}
+
+void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
+  auto flags = std::make_shared<CoordinatorFlags>();
+  CLI::App* command = app.add_subcommand(
+      "coordinator",
+      "Run the coordinator of a run: admit workers into the ranks of the config's layouts, host "
+      "the rendezvous store, plan and commit steps; exit 0 when the run is done, 1 when it fails");
+  command->add_option("-c,--config", flags->config, "RunSpec YAML file")->required();
+  command->add_option(
+      "--set", flags->overrides,
+      "Override a field, e.g. --set coordinator.heartbeat_timeout_s=5 (repeatable)");
+  command->add_option("--listen", flags->listen,
+                      "host:port to listen on (default: coordinator.listen; port 0 picks one)");
+  command->add_option("--token-file", flags->token_file,
+                      "File with the run token (default: $HETPAR_TOKEN, coordinator.token_file, "
+                      "else a generated token kept in the per-user runtime directory)");
+  command->add_option("--tls-cert", flags->tls.cert_file, "PEM server certificate; enables TLS");
+  command->add_option("--tls-key", flags->tls.key_file, "PEM key of --tls-cert");
+  command->add_option("--tls-client-ca", flags->tls.client_ca_file,
+                      "PEM CA; clients must present a certificate it signed (mutual TLS)");
+  command
+      ->add_option("--step-timeout", flags->step_timeout_s,
+                   "Seconds a step may take before it is aborted")
+      ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--stop-timeout", flags->stop_timeout_s,
+                   "Seconds to wait for workers to close their sessions after stop")
+      ->check(CLI::PositiveNumber);
+  command->add_flag("--synthetic-batches", flags->synthetic_batches,
+                    "Plan steps over seeded synthetic samples instead of the data index");
+  command->callback([flags, exit_code] { *exit_code = RunCoordinator(*flags); });
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(20, AddCoordinatorCommand);
+
+}  // namespace hetpar::cli

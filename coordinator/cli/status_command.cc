@@ -1,0 +1,147 @@
+// `hetpar status`: what a running coordinator knows about its run.
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/cli/commands.h"
+#include "coordinator/cli/connection_flags.h"
+#include "coordinator/membership.h"
+#include "coordinator/run_controller.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace hetpar::cli {
+namespace {
+
+std::string Seconds(double s) {
+  if (s < 10) return absl::StrFormat("%.1fs", s);
+  if (s < 3600) return absl::StrFormat("%.0fs", s);
+  return absl::StrFormat("%.1fh", s / 3600);
+}
+
+std::string RanksText(const v1::WorkerStatus& w) {
+  std::vector<std::string> parts;
+  for (const auto& r : w.ranks()) {
+    std::string text = absl::StrCat(coordinator::ModuleName(r.module()), " ", r.rank(), " (dp ",
+                                    r.dp(), " tp ", r.tp());
+    if (r.module() == v1::MODULE_LLM) absl::StrAppend(&text, " cp ", r.cp(), " pp ", r.pp());
+    parts.push_back(text + ")");
+  }
+  return absl::StrJoin(parts, " + ");
+}
+
+void PrintStatus(const v1::StatusResponse& s) {
+  std::cout << "run " << s.run_name() << ": " << coordinator::RunStateName(s.state())
+            << (s.state_message().empty() ? "" : " (" + s.state_message() + ")") << "\n";
+  std::cout << "coordinator " << s.listen_address() << ", up " << Seconds(s.uptime_s()) << ", cpu "
+            << absl::StrFormat("%.2fs", s.cpu_seconds()) << ", generation " << s.generation()
+            << "\n";
+  int64_t alive = 0;
+  for (const auto& w : s.workers()) alive += w.alive() ? 1 : 0;
+  std::cout << "workers: " << alive << " of " << s.expected_workers() << " registered\n";
+  std::cout << "steps: " << s.committed_steps() << " of " << s.total_steps() << " committed";
+  if (s.step_in_flight() >= 0) std::cout << ", step " << s.step_in_flight() << " in flight";
+  if (!s.data_position().empty()) std::cout << ", data at " << s.data_position();
+  std::cout << "\n";
+  if (s.requested_encoder_replicas() > 0) {
+    std::cout << "scale requested: " << s.requested_encoder_replicas() << " encoder replicas\n";
+  }
+  if (s.missing_size() > 0) {
+    std::cout << "missing " << s.missing_size();
+    if (s.missing_deadline_s() > 0) {
+      std::cout << " (the run fails in " << Seconds(s.missing_deadline_s())
+                << " unless they register)";
+    }
+    std::cout << ":\n";
+    for (const auto& line : s.missing()) std::cout << "  " << line << "\n";
+  }
+  if (s.workers_size() > 0) {
+    std::vector<std::vector<std::string>> rows = {
+        {"WORKER", "ROLE", "RANKS", "HOST", "DATA ADDRESS", "HEARTBEAT", "STATE"}};
+    for (const auto& w : s.workers()) {
+      std::string state = w.alive() ? (w.session_open() ? "alive" : "registered") : "dead";
+      if (!w.alive() && !w.dead_reason().empty()) state += ": " + w.dead_reason();
+      if (w.alive() && !w.progress().phase().empty()) {
+        state += absl::StrCat(" (step ", w.progress().step(), " ", w.progress().phase(), ")");
+      }
+      rows.push_back({w.worker_id(), coordinator::RoleName(w.role()), RanksText(w),
+                      w.host().empty() ? "-" : w.host(),
+                      w.data_address().empty() ? "-" : w.data_address(),
+                      w.alive() ? Seconds(w.last_heartbeat_age_s()) + " ago" : "-", state});
+    }
+    std::vector<size_t> width(rows[0].size(), 0);
+    for (const auto& row : rows) {
+      for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+    }
+    for (const auto& row : rows) {
+      std::string line = " ";
+      for (size_t i = 0; i < row.size(); ++i) {
+        line += " " + row[i];
+        if (i + 1 < row.size()) line += std::string(width[i] - row[i].size(), ' ');
+      }
+      std::cout << line << "\n";
+    }
+  }
+  if (s.recent_steps_size() > 0) {
+    std::cout << "recent steps:\n";
+    for (const auto& t : s.recent_steps()) {
+      if (t.committed()) {
+        std::cout << absl::StrFormat("  step %d  %.3fs  loss %.4f  grad norm %.4f\n", t.step(),
+                                     t.duration_s(), t.loss(), t.grad_norm());
+      } else {
+        std::cout << absl::StrFormat("  step %d  %.3fs  aborted: %s\n", t.step(), t.duration_s(),
+                                     t.abort_reason());
+      }
+    }
+  }
+}
+
+void AddStatusCommand(CLI::App& app, int* exit_code) {
+  struct Flags {
+    ConnectionFlags connection;
+    bool json = false;
+  };
+  auto flags = std::make_shared<Flags>();
+  CLI::App* command = app.add_subcommand(
+      "status",
+      "Show a running coordinator's run: state, generation, workers (role, rank, host, last "
+      "heartbeat), missing ranks, steps and recent step times");
+  AddConnectionFlags(command, &flags->connection);
+  command->add_flag("--json", flags->json, "Print the StatusResponse as JSON");
+  command->callback([flags, exit_code] {
+    auto connection = ConnectFromFlags(flags->connection);
+    if (!connection.ok()) {
+      std::cerr << "hetpar: " << connection.status().message() << "\n";
+      *exit_code = absl::IsInvalidArgument(connection.status()) ? kExitInvalidInput : kExitFailure;
+      return;
+    }
+    auto status = coordinator::AdminClient(*connection).Status();
+    if (!status.ok()) {
+      std::cerr << "hetpar: " << status.status().message() << "\n";
+      *exit_code = kExitFailure;
+      return;
+    }
+    if (flags->json) {
+      std::string json;
+      google::protobuf::util::JsonPrintOptions options;
+      options.add_whitespace = true;
+      options.always_print_primitive_fields = true;
+      (void)google::protobuf::util::MessageToJsonString(*status, &json, options);
+      std::cout << json;
+    } else {
+      PrintStatus(*status);
+    }
+    *exit_code = kExitOk;
+  });
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(21, AddStatusCommand);
+
+}  // namespace hetpar::cli

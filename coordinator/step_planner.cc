@@ -1,0 +1,119 @@
+#include "coordinator/step_planner.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+#include "common/plan/synthetic_batch.h"
+#include "coordinator/plan_codec.h"
+
+namespace hetpar::coordinator {
+
+// ------------------------------------------------------------------------------------------------
+// SyntheticBatchSource
+
+absl::StatusOr<std::unique_ptr<SyntheticBatchSource>> SyntheticBatchSource::Create(
+    const v1::RunSpec& spec) {
+  std::unique_ptr<SyntheticBatchSource> source(new SyntheticBatchSource());
+  source->tokens_per_image_ = config::TokensPerImage(spec.encoder().model());
+  source->seq_len_ = spec.llm().model().seq_len();
+  source->seed_ = static_cast<uint64_t>(spec.run().seed());
+  if (source->tokens_per_image_ <= 0 || source->seq_len_ <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "synthetic batches need encoder.model.image_size / patch and llm.model.seq_len; got ",
+        source->tokens_per_image_, " tokens per image and seq_len ", source->seq_len_));
+  }
+  return source;
+}
+
+absl::StatusOr<std::vector<plan::SampleDescriptor>> SyntheticBatchSource::Next(int64_t count) {
+  plan::SyntheticBatchOptions options;
+  options.samples = count;
+  options.first_id = committed_;
+  options.tokens_per_image = tokens_per_image_;
+  options.seq_len = seq_len_;
+  options.min_images = 0;
+  options.max_images = 3;
+  options.min_text_tokens = std::min<int64_t>(8, seq_len_);
+  options.max_text_tokens = std::max<int64_t>(options.min_text_tokens, seq_len_ / 2);
+  options.seed = seed_;
+  absl::StatusOr<std::vector<plan::SampleDescriptor>> batch = plan::SyntheticBatch(options);
+  if (batch.ok()) pending_ = count;
+  return batch;
+}
+
+void SyntheticBatchSource::Commit() {
+  committed_ += pending_;
+  pending_ = 0;
+}
+
+std::string SyntheticBatchSource::Position() const {
+  return absl::StrCat("synthetic sample ", committed_);
+}
+
+// ------------------------------------------------------------------------------------------------
+// PlanLibraryPlanner
+
+absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
+    const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches) {
+  absl::StatusOr<plan::Placement> placement = plan::PlacementFromRunSpec(spec);
+  if (!placement.ok()) return placement.status();
+  // Checks the batch divides into waves now rather than at the first step.
+  absl::StatusOr<plan::StepPlanOptions> options = plan::StepPlanOptionsFromRunSpec(spec, 0, 1);
+  if (!options.ok()) return options.status();
+  std::unique_ptr<PlanLibraryPlanner> planner(new PlanLibraryPlanner());
+  planner->spec_ = spec;
+  planner->placement_ = *std::move(placement);
+  planner->batches_ = std::move(batches);
+  return planner;
+}
+
+absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t generation,
+                                                     const Membership& membership) {
+  absl::StatusOr<plan::StepPlanOptions> options =
+      plan::StepPlanOptionsFromRunSpec(spec_, step, generation);
+  if (!options.ok()) return options.status();
+  absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
+      batches_->Next(spec_.run().global_batch());
+  if (!samples.ok()) return samples.status();
+  absl::StatusOr<plan::StepPlan> step_plan =
+      plan::BuildStepPlan(placement_, *std::move(samples), *options);
+  if (!step_plan.ok()) return step_plan.status();
+  PlannedStep planned;
+  planned.global_loss_tokens = step_plan->n_global;
+  for (const WorkerRecord* worker : membership.LiveWorkers()) {
+    absl::StatusOr<plan::RankStepPlan> rank_plan =
+        plan::ExtractRankPlan(*step_plan, worker->world_rank);
+    if (!rank_plan.ok()) return rank_plan.status();
+    planned.worker_plans[worker->worker_id] = RankStepPlanToProto(*rank_plan);
+  }
+  return planned;
+}
+
+void PlanLibraryPlanner::Committed(int64_t step) {
+  (void)step;
+  batches_->Commit();
+}
+
+std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
+
+absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& spec,
+                                                             bool synthetic_batches) {
+  std::unique_ptr<BatchSource> batches;
+  if (synthetic_batches) {
+    absl::StatusOr<std::unique_ptr<SyntheticBatchSource>> synthetic =
+        SyntheticBatchSource::Create(spec);
+    if (!synthetic.ok()) return synthetic.status();
+    batches = *std::move(synthetic);
+  } else {
+    absl::StatusOr<std::unique_ptr<BatchSource>> index = MakeIndexBatchSource(spec);
+    if (!index.ok()) return index.status();
+    batches = *std::move(index);
+  }
+  absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> planner =
+      PlanLibraryPlanner::Create(spec, std::move(batches));
+  if (!planner.ok()) return planner.status();
+  return std::unique_ptr<StepPlanner>(*std::move(planner));
+}
+
+}  // namespace hetpar::coordinator

@@ -1,0 +1,87 @@
+// Step planning for the coordinator: each step's global batch from a batch source, the step plan
+// from the plan library (common/plan/step_plan.h), and each worker's part of it.
+//
+// A step's batch starts at the committed position of the batch source. An aborted step is
+// planned again from the same position, so it trains the same samples; the position moves only
+// when the step commits.
+#ifndef HETPAR_COORDINATOR_STEP_PLANNER_H_
+#define HETPAR_COORDINATOR_STEP_PLANNER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/plan/sample.h"
+#include "common/plan/step_plan.h"
+#include "coordinator/step_orchestrator.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::coordinator {
+
+// Where each step's global batch comes from. Not thread-safe (the planner's caller serialises).
+class BatchSource {
+ public:
+  virtual ~BatchSource() = default;
+  // The `count` samples after the committed position. Without a Commit in between, every call
+  // returns the same samples.
+  virtual absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) = 0;
+  // The samples last returned by Next were trained: the position moves past them.
+  virtual void Commit() = 0;
+  // The committed position, e.g. "epoch=0,offset=16".
+  virtual std::string Position() const = 0;
+};
+
+// Seeded synthetic samples (common/plan/synthetic_batch.h) sized from the RunSpec: consecutive
+// ids from 0, 0 to 3 images of encoder.model's tokens per image, text filling up to
+// llm.model.seq_len.
+class SyntheticBatchSource : public BatchSource {
+ public:
+  static absl::StatusOr<std::unique_ptr<SyntheticBatchSource>> Create(const v1::RunSpec& spec);
+  absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override;
+  void Commit() override;
+  std::string Position() const override;
+
+ private:
+  SyntheticBatchSource() = default;
+  int64_t tokens_per_image_ = 0;
+  int64_t seq_len_ = 0;
+  uint64_t seed_ = 0;
+  int64_t committed_ = 0;  // samples trained
+  int64_t pending_ = 0;    // samples of the last Next
+};
+
+// The data index of the run's training manifest, in the epoch order of hetpar_data's
+// EpochSampler (seeded with run.seed). The index is read, or built when it is missing or stale,
+// on the first Next, so a coordinator can start before the data set exists. Sample ids in the
+// plans are index ordinals (DataLoader::Load takes them). Unimplemented when this build has no
+// data pipeline.
+absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(const v1::RunSpec& spec);
+
+// The coordinator's StepPlanner over the plan library.
+class PlanLibraryPlanner : public StepPlanner {
+ public:
+  // InvalidArgument when the RunSpec's batch cannot be planned (global_batch not divisible).
+  static absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> Create(
+      const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches);
+
+  absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
+                                   const Membership& membership) override;
+  void Committed(int64_t step) override;
+  std::string DataPosition() const override;
+
+ private:
+  PlanLibraryPlanner() = default;
+  v1::RunSpec spec_;
+  plan::Placement placement_;
+  std::unique_ptr<BatchSource> batches_;
+};
+
+// The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.
+absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& spec,
+                                                             bool synthetic_batches);
+
+}  // namespace hetpar::coordinator
+
+#endif  // HETPAR_COORDINATOR_STEP_PLANNER_H_

@@ -1,0 +1,152 @@
+#include "coordinator/step_planner.h"
+
+#include <set>
+
+#include "coordinator/plan_codec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::RunSpec Spec() {
+  v1::RunSpec spec;
+  spec.mutable_run()->set_name("plan");
+  spec.mutable_run()->set_steps(3);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  spec.mutable_run()->set_seed(5);
+  spec.mutable_run()->set_dtype(v1::DTYPE_FLOAT32);
+  spec.set_placement(v1::PLACEMENT_NON_COLOCATED);
+  auto* em = spec.mutable_encoder()->mutable_model();
+  em->set_image_size(32);
+  em->set_patch(8);
+  em->set_hidden(64);
+  em->set_layers(2);
+  em->set_heads(4);
+  em->set_mlp(128);
+  em->set_out_hidden(64);
+  em->set_channels(3);
+  auto* el = spec.mutable_encoder()->mutable_layout();
+  el->set_dp(2);
+  el->set_tp(1);
+  el->set_cp(1);
+  el->set_pp(1);
+  auto* lm = spec.mutable_llm()->mutable_model();
+  lm->set_hidden(64);
+  lm->set_layers(2);
+  lm->set_heads(4);
+  lm->set_kv_heads(2);
+  lm->set_ffn(128);
+  lm->set_vocab(256);
+  lm->set_seq_len(128);
+  auto* ll = spec.mutable_llm()->mutable_layout();
+  ll->set_dp(1);
+  ll->set_tp(2);
+  ll->set_cp(1);
+  ll->set_pp(1);
+  return spec;
+}
+
+Membership FullMembership(const v1::RunSpec& spec) {
+  Membership m = *Membership::Create(spec);
+  v1::RegisterRequest enc;
+  enc.set_role(v1::WORKER_ROLE_ENCODER);
+  v1::RegisterRequest llm;
+  llm.set_role(v1::WORKER_ROLE_LLM);
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(m.Admit(enc, 1, absl::UnixEpoch()).ok());
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(m.Admit(llm, 1, absl::UnixEpoch()).ok());
+  return m;
+}
+
+std::set<int64_t> SampleIds(const PlannedStep& step) {
+  std::set<int64_t> ids;
+  for (const auto& [id, plan] : step.worker_plans) {
+    for (const auto& sample : plan.samples()) ids.insert(sample.id());
+  }
+  return ids;
+}
+
+TEST(StepPlannerTest, EachWorkerGetsItsWorldRanksPlan) {
+  const v1::RunSpec spec = Spec();
+  auto planner = MakeStepPlanner(spec, /*synthetic_batches=*/true);
+  ASSERT_TRUE(planner.ok()) << planner.status();
+  const Membership membership = FullMembership(spec);
+  auto step = (*planner)->Plan(0, 1, membership);
+  ASSERT_TRUE(step.ok()) << step.status();
+  ASSERT_EQ(step->worker_plans.size(), 4u);
+  int64_t loss_tokens = 0;
+  std::set<int64_t> microbatch_samples;
+  for (const WorkerRecord* w : membership.LiveWorkers()) {
+    const v1::RankStepPlan& p = step->worker_plans.at(w->worker_id);
+    EXPECT_EQ(p.rank(), w->world_rank);
+    EXPECT_EQ(p.step(), 0);
+    EXPECT_EQ(p.generation(), 1);
+    EXPECT_EQ(p.waves(), 4);  // 8 / (2 x llm dp 1)
+    EXPECT_EQ(p.n_global(), step->global_loss_tokens);
+    EXPECT_EQ(p.encoder_role(), w->role == v1::WORKER_ROLE_ENCODER);
+    EXPECT_EQ(p.llm_role(), w->role == v1::WORKER_ROLE_LLM);
+    ASSERT_TRUE(RankStepPlanFromProto(p).ok());
+    if (w->world_rank == 2) {  // llm tp 0: sums the loss tokens of its microbatches
+      for (const auto& mb : p.microbatches()) {
+        loss_tokens += mb.loss_tokens();
+        for (int64_t s : mb.samples()) microbatch_samples.insert(s);
+      }
+    }
+  }
+  // The LLM replica trains the whole batch; N_global counts its loss tokens.
+  EXPECT_EQ(microbatch_samples.size(), 8u);
+  EXPECT_EQ(loss_tokens, step->global_loss_tokens);
+  EXPECT_EQ(SampleIds(*step), (std::set<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}));
+}
+
+TEST(StepPlannerTest, AbortedStepsRetrainTheSameSamplesCommittedOnesMoveOn) {
+  const v1::RunSpec spec = Spec();
+  auto planner = MakeStepPlanner(spec, true);
+  ASSERT_TRUE(planner.ok());
+  const Membership membership = FullMembership(spec);
+  EXPECT_EQ((*planner)->DataPosition(), "synthetic sample 0");
+  auto first = (*planner)->Plan(0, 1, membership);
+  auto again = (*planner)->Plan(0, 2, membership);
+  ASSERT_TRUE(first.ok() && again.ok());
+  EXPECT_EQ(SampleIds(*first), SampleIds(*again));
+  EXPECT_EQ(first->global_loss_tokens, again->global_loss_tokens);
+  (*planner)->Committed(0);
+  EXPECT_EQ((*planner)->DataPosition(), "synthetic sample 8");
+  auto next = (*planner)->Plan(1, 2, membership);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(SampleIds(*next), (std::set<int64_t>{8, 9, 10, 11, 12, 13, 14, 15}));
+}
+
+TEST(StepPlannerTest, BatchThatDoesNotDivideFailsAtCreation) {
+  v1::RunSpec spec = Spec();
+  spec.mutable_run()->set_global_batch(7);
+  auto planner = MakeStepPlanner(spec, true);
+  EXPECT_EQ(planner.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(StepPlannerTest, IndexSourceNeedsAManifest) {
+  v1::RunSpec spec = Spec();
+  auto planner = MakeStepPlanner(spec, /*synthetic_batches=*/false);
+  EXPECT_FALSE(planner.ok());
+  spec.mutable_data()->set_manifest("/nonexistent/train.jsonl");
+  spec.mutable_data()->set_tokenizer("/nonexistent/tokenizer.model");
+  spec.mutable_data()->set_index("/nonexistent/train.jsonl.index");
+  spec.mutable_data()->set_image_token("<image>");
+  auto lazy = MakeStepPlanner(spec, false);
+  if (!lazy.ok()) {
+    // A build without the data pipeline says so.
+    EXPECT_EQ(lazy.status().code(), absl::StatusCode::kUnimplemented);
+    return;
+  }
+  // The index is opened at the first step, with a message that says what to do.
+  const Membership membership = FullMembership(spec);
+  auto step = (*lazy)->Plan(0, 1, membership);
+  EXPECT_FALSE(step.ok());
+  EXPECT_THAT(std::string(step.status().message()), HasSubstr("hetpar data synth"));
+}
+
+}  // namespace
+}  // namespace hetpar::coordinator
