@@ -22,10 +22,11 @@ constexpr unsigned char kPngMagic[] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\
 constexpr unsigned char kJpegMagic[] = {0xff, 0xd8, 0xff};
 
 absl::Status CheckDimensions(int64_t width, int64_t height, std::string_view source) {
-  if (width <= 0 || height <= 0 || width > kMaxImageSide || height > kMaxImageSide) {
-    return absl::InvalidArgumentError(absl::StrCat("image ", std::string(source), " is ", width,
-                                                   "x", height, " pixels; expected sides in 1..",
-                                                   kMaxImageSide));
+  if (width <= 0 || height <= 0 || width > kMaxImageSide || height > kMaxImageSide ||
+      width * height > kMaxImagePixels) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "image ", std::string(source), " is ", width, "x", height, " pixels; expected sides in 1..",
+        kMaxImageSide, " and at most ", kMaxImagePixels, " pixels"));
   }
   return absl::OkStatus();
 }
@@ -102,9 +103,12 @@ int DecodeJpegInto(const uint8_t* data, size_t size, JpegErrorManager* err, Jpeg
   cinfo.out_color_space = JCS_RGB;
   jpeg_start_decompress(&cinfo);
   if (cinfo.output_width == 0 || cinfo.output_height == 0 || cinfo.output_width > kMaxImageSide ||
-      cinfo.output_height > kMaxImageSide) {
-    std::snprintf(err->message, sizeof(err->message), "%ux%u pixels; expected sides in 1..%d",
-                  cinfo.output_width, cinfo.output_height, kMaxImageSide);
+      cinfo.output_height > kMaxImageSide ||
+      static_cast<int64_t>(cinfo.output_width) * cinfo.output_height > kMaxImagePixels) {
+    std::snprintf(err->message, sizeof(err->message),
+                  "%ux%u pixels; expected sides in 1..%d and at most %lld pixels",
+                  cinfo.output_width, cinfo.output_height, kMaxImageSide,
+                  static_cast<long long>(kMaxImagePixels));
     jpeg_destroy_decompress(&cinfo);
     return 2;
   }

@@ -32,8 +32,10 @@ struct RgbImage {
 
 enum class ImageFormat { kPng, kJpeg };
 
-// The largest side a decoded image may have; larger files are rejected before allocation.
+// The largest side and pixel count a decoded image may have; larger files are rejected before
+// any pixel buffer is allocated.
 inline constexpr int kMaxImageSide = 16384;
+inline constexpr int64_t kMaxImagePixels = int64_t{1} << 26;
 
 // The format from the file's magic bytes; InvalidArgument (naming `source`) for anything else.
 absl::StatusOr<ImageFormat> DetectImageFormat(std::string_view bytes, std::string_view source);

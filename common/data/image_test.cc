@@ -2,6 +2,7 @@
 
 #include <png.h>
 #include <stdlib.h>
+#include <zlib.h>
 
 #include <cmath>
 #include <cstring>
@@ -126,6 +127,20 @@ TEST(ImageTest, TruncatedFilesAreDataLoss) {
   absl::StatusOr<RgbImage> j = DecodeImage(jpeg.substr(0, jpeg.size() / 2), "half.jpg");
   EXPECT_EQ(j.status().code(), absl::StatusCode::kDataLoss) << j.status();
   EXPECT_THAT(std::string(j.status().message()), HasSubstr("corrupt JPEG half.jpg"));
+}
+
+TEST(ImageTest, OversizedImagesAreRejectedBeforeDecoding) {
+  std::string png = *EncodePng(Pattern(4, 4));
+  // IHDR starts at byte 8: length (4), "IHDR", width (4), height (4), ..., CRC over type+data.
+  auto put32 = [&](size_t at, uint32_t v) {
+    for (int i = 0; i < 4; ++i) png[at + i] = static_cast<char>((v >> (24 - 8 * i)) & 0xff);
+  };
+  put32(16, 20000);
+  put32(20, 20000);
+  put32(29, static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(png.data() + 12), 17)));
+  absl::StatusOr<RgbImage> decoded = DecodeImage(png, "huge.png");
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument) << decoded.status();
+  EXPECT_THAT(std::string(decoded.status().message()), HasSubstr("huge.png is 20000x20000"));
 }
 
 TEST(ImageTest, UnknownFormatIsInvalidArgument) {

@@ -25,6 +25,12 @@ const char* OverlongName(OverlongPolicy policy) {
   return "reject";
 }
 
+// Compact JSON; bytes that are not UTF-8 (a path, a decoder message) become U+FFFD instead of
+// throwing.
+std::string Dump(const Json& json) {
+  return json.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
 void Reindex(DataIndex* index) {
   index->by_id.clear();
   for (size_t i = 0; i < index->records.size(); ++i) index->by_id[index->records[i].id] = i;
@@ -160,7 +166,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"skip_bad_samples", s.skip_bad_samples},
                  {"samples", index.records.size()},
                  {"bad_samples", index.bad.size()}};
-  std::string out = header.dump();
+  std::string out = Dump(header);
   out.push_back('\n');
   for (const IndexRecord& r : index.records) {
     Json line = {{"id", r.id},
@@ -172,11 +178,11 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"loss_tokens", r.loss_tokens},
                  {"image_offsets", r.image_offsets},
                  {"truncated", r.truncated}};
-    out += line.dump();
+    out += Dump(line);
     out.push_back('\n');
   }
   for (const BadSample& b : index.bad) {
-    out += Json{{"bad", BadToJson(b)}}.dump();
+    out += Dump(Json{{"bad", BadToJson(b)}});
     out.push_back('\n');
   }
   return WriteFileAtomically(path, out);

@@ -137,7 +137,7 @@ std::string ManifestRecordToJson(const ManifestRecord& record) {
   json["images"] = record.images;
   if (!record.prompt.empty()) json["prompt"] = record.prompt;
   json["text"] = record.text;
-  return json.dump();
+  return json.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 }  // namespace hetpar::data

@@ -65,7 +65,8 @@ struct Manifest {
 // records them in Manifest::bad instead. A missing file is NotFound.
 absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad);
 
-// One manifest line (no newline) for `record`; `line` is not written.
+// One manifest line (no newline) for `record`; `line` is not written. Bytes that are not UTF-8
+// are written as U+FFFD.
 std::string ManifestRecordToJson(const ManifestRecord& record);
 
 }  // namespace hetpar::data
