@@ -1,0 +1,48 @@
+#include "common/run_directory.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+
+namespace hetpar {
+
+absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
+    const std::string& path, const hetpar::v1::RunSpec& spec) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path) / "log", ec);
+  if (ec) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create run directory '", path, "': ", ec.message()));
+  }
+  {
+    std::ofstream config(path + "/config.yaml");
+    config << config::RunSpecToYaml(spec);
+    if (!config) {
+      return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "/config.yaml'"));
+    }
+  }
+  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "w");
+  if (metrics == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(errno)));
+  }
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
+}
+
+RunDirectory::~RunDirectory() { std::fclose(metrics_); }
+
+absl::Status RunDirectory::AppendMetrics(const std::string& json_line) {
+  const std::string line = json_line + "\n";
+  if (std::fwrite(line.data(), 1, line.size(), metrics_) != line.size() ||
+      std::fflush(metrics_) != 0) {
+    return absl::DataLossError(
+        absl::StrCat("cannot append to '", path_, "/metrics.jsonl': ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hetpar

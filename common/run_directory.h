@@ -1,0 +1,47 @@
+// A run's output directory, as `hetpar run` writes it and `hetpar compare` reads it:
+//
+//   config.yaml     the normalised RunSpec the run used
+//   metrics.jsonl   one JSON object per line: one per committed step
+//                   {"step", "loss", "grad_norm", "tokens", "images", "step_time_s", ...},
+//                   and at the end {"final_params": {"encoder": {"sum", "l2"}, "llm": {...}}}
+//                   and {"eval": {...}} lines
+//   log/            the processes' logs (coordinator, workers)
+//
+// Lines are appended whole and flushed, so a reader never sees half a line of a live run.
+#ifndef HETPAR_COMMON_RUN_DIRECTORY_H_
+#define HETPAR_COMMON_RUN_DIRECTORY_H_
+
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar {
+
+class RunDirectory {
+ public:
+  // Creates `path` (and log/) when absent, writes config.yaml and truncates metrics.jsonl.
+  static absl::StatusOr<std::unique_ptr<RunDirectory>> Create(const std::string& path,
+                                                              const hetpar::v1::RunSpec& spec);
+  ~RunDirectory();
+  RunDirectory(const RunDirectory&) = delete;
+  RunDirectory& operator=(const RunDirectory&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string LogPath(const std::string& name) const { return path_ + "/log/" + name + ".log"; }
+
+  // Appends one line (a JSON object without the newline) to metrics.jsonl and flushes it.
+  absl::Status AppendMetrics(const std::string& json_line);
+
+ private:
+  RunDirectory(std::string path, std::FILE* metrics) : path_(std::move(path)), metrics_(metrics) {}
+  std::string path_;
+  std::FILE* metrics_;
+};
+
+}  // namespace hetpar
+
+#endif  // HETPAR_COMMON_RUN_DIRECTORY_H_

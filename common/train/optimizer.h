@@ -1,0 +1,69 @@
+// The step end of one module: gradient norm partials, clipping and AdamW over a ParameterSet.
+//
+// Layout independence: AdamW is element-wise, so a TP slice of a parameter takes exactly the
+// steps the full parameter takes in one process. The global gradient norm runs over both
+// modules; each rank contributes the part of the squared norm that it alone accounts for
+// (OwnedSquareSum), the partials of one DP replica of each module add up to the total, and every
+// rank then scales its gradients by the same ClipCoefficient.
+#ifndef HETPAR_COMMON_TRAIN_OPTIMIZER_H_
+#define HETPAR_COMMON_TRAIN_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/nn/parameters.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace hetpar::train {
+
+// Sums over the elements this rank owns: every element of a TP-split parameter, and the elements
+// of replicated parameters on TP rank 0 only. Summed over a replica's TP ranks these give the
+// replica's totals. `sum` is the plain sum, `square_sum` the sum of squares (float64).
+struct OwnedSums {
+  double sum = 0;
+  double square_sum = 0;
+};
+// Of the gradients (a parameter without a gradient counts as zero).
+OwnedSums OwnedGradSums(const nn::ParameterSet& params);
+// Of the parameter values.
+OwnedSums OwnedParamSums(const nn::ParameterSet& params);
+
+// The factor gradients are scaled by: max_norm / (norm + 1e-6) when that is below 1, else 1
+// (and 1 when max_norm is 0, clipping off).
+double ClipCoefficient(double total_norm, double max_norm);
+
+// AdamW with linear warm-up over one module's parameters. Owns the optimizer state; keeps a
+// reference to the ParameterSet, which must outlive it. One thread calls it.
+class ModuleOptimizer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModuleOptimizer>> Create(
+      nn::ParameterSet* params, const hetpar::v1::Optimizer& options);
+  ~ModuleOptimizer();
+  ModuleOptimizer(const ModuleOptimizer&) = delete;
+  ModuleOptimizer& operator=(const ModuleOptimizer&) = delete;
+
+  // Learning rate of 0-based step `step`: lr x min(1, (step + 1) / warmup_steps).
+  double LearningRate(int64_t step) const;
+
+  // Scales every gradient by clip_coefficient, takes one AdamW step at LearningRate(step) and
+  // drops the gradients. A parameter without a gradient steps with a zero gradient (so every
+  // layout updates every parameter the same way).
+  absl::Status Step(int64_t step, double clip_coefficient);
+
+ private:
+  ModuleOptimizer(nn::ParameterSet* params, const hetpar::v1::Optimizer& options);
+
+  nn::ParameterSet* params_;
+  hetpar::v1::Optimizer options_;
+  std::unique_ptr<torch::optim::AdamW> adamw_;
+};
+
+}  // namespace hetpar::train
+
+#endif  // HETPAR_COMMON_TRAIN_OPTIMIZER_H_

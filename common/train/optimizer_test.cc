@@ -1,0 +1,158 @@
+#include "common/train/optimizer.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "gtest/gtest.h"
+
+namespace hetpar::train {
+namespace {
+
+hetpar::v1::Optimizer Adam(double lr, double weight_decay, int64_t warmup = 0) {
+  hetpar::v1::Optimizer o;
+  o.set_lr(lr);
+  o.set_weight_decay(weight_decay);
+  o.set_beta1(0.9);
+  o.set_beta2(0.999);
+  o.set_eps(1e-8);
+  o.set_warmup_steps(warmup);
+  return o;
+}
+
+// A parameter set with one TP-split matrix [4, 3] (split on dim 0) and one replicated vector [3].
+std::unique_ptr<nn::ParameterSet> MakeSet(int tp_rank, int tp_size) {
+  auto set = std::make_unique<nn::ParameterSet>(7, at::kDouble, tp_rank, tp_size,
+                                                nn::InitStyle::kAllRandom);
+  EXPECT_TRUE(set->Add("m.weight", {4, 3}, 0, nn::InitRule::Normal(0.5)).ok());
+  EXPECT_TRUE(set->Add("m.bias", {3}, -1, nn::InitRule::Normal(0.5)).ok());
+  return set;
+}
+
+// Deterministic "full" gradients for step `step`.
+at::Tensor FullGrad(const std::string& name, int step) {
+  const int64_t n = name == "m.weight" ? 12 : 3;
+  at::Tensor g = at::arange(n, at::kDouble).mul(0.37).add(step * 0.11).sin();
+  return name == "m.weight" ? g.reshape({4, 3}) : g;
+}
+
+void SetGrads(nn::ParameterSet& set, int step) {
+  for (const auto& p : set.parameters()) {
+    at::Tensor full = FullGrad(p.name, step);
+    at::Tensor local = p.slice.split_dim < 0
+                           ? full
+                           : full.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
+    p.tensor.mutable_grad() = local.clone();
+  }
+}
+
+TEST(ClipCoefficientTest, Values) {
+  EXPECT_EQ(ClipCoefficient(0.5, 1.0), 1.0);
+  EXPECT_NEAR(ClipCoefficient(4.0, 1.0), 1.0 / (4.0 + 1e-6), 1e-15);
+  EXPECT_EQ(ClipCoefficient(100.0, 0.0), 1.0);  // clipping off
+}
+
+TEST(OwnedSumsTest, SplitOnEveryRankReplicatedOnRankZeroOnly) {
+  auto full = MakeSet(0, 1);
+  auto r0 = MakeSet(0, 2);
+  auto r1 = MakeSet(1, 2);
+  SetGrads(*full, 0);
+  SetGrads(*r0, 0);
+  SetGrads(*r1, 0);
+  const OwnedSums f = OwnedGradSums(*full);
+  const OwnedSums a = OwnedGradSums(*r0);
+  const OwnedSums b = OwnedGradSums(*r1);
+  EXPECT_NEAR(a.square_sum + b.square_sum, f.square_sum, 1e-14);
+  EXPECT_NEAR(a.sum + b.sum, f.sum, 1e-14);
+  // Rank 1 holds only its half of the matrix.
+  const double half = FullGrad("m.weight", 0).narrow(0, 2, 2).square().sum().item<double>();
+  EXPECT_NEAR(b.square_sum, half, 1e-14);
+  // Parameters: the same rule.
+  const OwnedSums pf = OwnedParamSums(*full);
+  const OwnedSums pa = OwnedParamSums(*r0);
+  const OwnedSums pb = OwnedParamSums(*r1);
+  EXPECT_NEAR(pa.square_sum + pb.square_sum, pf.square_sum, 1e-13);
+}
+
+TEST(ModuleOptimizerTest, OneAdamWStepMatchesTheFormula) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());
+  auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.01));
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  set.parameters()[0].tensor.mutable_grad() = at::full({1}, 0.5, at::kDouble);
+  ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
+  // Decoupled decay, then the bias-corrected Adam update: m_hat = g, v_hat = g^2.
+  const double expected = 1.0 * (1 - 0.1 * 0.01) - 0.1 * 0.5 / (std::sqrt(0.25) + 1e-8);
+  EXPECT_NEAR(set.parameters()[0].tensor.item<double>(), expected, 1e-15);
+  EXPECT_FALSE(set.parameters()[0].tensor.grad().defined());  // gradients dropped
+}
+
+TEST(ModuleOptimizerTest, ClipCoefficientScalesTheGradient) {
+  nn::ParameterSet a(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  nn::ParameterSet b(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(a.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());
+  ASSERT_TRUE(b.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());
+  auto oa = ModuleOptimizer::Create(&a, Adam(0.1, 0.0));
+  auto ob = ModuleOptimizer::Create(&b, Adam(0.1, 0.0));
+  ASSERT_TRUE(oa.ok() && ob.ok());
+  for (int step = 0; step < 3; ++step) {
+    a.parameters()[0].tensor.mutable_grad() = at::full({1}, 0.8 + step, at::kDouble);
+    b.parameters()[0].tensor.mutable_grad() = at::full({1}, (0.8 + step) * 0.25, at::kDouble);
+    ASSERT_TRUE((*oa)->Step(step, 0.25).ok());
+    ASSERT_TRUE((*ob)->Step(step, 1.0).ok());
+  }
+  EXPECT_NEAR(a.parameters()[0].tensor.item<double>(), b.parameters()[0].tensor.item<double>(),
+              1e-15);
+}
+
+TEST(ModuleOptimizerTest, TpSlicesStepLikeTheFullParameter) {
+  auto full = MakeSet(0, 1);
+  auto r0 = MakeSet(0, 2);
+  auto r1 = MakeSet(1, 2);
+  auto of = ModuleOptimizer::Create(full.get(), Adam(0.05, 0.1));
+  auto o0 = ModuleOptimizer::Create(r0.get(), Adam(0.05, 0.1));
+  auto o1 = ModuleOptimizer::Create(r1.get(), Adam(0.05, 0.1));
+  ASSERT_TRUE(of.ok() && o0.ok() && o1.ok());
+  for (int step = 0; step < 4; ++step) {
+    SetGrads(*full, step);
+    SetGrads(*r0, step);
+    SetGrads(*r1, step);
+    ASSERT_TRUE((*of)->Step(step, 0.7).ok());
+    ASSERT_TRUE((*o0)->Step(step, 0.7).ok());
+    ASSERT_TRUE((*o1)->Step(step, 0.7).ok());
+  }
+  const at::Tensor w = full->Find("m.weight")->tensor;
+  const at::Tensor joined = at::cat({r0->Find("m.weight")->tensor, r1->Find("m.weight")->tensor});
+  EXPECT_EQ(at::max(at::abs(w - joined)).item<double>(), 0.0);
+  EXPECT_EQ(
+      at::max(at::abs(full->Find("m.bias")->tensor - r1->Find("m.bias")->tensor)).item<double>(),
+      0.0);
+}
+
+TEST(ModuleOptimizerTest, ParameterWithoutGradientStepsWithZero) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(2.0)).ok());
+  auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.5));
+  ASSERT_TRUE(opt.ok());
+  ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
+  // Only the decoupled weight decay acts: 2 * (1 - 0.1 * 0.5).
+  EXPECT_NEAR(set.parameters()[0].tensor.item<double>(), 1.9, 1e-15);
+}
+
+TEST(ModuleOptimizerTest, LinearWarmup) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());
+  auto opt = ModuleOptimizer::Create(&set, Adam(0.4, 0.0, 4));
+  ASSERT_TRUE(opt.ok());
+  EXPECT_DOUBLE_EQ((*opt)->LearningRate(0), 0.1);
+  EXPECT_DOUBLE_EQ((*opt)->LearningRate(3), 0.4);
+  EXPECT_DOUBLE_EQ((*opt)->LearningRate(10), 0.4);
+}
+
+TEST(ModuleOptimizerTest, RejectsNonPositiveLr) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  EXPECT_FALSE(ModuleOptimizer::Create(&set, Adam(0.0, 0.0)).ok());
+}
+
+}  // namespace
+}  // namespace hetpar::train

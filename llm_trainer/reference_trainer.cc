@@ -1,0 +1,156 @@
+#include "llm_trainer/reference_trainer.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/nn/communicator.h"
+#include "common/nn/torch_status.h"
+#include "common/plan/layout.h"
+#include "common/plan/step_plan.h"
+#include "common/run_directory.h"
+#include "common/status.h"
+#include "common/train/batch.h"
+#include "common/train/batch_source.h"
+#include "common/train/optimizer.h"
+#include "encoder_service/encoder.h"
+#include "llm_trainer/language_model.h"
+#include "llm_trainer/llm_inputs.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::llm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+nlohmann::json SumsJson(const train::OwnedSums& sums) {
+  return {{"sum", sums.sum}, {"l2", std::sqrt(sums.square_sum)}};
+}
+
+}  // namespace
+
+absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options) {
+  HETPAR_ASSIGN_OR_RETURN(auto batches, train::BatchSource::Create(spec));
+  HETPAR_ASSIGN_OR_RETURN(plan::Placement placement, plan::PlacementFromRunSpec(spec));
+  HETPAR_ASSIGN_OR_RETURN(auto run_dir, RunDirectory::Create(options.out_dir, spec));
+
+  auto single = nn::Communicator::CreateSingle();
+  HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
+                          encoder::EncoderOptionsFromSpec(spec));
+  encoder_options.sequence_parallel = false;  // tp = 1
+  HETPAR_ASSIGN_OR_RETURN(auto vision, encoder::VisionEncoder::Create(spec.encoder().model(),
+                                                                      encoder_options, *single));
+  HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
+  llm_options.sequence_parallel = false;
+  HETPAR_ASSIGN_OR_RETURN(auto language,
+                          LanguageModel::Create(spec.llm().model(), llm_options, *single));
+  HETPAR_ASSIGN_OR_RETURN(auto encoder_opt, train::ModuleOptimizer::Create(
+                                                &vision->parameters(), spec.encoder().optimizer()));
+  HETPAR_ASSIGN_OR_RETURN(auto llm_opt, train::ModuleOptimizer::Create(&language->parameters(),
+                                                                       spec.llm().optimizer()));
+
+  const auto& em = spec.encoder().model();
+  const int64_t tokens_per_image = vision->tokens_per_image();
+  data::SamplerCursor cursor;
+  const auto run_start = Clock::now();
+  for (int64_t step = 0; step < spec.run().steps(); ++step) {
+    const auto step_start = Clock::now();
+    HETPAR_ASSIGN_OR_RETURN(train::GlobalBatch batch,
+                            batches->Take(cursor, spec.run().global_batch()));
+    HETPAR_ASSIGN_OR_RETURN(plan::StepPlanOptions plan_options,
+                            plan::StepPlanOptionsFromRunSpec(spec, step, 0));
+    HETPAR_ASSIGN_OR_RETURN(plan::StepPlan step_plan,
+                            plan::BuildStepPlan(placement, batch.samples, plan_options));
+    const int64_t waves = step_plan.llm.waves;
+    const int64_t replicas = step_plan.llm.replicas;
+
+    double loss_sum = 0;
+    int64_t tokens = 0, images = 0;
+    Clock::duration encoder_time{}, llm_time{};
+    for (int64_t wave = 0; wave < waves; ++wave) {
+      for (int64_t replica = 0; replica < replicas; ++replica) {
+        const plan::LlmMicrobatch& mb = step_plan.llm.microbatches[replica * waves + wave];
+        std::vector<data::LoadedSample> loaded;
+        std::vector<LlmSample> samples;
+        std::vector<const std::vector<float>*> pixels;
+        for (int64_t index : mb.samples) {
+          const int64_t id = step_plan.samples[index].id;
+          HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, batches->Record(id));
+          HETPAR_ASSIGN_OR_RETURN(data::LoadedSample sample,
+                                  batches->loader().Load(record->ordinal));
+          loaded.push_back(std::move(sample));
+        }
+        for (const auto& sample : loaded) {
+          samples.push_back(LlmSampleOf(sample, tokens_per_image));
+          for (const auto& image : sample.images) pixels.push_back(&image);
+          tokens += sample.tokens.length();
+        }
+        images += static_cast<int64_t>(pixels.size());
+        at::Tensor image_rows;
+        auto t0 = Clock::now();
+        if (!pixels.empty()) {
+          HETPAR_ASSIGN_OR_RETURN(at::Tensor pixels_tensor,
+                                  train::ImagesTensor(pixels, em.channels(), em.image_size(),
+                                                      vision->parameters().dtype()));
+          HETPAR_ASSIGN_OR_RETURN(image_rows, vision->Forward(pixels_tensor));
+        }
+        auto t1 = Clock::now();
+        HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
+                                language->Forward(samples, image_rows, step_plan.n_global));
+        // The image rows are the encoder's output itself: backward runs on into the encoder.
+        HETPAR_RETURN_IF_ERROR(language->Backward(result.loss));
+        auto t2 = Clock::now();
+        encoder_time += t1 - t0;
+        llm_time += t2 - t1;
+        loss_sum += result.loss.item<double>();
+      }
+    }
+    HETPAR_RETURN_IF_ERROR(vision->FinishGradients());
+    HETPAR_RETURN_IF_ERROR(language->FinishGradients());
+    const train::OwnedSums encoder_grads = train::OwnedGradSums(vision->parameters());
+    const train::OwnedSums llm_grads = train::OwnedGradSums(language->parameters());
+    const double grad_norm = std::sqrt(encoder_grads.square_sum + llm_grads.square_sum);
+    const double clip = train::ClipCoefficient(grad_norm, spec.run().grad_clip());
+    HETPAR_RETURN_IF_ERROR(encoder_opt->Step(step, clip));
+    HETPAR_RETURN_IF_ERROR(llm_opt->Step(step, clip));
+    cursor = batch.next;
+
+    const double step_time = Seconds(Clock::now() - step_start);
+    nlohmann::json line = {
+        {"step", step},
+        {"loss", loss_sum},
+        {"grad_norm", grad_norm},
+        {"tokens", tokens},
+        {"images", images},
+        {"n_global", step_plan.n_global},
+        {"step_time_s", step_time},
+        {"encoder", {{"compute_s", Seconds(encoder_time)}, {"bridge_wait_s", 0.0}}},
+        {"llm", {{"compute_s", Seconds(llm_time)}, {"bridge_wait_s", 0.0}}},
+        {"cursor", cursor.ToString()},
+    };
+    HETPAR_RETURN_IF_ERROR(run_dir->AppendMetrics(line.dump()));
+    if (options.progress &&
+        (step % spec.run().log_every() == 0 || step + 1 == spec.run().steps())) {
+      const double elapsed = Seconds(Clock::now() - run_start);
+      const double eta = elapsed / (step + 1) * (spec.run().steps() - step - 1);
+      HETPAR_LOG(INFO) << "step " << step + 1 << "/" << spec.run().steps() << "  loss " << loss_sum
+                       << "  grad_norm " << grad_norm << "  "
+                       << static_cast<int64_t>(tokens / step_time) << " tok/s  ETA "
+                       << static_cast<int64_t>(eta) << " s";
+    }
+  }
+  nlohmann::json final_line = {
+      {"final_params",
+       {{"encoder", SumsJson(train::OwnedParamSums(vision->parameters()))},
+        {"llm", SumsJson(train::OwnedParamSums(language->parameters()))}}}};
+  return run_dir->AppendMetrics(final_line.dump());
+}
+
+}  // namespace hetpar::llm

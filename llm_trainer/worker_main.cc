@@ -1,0 +1,75 @@
+// `hetpar-worker`: one process of a hetpar run. The role says which:
+//   reference   both modules in one process at tp = 1, dp = 1 (the parity baseline)
+#include <ATen/Parallel.h>
+
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "common/config/config.h"
+#include "common/logging.h"
+#include "common/version.h"
+#include "llm_trainer/reference_trainer.h"
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitInvalidInput = 2;
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"hetpar-worker: one process of a hetpar run (normally started by `hetpar run`)."};
+  app.name("hetpar-worker");
+  app.set_version_flag("--version", std::string("hetpar-worker ") + HETPAR_VERSION);
+  std::string role;
+  std::string config_path;
+  std::vector<std::string> overrides;
+  std::string out_dir;
+  int64_t steps = 0;
+  int threads = 0;
+  bool progress = false;
+  app.add_option("--role", role, "What this process runs")
+      ->required()
+      ->check(CLI::IsMember({"reference"}));
+  app.add_option("-c,--config", config_path, "RunSpec YAML file")->required();
+  app.add_option("--set", overrides, "Override a RunSpec field, e.g. --set run.steps=5");
+  app.add_option("--out", out_dir, "Run directory (default: run.out_dir of the config)");
+  app.add_option("--steps", steps, "Steps to train (default: run.steps)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--threads", threads,
+                 "Intra-op threads (default: the machine's cores divided among local workers)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--progress", progress, "Log one progress line per step");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : kExitInvalidInput;
+  }
+
+  if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
+  auto loaded = hetpar::config::LoadRunSpecFile(config_path, {overrides, true});
+  if (!loaded.ok()) {
+    std::cerr << "hetpar-worker: invalid config " << config_path << ":\n"
+              << loaded.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  const hetpar::v1::RunSpec& spec = loaded->spec;
+  at::set_num_threads(
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  hetpar::SetLogTag(role);
+
+  hetpar::llm::ReferenceOptions options;
+  options.out_dir = out_dir.empty() ? spec.run().out_dir() : out_dir;
+  options.progress = progress;
+  absl::Status status = hetpar::llm::RunReference(spec, options);
+  if (!status.ok()) {
+    HETPAR_LOG(ERROR) << "reference run failed: " << status;
+    return kExitFailure;
+  }
+  HETPAR_LOG(INFO) << "run directory: " << options.out_dir;
+  return 0;
+}
