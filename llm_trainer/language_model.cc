@@ -39,7 +39,44 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   return x * cos + rotated * sin;
 }
 
+// Where image rows land on one rank: row sources[k] of the image-rows tensor goes to row
+// targets[k] of the rank's activations, which cover packed rows [first_row, first_row + n).
+struct SpliceMap {
+  std::vector<int64_t> targets;
+  std::vector<int64_t> sources;
+};
+
+SpliceMap MapSplice(const std::vector<LlmSample>& samples, int tp_rank, int tp_size,
+                    bool sequence_parallel) {
+  int64_t rows = 0;
+  std::vector<int64_t> placeholders;  // packed row of each image row, in tensor order
+  for (const LlmSample& sample : samples) {
+    for (int64_t position : sample.image_positions) placeholders.push_back(rows + position);
+    rows += static_cast<int64_t>(sample.tokens.size());
+  }
+  int64_t first_row = 0;
+  int64_t end_row = rows;
+  if (sequence_parallel && tp_size > 1) {
+    const nn::SequenceShard shard = nn::ShardSequence(rows, tp_rank, tp_size);
+    first_row = shard.shard_rows * tp_rank;
+    end_row = shard.end;
+  }
+  SpliceMap map;
+  for (size_t k = 0; k < placeholders.size(); ++k) {
+    if (placeholders[k] >= first_row && placeholders[k] < end_row) {
+      map.targets.push_back(placeholders[k] - first_row);
+      map.sources.push_back(static_cast<int64_t>(k));
+    }
+  }
+  return map;
+}
+
 }  // namespace
+
+std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, int tp_rank,
+                                         int tp_size, bool sequence_parallel) {
+  return MapSplice(samples, tp_rank, tp_size, sequence_parallel).sources;
+}
 
 absl::StatusOr<LlmOptions> LlmOptionsFromSpec(const hetpar::v1::RunSpec& spec) {
   LlmOptions options;
@@ -235,7 +272,7 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
 
   // Pack the samples: row r of the sequence is (sample, position).
-  std::vector<int64_t> starts, ids, positions, image_targets, loss_rows, loss_labels;
+  std::vector<int64_t> starts, ids, positions, loss_rows, loss_labels;
   int64_t rows = 0;
   for (const LlmSample& sample : samples) {
     starts.push_back(rows);
@@ -248,7 +285,6 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
         loss_labels.push_back(sample.labels[i]);
       }
     }
-    for (int64_t position : sample.image_positions) image_targets.push_back(rows + position);
     rows += length;
   }
   starts.push_back(rows);
@@ -256,25 +292,10 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
   // Embedding, then image rows in place of their placeholders (in this rank's rows only).
   at::Tensor x = nn::LeaveTensorParallel(
       nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
-  if (!image_targets.empty()) {
-    int64_t first_row = 0;
-    int64_t end_row = rows;
-    if (tp_.sharded()) {
-      const nn::SequenceShard shard = nn::ShardSequence(rows, tp_.rank(), tp_.size());
-      first_row = shard.shard_rows * tp_.rank();
-      end_row = shard.end;
-    }
-    std::vector<int64_t> local_targets, sources;
-    for (size_t k = 0; k < image_targets.size(); ++k) {
-      if (image_targets[k] >= first_row && image_targets[k] < end_row) {
-        local_targets.push_back(image_targets[k] - first_row);
-        sources.push_back(static_cast<int64_t>(k));
-      }
-    }
-    if (!local_targets.empty()) {
-      x = x.index_copy(0, at::tensor(local_targets, i64),
-                       image_rows.index_select(0, at::tensor(sources, i64)));
-    }
+  const SpliceMap splice = MapSplice(samples, tp_.rank(), tp_.size(), tp_.sequence_parallel);
+  if (!splice.targets.empty()) {
+    x = x.index_copy(0, at::tensor(splice.targets, i64),
+                     image_rows.index_select(0, at::tensor(splice.sources, i64)));
   }
 
   const at::Tensor position_ids = at::tensor(positions, i64);

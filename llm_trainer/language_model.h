@@ -20,9 +20,11 @@
 // `image_rows` rows and puts them, in order, at its `image_positions`. The gradient with respect
 // to these rows is what goes back to the encoder: pass a leaf with requires_grad(true) and read
 // its grad() after Backward (or pass the encoder's output itself, in one process, and the
-// gradient flows on into the encoder). Without sequence parallelism every TP rank gets the full
-// gradient; with it each rank gets the rows inside its sequence shard (zeros elsewhere), and the
-// sum over TP ranks is the full gradient (image_rows_grad_is_partial()).
+// gradient flows on into the encoder). Without sequence parallelism every TP rank reads every row
+// and gets the full gradient. With it a rank reads only the rows whose placeholders fall in its
+// sequence shard (ImageRowsReadByRank; the others may hold anything, e.g. zeros), its gradient
+// covers those rows (zeros elsewhere, or undefined when it reads none), and the sum over the TP
+// ranks is the full gradient (image_rows_grad_is_partial()).
 //
 // Parameter names (stable; init seeds and checkpoints use them), d = hidden / heads,
 // g = heads / kv_heads:
@@ -71,6 +73,13 @@ struct LlmSample {
   std::vector<int64_t> image_positions;  // increasing positions of image placeholder tokens
   int64_t image_rows = 0;                // rows of the image tensor that belong to this sample
 };
+
+// The rows of a microbatch's image-rows tensor that TP rank `tp_rank` of `tp_size` reads, in
+// increasing order: all of them without sequence parallelism, else those whose placeholder lies
+// in the rank's sequence shard (the packed rows padded to a multiple of tp_size, split in equal
+// contiguous shards; see nn::ShardSequence).
+std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, int tp_rank,
+                                         int tp_size, bool sequence_parallel);
 
 struct LlmOptions {
   at::ScalarType dtype = at::kFloat;

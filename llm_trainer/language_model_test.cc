@@ -125,6 +125,22 @@ TEST(LanguageModelTest, SplicedRowsLandExactlyOnTheirPlaceholders) {
   EXPECT_GT(std::abs(Loss(*lm, unspliced, at::Tensor()) - text_loss), 1e-6);
 }
 
+TEST(LanguageModelTest, ImageRowsReadByRankFollowTheSequenceShards) {
+  // 9 + 12 + 15 = 36 packed rows; placeholders at rows 11, 12, 13 and 22, 23, 29, 30, 31.
+  const std::vector<LlmSample> batch = MixedBatch();
+  const std::vector<int64_t> all = {0, 1, 2, 3, 4, 5, 6, 7};
+  EXPECT_EQ(ImageRowsReadByRank(batch, 0, 1, true), all);
+  EXPECT_EQ(ImageRowsReadByRank(batch, 1, 4, false), all);
+  // SP over 4 ranks: shards of 9 rows.
+  EXPECT_EQ(ImageRowsReadByRank(batch, 0, 4, true), std::vector<int64_t>{});
+  EXPECT_EQ(ImageRowsReadByRank(batch, 1, 4, true), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(ImageRowsReadByRank(batch, 2, 4, true), (std::vector<int64_t>{3, 4}));
+  EXPECT_EQ(ImageRowsReadByRank(batch, 3, 4, true), (std::vector<int64_t>{5, 6, 7}));
+  // SP over 2 ranks: shards of 18 rows.
+  EXPECT_EQ(ImageRowsReadByRank(batch, 0, 2, true), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(ImageRowsReadByRank(batch, 1, 2, true), (std::vector<int64_t>{3, 4, 5, 6, 7}));
+}
+
 TEST(LanguageModelTest, GradientsMatchFiniteDifferences) {
   auto lm = Make();
   const std::vector<LlmSample> batch = MixedBatch();

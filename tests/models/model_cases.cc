@@ -117,7 +117,17 @@ absl::StatusOr<CaseRecords> RunLlm(const ModelCase& c, nn::Communicator& tp) {
   const std::vector<llm::LlmSample> samples = {Sample("text", 9, 1, {}),
                                                Sample("one-image", 12, 2, {2, 3, 4}),
                                                Sample("two-images", 16, 3, {1, 2, 9, 10, 11})};
-  at::Tensor rows = Random({8, 32}, 3).mul(0.5).to(c.dtype).requires_grad_(true);
+  at::Tensor rows = Random({8, 32}, 3).mul(0.5).to(c.dtype);
+  if (c.sequence_parallel) {
+    // Only the rows this rank reads are delivered; the others are zeros here, and the results
+    // must still equal the single-process model's.
+    at::Tensor delivered = at::zeros_like(rows);
+    for (int64_t k : llm::ImageRowsReadByRank(samples, tp.rank(), tp.size(), true)) {
+      delivered[k].copy_(rows[k]);
+    }
+    rows = delivered;
+  }
+  rows.requires_grad_(true);
   HETPAR_ASSIGN_OR_RETURN(llm::LlmForwardResult result, model->Forward(samples, rows, 50));
   HETPAR_RETURN_IF_ERROR(model->Backward(result.loss));
   HETPAR_RETURN_IF_ERROR(model->FinishGradients());
