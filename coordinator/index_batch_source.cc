@@ -1,13 +1,13 @@
-// MakeIndexBatchSource over hetpar_data (compiled when the build has the data pipeline).
+// MakeIndexBatchSource over the runs' shared batch source (common/train/batch_source.h), so the
+// coordinator plans exactly the batches the reference trainer trains. Compiled when the build has
+// the data pipeline.
 #include <memory>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "common/data/index.h"
-#include "common/data/loader.h"
-#include "common/data/sampler.h"
 #include "common/logging.h"
+#include "common/train/batch_source.h"
 #include "coordinator/step_planner.h"
 
 namespace hetpar::coordinator {
@@ -18,23 +18,25 @@ class IndexBatchSource : public BatchSource {
   explicit IndexBatchSource(v1::RunSpec spec) : spec_(std::move(spec)) {}
 
   absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override {
-    if (absl::Status s = Open(); !s.ok()) return s;
-    absl::StatusOr<data::SamplerBatch> batch = sampler_->Take(committed_, count);
-    if (!batch.ok()) return batch.status();
-    std::vector<plan::SampleDescriptor> samples;
-    samples.reserve(batch->samples.size());
-    for (int64_t position : batch->samples) {
-      const data::IndexRecord& record = index_->records[position];
-      plan::SampleDescriptor sample;
-      sample.id = record.ordinal;
-      sample.text_tokens = record.text_tokens;
-      sample.loss_tokens = record.loss_tokens;
-      sample.tokens_per_image = record.tokens_per_image;
-      sample.image_starts.assign(record.image_offsets.begin(), record.image_offsets.end());
-      samples.push_back(std::move(sample));
+    if (source_ == nullptr) {
+      // Opened at the first step, so the coordinator can start (and admit workers) before the
+      // data set exists; a synthetic data set the RunSpec names is generated here.
+      absl::StatusOr<std::unique_ptr<train::BatchSource>> source =
+          train::BatchSource::Create(spec_);
+      if (!source.ok()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot open the training data (generate it with `hetpar data synth`, "
+                         "or plan over synthetic batches with --synthetic-batches): ",
+                         std::string(source.status().message())));
+      }
+      source_ = *std::move(source);
+      HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
+                       << source_->index().records.size() << " samples";
     }
+    absl::StatusOr<train::GlobalBatch> batch = source_->Take(committed_, count);
+    if (!batch.ok()) return batch.status();
     pending_ = batch->next;
-    return samples;
+    return std::move(batch->samples);
   }
 
   void Commit() override {
@@ -45,42 +47,8 @@ class IndexBatchSource : public BatchSource {
   std::string Position() const override { return committed_.ToString(); }
 
  private:
-  // Reads (or builds) the index once.
-  absl::Status Open() {
-    if (sampler_ != nullptr) return absl::OkStatus();
-    absl::StatusOr<data::LoaderOptions> options =
-        data::LoaderOptionsFromRunSpec(spec_, data::Split::kTrain);
-    if (!options.ok()) return options.status();
-    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader = data::DataLoader::Create(*options);
-    if (!loader.ok()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("cannot open the training data (run `hetpar data synth` for a synthetic "
-                       "data set, or pass --synthetic-batches): ",
-                       std::string(loader.status().message())));
-    }
-    data::IndexBuildOptions build;
-    build.verify_images = false;
-    bool rebuilt = false;
-    absl::StatusOr<data::DataIndex> index =
-        data::LoadOrBuildIndex(**loader, spec_.data().index(), build, &rebuilt);
-    if (!index.ok()) return index.status();
-    if (index->records.empty()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the data index ", spec_.data().index(), " has no usable samples"));
-    }
-    HETPAR_LOG(INFO) << (rebuilt ? "built" : "read") << " data index " << spec_.data().index()
-                     << ": " << index->records.size() << " samples";
-    absl::StatusOr<std::unique_ptr<data::EpochSampler>> sampler = data::EpochSampler::Create(
-        static_cast<int64_t>(index->records.size()), static_cast<uint64_t>(spec_.run().seed()));
-    if (!sampler.ok()) return sampler.status();
-    index_ = std::make_unique<data::DataIndex>(*std::move(index));
-    sampler_ = *std::move(sampler);
-    return absl::OkStatus();
-  }
-
   v1::RunSpec spec_;
-  std::unique_ptr<data::DataIndex> index_;
-  std::unique_ptr<data::EpochSampler> sampler_;
+  std::unique_ptr<train::BatchSource> source_;
   data::SamplerCursor committed_;
   std::optional<data::SamplerCursor> pending_;
 };

@@ -52,11 +52,11 @@ class SyntheticBatchSource : public BatchSource {
   int64_t pending_ = 0;    // samples of the last Next
 };
 
-// The data index of the run's training manifest, in the epoch order of hetpar_data's
-// EpochSampler (seeded with run.seed). The index is read, or built when it is missing or stale,
-// on the first Next, so a coordinator can start before the data set exists. Sample ids in the
-// plans are index ordinals (DataLoader::Load takes them). Unimplemented when this build has no
-// data pipeline.
+// The run's training batches from the batch source every runtime shares
+// (common/train/batch_source.h): the data index in the epoch sampler's order, sample id = index
+// position. Opened (the synthetic data set generated, the index read or built) on the first
+// Next, so a coordinator can start before the data set exists. Unimplemented when this build has
+// no data pipeline.
 absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(const v1::RunSpec& spec);
 
 // The coordinator's StepPlanner over the plan library.

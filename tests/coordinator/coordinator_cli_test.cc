@@ -1,0 +1,155 @@
+// `hetpar coordinator`, `status`, `stop` and `scale` as a user runs them, with simulated worker
+// processes running steps planned from the RunSpec.
+#include <signal.h>
+#include <stdlib.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/coordinator/coordinator_test_util.h"
+
+namespace hetpar::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+const std::string kTiny = kSourceDir + "/configs/tiny.yaml";
+
+class CoordinatorCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // A generated token lands in this user's runtime directory: keep it inside the test.
+    setenv("XDG_RUNTIME_DIR", dir_.path().c_str(), 1);
+    unsetenv("HETPAR_TOKEN");
+    unsetenv("HETPAR_COORDINATOR");
+  }
+
+  absl::StatusOr<CommandResult> Hetpar(std::vector<std::string> args) {
+    args.insert(args.begin(), kHetparBin);
+    return RunCommand(args, 60);
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
+  auto coordinator = StartCoordinator({"--config", kTiny}, dir_.File("coordinator.log"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  const std::string token_file = dir_.path() + "/hetpar/coordinator-" +
+                                 coordinator->address.substr(coordinator->address.rfind(':') + 1) +
+                                 ".token";
+  ASSERT_TRUE(std::filesystem::exists(token_file));
+  const std::string token = ReadFile(token_file).substr(0, 64);
+  ASSERT_EQ(token.size(), 64u);
+
+  auto status = Hetpar({"status", "--coordinator", coordinator->address});
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->exit_code, 0) << status->stderr_text;
+  EXPECT_THAT(status->stdout_text, HasSubstr("run tiny: waiting"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("workers: 0 of 4 registered"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("steps: 0 of 120 committed"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("encoder rank 0 (dp 0, tp 0)"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("encoder rank 1 (dp 1, tp 0)"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("llm rank 0 (dp 0, tp 0, cp 0, pp 0)"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
+  EXPECT_THAT(status->stdout_text, Not(HasSubstr(token)));
+
+  auto json = Hetpar({"status", "--json", "--coordinator", coordinator->address});
+  ASSERT_TRUE(json.ok());
+  EXPECT_EQ(json->exit_code, 0);
+  EXPECT_THAT(json->stdout_text, HasSubstr("\"state\": \"RUN_STATE_WAITING\""));
+  EXPECT_THAT(json->stdout_text, HasSubstr("\"expectedWorkers\": \"4\""));
+
+  // A wrong token is refused and logged with the caller's address, never with a token.
+  setenv("HETPAR_TOKEN", "not-the-run-token", 1);
+  auto refused = Hetpar({"status", "--coordinator", coordinator->address});
+  unsetenv("HETPAR_TOKEN");
+  ASSERT_TRUE(refused.ok());
+  EXPECT_EQ(refused->exit_code, 1);
+  EXPECT_THAT(refused->stderr_text, HasSubstr("missing or wrong run token"));
+
+  auto scale = Hetpar({"scale", "--encoders", "3", "--coordinator", coordinator->address});
+  ASSERT_TRUE(scale.ok());
+  EXPECT_EQ(scale->exit_code, 0) << scale->stderr_text;
+  EXPECT_THAT(scale->stdout_text, HasSubstr("3 encoder replicas requested"));
+
+  auto stop = Hetpar({"stop", "--wait", "20", "--coordinator", coordinator->address});
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(stop->exit_code, 0) << stop->stderr_text;
+  EXPECT_THAT(stop->stdout_text, HasSubstr("the run has ended"));
+  auto exit_code = coordinator->process.Wait(20);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+  const std::string log = ReadFile(coordinator->log);
+  EXPECT_THAT(log, HasSubstr("rejected Admin.Status from ipv4:127.0.0.1:"));
+  EXPECT_THAT(log, HasSubstr("run tiny done: stop requested"));
+  EXPECT_THAT(log, Not(HasSubstr(token)));
+  EXPECT_THAT(log, Not(HasSubstr("not-the-run-token")));
+  // The generated token goes with the coordinator.
+  EXPECT_FALSE(std::filesystem::exists(token_file));
+}
+
+TEST_F(CoordinatorCliTest, MissingWorkersFailTheRunWithTheListOfRanks) {
+  setenv("HETPAR_TOKEN", "a-token-for-this-test", 1);
+  auto coordinator = StartCoordinator(
+      {"--config", kTiny, "--set", "coordinator.register_timeout_s=1"}, dir_.File("c.log"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  auto worker = StartSimWorker(coordinator->address, "encoder", "enc-a", dir_.File("w.log"));
+  ASSERT_TRUE(worker.ok());
+  auto exit_code = coordinator->process.Wait(30);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 1);
+  const std::string log = ReadFile(coordinator->log);
+  EXPECT_THAT(log, HasSubstr("run tiny failed: 3 of 4 ranks not registered within "
+                             "register_timeout 1s; missing: encoder rank 1 (dp 1, tp 0); "
+                             "llm rank 0 (dp 0, tp 0, cp 0, pp 0); "
+                             "llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
+  // The registered worker was told to stop.
+  auto worker_exit = worker->Wait(20);
+  ASSERT_TRUE(worker_exit.ok());
+  EXPECT_THAT(ReadFile(dir_.File("w.log")), HasSubstr("stop: run failed: 3 of 4 ranks"));
+}
+
+TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
+  setenv("HETPAR_TOKEN", "a-token-for-this-test", 1);
+  auto coordinator = StartCoordinator(
+      {"--config", kTiny, "--synthetic-batches", "--set", "run.steps=3"}, dir_.File("c.log"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  std::vector<ChildProcess> workers;
+  const std::vector<std::pair<std::string, std::string>> roles = {
+      {"encoder", "enc-a"}, {"encoder", "enc-b"}, {"llm", "llm-a"}, {"llm", "llm-b"}};
+  for (const auto& [role, host] : roles) {
+    auto w = StartSimWorker(coordinator->address, role, host, dir_.File(host + ".log"));
+    ASSERT_TRUE(w.ok());
+    workers.push_back(*std::move(w));
+  }
+  auto exit_code = coordinator->process.Wait(60);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status() << "\n" << ReadFile(coordinator->log);
+  EXPECT_EQ(*exit_code, 0) << ReadFile(coordinator->log);
+  EXPECT_THAT(ReadFile(coordinator->log), HasSubstr("3/3 steps committed"));
+  // Grad-norm contributors: encoder rank 0 (world 0), llm ranks 0 and 1 (world 2 and 3):
+  // 0.25 x (1 + 3 + 4) = 2, so the norm is sqrt(2).
+  for (size_t i = 0; i < workers.size(); ++i) {
+    auto worker_exit = workers[i].Wait(20);
+    ASSERT_TRUE(worker_exit.ok());
+    const std::string log = ReadFile(dir_.File(roles[i].second + ".log"));
+    EXPECT_EQ(*worker_exit, 0) << log;
+    EXPECT_THAT(log, HasSubstr("assignment generation 1 peers 2"));
+    // Ranks go to workers in registration order; each plan is for the worker's own rank.
+    auto world_rank =
+        AwaitInFile(dir_.File(roles[i].second + ".log"), "world_rank ([0-9]+)", absl::Seconds(1));
+    ASSERT_TRUE(world_rank.ok());
+    EXPECT_EQ(*world_rank == "0" || *world_rank == "1", roles[i].first == "encoder");
+    for (int step = 0; step < 3; ++step) {
+      EXPECT_THAT(log, HasSubstr(absl::StrCat("plan step ", step, " rank ", *world_rank)));
+      EXPECT_THAT(log, HasSubstr(absl::StrCat("grad_norm step ", step, " norm 1.41421")));
+      // loss_sum = 1.5 x loss tokens on the loss rank, so the step loss is 1.5.
+      EXPECT_THAT(log, HasSubstr(absl::StrCat("commit step ", step, " loss 1.5")));
+    }
+    EXPECT_THAT(log, HasSubstr("stop: completed 3 steps"));
+    EXPECT_THAT(log, HasSubstr("closed: OK"));
+  }
+}
+
+}  // namespace
+}  // namespace hetpar::testing

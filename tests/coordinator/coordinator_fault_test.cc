@@ -1,0 +1,114 @@
+// Worker failures seen by a real coordinator process: a worker killed with SIGKILL is lost at
+// once (its connection drops), a hung one (SIGSTOP: connection open, no heartbeats) is declared
+// dead within heartbeat_timeout +- 1 s; the step in flight is aborted and the others are told.
+#include <signal.h>
+#include <stdlib.h>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/coordinator/coordinator_test_util.h"
+
+namespace hetpar::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kTiny = kSourceDir + "/configs/tiny.yaml";
+
+class CoordinatorFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override { setenv("HETPAR_TOKEN", "fault-test-token", 1); }
+
+  // A running tiny run (synthetic batches, steps paced by the workers) with four workers.
+  void StartRun(double heartbeat_timeout_s) {
+    auto coordinator = StartCoordinator(
+        {"--config", kTiny, "--synthetic-batches", "--set", "run.steps=100000", "--set",
+         absl::StrCat("coordinator.heartbeat_timeout_s=", heartbeat_timeout_s), "--set",
+         "coordinator.register_timeout_s=60"},
+        dir_.File("coordinator.log"));
+    ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+    coordinator_.emplace(*std::move(coordinator));
+    for (const auto& [role, host] : roles_) {
+      auto w = StartSimWorker(coordinator_->address, role, host, dir_.File(host + ".log"),
+                              /*step_delay_ms=*/50);
+      ASSERT_TRUE(w.ok());
+      workers_.push_back(*std::move(w));
+    }
+    // Steps are being committed.
+    ASSERT_TRUE(AwaitInFile(dir_.File("enc-a.log"), "(commit step 1 )", absl::Seconds(30)).ok())
+        << ReadFile(coordinator_->log);
+  }
+
+  TempDir dir_;
+  std::optional<CoordinatorProcess> coordinator_;
+  const std::vector<std::pair<std::string, std::string>> roles_ = {
+      {"encoder", "enc-a"}, {"encoder", "enc-b"}, {"llm", "llm-a"}, {"llm", "llm-b"}};
+  std::vector<ChildProcess> workers_;
+};
+
+TEST_F(CoordinatorFaultTest, KilledWorkerIsLostAtOnceAndTheStepAborted) {
+  StartRun(/*heartbeat_timeout_s=*/30);
+  auto victim = AwaitInFile(dir_.File("llm-b.log"), "registered (\\S+)", absl::Seconds(1));
+  ASSERT_TRUE(victim.ok());
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(workers_[3].Signal(SIGKILL));
+  auto change = AwaitInFile(dir_.File("enc-a.log"), "membership_change generation 2 lost (\\S+)",
+                            absl::Seconds(10));
+  ASSERT_TRUE(change.ok()) << change.status();
+  // Far sooner than the 30 s heartbeat timeout.
+  EXPECT_LT(absl::Now() - killed, absl::Seconds(10));
+  EXPECT_EQ(*change, *victim);
+  const std::string coordinator_log = ReadFile(coordinator_->log);
+  EXPECT_THAT(coordinator_log, HasSubstr(absl::StrCat("worker ", *victim, " (llm rank ")));
+  EXPECT_THAT(coordinator_log, HasSubstr("is dead: session ended"));
+  // The others saw the step in flight aborted before the membership change (or were between
+  // steps), and got no new step: the run waits for the rank to be taken again.
+  auto status = RunCommand({kHetparBin, "status", "--coordinator", coordinator_->address});
+  ASSERT_TRUE(status.ok());
+  EXPECT_THAT(status->stdout_text, HasSubstr("run tiny: running"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("generation 2"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("workers: 3 of 4 registered"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("missing 1"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("dead: session ended"));
+  auto stop =
+      RunCommand({kHetparBin, "stop", "--wait", "20", "--coordinator", coordinator_->address});
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(stop->exit_code, 0) << stop->stderr_text;
+  for (int i = 0; i < 3; ++i) {
+    auto exit_code = workers_[i].Wait(20);
+    ASSERT_TRUE(exit_code.ok());
+    EXPECT_EQ(*exit_code, 0) << ReadFile(dir_.File(roles_[i].second + ".log"));
+  }
+  auto coordinator_exit = coordinator_->process.Wait(20);
+  ASSERT_TRUE(coordinator_exit.ok());
+  EXPECT_EQ(*coordinator_exit, 0);
+}
+
+TEST_F(CoordinatorFaultTest, HungWorkerIsDeclaredDeadWithinTheHeartbeatTimeout) {
+  constexpr double kTimeout = 2.0;
+  StartRun(kTimeout);
+  auto victim = AwaitInFile(dir_.File("enc-b.log"), "registered (\\S+)", absl::Seconds(1));
+  ASSERT_TRUE(victim.ok());
+  const absl::Time stopped = absl::Now();
+  ASSERT_TRUE(workers_[1].Signal(SIGSTOP));
+  auto change = AwaitInFile(dir_.File("llm-a.log"), "membership_change generation 2 lost (\\S+)",
+                            absl::Seconds(10));
+  const double elapsed = absl::ToDoubleSeconds(absl::Now() - stopped);
+  ASSERT_TRUE(change.ok()) << change.status();
+  EXPECT_EQ(*change, *victim);
+  EXPECT_GE(elapsed, kTimeout - 1.0);
+  EXPECT_LE(elapsed, kTimeout + 1.0);
+  EXPECT_THAT(ReadFile(coordinator_->log), HasSubstr("is dead: no heartbeat for"));
+  workers_[1].Signal(SIGKILL);
+  workers_[1].Signal(SIGCONT);
+  auto stop =
+      RunCommand({kHetparBin, "stop", "--wait", "20", "--coordinator", coordinator_->address});
+  ASSERT_TRUE(stop.ok());
+  EXPECT_EQ(stop->exit_code, 0) << stop->stderr_text;
+  auto coordinator_exit = coordinator_->process.Wait(20);
+  ASSERT_TRUE(coordinator_exit.ok());
+  EXPECT_EQ(*coordinator_exit, 0);
+}
+
+}  // namespace
+}  // namespace hetpar::testing
