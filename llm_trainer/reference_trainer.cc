@@ -36,6 +36,53 @@ nlohmann::json SumsJson(const train::OwnedSums& sums) {
 
 }  // namespace
 
+absl::StatusOr<ReferenceStepResult> RunReferenceStep(const train::BatchSource& batches,
+                                                     const plan::StepPlan& step_plan,
+                                                     encoder::VisionEncoder& vision,
+                                                     LanguageModel& language) {
+  ReferenceStepResult out;
+  const auto& em = vision.model();
+  const int64_t waves = step_plan.llm.waves;
+  const int64_t replicas = step_plan.llm.replicas;
+  for (int64_t wave = 0; wave < waves; ++wave) {
+    for (int64_t replica = 0; replica < replicas; ++replica) {
+      const plan::LlmMicrobatch& mb = step_plan.llm.microbatches[replica * waves + wave];
+      std::vector<data::LoadedSample> loaded;
+      for (int64_t index : mb.samples) {
+        HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record,
+                                batches.Record(step_plan.samples[index].id));
+        HETPAR_ASSIGN_OR_RETURN(data::LoadedSample sample, batches.loader().Load(record->ordinal));
+        loaded.push_back(std::move(sample));
+      }
+      std::vector<LlmSample> samples;
+      std::vector<const std::vector<float>*> pixels;
+      for (const auto& sample : loaded) {
+        samples.push_back(LlmSampleOf(sample, vision.tokens_per_image()));
+        for (const auto& image : sample.images) pixels.push_back(&image);
+        out.tokens += sample.tokens.length();
+      }
+      out.images += static_cast<int64_t>(pixels.size());
+      at::Tensor image_rows;
+      const auto t0 = Clock::now();
+      if (!pixels.empty()) {
+        HETPAR_ASSIGN_OR_RETURN(at::Tensor pixels_tensor,
+                                train::ImagesTensor(pixels, em.channels(), em.image_size(),
+                                                    vision.parameters().dtype()));
+        HETPAR_ASSIGN_OR_RETURN(image_rows, vision.Forward(pixels_tensor));
+      }
+      const auto t1 = Clock::now();
+      HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
+                              language.Forward(samples, image_rows, step_plan.n_global));
+      // The image rows are the encoder's output itself: backward runs on into the encoder.
+      HETPAR_RETURN_IF_ERROR(language.Backward(result.loss));
+      out.encoder_compute_s += Seconds(t1 - t0);
+      out.llm_compute_s += Seconds(Clock::now() - t1);
+      out.loss += result.loss.item<double>();
+    }
+  }
+  return out;
+}
+
 absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options) {
   HETPAR_ASSIGN_OR_RETURN(auto batches, train::BatchSource::Create(spec));
   HETPAR_ASSIGN_OR_RETURN(plan::Placement placement, plan::PlacementFromRunSpec(spec));
@@ -56,8 +103,6 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
   HETPAR_ASSIGN_OR_RETURN(auto llm_opt, train::ModuleOptimizer::Create(&language->parameters(),
                                                                        spec.llm().optimizer()));
 
-  const auto& em = spec.encoder().model();
-  const int64_t tokens_per_image = vision->tokens_per_image();
   data::SamplerCursor cursor;
   const auto run_start = Clock::now();
   for (int64_t step = 0; step < spec.run().steps(); ++step) {
@@ -68,50 +113,8 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
                             plan::StepPlanOptionsFromRunSpec(spec, step, 0));
     HETPAR_ASSIGN_OR_RETURN(plan::StepPlan step_plan,
                             plan::BuildStepPlan(placement, batch.samples, plan_options));
-    const int64_t waves = step_plan.llm.waves;
-    const int64_t replicas = step_plan.llm.replicas;
-
-    double loss_sum = 0;
-    int64_t tokens = 0, images = 0;
-    Clock::duration encoder_time{}, llm_time{};
-    for (int64_t wave = 0; wave < waves; ++wave) {
-      for (int64_t replica = 0; replica < replicas; ++replica) {
-        const plan::LlmMicrobatch& mb = step_plan.llm.microbatches[replica * waves + wave];
-        std::vector<data::LoadedSample> loaded;
-        std::vector<LlmSample> samples;
-        std::vector<const std::vector<float>*> pixels;
-        for (int64_t index : mb.samples) {
-          const int64_t id = step_plan.samples[index].id;
-          HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, batches->Record(id));
-          HETPAR_ASSIGN_OR_RETURN(data::LoadedSample sample,
-                                  batches->loader().Load(record->ordinal));
-          loaded.push_back(std::move(sample));
-        }
-        for (const auto& sample : loaded) {
-          samples.push_back(LlmSampleOf(sample, tokens_per_image));
-          for (const auto& image : sample.images) pixels.push_back(&image);
-          tokens += sample.tokens.length();
-        }
-        images += static_cast<int64_t>(pixels.size());
-        at::Tensor image_rows;
-        auto t0 = Clock::now();
-        if (!pixels.empty()) {
-          HETPAR_ASSIGN_OR_RETURN(at::Tensor pixels_tensor,
-                                  train::ImagesTensor(pixels, em.channels(), em.image_size(),
-                                                      vision->parameters().dtype()));
-          HETPAR_ASSIGN_OR_RETURN(image_rows, vision->Forward(pixels_tensor));
-        }
-        auto t1 = Clock::now();
-        HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
-                                language->Forward(samples, image_rows, step_plan.n_global));
-        // The image rows are the encoder's output itself: backward runs on into the encoder.
-        HETPAR_RETURN_IF_ERROR(language->Backward(result.loss));
-        auto t2 = Clock::now();
-        encoder_time += t1 - t0;
-        llm_time += t2 - t1;
-        loss_sum += result.loss.item<double>();
-      }
-    }
+    HETPAR_ASSIGN_OR_RETURN(ReferenceStepResult result,
+                            RunReferenceStep(*batches, step_plan, *vision, *language));
     HETPAR_RETURN_IF_ERROR(vision->FinishGradients());
     HETPAR_RETURN_IF_ERROR(language->FinishGradients());
     const train::OwnedSums encoder_grads = train::OwnedGradSums(vision->parameters());
@@ -125,14 +128,14 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
     const double step_time = Seconds(Clock::now() - step_start);
     nlohmann::json line = {
         {"step", step},
-        {"loss", loss_sum},
+        {"loss", result.loss},
         {"grad_norm", grad_norm},
-        {"tokens", tokens},
-        {"images", images},
+        {"tokens", result.tokens},
+        {"images", result.images},
         {"n_global", step_plan.n_global},
         {"step_time_s", step_time},
-        {"encoder", {{"compute_s", Seconds(encoder_time)}, {"bridge_wait_s", 0.0}}},
-        {"llm", {{"compute_s", Seconds(llm_time)}, {"bridge_wait_s", 0.0}}},
+        {"encoder", {{"compute_s", result.encoder_compute_s}, {"bridge_wait_s", 0.0}}},
+        {"llm", {{"compute_s", result.llm_compute_s}, {"bridge_wait_s", 0.0}}},
         {"cursor", cursor.ToString()},
     };
     HETPAR_RETURN_IF_ERROR(run_dir->AppendMetrics(line.dump()));
@@ -140,9 +143,9 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
         (step % spec.run().log_every() == 0 || step + 1 == spec.run().steps())) {
       const double elapsed = Seconds(Clock::now() - run_start);
       const double eta = elapsed / (step + 1) * (spec.run().steps() - step - 1);
-      HETPAR_LOG(INFO) << "step " << step + 1 << "/" << spec.run().steps() << "  loss " << loss_sum
-                       << "  grad_norm " << grad_norm << "  "
-                       << static_cast<int64_t>(tokens / step_time) << " tok/s  ETA "
+      HETPAR_LOG(INFO) << "step " << step + 1 << "/" << spec.run().steps() << "  loss "
+                       << result.loss << "  grad_norm " << grad_norm << "  "
+                       << static_cast<int64_t>(result.tokens / step_time) << " tok/s  ETA "
                        << static_cast<int64_t>(eta) << " s";
     }
   }

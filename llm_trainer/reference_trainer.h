@@ -11,7 +11,12 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/plan/step_plan.h"
+#include "common/train/batch_source.h"
+#include "encoder_service/encoder.h"
 #include "hetpar/v1/run_spec.pb.h"
+#include "llm_trainer/language_model.h"
 
 namespace hetpar::llm {
 
@@ -19,6 +24,21 @@ struct ReferenceOptions {
   std::string out_dir;    // run directory (config.yaml, metrics.jsonl, log/)
   bool progress = false;  // one progress line per step on stderr
 };
+
+struct ReferenceStepResult {
+  double loss = 0;  // sum over microbatches of sum(token losses) / N_global
+  int64_t tokens = 0;
+  int64_t images = 0;
+  double encoder_compute_s = 0;
+  double llm_compute_s = 0;  // includes the encoder backward that the LLM's backward runs into
+};
+
+// Forward and backward of every microbatch of `step_plan` (wave-major, then LLM replica) in one
+// process: gradients accumulate in both models' parameters. Models at tp = 1.
+absl::StatusOr<ReferenceStepResult> RunReferenceStep(const train::BatchSource& batches,
+                                                     const plan::StepPlan& step_plan,
+                                                     encoder::VisionEncoder& vision,
+                                                     LanguageModel& language);
 
 // Trains spec.run().steps() steps and writes the run directory. `spec` has defaults applied.
 absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options);

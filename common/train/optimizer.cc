@@ -41,6 +41,28 @@ OwnedSums OwnedParamSums(const nn::ParameterSet& params) {
   return sums;
 }
 
+absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group) {
+  if (group.size() == 1) return absl::OkStatus();
+  std::vector<at::Tensor> flat;
+  for (const auto& p : params.parameters()) {
+    at::Tensor& grad = p.tensor.mutable_grad();
+    if (!grad.defined()) grad = at::zeros_like(p.tensor);
+    flat.push_back(grad.reshape({-1}));
+  }
+  if (flat.empty()) return absl::OkStatus();
+  at::Tensor buffer = at::cat(flat);
+  absl::Status status = group.AllReduce(buffer);
+  if (!status.ok()) return status;
+  int64_t offset = 0;
+  for (const auto& p : params.parameters()) {
+    at::Tensor& grad = p.tensor.mutable_grad();
+    const int64_t n = grad.numel();
+    grad.copy_(buffer.narrow(0, offset, n).view_as(grad));
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
 double ClipCoefficient(double total_norm, double max_norm) {
   if (max_norm <= 0) return 1.0;
   const double coefficient = max_norm / (total_norm + 1e-6);

@@ -34,6 +34,10 @@ OwnedSums OwnedGradSums(const nn::ParameterSet& params);
 // Of the parameter values.
 OwnedSums OwnedParamSums(const nn::ParameterSet& params);
 
+// Sums every parameter's gradient over `group` (the module's DP group), in one flat all-reduce.
+// A parameter without a gradient contributes zeros and gets the sum. No-op for a group of one.
+absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group);
+
 // The factor gradients are scaled by: max_norm / (norm + 1e-6) when that is below 1, else 1
 // (and 1 when max_norm is 0, clipping off).
 double ClipCoefficient(double total_norm, double max_norm);

@@ -1,0 +1,114 @@
+#include "encoder_service/encoder_runtime.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "common/train/batch.h"
+#include "common/train/optimizer.h"
+
+namespace hetpar::encoder {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+struct LiveJob {
+  const plan::EncoderJob* job;
+  at::Tensor output;
+  train::PendingSends sends;
+};
+
+}  // namespace
+
+absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStep(const plan::RankStepPlan& plan) {
+  EncoderStepStats stats;
+  const auto& em = model_->model();
+  const int64_t bytes_sent0 = boundary_->bytes_sent();
+  const int64_t bytes_received0 = boundary_->bytes_received();
+  // Decoded samples of this step, by batch index (a sample's images may span jobs).
+  std::map<int64_t, data::LoadedSample> loaded;
+  std::deque<LiveJob> live;
+
+  auto backward_oldest = [&]() -> absl::Status {
+    LiveJob job = std::move(live.front());
+    live.pop_front();
+    auto t0 = Clock::now();
+    at::Tensor grad = at::zeros_like(job.output);
+    HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, job.job->wave, grad));
+    stats.bridge_wait_s += Since(t0);
+    t0 = Clock::now();
+    HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
+    stats.collective_s += Since(t0);
+    t0 = Clock::now();
+    HETPAR_RETURN_IF_ERROR(model_->Backward(job.output, grad));
+    stats.compute_s += Since(t0);
+    t0 = Clock::now();
+    HETPAR_RETURN_IF_ERROR(job.sends.Wait(absl::Now() + options_.timeout));
+    stats.bridge_wait_s += Since(t0);
+    return absl::OkStatus();
+  };
+
+  for (const plan::EncoderJob& job : plan.encoder_jobs) {
+    std::vector<const std::vector<float>*> pixels;
+    for (const plan::ImageRef& ref : job.images) {
+      auto it = loaded.find(ref.sample);
+      if (it == loaded.end()) {
+        const plan::SampleDescriptor* sample = plan.Sample(ref.sample);
+        if (sample == nullptr) {
+          return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
+                                                  " has no descriptor of batch sample ",
+                                                  ref.sample));
+        }
+        HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
+        HETPAR_ASSIGN_OR_RETURN(data::LoadedSample decoded, data_->loader().Load(record->ordinal));
+        it = loaded.emplace(ref.sample, std::move(decoded)).first;
+      }
+      if (ref.image < 0 || ref.image >= static_cast<int64_t>(it->second.images.size())) {
+        return absl::InternalError(absl::StrCat("sample ", it->second.id, " has ",
+                                                it->second.images.size(),
+                                                " images; the plan asks for image ", ref.image));
+      }
+      pixels.push_back(&it->second.images[ref.image]);
+    }
+    auto t0 = Clock::now();
+    HETPAR_ASSIGN_OR_RETURN(
+        at::Tensor images,
+        train::ImagesTensor(pixels, em.channels(), em.image_size(), model_->parameters().dtype()));
+    HETPAR_ASSIGN_OR_RETURN(at::Tensor output, model_->Forward(images));
+    stats.compute_s += Since(t0);
+    if (output.size(0) != job.rows) {
+      return absl::InternalError(absl::StrCat("encoder job of wave ", job.wave, " produced ",
+                                              output.size(0), " rows; the plan expects ",
+                                              job.rows));
+    }
+    at::Tensor rows = output.detach().contiguous();
+    HETPAR_ASSIGN_OR_RETURN(train::PendingSends sends,
+                            boundary_->SendForward(plan, job.wave, rows));
+    live.push_back({&job, output, std::move(sends)});
+    ++stats.jobs;
+    stats.images += static_cast<int64_t>(job.images.size());
+    if (static_cast<int64_t>(live.size()) >= options_.max_inflight) {
+      HETPAR_RETURN_IF_ERROR(backward_oldest());
+    }
+  }
+  while (!live.empty()) HETPAR_RETURN_IF_ERROR(backward_oldest());
+
+  auto t0 = Clock::now();
+  HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
+  HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
+  stats.collective_s += Since(t0);
+  stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
+  stats.bytes_received = boundary_->bytes_received() - bytes_received0;
+  return stats;
+}
+
+}  // namespace hetpar::encoder

@@ -1,0 +1,150 @@
+#include "llm_trainer/llm_runtime.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/plan/sequence_sharding.h"
+#include "common/status.h"
+#include "common/train/optimizer.h"
+#include "llm_trainer/llm_inputs.h"
+
+namespace hetpar::llm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Indices, in the microbatch's full image-row order (sample by sample, image by image), of the
+// rows in this rank's image-row buffer: under sequence parallelism the rows whose sequence
+// positions the rank owns (plan/sequence_sharding.h), otherwise all of them.
+absl::StatusOr<std::vector<int64_t>> BufferRows(const plan::RankStepPlan& plan,
+                                                const plan::LlmMicrobatch& mb,
+                                                const plan::SequenceSharding& sharding,
+                                                int64_t tp_rank) {
+  std::vector<int64_t> rows;
+  int64_t full = 0;
+  for (int64_t index : mb.samples) {
+    const plan::SampleDescriptor* sample = plan.Sample(index);
+    if (sample == nullptr) {
+      return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
+                                              " has no descriptor of batch sample ", index));
+    }
+    for (int64_t start : sample->image_starts) {
+      for (int64_t r = 0; r < sample->tokens_per_image; ++r, ++full) {
+        const auto& segment = sharding.segments()[sharding.SegmentOf(start + r)];
+        if (segment.cp_rank == 0 && (segment.tp_rank < 0 || segment.tp_rank == tp_rank)) {
+          rows.push_back(full);
+        }
+      }
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
+  LlmStepStats stats;
+  if (plan.llm_coords.cp != 0 || plan.llm_coords.pp != 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "LLM rank ", plan.rank, " is at cp ", plan.llm_coords.cp, ", pp ", plan.llm_coords.pp,
+        ": the LLM runs without context and pipeline parallelism in this version (cp = pp = 1)"));
+  }
+  const bool sequence_parallel = model_->options().sequence_parallel && tp_->size() > 1;
+  HETPAR_ASSIGN_OR_RETURN(
+      plan::SequenceSharding sharding,
+      plan::SequenceSharding::Create(plan.seq_len, 1, tp_->size(), sequence_parallel));
+  const int64_t hidden = model_->model().hidden();
+  const int64_t bytes_sent0 = boundary_->bytes_sent();
+  const int64_t bytes_received0 = boundary_->bytes_received();
+  std::vector<train::PendingSends> sends;
+  const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
+
+  for (const plan::LlmMicrobatch& mb : plan.microbatches) {
+    const int64_t wave = mb.wave;
+    std::vector<LlmSample> samples;
+    for (int64_t index : mb.samples) {
+      const plan::SampleDescriptor* sample = plan.Sample(index);
+      if (sample == nullptr) {
+        return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
+                                                " has no descriptor of batch sample ", index));
+      }
+      HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
+      data::LoadedSample loaded;
+      loaded.id = record->id;
+      HETPAR_ASSIGN_OR_RETURN(loaded.tokens, data_->loader().Tokenize(record->ordinal));
+      samples.push_back(LlmSampleOf(loaded, record->tokens_per_image));
+      stats.tokens += loaded.tokens.length();
+      stats.images += loaded.tokens.images();
+    }
+    // This rank's buffer rows, as indices into the microbatch's full image rows.
+    HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
+                            BufferRows(plan, mb, sharding, plan.llm_coords.tp));
+    const int64_t buffer_rows =
+        wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[wave] : 0;
+    if (static_cast<int64_t>(owned.size()) != buffer_rows) {
+      return absl::InternalError(absl::StrCat("wave ", wave, ": the plan gives rank ", plan.rank,
+                                              " ", buffer_rows,
+                                              " image rows; its sequence shard "
+                                              "holds ",
+                                              owned.size()));
+    }
+    const at::Tensor owned_index = at::tensor(owned, at::kLong);
+    at::Tensor image_rows;
+    if (mb.image_rows > 0) {
+      at::Tensor buffer = at::zeros({buffer_rows, hidden}, row_options);
+      auto t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
+      stats.bridge_wait_s += Since(t0);
+      // Every TP rank needs all rows: place ours, zeros elsewhere, and sum over the group.
+      at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
+      if (buffer_rows > 0) full.index_copy_(0, owned_index, buffer);
+      t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));
+      stats.collective_s += Since(t0);
+      image_rows = full.requires_grad_(true);
+    }
+    auto t0 = Clock::now();
+    HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
+                            model_->Forward(samples, image_rows, plan.n_global));
+    HETPAR_RETURN_IF_ERROR(model_->Backward(result.loss));
+    stats.compute_s += Since(t0);
+    const double loss = result.loss.item<double>();
+    stats.loss += loss;
+    stats.loss_tokens += result.loss_tokens;
+    if (mb.image_rows > 0) {
+      at::Tensor grad = image_rows.grad();
+      if (!grad.defined()) grad = at::zeros_like(image_rows);
+      if (model_->image_rows_grad_is_partial()) {
+        t0 = Clock::now();
+        HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
+        stats.collective_s += Since(t0);
+      }
+      grad = grad.index_select(0, owned_index).contiguous();
+      HETPAR_ASSIGN_OR_RETURN(train::PendingSends pending,
+                              boundary_->SendBackward(plan, wave, grad));
+      sends.push_back(std::move(pending));
+    }
+  }
+  auto t0 = Clock::now();
+  for (auto& pending : sends) {
+    HETPAR_RETURN_IF_ERROR(pending.Wait(absl::Now() + options_.timeout));
+  }
+  stats.bridge_wait_s += Since(t0);
+  t0 = Clock::now();
+  HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
+  HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
+  stats.collective_s += Since(t0);
+  stats.loss_sum = stats.loss * static_cast<double>(plan.n_global);
+  stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
+  stats.bytes_received = boundary_->bytes_received() - bytes_received0;
+  return stats;
+}
+
+}  // namespace hetpar::llm

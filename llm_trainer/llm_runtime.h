@@ -1,0 +1,68 @@
+// The LLM role's step: for each wave in order, receive the microbatch's image rows from the
+// encoder ranks, share them inside the TP group, run forward and backward, and send the
+// gradient of every received row back to the encoder rank that sent it.
+//
+// Image rows: the rank's per-wave buffer holds its microbatch's image rows in sample and image
+// order (plan/boundary_plan.h). Each block lands on one TP rank; a TP all-reduce of the buffer
+// (zeros where another rank landed) gives every TP rank all rows (the plan's LLM share step).
+// The buffer is an autograd leaf; its gradient is the same on every TP rank after the model's
+// input all-reduce, or partial per rank under sequence parallelism, where a TP all-reduce
+// completes it before the lander sends its rows back.
+//
+// Loss: each microbatch contributes sum(token losses) / N_global; the step's token-loss sum and
+// loss-token count are reported so the coordinator can form the global batch's loss. After the
+// last wave the parameter gradients are summed over the DP group.
+#ifndef HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
+#define HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
+
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/nn/communicator.h"
+#include "common/plan/step_plan.h"
+#include "common/train/batch_source.h"
+#include "common/train/boundary.h"
+#include "llm_trainer/language_model.h"
+
+namespace hetpar::llm {
+
+struct LlmStepStats {
+  double loss = 0;          // sum over this replica's microbatches of sum(token losses)/N_global
+  double loss_sum = 0;      // the same times N_global: the replica's summed token losses
+  int64_t loss_tokens = 0;  // loss tokens of this replica's microbatches
+  int64_t tokens = 0;       // sequence positions of this replica's microbatches
+  int64_t images = 0;
+  double compute_s = 0;      // forward and backward
+  double bridge_wait_s = 0;  // waiting for image rows and for gradient sends to complete
+  double collective_s = 0;   // TP share of image rows and gradients, DP gradient sum
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+};
+
+struct LlmRuntimeOptions {
+  absl::Duration timeout = absl::Seconds(120);  // bound of every boundary wait
+};
+
+// Borrows everything; one thread calls RunStep.
+class LlmRuntime {
+ public:
+  LlmRuntime(LanguageModel* model, nn::Communicator* tp, nn::Communicator* dp,
+             const train::BatchSource* data, train::BoundaryCommunicator* boundary,
+             const LlmRuntimeOptions& options)
+      : model_(model), tp_(tp), dp_(dp), data_(data), boundary_(boundary), options_(options) {}
+
+  absl::StatusOr<LlmStepStats> RunStep(const plan::RankStepPlan& plan);
+
+ private:
+  LanguageModel* model_;
+  nn::Communicator* tp_;
+  nn::Communicator* dp_;
+  const train::BatchSource* data_;
+  train::BoundaryCommunicator* boundary_;
+  LlmRuntimeOptions options_;
+};
+
+}  // namespace hetpar::llm
+
+#endif  // HETPAR_LLM_TRAINER_LLM_RUNTIME_H_

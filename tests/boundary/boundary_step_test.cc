@@ -1,0 +1,229 @@
+// One training step of a non-colocated layout, ranks as threads: encoder ranks encode their
+// jobs and send blocks over the in-process transport, LLM ranks receive, train and send the
+// gradients back, both modules sum over DP. Every rank's parameter gradient must equal the
+// matching slice of the single-process reference gradient (float64, relative 1e-10), for DP
+// ratios that divide and that do not, TP on either side, and batches mixing 0 to 3 images.
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/config/config.h"
+#include "common/nn/communicator.h"
+#include "common/plan/layout.h"
+#include "common/plan/step_plan.h"
+#include "common/train/batch_source.h"
+#include "common/train/boundary.h"
+#include "common/transport/inproc/inproc_transport.h"
+#include "encoder_service/encoder_runtime.h"
+#include "gtest/gtest.h"
+#include "llm_trainer/llm_runtime.h"
+#include "llm_trainer/reference_trainer.h"
+
+namespace hetpar {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Case {
+  std::string name;
+  int64_t enc_dp, enc_tp, llm_dp, llm_tp;
+  bool sequence_parallel = false;
+};
+
+std::string DataDir() {
+  static const std::string dir =
+      (fs::temp_directory_path() / ("hetpar_boundary_step_" + std::to_string(::getpid()))).string();
+  return dir;
+}
+
+hetpar::v1::RunSpec MakeSpec(const Case& c) {
+  const std::string yaml =
+      absl::StrCat(R"(
+run: {name: t, steps: 1, global_batch: 12, micro_batch: )",
+                   12 / (c.llm_dp * 3), R"(, dtype: float64, seed: 5}
+encoder:
+  model: {image_size: 16, patch: 8, hidden: 16, layers: 1, heads: 2, mlp: 32, out_hidden: 32}
+  layout: {dp: )",
+                   c.enc_dp, ", tp: ", c.enc_tp, R"(}
+llm:
+  model: {hidden: 32, layers: 1, heads: 4, kv_heads: 2, ffn: 64, vocab: 256, seq_len: 128}
+  layout: {dp: )",
+                   c.llm_dp, ", tp: ", c.llm_tp,
+                   ", sequence_parallel: ", c.sequence_parallel ? "true" : "false", R"(}
+data:
+  manifest: )",
+                   DataDir(), R"(/train.jsonl
+  val_manifest: )",
+                   DataDir(), R"(/val.jsonl
+  tokenizer: )",
+                   DataDir(), R"(/tokenizer.model
+  synth: {samples: 48, val_samples: 4, seed: 3}
+)");
+  auto loaded = config::LoadRunSpecFromString(yaml, "boundary_step_test.yaml", {});
+  EXPECT_TRUE(loaded.ok()) << loaded.status();
+  return loaded->spec;
+}
+
+// The largest relative difference of `local` against its slice of `full`.
+double SliceError(const nn::NamedParameter& p, const at::Tensor& full) {
+  at::Tensor expected =
+      p.slice.split_dim < 0 ? full : full.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
+  at::Tensor got = p.tensor.grad().defined() ? p.tensor.grad() : at::zeros_like(p.tensor);
+  const double scale = std::max(expected.abs().max().item<double>(), 1e-30);
+  return (got - expected).abs().max().item<double>() / scale;
+}
+
+class BoundaryStepTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
+  const Case c = GetParam();
+  const hetpar::v1::RunSpec spec = MakeSpec(c);
+  auto batches = train::BatchSource::Create(spec);
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  auto placement = plan::PlacementFromRunSpec(spec);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  auto batch = (*batches)->Take({}, spec.run().global_batch());
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  int images_per_count[4] = {0, 0, 0, 0};
+  for (const auto& s : batch->samples) ++images_per_count[std::min<int64_t>(3, s.image_count())];
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(options.ok());
+  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
+  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+
+  // The reference gradients (tp = 1, one process).
+  auto single = nn::Communicator::CreateSingle();
+  auto enc_options = encoder::EncoderOptionsFromSpec(spec);
+  auto llm_options = llm::LlmOptionsFromSpec(spec);
+  ASSERT_TRUE(enc_options.ok() && llm_options.ok());
+  enc_options->sequence_parallel = false;
+  llm_options->sequence_parallel = false;
+  auto ref_enc = encoder::VisionEncoder::Create(spec.encoder().model(), *enc_options, *single);
+  auto ref_llm = llm::LanguageModel::Create(spec.llm().model(), *llm_options, *single);
+  ASSERT_TRUE(ref_enc.ok() && ref_llm.ok());
+  auto ref = llm::RunReferenceStep(**batches, *step_plan, **ref_enc, **ref_llm);
+  ASSERT_TRUE(ref.ok()) << ref.status();
+  std::map<std::string, at::Tensor> ref_grads;
+  for (const auto& p : (*ref_enc)->parameters().parameters()) ref_grads[p.name] = p.tensor.grad();
+  for (const auto& p : (*ref_llm)->parameters().parameters()) ref_grads[p.name] = p.tensor.grad();
+
+  // The distributed step, one thread per world rank.
+  const plan::Placement& pl = *placement;
+  const int64_t world = pl.world_size;
+  auto store = nn::OpenHashStore();
+  std::vector<std::unique_ptr<transport::Transport>> transports(world);
+  for (int64_t r = 0; r < world; ++r) {
+    auto t = transport::inproc::InprocTransport::Create({absl::StrCat("rank ", r)});
+    ASSERT_TRUE(t.ok()) << t.status();
+    transports[r] = std::move(t).value();
+  }
+  std::mutex mu;
+  std::vector<std::string> failures;
+  double worst_error = 0;
+  double llm_loss = 0;
+  std::vector<std::thread> threads;
+  for (int64_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto fail = [&](const std::string& what) {
+        std::lock_guard<std::mutex> lock(mu);
+        failures.push_back(absl::StrCat("rank ", r, ": ", what));
+      };
+      auto rank_plan = plan::ExtractRankPlan(*step_plan, r);
+      if (!rank_plan.ok()) return fail(std::string(rank_plan.status().message()));
+      const bool is_encoder = rank_plan->encoder_role;
+      const plan::Layout& layout = is_encoder ? pl.encoder : pl.llm;
+      const plan::RankCoords coords =
+          is_encoder ? rank_plan->encoder_coords : rank_plan->llm_coords;
+      const std::string module = is_encoder ? "enc" : "llm";
+      nn::CommunicatorOptions tp_options;
+      tp_options.prefix = absl::StrCat(module, "/dp", coords.dp, "/tp");
+      tp_options.rank = static_cast<int>(coords.tp);
+      tp_options.size = static_cast<int>(layout.tp);
+      nn::CommunicatorOptions dp_options;
+      dp_options.prefix = absl::StrCat(module, "/tp", coords.tp, "/dp");
+      dp_options.rank = static_cast<int>(coords.dp);
+      dp_options.size = static_cast<int>(layout.dp);
+      auto tp =
+          tp_options.size > 1
+              ? nn::Communicator::Create(store, tp_options)
+              : absl::StatusOr<std::unique_ptr<nn::Communicator>>(nn::Communicator::CreateSingle());
+      auto dp =
+          dp_options.size > 1
+              ? nn::Communicator::Create(store, dp_options)
+              : absl::StatusOr<std::unique_ptr<nn::Communicator>>(nn::Communicator::CreateSingle());
+      if (!tp.ok() || !dp.ok()) return fail("process groups");
+      // Connect to every rank on the other side of the boundary.
+      std::map<int64_t, transport::PeerId> peers;
+      for (int64_t other = 0; other < world; ++other) {
+        const bool other_encoder = other < pl.encoder.end_rank();
+        if (other == r || other_encoder == is_encoder) continue;
+        auto peer = transports[r]->Connect(transports[other]->LocalAddress(),
+                                           absl::Now() + absl::Seconds(30));
+        if (!peer.ok()) return fail(std::string(peer.status().message()));
+        peers[other] = *peer;
+      }
+      train::BoundaryCommunicator boundary(transports[r].get(), peers, absl::Seconds(60));
+      const nn::ParameterSet* params = nullptr;
+      std::unique_ptr<encoder::VisionEncoder> enc;
+      std::unique_ptr<llm::LanguageModel> lm;
+      if (is_encoder) {
+        auto model = encoder::VisionEncoder::Create(spec.encoder().model(), *enc_options, **tp);
+        if (!model.ok()) return fail(std::string(model.status().message()));
+        enc = std::move(model).value();
+        encoder::EncoderRuntime runtime(enc.get(), tp->get(), dp->get(), batches->get(), &boundary,
+                                        {spec.run().max_inflight(), absl::Seconds(60)});
+        auto stats = runtime.RunStep(*rank_plan);
+        if (!stats.ok()) return fail(std::string(stats.status().message()));
+        params = &enc->parameters();
+      } else {
+        auto options = *llm_options;
+        options.sequence_parallel = c.sequence_parallel;
+        auto model = llm::LanguageModel::Create(spec.llm().model(), options, **tp);
+        if (!model.ok()) return fail(std::string(model.status().message()));
+        lm = std::move(model).value();
+        llm::LlmRuntime runtime(lm.get(), tp->get(), dp->get(), batches->get(), &boundary,
+                                {absl::Seconds(60)});
+        auto stats = runtime.RunStep(*rank_plan);
+        if (!stats.ok()) return fail(std::string(stats.status().message()));
+        if (coords.tp == 0) {
+          std::lock_guard<std::mutex> lock(mu);
+          llm_loss += stats->loss;
+        }
+        params = &lm->parameters();
+      }
+      for (const auto& p : params->parameters()) {
+        const double error = SliceError(p, ref_grads.at(p.name));
+        std::lock_guard<std::mutex> lock(mu);
+        worst_error = std::max(worst_error, error);
+        if (error > 1e-10)
+          failures.push_back(absl::StrCat("rank ", r, " ", p.name, " error ", error));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_TRUE(failures.empty()) << absl::StrJoin(failures, "\n");
+  EXPECT_NEAR(llm_loss, ref->loss, 1e-12 * std::abs(ref->loss));
+  EXPECT_GT(images_per_count[0] + images_per_count[1], 0);
+  RecordProperty("worst_relative_gradient_error", std::to_string(worst_error));
+  std::printf("%s: worst relative gradient error %.3e over %lld ranks\n", c.name.c_str(),
+              worst_error, static_cast<long long>(world));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, BoundaryStepTest,
+                         ::testing::Values(Case{"enc_dp2_tp1_to_llm_dp1_tp2", 2, 1, 1, 2},
+                                           Case{"enc_dp3_tp1_to_llm_dp2_tp1", 3, 1, 2, 1},
+                                           Case{"enc_dp1_tp2_to_llm_dp2_tp2", 1, 2, 2, 2},
+                                           Case{"enc_dp2_tp1_to_llm_dp1_tp2_sp", 2, 1, 1, 2, true}),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace hetpar
