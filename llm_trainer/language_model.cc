@@ -73,6 +73,51 @@ SpliceMap MapSplice(const std::vector<LlmSample>& samples, int tp_rank, int tp_s
 
 }  // namespace
 
+absl::StatusOr<at::Tensor> VocabParallelArgmax(const at::Tensor& local_logits, int64_t vocab_begin,
+                                               const nn::CommGroup& tp) {
+  if (!local_logits.defined() || local_logits.dim() != 2 || local_logits.size(1) < 1) {
+    return absl::InvalidArgumentError(
+        "vocab-parallel argmax: expected this rank's logits as [rows, vocab slice >= 1]");
+  }
+  HETPAR_ASSIGN_OR_RETURN(
+      at::Tensor winner,
+      nn::RunTorchOr(
+          absl::StrCat("vocab-parallel argmax on TP rank ", tp.rank(), " of ", tp.size()),
+          [&]() -> at::Tensor {
+            at::NoGradGuard no_grad;
+            const at::Tensor logits = local_logits.to(at::kDouble);
+            // The local maximum and the smallest local column reaching it (an explicit
+            // minimum, not at::max's index, so that ties are resolved by rule).
+            const at::Tensor local_max = std::get<0>(logits.max(1));
+            const at::Tensor columns =
+                at::arange(logits.size(1), logits.options()).add(vocab_begin);
+            const at::Tensor first =
+                at::where(logits.eq(local_max.unsqueeze(1)), columns.unsqueeze(0), INFINITY)
+                    .amin(1);
+            at::Tensor global_max = local_max.clone();
+            tp.AllReduce(global_max, nn::ReduceOp::kMax);
+            // The smallest id among the ranks holding the global maximum, as the
+            // maximum of negated ids; a NaN row votes +1, which beats every id.
+            at::Tensor vote = at::where(local_max.eq(global_max), first.neg(), -INFINITY);
+            vote = at::where(local_max.isnan(), at::full_like(vote, 1.0), vote);
+            tp.AllReduce(vote, nn::ReduceOp::kMax);
+            return vote;
+          }));
+  const double* vote = winner.data_ptr<double>();
+  for (int64_t row = 0; row < winner.size(0); ++row) {
+    if (vote[row] > 0) {
+      return absl::InvalidArgumentError(absl::StrCat("vocab-parallel argmax: row ", row,
+                                                     " has a NaN logit on some TP rank; its "
+                                                     "argmax is undefined"));
+    }
+    if (!std::isfinite(vote[row])) {
+      return absl::InternalError(
+          absl::StrCat("vocab-parallel argmax: no TP rank holds the maximum of row ", row));
+    }
+  }
+  return winner.neg().to(at::kLong);
+}
+
 std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, int tp_rank,
                                          int tp_size, bool sequence_parallel) {
   return MapSplice(samples, tp_rank, tp_size, sequence_parallel).sources;
@@ -261,6 +306,33 @@ absl::StatusOr<LlmForwardResult> LanguageModel::Forward(const std::vector<LlmSam
 LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& samples,
                                                  const at::Tensor& image_rows, int64_t n_global) {
   const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
+  std::vector<int64_t> loss_rows, loss_labels;
+  int64_t rows = 0;
+  for (const LlmSample& sample : samples) {
+    const int64_t length = static_cast<int64_t>(sample.tokens.size());
+    for (int64_t i = 0; i < length; ++i) {
+      if (sample.loss_mask[i]) {
+        loss_rows.push_back(rows + i);
+        loss_labels.push_back(sample.labels[i]);
+      }
+    }
+    rows += length;
+  }
+  at::Tensor h = FinalHidden(samples, image_rows);
+  at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
+  at::Tensor logits = nn::ColumnParallelLinear(selected, output_, at::Tensor());
+  at::Tensor token_loss =
+      nn::VocabParallelCrossEntropy(logits, at::tensor(loss_labels, i64), vocab_begin, tp_.group);
+  LlmForwardResult result;
+  result.loss = token_loss.sum().div(static_cast<double>(n_global));
+  result.loss_tokens = static_cast<int64_t>(loss_rows.size());
+  return result;
+}
+
+at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
+                                      const at::Tensor& image_rows) {
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
   const at::ScalarType dtype = options_.dtype;
   const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
   const int64_t hidden = model_.hidden();
@@ -272,7 +344,7 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
 
   // Pack the samples: row r of the sequence is (sample, position).
-  std::vector<int64_t> starts, ids, positions, loss_rows, loss_labels;
+  std::vector<int64_t> starts, ids, positions;
   int64_t rows = 0;
   for (const LlmSample& sample : samples) {
     starts.push_back(rows);
@@ -280,10 +352,6 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
     for (int64_t i = 0; i < length; ++i) {
       ids.push_back(sample.tokens[i]);
       positions.push_back(i);
-      if (sample.loss_mask[i]) {
-        loss_rows.push_back(rows + i);
-        loss_labels.push_back(sample.labels[i]);
-      }
     }
     rows += length;
   }
@@ -341,15 +409,33 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
     x = x + nn::RowParallelLinear(inner, layer.down, at::Tensor(), tp_);
   }
 
-  at::Tensor h = nn::EnterTensorParallel(nn::RmsNorm(x, norm_, model_.norm_eps()), rows, tp_);
-  at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
-  at::Tensor logits = nn::ColumnParallelLinear(selected, output_, at::Tensor());
-  at::Tensor token_loss =
-      nn::VocabParallelCrossEntropy(logits, at::tensor(loss_labels, i64), vocab_begin, tp_.group);
-  LlmForwardResult result;
-  result.loss = token_loss.sum().div(static_cast<double>(n_global));
-  result.loss_tokens = static_cast<int64_t>(loss_rows.size());
-  return result;
+  return nn::EnterTensorParallel(nn::RmsNorm(x, norm_, model_.norm_eps()), rows, tp_);
+}
+
+absl::StatusOr<at::Tensor> LanguageModel::LocalLogits(const std::vector<LlmSample>& samples,
+                                                      const at::Tensor& image_rows) {
+  HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, /*n_global=*/1));
+  return nn::RunTorchOr(
+      absl::StrCat("llm logits on TP rank ", tp_.rank(), " of ", tp_.size()), [&] {
+        at::NoGradGuard no_grad;
+        return nn::ColumnParallelLinear(FinalHidden(samples, image_rows), output_, at::Tensor());
+      });
+}
+
+absl::StatusOr<std::vector<std::vector<int32_t>>> LanguageModel::Predict(
+    const std::vector<LlmSample>& samples, const at::Tensor& image_rows) {
+  HETPAR_ASSIGN_OR_RETURN(at::Tensor logits, LocalLogits(samples, image_rows));
+  const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
+  HETPAR_ASSIGN_OR_RETURN(at::Tensor ids, VocabParallelArgmax(logits, vocab_begin, *tp_.group));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<std::vector<int32_t>> out;
+  out.reserve(samples.size());
+  for (const LlmSample& sample : samples) {
+    const size_t length = sample.tokens.size();
+    out.emplace_back(id, id + length);
+    id += length;
+  }
+  return out;
 }
 
 absl::Status LanguageModel::Backward(const at::Tensor& loss) {

@@ -96,6 +96,15 @@ struct LlmForwardResult {
   int64_t loss_tokens = 0;  // loss tokens of this microbatch
 };
 
+// The argmax over the vocabulary of logits split by vocabulary over `tp`: `local_logits` is this
+// rank's [rows, vocab / tp] slice, whose column j is token `vocab_begin + j`. Returns the global
+// token id of each row's largest logit (int64 [rows]), the same on every rank; of equal maxima
+// the smallest id wins, as in an argmax of the full logits. Only [rows] values cross the group
+// (an all-reduce of the row maxima, then one of the winning ids). A row with a NaN logit on any
+// rank has no maximum: InvalidArgument naming the row. Every rank of `tp` must call it.
+absl::StatusOr<at::Tensor> VocabParallelArgmax(const at::Tensor& local_logits, int64_t vocab_begin,
+                                               const nn::CommGroup& tp);
+
 class LanguageModel {
  public:
   // Builds and initialises this rank's part of the model over the TP group `tp` (the model keeps
@@ -122,6 +131,18 @@ class LanguageModel {
   // parallelism leaves partial (the norm scales). No-op without SP.
   absl::Status FinishGradients();
 
+  // This rank's vocabulary slice of the logits at every position of the packed samples, without
+  // autograd: [sum of sample lengths, vocab / tp], column j is token vocab / tp * rank + j.
+  // Inputs and errors as for Forward (labels and the loss mask are not used).
+  absl::StatusOr<at::Tensor> LocalLogits(const std::vector<LlmSample>& samples,
+                                         const at::Tensor& image_rows);
+
+  // The predicted token id (the argmax of the logits) at every position of every sample, without
+  // autograd. Computed vocab-parallel (VocabParallelArgmax): no rank holds full-vocabulary
+  // logits, every TP rank returns the same ids, and ties go to the smallest id, as a tp=1 argmax.
+  absl::StatusOr<std::vector<std::vector<int32_t>>> Predict(const std::vector<LlmSample>& samples,
+                                                            const at::Tensor& image_rows);
+
   // True when each TP rank's gradient of the image rows covers only its sequence shard.
   bool image_rows_grad_is_partial() const { return tp_.sharded(); }
 
@@ -142,6 +163,8 @@ class LanguageModel {
                         int64_t n_global) const;
   LlmForwardResult ForwardUnchecked(const std::vector<LlmSample>& samples,
                                     const at::Tensor& image_rows, int64_t n_global);
+  // The final-norm activations of every packed row, [rows, hidden], on every TP rank.
+  at::Tensor FinalHidden(const std::vector<LlmSample>& samples, const at::Tensor& image_rows);
 
   hetpar::v1::LlmModel model_;
   LlmOptions options_;
