@@ -13,6 +13,8 @@ packages=(
   libucx-dev ucx-utils
   # models and collectives
   libtorch-dev libgloo-dev
+  # parameter export checksums (crc32)
+  zlib1g-dev
   # configuration, CLI, formats
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
   # data pipeline

@@ -1,0 +1,77 @@
+// Full-model export and import: one file holding a module's full (unsliced) parameters, written
+// from any TP size and loaded into any other.
+//
+//   HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(llm->parameters(), *tp, "out/llm.hpar"));
+//   ...                                                    // later, at another TP size
+//   HETPAR_RETURN_IF_ERROR(nn::LoadFullParameters(llm->parameters(), "out/llm.hpar"));
+//
+// The file holds weights only (no gradients, no optimizer state): it is an export of a trained
+// model, not a resumable checkpoint.
+//
+// File layout (version 1). Integers are little-endian; tensor bytes are the host's (this build
+// runs on little-endian machines only), row-major, contiguous.
+//
+//   header, 32 bytes:
+//     [0, 8)    magic "HETPARAM"
+//     [8, 12)   u32 version = 1
+//     [12, 16)  u32 flags = 0
+//     [16, 24)  u64 number of entries
+//     [24, 28)  u32 CRC-32 (zlib's) of bytes [0, 24)
+//     [28, 32)  u32 zero
+//   then one entry per parameter, in the ParameterSet's registration order:
+//     u32 name length (1..65536), the name's bytes
+//     u8 dtype: 1 float32, 2 float64, 3 bfloat16, 4 float16
+//     u8 number of dims (0..16), u16 zero
+//     i64 full size of each dim
+//     u64 data bytes (= elements x element size)
+//     the full tensor's bytes
+//     u32 CRC-32 of every byte of the entry before it
+//   and nothing after the last entry.
+//
+// Writes go to "<path>.tmp-<pid>" in the same directory, are fsynced, renamed over `path`, and
+// the directory is fsynced: a reader sees the old file or the whole new one.
+#ifndef HETPAR_COMMON_NN_EXPORT_H_
+#define HETPAR_COMMON_NN_EXPORT_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/nn/communicator.h"
+#include "common/nn/parameters.h"
+
+namespace hetpar::nn {
+
+// Every rank of `tp` calls it with its own slice of the same ParameterSet. Each full tensor is
+// gathered (GatherFullTensor, one parameter at a time, so rank 0 holds at most one full tensor
+// besides its slices) and TP rank 0 writes `path`, creating missing parent directories. Every
+// rank returns the same outcome: rank 0's write error, or FailedPrecondition on the other ranks
+// naming the path. A failed write leaves any previous file at `path` untouched.
+absl::Status SaveFullParameters(const ParameterSet& params, Communicator& tp,
+                                const std::string& path);
+
+// Reads `path` and copies this rank's slice (split_dim, offset, length of each entry of
+// `params`) of every full tensor into the local tensors, whatever the TP size that saved it. The
+// file's dtype is converted to the model's (bit-exact when they are equal). The file and the
+// model must hold the same parameter names with the same full shapes. Errors name the file and
+// the parameter: NotFound (the file or a parameter missing from it), InvalidArgument (a shape
+// mismatch, a parameter the model lacks, not a parameter file), DataLoss (truncated, a failed
+// checksum, malformed). On any error the parameters are left unchanged. Gradients are untouched.
+absl::Status LoadFullParameters(ParameterSet& params, const std::string& path);
+
+// One entry of a parameter file with its full tensor (checksum verified).
+struct FullParameter {
+  std::string name;
+  at::Tensor tensor;  // full shape, the dtype it was saved in
+};
+
+// Every entry of `path`, in file order; the same errors as LoadFullParameters for the file.
+absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string& path);
+
+}  // namespace hetpar::nn
+
+#endif  // HETPAR_COMMON_NN_EXPORT_H_
