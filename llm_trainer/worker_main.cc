@@ -1,4 +1,6 @@
 // `hetpar-worker`: one process of a hetpar run. The role says which:
+//   encoder     one rank of the encoder pool, driven by the coordinator
+//   llm         one rank of the LLM cluster, driven by the coordinator
 //   reference   both modules in one process at tp = 1, dp = 1 (the parity baseline)
 #include <ATen/Parallel.h>
 
@@ -11,7 +13,9 @@
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "common/version.h"
+#include "coordinator/security.h"
 #include "llm_trainer/reference_trainer.h"
+#include "llm_trainer/worker.h"
 
 namespace {
 
@@ -31,10 +35,27 @@ int main(int argc, char** argv) {
   int64_t steps = 0;
   int threads = 0;
   bool progress = false;
-  app.add_option("--role", role, "What this process runs")
+  std::string coordinator_address = "127.0.0.1:50051";
+  std::string token_file;
+  int64_t rank = -1;
+  std::string host = "127.0.0.1";
+  double timeout_s = 300;
+  app.add_option("--role", role, "What this process runs: encoder, llm or reference")
       ->required()
-      ->check(CLI::IsMember({"reference"}));
-  app.add_option("-c,--config", config_path, "RunSpec YAML file")->required();
+      ->check(CLI::IsMember({"encoder", "llm", "reference"}));
+  app.add_option("-c,--config", config_path, "RunSpec YAML file (reference role)");
+  app.add_option("--coordinator", coordinator_address,
+                 "Coordinator address (encoder and llm roles)")
+      ->capture_default_str();
+  app.add_option("--token-file", token_file,
+                 "File holding the run token (default: the HETPAR_TOKEN environment variable)");
+  app.add_option("--rank", rank, "Rank to take in the role's module (default: the next free one)");
+  app.add_option("--host", host, "Address this worker's data plane and process groups use")
+      ->capture_default_str();
+  app.add_option("--timeout", timeout_s,
+                 "Seconds any wait for peers or the coordinator may last before the worker fails")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--set", overrides, "Override a RunSpec field, e.g. --set run.steps=5");
   app.add_option("--out", out_dir, "Run directory (default: run.out_dir of the config)");
   app.add_option("--steps", steps, "Steps to train (default: run.steps)")
@@ -50,6 +71,34 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kExitInvalidInput;
   }
 
+  at::set_num_threads(
+      threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  if (role == "encoder" || role == "llm") {
+    hetpar::SetLogTag(role);
+    auto token = hetpar::coordinator::ResolveToken(token_file, "");
+    if (!token.ok()) {
+      std::cerr << "hetpar-worker: " << token.status().message() << "\n";
+      return kExitInvalidInput;
+    }
+    hetpar::worker::WorkerOptions options;
+    options.role = role == "encoder" ? hetpar::worker::Role::kEncoder : hetpar::worker::Role::kLlm;
+    options.coordinator = coordinator_address;
+    options.token = token->value;
+    options.requested_rank = rank;
+    options.out_dir = out_dir;
+    options.host = host;
+    options.timeout = absl::Seconds(timeout_s);
+    absl::Status status = hetpar::worker::RunWorker(options);
+    if (!status.ok()) {
+      HETPAR_LOG(ERROR) << role << " worker failed: " << status;
+      return kExitFailure;
+    }
+    return 0;
+  }
+  if (config_path.empty()) {
+    std::cerr << "hetpar-worker: --role reference needs --config FILE\n";
+    return kExitInvalidInput;
+  }
   if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
   auto loaded = hetpar::config::LoadRunSpecFile(config_path, {overrides, true});
   if (!loaded.ok()) {

@@ -1,0 +1,276 @@
+#include "llm_trainer/worker.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/nn/communicator.h"
+#include "common/rendezvous/coordinator_store.h"
+#include "common/status.h"
+#include "common/train/batch_source.h"
+#include "common/train/boundary.h"
+#include "common/train/optimizer.h"
+#include "common/transport/ucx/ucx_transport.h"
+#include "coordinator/client.h"
+#include "coordinator/plan_codec.h"
+#include "encoder_service/encoder.h"
+#include "encoder_service/encoder_runtime.h"
+#include "llm_trainer/language_model.h"
+#include "llm_trainer/llm_runtime.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::worker {
+namespace {
+
+// The module-side state of one worker: its model, groups and optimizer.
+struct ModuleState {
+  std::unique_ptr<nn::Communicator> tp;
+  std::unique_ptr<nn::Communicator> dp;
+  std::unique_ptr<encoder::VisionEncoder> encoder;
+  std::unique_ptr<llm::LanguageModel> llm;
+  std::unique_ptr<train::ModuleOptimizer> optimizer;
+  nn::ParameterSet* params = nullptr;
+};
+
+absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::string& prefix, int64_t rank,
+    int64_t size, absl::Duration timeout, const std::string& host) {
+  if (size == 1) return nn::Communicator::CreateSingle();
+  nn::CommunicatorOptions options;
+  options.prefix = prefix;
+  options.rank = static_cast<int>(rank);
+  options.size = static_cast<int>(size);
+  options.timeout = timeout;
+  options.hostname = host;
+  return nn::Communicator::Create(store, options);
+}
+
+// Waits for the next message that is not a heartbeat ack or an assignment.
+absl::StatusOr<v1::CoordinatorMessage> NextMessage(coordinator::WorkerSession& session,
+                                                   absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("no message from the coordinator within ", absl::FormatDuration(timeout)));
+    }
+    HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, session.Next(left));
+    if (message.has_heartbeat_ack() || message.has_assignment()) continue;
+    return message;
+  }
+}
+
+absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank, bool encoder,
+                              int64_t dp_rank, const nn::ParameterSet& params) {
+  if (out_dir.empty()) return absl::OkStatus();
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir + "/workers", ec);
+  const train::OwnedSums sums = train::OwnedParamSums(params);
+  nlohmann::json j = {{"world_rank", world_rank},
+                      {"module", encoder ? "encoder" : "llm"},
+                      {"dp", dp_rank},
+                      {"sum", sums.sum},
+                      {"square_sum", sums.square_sum}};
+  const std::string path = absl::StrCat(out_dir, "/workers/rank-", world_rank, ".json");
+  std::ofstream out(path);
+  out << j.dump() << "\n";
+  if (!out) return absl::DataLossError(absl::StrCat("cannot write '", path, "'"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status RunWorker(const WorkerOptions& options) {
+  const bool is_encoder = options.role == Role::kEncoder;
+  const std::string role_name = is_encoder ? "encoder" : "llm";
+
+  // 1. Data plane, then registration.
+  transport::ucx::UcxTransport::Options transport_options;
+  transport_options.name = absl::StrCat(role_name, " on ", options.host);
+  HETPAR_ASSIGN_OR_RETURN(auto transport, transport::ucx::UcxTransport::Create(transport_options));
+
+  coordinator::ClientOptions client;
+  client.address = options.coordinator;
+  client.token = options.token;
+  HETPAR_ASSIGN_OR_RETURN(auto connection, coordinator::CoordinatorConnection::Create(client));
+  HETPAR_RETURN_IF_ERROR(connection->WaitForConnected(absl::Seconds(30)));
+  coordinator::WorkerSession::Options session_options;
+  v1::RegisterRequest& request = session_options.registration;
+  request.set_role(is_encoder ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM);
+  request.set_host(options.host);
+  request.set_data_address(transport->LocalAddress());
+  request.add_capabilities("cpu");
+  request.add_capabilities("ucx");
+  if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
+  HETPAR_ASSIGN_OR_RETURN(auto session,
+                          coordinator::WorkerSession::Start(connection, session_options));
+  const v1::RunSpec spec = session->registration().spec();
+
+  // 2. Everyone is here: peers, groups, models.
+  HETPAR_ASSIGN_OR_RETURN(v1::Assignment assignment, session->WaitForRunStart(options.timeout));
+  if (assignment.ranks_size() != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the coordinator assigned ", assignment.ranks_size(), " module ranks to this ",
+                     role_name, " worker; expected 1"));
+  }
+  const v1::RankCoordinates coords = assignment.ranks(0);
+  const int64_t world_rank = assignment.world_rank();
+  SetLogTag(absl::StrCat(is_encoder ? "enc" : "llm", " r", coords.rank(), " dp", coords.dp(), " tp",
+                         coords.tp()));
+  HETPAR_LOG(INFO) << "registered as world rank " << world_rank << ", generation "
+                   << assignment.generation() << ", " << assignment.peers_size()
+                   << " boundary peers";
+
+  std::map<int64_t, transport::PeerId> peers;
+  for (const v1::PeerInfo& peer : assignment.peers()) {
+    HETPAR_ASSIGN_OR_RETURN(transport::PeerId id,
+                            transport->Connect(peer.data_address(), absl::Now() + options.timeout));
+    peers[peer.world_rank()] = id;
+  }
+  train::BoundaryCommunicator boundary(transport.get(), peers, options.timeout);
+
+  HETPAR_ASSIGN_OR_RETURN(auto store, rendezvous::OpenCoordinatorStore(
+                                          connection, assignment.generation(), options.timeout));
+  const auto& layout = is_encoder ? spec.encoder().layout() : spec.llm().layout();
+  ModuleState m;
+  HETPAR_ASSIGN_OR_RETURN(m.tp, Group(store, absl::StrCat(role_name, "/dp", coords.dp(), "/tp"),
+                                      coords.tp(), layout.tp(), options.timeout, options.host));
+  HETPAR_ASSIGN_OR_RETURN(m.dp, Group(store, absl::StrCat(role_name, "/tp", coords.tp(), "/dp"),
+                                      coords.dp(), layout.dp(), options.timeout, options.host));
+  if (is_encoder) {
+    HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions model_options,
+                            encoder::EncoderOptionsFromSpec(spec));
+    HETPAR_ASSIGN_OR_RETURN(
+        m.encoder, encoder::VisionEncoder::Create(spec.encoder().model(), model_options, *m.tp));
+    m.params = &m.encoder->parameters();
+  } else {
+    HETPAR_ASSIGN_OR_RETURN(llm::LlmOptions model_options, llm::LlmOptionsFromSpec(spec));
+    HETPAR_ASSIGN_OR_RETURN(m.llm,
+                            llm::LanguageModel::Create(spec.llm().model(), model_options, *m.tp));
+    m.params = &m.llm->parameters();
+  }
+  HETPAR_ASSIGN_OR_RETURN(
+      m.optimizer, train::ModuleOptimizer::Create(
+                       m.params, is_encoder ? spec.encoder().optimizer() : spec.llm().optimizer()));
+
+  // The data set is opened once the coordinator has planned the first step (it generates a
+  // synthetic data set before that, so workers never race to write it).
+  std::unique_ptr<train::BatchSource> batches;
+  std::optional<encoder::EncoderRuntime> encoder_runtime;
+  std::optional<llm::LlmRuntime> llm_runtime;
+
+  // 3. Steps until the coordinator says stop.
+  while (true) {
+    HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, NextMessage(*session, options.timeout));
+    if (message.has_stop()) {
+      HETPAR_LOG(INFO) << "stop: " << message.stop().reason();
+      break;
+    }
+    if (message.has_abort()) {
+      return absl::AbortedError(
+          absl::StrCat("step ", message.abort().step(),
+                       " aborted by the coordinator: ", message.abort().reason()));
+    }
+    if (message.has_membership_change()) {
+      std::string lost;
+      for (const auto& peer : message.membership_change().lost()) {
+        absl::StrAppend(&lost, lost.empty() ? "" : ", ", peer.worker_id(), " (", peer.host(), ")");
+      }
+      return absl::UnavailableError(
+          absl::StrCat("the run lost ", lost, ": ", message.membership_change().reason()));
+    }
+    if (!message.has_step_plan()) continue;
+    const v1::StepPlan& step_message = message.step_plan();
+    HETPAR_ASSIGN_OR_RETURN(plan::RankStepPlan rank_plan,
+                            coordinator::RankStepPlanFromProto(step_message.rank_plan()));
+    if (batches == nullptr) {
+      HETPAR_ASSIGN_OR_RETURN(batches, train::BatchSource::Create(spec));
+      if (is_encoder) {
+        encoder_runtime.emplace(
+            m.encoder.get(), m.tp.get(), m.dp.get(), batches.get(), &boundary,
+            encoder::EncoderRuntimeOptions{spec.run().max_inflight(), options.timeout});
+      } else {
+        llm_runtime.emplace(m.llm.get(), m.tp.get(), m.dp.get(), batches.get(), &boundary,
+                            llm::LlmRuntimeOptions{options.timeout});
+      }
+    }
+    const int64_t step = step_message.step();
+    v1::StepReport report;
+    report.set_step(step);
+    report.set_generation(step_message.generation());
+    const absl::Time start = absl::Now();
+    absl::Status status;
+    if (is_encoder) {
+      auto stats = encoder_runtime->RunStep(rank_plan);
+      status = stats.status();
+      if (stats.ok()) {
+        auto& t = *report.mutable_timings_s();
+        t["compute_s"] = stats->compute_s;
+        t["bridge_wait_s"] = stats->bridge_wait_s;
+        t["collective_s"] = stats->collective_s;
+        t["images"] = static_cast<double>(stats->images);
+        t["bytes_sent"] = static_cast<double>(stats->bytes_sent);
+      }
+    } else {
+      auto stats = llm_runtime->RunStep(rank_plan);
+      status = stats.status();
+      if (stats.ok()) {
+        if (coords.tp() == 0) {
+          report.set_loss_sum(stats->loss_sum);
+          report.set_loss_tokens(stats->loss_tokens);
+        }
+        auto& t = *report.mutable_timings_s();
+        t["compute_s"] = stats->compute_s;
+        t["bridge_wait_s"] = stats->bridge_wait_s;
+        t["collective_s"] = stats->collective_s;
+        t["tokens"] = static_cast<double>(stats->tokens);
+        t["images"] = static_cast<double>(stats->images);
+        t["bytes_received"] = static_cast<double>(stats->bytes_received);
+      }
+    }
+    if (!status.ok()) {
+      report.set_ok(false);
+      report.set_error(std::string(status.message()));
+      (void)session->SendReport(report);
+      return Annotate(status, absl::StrCat("step ", step));
+    }
+    if (coords.dp() == 0) {
+      v1::GradNormPartial partial;
+      partial.set_step(step);
+      partial.set_generation(step_message.generation());
+      partial.set_module(is_encoder ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+      partial.set_sum_squares(train::OwnedGradSums(*m.params).square_sum);
+      HETPAR_RETURN_IF_ERROR(session->SendGradNormPartial(partial));
+    }
+    HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextMessage(*session, options.timeout));
+    if (norm.has_abort()) {
+      return absl::AbortedError(
+          absl::StrCat("step ", step, " aborted by the coordinator: ", norm.abort().reason()));
+    }
+    if (!norm.has_grad_norm()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step,
+                       ": expected the global gradient norm from the "
+                       "coordinator, got another message"));
+    }
+    HETPAR_RETURN_IF_ERROR(m.optimizer->Step(step, norm.grad_norm().clip_coefficient()));
+    report.set_ok(true);
+    report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
+    HETPAR_RETURN_IF_ERROR(session->SendReport(report));
+  }
+
+  // 4. Final parameters, then a clean goodbye.
+  HETPAR_RETURN_IF_ERROR(
+      WriteOwnedParams(options.out_dir, world_rank, is_encoder, coords.dp(), *m.params));
+  return session->Close(absl::Seconds(10));
+}
+
+}  // namespace hetpar::worker
