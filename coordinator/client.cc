@@ -1,5 +1,6 @@
 #include "coordinator/client.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -384,6 +385,10 @@ absl::StatusOr<v1::CoordinatorMessage> WorkerSession::Next(absl::Duration timeou
 }
 
 absl::Status WorkerSession::Send(v1::WorkerMessage message) {
+  {
+    absl::MutexLock lock(&mu_);
+    last_sent_ = absl::Now();
+  }
   return stream_->Write(std::move(message));
 }
 
@@ -435,31 +440,58 @@ absl::Status WorkerSession::Close(absl::Duration timeout) {
 }
 
 void WorkerSession::HeartbeatLoop() {
-  const double interval_s = std::max(0.01, registration_.assignment().heartbeat_interval_s());
+  const absl::Duration interval =
+      absl::Seconds(std::max(0.01, registration_.assignment().heartbeat_interval_s()));
+  const absl::Duration timeout =
+      absl::Seconds(std::max(0.01, registration_.assignment().heartbeat_timeout_s()));
   int64_t seq = 0;
   while (true) {
-    bool paused = false;
+    bool ask = false;
     int64_t generation = 0;
     {
       absl::MutexLock lock(&mu_);
       auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_heartbeats_ || ended_; };
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop), absl::Seconds(interval_s))) return;
-      paused = heartbeats_paused_;
+      // Wake when the next heartbeat is due: `interval` after the last message sent.
+      const absl::Duration wait =
+          std::clamp(last_sent_ + interval - absl::Now(), absl::Milliseconds(1), interval);
+      if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
+      const absl::Time now = absl::Now();
+      if (now - unanswered_since_ > timeout) {
+        local_failure_ = absl::DeadlineExceededError(absl::StrCat(
+            "the coordinator at ", connection_->options().address,
+            " stopped answering: nothing "
+            "received for ",
+            absl::FormatDuration(absl::Trunc(now - unanswered_since_, absl::Milliseconds(100))),
+            " after a heartbeat that asked for an ack (heartbeat_timeout ",
+            absl::FormatDuration(timeout), ")"));
+        break;
+      }
+      if (heartbeats_paused_ || now - last_sent_ < interval) continue;
+      ++seq;
+      ask = options_.ack_every > 0 && seq % options_.ack_every == 0;
+      if (ask && unanswered_since_ == absl::InfiniteFuture()) unanswered_since_ = now;
       generation = assignment_.generation();
     }
-    if (paused) continue;
     v1::WorkerMessage message;
     v1::Heartbeat* heartbeat = message.mutable_heartbeat();
-    heartbeat->set_seq(++seq);
+    heartbeat->set_seq(seq);
     heartbeat->set_client_time_ns(absl::GetCurrentTimeNanos());
     heartbeat->set_generation(generation);
+    heartbeat->set_ack_requested(ask);
     if (!Send(std::move(message)).ok()) return;
   }
+  // The coordinator stopped answering: end the stream; Next() reports local_failure_.
+  stream_->Cancel();
 }
 
 void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
+  if (message.kind_case() == v1::CoordinatorMessage::kBatch) {
+    for (const auto& inner : message.batch().messages()) OnMessage(inner);
+    return;
+  }
   {
     absl::MutexLock lock(&mu_);
+    unanswered_since_ = absl::InfiniteFuture();
     switch (message.kind_case()) {
       case v1::CoordinatorMessage::kAssignment:
         assignment_ = message.assignment();
@@ -474,6 +506,7 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
       case v1::CoordinatorMessage::kCommit:
       case v1::CoordinatorMessage::kAbort:
       case v1::CoordinatorMessage::kStop:
+      case v1::CoordinatorMessage::kBatch:
       case v1::CoordinatorMessage::KIND_NOT_SET:
         break;
     }
@@ -488,7 +521,7 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
 void WorkerSession::OnStreamDone(const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   ended_ = true;
-  final_status_ = status;
+  final_status_ = local_failure_.ok() ? status : local_failure_;
 }
 
 }  // namespace hetpar::coordinator

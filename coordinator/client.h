@@ -112,9 +112,14 @@ class KeyValueClient {
   int64_t generation_;
 };
 
-// A worker's membership in a run: Register, then the session stream. The session sends
-// heartbeats from its own thread every Assignment.heartbeat_interval_s; messages from the
+// A worker's membership in a run: Register, then the session stream. Messages from the
 // coordinator are queued for Next() (or handed to Options::on_message). Thread-safe.
+//
+// Heartbeats: a thread of the session sends one whenever nothing else was sent for
+// Assignment.heartbeat_interval_s (any message proves the worker alive). Every ack_every-th
+// heartbeat asks for an ack; when the coordinator then sends nothing at all for
+// heartbeat_timeout_s, the session ends with DeadlineExceeded ("the coordinator stopped
+// answering") instead of waiting forever.
 class WorkerSession {
  public:
   struct Options {
@@ -123,6 +128,7 @@ class WorkerSession {
     // for Next(). Must not block.
     std::function<void(const v1::CoordinatorMessage&)> on_message;
     bool heartbeats = true;
+    int ack_every = 5;  // ask for an ack every this many heartbeats; 0: never
   };
 
   // Registers, opens the session stream and starts heartbeats.
@@ -179,6 +185,10 @@ class WorkerSession {
   absl::Status final_status_ ABSL_GUARDED_BY(mu_);
   bool stop_heartbeats_ ABSL_GUARDED_BY(mu_) = false;
   bool heartbeats_paused_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_sent_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  // When an ack was asked for and nothing has come from the coordinator since.
+  absl::Time unanswered_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Status local_failure_ ABSL_GUARDED_BY(mu_);  // why this side ended the stream
 };
 
 }  // namespace hetpar::coordinator

@@ -92,11 +92,11 @@ absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
           absl::StrCat("placement colocated needs both layouts to cover the same ranks: encoder ",
                        m.encoder_grid_.size(), " ranks, llm ", m.llm_grid_.size(), " ranks"));
     }
-    m.slots_[v1::WORKER_ROLE_COLOCATED].assign(m.llm_grid_.size(), "");
+    m.slots_[v1::WORKER_ROLE_COLOCATED].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.llm_grid_.size();
   } else {
-    m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), "");
-    m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), "");
+    m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), nullptr);
+    m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
   }
   return m;
@@ -130,7 +130,7 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
                      placement_ == v1::PLACEMENT_COLOCATED ? "colocated" : "non_colocated",
                      "); expected role ", absl::StrJoin(names, " or ")));
   }
-  std::vector<std::string>& slots = it->second;
+  std::vector<WorkerRecord*>& slots = it->second;
   int64_t slot = -1;
   if (request.has_requested_rank()) {
     const int64_t wanted = request.requested_rank();
@@ -139,15 +139,15 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
           absl::StrCat("requested_rank=", wanted, " is out of range for role ",
                        RoleName(request.role()), ": expected 0..", slots.size() - 1));
     }
-    if (!slots[wanted].empty()) {
+    if (slots[wanted] != nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
                                                        " is already held by worker ",
-                                                       slots[wanted]));
+                                                       slots[wanted]->worker_id));
     }
     slot = wanted;
   } else {
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i].empty()) {
+      if (slots[i] == nullptr) {
         slot = static_cast<int64_t>(i);
         break;
       }
@@ -174,8 +174,8 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
   record->generation = generation;
   record->registered_at = now;
   record->last_heartbeat = now;
-  slots[slot] = worker_id;
   WorkerRecord* raw = record.get();
+  slots[slot] = raw;
   by_id_[worker_id] = raw;
   workers_.push_back(std::move(record));
   return raw;
@@ -199,15 +199,15 @@ void Membership::MarkDead(const std::string& worker_id, const std::string& reaso
   worker->dead_reason = reason;
   auto& slots = slots_[worker->role];
   if (worker->slot >= 0 && worker->slot < static_cast<int64_t>(slots.size()) &&
-      slots[worker->slot] == worker_id) {
-    slots[worker->slot].clear();
+      slots[worker->slot] == worker) {
+    slots[worker->slot] = nullptr;
   }
 }
 
 bool Membership::Complete() const {
   for (const auto& [role, slots] : slots_) {
-    for (const auto& id : slots) {
-      if (id.empty()) return false;
+    for (const WorkerRecord* worker : slots) {
+      if (worker == nullptr) return false;
     }
   }
   return true;
@@ -216,7 +216,7 @@ bool Membership::Complete() const {
 int64_t Membership::alive_workers() const {
   int64_t n = 0;
   for (const auto& [role, slots] : slots_) {
-    for (const auto& id : slots) n += id.empty() ? 0 : 1;
+    for (const WorkerRecord* worker : slots) n += worker == nullptr ? 0 : 1;
   }
   return n;
 }
@@ -225,7 +225,7 @@ std::vector<std::string> Membership::Missing() const {
   std::vector<std::string> missing;
   for (const auto& [role, slots] : slots_) {
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (!slots[i].empty()) continue;
+      if (slots[i] != nullptr) continue;
       std::vector<std::string> rank_text;
       for (const auto& rank : RanksOfSlot(role, static_cast<int64_t>(i))) {
         rank_text.push_back(DescribeRank(rank));
@@ -254,9 +254,8 @@ std::vector<const WorkerRecord*> Membership::PeersOf(const WorkerRecord& worker)
   auto add_role = [&](v1::WorkerRole role, bool first_stage_only) {
     auto it = slots_.find(role);
     if (it == slots_.end()) return;
-    for (const auto& id : it->second) {
-      if (id.empty() || id == worker.worker_id) continue;
-      const WorkerRecord* peer = Find(id);
+    for (const WorkerRecord* peer : it->second) {
+      if (peer == nullptr || peer == &worker) continue;
       if (first_stage_only && peer->ranks.back().pp() != 0) continue;
       peers.push_back(peer);
     }
@@ -281,9 +280,10 @@ std::vector<const WorkerRecord*> Membership::PeersOf(const WorkerRecord& worker)
 
 std::vector<WorkerRecord*> Membership::LiveWorkers() const {
   std::vector<WorkerRecord*> live;
+  live.reserve(expected_workers_);
   for (const auto& [role, slots] : slots_) {
-    for (const auto& id : slots) {
-      if (!id.empty()) live.push_back(by_id_.at(id));
+    for (WorkerRecord* worker : slots) {
+      if (worker != nullptr) live.push_back(worker);
     }
   }
   return live;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "hetpar/v1/coordinator.pb.h"
@@ -115,10 +116,10 @@ class Membership {
   GridShape encoder_grid_;
   GridShape llm_grid_;
   int64_t expected_workers_ = 0;
-  // role -> slot -> worker id ("" when free).
-  std::map<v1::WorkerRole, std::vector<std::string>> slots_;
+  // role -> slot -> the live worker holding it (nullptr when free).
+  std::map<v1::WorkerRole, std::vector<WorkerRecord*>> slots_;
   std::vector<std::unique_ptr<WorkerRecord>> workers_;
-  std::map<std::string, WorkerRecord*> by_id_;
+  absl::flat_hash_map<std::string, WorkerRecord*> by_id_;
   int64_t next_serial_ = 0;
 };
 

@@ -188,6 +188,7 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
   worker->last_heartbeat = now;
   switch (message.kind_case()) {
     case v1::WorkerMessage::kHeartbeat: {
+      if (!message.heartbeat().ack_requested()) return absl::OkStatus();
       v1::CoordinatorMessage ack;
       v1::HeartbeatAck* a = ack.mutable_heartbeat_ack();
       a->set_seq(message.heartbeat().seq());

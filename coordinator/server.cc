@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -173,10 +174,35 @@ class ServerCore {
     }
   }
 
+  // Queues the messages on the sessions, in order per worker; several messages for one worker
+  // go as one batch (one write instead of several).
   void ApplyLocked(Actions* actions) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    for (auto& [worker_id, message] : actions->messages) {
+    if (actions->messages.size() == 1) {
+      auto& [worker_id, message] = actions->messages.front();
       auto it = sessions_.find(worker_id);
       if (it != sessions_.end()) it->second->Send(std::move(message));
+    } else if (!actions->messages.empty()) {
+      absl::flat_hash_map<std::string, std::vector<v1::CoordinatorMessage*>> by_worker;
+      std::vector<const std::string*> order;
+      for (auto& [worker_id, message] : actions->messages) {
+        auto& list = by_worker[worker_id];
+        if (list.empty()) order.push_back(&worker_id);
+        list.push_back(&message);
+      }
+      for (const std::string* worker_id : order) {
+        auto it = sessions_.find(*worker_id);
+        if (it == sessions_.end()) continue;
+        std::vector<v1::CoordinatorMessage*>& list = by_worker[*worker_id];
+        if (list.size() == 1) {
+          it->second->Send(std::move(*list.front()));
+          continue;
+        }
+        v1::CoordinatorMessage batch;
+        auto* messages = batch.mutable_batch()->mutable_messages();
+        messages->Reserve(static_cast<int>(list.size()));
+        for (v1::CoordinatorMessage* m : list) *messages->Add() = std::move(*m);
+        it->second->Send(std::move(batch));
+      }
     }
     for (auto& [worker_id, status] : actions->end_sessions) {
       auto it = sessions_.find(worker_id);
@@ -244,7 +270,7 @@ class ServerCore {
 
   mutable absl::Mutex mu_;
   std::unique_ptr<RunController> controller_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 
   KeyValueStore kv_;

@@ -34,7 +34,7 @@ struct ServerOptions {
   std::string token;  // the run token every RPC must carry (required)
   ServerTlsOptions tls;
   ControllerOptions controller;
-  absl::Duration tick = absl::Milliseconds(50);
+  absl::Duration tick = absl::Milliseconds(100);
 };
 
 class CoordinatorServer {

@@ -175,7 +175,7 @@ StepOrchestrator::Outcome StepOrchestrator::CheckDeadline(absl::Time now, Outbox
   if (!in_flight_ || now < deadline()) return Outcome::kPending;
   std::vector<std::string> silent;
   for (const auto& id : participants_) {
-    if (!reported_.count(id)) silent.push_back(id);
+    if (!reported_.contains(id)) silent.push_back(id);
   }
   return DoAbort(
       absl::StrCat(

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "coordinator/membership.h"
@@ -127,7 +128,7 @@ class StepOrchestrator {
   double sum_squares_ = 0;
   bool grad_norm_sent_ = false;
   double grad_norm_ = 0;
-  std::set<std::string> reported_;
+  absl::flat_hash_set<std::string> reported_;
   double loss_sum_ = 0;
   int64_t loss_tokens_ = 0;
   bool any_loss_reported_ = false;

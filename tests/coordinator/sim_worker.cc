@@ -123,6 +123,7 @@ int Run(const std::string& address, const std::string& role_name, const std::str
         }
         return 0;
       case v1::CoordinatorMessage::kHeartbeatAck:
+      case v1::CoordinatorMessage::kBatch:  // unpacked by WorkerSession
       case v1::CoordinatorMessage::KIND_NOT_SET:
         break;
     }
