@@ -1,0 +1,120 @@
+#include "coordinator/cli/local_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+
+extern char** environ;
+
+namespace hetpar::cli {
+
+absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
+    std::string name, const std::vector<std::string>& argv,
+    const std::map<std::string, std::string>& env, const std::string& log_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    const std::string key = entry.substr(0, entry.find('='));
+    if (env.count(key) == 0) env_strings.push_back(entry);
+  }
+  for (const auto& [key, value] : env) env_strings.push_back(key + "=" + value);
+  std::vector<char*> envp, args;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_copy = argv;
+  for (auto& a : argv_copy) args.push_back(a.data());
+  args.push_back(nullptr);
+
+  const int log_fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (log_fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot open log '", log_path, "': ", std::strerror(errno)));
+  }
+  const pid_t pid = ::fork();
+  if (pid < 0) {
+    ::close(log_fd);
+    return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
+  }
+  if (pid == 0) {
+    ::dup2(log_fd, STDOUT_FILENO);
+    ::dup2(log_fd, STDERR_FILENO);
+    // Signals the parent blocked for its signal thread must reach the worker normally.
+    sigset_t none;
+    sigemptyset(&none);
+    ::sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::execve(args[0], args.data(), envp.data());
+    const std::string message =
+        absl::StrCat("cannot run ", args[0], ": ", std::strerror(errno), "\n");
+    ssize_t unused = ::write(STDERR_FILENO, message.data(), message.size());
+    (void)unused;
+    ::_exit(127);
+  }
+  ::close(log_fd);
+  return std::unique_ptr<LocalProcess>(new LocalProcess(std::move(name), pid, log_path));
+}
+
+LocalProcess::~LocalProcess() {
+  if (!Poll().has_value()) {
+    ::kill(pid_, SIGKILL);
+    int status;
+    ::waitpid(pid_, &status, 0);
+  }
+}
+
+std::optional<int> LocalProcess::Poll() {
+  if (exit_code_.has_value()) return exit_code_;
+  int status = 0;
+  const pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  return exit_code_;
+}
+
+void LocalProcess::Signal(int signal) {
+  if (!Poll().has_value()) ::kill(pid_, signal);
+}
+
+int LocalProcess::WaitOrKill(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!Poll().has_value() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+  if (!Poll().has_value()) {
+    ::kill(pid_, SIGKILL);
+    int status;
+    ::waitpid(pid_, &status, 0);
+    exit_code_ = 128 + SIGKILL;
+  }
+  return *exit_code_;
+}
+
+std::string LocalProcess::LogTail(int lines) const {
+  std::ifstream in(log_path_);
+  std::deque<std::string> tail;
+  std::string line;
+  while (std::getline(in, line)) {
+    tail.push_back(line);
+    if (static_cast<int>(tail.size()) > lines) tail.pop_front();
+  }
+  std::string out;
+  for (const auto& l : tail) absl::StrAppend(&out, "    ", l, "\n");
+  return out;
+}
+
+std::string WorkerBinary() {
+  if (const char* env = std::getenv("HETPAR_WORKER"); env != nullptr && *env != '\0') return env;
+  std::error_code ec;
+  const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return (self.parent_path() / "hetpar-worker").string();
+}
+
+}  // namespace hetpar::cli

@@ -1,0 +1,55 @@
+// Worker processes that `hetpar run` starts on this machine and ends by pid.
+#ifndef HETPAR_COORDINATOR_CLI_LOCAL_PROCESS_H_
+#define HETPAR_COORDINATOR_CLI_LOCAL_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace hetpar::cli {
+
+// A child process with its output in a log file. Killed (SIGKILL) and reaped on destruction if
+// it is still running.
+class LocalProcess {
+ public:
+  // Starts argv with the parent's environment plus `env`, stdout and stderr to `log_path`.
+  static absl::StatusOr<std::unique_ptr<LocalProcess>> Spawn(
+      std::string name, const std::vector<std::string>& argv,
+      const std::map<std::string, std::string>& env, const std::string& log_path);
+  ~LocalProcess();
+  LocalProcess(const LocalProcess&) = delete;
+  LocalProcess& operator=(const LocalProcess&) = delete;
+
+  const std::string& name() const { return name_; }
+  const std::string& log_path() const { return log_path_; }
+  pid_t pid() const { return pid_; }
+  // The exit code once it has exited (128 + signal when killed); nullopt while running.
+  std::optional<int> Poll();
+  void Signal(int signal);
+  // Waits up to `timeout`; then SIGKILL. Returns the exit code.
+  int WaitOrKill(absl::Duration timeout);
+  // The last `lines` lines of its log.
+  std::string LogTail(int lines) const;
+
+ private:
+  LocalProcess(std::string name, pid_t pid, std::string log_path)
+      : name_(std::move(name)), pid_(pid), log_path_(std::move(log_path)) {}
+  std::string name_;
+  pid_t pid_;
+  std::string log_path_;
+  std::optional<int> exit_code_;
+};
+
+// The `hetpar-worker` binary: $HETPAR_WORKER, else beside this executable.
+std::string WorkerBinary();
+
+}  // namespace hetpar::cli
+
+#endif  // HETPAR_COORDINATOR_CLI_LOCAL_PROCESS_H_

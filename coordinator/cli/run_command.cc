@@ -1,0 +1,360 @@
+// `hetpar run`: train a RunSpec on this machine. Starts the coordinator in this process, spawns
+// the encoder pool and the LLM ranks as `hetpar-worker` processes, shows progress, writes the run
+// directory, forwards Ctrl-C as a clean stop, and ends every process it started.
+//
+// `--reference` trains the same batches in one process at tp = 1, dp = 1 instead (the parity
+// baseline; compare the two with `hetpar compare`).
+#include <signal.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/config/config.h"
+#include "common/logging.h"
+#include "common/run_directory.h"
+#include "common/train/batch_source.h"
+#include "coordinator/cli/commands.h"
+#include "coordinator/cli/local_process.h"
+#include "coordinator/membership.h"
+#include "coordinator/security.h"
+#include "coordinator/server.h"
+#include "coordinator/step_planner.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::cli {
+namespace {
+
+struct RunFlags {
+  std::string config;
+  std::vector<std::string> overrides;
+  int64_t steps = 0;
+  std::string out;
+  bool reference = false;
+  int threads = 0;
+  std::string listen = "127.0.0.1:0";
+  double step_timeout_s = 600;
+};
+
+volatile sig_atomic_t g_interrupted = 0;
+void OnSignal(int) { g_interrupted = 1; }
+
+std::string Duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
+// One progress line: a bar when stderr is a terminal, a plain line otherwise.
+void ShowProgress(int64_t done, int64_t total, double loss, double tokens_per_s, double eta_s,
+                  bool tty) {
+  const int width = 24;
+  const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;
+  const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
+  const std::string text = absl::StrFormat("step %d/%d [%s] loss %.4f  %.0f tok/s  ETA %s", done,
+                                           total, bar, loss, tokens_per_s, Duration(eta_s));
+  if (tty) {
+    std::fprintf(stderr, "\r%s   ", text.c_str());
+    if (done == total) std::fprintf(stderr, "\n");
+  } else {
+    std::fprintf(stderr, "%s\n", text.c_str());
+  }
+  std::fflush(stderr);
+}
+
+absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
+  config::LoadOptions load;
+  load.overrides = flags.overrides;
+  if (flags.steps > 0) load.overrides.push_back(absl::StrCat("run.steps=", flags.steps));
+  if (!flags.out.empty()) load.overrides.push_back(absl::StrCat("run.out_dir=", flags.out));
+  return config::LoadRunSpecFile(flags.config, load);
+}
+
+int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
+  std::vector<std::string> argv = {WorkerBinary(), "--role", "reference",          "--config",
+                                   flags.config,   "--out",  spec.run().out_dir(), "--progress"};
+  for (const auto& o : flags.overrides) {
+    argv.push_back("--set");
+    argv.push_back(o);
+  }
+  if (flags.steps > 0) argv.insert(argv.end(), {"--steps", std::to_string(flags.steps)});
+  if (flags.threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(flags.threads)});
+  std::error_code ec;
+  std::filesystem::create_directories(spec.run().out_dir() + "/log", ec);
+  auto process =
+      LocalProcess::Spawn("reference", argv, {}, spec.run().out_dir() + "/log/reference.log");
+  if (!process.ok()) {
+    std::cerr << "hetpar run: " << process.status().message() << "\n";
+    return kExitFailure;
+  }
+  std::cerr << "hetpar run: reference trainer (pid " << (*process)->pid() << "), log "
+            << (*process)->log_path() << "\n";
+  while (!(*process)->Poll().has_value()) {
+    if (g_interrupted) (*process)->Signal(SIGTERM);
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  const int code = *(*process)->Poll();
+  if (code != 0) {
+    std::cerr << "hetpar run: the reference trainer failed (exit " << code << "):\n"
+              << (*process)->LogTail(15);
+    return kExitFailure;
+  }
+  std::cerr << (*process)->LogTail(3);
+  std::cout << "hetpar run: done; run directory " << spec.run().out_dir() << "\n";
+  return kExitOk;
+}
+
+// Sums the owned-parameter files the workers of DP replica 0 write.
+absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
+  std::map<std::string, std::pair<double, double>> sums;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/workers", ec)) {
+    std::ifstream in(entry.path());
+    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded()) {
+      return absl::DataLossError(absl::StrCat("cannot parse '", entry.path().string(), "'"));
+    }
+    if (j["dp"].get<int64_t>() != 0) continue;
+    auto& s = sums[j["module"].get<std::string>()];
+    s.first += j["sum"].get<double>();
+    s.second += j["square_sum"].get<double>();
+  }
+  if (sums.size() != 2) {
+    return absl::NotFoundError(
+        absl::StrCat("the workers' parameter sums under '", out_dir, "/workers' are incomplete"));
+  }
+  nlohmann::json out;
+  for (const auto& [module, s] : sums)
+    out[module] = {{"sum", s.first}, {"l2", std::sqrt(s.second)}};
+  return out;
+}
+
+int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
+  const std::string out_dir = spec.run().out_dir();
+  if (spec.placement() != v1::PLACEMENT_NON_COLOCATED) {
+    std::cerr << "hetpar run: placement "
+              << (spec.placement() == v1::PLACEMENT_COLOCATED ? "colocated" : "unspecified")
+              << " is not supported by this version; use placement: non_colocated or --reference\n";
+    return kExitInvalidInput;
+  }
+  auto run_dir = RunDirectory::Create(out_dir, spec);
+  if (!run_dir.ok()) {
+    std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
+    return kExitFailure;
+  }
+  std::error_code ec;
+  std::filesystem::remove_all(out_dir + "/workers", ec);
+  // The data set first (generated when the spec asks for a synthetic one), so no worker races
+  // to write it; the batch source also gives each step's token and image counts.
+  auto batches = train::BatchSource::Create(spec);
+  if (!batches.ok()) {
+    std::cerr << "hetpar run: cannot open the training data: " << batches.status().message()
+              << "\n";
+    return kExitInvalidInput;
+  }
+
+  auto token = coordinator::GenerateToken();
+  if (!token.ok()) {
+    std::cerr << "hetpar run: " << token.status().message() << "\n";
+    return kExitFailure;
+  }
+  coordinator::ServerOptions options;
+  options.listen_address = flags.listen;
+  options.token = *token;
+  options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
+  auto planner = coordinator::MakeStepPlanner(spec, /*synthetic=*/false);
+  if (!planner.ok()) {
+    std::cerr << "hetpar run: cannot plan steps: " << planner.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  auto server = coordinator::CoordinatorServer::Create(spec, options, *std::move(planner));
+  if (!server.ok()) {
+    std::cerr << "hetpar run: cannot start the coordinator: " << server.status().message() << "\n";
+    return kExitFailure;
+  }
+
+  const int64_t encoder_ranks = spec.encoder().layout().dp() * spec.encoder().layout().tp();
+  const auto& ll = spec.llm().layout();
+  const int64_t llm_ranks = ll.dp() * ll.tp() * ll.cp() * ll.pp();
+  const int64_t workers = encoder_ranks + llm_ranks;
+  const int threads =
+      flags.threads > 0
+          ? flags.threads
+          : static_cast<int>(std::max<int64_t>(1, std::thread::hardware_concurrency() / workers));
+  std::vector<std::unique_ptr<LocalProcess>> processes;
+  const std::map<std::string, std::string> env = {{"HETPAR_TOKEN", *token}};
+  for (int64_t i = 0; i < workers; ++i) {
+    const bool encoder = i < encoder_ranks;
+    const int64_t rank = encoder ? i : i - encoder_ranks;
+    const std::string name = absl::StrCat(encoder ? "encoder" : "llm", "-", rank);
+    std::vector<std::string> argv = {WorkerBinary(),
+                                     "--role",
+                                     encoder ? "encoder" : "llm",
+                                     "--coordinator",
+                                     (*server)->address(),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--out",
+                                     out_dir,
+                                     "--threads",
+                                     std::to_string(threads)};
+    auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
+    if (!process.ok()) {
+      std::cerr << "hetpar run: cannot start " << name << ": " << process.status().message()
+                << "\n";
+      (*server)->Stop("a worker could not be started");
+      return kExitFailure;
+    }
+    processes.push_back(std::move(process).value());
+  }
+  std::cerr << "hetpar run: " << spec.run().name() << ": coordinator on " << (*server)->address()
+            << ", " << encoder_ranks << " encoder and " << llm_ranks
+            << " LLM workers started (logs in " << out_dir << "/log)\n";
+
+  const bool tty = ::isatty(STDERR_FILENO) != 0;
+  const absl::Time start = absl::Now();
+  int64_t written = 0;  // steps written to metrics.jsonl
+  data::SamplerCursor cursor;
+  double last_loss = 0;
+  int64_t tokens_total = 0;
+  std::string failure;
+  v1::RunState state = v1::RUN_STATE_WAITING;
+  bool stop_sent = false;
+  while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
+    state = (*server)->WaitForEnd(absl::Milliseconds(100));
+    if (g_interrupted && !stop_sent) {
+      std::cerr << "\nhetpar run: interrupted; stopping every worker\n";
+      failure = "interrupted";
+      (*server)->Stop("interrupted");
+      stop_sent = true;
+    }
+    for (auto& process : processes) {
+      const std::optional<int> code = process->Poll();
+      if (code.has_value() && *code != 0 && failure.empty()) {
+        failure = absl::StrCat(process->name(), " (pid ", process->pid(), ") exited with code ",
+                               *code, "; the end of its log:\n", process->LogTail(8));
+        (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
+        stop_sent = true;
+      }
+    }
+    const v1::StatusResponse status = (*server)->Status();
+    // New committed steps, oldest first (recent_steps is newest first).
+    for (int i = status.recent_steps_size() - 1; i >= 0; --i) {
+      const v1::StepTiming& t = status.recent_steps(i);
+      if (!t.committed() || t.step() < written) continue;
+      auto batch = (*batches)->Take(cursor, spec.run().global_batch());
+      if (!batch.ok()) {
+        failure = std::string(batch.status().message());
+        break;
+      }
+      int64_t tokens = 0, images = 0;
+      for (const auto& s : batch->samples) {
+        tokens += s.sequence_length();
+        images += s.image_count();
+      }
+      cursor = batch->next;
+      nlohmann::json line = {{"step", t.step()},
+                             {"loss", t.loss()},
+                             {"grad_norm", t.grad_norm()},
+                             {"tokens", tokens},
+                             {"images", images},
+                             {"step_time_s", t.duration_s()},
+                             {"generation", t.generation()}};
+      if (absl::Status s = (*run_dir)->AppendMetrics(line.dump()); !s.ok()) {
+        failure = std::string(s.message());
+      }
+      written = t.step() + 1;
+      last_loss = t.loss();
+      tokens_total += tokens;
+      const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+      ShowProgress(written, spec.run().steps(), last_loss, tokens_total / std::max(elapsed, 1e-9),
+                   elapsed / written * (spec.run().steps() - written), tty);
+    }
+  }
+  const v1::StatusResponse final_status = (*server)->Status();
+  for (auto& process : processes) {
+    const int code = process->WaitOrKill(absl::Seconds(15));
+    if (code != 0 && failure.empty()) {
+      failure = absl::StrCat(process->name(), " exited with code ", code, "; the end of its log:\n",
+                             process->LogTail(8));
+    }
+  }
+  (*server)->Shutdown(absl::Seconds(2));
+  if (state == v1::RUN_STATE_FAILED && failure.empty()) failure = final_status.state_message();
+  if (!failure.empty()) {
+    std::cerr << "hetpar run: " << spec.run().name() << " failed after " << written
+              << " committed steps: " << failure << "\n";
+    return failure == "interrupted" ? 130 : kExitFailure;
+  }
+  auto params = FinalParams(out_dir);
+  if (!params.ok()) {
+    std::cerr << "hetpar run: " << params.status().message() << "\n";
+    return kExitFailure;
+  }
+  (void)(*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
+  std::cout << absl::StrFormat(
+      "hetpar run: %s done: %d steps in %s, final loss %.4f; run directory %s\n", spec.run().name(),
+      written, Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
+  return kExitOk;
+}
+
+int Run(const RunFlags& flags) {
+  auto loaded = LoadSpec(flags);
+  if (!loaded.ok()) {
+    std::cerr << "hetpar: invalid config " << flags.config << ":\n"
+              << loaded.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnSignal;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  return flags.reference ? RunReferenceProcess(flags, loaded->spec)
+                         : RunDistributed(flags, loaded->spec);
+}
+
+void AddRunCommand(CLI::App& app, int* exit_code) {
+  auto flags = std::make_shared<RunFlags>();
+  CLI::App* command = app.add_subcommand(
+      "run",
+      "Train a RunSpec on this machine: start a coordinator, spawn the encoder pool and the LLM "
+      "ranks, show progress and write the run directory (config.yaml, metrics.jsonl, log/)");
+  command->add_option("-c,--config", flags->config, "RunSpec YAML file")->required();
+  command->add_option("--set", flags->overrides,
+                      "Override a field, e.g. --set llm.layout.tp=2 (repeatable)");
+  command->add_option("--steps", flags->steps, "Steps to train (overrides run.steps)")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--out", flags->out, "Run directory (overrides run.out_dir)");
+  command->add_flag("--reference", flags->reference,
+                    "Train both modules in one process at tp 1, dp 1 (the parity baseline)");
+  command
+      ->add_option("--threads", flags->threads,
+                   "Intra-op threads per worker (default: cores / workers)")
+      ->check(CLI::PositiveNumber);
+  command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
+      ->capture_default_str();
+  command
+      ->add_option("--step-timeout", flags->step_timeout_s,
+                   "Seconds a step may take before it is aborted")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  command->callback([flags, exit_code] { *exit_code = Run(*flags); });
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(5, AddRunCommand);
+
+}  // namespace hetpar::cli
