@@ -70,6 +70,14 @@ std::string DescribeRank(const v1::RankCoordinates& rank) {
   return text + ")";
 }
 
+std::string DataAddressText(const std::string& address) {
+  if (address.empty()) return "-";
+  for (unsigned char c : address) {
+    if (c < 0x20 || c >= 0x7f) return absl::StrCat("<", address.size(), "-byte address>");
+  }
+  return address;
+}
+
 std::string WorkerRecord::Describe() const {
   std::vector<std::string> rank_text;
   for (const auto& rank : ranks) rank_text.push_back(DescribeRank(rank));

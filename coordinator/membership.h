@@ -42,6 +42,9 @@ const char* RoleName(v1::WorkerRole role);
 const char* ModuleName(v1::Module module);
 // "encoder rank 3 (dp 1, tp 1)"; cp/pp are shown for the LLM only.
 std::string DescribeRank(const v1::RankCoordinates& rank);
+// A data-plane address for logs and status: itself when it is printable text ("host:port"),
+// else "<N-byte address>" (UCX worker addresses are binary); "-" when empty.
+std::string DataAddressText(const std::string& address);
 
 struct WorkerRecord {
   std::string worker_id;

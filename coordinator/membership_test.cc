@@ -193,6 +193,12 @@ TEST(MembershipTest, ColocatedWorkersHoldARankOfBothModules) {
             absl::StatusCode::kInvalidArgument);
 }
 
+TEST(MembershipTest, DataAddressText) {
+  EXPECT_EQ(DataAddressText("10.0.0.1:7000"), "10.0.0.1:7000");
+  EXPECT_EQ(DataAddressText(std::string("\x00\x01ucx\xff", 6)), "<6-byte address>");
+  EXPECT_EQ(DataAddressText(""), "-");
+}
+
 TEST(MembershipTest, ColocatedNeedsEqualWorlds) {
   auto m = Membership::Create(Spec(v1::PLACEMENT_COLOCATED, 2, 1, 1, 4));
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);

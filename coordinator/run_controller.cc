@@ -117,8 +117,8 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
   if (!admitted.ok()) return admitted.status();
   WorkerRecord* worker = *admitted;
   HETPAR_LOG(INFO) << "registered " << worker->Describe() << " data-plane "
-                   << (worker->data_address.empty() ? "-" : worker->data_address) << " ("
-                   << membership_.alive_workers() << "/" << membership_.expected_workers() << ")";
+                   << DataAddressText(worker->data_address) << " (" << membership_.alive_workers()
+                   << "/" << membership_.expected_workers() << ")";
   const bool complete = membership_.Complete();
   if (state_ == v1::RUN_STATE_RUNNING) {
     // A worker took a rank that was lost: membership changed.

@@ -71,7 +71,7 @@ void PrintStatus(const v1::StatusResponse& s) {
       }
       rows.push_back({w.worker_id(), coordinator::RoleName(w.role()), RanksText(w),
                       w.host().empty() ? "-" : w.host(),
-                      w.data_address().empty() ? "-" : w.data_address(),
+                      coordinator::DataAddressText(w.data_address()),
                       w.alive() ? Seconds(w.last_heartbeat_age_s()) + " ago" : "-", state});
     }
     std::vector<size_t> width(rows[0].size(), 0);

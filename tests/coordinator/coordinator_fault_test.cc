@@ -1,6 +1,7 @@
-// Worker failures seen by a real coordinator process: a worker killed with SIGKILL is lost at
-// once (its connection drops), a hung one (SIGSTOP: connection open, no heartbeats) is declared
-// dead within heartbeat_timeout +- 1 s; the step in flight is aborted and the others are told.
+// Failures across processes: a worker killed with SIGKILL is lost at once (its connection drops),
+// a hung one (SIGSTOP: connection open, no heartbeats) is declared dead within
+// heartbeat_timeout +- 1 s, and in both cases the step in flight is aborted and the others are
+// told. A hung coordinator is noticed by every worker, which then ends instead of waiting.
 #include <signal.h>
 #include <stdlib.h>
 
@@ -108,6 +109,24 @@ TEST_F(CoordinatorFaultTest, HungWorkerIsDeclaredDeadWithinTheHeartbeatTimeout) 
   auto coordinator_exit = coordinator_->process.Wait(20);
   ASSERT_TRUE(coordinator_exit.ok());
   EXPECT_EQ(*coordinator_exit, 0);
+}
+
+TEST_F(CoordinatorFaultTest, HungCoordinatorIsNoticedByTheWorkers) {
+  constexpr double kTimeout = 2.0;
+  StartRun(kTimeout);
+  const absl::Time stopped = absl::Now();
+  ASSERT_TRUE(coordinator_->process.Signal(SIGSTOP));
+  // Heartbeats every 0.4 s, an ack asked for every 5th: the silence shows within 2 s + 2 s.
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    auto exit_code = workers_[i].Wait(15);
+    ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+    EXPECT_EQ(*exit_code, 1);
+    const std::string log = ReadFile(dir_.File(roles_[i].second + ".log"));
+    EXPECT_THAT(log, HasSubstr("session ended: DEADLINE_EXCEEDED: the coordinator at "));
+    EXPECT_THAT(log, HasSubstr("stopped answering"));
+  }
+  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2 * kTimeout + 3));
+  coordinator_->process.Signal(SIGKILL);
 }
 
 }  // namespace
