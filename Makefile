@@ -25,6 +25,13 @@ build: configure
 test: build
 	cd $(BUILD_DIR) && ctest -j2 --output-on-failure $(CTEST_ARGS)
 
+# Trains configs/tiny.yaml end to end on this machine: an encoder pool (dp 2) and an LLM (tp 2)
+# as separate processes joined by an in-process coordinator; the synthetic data set is generated
+# first when absent. Extra flags: make demo DEMO_ARGS="--steps 40".
+DEMO_ARGS ?=
+demo: build
+	$(BUILD_DIR)/bin/hetpar run --config configs/tiny.yaml $(DEMO_ARGS)
+
 SOURCES = $(shell git ls-files '*.cc' '*.h')
 
 format:
