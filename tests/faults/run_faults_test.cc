@@ -1,0 +1,210 @@
+// Faults of whole runs, as a user meets them: each ends in a clear error within a bounded time
+// and leaves no process behind.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ChildProcess;
+using ::testing::HasSubstr;
+using testing::RunCommand;
+
+const std::string kBin = HETPAR_BIN;
+const std::string kWorker = HETPAR_WORKER_BIN;
+const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// Pids of processes whose command line contains `needle` (other than this test).
+std::vector<pid_t> ProcessesWith(const std::string& needle) {
+  std::vector<pid_t> pids;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = std::stoi(name);
+    if (pid == ::getpid()) continue;
+    std::string cmdline = ReadFile(entry.path().string() + "/cmdline");
+    for (char& c : cmdline) {
+      if (c == '\0') c = ' ';
+    }
+    if (cmdline.find(needle) != std::string::npos) pids.push_back(pid);
+  }
+  return pids;
+}
+
+class RunFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() /
+            ("hetpar_faults_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+               .string();
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    // Nothing this test started may outlive it.
+    EXPECT_TRUE(ProcessesWith(dir_).empty()) << "processes left running for " << dir_;
+    for (pid_t pid : ProcessesWith(dir_)) ::kill(pid, SIGKILL);
+    fs::remove_all(dir_);
+  }
+
+  std::vector<std::string> DataFlags() const {
+    return {"--set", "data.manifest=" + dir_ + "/data/train.jsonl",
+            "--set", "data.val_manifest=" + dir_ + "/data/val.jsonl",
+            "--set", "data.tokenizer=" + dir_ + "/data/tokenizer.model",
+            "--set", "data.synth.samples=128",
+            "--set", "data.synth.val_samples=8"};
+  }
+
+  std::vector<std::string> RunArgs(int steps) const {
+    std::vector<std::string> argv = {kBin,        "run",
+                                     "--config",  kTiny,
+                                     "--out",     dir_ + "/run",
+                                     "--steps",   std::to_string(steps),
+                                     "--threads", "1"};
+    for (const auto& f : DataFlags()) argv.push_back(f);
+    return argv;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(RunFaultsTest, MissingDatasetIsNamed) {
+  auto r = RunCommand({kBin, "run", "--config", kTiny, "--out", dir_ + "/run", "--set",
+                       "data.synth.samples=0", "--set",
+                       "data.manifest=" + dir_ + "/nowhere/train.jsonl"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, HasSubstr("data.manifest: file '" + dir_ +
+                                        "/nowhere/train.jsonl' "
+                                        "does not exist"));
+}
+
+TEST_F(RunFaultsTest, CorruptImageIsNamedWithItsSample) {
+  // Generate the data set, then break one image that a sample uses.
+  auto synth = RunCommand(
+      {kBin, "data", "synth", "--out", dir_ + "/data", "--samples", "32", "--val-samples", "4"});
+  ASSERT_TRUE(synth.ok() && synth->exit_code == 0) << (synth.ok() ? synth->stderr_text : "");
+  std::string victim;
+  for (const auto& entry : fs::recursive_directory_iterator(dir_ + "/data")) {
+    if (entry.path().extension() == ".png") {
+      victim = entry.path().string();
+      break;
+    }
+  }
+  ASSERT_FALSE(victim.empty());
+  std::ofstream(victim, std::ios::trunc) << "not a png";
+  for (const auto& entry : fs::directory_iterator(dir_ + "/data")) {
+    if (entry.path().string().find(".index") != std::string::npos) fs::remove(entry.path());
+  }
+  auto r = RunCommand(RunArgs(2), 120);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->exit_code, 0);
+  EXPECT_THAT(r->stderr_text, HasSubstr(fs::path(victim).filename().string()));
+}
+
+TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
+  ::setenv("HETPAR_TOKEN", "the-right-token", 1);
+  auto coordinator = ChildProcess::Start(
+      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--set",
+       "coordinator.register_timeout_s=30", "--set", "data.manifest=" + dir_ + "/x.jsonl", "--set",
+       "data.tokenizer=" + dir_ + "/x.model"},
+      dir_ + "/coordinator.log");
+  ASSERT_TRUE(coordinator.ok());
+  // The coordinator prints its address once listening.
+  std::string address;
+  for (int i = 0; i < 200 && address.empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string log = ReadFile(dir_ + "/coordinator.log");
+    const size_t at = log.find("listening on ");
+    if (at != std::string::npos) address = log.substr(at + 13, log.find(';', at) - at - 13);
+  }
+  ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
+  ::setenv("HETPAR_TOKEN", "a-wrong-token", 1);
+  const auto start = std::chrono::steady_clock::now();
+  auto worker = RunCommand({kWorker, "--role", "encoder", "--coordinator", address, "--timeout",
+                            "20", "--out", dir_ + "/w"},
+                           60);
+  ::unsetenv("HETPAR_TOKEN");
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(worker->exit_code, 1);
+  EXPECT_THAT(worker->stderr_text, HasSubstr("UNAUTHENTICATED"));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  coordinator->Signal(SIGTERM);
+  auto code = coordinator->Wait(30);
+  EXPECT_TRUE(code.ok()) << code.status();
+  EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"), HasSubstr("wrong run token"));
+}
+
+TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
+  auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  // Wait for a few committed steps.
+  const std::string metrics = dir_ + "/run/metrics.jsonl";
+  for (int i = 0; i < 1200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string text = ReadFile(metrics);
+    if (std::count(text.begin(), text.end(), '\n') >= 3) break;
+  }
+  std::vector<pid_t> encoders = ProcessesWith("--role encoder --coordinator");
+  std::vector<pid_t> victims;
+  for (pid_t pid : encoders) {
+    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
+      victims.push_back(pid);
+    }
+  }
+  ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
+  auto code = run->Wait(90);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_EQ(*code, 1);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
+  const std::string log = ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_THAT(log, HasSubstr("failed after"));
+  EXPECT_THAT(log, HasSubstr("encoder-"));
+  EXPECT_THAT(log, HasSubstr("code 137"));
+  // Every committed step is whole in metrics.jsonl; nothing was committed after the kill's step.
+  const std::string text = ReadFile(metrics);
+  EXPECT_GE(std::count(text.begin(), text.end(), '\n'), 3);
+  EXPECT_THAT(text, ::testing::Not(HasSubstr("final_params")));
+}
+
+TEST_F(RunFaultsTest, MissingWorkersAreListedWhenRegistrationTimesOut) {
+  ::setenv("HETPAR_TOKEN", "token-for-missing", 1);
+  auto coordinator =
+      RunCommand({kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--set",
+                  "coordinator.register_timeout_s=2", "--set", "data.manifest=" + dir_ + "/x.jsonl",
+                  "--set", "data.tokenizer=" + dir_ + "/x.model"},
+                 60);
+  ::unsetenv("HETPAR_TOKEN");
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  EXPECT_EQ(coordinator->exit_code, 1);
+  const std::string out = coordinator->stdout_text + coordinator->stderr_text;
+  EXPECT_THAT(out, HasSubstr("encoder rank 0"));
+  EXPECT_THAT(out, HasSubstr("llm rank 1"));
+}
+
+}  // namespace
+}  // namespace hetpar
