@@ -1,9 +1,13 @@
 // Clients of the coordinator: what workers and the CLI link (target hetpar_coordinator_client,
 // no libtorch).
 //
-//   auto connection = CoordinatorConnection::Create({.address = "10.0.0.1:50051",
-//                                                    .token = token});
-//   auto session = WorkerSession::Start(*connection, {.registration = request});
+//   ClientOptions client;
+//   client.address = "10.0.0.1:50051";
+//   client.token = token;
+//   auto connection = CoordinatorConnection::Create(client);
+//   WorkerSession::Options options;
+//   options.registration = request;
+//   auto session = WorkerSession::Start(*connection, options);
 //   (*session)->WaitForRunStart(absl::Minutes(2));      // every rank registered: peers known
 //   while (auto message = (*session)->Next(absl::Seconds(30))) { ... step plans, aborts ... }
 //
