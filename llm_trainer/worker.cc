@@ -86,6 +86,20 @@ absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank, bo
   return absl::OkStatus();
 }
 
+// Appends this rank's time split of one step to <out>/workers/rank-<r>.steps.jsonl, which
+// `hetpar run` folds into metrics.jsonl once the step commits.
+void AppendStepTimings(const std::string& out_dir, int64_t world_rank, int64_t step,
+                       const v1::StepReport& report) {
+  if (out_dir.empty()) return;
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir + "/workers", ec);
+  nlohmann::json line = {{"step", step}};
+  for (const auto& [key, value] : report.timings_s()) line[key] = value;
+  std::ofstream out(absl::StrCat(out_dir, "/workers/rank-", world_rank, ".steps.jsonl"),
+                    std::ios::app);
+  out << line.dump() << "\n";
+}
+
 }  // namespace
 
 absl::Status RunWorker(const WorkerOptions& options) {
@@ -264,6 +278,8 @@ absl::Status RunWorker(const WorkerOptions& options) {
     HETPAR_RETURN_IF_ERROR(m.optimizer->Step(step, norm.grad_norm().clip_coefficient()));
     report.set_ok(true);
     report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
+    (*report.mutable_timings_s())["step_s"] = report.compute_s();
+    AppendStepTimings(options.out_dir, world_rank, step, report);
     HETPAR_RETURN_IF_ERROR(session->SendReport(report));
   }
 

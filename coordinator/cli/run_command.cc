@@ -116,11 +116,69 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   return kExitOk;
 }
 
+// Reads the per-step time splits the workers append to <out>/workers/rank-<r>.steps.jsonl and
+// gives, per module, the split of its slowest rank (the one with the most busy time).
+class WorkerTimings {
+ public:
+  explicit WorkerTimings(std::string dir) : dir_(std::move(dir)) {}
+
+  // {"encoder": {"compute_s", "bridge_wait_s", "collective_s", "idle_s"}, "llm": {...}}.
+  nlohmann::json ForStep(int64_t step, double step_time_s) {
+    ReadNew();
+    nlohmann::json out = nlohmann::json::object();
+    auto it = by_step_.find(step);
+    if (it == by_step_.end()) return out;
+    for (const auto& [module, lines] : it->second) {
+      const nlohmann::json* slowest = nullptr;
+      double busiest = -1;
+      for (const auto& line : lines) {
+        const double busy = line.value("compute_s", 0.0) + line.value("bridge_wait_s", 0.0) +
+                            line.value("collective_s", 0.0);
+        if (busy > busiest) {
+          busiest = busy;
+          slowest = &line;
+        }
+      }
+      out[module] = {{"compute_s", slowest->value("compute_s", 0.0)},
+                     {"bridge_wait_s", slowest->value("bridge_wait_s", 0.0)},
+                     {"collective_s", slowest->value("collective_s", 0.0)},
+                     {"idle_s", std::max(0.0, step_time_s - busiest)}};
+    }
+    by_step_.erase(by_step_.begin(), std::next(it));
+    return out;
+  }
+
+ private:
+  void ReadNew() {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+      const std::string path = entry.path().string();
+      if (path.size() < 12 || path.substr(path.size() - 12) != ".steps.jsonl") continue;
+      std::ifstream in(path);
+      in.seekg(offsets_[path]);
+      std::string line;
+      while (std::getline(in, line)) {
+        if (in.eof()) break;  // a line still being written: read it next time
+        offsets_[path] = in.tellg();
+        nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+        if (j.is_discarded() || !j.contains("step")) continue;
+        const std::string module = j.contains("tokens") ? "llm" : "encoder";
+        by_step_[j["step"].get<int64_t>()][module].push_back(j);
+      }
+    }
+  }
+
+  std::string dir_;
+  std::map<std::string, std::streamoff> offsets_;
+  std::map<int64_t, std::map<std::string, std::vector<nlohmann::json>>> by_step_;
+};
+
 // Sums the owned-parameter files the workers of DP replica 0 write.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   std::map<std::string, std::pair<double, double>> sums;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/workers", ec)) {
+    if (entry.path().extension() != ".json") continue;  // rank-<r>.json; not the .steps.jsonl
     std::ifstream in(entry.path());
     nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded()) {
@@ -224,6 +282,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
             << " LLM workers started (logs in " << out_dir << "/log)\n";
 
   const bool tty = ::isatty(STDERR_FILENO) != 0;
+  WorkerTimings timings(out_dir + "/workers");
   const absl::Time start = absl::Now();
   int64_t written = 0;  // steps written to metrics.jsonl
   data::SamplerCursor cursor;
@@ -272,6 +331,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                              {"images", images},
                              {"step_time_s", t.duration_s()},
                              {"generation", t.generation()}};
+      const nlohmann::json split = timings.ForStep(t.step(), t.duration_s());
+      for (auto it = split.begin(); it != split.end(); ++it) line[it.key()] = it.value();
       if (absl::Status s = (*run_dir)->AppendMetrics(line.dump()); !s.ok()) {
         failure = std::string(s.message());
       }
