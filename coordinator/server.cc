@@ -119,6 +119,7 @@ class ServerCore {
       : options_(std::move(options)),
         metadata_value_(std::string(kBearerPrefix) + options_.token),
         controller_(std::move(controller)),
+        controller_options_(controller_->options()),
         kv_(controller_->generation()) {}
 
   ~ServerCore() { Shutdown(absl::Seconds(1)); }
@@ -261,6 +262,38 @@ class ServerCore {
     return controller_->state();
   }
 
+  // Session streams that have not sent their SessionOpen yet: ended at their deadline (the
+  // heartbeat timeout) so a silent stream does not hold the server forever.
+  void AddUnopened(const void* stream, std::shared_ptr<SessionOutbox> outbox) {
+    absl::MutexLock lock(&unopened_mu_);
+    unopened_[stream] = {std::move(outbox), absl::Now() + controller_options_.heartbeat_timeout};
+  }
+  void RemoveUnopened(const void* stream) {
+    absl::MutexLock lock(&unopened_mu_);
+    unopened_.erase(stream);
+  }
+  void ExpireUnopened(absl::Time now) {
+    std::vector<std::shared_ptr<SessionOutbox>> expired;
+    {
+      absl::MutexLock lock(&unopened_mu_);
+      for (auto it = unopened_.begin(); it != unopened_.end();) {
+        if (it->second.second <= now) {
+          expired.push_back(std::move(it->second.first));
+          unopened_.erase(it++);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& outbox : expired) {
+      outbox->Finish(
+          grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                       absl::StrCat("no SessionOpen within ",
+                                    absl::FormatDuration(controller_options_.heartbeat_timeout),
+                                    " of opening the session stream")));
+    }
+  }
+
   void WatchdogLoop();
 
   ServerOptions options_;
@@ -273,8 +306,12 @@ class ServerCore {
   absl::flat_hash_map<std::string, std::shared_ptr<SessionOutbox>> sessions_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
 
+  const ControllerOptions controller_options_;  // resolved (timeouts from the RunSpec)
   KeyValueStore kv_;
   std::atomic<int64_t> rejected_calls_{0};
+  absl::Mutex unopened_mu_;
+  absl::flat_hash_map<const void*, std::pair<std::shared_ptr<SessionOutbox>, absl::Time>> unopened_
+      ABSL_GUARDED_BY(unopened_mu_);
 
   std::unique_ptr<v1::Coordinator::CallbackService> coordinator_service_;
   std::unique_ptr<v1::KeyValue::CallbackService> kv_service_;
@@ -299,6 +336,7 @@ class SessionReactor : public SessionReactorBase {
       Finish(internal::ServerCore::Unauthenticated());
       return;
     }
+    impl_->AddUnopened(this, outbox_);
     StartRead(&incoming_);
   }
 
@@ -312,6 +350,7 @@ class SessionReactor : public SessionReactorBase {
     if (outbox_->finishing()) return;
     absl::Status status;
     if (!opened_) {
+      impl_->RemoveUnopened(this);
       if (incoming_.kind_case() != v1::WorkerMessage::kOpen) {
         status = absl::InvalidArgumentError(
             "the first message of a session must be SessionOpen with the worker_id from Register");
@@ -337,6 +376,7 @@ class SessionReactor : public SessionReactorBase {
 
   void OnDone() override {
     outbox_->Detach();
+    impl_->RemoveUnopened(this);
     if (opened_) ReportEnded("stream closed");
     delete this;
   }
@@ -643,6 +683,7 @@ void internal::ServerCore::WatchdogLoop() {
     WithController(
         [](RunController& c, absl::Time now, Actions* actions) { c.Tick(now, actions); });
     kv_.ExpireWaits(absl::Now());
+    ExpireUnopened(absl::Now());
   }
 }
 

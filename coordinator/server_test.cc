@@ -279,6 +279,22 @@ TEST_F(ServerTest, SilentWorkerIsDeclaredDeadWithinTheTimeout) {
   for (auto& w : workers) (void)w->Close(absl::Seconds(5));
 }
 
+TEST_F(ServerTest, SessionWithoutOpenIsEndedAtTheHeartbeatTimeout) {
+  StartServer(TinySpec(/*heartbeat_timeout_s=*/1));
+  auto connection = Connect();
+  grpc::ClientContext context;
+  connection->PrepareContext(&context, absl::Seconds(30));
+  const absl::Time start = absl::Now();
+  auto stream = connection->coordinator().Session(&context);
+  v1::CoordinatorMessage reply;
+  EXPECT_FALSE(stream->Read(&reply));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_THAT(status.error_message(), HasSubstr("no SessionOpen within 1s"));
+  EXPECT_GE(absl::Now() - start, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 TEST_F(ServerTest, CrashedWorkerIsLostAtOnce) {
   StartServer(TinySpec(/*heartbeat_timeout_s=*/30));
   auto workers = StartFourWorkers();
