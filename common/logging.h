@@ -38,6 +38,12 @@ class LogMessage {
   std::ostringstream stream_;
 };
 
+// Turns the streamed expression into void, so HETPAR_LOG is one expression (safe in an unbraced
+// if/else).
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+
 }  // namespace internal
 }  // namespace hetpar
 
@@ -46,9 +52,10 @@ class LogMessage {
 #define HETPAR_LOG_LEVEL_WARNING ::hetpar::LogLevel::kWarning
 #define HETPAR_LOG_LEVEL_ERROR ::hetpar::LogLevel::kError
 
-#define HETPAR_LOG(level)                                   \
-  if (HETPAR_LOG_LEVEL_##level < ::hetpar::GetLogLevel()) { \
-  } else                                                    \
-    ::hetpar::internal::LogMessage(HETPAR_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
+#define HETPAR_LOG(level)                              \
+  (HETPAR_LOG_LEVEL_##level < ::hetpar::GetLogLevel()) \
+      ? (void)0                                        \
+      : ::hetpar::internal::LogVoidify() &             \
+            ::hetpar::internal::LogMessage(HETPAR_LOG_LEVEL_##level, __FILE__, __LINE__).stream()
 
 #endif  // HETPAR_COMMON_LOGGING_H_

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
+#include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/plan/layout.h"
 #include "common/plan/step_plan.h"
@@ -19,6 +20,7 @@
 #include "common/train/batch_source.h"
 #include "common/train/optimizer.h"
 #include "encoder_service/encoder.h"
+#include "llm_trainer/evaluation.h"
 #include "llm_trainer/language_model.h"
 #include "llm_trainer/llm_inputs.h"
 #include "nlohmann/json.hpp"
@@ -153,7 +155,35 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
       {"final_params",
        {{"encoder", SumsJson(train::OwnedParamSums(vision->parameters()))},
         {"llm", SumsJson(train::OwnedParamSums(language->parameters()))}}}};
-  return run_dir->AppendMetrics(final_line.dump());
+  HETPAR_RETURN_IF_ERROR(run_dir->AppendMetrics(final_line.dump()));
+  if (!options.evaluate || spec.data().val_manifest().empty()) return absl::OkStatus();
+  EvaluationOptions eval_options;
+  eval_options.step = spec.run().steps();
+  HETPAR_ASSIGN_OR_RETURN(EvaluationResult eval,
+                          EvaluateCaptioning(spec, *vision, *language, eval_options));
+  if (options.progress) HETPAR_LOG(INFO) << "validation: " << eval.ToJson();
+  return run_dir->AppendMetrics(eval.ToJson());
+}
+
+absl::StatusOr<std::string> EvaluateSavedModel(const hetpar::v1::RunSpec& spec,
+                                               const std::string& model_dir, int64_t step) {
+  auto single = nn::Communicator::CreateSingle();
+  HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
+                          encoder::EncoderOptionsFromSpec(spec));
+  encoder_options.sequence_parallel = false;
+  HETPAR_ASSIGN_OR_RETURN(auto vision, encoder::VisionEncoder::Create(spec.encoder().model(),
+                                                                      encoder_options, *single));
+  HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
+  llm_options.sequence_parallel = false;
+  HETPAR_ASSIGN_OR_RETURN(auto language,
+                          LanguageModel::Create(spec.llm().model(), llm_options, *single));
+  HETPAR_RETURN_IF_ERROR(nn::LoadFullParameters(vision->parameters(), model_dir + "/encoder.hpar"));
+  HETPAR_RETURN_IF_ERROR(nn::LoadFullParameters(language->parameters(), model_dir + "/llm.hpar"));
+  EvaluationOptions eval_options;
+  eval_options.step = step;
+  HETPAR_ASSIGN_OR_RETURN(EvaluationResult eval,
+                          EvaluateCaptioning(spec, *vision, *language, eval_options));
+  return eval.ToJson();
 }
 
 }  // namespace hetpar::llm

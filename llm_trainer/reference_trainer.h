@@ -23,6 +23,7 @@ namespace hetpar::llm {
 struct ReferenceOptions {
   std::string out_dir;    // run directory (config.yaml, metrics.jsonl, log/)
   bool progress = false;  // one progress line per step on stderr
+  bool evaluate = true;   // validation metrics at the end, with and without images
 };
 
 struct ReferenceStepResult {
@@ -39,6 +40,12 @@ absl::StatusOr<ReferenceStepResult> RunReferenceStep(const train::BatchSource& b
                                                      const plan::StepPlan& step_plan,
                                                      encoder::VisionEncoder& vision,
                                                      LanguageModel& language);
+
+// Loads the full parameters saved by a run (<model_dir>/encoder.hpar, llm.hpar) into tp = 1
+// models, evaluates the validation split with and without images, and returns the metrics line
+// ({"eval": {...}}).
+absl::StatusOr<std::string> EvaluateSavedModel(const hetpar::v1::RunSpec& spec,
+                                               const std::string& model_dir, int64_t step);
 
 // Trains spec.run().steps() steps and writes the run directory. `spec` has defaults applied.
 absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options);

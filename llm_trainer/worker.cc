@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
+#include "common/nn/export.h"
 #include "common/rendezvous/coordinator_store.h"
 #include "common/status.h"
 #include "common/train/batch_source.h"
@@ -283,9 +284,13 @@ absl::Status RunWorker(const WorkerOptions& options) {
     HETPAR_RETURN_IF_ERROR(session->SendReport(report));
   }
 
-  // 4. Final parameters, then a clean goodbye.
+  // 4. Final parameters, then a clean goodbye. Replica 0 of each module saves the full model.
   HETPAR_RETURN_IF_ERROR(
       WriteOwnedParams(options.out_dir, world_rank, is_encoder, coords.dp(), *m.params));
+  if (!options.out_dir.empty() && coords.dp() == 0) {
+    HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(
+        *m.params, *m.tp, absl::StrCat(options.out_dir, "/model/", role_name, ".hpar")));
+  }
   return session->Close(absl::Seconds(10));
 }
 

@@ -2,8 +2,10 @@
 //   encoder     one rank of the encoder pool, driven by the coordinator
 //   llm         one rank of the LLM cluster, driven by the coordinator
 //   reference   both modules in one process at tp = 1, dp = 1 (the parity baseline)
+//   evaluate    validation metrics of a run's saved model (<out>/model), written to <out>/eval.json
 #include <ATen/Parallel.h>
 
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <thread>
@@ -40,9 +42,9 @@ int main(int argc, char** argv) {
   int64_t rank = -1;
   std::string host = "127.0.0.1";
   double timeout_s = 300;
-  app.add_option("--role", role, "What this process runs: encoder, llm or reference")
+  app.add_option("--role", role, "What this process runs: encoder, llm, reference or evaluate")
       ->required()
-      ->check(CLI::IsMember({"encoder", "llm", "reference"}));
+      ->check(CLI::IsMember({"encoder", "llm", "reference", "evaluate"}));
   app.add_option("-c,--config", config_path, "RunSpec YAML file (reference role)");
   app.add_option("--coordinator", coordinator_address,
                  "Coordinator address (encoder and llm roles)")
@@ -96,7 +98,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (config_path.empty()) {
-    std::cerr << "hetpar-worker: --role reference needs --config FILE\n";
+    std::cerr << "hetpar-worker: --role " << role << " needs --config FILE\n";
     return kExitInvalidInput;
   }
   if (steps > 0) overrides.push_back("run.steps=" + std::to_string(steps));
@@ -111,6 +113,20 @@ int main(int argc, char** argv) {
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   hetpar::SetLogTag(role);
 
+  if (role == "evaluate") {
+    if (out_dir.empty()) {
+      std::cerr << "hetpar-worker: --role evaluate needs --out RUN_DIR (with model/ inside)\n";
+      return kExitInvalidInput;
+    }
+    auto line = hetpar::llm::EvaluateSavedModel(spec, out_dir + "/model", spec.run().steps());
+    if (!line.ok()) {
+      HETPAR_LOG(ERROR) << "evaluation failed: " << line.status();
+      return kExitFailure;
+    }
+    std::ofstream(out_dir + "/eval.json") << *line << "\n";
+    HETPAR_LOG(INFO) << "validation: " << *line;
+    return 0;
+  }
   hetpar::llm::ReferenceOptions options;
   options.out_dir = out_dir.empty() ? spec.run().out_dir() : out_dir;
   options.progress = progress;

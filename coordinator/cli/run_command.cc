@@ -199,6 +199,29 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   return out;
 }
 
+// The validation summary a user reads at the end of a run.
+void PrintEvaluation(const std::string& eval_line) {
+  nlohmann::json j = nlohmann::json::parse(eval_line, nullptr, false);
+  if (j.is_discarded() || !j.contains("eval")) return;
+  const nlohmann::json& e = j["eval"];
+  auto accuracy = [&](const char* pass, const char* metric) {
+    return e.contains(pass) && e[pass].contains(metric) ? e[pass][metric].get<double>() : 0.0;
+  };
+  std::cout << absl::StrFormat(
+      "validation (%d samples): caption token accuracy %.3f with images, %.3f with blank images "
+      "(text-only baseline): +%.3f from the images\n",
+      e.value("samples", 0), accuracy("with_images", "caption_token_accuracy"),
+      accuracy("blank_images", "caption_token_accuracy"),
+      accuracy("with_images", "caption_token_accuracy") -
+          accuracy("blank_images", "caption_token_accuracy"));
+  for (const char* attribute : {"colour", "shape", "position", "size"}) {
+    const std::string key = absl::StrCat(attribute, "_accuracy");
+    std::cout << absl::StrFormat("  %-8s %.3f with images, %.3f blank\n", attribute,
+                                 accuracy("with_images", key.c_str()),
+                                 accuracy("blank_images", key.c_str()));
+  }
+}
+
 int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const std::string out_dir = spec.run().out_dir();
   if (spec.placement() != v1::PLACEMENT_NON_COLOCATED) {
@@ -365,6 +388,25 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     return kExitFailure;
   }
   (void)(*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
+  if (!spec.data().val_manifest().empty()) {
+    std::cerr << "hetpar run: evaluating the validation split with and without images\n";
+    std::vector<std::string> argv = {WorkerBinary(),           "--role", "evaluate", "--config",
+                                     out_dir + "/config.yaml", "--out",  out_dir};
+    if (flags.threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(flags.threads)});
+    auto evaluator = LocalProcess::Spawn("evaluate", argv, {}, (*run_dir)->LogPath("evaluate"));
+    const int code = evaluator.ok() ? (*evaluator)->WaitOrKill(absl::Minutes(30)) : -1;
+    std::ifstream in(out_dir + "/eval.json");
+    std::string line;
+    if (code != 0 || !std::getline(in, line)) {
+      std::cerr << "hetpar run: evaluation failed"
+                << (evaluator.ok() ? ":\n" + (*evaluator)->LogTail(10)
+                                   : ": " + std::string(evaluator.status().message()))
+                << "\n";
+      return kExitFailure;
+    }
+    (void)(*run_dir)->AppendMetrics(line);
+    PrintEvaluation(line);
+  }
   std::cout << absl::StrFormat(
       "hetpar run: %s done: %d steps in %s, final loss %.4f; run directory %s\n", spec.run().name(),
       written, Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
