@@ -1,0 +1,265 @@
+// Behaviour specific to the UCX backend; the shared semantics are in the conformance suite
+// (common/transport/conformance_test.cc) and peer death by kill -9 in tests/transport/.
+#include "common/transport/ucx/ucx_transport.h"
+
+#include <cstdlib>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::transport::ucx {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kWait = absl::Seconds(20);
+
+std::vector<uint8_t> Bytes(uint8_t seed, size_t size) {
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>(seed + i * 7 + (i >> 12));
+  return bytes;
+}
+
+// Sets an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    if (old != nullptr) old_ = old;
+    had_ = old != nullptr;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+UcxTransport::Options Named(const std::string& name) {
+  UcxTransport::Options options;
+  options.name = name;
+  return options;
+}
+
+TEST(UcxTransportTest, HonoursUcxTls) {
+  {
+    ScopedEnv tls("UCX_TLS", "tcp");
+    auto a = UcxTransport::Create(Named("a"));
+    auto b = UcxTransport::Create(Named("b"));
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    auto b_at_a = (*a)->Connect((*b)->LocalAddress(), absl::Now() + kWait);
+    auto a_at_b = (*b)->Connect((*a)->LocalAddress(), absl::Now() + kWait);
+    ASSERT_TRUE(b_at_a.ok() && a_at_b.ok());
+    std::vector<uint8_t> out = Bytes(3, (1 << 20) + 7), in(out.size(), 0);
+    auto recv = (*b)->Recv(*a_at_b, 1, MutableBuffer::Host(in.data(), in.size()));
+    auto send = (*a)->Send(*b_at_a, 1, ConstBuffer::Host(out.data(), out.size()));
+    ASSERT_TRUE(recv.ok() && send.ok());
+    ASSERT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+    ASSERT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+    EXPECT_EQ(in, out);
+  }
+  {
+    ScopedEnv tls("UCX_TLS", "no_such_transport");
+    auto broken = UcxTransport::Create(Named("broken"));
+    ASSERT_FALSE(broken.ok());
+    EXPECT_THAT(std::string(broken.status().message()), HasSubstr("ucx transport 'broken'"));
+  }
+}
+
+TEST(UcxTransportTest, SendWaitsForThePeerToConnectBack) {
+  auto a = UcxTransport::Create(Named("a"));
+  auto b = UcxTransport::Create(Named("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto b_at_a = (*a)->Connect((*b)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(b_at_a.ok());
+  std::vector<uint8_t> out = Bytes(9, 300000), in(out.size(), 0);
+  auto send = (*a)->Send(*b_at_a, 2, ConstBuffer::Host(out.data(), out.size()));
+  ASSERT_TRUE(send.ok());
+  EXPECT_EQ((*send)->Wait(absl::Now() + absl::Milliseconds(100)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  auto a_at_b = (*b)->Connect((*a)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(a_at_b.ok());
+  auto recv = (*b)->Recv(*a_at_b, 2, MutableBuffer::Host(in.data(), in.size()));
+  ASSERT_TRUE(recv.ok());
+  ASSERT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+  ASSERT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+  EXPECT_EQ(in, out);
+}
+
+TEST(UcxTransportTest, AbandonedSendTearsDownItsConnection) {
+  UcxTransport::Options options = Named("a");
+  options.abandon_timeout = absl::Milliseconds(200);
+  auto a = UcxTransport::Create(options);
+  auto b = UcxTransport::Create(Named("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto b_at_a = (*a)->Connect((*b)->LocalAddress(), absl::Now() + kWait);
+  auto a_at_b = (*b)->Connect((*a)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(b_at_a.ok() && a_at_b.ok());
+  std::vector<uint8_t> in(16);
+  auto b_pending = (*b)->Recv(*a_at_b, 99, MutableBuffer::Host(in.data(), in.size()));
+  ASSERT_TRUE(b_pending.ok());
+  {
+    // 8 MiB goes by rendezvous: UCX holds the send until b posts a matching receive (never).
+    std::vector<uint8_t> out = Bytes(1, 8 << 20);
+    auto send = (*a)->Send(*b_at_a, 3, ConstBuffer::Host(out.data(), out.size()));
+    ASSERT_TRUE(send.ok());
+    EXPECT_EQ((*send)->Wait(absl::Now() + absl::Milliseconds(50)).code(),
+              absl::StatusCode::kDeadlineExceeded);
+    const absl::Time start = absl::Now();
+    send->reset();  // must return (buffer released) before `out` goes away
+    EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  }
+  auto later = (*a)->Send(*b_at_a, 3, ConstBuffer::Host(in.data(), in.size()));
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(later.status().message()), HasSubstr("torn down"));
+  absl::Status peer_side = (*b_pending)->Wait(absl::Now() + kWait);
+  EXPECT_EQ(peer_side.code(), absl::StatusCode::kUnavailable) << peer_side;
+  EXPECT_THAT(std::string(peer_side.message()), HasSubstr("peer 'a'"));
+}
+
+TEST(UcxTransportTest, DestructionCancelsPendingOperations) {
+  auto a = UcxTransport::Create(Named("a"));
+  auto b = UcxTransport::Create(Named("b"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto b_at_a = (*a)->Connect((*b)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(b_at_a.ok());
+  std::vector<uint8_t> in(64);
+  auto pending = (*a)->Recv(*b_at_a, 4, MutableBuffer::Host(in.data(), in.size()));
+  auto waiting = (*a)->Send(*b_at_a, 4, ConstBuffer::Host(in.data(), in.size()));  // no hello yet
+  ASSERT_TRUE(pending.ok() && waiting.ok());
+  a->reset();
+  for (auto* op : {&*pending, &*waiting}) {
+    absl::Status status = (*op)->Wait(absl::Now() + kWait);
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("transport was destroyed"));
+  }
+}
+
+TEST(UcxTransportTest, ReportsWhetherItCanMoveCudaMemory) {
+  auto a = UcxTransport::Create(Named("a"));
+  ASSERT_TRUE(a.ok());
+  auto peer = (*a)->Connect((*a)->LocalAddress(), absl::Now() + kWait);  // loopback to itself
+  ASSERT_TRUE(peer.ok());
+  int dummy = 0;
+  auto send = (*a)->Send(*peer, 1, ConstBuffer{&dummy, sizeof(dummy), MemoryKind::kCuda, 0});
+  if ((*a)->SupportsCuda()) {
+    GTEST_SKIP() << "this UCX has CUDA support; host memory tagged as CUDA is not a valid test";
+  }
+  EXPECT_EQ(send.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(send.status().message()), HasSubstr("no CUDA memory support"));
+}
+
+// Two transports wired both ways, with a small ping-pong done so both hellos (and the zero-copy
+// offers that follow them) have arrived.
+struct Pair {
+  std::unique_ptr<UcxTransport> a, b;
+  PeerId b_at_a = 0, a_at_b = 0;
+};
+
+Pair Connected(const UcxTransport::Options& a_options, const UcxTransport::Options& b_options) {
+  Pair pair;
+  auto a = UcxTransport::Create(a_options);
+  auto b = UcxTransport::Create(b_options);
+  EXPECT_TRUE(a.ok() && b.ok());
+  if (!a.ok() || !b.ok()) return pair;
+  pair.a = std::move(a).value();
+  pair.b = std::move(b).value();
+  pair.b_at_a = *pair.a->Connect(pair.b->LocalAddress(), absl::Now() + kWait);
+  pair.a_at_b = *pair.b->Connect(pair.a->LocalAddress(), absl::Now() + kWait);
+  for (auto [from, to, peer_at_from, peer_at_to] :
+       {std::tuple{pair.a.get(), pair.b.get(), pair.b_at_a, pair.a_at_b},
+        std::tuple{pair.b.get(), pair.a.get(), pair.a_at_b, pair.b_at_a}}) {
+    uint8_t out = 1, in = 0;
+    auto recv = to->Recv(peer_at_to, 0, MutableBuffer::Host(&in, 1));
+    auto send = from->Send(peer_at_from, 0, ConstBuffer::Host(&out, 1));
+    EXPECT_TRUE(recv.ok() && send.ok());
+    EXPECT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+    EXPECT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+  }
+  return pair;
+}
+
+// Sends `size` bytes a -> b and checks them.
+void Transfer(Pair& pair, size_t size, Tag tag) {
+  std::vector<uint8_t> out = Bytes(static_cast<uint8_t>(tag), size), in(size, 0);
+  auto recv = pair.b->Recv(pair.a_at_b, tag, MutableBuffer::Host(in.data(), in.size()));
+  auto send = pair.a->Send(pair.b_at_a, tag, ConstBuffer::Host(out.data(), out.size()));
+  ASSERT_TRUE(recv.ok() && send.ok());
+  ASSERT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+  ASSERT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+  EXPECT_EQ((*recv)->bytes(), size);
+  EXPECT_EQ(in, out);
+}
+
+TEST(UcxTransportTest, LargeMessagesOnOneHostAreCopiedStraightFromTheSender) {
+  Pair pair = Connected(Named("a"), Named("b"));
+  ASSERT_NE(pair.a, nullptr);
+  const size_t threshold = UcxTransport::Options().zero_copy_threshold;
+  Transfer(pair, threshold - 1, 1);  // below the threshold: UCX's own path
+  EXPECT_EQ(pair.a->stats().zero_copy_sends, 0u);
+  Transfer(pair, threshold, 2);
+  Transfer(pair, (3 << 20) + 5, 3);
+  EXPECT_EQ(pair.a->stats().zero_copy_sends, 2u);
+  EXPECT_EQ(pair.b->stats().zero_copy_receives, 2u);
+  EXPECT_EQ(pair.a->stats().sends, 4u);     // the ping, and three transfers
+  EXPECT_EQ(pair.b->stats().receives, 4u);  // the ping, and three transfers
+}
+
+TEST(UcxTransportTest, ZeroCopyIsOnlyUsedWhenTheReceiverOffersIt) {
+  UcxTransport::Options no_zero_copy = Named("b");
+  no_zero_copy.same_host_zero_copy = false;
+  Pair pair = Connected(Named("a"), no_zero_copy);
+  ASSERT_NE(pair.a, nullptr);
+  Transfer(pair, (3 << 20) + 5, 1);
+  EXPECT_EQ(pair.a->stats().zero_copy_sends, 0u);
+  EXPECT_EQ(pair.b->stats().zero_copy_receives, 0u);
+  EXPECT_EQ(pair.b->stats().receives, 2u);
+}
+
+TEST(UcxTransportTest, ZeroCopyIntoATooSmallBufferIsTruncation) {
+  Pair pair = Connected(Named("a"), Named("b"));
+  ASSERT_NE(pair.a, nullptr);
+  // Smaller than a descriptor, and larger than one but smaller than the message.
+  for (size_t buffer_size : {size_t{8}, size_t{100000}}) {
+    std::vector<uint8_t> out = Bytes(7, 1 << 20), in(buffer_size, 0);
+    auto recv = pair.b->Recv(pair.a_at_b, 5, MutableBuffer::Host(in.data(), in.size()));
+    auto send = pair.a->Send(pair.b_at_a, 5, ConstBuffer::Host(out.data(), out.size()));
+    ASSERT_TRUE(recv.ok() && send.ok());
+    absl::Status status = (*recv)->Wait(absl::Now() + kWait);
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange) << status;
+    EXPECT_THAT(std::string(status.message()),
+                HasSubstr(absl::StrCat("larger than the ", buffer_size, "-byte receive buffer")));
+    EXPECT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+  }
+  Transfer(pair, 1 << 20, 6);  // the connection still works
+}
+
+TEST(UcxTransportTest, LoopbackToItself) {
+  auto a = UcxTransport::Create(Named("self"));
+  ASSERT_TRUE(a.ok());
+  auto self = (*a)->Connect((*a)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(self.ok());
+  std::vector<uint8_t> out = Bytes(4, 100000), in(out.size(), 0);
+  auto recv = (*a)->Recv(*self, 5, MutableBuffer::Host(in.data(), in.size()));
+  auto send = (*a)->Send(*self, 5, ConstBuffer::Host(out.data(), out.size()));
+  ASSERT_TRUE(recv.ok() && send.ok());
+  ASSERT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+  ASSERT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
+  EXPECT_EQ(in, out);
+}
+
+}  // namespace
+}  // namespace hetpar::transport::ucx
