@@ -74,21 +74,38 @@ class ParityTest : public ::testing::Test {
     return dir_ + "/" + out;
   }
 
-  static std::vector<nlohmann::json> Metrics(const std::string& run) {
-    std::vector<nlohmann::json> lines;
+  struct RunMetrics {
+    std::vector<nlohmann::json> steps;  // the per-step lines, in order
+    nlohmann::json final_params;
+    nlohmann::json eval;
+  };
+
+  static RunMetrics Metrics(const std::string& run) {
+    RunMetrics m;
     std::ifstream in(run + "/metrics.jsonl");
     std::string line;
-    while (std::getline(in, line)) lines.push_back(nlohmann::json::parse(line));
-    return lines;
+    while (std::getline(in, line)) {
+      nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("final_params")) {
+        m.final_params = j["final_params"];
+      } else if (j.contains("eval")) {
+        m.eval = j["eval"];
+      } else {
+        m.steps.push_back(j);
+      }
+    }
+    return m;
   }
 
-  // Compares with the data (every step's loss and grad norm, both modules' final sums) and with
-  // `hetpar compare`, which must agree.
+  // Compares with the data (every step's loss and grad norm, both modules' final sums, the
+  // validation metrics) and with `hetpar compare`, which must agree.
   static void ExpectAgree(const std::string& a, const std::string& b, int steps, double tolerance) {
-    const auto ma = Metrics(a);
-    const auto mb = Metrics(b);
-    ASSERT_EQ(ma.size(), static_cast<size_t>(steps + 1)) << a;
-    ASSERT_EQ(mb.size(), static_cast<size_t>(steps + 1)) << b;
+    const RunMetrics ra = Metrics(a);
+    const RunMetrics rb = Metrics(b);
+    const auto& ma = ra.steps;
+    const auto& mb = rb.steps;
+    ASSERT_EQ(ma.size(), static_cast<size_t>(steps)) << a;
+    ASSERT_EQ(mb.size(), static_cast<size_t>(steps)) << b;
     auto rel = [](double x, double y) {
       return std::fabs(x - y) / std::max({std::fabs(x), std::fabs(y), 1e-300});
     };
@@ -105,14 +122,20 @@ class ParityTest : public ::testing::Test {
     EXPECT_GT(with_images, 0);
     // The loss must move: a run that trains nothing would agree trivially.
     EXPECT_LT(ma[steps - 1]["loss"].get<double>(), ma[0]["loss"].get<double>());
+    ASSERT_FALSE(ra.final_params.is_null()) << a;
+    ASSERT_FALSE(rb.final_params.is_null()) << b;
     for (const char* module : {"encoder", "llm"}) {
       for (const char* stat : {"sum", "l2"}) {
-        EXPECT_LE(
-            rel(ma[steps]["final_params"][module][stat], mb[steps]["final_params"][module][stat]),
-            tolerance)
+        EXPECT_LE(rel(ra.final_params[module][stat], rb.final_params[module][stat]), tolerance)
             << module << " " << stat;
       }
     }
+    // Both evaluated the same trained model on the same split.
+    ASSERT_FALSE(ra.eval.is_null()) << a;
+    ASSERT_FALSE(rb.eval.is_null()) << b;
+    EXPECT_EQ(ra.eval["samples"], rb.eval["samples"]);
+    EXPECT_NEAR(ra.eval["with_images"]["caption_token_accuracy"].get<double>(),
+                rb.eval["with_images"]["caption_token_accuracy"].get<double>(), 0.01);
     auto r = RunCommand({kBin, "compare", a, b});
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->exit_code, 0) << r->stdout_text << r->stderr_text;
