@@ -190,9 +190,12 @@ absl::Status RunWorker(const WorkerOptions& options) {
       break;
     }
     if (message.has_abort()) {
-      return absl::AbortedError(
-          absl::StrCat("step ", message.abort().step(),
-                       " aborted by the coordinator: ", message.abort().reason()));
+      // Parameters change only at commit: drop the step's gradients and wait for what comes
+      // next (the step again, a stop, or a membership change).
+      HETPAR_LOG(WARNING) << "step " << message.abort().step()
+                          << " aborted by the coordinator: " << message.abort().reason();
+      m.params->ZeroGrad();
+      continue;
     }
     if (message.has_membership_change()) {
       std::string lost;
@@ -267,8 +270,14 @@ absl::Status RunWorker(const WorkerOptions& options) {
     }
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextMessage(*session, options.timeout));
     if (norm.has_abort()) {
-      return absl::AbortedError(
-          absl::StrCat("step ", step, " aborted by the coordinator: ", norm.abort().reason()));
+      HETPAR_LOG(WARNING) << "step " << step
+                          << " aborted by the coordinator: " << norm.abort().reason();
+      m.params->ZeroGrad();
+      continue;
+    }
+    if (norm.has_stop()) {
+      HETPAR_LOG(INFO) << "stop: " << norm.stop().reason();
+      break;
     }
     if (!norm.has_grad_norm()) {
       return absl::FailedPreconditionError(

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,6 +47,8 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
+    // A worker never outlives the run that started it, however that run ends.
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
     // Signals the parent blocked for its signal thread must reach the worker normally.

@@ -191,6 +191,30 @@ TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr("final_params")));
 }
 
+TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
+  auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string metrics = dir_ + "/run/metrics.jsonl";
+  for (int i = 0; i < 1200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string text = ReadFile(metrics);
+    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
+  }
+  ASSERT_EQ(ProcessesWith("--out " + dir_ + "/run --threads").size(), 4u)
+      << ReadFile(dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run->Signal(SIGINT));
+  auto code = run->Wait(60);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 130);
+  EXPECT_THAT(ReadFile(dir_ + "/hetpar-run.log"), HasSubstr("interrupted"));
+  // Every worker saw the stop and exited by itself, with no error of its own.
+  for (const char* name : {"encoder-0", "encoder-1", "llm-0", "llm-1"}) {
+    const std::string log = ReadFile(dir_ + "/run/log/" + name + ".log");
+    EXPECT_THAT(log, HasSubstr("stop:")) << name << ":\n" << log;
+    EXPECT_THAT(log, ::testing::Not(HasSubstr("worker failed"))) << name;
+  }
+}
+
 TEST_F(RunFaultsTest, MissingWorkersAreListedWhenRegistrationTimesOut) {
   ::setenv("HETPAR_TOKEN", "token-for-missing", 1);
   auto coordinator =
