@@ -36,6 +36,28 @@ nlohmann::json SumsJson(const train::OwnedSums& sums) {
   return {{"sum", sums.sum}, {"l2", std::sqrt(sums.square_sum)}};
 }
 
+// Both modules at tp = 1 in this process, initialised from the run seed.
+struct SingleProcessModels {
+  std::unique_ptr<nn::Communicator> single = nn::Communicator::CreateSingle();
+  std::unique_ptr<encoder::VisionEncoder> encoder;
+  std::unique_ptr<LanguageModel> llm;
+};
+
+absl::StatusOr<SingleProcessModels> CreateSingleProcessModels(const hetpar::v1::RunSpec& spec) {
+  SingleProcessModels models;
+  HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
+                          encoder::EncoderOptionsFromSpec(spec));
+  encoder_options.sequence_parallel = false;  // tp = 1
+  HETPAR_ASSIGN_OR_RETURN(
+      models.encoder,
+      encoder::VisionEncoder::Create(spec.encoder().model(), encoder_options, *models.single));
+  HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
+  llm_options.sequence_parallel = false;
+  HETPAR_ASSIGN_OR_RETURN(models.llm,
+                          LanguageModel::Create(spec.llm().model(), llm_options, *models.single));
+  return models;
+}
+
 }  // namespace
 
 absl::StatusOr<ReferenceStepResult> RunReferenceStep(const train::BatchSource& batches,
@@ -90,16 +112,9 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
   HETPAR_ASSIGN_OR_RETURN(plan::Placement placement, plan::PlacementFromRunSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(auto run_dir, RunDirectory::Create(options.out_dir, spec));
 
-  auto single = nn::Communicator::CreateSingle();
-  HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
-                          encoder::EncoderOptionsFromSpec(spec));
-  encoder_options.sequence_parallel = false;  // tp = 1
-  HETPAR_ASSIGN_OR_RETURN(auto vision, encoder::VisionEncoder::Create(spec.encoder().model(),
-                                                                      encoder_options, *single));
-  HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
-  llm_options.sequence_parallel = false;
-  HETPAR_ASSIGN_OR_RETURN(auto language,
-                          LanguageModel::Create(spec.llm().model(), llm_options, *single));
+  HETPAR_ASSIGN_OR_RETURN(SingleProcessModels models, CreateSingleProcessModels(spec));
+  auto& vision = models.encoder;
+  auto& language = models.llm;
   HETPAR_ASSIGN_OR_RETURN(auto encoder_opt, train::ModuleOptimizer::Create(
                                                 &vision->parameters(), spec.encoder().optimizer()));
   HETPAR_ASSIGN_OR_RETURN(auto llm_opt, train::ModuleOptimizer::Create(&language->parameters(),
@@ -167,16 +182,9 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
 
 absl::StatusOr<std::string> EvaluateSavedModel(const hetpar::v1::RunSpec& spec,
                                                const std::string& model_dir, int64_t step) {
-  auto single = nn::Communicator::CreateSingle();
-  HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
-                          encoder::EncoderOptionsFromSpec(spec));
-  encoder_options.sequence_parallel = false;
-  HETPAR_ASSIGN_OR_RETURN(auto vision, encoder::VisionEncoder::Create(spec.encoder().model(),
-                                                                      encoder_options, *single));
-  HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
-  llm_options.sequence_parallel = false;
-  HETPAR_ASSIGN_OR_RETURN(auto language,
-                          LanguageModel::Create(spec.llm().model(), llm_options, *single));
+  HETPAR_ASSIGN_OR_RETURN(SingleProcessModels models, CreateSingleProcessModels(spec));
+  auto& vision = models.encoder;
+  auto& language = models.llm;
   HETPAR_RETURN_IF_ERROR(nn::LoadFullParameters(vision->parameters(), model_dir + "/encoder.hpar"));
   HETPAR_RETURN_IF_ERROR(nn::LoadFullParameters(language->parameters(), model_dir + "/llm.hpar"));
   EvaluationOptions eval_options;
