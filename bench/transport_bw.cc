@@ -2,17 +2,20 @@
 //
 // For each message size it measures, in the same run:
 //   hetpar     the UCX backend of hetpar's Transport, one way and both ways at once
-//   ucx_raw    `ucx_perftest -t tag_bw` (server and client processes, same size)
+//   ucx_raw    `ucx_perftest -t tag_bw` (server and client processes, same size), and as
+//              ucx_raw_peer the same with `-e`: endpoints in UCP_ERR_HANDLING_MODE_PEER like
+//              hetpar's, where UCX 1.13 has no shared-memory or CMA lanes (TCP only)
 //   gloo       c10d ProcessGroupGloo send/recv (libtorch), one way and both ways
 //   memcpy     a single-process memcpy of the same size
 // and prints one JSON object per size:
 //   {"size": 33554432, "hetpar_gbps": ..., "ucx_raw_gbps": ..., "gloo_gbps": ...,
 //    "memcpy_gbps": ..., "hetpar_bidir_gbps": ..., "gloo_bidir_gbps": ...,
-//    "hetpar_vs_ucx_raw": ..., "hetpar_vs_gloo": ...}
+//    "ucx_raw_peer_gbps": ..., "hetpar_vs_ucx_raw": ..., "hetpar_vs_gloo": ...}
 // Rates are GB/s (1e9 bytes per second). One-way rates count the bytes of one direction;
 // "bidir" rates count the bytes moved in both directions together. Every rate is the best of
 // --reps repetitions of --budget bytes (at least 8 and at most 8192 messages) after a warm-up,
-// with --window messages in flight.
+// with --window messages in flight; each repetition measures every system at that size in turn
+// (fresh process pairs), so they see the same machine load.
 //
 //   transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] [--window N]
 //                [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off]
@@ -445,19 +448,21 @@ int FreePort() {
 
 // One ucx_perftest tag_bw run; returns GB/s from the client's final "overall" bandwidth
 // (ucx_perftest prints MB/s with MB = 2^20 bytes).
-absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, const std::string& dir) {
+absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handling,
+                                   const std::string& dir) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::string port = std::to_string(FreePort());
     const std::string n = std::to_string(count), s = std::to_string(size);
     const std::string warmup = std::to_string(std::max<int64_t>(2, count / 4));
-    auto server =
-        Spawn({"ucx_perftest", "-t", "tag_bw", "-s", s, "-n", n, "-w", warmup, "-p", port, "-f"},
-              dir + "/perftest.server.out");
+    std::vector<std::string> server_argv = {"ucx_perftest", "-t",   "tag_bw", "-s", s,   "-n", n,
+                                            "-w",           warmup, "-p",     port, "-f"};
+    if (error_handling) server_argv.push_back("-e");
+    std::vector<std::string> client_argv = server_argv;
+    client_argv.insert(client_argv.begin() + 1, "127.0.0.1");
+    auto server = Spawn(server_argv, dir + "/perftest.server.out");
     if (!server.ok()) return server.status();
     absl::SleepFor(absl::Milliseconds(300));
-    auto client = Spawn({"ucx_perftest", "127.0.0.1", "-t", "tag_bw", "-s", s, "-n", n, "-w",
-                         warmup, "-p", port, "-f"},
-                        dir + "/perftest.client.out");
+    auto client = Spawn(client_argv, dir + "/perftest.client.out");
     if (!client.ok()) return client.status();
     auto client_output = Finish(*client, absl::Minutes(5), "ucx_perftest client");
     auto server_output = Finish(*server, absl::Seconds(30), "ucx_perftest server");
@@ -509,44 +514,51 @@ int RunDriver(const std::string& self, const Config& config) {
     return 1;
   }
   const std::string dir = pattern;
-  PairResults hetpar, gloo;
-  if (!config.Skipped("hetpar")) {
-    auto results = RunPair(self, "hetpar", config, dir);
-    if (!results.ok()) {
-      std::cerr << "transport_bw: hetpar pair: " << results.status() << "\n";
-      return 1;
+  auto clear = [&dir]() {
+    for (const char* file : {"hetpar.0.addr", "hetpar.1.addr", "gloo.store"}) {
+      std::remove(absl::StrCat(dir, "/", file).c_str());
     }
-    hetpar = *results;
-  }
-  if (!config.Skipped("gloo")) {
-    auto results = RunPair(self, "gloo", config, dir);
-    if (!results.ok()) {
-      std::cerr << "transport_bw: gloo pair: " << results.status() << "\n";
-      return 1;
-    }
-    gloo = *results;
-  }
+  };
+  // Every system is measured once per repetition, size by size, so all see the same load.
   for (size_t size : config.sizes) {
     const int64_t count = Messages(config, size);
-    double ucx_raw = 0;
-    if (!config.Skipped("ucx_raw")) {
-      for (int rep = 0; rep < config.reps; ++rep) {
-        auto gbps = UcxPerftest(size, count, dir);
-        if (!gbps.ok()) {
-          std::cerr << "transport_bw: " << gbps.status() << "\n";
+    Config one = config;
+    one.sizes = {size};
+    one.reps = 1;
+    double h = 0, hb = 0, g = 0, gb = 0, ucx_raw = 0, ucx_raw_peer = 0;
+    for (int rep = 0; rep < config.reps; ++rep) {
+      for (const char* role : {"hetpar", "gloo"}) {
+        if (config.Skipped(role)) continue;
+        clear();
+        auto results = RunPair(self, role, one, dir);
+        if (!results.ok()) {
+          std::cerr << "transport_bw: " << role << " pair: " << results.status() << "\n";
           return 1;
         }
-        ucx_raw = std::max(ucx_raw, *gbps);
+        const auto [oneway, bidir] = (*results)[size];
+        double& best_oneway = std::string(role) == "hetpar" ? h : g;
+        double& best_bidir = std::string(role) == "hetpar" ? hb : gb;
+        best_oneway = std::max(best_oneway, oneway);
+        best_bidir = std::max(best_bidir, bidir);
+      }
+      if (!config.Skipped("ucx_raw")) {
+        for (bool error_handling : {false, true}) {
+          auto gbps = UcxPerftest(size, count, error_handling, dir);
+          if (!gbps.ok()) {
+            std::cerr << "transport_bw: " << gbps.status() << "\n";
+            return 1;
+          }
+          double& best = error_handling ? ucx_raw_peer : ucx_raw;
+          best = std::max(best, *gbps);
+        }
       }
     }
     const double memcpy_gbps = config.Skipped("memcpy") ? 0 : MemcpyGbps(size, count, config.reps);
-    const double h = hetpar.count(size) ? hetpar[size].first : 0;
-    const double g = gloo.count(size) ? gloo[size].first : 0;
     std::cout << "{\"size\": " << size << ", \"hetpar_gbps\": " << Json(h)
               << ", \"ucx_raw_gbps\": " << Json(ucx_raw) << ", \"gloo_gbps\": " << Json(g)
               << ", \"memcpy_gbps\": " << Json(memcpy_gbps)
-              << ", \"hetpar_bidir_gbps\": " << Json(hetpar.count(size) ? hetpar[size].second : 0)
-              << ", \"gloo_bidir_gbps\": " << Json(gloo.count(size) ? gloo[size].second : 0)
+              << ", \"hetpar_bidir_gbps\": " << Json(hb) << ", \"gloo_bidir_gbps\": " << Json(gb)
+              << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
               << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
               << ", \"hetpar_vs_gloo\": " << Json(g > 0 ? h / g : 0) << "}" << std::endl;
   }

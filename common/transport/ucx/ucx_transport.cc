@@ -1044,10 +1044,12 @@ bool Core::ProcessReads() {
           d.length, " bytes); truncated, buffer contents unspecified"));
     } else if (int error = ReadPeerMemory(d.pid, d.address, op.dst, d.length); error != 0) {
       result = kReadFailed;
-      // The sender's process is gone (ESRCH) or its buffer is (EFAULT): the peer failed.
+      const std::string failure = absl::StrCat("copying ", d.length, " bytes out of its process ",
+                                               d.pid, " failed: ", strerror(error));
+      // The sender's memory cannot be read any more: its process is gone or going (ESRCH,
+      // EFAULT while it exits), or it withdrew access. Either way the peer is unusable.
       status = absl::UnavailableError(
-          absl::StrCat(what, ": peer '", conn->name, "' is unavailable: copying ", d.length,
-                       " bytes from its process ", d.pid, " failed: ", strerror(error)));
+          absl::StrCat(what, ": peer '", conn->name, "' is unavailable: ", failure));
     }
     if (result != kDropped) SendControl(conn, ControlKind::kZeroCopyDone, d.send_id, result);
     if (status.ok()) {
