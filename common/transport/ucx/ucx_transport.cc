@@ -146,6 +146,7 @@ struct PeerConn {
   // Same-host zero copy: whether the peer can read our memory (it said so after reading our
   // probe word), and the sends it is reading now, by send id.
   bool zero_copy_to_peer = false;
+  uint32_t zero_copy_from_pid = 0;  // the process we offered to copy from (0: none)
   uint64_t next_send_id = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<UcxOp>> zero_copy_sends;
   absl::Status closed_status;  // non-OK once the connection is closing: why
@@ -846,6 +847,7 @@ void Core::AcceptHello(PeerConn* conn, const ControlMessage& hello) {
   if (options_.same_host_zero_copy && hello.pid != 0) {
     uint64_t value = 0;
     if (ReadPeerMemory(hello.pid, hello.arg0, &value, sizeof(value)) == 0 && value == hello.arg1) {
+      conn->zero_copy_from_pid = hello.pid;
       SendControl(conn, ControlKind::kZeroCopyReady);
     }
   }
@@ -1037,6 +1039,12 @@ bool Core::ProcessReads() {
       result = kDropped;
       status = absl::Status(conn->closed_status.code(),
                             absl::StrCat(what, ": ", std::string(conn->closed_status.message())));
+    } else if (d.pid != conn->zero_copy_from_pid) {
+      // Only the process whose memory we probed may be copied from.
+      result = kReadFailed;
+      status = absl::InternalError(absl::StrCat(
+          what, ": a zero-copy descriptor names process ", d.pid, "; expected process ",
+          conn->zero_copy_from_pid, " (the one its hello came from)"));
     } else if (d.length > op.size) {
       result = kTruncated;
       status = absl::OutOfRangeError(absl::StrCat(
