@@ -336,6 +336,15 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     for (int i = status.recent_steps_size() - 1; i >= 0; --i) {
       const v1::StepTiming& t = status.recent_steps(i);
       if (!t.committed() || t.step() < written) continue;
+      if (t.step() > written) {
+        // The coordinator keeps its 32 latest steps; a stall longer than that loses lines.
+        HETPAR_LOG(WARNING) << "metrics of steps " << written << " to " << t.step() - 1
+                            << " were committed but not seen; their lines are missing";
+        for (; written < t.step(); ++written) {
+          auto skipped = (*batches)->Take(cursor, spec.run().global_batch());
+          if (skipped.ok()) cursor = skipped->next;
+        }
+      }
       auto batch = (*batches)->Take(cursor, spec.run().global_batch());
       if (!batch.ok()) {
         failure = std::string(batch.status().message());
