@@ -30,6 +30,11 @@ struct LiveJob {
 }  // namespace
 
 absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStep(const plan::RankStepPlan& plan) {
+  return RunStepAround(plan, nullptr);
+}
+
+absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
+    const plan::RankStepPlan& plan, const std::function<absl::Status()>& between) {
   EncoderStepStats stats;
   const auto& em = model_->model();
   const int64_t bytes_sent0 = boundary_->bytes_sent();
@@ -96,10 +101,11 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStep(const plan::RankStepPla
     live.push_back({&job, output, std::move(sends)});
     ++stats.jobs;
     stats.images += static_cast<int64_t>(job.images.size());
-    if (static_cast<int64_t>(live.size()) >= options_.max_inflight) {
+    if (!between && static_cast<int64_t>(live.size()) >= options_.max_inflight) {
       HETPAR_RETURN_IF_ERROR(backward_oldest());
     }
   }
+  if (between) HETPAR_RETURN_IF_ERROR(between());
   while (!live.empty()) HETPAR_RETURN_IF_ERROR(backward_oldest());
 
   auto t0 = Clock::now();

@@ -15,6 +15,7 @@
 #define HETPAR_ENCODER_SERVICE_ENCODER_RUNTIME_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -52,6 +53,11 @@ class EncoderRuntime {
   // Runs this rank's part of one step; on return the parameter gradients hold the module's
   // gradient (summed over DP). Any failure (a dead peer, a rejected header) aborts the step.
   absl::StatusOr<EncoderStepStats> RunStep(const plan::RankStepPlan& plan);
+
+  // The colocated schedule: every job's forward, then `between` (the LLM's waves on this same
+  // process), then every job's backward. A failure of `between` aborts the step.
+  absl::StatusOr<EncoderStepStats> RunStepAround(const plan::RankStepPlan& plan,
+                                                 const std::function<absl::Status()>& between);
 
  private:
   VisionEncoder* model_;

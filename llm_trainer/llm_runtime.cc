@@ -133,8 +133,12 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     }
   }
   auto t0 = Clock::now();
-  for (auto& pending : sends) {
-    HETPAR_RETURN_IF_ERROR(pending.Wait(absl::Now() + options_.timeout));
+  if (options_.defer_send_wait) {
+    for (auto& pending : sends) deferred_.push_back(std::move(pending));
+  } else {
+    for (auto& pending : sends) {
+      HETPAR_RETURN_IF_ERROR(pending.Wait(absl::Now() + options_.timeout));
+    }
   }
   stats.bridge_wait_s += Since(t0);
   t0 = Clock::now();
@@ -145,6 +149,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
   stats.bytes_received = boundary_->bytes_received() - bytes_received0;
   return stats;
+}
+
+absl::Status LlmRuntime::WaitForSends() {
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  for (auto& pending : deferred_) HETPAR_RETURN_IF_ERROR(pending.Wait(deadline));
+  deferred_.clear();
+  return absl::OkStatus();
 }
 
 }  // namespace hetpar::llm

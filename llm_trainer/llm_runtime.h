@@ -16,6 +16,7 @@
 #define HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -42,6 +43,9 @@ struct LlmStepStats {
 
 struct LlmRuntimeOptions {
   absl::Duration timeout = absl::Seconds(120);  // bound of every boundary wait
+  // Colocated schedule: the encoder ranks take the gradients only in their backward phase, after
+  // this step returns, so RunStep leaves its gradient sends pending for WaitForSends.
+  bool defer_send_wait = false;
 };
 
 // Borrows everything; one thread calls RunStep.
@@ -53,6 +57,8 @@ class LlmRuntime {
       : model_(model), tp_(tp), dp_(dp), data_(data), boundary_(boundary), options_(options) {}
 
   absl::StatusOr<LlmStepStats> RunStep(const plan::RankStepPlan& plan);
+  // Waits for the gradient sends RunStep left pending (defer_send_wait).
+  absl::Status WaitForSends();
 
  private:
   LanguageModel* model_;
@@ -61,6 +67,7 @@ class LlmRuntime {
   const train::BatchSource* data_;
   train::BoundaryCommunicator* boundary_;
   LlmRuntimeOptions options_;
+  std::vector<train::PendingSends> deferred_;
 };
 
 }  // namespace hetpar::llm

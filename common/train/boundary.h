@@ -11,6 +11,11 @@
 // Tags: one per (step, direction, wave), so messages of different waves and directions between
 // the same two ranks never match each other.
 //
+// A transfer whose source and destination are the same rank (colocated placement: a process is a
+// rank of both modules) does not touch the transport: the packed message is handed over in
+// memory. The schedule must send it before it is received (colocated runs do all encoder
+// forwards before the LLM waves, and all LLM waves before the encoder backwards).
+//
 // Threading: one thread drives a BoundaryCommunicator. Every wait is bounded by the timeout; a
 // dead peer fails the wait with kUnavailable naming it.
 #ifndef HETPAR_COMMON_TRAIN_BOUNDARY_H_
@@ -88,6 +93,9 @@ class BoundaryCommunicator {
   absl::Status Receive(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
                        const std::vector<plan::Transfer>& transfers, at::Tensor& rows, bool add);
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
+
+  // Messages a rank sent to itself, by (tag, rank), waiting to be received.
+  std::map<std::pair<transport::Tag, int64_t>, std::string> local_;
 
   transport::Transport* transport_;
   std::map<int64_t, transport::PeerId> peers_;

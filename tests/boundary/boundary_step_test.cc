@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,6 +38,7 @@ struct Case {
   std::string name;
   int64_t enc_dp, enc_tp, llm_dp, llm_tp;
   bool sequence_parallel = false;
+  bool colocated = false;  // both modules on the same ranks, three-phase schedule
 };
 
 std::string DataDir() {
@@ -49,13 +51,17 @@ hetpar::v1::RunSpec MakeSpec(const Case& c) {
   const std::string yaml =
       absl::StrCat(R"(
 run: {name: t, steps: 1, global_batch: 12, micro_batch: )",
-                   12 / (c.llm_dp * 3), R"(, dtype: float64, seed: 5}
+                   12 % (c.llm_dp * 3) == 0 ? 12 / (c.llm_dp * 3) : 1,
+                   R"(, dtype: float64, seed: 5}
+placement: )",
+                   c.colocated ? "colocated" : "non_colocated", R"(
 encoder:
   model: {image_size: 16, patch: 8, hidden: 16, layers: 1, heads: 2, mlp: 32, out_hidden: 32}
   layout: {dp: )",
                    c.enc_dp, ", tp: ", c.enc_tp, R"(}
 llm:
-  model: {hidden: 32, layers: 1, heads: 4, kv_heads: 2, ffn: 64, vocab: 256, seq_len: 128}
+  model: {hidden: 32, layers: 1, heads: 4, kv_heads: )",
+                   c.llm_tp == 4 ? 4 : 2, R"(, ffn: 64, vocab: 256, seq_len: 128}
   layout: {dp: )",
                    c.llm_dp, ", tp: ", c.llm_tp,
                    ", sequence_parallel: ", c.sequence_parallel ? "true" : "false", R"(}
@@ -139,73 +145,96 @@ TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
       };
       auto rank_plan = plan::ExtractRankPlan(*step_plan, r);
       if (!rank_plan.ok()) return fail(std::string(rank_plan.status().message()));
-      const bool is_encoder = rank_plan->encoder_role;
-      const plan::Layout& layout = is_encoder ? pl.encoder : pl.llm;
-      const plan::RankCoords coords =
-          is_encoder ? rank_plan->encoder_coords : rank_plan->llm_coords;
-      const std::string module = is_encoder ? "enc" : "llm";
-      nn::CommunicatorOptions tp_options;
-      tp_options.prefix = absl::StrCat(module, "/dp", coords.dp, "/tp");
-      tp_options.rank = static_cast<int>(coords.tp);
-      tp_options.size = static_cast<int>(layout.tp);
-      nn::CommunicatorOptions dp_options;
-      dp_options.prefix = absl::StrCat(module, "/tp", coords.tp, "/dp");
-      dp_options.rank = static_cast<int>(coords.dp);
-      dp_options.size = static_cast<int>(layout.dp);
-      auto tp =
-          tp_options.size > 1
-              ? nn::Communicator::Create(store, tp_options)
-              : absl::StatusOr<std::unique_ptr<nn::Communicator>>(nn::Communicator::CreateSingle());
-      auto dp =
-          dp_options.size > 1
-              ? nn::Communicator::Create(store, dp_options)
-              : absl::StatusOr<std::unique_ptr<nn::Communicator>>(nn::Communicator::CreateSingle());
-      if (!tp.ok() || !dp.ok()) return fail("process groups");
-      // Connect to every rank on the other side of the boundary.
+      // One module's TP and DP groups for this rank.
+      auto groups = [&](const std::string& module, const plan::Layout& layout,
+                        const plan::RankCoords& coords, std::unique_ptr<nn::Communicator>* tp,
+                        std::unique_ptr<nn::Communicator>* dp) -> bool {
+        for (int which = 0; which < 2; ++which) {
+          nn::CommunicatorOptions o;
+          o.prefix = which == 0 ? absl::StrCat(module, "/dp", coords.dp, "/tp")
+                                : absl::StrCat(module, "/tp", coords.tp, "/dp");
+          o.rank = static_cast<int>(which == 0 ? coords.tp : coords.dp);
+          o.size = static_cast<int>(which == 0 ? layout.tp : layout.dp);
+          auto group = o.size > 1 ? nn::Communicator::Create(store, o)
+                                  : absl::StatusOr<std::unique_ptr<nn::Communicator>>(
+                                        nn::Communicator::CreateSingle());
+          if (!group.ok()) return false;
+          *(which == 0 ? tp : dp) = std::move(group).value();
+        }
+        return true;
+      };
+      // Connect to every rank on the other side of the boundary (every other rank, colocated).
       std::map<int64_t, transport::PeerId> peers;
       for (int64_t other = 0; other < world; ++other) {
-        const bool other_encoder = other < pl.encoder.end_rank();
-        if (other == r || other_encoder == is_encoder) continue;
+        const bool same_side =
+            !c.colocated && (other < pl.encoder.end_rank()) == rank_plan->encoder_role;
+        if (other == r || same_side) continue;
         auto peer = transports[r]->Connect(transports[other]->LocalAddress(),
                                            absl::Now() + absl::Seconds(30));
         if (!peer.ok()) return fail(std::string(peer.status().message()));
         peers[other] = *peer;
       }
       train::BoundaryCommunicator boundary(transports[r].get(), peers, absl::Seconds(60));
-      const nn::ParameterSet* params = nullptr;
+      std::unique_ptr<nn::Communicator> enc_tp, enc_dp, llm_tp, llm_dp;
       std::unique_ptr<encoder::VisionEncoder> enc;
       std::unique_ptr<llm::LanguageModel> lm;
-      if (is_encoder) {
-        auto model = encoder::VisionEncoder::Create(spec.encoder().model(), *enc_options, **tp);
+      if (rank_plan->encoder_role) {
+        if (!groups("enc", pl.encoder, rank_plan->encoder_coords, &enc_tp, &enc_dp)) {
+          return fail("encoder process groups");
+        }
+        auto model = encoder::VisionEncoder::Create(spec.encoder().model(), *enc_options, *enc_tp);
         if (!model.ok()) return fail(std::string(model.status().message()));
         enc = std::move(model).value();
-        encoder::EncoderRuntime runtime(enc.get(), tp->get(), dp->get(), batches->get(), &boundary,
-                                        {spec.run().max_inflight(), absl::Seconds(60)});
-        auto stats = runtime.RunStep(*rank_plan);
-        if (!stats.ok()) return fail(std::string(stats.status().message()));
-        params = &enc->parameters();
-      } else {
+      }
+      if (rank_plan->llm_role) {
+        if (!groups("llm", pl.llm, rank_plan->llm_coords, &llm_tp, &llm_dp)) {
+          return fail("LLM process groups");
+        }
         auto options = *llm_options;
         options.sequence_parallel = c.sequence_parallel;
-        auto model = llm::LanguageModel::Create(spec.llm().model(), options, **tp);
+        auto model = llm::LanguageModel::Create(spec.llm().model(), options, *llm_tp);
         if (!model.ok()) return fail(std::string(model.status().message()));
         lm = std::move(model).value();
-        llm::LlmRuntime runtime(lm.get(), tp->get(), dp->get(), batches->get(), &boundary,
-                                {absl::Seconds(60)});
-        auto stats = runtime.RunStep(*rank_plan);
-        if (!stats.ok()) return fail(std::string(stats.status().message()));
-        if (coords.tp == 0) {
-          std::lock_guard<std::mutex> lock(mu);
-          llm_loss += stats->loss;
-        }
-        params = &lm->parameters();
       }
-      for (const auto& p : params->parameters()) {
-        const double error = SliceError(p, ref_grads.at(p.name));
+      std::optional<llm::LlmRuntime> llm_runtime;
+      if (lm) {
+        llm_runtime.emplace(lm.get(), llm_tp.get(), llm_dp.get(), batches->get(), &boundary,
+                            llm::LlmRuntimeOptions{absl::Seconds(60), c.colocated});
+      }
+      double loss = 0;
+      auto run_llm = [&]() -> absl::Status {
+        auto stats = llm_runtime->RunStep(*rank_plan);
+        if (!stats.ok()) return stats.status();
+        loss = stats->loss;
+        return absl::OkStatus();
+      };
+      absl::Status status;
+      if (enc) {
+        encoder::EncoderRuntime runtime(enc.get(), enc_tp.get(), enc_dp.get(), batches->get(),
+                                        &boundary, {spec.run().max_inflight(), absl::Seconds(60)});
+        auto stats =
+            c.colocated ? runtime.RunStepAround(*rank_plan, run_llm) : runtime.RunStep(*rank_plan);
+        status = stats.status();
+      } else {
+        status = run_llm();
+      }
+      if (status.ok() && c.colocated) status = llm_runtime->WaitForSends();
+      if (!status.ok()) return fail(std::string(status.message()));
+      if (lm && rank_plan->llm_coords.tp == 0) {
         std::lock_guard<std::mutex> lock(mu);
-        worst_error = std::max(worst_error, error);
-        if (error > 1e-10)
-          failures.push_back(absl::StrCat("rank ", r, " ", p.name, " error ", error));
+        llm_loss += loss;
+      }
+      std::vector<const nn::ParameterSet*> sets;
+      if (enc) sets.push_back(&enc->parameters());
+      if (lm) sets.push_back(&lm->parameters());
+      for (const nn::ParameterSet* params : sets) {
+        for (const auto& p : params->parameters()) {
+          const double error = SliceError(p, ref_grads.at(p.name));
+          std::lock_guard<std::mutex> lock(mu);
+          worst_error = std::max(worst_error, error);
+          if (error > 1e-10)
+            failures.push_back(absl::StrCat("rank ", r, " ", p.name, " error ", error));
+        }
       }
     });
   }
@@ -218,12 +247,16 @@ TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
               worst_error, static_cast<long long>(world));
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, BoundaryStepTest,
-                         ::testing::Values(Case{"enc_dp2_tp1_to_llm_dp1_tp2", 2, 1, 1, 2},
-                                           Case{"enc_dp3_tp1_to_llm_dp2_tp1", 3, 1, 2, 1},
-                                           Case{"enc_dp1_tp2_to_llm_dp2_tp2", 1, 2, 2, 2},
-                                           Case{"enc_dp2_tp1_to_llm_dp1_tp2_sp", 2, 1, 1, 2, true}),
-                         [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, BoundaryStepTest,
+    ::testing::Values(Case{"enc_dp2_tp1_to_llm_dp1_tp2", 2, 1, 1, 2},
+                      Case{"enc_dp3_tp1_to_llm_dp2_tp1", 3, 1, 2, 1},
+                      Case{"enc_dp1_tp2_to_llm_dp2_tp2", 1, 2, 2, 2},
+                      Case{"enc_dp2_tp1_to_llm_dp1_tp2_sp", 2, 1, 1, 2, true},
+                      Case{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4, false, true},
+                      Case{"colocated_enc_dp2_tp2_llm_dp4_tp1", 2, 2, 4, 1, false, true},
+                      Case{"colocated_enc_dp3_llm_dp3_uneven", 3, 1, 3, 1, false, true}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace hetpar
