@@ -2,12 +2,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -30,8 +32,11 @@
 namespace hetpar::worker {
 namespace {
 
-// The module-side state of one worker: its model, groups and optimizer.
+// The state of one module on this worker: its rank, groups, model and optimizer.
 struct ModuleState {
+  bool encoder_module = true;
+  std::string name;  // "encoder" or "llm"
+  v1::RankCoordinates coords;
   std::unique_ptr<nn::Communicator> tp;
   std::unique_ptr<nn::Communicator> dp;
   std::unique_ptr<encoder::VisionEncoder> encoder;
@@ -69,8 +74,11 @@ absl::StatusOr<v1::CoordinatorMessage> NextMessage(coordinator::WorkerSession& s
   }
 }
 
-absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank, bool encoder,
-                              int64_t dp_rank, const nn::ParameterSet& params) {
+absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank,
+                              const ModuleState& m) {
+  const bool encoder = m.encoder_module;
+  const int64_t dp_rank = m.coords.dp();
+  const nn::ParameterSet& params = *m.params;
   if (out_dir.empty()) return absl::OkStatus();
   std::error_code ec;
   std::filesystem::create_directories(out_dir + "/workers", ec);
@@ -80,7 +88,8 @@ absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank, bo
                       {"dp", dp_rank},
                       {"sum", sums.sum},
                       {"square_sum", sums.square_sum}};
-  const std::string path = absl::StrCat(out_dir, "/workers/rank-", world_rank, ".json");
+  const std::string path =
+      absl::StrCat(out_dir, "/workers/rank-", world_rank, "-", m.name, ".json");
   std::ofstream out(path);
   out << j.dump() << "\n";
   if (!out) return absl::DataLossError(absl::StrCat("cannot write '", path, "'"));
@@ -90,12 +99,12 @@ absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank, bo
 // Appends this rank's time split of one step to <out>/workers/rank-<r>.steps.jsonl, which
 // `hetpar run` folds into metrics.jsonl once the step commits.
 void AppendStepTimings(const std::string& out_dir, int64_t world_rank, int64_t step,
-                       const v1::StepReport& report) {
+                       const std::string& module, const std::map<std::string, double>& timings) {
   if (out_dir.empty()) return;
   std::error_code ec;
   std::filesystem::create_directories(out_dir + "/workers", ec);
-  nlohmann::json line = {{"step", step}};
-  for (const auto& [key, value] : report.timings_s()) line[key] = value;
+  nlohmann::json line = {{"step", step}, {"module", module}};
+  for (const auto& [key, value] : timings) line[key] = value;
   std::ofstream out(absl::StrCat(out_dir, "/workers/rank-", world_rank, ".steps.jsonl"),
                     std::ios::app);
   out << line.dump() << "\n";
@@ -104,8 +113,9 @@ void AppendStepTimings(const std::string& out_dir, int64_t world_rank, int64_t s
 }  // namespace
 
 absl::Status RunWorker(const WorkerOptions& options) {
-  const bool is_encoder = options.role == Role::kEncoder;
-  const std::string role_name = is_encoder ? "encoder" : "llm";
+  const std::string role_name = options.role == Role::kEncoder ? "encoder"
+                                : options.role == Role::kLlm   ? "llm"
+                                                               : "colocated";
 
   // 1. Data plane, then registration.
   transport::ucx::UcxTransport::Options transport_options;
@@ -119,7 +129,9 @@ absl::Status RunWorker(const WorkerOptions& options) {
   HETPAR_RETURN_IF_ERROR(connection->WaitForConnected(absl::Seconds(30)));
   coordinator::WorkerSession::Options session_options;
   v1::RegisterRequest& request = session_options.registration;
-  request.set_role(is_encoder ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM);
+  request.set_role(options.role == Role::kEncoder ? v1::WORKER_ROLE_ENCODER
+                   : options.role == Role::kLlm   ? v1::WORKER_ROLE_LLM
+                                                  : v1::WORKER_ROLE_COLOCATED);
   request.set_host(options.host);
   request.set_data_address(transport->LocalAddress());
   request.add_capabilities("cpu");
@@ -131,15 +143,29 @@ absl::Status RunWorker(const WorkerOptions& options) {
 
   // 2. Everyone is here: peers, groups, models.
   HETPAR_ASSIGN_OR_RETURN(v1::Assignment assignment, session->WaitForRunStart(options.timeout));
-  if (assignment.ranks_size() != 1) {
+  const int expected_ranks = options.role == Role::kColocated ? 2 : 1;
+  if (assignment.ranks_size() != expected_ranks) {
     return absl::FailedPreconditionError(
         absl::StrCat("the coordinator assigned ", assignment.ranks_size(), " module ranks to this ",
-                     role_name, " worker; expected 1"));
+                     role_name, " worker; expected ", expected_ranks));
   }
-  const v1::RankCoordinates coords = assignment.ranks(0);
   const int64_t world_rank = assignment.world_rank();
-  SetLogTag(absl::StrCat(is_encoder ? "enc" : "llm", " r", coords.rank(), " dp", coords.dp(), " tp",
-                         coords.tp()));
+  std::vector<ModuleState> modules;
+  std::string tag;
+  for (const v1::RankCoordinates& coords : assignment.ranks()) {
+    ModuleState m;
+    m.encoder_module = coords.module() == v1::MODULE_ENCODER;
+    m.name = m.encoder_module ? "encoder" : "llm";
+    m.coords = coords;
+    modules.push_back(std::move(m));
+    absl::StrAppend(&tag, tag.empty() ? "" : " ", m.encoder_module ? "enc" : "llm", " dp",
+                    coords.dp(), " tp", coords.tp());
+  }
+  // Encoder first: its groups are formed, and its phases run, before the LLM's.
+  std::sort(modules.begin(), modules.end(), [](const ModuleState& a, const ModuleState& b) {
+    return a.encoder_module > b.encoder_module;
+  });
+  SetLogTag(absl::StrCat("r", world_rank, " ", tag));
   HETPAR_LOG(INFO) << "registered as world rank " << world_rank << ", generation "
                    << assignment.generation() << ", " << assignment.peers_size()
                    << " boundary peers";
@@ -154,27 +180,33 @@ absl::Status RunWorker(const WorkerOptions& options) {
 
   HETPAR_ASSIGN_OR_RETURN(auto store, rendezvous::OpenCoordinatorStore(
                                           connection, assignment.generation(), options.timeout));
-  const auto& layout = is_encoder ? spec.encoder().layout() : spec.llm().layout();
-  ModuleState m;
-  HETPAR_ASSIGN_OR_RETURN(m.tp, Group(store, absl::StrCat(role_name, "/dp", coords.dp(), "/tp"),
-                                      coords.tp(), layout.tp(), options.timeout, options.host));
-  HETPAR_ASSIGN_OR_RETURN(m.dp, Group(store, absl::StrCat(role_name, "/tp", coords.tp(), "/dp"),
-                                      coords.dp(), layout.dp(), options.timeout, options.host));
-  if (is_encoder) {
-    HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions model_options,
-                            encoder::EncoderOptionsFromSpec(spec));
-    HETPAR_ASSIGN_OR_RETURN(
-        m.encoder, encoder::VisionEncoder::Create(spec.encoder().model(), model_options, *m.tp));
-    m.params = &m.encoder->parameters();
-  } else {
-    HETPAR_ASSIGN_OR_RETURN(llm::LlmOptions model_options, llm::LlmOptionsFromSpec(spec));
-    HETPAR_ASSIGN_OR_RETURN(m.llm,
-                            llm::LanguageModel::Create(spec.llm().model(), model_options, *m.tp));
-    m.params = &m.llm->parameters();
+  ModuleState* enc = nullptr;
+  ModuleState* lm = nullptr;
+  for (ModuleState& m : modules) {
+    const auto& layout = m.encoder_module ? spec.encoder().layout() : spec.llm().layout();
+    HETPAR_ASSIGN_OR_RETURN(m.tp, Group(store, absl::StrCat(m.name, "/dp", m.coords.dp(), "/tp"),
+                                        m.coords.tp(), layout.tp(), options.timeout, options.host));
+    HETPAR_ASSIGN_OR_RETURN(m.dp, Group(store, absl::StrCat(m.name, "/tp", m.coords.tp(), "/dp"),
+                                        m.coords.dp(), layout.dp(), options.timeout, options.host));
+    if (m.encoder_module) {
+      HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions model_options,
+                              encoder::EncoderOptionsFromSpec(spec));
+      HETPAR_ASSIGN_OR_RETURN(
+          m.encoder, encoder::VisionEncoder::Create(spec.encoder().model(), model_options, *m.tp));
+      m.params = &m.encoder->parameters();
+      enc = &m;
+    } else {
+      HETPAR_ASSIGN_OR_RETURN(llm::LlmOptions model_options, llm::LlmOptionsFromSpec(spec));
+      HETPAR_ASSIGN_OR_RETURN(m.llm,
+                              llm::LanguageModel::Create(spec.llm().model(), model_options, *m.tp));
+      m.params = &m.llm->parameters();
+      lm = &m;
+    }
+    HETPAR_ASSIGN_OR_RETURN(m.optimizer, train::ModuleOptimizer::Create(
+                                             m.params, m.encoder_module ? spec.encoder().optimizer()
+                                                                        : spec.llm().optimizer()));
   }
-  HETPAR_ASSIGN_OR_RETURN(
-      m.optimizer, train::ModuleOptimizer::Create(
-                       m.params, is_encoder ? spec.encoder().optimizer() : spec.llm().optimizer()));
+  const bool colocated = enc != nullptr && lm != nullptr;
 
   // The data set is opened once the coordinator has planned the first step (it generates a
   // synthetic data set before that, so workers never race to write it).
@@ -194,7 +226,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
       // next (the step again, a stop, or a membership change).
       HETPAR_LOG(WARNING) << "step " << message.abort().step()
                           << " aborted by the coordinator: " << message.abort().reason();
-      m.params->ZeroGrad();
+      for (ModuleState& m : modules) m.params->ZeroGrad();
       continue;
     }
     if (message.has_membership_change()) {
@@ -211,13 +243,14 @@ absl::Status RunWorker(const WorkerOptions& options) {
                             coordinator::RankStepPlanFromProto(step_message.rank_plan()));
     if (batches == nullptr) {
       HETPAR_ASSIGN_OR_RETURN(batches, train::BatchSource::Create(spec));
-      if (is_encoder) {
+      if (enc != nullptr) {
         encoder_runtime.emplace(
-            m.encoder.get(), m.tp.get(), m.dp.get(), batches.get(), &boundary,
+            enc->encoder.get(), enc->tp.get(), enc->dp.get(), batches.get(), &boundary,
             encoder::EncoderRuntimeOptions{spec.run().max_inflight(), options.timeout});
-      } else {
-        llm_runtime.emplace(m.llm.get(), m.tp.get(), m.dp.get(), batches.get(), &boundary,
-                            llm::LlmRuntimeOptions{options.timeout});
+      }
+      if (lm != nullptr) {
+        llm_runtime.emplace(lm->llm.get(), lm->tp.get(), lm->dp.get(), batches.get(), &boundary,
+                            llm::LlmRuntimeOptions{options.timeout, colocated});
       }
     }
     const int64_t step = step_message.step();
@@ -225,34 +258,36 @@ absl::Status RunWorker(const WorkerOptions& options) {
     report.set_step(step);
     report.set_generation(step_message.generation());
     const absl::Time start = absl::Now();
+    std::map<std::string, double> encoder_timings, llm_timings;
+    auto run_llm = [&]() -> absl::Status {
+      HETPAR_ASSIGN_OR_RETURN(llm::LlmStepStats stats, llm_runtime->RunStep(rank_plan));
+      if (lm->coords.tp() == 0) {
+        report.set_loss_sum(stats.loss_sum);
+        report.set_loss_tokens(stats.loss_tokens);
+      }
+      llm_timings = {{"compute_s", stats.compute_s},
+                     {"bridge_wait_s", stats.bridge_wait_s},
+                     {"collective_s", stats.collective_s},
+                     {"tokens", static_cast<double>(stats.tokens)},
+                     {"images", static_cast<double>(stats.images)},
+                     {"bytes_received", static_cast<double>(stats.bytes_received)}};
+      return absl::OkStatus();
+    };
     absl::Status status;
-    if (is_encoder) {
-      auto stats = encoder_runtime->RunStep(rank_plan);
+    if (enc != nullptr) {
+      auto stats = colocated ? encoder_runtime->RunStepAround(rank_plan, run_llm)
+                             : encoder_runtime->RunStep(rank_plan);
       status = stats.status();
       if (stats.ok()) {
-        auto& t = *report.mutable_timings_s();
-        t["compute_s"] = stats->compute_s;
-        t["bridge_wait_s"] = stats->bridge_wait_s;
-        t["collective_s"] = stats->collective_s;
-        t["images"] = static_cast<double>(stats->images);
-        t["bytes_sent"] = static_cast<double>(stats->bytes_sent);
+        encoder_timings = {{"compute_s", stats->compute_s},
+                           {"bridge_wait_s", stats->bridge_wait_s},
+                           {"collective_s", stats->collective_s},
+                           {"images", static_cast<double>(stats->images)},
+                           {"bytes_sent", static_cast<double>(stats->bytes_sent)}};
       }
+      if (status.ok() && colocated) status = llm_runtime->WaitForSends();
     } else {
-      auto stats = llm_runtime->RunStep(rank_plan);
-      status = stats.status();
-      if (stats.ok()) {
-        if (coords.tp() == 0) {
-          report.set_loss_sum(stats->loss_sum);
-          report.set_loss_tokens(stats->loss_tokens);
-        }
-        auto& t = *report.mutable_timings_s();
-        t["compute_s"] = stats->compute_s;
-        t["bridge_wait_s"] = stats->bridge_wait_s;
-        t["collective_s"] = stats->collective_s;
-        t["tokens"] = static_cast<double>(stats->tokens);
-        t["images"] = static_cast<double>(stats->images);
-        t["bytes_received"] = static_cast<double>(stats->bytes_received);
-      }
+      status = run_llm();
     }
     if (!status.ok()) {
       report.set_ok(false);
@@ -260,11 +295,12 @@ absl::Status RunWorker(const WorkerOptions& options) {
       (void)session->SendReport(report);
       return Annotate(status, absl::StrCat("step ", step));
     }
-    if (coords.dp() == 0) {
+    for (const ModuleState& m : modules) {
+      if (m.coords.dp() != 0) continue;
       v1::GradNormPartial partial;
       partial.set_step(step);
       partial.set_generation(step_message.generation());
-      partial.set_module(is_encoder ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+      partial.set_module(m.encoder_module ? v1::MODULE_ENCODER : v1::MODULE_LLM);
       partial.set_sum_squares(train::OwnedGradSums(*m.params).square_sum);
       HETPAR_RETURN_IF_ERROR(session->SendGradNormPartial(partial));
     }
@@ -272,7 +308,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
     if (norm.has_abort()) {
       HETPAR_LOG(WARNING) << "step " << step
                           << " aborted by the coordinator: " << norm.abort().reason();
-      m.params->ZeroGrad();
+      for (ModuleState& m : modules) m.params->ZeroGrad();
       continue;
     }
     if (norm.has_stop()) {
@@ -282,23 +318,32 @@ absl::Status RunWorker(const WorkerOptions& options) {
     if (!norm.has_grad_norm()) {
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step,
-                       ": expected the global gradient norm from the "
-                       "coordinator, got another message"));
+                       ": expected the global gradient norm from the coordinator, got another "
+                       "message"));
     }
-    HETPAR_RETURN_IF_ERROR(m.optimizer->Step(step, norm.grad_norm().clip_coefficient()));
+    for (ModuleState& m : modules) {
+      HETPAR_RETURN_IF_ERROR(m.optimizer->Step(step, norm.grad_norm().clip_coefficient()));
+    }
     report.set_ok(true);
     report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
-    (*report.mutable_timings_s())["step_s"] = report.compute_s();
-    AppendStepTimings(options.out_dir, world_rank, step, report);
+    for (auto* timings : {&encoder_timings, &llm_timings}) {
+      if (timings->empty()) continue;
+      const std::string prefix = timings == &encoder_timings ? "encoder." : "llm.";
+      for (const auto& [key, value] : *timings) (*report.mutable_timings_s())[prefix + key] = value;
+      (*timings)["step_s"] = report.compute_s();
+      AppendStepTimings(options.out_dir, world_rank, step,
+                        timings == &encoder_timings ? "encoder" : "llm", *timings);
+    }
     HETPAR_RETURN_IF_ERROR(session->SendReport(report));
   }
 
   // 4. Final parameters, then a clean goodbye. Replica 0 of each module saves the full model.
-  HETPAR_RETURN_IF_ERROR(
-      WriteOwnedParams(options.out_dir, world_rank, is_encoder, coords.dp(), *m.params));
-  if (!options.out_dir.empty() && coords.dp() == 0) {
-    HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(
-        *m.params, *m.tp, absl::StrCat(options.out_dir, "/model/", role_name, ".hpar")));
+  for (ModuleState& m : modules) {
+    HETPAR_RETURN_IF_ERROR(WriteOwnedParams(options.out_dir, world_rank, m));
+    if (!options.out_dir.empty() && m.coords.dp() == 0) {
+      HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(
+          *m.params, *m.tp, absl::StrCat(options.out_dir, "/model/", m.name, ".hpar")));
+    }
   }
   return session->Close(absl::Seconds(10));
 }

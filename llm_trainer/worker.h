@@ -1,5 +1,6 @@
-// A distributed worker: one rank of the encoder pool or of the LLM cluster, driven by the
-// coordinator.
+// A distributed worker, driven by the coordinator: one rank of the encoder pool or of the LLM
+// cluster (non-colocated), or one rank of both modules (colocated: the three-phase schedule of
+// encoder forwards, LLM waves, encoder backwards, each module with its own layout and groups).
 //
 //   1. Opens its data plane (UCX) and registers with the coordinator (role, host, data address).
 //   2. Waits until every rank has registered, then connects to its boundary peers (encoder ranks
@@ -24,7 +25,7 @@
 
 namespace hetpar::worker {
 
-enum class Role { kEncoder, kLlm };
+enum class Role { kEncoder, kLlm, kColocated };
 
 struct WorkerOptions {
   Role role = Role::kEncoder;

@@ -1,6 +1,7 @@
 // `hetpar-worker`: one process of a hetpar run. The role says which:
 //   encoder     one rank of the encoder pool, driven by the coordinator
 //   llm         one rank of the LLM cluster, driven by the coordinator
+//   colocated   one rank of both modules (placement: colocated), driven by the coordinator
 //   reference   both modules in one process at tp = 1, dp = 1 (the parity baseline)
 //   evaluate    validation metrics of a run's saved model (<out>/model), written to <out>/eval.json
 #include <ATen/Parallel.h>
@@ -42,9 +43,10 @@ int main(int argc, char** argv) {
   int64_t rank = -1;
   std::string host = "127.0.0.1";
   double timeout_s = 300;
-  app.add_option("--role", role, "What this process runs: encoder, llm, reference or evaluate")
+  app.add_option("--role", role,
+                 "What this process runs: encoder, llm, colocated, reference or evaluate")
       ->required()
-      ->check(CLI::IsMember({"encoder", "llm", "reference", "evaluate"}));
+      ->check(CLI::IsMember({"encoder", "llm", "colocated", "reference", "evaluate"}));
   app.add_option("-c,--config", config_path, "RunSpec YAML file (reference role)");
   app.add_option("--coordinator", coordinator_address,
                  "Coordinator address (encoder and llm roles)")
@@ -75,7 +77,7 @@ int main(int argc, char** argv) {
 
   at::set_num_threads(
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-  if (role == "encoder" || role == "llm") {
+  if (role == "encoder" || role == "llm" || role == "colocated") {
     hetpar::SetLogTag(role);
     auto token = hetpar::coordinator::ResolveToken(token_file, "");
     if (!token.ok()) {
@@ -83,7 +85,9 @@ int main(int argc, char** argv) {
       return kExitInvalidInput;
     }
     hetpar::worker::WorkerOptions options;
-    options.role = role == "encoder" ? hetpar::worker::Role::kEncoder : hetpar::worker::Role::kLlm;
+    options.role = role == "encoder" ? hetpar::worker::Role::kEncoder
+                   : role == "llm"   ? hetpar::worker::Role::kLlm
+                                     : hetpar::worker::Role::kColocated;
     options.coordinator = coordinator_address;
     options.token = token->value;
     options.requested_rank = rank;

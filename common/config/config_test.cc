@@ -328,7 +328,7 @@ TEST_F(ConfigFilesTest, MissingConfigFileIsNotFound) {
 }
 
 TEST_F(ConfigFilesTest, ExampleConfigsValidate) {
-  for (const char* name : {"tiny.yaml", "large-example.yaml"}) {
+  for (const char* name : {"tiny.yaml", "tiny-colocated.yaml", "large-example.yaml"}) {
     const std::string path = std::string(HETPAR_SOURCE_DIR) + "/configs/" + name;
     auto result = LoadRunSpecFile(path);
     EXPECT_TRUE(result.ok()) << name << ": " << result.status();

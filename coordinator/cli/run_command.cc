@@ -162,7 +162,9 @@ class WorkerTimings {
         offsets_[path] = in.tellg();
         nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
         if (j.is_discarded() || !j.contains("step")) continue;
-        const std::string module = j.contains("tokens") ? "llm" : "encoder";
+        const std::string module = j.contains("module")
+                                       ? j["module"].get<std::string>()
+                                       : (j.contains("tokens") ? "llm" : "encoder");
         by_step_[j["step"].get<int64_t>()][module].push_back(j);
       }
     }
@@ -224,10 +226,10 @@ void PrintEvaluation(const std::string& eval_line) {
 
 int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const std::string out_dir = spec.run().out_dir();
-  if (spec.placement() != v1::PLACEMENT_NON_COLOCATED) {
-    std::cerr << "hetpar run: placement "
-              << (spec.placement() == v1::PLACEMENT_COLOCATED ? "colocated" : "unspecified")
-              << " is not supported by this version; use placement: non_colocated or --reference\n";
+  const bool colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
+  if (colocated && spec.transport() == v1::TRANSPORT_KIND_INPROC) {
+    std::cerr << "hetpar run: transport: inproc needs every rank in one process; hetpar run starts "
+                 "one process per rank: use transport: ucx (shared memory on this machine)\n";
     return kExitInvalidInput;
   }
   auto run_dir = RunDirectory::Create(out_dir, spec);
@@ -269,7 +271,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const int64_t encoder_ranks = spec.encoder().layout().dp() * spec.encoder().layout().tp();
   const auto& ll = spec.llm().layout();
   const int64_t llm_ranks = ll.dp() * ll.tp() * ll.cp() * ll.pp();
-  const int64_t workers = encoder_ranks + llm_ranks;
+  // Colocated: every process is a rank of both modules (the layouts cover the same ranks).
+  const int64_t workers = colocated ? encoder_ranks : encoder_ranks + llm_ranks;
   const int threads =
       flags.threads > 0
           ? flags.threads
@@ -279,18 +282,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   for (int64_t i = 0; i < workers; ++i) {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;
-    const std::string name = absl::StrCat(encoder ? "encoder" : "llm", "-", rank);
-    std::vector<std::string> argv = {WorkerBinary(),
-                                     "--role",
-                                     encoder ? "encoder" : "llm",
-                                     "--coordinator",
-                                     (*server)->address(),
-                                     "--rank",
-                                     std::to_string(rank),
-                                     "--out",
-                                     out_dir,
-                                     "--threads",
-                                     std::to_string(threads)};
+    const std::string role = colocated ? "colocated" : encoder ? "encoder" : "llm";
+    const std::string name = absl::StrCat(role, "-", rank);
+    std::vector<std::string> argv = {
+        WorkerBinary(),       "--role", role,    "--coordinator", (*server)->address(),   "--rank",
+        std::to_string(rank), "--out",  out_dir, "--threads",     std::to_string(threads)};
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
     if (!process.ok()) {
       std::cerr << "hetpar run: cannot start " << name << ": " << process.status().message()
@@ -301,8 +297,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     processes.push_back(std::move(process).value());
   }
   std::cerr << "hetpar run: " << spec.run().name() << ": coordinator on " << (*server)->address()
-            << ", " << encoder_ranks << " encoder and " << llm_ranks
-            << " LLM workers started (logs in " << out_dir << "/log)\n";
+            << ", "
+            << (colocated
+                    ? absl::StrCat(workers, " colocated workers (each a rank of both modules)")
+                    : absl::StrCat(encoder_ranks, " encoder and ", llm_ranks, " LLM workers"))
+            << " started (logs in " << out_dir << "/log)\n";
 
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   WorkerTimings timings(out_dir + "/workers");

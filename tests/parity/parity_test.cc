@@ -24,6 +24,7 @@ using testing::RunCommand;
 
 const std::string kBin = HETPAR_BIN;
 const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
+const std::string kTinyColocated = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny-colocated.yaml";
 
 struct Layouts {
   std::string name;
@@ -56,15 +57,17 @@ class ParityTest : public ::testing::Test {
 
   // Runs `hetpar run` (distributed, or --reference) into dir_/<out>; fails the test on error.
   static std::string Train(const std::string& out, const Layouts& l, const std::string& dtype,
-                           int steps, bool reference) {
+                           int steps, bool reference, const std::string& config = kTiny,
+                           const std::vector<std::string>& extra = {}) {
     std::vector<std::string> argv = {kBin,        "run",
-                                     "--config",  kTiny,
+                                     "--config",  config,
                                      "--out",     dir_ + "/" + out,
                                      "--steps",   std::to_string(steps),
                                      "--threads", "1",
                                      "--set",     "run.dtype=" + dtype};
     for (const auto& f : DataFlags()) argv.push_back(f);
     for (const auto& f : LayoutFlags(l)) argv.push_back(f);
+    for (const auto& f : extra) argv.push_back(f);
     if (reference) argv.push_back("--reference");
     auto r = RunCommand(argv, 300);
     EXPECT_TRUE(r.ok()) << r.status();
@@ -165,6 +168,35 @@ TEST_F(ParityTest, Float32TwentySteps) {
   const Layouts l{"enc_dp2_tp1_llm_dp1_tp2", 2, 1, 1, 2};
   const std::string dist = Train("f32", l, "float32", 20, false);
   const std::string ref = Train("f32_ref", l, "float32", 20, true);
+  ExpectAgree(dist, ref, 20, 1e-4);
+}
+
+// Colocated: both modules on the same ranks, each with its own layout.
+TEST_F(ParityTest, ColocatedFloat64ThreeLayouts) {
+  struct Colocated {
+    Layouts layouts;
+    std::vector<std::string> extra;
+  };
+  const std::vector<Colocated> cases = {
+      {{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4}, {}},
+      {{"colocated_enc_dp2_tp2_llm_dp4_tp1", 2, 2, 4, 1}, {}},
+      // 3 ranks; uneven image counts come from the data set's mix of 0 to 3 images per sample.
+      {{"colocated_enc_dp3_llm_dp3", 3, 1, 3, 1}, {"--set", "run.global_batch=12"}},
+  };
+  for (const Colocated& c : cases) {
+    SCOPED_TRACE(c.layouts.name);
+    const std::string dist =
+        Train(c.layouts.name + "_f64", c.layouts, "float64", 3, false, kTinyColocated, c.extra);
+    const std::string ref =
+        Train(c.layouts.name + "_f64_ref", c.layouts, "float64", 3, true, kTinyColocated, c.extra);
+    ExpectAgree(dist, ref, 3, 1e-9);
+  }
+}
+
+TEST_F(ParityTest, ColocatedFloat32TwentySteps) {
+  const Layouts l{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4};
+  const std::string dist = Train("colocated_f32", l, "float32", 20, false, kTinyColocated);
+  const std::string ref = Train("colocated_f32_ref", l, "float32", 20, true, kTinyColocated);
   ExpectAgree(dist, ref, 20, 1e-4);
 }
 
