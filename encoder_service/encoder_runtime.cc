@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <map>
@@ -99,6 +100,10 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     HETPAR_ASSIGN_OR_RETURN(train::PendingSends sends,
                             boundary_->SendForward(plan, job.wave, rows));
     live.push_back({&job, output, std::move(sends)});
+    int64_t live_bytes = 0;
+    for (const LiveJob& j : live) live_bytes += j.output.numel() * j.output.element_size();
+    stats.peak_live_jobs = std::max<int64_t>(stats.peak_live_jobs, live.size());
+    stats.peak_live_output_bytes = std::max(stats.peak_live_output_bytes, live_bytes);
     ++stats.jobs;
     stats.images += static_cast<int64_t>(job.images.size());
     if (!between && static_cast<int64_t>(live.size()) >= options_.max_inflight) {

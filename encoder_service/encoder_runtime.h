@@ -35,6 +35,11 @@ struct EncoderStepStats {
   double collective_s = 0;   // TP gradient share and DP gradient sum
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
+  // Jobs holding activations at once, at most, and the bytes of their boundary outputs then (the
+  // autograd graph each job keeps grows with the same rows): max_inflight bounds the first under
+  // 1F1B; the colocated schedule keeps every job of the step alive.
+  int64_t peak_live_jobs = 0;
+  int64_t peak_live_output_bytes = 0;
 };
 
 struct EncoderRuntimeOptions {

@@ -279,11 +279,14 @@ absl::Status RunWorker(const WorkerOptions& options) {
                              : encoder_runtime->RunStep(rank_plan);
       status = stats.status();
       if (stats.ok()) {
-        encoder_timings = {{"compute_s", stats->compute_s},
-                           {"bridge_wait_s", stats->bridge_wait_s},
-                           {"collective_s", stats->collective_s},
-                           {"images", static_cast<double>(stats->images)},
-                           {"bytes_sent", static_cast<double>(stats->bytes_sent)}};
+        encoder_timings = {
+            {"compute_s", stats->compute_s},
+            {"bridge_wait_s", stats->bridge_wait_s},
+            {"collective_s", stats->collective_s},
+            {"images", static_cast<double>(stats->images)},
+            {"bytes_sent", static_cast<double>(stats->bytes_sent)},
+            {"peak_live_jobs", static_cast<double>(stats->peak_live_jobs)},
+            {"peak_live_output_bytes", static_cast<double>(stats->peak_live_output_bytes)}};
       }
       if (status.ok() && colocated) status = llm_runtime->WaitForSends();
     } else {

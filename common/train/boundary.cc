@@ -104,6 +104,13 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
       HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary send"));
       checked = true;
     }
+    if (transfer.dst_rank == plan.rank) {
+      // Rows that stay on this rank: the receiver copies them straight from `rows` (which the
+      // caller leaves untouched until the step's receives are done); nothing is packed.
+      local_[{BoundaryTag(plan.step, direction, wave), plan.rank}] = rows;
+      bytes_sent_ += transfer.rows * row_bytes;
+      continue;
+    }
     const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
     auto message = std::make_unique<std::string>();
     message->reserve(kLengthBytes + header.size() + transfer.rows * row_bytes);
@@ -117,11 +124,6 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
             ") outside the ", rows.size(0), "-row buffer of wave ", wave));
       }
       message->append(base + piece.src_offset * row_bytes, piece.rows * row_bytes);
-    }
-    if (transfer.dst_rank == plan.rank) {
-      local_[{BoundaryTag(plan.step, direction, wave), plan.rank}] = std::move(*message);
-      bytes_sent_ += transfer.rows * row_bytes;
-      continue;
     }
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
     const transport::ConstBuffer buffer =
@@ -161,8 +163,26 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
             "rank ", plan.rank, " expects its own ", std::string(plan::DirectionName(direction)),
             " rows of step ", plan.step, " wave ", wave, " but has not sent them"));
       }
-      buffers.push_back(std::move(local->second));
+      const at::Tensor source = std::move(local->second);
       local_.erase(local);
+      for (const plan::BlockPiece& piece : transfer->pieces) {
+        if (piece.src_offset < 0 || piece.src_offset + piece.rows > source.size(0) ||
+            piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {
+          return absl::InternalError(
+              absl::StrCat("boundary handover: piece outside the buffers "
+                           "of wave ",
+                           wave));
+        }
+        at::Tensor from = source.narrow(0, piece.src_offset, piece.rows);
+        at::Tensor to = rows.narrow(0, piece.dst_offset, piece.rows);
+        if (add) {
+          to.add_(from);
+        } else {
+          to.copy_(from);
+        }
+      }
+      bytes_received_ += transfer->rows * row_bytes;
+      buffers.emplace_back();
       ops.push_back(nullptr);
       continue;
     }
@@ -176,7 +196,8 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
   const absl::Time deadline = absl::Now() + timeout_;
   for (size_t i = 0; i < expected.size(); ++i) {
     const plan::Transfer& transfer = *expected[i];
-    absl::Status status = ops[i] == nullptr ? absl::OkStatus() : ops[i]->Wait(deadline);
+    if (ops[i] == nullptr) continue;  // handed over in memory above
+    absl::Status status = ops[i]->Wait(deadline);
     if (!status.ok()) {
       return Annotate(status,
                       absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
@@ -188,7 +209,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
         kLengthBytes +
         static_cast<size_t>(plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()))) +
         static_cast<size_t>(transfer.rows * row_bytes);
-    const size_t bytes = ops[i] == nullptr ? message.size() : ops[i]->bytes();
+    const size_t bytes = ops[i]->bytes();
     if (bytes != expected_size) {
       return absl::DataLossError(absl::StrCat("boundary message from rank ", transfer.src_rank,
                                               " has ", bytes, " bytes; the plan says ",

@@ -12,9 +12,10 @@
 // the same two ranks never match each other.
 //
 // A transfer whose source and destination are the same rank (colocated placement: a process is a
-// rank of both modules) does not touch the transport: the packed message is handed over in
-// memory. The schedule must send it before it is received (colocated runs do all encoder
-// forwards before the LLM waves, and all LLM waves before the encoder backwards).
+// rank of both modules) does not touch the transport and is not packed: the receiver copies the
+// pieces' rows straight from the sender's buffer into its own. The schedule must send it before it
+// is received (colocated runs do all encoder forwards before the LLM waves, and all LLM waves
+// before the encoder backwards).
 //
 // Threading: one thread drives a BoundaryCommunicator. Every wait is bounded by the timeout; a
 // dead peer fails the wait with kUnavailable naming it.
@@ -94,8 +95,8 @@ class BoundaryCommunicator {
                        const std::vector<plan::Transfer>& transfers, at::Tensor& rows, bool add);
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
 
-  // Messages a rank sent to itself, by (tag, rank), waiting to be received.
-  std::map<std::pair<transport::Tag, int64_t>, std::string> local_;
+  // Source buffers of transfers a rank sent to itself, by (tag, rank), waiting to be received.
+  std::map<std::pair<transport::Tag, int64_t>, at::Tensor> local_;
 
   transport::Transport* transport_;
   std::map<int64_t, transport::PeerId> peers_;

@@ -143,6 +143,15 @@ class WorkerTimings {
                      {"bridge_wait_s", slowest->value("bridge_wait_s", 0.0)},
                      {"collective_s", slowest->value("collective_s", 0.0)},
                      {"idle_s", std::max(0.0, step_time_s - busiest)}};
+      if (module == "encoder") {
+        double jobs = 0, bytes = 0;
+        for (const auto& line : lines) {
+          jobs = std::max(jobs, line.value("peak_live_jobs", 0.0));
+          bytes = std::max(bytes, line.value("peak_live_output_bytes", 0.0));
+        }
+        out[module]["peak_live_jobs"] = static_cast<int64_t>(jobs);
+        out[module]["peak_live_output_bytes"] = static_cast<int64_t>(bytes);
+      }
     }
     by_step_.erase(by_step_.begin(), std::next(it));
     return out;
