@@ -13,24 +13,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/hetpar_run_util.h"
 #include "nlohmann/json.hpp"
 
-namespace {
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-std::string Quote(const std::string& s) { return "'" + s + "'"; }
-
-}  // namespace
+using hetpar::bench::Median;
+using hetpar::bench::Quote;
 
 int main(int argc, char** argv) {
   CLI::App app{"colocated_bench: homogeneous vs heterogeneous layouts on the same ranks"};
@@ -61,25 +52,19 @@ int main(int argc, char** argv) {
   for (size_t k = 0; k < layouts.size(); ++k) {
     const Layout& l = layouts[k];
     const std::string out = dir + "/" + l.name;
-    const std::string command = std::string(HETPAR_BIN) + " run --config " + Quote(config) +
-                                " --out " + Quote(out) + " --steps " + std::to_string(steps) +
-                                " --threads 1 --set llm.layout.dp=1" + " --set llm.layout.tp=" + r +
-                                " --set llm.model.kv_heads=" + r + l.flags + " > " +
-                                Quote(out + ".log") + " 2>&1";
-    if (std::system(command.c_str()) != 0) {
-      std::fprintf(stderr, "colocated_bench: '%s' failed; see %s.log\n", command.c_str(),
-                   out.c_str());
+    if (!hetpar::bench::RunHetpar(
+            HETPAR_BIN,
+            "--config " + Quote(config) + " --steps " + std::to_string(steps) +
+                " --threads 1 --set llm.layout.dp=1 --set llm.layout.tp=" + r +
+                " --set llm.model.kv_heads=" + r + l.flags,
+            out)) {
       return 1;
     }
-    std::ifstream in(out + "/metrics.jsonl");
-    std::string line;
     std::vector<double> step_time;
     std::vector<double> split[2][3];  // module x {compute, bridge_wait, collective}
     int64_t tokens = 0;
     double seconds = 0;
-    while (std::getline(in, line)) {
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("step") || j["step"].get<int>() < warmup) continue;
+    for (const nlohmann::json& j : hetpar::bench::StepLines(out, warmup)) {
       step_time.push_back(j["step_time_s"].get<double>());
       tokens += j["tokens"].get<int64_t>();
       seconds += j["step_time_s"].get<double>();

@@ -18,24 +18,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/hetpar_run_util.h"
 #include "nlohmann/json.hpp"
 
-namespace {
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-std::string Quote(const std::string& s) { return "'" + s + "'"; }
-
-}  // namespace
+using hetpar::bench::Median;
+using hetpar::bench::Quote;
 
 int main(int argc, char** argv) {
   CLI::App app{"step_bench: decomposed step time of hetpar run"};
@@ -60,25 +51,19 @@ int main(int argc, char** argv) {
                                    {"micro_batch_1", " --set run.micro_batch=1"}};
   for (const Case& c : cases) {
     const std::string out = dir + "/" + c.name;
-    const std::string command = std::string(HETPAR_BIN) + " run --config " + Quote(config) +
-                                " --out " + Quote(out) + " --steps " + std::to_string(steps) +
-                                " --threads " + std::to_string(threads) + c.extra + " > " +
-                                Quote(out + ".log") + " 2>&1";
     std::filesystem::create_directories(dir);
-    if (std::system(command.c_str()) != 0) {
-      std::fprintf(stderr, "step_bench: '%s' failed; see %s.log\n", command.c_str(), out.c_str());
+    if (!hetpar::bench::RunHetpar(HETPAR_BIN,
+                                  "--config " + Quote(config) + " --steps " +
+                                      std::to_string(steps) + " --threads " +
+                                      std::to_string(threads) + c.extra,
+                                  out)) {
       return 1;
     }
-    std::ifstream in(out + "/metrics.jsonl");
-    std::string line;
     std::vector<double> step_time, enc_compute, llm_compute, enc_wait, llm_wait, enc_coll, llm_coll,
         efficiency;
     int64_t tokens = 0;
     double tokens_time = 0;
-    while (std::getline(in, line)) {
-      nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_discarded() || !j.contains("step") || j["step"].get<int>() < warmup) continue;
-      if (!j.contains("encoder") || !j.contains("llm")) continue;
+    for (const nlohmann::json& j : hetpar::bench::StepLines(out, warmup)) {
       const double t = j["step_time_s"].get<double>();
       const auto& e = j["encoder"];
       const auto& l = j["llm"];
