@@ -5,8 +5,10 @@
 #define HETPAR_COMMON_NN_TEST_RANKS_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,8 +19,29 @@
 
 namespace hetpar::nn::testing {
 
+// Waits until `count` threads have arrived (one use).
+class ThreadLatch {
+ public:
+  explicit ThreadLatch(int count) : left_(count) {}
+  void ArriveAndWait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (--left_ == 0) {
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [this] { return left_ == 0; });
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int left_;
+};
+
 // Calls fn(rank, communicator) on `size` threads and returns the first failure (by rank). A rank
-// whose group cannot be formed reports that. Every group gets a fresh store prefix.
+// whose group cannot be formed reports that. Every group gets a fresh store prefix. No rank starts
+// before every group is formed, and no group is torn down before every rank is done: a rank that
+// finishes early would otherwise close its connections while a peer is still connecting.
 inline absl::Status RunRanks(int size, const std::function<absl::Status(int, Communicator&)>& fn,
                              absl::Duration timeout = absl::Seconds(30)) {
   static std::atomic<int> next_group{0};
@@ -26,6 +49,8 @@ inline absl::Status RunRanks(int size, const std::function<absl::Status(int, Com
   auto store = OpenHashStore();
   std::vector<absl::Status> results(size);
   std::vector<std::thread> threads;
+  ThreadLatch formed(size);
+  ThreadLatch done(size);
   for (int rank = 0; rank < size; ++rank) {
     threads.emplace_back([&, rank] {
       std::unique_ptr<Communicator> comm;
@@ -38,13 +63,15 @@ inline absl::Status RunRanks(int size, const std::function<absl::Status(int, Com
         options.size = size;
         options.timeout = timeout;
         auto created = Communicator::Create(store, options);
-        if (!created.ok()) {
+        if (created.ok()) {
+          comm = *std::move(created);
+        } else {
           results[rank] = created.status();
-          return;
         }
-        comm = *std::move(created);
       }
-      results[rank] = fn(rank, *comm);
+      formed.ArriveAndWait();
+      if (comm != nullptr) results[rank] = fn(rank, *comm);
+      done.ArriveAndWait();
     });
   }
   for (auto& thread : threads) thread.join();
