@@ -47,7 +47,7 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(status->exit_code, 0) << status->stderr_text;
   EXPECT_THAT(status->stdout_text, HasSubstr("run tiny: waiting"));
   EXPECT_THAT(status->stdout_text, HasSubstr("workers: 0 of 4 registered"));
-  EXPECT_THAT(status->stdout_text, HasSubstr("steps: 0 of 120 committed"));
+  EXPECT_THAT(status->stdout_text, HasSubstr("steps: 0 of 3000 committed"));
   EXPECT_THAT(status->stdout_text, HasSubstr("encoder rank 0 (dp 0, tp 0)"));
   EXPECT_THAT(status->stdout_text, HasSubstr("encoder rank 1 (dp 1, tp 0)"));
   EXPECT_THAT(status->stdout_text, HasSubstr("llm rank 0 (dp 0, tp 0, cp 0, pp 0)"));
