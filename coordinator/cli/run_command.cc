@@ -220,7 +220,7 @@ void PrintEvaluation(const std::string& eval_line) {
   };
   std::cout << absl::StrFormat(
       "validation (%d samples): caption token accuracy %.3f with images, %.3f with blank images "
-      "(text-only baseline): +%.3f from the images\n",
+      "(text-only baseline): %+.3f from the images\n",
       e.value("samples", 0), accuracy("with_images", "caption_token_accuracy"),
       accuracy("blank_images", "caption_token_accuracy"),
       accuracy("with_images", "caption_token_accuracy") -
