@@ -325,83 +325,38 @@ absl::StatusOr<PeerId> InprocTransport::Connect(std::string_view peer_address,
 
 absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Send(PeerId peer, Tag tag,
                                                                  ConstBuffer buffer) {
-  using internal::OpKind;
-  using internal::PendingOp;
-  Registry& registry = Registry::Get();
-  Endpoint* self = endpoint_.get();
-  const std::string peer_name = PeerName(peer);
-  const std::string what = internal::Describe(OpKind::kSend, peer_name, tag, buffer.size);
-  if (auto s = ValidateTag(tag, what); !s.ok()) return s;
-  if (auto s = ValidateBuffer(buffer.data, buffer.size, buffer.kind, what); !s.ok()) return s;
-  if (buffer.kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(absl::StrCat(
-        what, ": the in-process backend moves host memory only; ",
-        std::string(MemoryKindName(buffer.kind)), " memory needs a GPU-aware backend"));
-  }
-  auto op = std::make_shared<PendingOp>();
-  op->kind = OpKind::kSend;
-  op->completion = std::make_shared<Completion>(what);
-  op->owner = self;
-  op->src = buffer.data;
-  op->size = buffer.size;
-  internal::PendingOpPtr match;
-  {
-    absl::MutexLock lock(&registry.mu);
-    auto link = self->links.find(peer);
-    if (link == self->links.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": '", self->name, "' has no peer ",
-                                                     peer,
-                                                     "; expected a PeerId returned by Connect"));
-    }
-    if (link->second.disconnected) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(what, ": peer ", peer, " was disconnected by this transport"));
-    }
-    if (!link->second.dead.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat(what, ": ", std::string(link->second.dead.message())));
-    }
-    Endpoint* remote = registry.Find(link->second.remote_id);
-    op->receiver = remote->id;
-    op->key = {self->id, tag};
-    internal::MatchQueue& queue = remote->queues[op->key];
-    if (!queue.recvs.empty()) {
-      match = queue.recvs.front();
-      queue.recvs.pop_front();
-      if (queue.sends.empty() && queue.recvs.empty()) remote->queues.erase(op->key);
-      match->state = internal::OpState::kMoving;
-      op->state = internal::OpState::kMoving;
-      ++self->moving;
-      ++match->owner->moving;
-    } else {
-      queue.sends.push_back(op);
-    }
-  }
-  if (match != nullptr) internal::Move(op, match);
-  return std::unique_ptr<Operation>(new internal::InprocOperation(std::move(op)));
+  return Post(/*is_send=*/true, peer, tag, buffer.data, nullptr, buffer.size, buffer.kind);
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Recv(PeerId peer, Tag tag,
                                                                  MutableBuffer buffer) {
+  return Post(/*is_send=*/false, peer, tag, nullptr, buffer.data, buffer.size, buffer.kind);
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Post(bool is_send, PeerId peer, Tag tag,
+                                                                 const void* src, void* dst,
+                                                                 size_t size, MemoryKind kind) {
   using internal::OpKind;
   using internal::PendingOp;
   Registry& registry = Registry::Get();
   Endpoint* self = endpoint_.get();
+  const OpKind op_kind = is_send ? OpKind::kSend : OpKind::kRecv;
   const std::string peer_name = PeerName(peer);
-  const std::string what = internal::Describe(OpKind::kRecv, peer_name, tag, buffer.size);
+  const std::string what = internal::Describe(op_kind, peer_name, tag, size);
   if (auto s = ValidateTag(tag, what); !s.ok()) return s;
-  if (auto s = ValidateBuffer(buffer.data, buffer.size, buffer.kind, what); !s.ok()) return s;
-  if (buffer.kind != MemoryKind::kHost) {
-    return absl::UnimplementedError(absl::StrCat(
-        what, ": the in-process backend moves host memory only; ",
-        std::string(MemoryKindName(buffer.kind)), " memory needs a GPU-aware backend"));
+  if (auto s = ValidateBuffer(is_send ? src : dst, size, kind, what); !s.ok()) return s;
+  if (kind != MemoryKind::kHost) {
+    return absl::UnimplementedError(
+        absl::StrCat(what, ": the in-process backend moves host memory only; ",
+                     std::string(MemoryKindName(kind)), " memory needs a GPU-aware backend"));
   }
   auto op = std::make_shared<PendingOp>();
-  op->kind = OpKind::kRecv;
+  op->kind = op_kind;
   op->completion = std::make_shared<Completion>(what);
   op->owner = self;
-  op->dst = buffer.data;
-  op->size = buffer.size;
+  op->src = src;
+  op->dst = dst;
+  op->size = size;
   internal::PendingOpPtr match;
   {
     absl::MutexLock lock(&registry.mu);
@@ -419,22 +374,31 @@ absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Recv(PeerId peer, Ta
       return absl::UnavailableError(
           absl::StrCat(what, ": ", std::string(link->second.dead.message())));
     }
-    op->receiver = self->id;
-    op->key = {link->second.remote_id, tag};
-    internal::MatchQueue& queue = self->queues[op->key];
-    if (!queue.sends.empty()) {
-      match = queue.sends.front();
-      queue.sends.pop_front();
-      if (queue.sends.empty() && queue.recvs.empty()) self->queues.erase(op->key);
+    // Queues live at the receiver, keyed by (sender, tag).
+    Endpoint* receiver = is_send ? registry.Find(link->second.remote_id) : self;
+    op->receiver = receiver->id;
+    op->key = {is_send ? self->id : link->second.remote_id, tag};
+    internal::MatchQueue& queue = receiver->queues[op->key];
+    auto& opposite = is_send ? queue.recvs : queue.sends;
+    if (!opposite.empty()) {
+      match = opposite.front();
+      opposite.pop_front();
+      if (queue.sends.empty() && queue.recvs.empty()) receiver->queues.erase(op->key);
       match->state = internal::OpState::kMoving;
       op->state = internal::OpState::kMoving;
       ++self->moving;
       ++match->owner->moving;
     } else {
-      queue.recvs.push_back(op);
+      (is_send ? queue.sends : queue.recvs).push_back(op);
     }
   }
-  if (match != nullptr) internal::Move(match, op);
+  if (match != nullptr) {
+    if (is_send) {
+      internal::Move(op, match);
+    } else {
+      internal::Move(match, op);
+    }
+  }
   return std::unique_ptr<Operation>(new internal::InprocOperation(std::move(op)));
 }
 

@@ -53,6 +53,11 @@ class InprocTransport final : public Transport {
 
  private:
   explicit InprocTransport(std::shared_ptr<internal::Endpoint> endpoint);
+  // Send and Recv: validates, then matches the operation against the oldest opposite one queued
+  // for (sender, tag) or queues it. Exactly one of `src` (send) and `dst` (receive) is used.
+  absl::StatusOr<std::unique_ptr<Operation>> Post(bool is_send, PeerId peer, Tag tag,
+                                                  const void* src, void* dst, size_t size,
+                                                  MemoryKind kind);
 
   std::shared_ptr<internal::Endpoint> endpoint_;
 };
