@@ -4,6 +4,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -48,13 +49,56 @@ absl::StatusOr<data::Split> ParseSplit(const std::string& split) {
       absl::StrCat("--split ", split, " is not a split; expected train or val"));
 }
 
+int Fail(const absl::Status& status, const std::string& context) {
+  std::cerr << "hetpar data " << context << ": " << status.message() << "\n";
+  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+}
+
 std::string IndexPath(const hetpar::v1::RunSpec& spec, data::Split split) {
   return split == data::Split::kTrain ? spec.data().index() : spec.data().val_manifest() + ".index";
 }
 
-int Fail(const absl::Status& status, const std::string& context) {
-  std::cerr << "hetpar data " << context << ": " << status.message() << "\n";
-  return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
+// A split of a config opened for reading: the spec, the split, its loader options and loader.
+struct OpenedSplit {
+  config::LoadedRunSpec loaded;
+  data::Split split = data::Split::kTrain;
+  data::LoaderOptions options;
+  std::unique_ptr<data::DataLoader> loader;
+};
+
+// Loads the config and opens its `options.split`; on failure prints why, sets *exit_code and
+// returns nothing. `context` names the subcommand in messages.
+std::optional<OpenedSplit> OpenSplit(const ConfigOptions& options, const std::string& context,
+                                     int* exit_code) {
+  absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(options);
+  if (!loaded.ok()) {
+    std::cerr << "hetpar: invalid config " << options.config << ":\n"
+              << loaded.status().message() << "\n";
+    *exit_code = kExitInvalidInput;
+    return std::nullopt;
+  }
+  OpenedSplit out;
+  out.loaded = std::move(loaded).value();
+  absl::StatusOr<data::Split> split = ParseSplit(options.split);
+  if (!split.ok()) {
+    *exit_code = Fail(split.status(), context);
+    return std::nullopt;
+  }
+  out.split = *split;
+  absl::StatusOr<data::LoaderOptions> loader_options =
+      data::LoaderOptionsFromRunSpec(out.loaded.spec, out.split);
+  if (!loader_options.ok()) {
+    *exit_code = Fail(loader_options.status(), context);
+    return std::nullopt;
+  }
+  out.options = *loader_options;
+  absl::StatusOr<std::unique_ptr<data::DataLoader>> loader = data::DataLoader::Create(out.options);
+  if (!loader.ok()) {
+    *exit_code = Fail(loader.status(), context);
+    return std::nullopt;
+  }
+  out.loader = std::move(loader).value();
+  return out;
 }
 
 void AddSynthCommand(CLI::App* data, int* exit_code) {
@@ -209,43 +253,21 @@ void AddIndexCommand(CLI::App* data, int* exit_code) {
                     "Only check that image files exist instead of decoding each one");
   command->add_option("--threads", o->threads, "Worker threads for building");
   command->callback([o, exit_code] {
-    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(o->config);
-    if (!loaded.ok()) {
-      std::cerr << "hetpar: invalid config " << o->config.config << ":\n"
-                << loaded.status().message() << "\n";
-      *exit_code = kExitInvalidInput;
-      return;
-    }
-    absl::StatusOr<data::Split> split = ParseSplit(o->config.split);
-    if (!split.ok()) {
-      *exit_code = Fail(split.status(), "index");
-      return;
-    }
-    absl::StatusOr<data::LoaderOptions> loader_options =
-        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
-    if (!loader_options.ok()) {
-      *exit_code = Fail(loader_options.status(), "index");
-      return;
-    }
-    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
-        data::DataLoader::Create(*loader_options);
-    if (!loader.ok()) {
-      *exit_code = Fail(loader.status(), "index");
-      return;
-    }
-    const std::string path = IndexPath(loaded->spec, *split);
+    std::optional<OpenedSplit> opened = OpenSplit(o->config, "index", exit_code);
+    if (!opened.has_value()) return;
+    const std::string path = IndexPath(opened->loaded.spec, opened->split);
     data::IndexBuildOptions build;
     build.verify_images = !o->no_verify;
     build.threads = o->threads;
     bool rebuilt = true;
     absl::StatusOr<data::DataIndex> index;
     if (o->rebuild) {
-      index = data::BuildIndex(**loader, build);
+      index = data::BuildIndex(*opened->loader, build);
       if (index.ok()) {
         if (absl::Status s = data::WriteIndex(*index, path); !s.ok()) index = s;
       }
     } else {
-      index = data::LoadOrBuildIndex(**loader, path, build, &rebuilt);
+      index = data::LoadOrBuildIndex(*opened->loader, path, build, &rebuilt);
     }
     if (!index.ok()) {
       *exit_code = Fail(index.status(), "index");
@@ -271,35 +293,13 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
   AddConfigFlags(command, o.get(), true);
   command->add_option("--split", o->split, "train or val");
   command->callback([o, exit_code] {
-    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(*o);
-    if (!loaded.ok()) {
-      std::cerr << "hetpar: invalid config " << o->config << ":\n"
-                << loaded.status().message() << "\n";
-      *exit_code = kExitInvalidInput;
-      return;
-    }
-    absl::StatusOr<data::Split> split = ParseSplit(o->split);
-    if (!split.ok()) {
-      *exit_code = Fail(split.status(), "check");
-      return;
-    }
-    absl::StatusOr<data::LoaderOptions> loader_options =
-        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
-    if (!loader_options.ok()) {
-      *exit_code = Fail(loader_options.status(), "check");
-      return;
-    }
-    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
-        data::DataLoader::Create(*loader_options);
-    if (!loader.ok()) {
-      *exit_code = Fail(loader.status(), "check");
-      return;
-    }
+    std::optional<OpenedSplit> opened = OpenSplit(*o, "check", exit_code);
+    if (!opened.has_value()) return;
     // The index, when there is an up-to-date one, must agree with every loaded sample.
-    const std::string path = IndexPath(loaded->spec, *split);
+    const std::string path = IndexPath(opened->loaded.spec, opened->split);
     std::unique_ptr<data::DataIndex> index;
     absl::StatusOr<data::DataIndex> read = data::ReadIndex(path);
-    absl::StatusOr<data::IndexSource> current = data::CurrentIndexSource(*loader_options);
+    absl::StatusOr<data::IndexSource> current = data::CurrentIndexSource(opened->options);
     if (read.ok() && current.ok()) {
       absl::Status fresh = data::CheckIndexSource(*read, *current);
       if (fresh.ok()) {
@@ -313,12 +313,12 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
     int64_t good = 0;
     int64_t bad = 0;
     int64_t mismatched = 0;
-    for (const data::BadSample& b : (*loader)->manifest().bad) {
+    for (const data::BadSample& b : opened->loader->manifest().bad) {
       std::cout << "bad: " << b.ToString() << "\n";
       ++bad;
     }
-    for (int64_t i = 0; i < (*loader)->size(); ++i) {
-      absl::StatusOr<data::LoadedSample> sample = (*loader)->Load(i);
+    for (int64_t i = 0; i < opened->loader->size(); ++i) {
+      absl::StatusOr<data::LoadedSample> sample = opened->loader->Load(i);
       if (!sample.ok()) {
         std::cout << "bad: " << sample.status().message() << "\n";
         ++bad;
@@ -343,7 +343,7 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
         ++mismatched;
       }
     }
-    std::cout << "checked " << (*loader)->manifest().path << ": " << good << " good, " << bad
+    std::cout << "checked " << opened->loader->manifest().path << ": " << good << " good, " << bad
               << " bad" << (index ? absl::StrCat(", ", mismatched, " index mismatches") : "")
               << "\n";
     *exit_code = bad == 0 && mismatched == 0 ? kExitOk : kExitFailure;
@@ -364,44 +364,22 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
   command->add_option("--split", o->config.split, "train or val");
   command->add_option("--id", o->id, "Sample id")->required();
   command->callback([o, exit_code] {
-    absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(o->config);
-    if (!loaded.ok()) {
-      std::cerr << "hetpar: invalid config " << o->config.config << ":\n"
-                << loaded.status().message() << "\n";
-      *exit_code = kExitInvalidInput;
-      return;
-    }
-    absl::StatusOr<data::Split> split = ParseSplit(o->config.split);
-    if (!split.ok()) {
-      *exit_code = Fail(split.status(), "show");
-      return;
-    }
-    absl::StatusOr<data::LoaderOptions> loader_options =
-        data::LoaderOptionsFromRunSpec(loaded->spec, *split);
-    if (!loader_options.ok()) {
-      *exit_code = Fail(loader_options.status(), "show");
-      return;
-    }
-    absl::StatusOr<std::unique_ptr<data::DataLoader>> loader =
-        data::DataLoader::Create(*loader_options);
-    if (!loader.ok()) {
-      *exit_code = Fail(loader.status(), "show");
-      return;
-    }
-    absl::StatusOr<int64_t> ordinal = (*loader)->Ordinal(o->id);
+    std::optional<OpenedSplit> opened = OpenSplit(o->config, "show", exit_code);
+    if (!opened.has_value()) return;
+    absl::StatusOr<int64_t> ordinal = opened->loader->Ordinal(o->id);
     if (!ordinal.ok()) {
       *exit_code = Fail(ordinal.status(), "show");
       return;
     }
-    absl::StatusOr<data::TokenSequence> seq = (*loader)->Tokenize(*ordinal);
+    absl::StatusOr<data::TokenSequence> seq = opened->loader->Tokenize(*ordinal);
     if (!seq.ok()) {
       *exit_code = Fail(seq.status(), "show");
       return;
     }
-    const data::Tokenizer& tok = (*loader)->tokenizer();
+    const data::Tokenizer& tok = opened->loader->tokenizer();
     const data::ManifestRecord& record =
-        (*loader)->manifest().records[static_cast<size_t>(*ordinal)];
-    std::cout << "sample '" << record.id << "' (" << (*loader)->manifest().path << ":"
+        opened->loader->manifest().records[static_cast<size_t>(*ordinal)];
+    std::cout << "sample '" << record.id << "' (" << opened->loader->manifest().path << ":"
               << record.line << "): " << seq->length() << " tokens, " << seq->images()
               << " images, " << seq->text_tokens << " text tokens, " << seq->loss_tokens
               << " loss tokens" << (seq->truncated ? ", truncated" : "") << "\n";
@@ -410,9 +388,9 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
     for (int32_t i = 0; i < seq->length(); ++i) {
       const size_t p = static_cast<size_t>(i);
       if (image < seq->image_offsets.size() && seq->image_offsets[image] == i) {
-        const int32_t end = i + loader_options->tokens_per_image - 1;
+        const int32_t end = i + opened->options.tokens_per_image - 1;
         std::cout << std::setw(3) << i << "-" << end << "  image " << image << ": "
-                  << record.images[image] << " (" << loader_options->tokens_per_image
+                  << record.images[image] << " (" << opened->options.tokens_per_image
                   << " placeholder rows, id " << seq->input_ids[p] << ")\n";
         i = end;
         ++image;
