@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 
@@ -15,18 +16,8 @@ namespace {
 
 constexpr double kInitStd = 0.02;
 
-absl::Status CheckPositive(const char* field, int64_t value) {
-  if (value >= 1) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, "=", value, " must be >= 1"));
-}
-
-absl::Status CheckDivides(const char* divisor_field, int64_t divisor, const char* field,
-                          int64_t value, const char* why = "") {
-  if (value % divisor == 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(divisor_field, "=", divisor, " does not divide ",
-                                                 field, "=", value, *why ? " (" : "", why,
-                                                 *why ? ")" : ""));
-}
+using nn::CheckDivides;
+using nn::CheckPositive;
 
 std::string SampleName(const LlmSample& sample, size_t index) {
   return absl::StrCat("sample '", sample.id, "' (#", index, " of the microbatch)");
