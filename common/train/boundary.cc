@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -10,18 +11,45 @@
 namespace hetpar::train {
 namespace {
 
+// Framing before the header: its length, then the sender's post time.
 constexpr size_t kLengthBytes = 8;
+constexpr size_t kPrefixBytes = 16;
 
-void PutLength(std::string* out, uint64_t length) {
-  for (size_t i = 0; i < kLengthBytes; ++i) out->push_back(static_cast<char>(length >> (8 * i)));
+void PutU64(std::string* out, uint64_t value) {
+  for (size_t i = 0; i < 8; ++i) out->push_back(static_cast<char>(value >> (8 * i)));
 }
 
-uint64_t GetLength(const char* bytes) {
-  uint64_t length = 0;
-  for (size_t i = 0; i < kLengthBytes; ++i) {
-    length |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
+uint64_t GetU64(const char* bytes) {
+  uint64_t value = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    value |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
   }
-  return length;
+  return value;
+}
+
+size_t MessageSize(const plan::Transfer& transfer, int64_t row_bytes) {
+  return kPrefixBytes +
+         static_cast<size_t>(
+             plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()))) +
+         static_cast<size_t>(transfer.rows * row_bytes);
+}
+
+// Length of the union of the intervals.
+double UnionSeconds(std::vector<std::pair<absl::Time, absl::Time>> intervals) {
+  std::sort(intervals.begin(), intervals.end());
+  double total = 0;
+  absl::Time begin = absl::InfinitePast(), end = absl::InfinitePast();
+  for (const auto& [b, e] : intervals) {
+    if (b > end) {
+      if (end > begin) total += absl::ToDoubleSeconds(end - begin);
+      begin = b;
+      end = e;
+    } else {
+      end = std::max(end, e);
+    }
+  }
+  if (end > begin) total += absl::ToDoubleSeconds(end - begin);
+  return total;
 }
 
 absl::Status CheckRows(const at::Tensor& rows, int64_t row_bytes, std::string_view what) {
@@ -113,8 +141,9 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     }
     const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
     auto message = std::make_unique<std::string>();
-    message->reserve(kLengthBytes + header.size() + transfer.rows * row_bytes);
-    PutLength(message.get(), header.size());
+    message->reserve(kPrefixBytes + header.size() + transfer.rows * row_bytes);
+    PutU64(message.get(), header.size());
+    PutU64(message.get(), 0);  // the post time, written just before the send is posted
     message->append(header);
     const char* base = static_cast<const char*>(rows.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
@@ -126,6 +155,9 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
       message->append(base + piece.src_offset * row_bytes, piece.rows * row_bytes);
     }
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
+    const uint64_t now_ns = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+    for (size_t i = 0; i < 8; ++i)
+      (*message)[kLengthBytes + i] = static_cast<char>(now_ns >> (8 * i));
     const transport::ConstBuffer buffer =
         transport::ConstBuffer::Host(message->data(), message->size());
     HETPAR_ASSIGN_OR_RETURN(
@@ -136,27 +168,87 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
   return pending;
 }
 
+absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommunicator::Post(
+    const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
+    const std::vector<plan::Transfer>& transfers) {
+  std::vector<PostedReceive> posted;
+  for (const plan::Transfer& transfer : transfers) {
+    if (transfer.wave != wave) continue;
+    PostedReceive& r = posted.emplace_back();
+    r.src_rank = transfer.src_rank;
+    if (transfer.src_rank == plan.rank) continue;  // handed over in memory by Receive
+    const size_t size = MessageSize(transfer, plan.row_bytes);
+    r.buffer.assign(size, 0);
+    HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
+    r.posted = absl::Now();
+    HETPAR_ASSIGN_OR_RETURN(
+        r.op, transport_->Recv(peer, BoundaryTag(plan.step, direction, wave),
+                               transport::MutableBuffer::Host(r.buffer.data(), size)));
+  }
+  return posted;
+}
+
+absl::Status BoundaryCommunicator::PostReceives(const plan::RankStepPlan& plan,
+                                                plan::Direction direction, int64_t wave) {
+  const transport::Tag tag = BoundaryTag(plan.step, direction, wave);
+  if (posted_.count(tag) != 0) return absl::OkStatus();
+  HETPAR_ASSIGN_OR_RETURN(std::vector<PostedReceive> posted,
+                          Post(plan, direction, wave,
+                               direction == plan::Direction::kForward ? plan.forward_receives
+                                                                      : plan.backward_receives));
+  posted_.emplace(tag, std::move(posted));
+  return absl::OkStatus();
+}
+
+void BoundaryCommunicator::BeginStep() {
+  posted_.clear();  // destroying a pending receive withdraws it
+  local_.clear();
+  for (auto& intervals : intervals_) intervals.clear();
+}
+
+BridgeStats BoundaryCommunicator::Stats(plan::Direction direction) const {
+  BridgeStats stats;
+  std::vector<std::pair<absl::Time, absl::Time>> spans;
+  for (const Interval& interval : intervals_[static_cast<int>(direction)]) {
+    ++stats.messages;
+    stats.bytes += interval.bytes;
+    stats.sum_transfer_s += absl::ToDoubleSeconds(interval.end - interval.start);
+    spans.emplace_back(interval.start, interval.end);
+  }
+  stats.transfer_s = UnionSeconds(std::move(spans));
+  return stats;
+}
+
 absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
                                            plan::Direction direction, int64_t wave,
                                            const std::vector<plan::Transfer>& transfers,
                                            at::Tensor& rows, bool add) {
   const int64_t row_bytes = plan.row_bytes;
   std::vector<const plan::Transfer*> expected;
-  std::vector<std::string> buffers;
-  std::vector<std::unique_ptr<transport::Operation>> ops;
   for (const plan::Transfer& transfer : transfers) {
     if (transfer.wave != wave) continue;
     expected.push_back(&transfer);
   }
   if (expected.empty()) return absl::OkStatus();
   HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary receive"));
-  buffers.reserve(expected.size());
-  for (const plan::Transfer* transfer : expected) {
-    const size_t size = kLengthBytes +
-                        static_cast<size_t>(plan::EncodedHeaderSize(
-                            static_cast<int64_t>(transfer->pieces.size()))) +
-                        static_cast<size_t>(transfer->rows * row_bytes);
-    if (transfer->src_rank == plan.rank) {
+  std::vector<PostedReceive> posted;
+  auto ahead = posted_.find(BoundaryTag(plan.step, direction, wave));
+  if (ahead != posted_.end()) {
+    posted = std::move(ahead->second);
+    posted_.erase(ahead);
+  } else {
+    HETPAR_ASSIGN_OR_RETURN(posted, Post(plan, direction, wave, transfers));
+  }
+  if (posted.size() != expected.size()) {
+    return absl::InternalError(absl::StrCat("boundary receive of wave ", wave, ": ", posted.size(),
+                                            " receives posted for ", expected.size(),
+                                            " transfers"));
+  }
+  const absl::Time deadline = absl::Now() + timeout_;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const plan::Transfer& transfer = *expected[i];
+    PostedReceive& receive = posted[i];
+    if (transfer.src_rank == plan.rank) {
       auto local = local_.find({BoundaryTag(plan.step, direction, wave), plan.rank});
       if (local == local_.end()) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -165,13 +257,11 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
       }
       const at::Tensor source = std::move(local->second);
       local_.erase(local);
-      for (const plan::BlockPiece& piece : transfer->pieces) {
+      for (const plan::BlockPiece& piece : transfer.pieces) {
         if (piece.src_offset < 0 || piece.src_offset + piece.rows > source.size(0) ||
             piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {
           return absl::InternalError(
-              absl::StrCat("boundary handover: piece outside the buffers "
-                           "of wave ",
-                           wave));
+              absl::StrCat("boundary handover: piece outside the buffers of wave ", wave));
         }
         at::Tensor from = source.narrow(0, piece.src_offset, piece.rows);
         at::Tensor to = rows.narrow(0, piece.dst_offset, piece.rows);
@@ -181,52 +271,46 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
           to.copy_(from);
         }
       }
-      bytes_received_ += transfer->rows * row_bytes;
-      buffers.emplace_back();
-      ops.push_back(nullptr);
+      bytes_received_ += transfer.rows * row_bytes;
       continue;
     }
-    buffers.emplace_back(size, '\0');
-    HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer->src_rank));
-    HETPAR_ASSIGN_OR_RETURN(
-        auto op, transport_->Recv(peer, BoundaryTag(plan.step, direction, wave),
-                                  transport::MutableBuffer::Host(buffers.back().data(), size)));
-    ops.push_back(std::move(op));
-  }
-  const absl::Time deadline = absl::Now() + timeout_;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    const plan::Transfer& transfer = *expected[i];
-    if (ops[i] == nullptr) continue;  // handed over in memory above
-    absl::Status status = ops[i]->Wait(deadline);
+    if (receive.src_rank != transfer.src_rank || receive.op == nullptr) {
+      return absl::InternalError(absl::StrCat(
+          "boundary receive of wave ", wave, ": the receive posted for rank ", receive.src_rank,
+          " does not match the transfer from rank ", transfer.src_rank));
+    }
+    absl::Status status = receive.op->Wait(deadline);
     if (!status.ok()) {
       return Annotate(status,
                       absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
                                    " rows of step ", plan.step, " wave ", wave, " from rank ",
                                    transfer.src_rank));
     }
-    const std::string& message = buffers[i];
-    const size_t expected_size =
-        kLengthBytes +
-        static_cast<size_t>(plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()))) +
-        static_cast<size_t>(transfer.rows * row_bytes);
-    const size_t bytes = ops[i]->bytes();
+    const std::string_view message(receive.buffer.data(), receive.buffer.size());
+    const size_t expected_size = MessageSize(transfer, row_bytes);
+    const size_t bytes = receive.op->bytes();
     if (bytes != expected_size) {
       return absl::DataLossError(absl::StrCat("boundary message from rank ", transfer.src_rank,
                                               " has ", bytes, " bytes; the plan says ",
                                               expected_size));
     }
-    const uint64_t header_size = GetLength(message.data());
-    if (header_size > message.size() - kLengthBytes) {
+    const uint64_t header_size = GetU64(message.data());
+    if (header_size > message.size() - kPrefixBytes) {
       return absl::DataLossError(absl::StrCat("boundary message from rank ", transfer.src_rank,
                                               ": header length ", header_size, " exceeds the ",
                                               message.size(), "-byte message"));
     }
     HETPAR_ASSIGN_OR_RETURN(
         plan::MessageHeader header,
-        plan::DecodeHeader(std::string_view(message).substr(kLengthBytes, header_size)));
+        plan::DecodeHeader(message.substr(kPrefixBytes, header_size)));
     HETPAR_RETURN_IF_ERROR(
         plan::ValidateHeader(header, plan::HeaderFor(plan, direction, transfer)));
-    const char* payload = message.data() + kLengthBytes + header_size;
+    const absl::Time sent =
+        absl::FromUnixNanos(static_cast<int64_t>(GetU64(message.data() + kLengthBytes)));
+    const absl::Time end = receive.op->completed_at();
+    intervals_[static_cast<int>(direction)].push_back(
+        {std::min(std::max(sent, receive.posted), end), end, static_cast<int64_t>(bytes)});
+    const char* payload = message.data() + kPrefixBytes + header_size;
     char* base = static_cast<char*>(rows.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
       if (piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {

@@ -3,10 +3,20 @@
 // back; LLM ranks receive image rows into their per-wave buffer and send its gradient back.
 //
 // Every transfer of the plan is one message: an 8-byte little-endian header length, the
+// sender's clock when it posted the message (8-byte little-endian Unix nanoseconds), the
 // versioned header (plan/message_header.h), then the pieces' rows back to back. A receiver knows
 // the exact size from its own plan, decodes the header and validates it against the header its
 // plan expects before touching the payload, so a message from another step, generation, wave or
 // plan is rejected with both descriptions instead of being spliced into the wrong rows.
+//
+// Receives can be posted ahead of need (PostReceives): the data then lands while the receiver
+// computes, and Receive* only waits for it and places the rows.
+//
+// Timing: for every message that crossed the transport the receiver records its transfer
+// interval, from the moment both ends had posted it (the later of the sender's post time and the
+// receive's post time) to the moment the transport completed the receive. BridgeStats sums them
+// per direction. Between hosts the sender's time comes from its own clock, so the start is only
+// as exact as the hosts' clock sync (an interval is never allowed to end before it starts).
 //
 // Tags: one per (step, direction, wave), so messages of different waves and directions between
 // the same two ranks never match each other.
@@ -28,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -40,6 +51,15 @@ namespace hetpar::train {
 
 // The tag of the messages of (step, direction, wave): 20 bits of step, 19 of wave, 1 of direction.
 transport::Tag BoundaryTag(int64_t step, plan::Direction direction, int64_t wave);
+
+// What the transport delivered to one rank in one direction since BeginStep. Same-rank handovers
+// are not counted.
+struct BridgeStats {
+  int64_t messages = 0;
+  int64_t bytes = 0;          // whole messages: framing, header and rows
+  double transfer_s = 0;      // length of the union of the messages' transfer intervals
+  double sum_transfer_s = 0;  // their lengths added up (> transfer_s when messages overlapped)
+};
 
 // Sends in flight, with the buffers they read from. Wait before dropping.
 class PendingSends {
@@ -83,17 +103,51 @@ class BoundaryCommunicator {
   // `grad` ([job rows, hidden], contiguous; the caller zeroes it).
   absl::Status ReceiveBackward(const plan::RankStepPlan& plan, int64_t wave, at::Tensor& grad);
 
+  // Posts the receives of (direction, wave) of `plan` now, so their data can land before the
+  // Receive* call that needs it. Posting a (direction, wave) twice posts it once.
+  absl::Status PostReceives(const plan::RankStepPlan& plan, plan::Direction direction,
+                            int64_t wave);
+
+  // Starts a step: withdraws receives still posted and rows still held for a step that ended
+  // early (an aborted step), and clears the transfer records.
+  void BeginStep();
+
+  // Transfer records of one direction since BeginStep.
+  BridgeStats Stats(plan::Direction direction) const;
+
   // Bytes of payload sent and received so far.
   int64_t bytes_sent() const { return bytes_sent_; }
   int64_t bytes_received() const { return bytes_received_; }
 
  private:
+  // A receive posted over the transport, with the buffer it writes into.
+  struct PostedReceive {
+    int64_t src_rank = 0;
+    std::vector<char> buffer;  // its storage does not move with the struct
+    std::unique_ptr<transport::Operation> op;
+    absl::Time posted;
+  };
+  // Transfer intervals of received messages.
+  struct Interval {
+    absl::Time start;
+    absl::Time end;
+    int64_t bytes = 0;
+  };
+
   absl::StatusOr<PendingSends> Send(const plan::RankStepPlan& plan, plan::Direction direction,
                                     int64_t wave, const std::vector<plan::Transfer>& transfers,
                                     const at::Tensor& rows);
   absl::Status Receive(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
                        const std::vector<plan::Transfer>& transfers, at::Tensor& rows, bool add);
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
+  // The receives of (direction, wave) in plan order; a same-rank transfer has no op.
+  absl::StatusOr<std::vector<PostedReceive>> Post(const plan::RankStepPlan& plan,
+                                                  plan::Direction direction, int64_t wave,
+                                                  const std::vector<plan::Transfer>& transfers);
+
+  // Receives posted ahead by PostReceives, by tag.
+  std::map<transport::Tag, std::vector<PostedReceive>> posted_;
+  std::vector<Interval> intervals_[2];  // by direction
 
   // Source buffers of transfers a rank sent to itself, by (tag, rank), waiting to be received.
   std::map<std::pair<transport::Tag, int64_t>, at::Tensor> local_;

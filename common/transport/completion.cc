@@ -8,6 +8,7 @@ bool Completion::Complete(absl::Status status, size_t bytes) {
   absl::MutexLock lock(&mu_);
   if (done_) return false;
   done_ = true;
+  completed_at_ = absl::Now();
   status_ = std::move(status);
   bytes_ = status_.ok() ? bytes : 0;
   done_flag_.store(true, std::memory_order_release);
@@ -38,6 +39,11 @@ absl::Status Completion::status() const {
 size_t Completion::bytes() const {
   absl::MutexLock lock(&mu_);
   return bytes_;
+}
+
+absl::Time Completion::completed_at() const {
+  absl::MutexLock lock(&mu_);
+  return completed_at_;
 }
 
 }  // namespace hetpar::transport

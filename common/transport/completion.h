@@ -37,6 +37,7 @@ class Completion {
   // Only meaningful once done().
   absl::Status status() const;
   size_t bytes() const;
+  absl::Time completed_at() const;  // absl::InfinitePast() until done
 
   const std::string& description() const { return description_; }
 
@@ -46,6 +47,7 @@ class Completion {
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time completed_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::atomic<bool> done_flag_{false};
 };
 

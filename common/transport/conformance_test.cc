@@ -142,15 +142,23 @@ class ConformanceTest : public ::testing::TestWithParam<Param> {
   absl::Time Deadline() const { return absl::Now() + kWait; }
 
   // Sends one message i -> j and checks every byte on arrival.
+  // Also checks completed_at: unset while pending, then a time between the post and the wait.
   void ExpectRoundTrip(int i, int j, Tag tag, size_t size, uint64_t seed) {
     std::vector<uint8_t> out = Message(seed, size), in(size, 0xEE);
+    const absl::Time posted = absl::Now();
     auto recv = ranks_[j]->Recv(peer_[j][i], tag, MutableBuffer::Host(in.data(), in.size()));
     ASSERT_TRUE(recv.ok()) << recv.status();
+    EXPECT_EQ((*recv)->completed_at(), absl::InfinitePast());
     auto send = ranks_[i]->Send(peer_[i][j], tag, ConstBuffer::Host(out.data(), out.size()));
     ASSERT_TRUE(send.ok()) << send.status();
     ASSERT_TRUE((*recv)->Wait(Deadline()).ok());
     ASSERT_TRUE((*send)->Wait(Deadline()).ok());
+    const absl::Time waited = absl::Now();
     EXPECT_EQ((*recv)->bytes(), size);
+    for (const auto* op : {&*recv, &*send}) {
+      EXPECT_GE((*op)->completed_at(), posted);
+      EXPECT_LE((*op)->completed_at(), waited);
+    }
     EXPECT_TRUE(SameBytes(out, in, absl::StrCat("rank", i, "->rank", j, " tag ", tag)));
   }
 

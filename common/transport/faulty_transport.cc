@@ -34,8 +34,9 @@ struct FaultyOp {
   size_t size = 0;
 
   absl::Mutex mu;
-  bool posted ABSL_GUARDED_BY(mu) = false;        // handed to the wrapped transport (or dropped)
-  bool dropped ABSL_GUARDED_BY(mu) = false;       // completed here, never sent
+  bool posted ABSL_GUARDED_BY(mu) = false;   // handed to the wrapped transport (or dropped)
+  bool dropped ABSL_GUARDED_BY(mu) = false;  // completed here, never sent
+  absl::Time dropped_at ABSL_GUARDED_BY(mu) = absl::InfinitePast();
   absl::Status final_status ABSL_GUARDED_BY(mu);  // set when it ends here (cancel, post error)
   std::unique_ptr<Operation> inner ABSL_GUARDED_BY(mu);
 };
@@ -242,6 +243,12 @@ class FaultyOperation final : public Operation {
     return op_->inner != nullptr ? op_->inner->bytes() : 0;
   }
 
+  absl::Time completed_at() const override {
+    absl::MutexLock lock(&op_->mu);
+    if (op_->dropped) return op_->dropped_at;
+    return op_->inner != nullptr ? op_->inner->completed_at() : absl::InfinitePast();
+  }
+
  private:
   std::shared_ptr<FaultyState> state_;
   std::shared_ptr<FaultyOp> op_;
@@ -318,6 +325,7 @@ absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::Send(PeerId peer, Ta
     absl::MutexLock lock(&op->mu);
     op->posted = true;
     op->dropped = true;
+    op->dropped_at = absl::Now();
   } else if (delay > absl::ZeroDuration()) {
     state_->ScheduleSend(absl::Now() + delay, op);
   } else {

@@ -131,6 +131,11 @@ class Operation {
   // Bytes moved once the operation completed OK: the message length for a receive (at most
   // the buffer size), the buffer size for a send. 0 before that.
   virtual size_t bytes() const = 0;
+
+  // When the backend finished the operation (absl::Now() on the thread that completed it), or
+  // absl::InfinitePast() while it is pending. Lets a caller that waits late still time the
+  // transfer itself.
+  virtual absl::Time completed_at() const = 0;
 };
 
 // The data plane seen by its users. Non-copyable; created by a backend's factory.

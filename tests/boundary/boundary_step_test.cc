@@ -220,6 +220,32 @@ TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
       }
       if (status.ok() && c.colocated) status = llm_runtime->WaitForSends();
       if (!status.ok()) return fail(std::string(status.message()));
+      // The bridge's transfer records: one per message that crossed the transport to this rank
+      // (same-rank handovers excluded), with its exact size, and a union no longer than the sum.
+      for (const auto& [direction, receives] :
+           {std::pair{plan::Direction::kForward, &rank_plan->forward_receives},
+            std::pair{plan::Direction::kBackward, &rank_plan->backward_receives}}) {
+        int64_t messages = 0, payload = 0;
+        for (const plan::Transfer& t : *receives) {
+          if (t.src_rank == r) continue;
+          ++messages;
+          payload += t.rows * rank_plan->row_bytes;
+        }
+        const train::BridgeStats bridge = boundary.Stats(direction);
+        const std::string name(plan::DirectionName(direction));
+        if (bridge.messages != messages) {
+          fail(absl::StrCat(name, " bridge messages ", bridge.messages, ", plan ", messages));
+        }
+        if (messages > 0 ? bridge.bytes <= payload : bridge.bytes != 0) {
+          fail(absl::StrCat(name, " bridge bytes ", bridge.bytes, " for ", payload,
+                            " payload bytes in ", messages, " messages"));
+        }
+        if (bridge.transfer_s < 0 || bridge.transfer_s > bridge.sum_transfer_s + 1e-9 ||
+            (messages > 0 && bridge.sum_transfer_s <= 0)) {
+          fail(absl::StrCat(name, " bridge transfer ", bridge.transfer_s, " s, sum ",
+                            bridge.sum_transfer_s, " s"));
+        }
+      }
       if (lm && rank_plan->llm_coords.tp == 0) {
         std::lock_guard<std::mutex> lock(mu);
         llm_loss += loss;

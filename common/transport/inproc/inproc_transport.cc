@@ -176,6 +176,7 @@ class InprocOperation final : public Operation {
   bool Done() const override { return op_->completion->done(); }
   absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
   size_t bytes() const override { return op_->completion->bytes(); }
+  absl::Time completed_at() const override { return op_->completion->completed_at(); }
 
   void Cancel() override {
     Registry& registry = Registry::Get();

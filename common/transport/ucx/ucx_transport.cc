@@ -315,6 +315,7 @@ class UcxOperation final : public Operation {
   absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
   void Cancel() override { core_->Cancel(op_); }
   size_t bytes() const override { return op_->completion->bytes(); }
+  absl::Time completed_at() const override { return op_->completion->completed_at(); }
 
  private:
   std::shared_ptr<Core> core_;
