@@ -65,6 +65,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
 
   for (const plan::EncoderJob& job : plan.encoder_jobs) {
     std::vector<const std::vector<float>*> pixels;
+    const auto t_data = Clock::now();
     for (const plan::ImageRef& ref : job.images) {
       auto it = loaded.find(ref.sample);
       if (it == loaded.end()) {
@@ -85,6 +86,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
       }
       pixels.push_back(&it->second.images[ref.image]);
     }
+    stats.data_s += Since(t_data);
     auto t0 = Clock::now();
     HETPAR_ASSIGN_OR_RETURN(
         at::Tensor images,
@@ -99,6 +101,8 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     at::Tensor rows = output.detach().contiguous();
     HETPAR_ASSIGN_OR_RETURN(train::PendingSends sends,
                             boundary_->SendForward(plan, job.wave, rows));
+    // The gradients of this job may come back while later jobs compute.
+    HETPAR_RETURN_IF_ERROR(boundary_->PostReceives(plan, plan::Direction::kBackward, job.wave));
     live.push_back({&job, output, std::move(sends)});
     int64_t live_bytes = 0;
     for (const LiveJob& j : live) live_bytes += j.output.numel() * j.output.element_size();

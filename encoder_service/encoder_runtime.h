@@ -33,6 +33,7 @@ struct EncoderStepStats {
   double compute_s = 0;      // forward and backward
   double bridge_wait_s = 0;  // waiting for gradients and for sends to complete
   double collective_s = 0;   // TP gradient share and DP gradient sum
+  double data_s = 0;         // loading and decoding the images
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
   // Jobs holding activations at once, at most, and the bytes of their boundary outputs then (the

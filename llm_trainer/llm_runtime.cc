@@ -65,10 +65,17 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t bytes_received0 = boundary_->bytes_received();
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
-
+  // Every wave's image rows may arrive while earlier waves compute; the samples' text is loaded
+  // while the encoder computes the first wave.
   for (const plan::LlmMicrobatch& mb : plan.microbatches) {
-    const int64_t wave = mb.wave;
-    std::vector<LlmSample> samples;
+    if (mb.image_rows > 0) {
+      HETPAR_RETURN_IF_ERROR(boundary_->PostReceives(plan, plan::Direction::kForward, mb.wave));
+    }
+  }
+  auto t_data = Clock::now();
+  std::vector<std::vector<LlmSample>> wave_samples;
+  for (const plan::LlmMicrobatch& mb : plan.microbatches) {
+    std::vector<LlmSample>& samples = wave_samples.emplace_back();
     for (int64_t index : mb.samples) {
       const plan::SampleDescriptor* sample = plan.Sample(index);
       if (sample == nullptr) {
@@ -83,6 +90,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       stats.tokens += loaded.tokens.length();
       stats.images += loaded.tokens.images();
     }
+  }
+  stats.data_s += Since(t_data);
+
+  for (size_t m = 0; m < plan.microbatches.size(); ++m) {
+    const plan::LlmMicrobatch& mb = plan.microbatches[m];
+    const int64_t wave = mb.wave;
+    const std::vector<LlmSample>& samples = wave_samples[m];
     // This rank's buffer rows, as indices into the microbatch's full image rows.
     HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
                             BufferRows(plan, mb, sharding, plan.llm_coords.tp));

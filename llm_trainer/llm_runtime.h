@@ -37,6 +37,7 @@ struct LlmStepStats {
   double compute_s = 0;      // forward and backward
   double bridge_wait_s = 0;  // waiting for image rows and for gradient sends to complete
   double collective_s = 0;   // TP share of image rows and gradients, DP gradient sum
+  double data_s = 0;         // loading and tokenizing the samples (before the first wave waits)
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
 };

@@ -258,7 +258,17 @@ absl::Status RunWorker(const WorkerOptions& options) {
     report.set_step(step);
     report.set_generation(step_message.generation());
     const absl::Time start = absl::Now();
+    boundary.BeginStep();
     std::map<std::string, double> encoder_timings, llm_timings;
+    // What the bridge delivered to this rank for `module`: image rows to the LLM, their
+    // gradients to the encoder.
+    auto add_bridge = [&](std::map<std::string, double>& timings, plan::Direction direction) {
+      const train::BridgeStats bridge = boundary.Stats(direction);
+      timings["bridge_messages"] = static_cast<double>(bridge.messages);
+      timings["bridge_bytes"] = static_cast<double>(bridge.bytes);
+      timings["bridge_transfer_s"] = bridge.transfer_s;
+      timings["bridge_transfer_sum_s"] = bridge.sum_transfer_s;
+    };
     auto run_llm = [&]() -> absl::Status {
       HETPAR_ASSIGN_OR_RETURN(llm::LlmStepStats stats, llm_runtime->RunStep(rank_plan));
       if (lm->coords.tp() == 0) {
@@ -268,6 +278,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
       llm_timings = {{"compute_s", stats.compute_s},
                      {"bridge_wait_s", stats.bridge_wait_s},
                      {"collective_s", stats.collective_s},
+                     {"data_s", stats.data_s},
                      {"tokens", static_cast<double>(stats.tokens)},
                      {"images", static_cast<double>(stats.images)},
                      {"bytes_received", static_cast<double>(stats.bytes_received)}};
@@ -283,6 +294,7 @@ absl::Status RunWorker(const WorkerOptions& options) {
             {"compute_s", stats->compute_s},
             {"bridge_wait_s", stats->bridge_wait_s},
             {"collective_s", stats->collective_s},
+            {"data_s", stats->data_s},
             {"images", static_cast<double>(stats->images)},
             {"bytes_sent", static_cast<double>(stats->bytes_sent)},
             {"peak_live_jobs", static_cast<double>(stats->peak_live_jobs)},
@@ -291,6 +303,10 @@ absl::Status RunWorker(const WorkerOptions& options) {
       if (status.ok() && colocated) status = llm_runtime->WaitForSends();
     } else {
       status = run_llm();
+    }
+    if (status.ok()) {
+      if (!encoder_timings.empty()) add_bridge(encoder_timings, plan::Direction::kBackward);
+      if (!llm_timings.empty()) add_bridge(llm_timings, plan::Direction::kForward);
     }
     if (!status.ok()) {
       report.set_ok(false);
@@ -307,7 +323,9 @@ absl::Status RunWorker(const WorkerOptions& options) {
       partial.set_sum_squares(train::OwnedGradSums(*m.params).square_sum);
       HETPAR_RETURN_IF_ERROR(session->SendGradNormPartial(partial));
     }
+    const absl::Time norm_asked = absl::Now();
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextMessage(*session, options.timeout));
+    const double grad_norm_wait_s = absl::ToDoubleSeconds(absl::Now() - norm_asked);
     if (norm.has_abort()) {
       HETPAR_LOG(WARNING) << "step " << step
                           << " aborted by the coordinator: " << norm.abort().reason();
@@ -324,16 +342,20 @@ absl::Status RunWorker(const WorkerOptions& options) {
                        ": expected the global gradient norm from the coordinator, got another "
                        "message"));
     }
+    const absl::Time optimizer_start = absl::Now();
     for (ModuleState& m : modules) {
       HETPAR_RETURN_IF_ERROR(m.optimizer->Step(step, norm.grad_norm().clip_coefficient()));
     }
+    const double optimizer_s = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
     report.set_ok(true);
     report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
     for (auto* timings : {&encoder_timings, &llm_timings}) {
       if (timings->empty()) continue;
       const std::string prefix = timings == &encoder_timings ? "encoder." : "llm.";
-      for (const auto& [key, value] : *timings) (*report.mutable_timings_s())[prefix + key] = value;
       (*timings)["step_s"] = report.compute_s();
+      (*timings)["grad_norm_wait_s"] = grad_norm_wait_s;
+      (*timings)["optimizer_s"] = optimizer_s;
+      for (const auto& [key, value] : *timings) (*report.mutable_timings_s())[prefix + key] = value;
       AppendStepTimings(options.out_dir, world_rank, step,
                         timings == &encoder_timings ? "encoder" : "llm", *timings);
     }
