@@ -6,17 +6,33 @@
 //   llm_bridge_wait_s                     the LLM waiting for image rows: bridge time not hidden
 //                                         behind encoder compute
 //   encoder_collective_s, llm_collective_s
+//   bridge_transfer_s                     time the bridge spent moving this step's messages: per
+//                                         receiving rank the union of its messages' transfer
+//                                         intervals (both ends posted -> completed), added up
+//   bridge_hidden_fraction                1 - llm_bridge_wait_s / bridge_transfer_s, clamped to
+//                                         [0, 1]: at least this much of the transfer was hidden
+//                                         (the LLM's wait also holds the encoder's first forward)
 //   pipelining_efficiency                 step_time / max(encoder busy, LLM busy), busy =
 //                                         compute + collectives (1.0 = perfect overlap)
+//   bridge_gbps, bridge_message_bytes     bytes / transfer time over the measured steps (both
+//                                         directions), and the mean message size
+//
+// Then, in the same run, `transport_bw` (hetpar's UCX transport between two processes) at each
+// case's mean message size, once with its default window of 4 messages in flight and once with 1
+// (isolated messages, as the bridge's mostly are), and one line per case:
+//   {"bench":"step_bridge","case":...,"message_bytes":...,"bridge_gbps":...,
+//    "transport_bw_gbps":...,"ratio":...,"transport_bw_window1_gbps":...,"ratio_window1":...}
 //
 // Cases: the config as given (tiny: 4 waves), and with run.micro_batch=1 (8 waves). The first
-// --warmup steps are excluded. Baseline for the ratio: the busier module's own busy time in the
-// same run.
+// --warmup steps are excluded. Baseline for the efficiency: the busier module's own busy time in
+// the same run.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -27,6 +43,28 @@
 
 using hetpar::bench::Median;
 using hetpar::bench::Quote;
+
+namespace {
+
+// hetpar's one-way rate from `transport_bw --sizes <size>` with `window` messages in flight;
+// negative when it fails.
+double TransportGbps(int64_t size, int window) {
+  const std::string command = std::string(TRANSPORT_BW_BIN) + " --sizes " + std::to_string(size) +
+                              " --skip ucx_raw,gloo,memcpy --reps 3 --window " +
+                              std::to_string(window) + " 2>/dev/null";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return -1;
+  double gbps = -1;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("hetpar_gbps")) gbps = j["hetpar_gbps"].get<double>();
+  }
+  if (::pclose(pipe) != 0) return -1;
+  return gbps;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"step_bench: decomposed step time of hetpar run"};
@@ -49,6 +87,12 @@ int main(int argc, char** argv) {
   };
   const std::vector<Case> cases = {{"as_configured", ""},
                                    {"micro_batch_1", " --set run.micro_batch=1"}};
+  struct Bridge {
+    std::string name;
+    int64_t message_bytes;
+    double gbps;
+  };
+  std::vector<Bridge> bridges;
   for (const Case& c : cases) {
     const std::string out = dir + "/" + c.name;
     std::filesystem::create_directories(dir);
@@ -60,9 +104,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::vector<double> step_time, enc_compute, llm_compute, enc_wait, llm_wait, enc_coll, llm_coll,
-        efficiency;
+        efficiency, transfer, hidden;
     int64_t tokens = 0;
     double tokens_time = 0;
+    double bridge_bytes = 0, bridge_messages = 0, bridge_time = 0;
     for (const nlohmann::json& j : hetpar::bench::StepLines(out, warmup)) {
       const double t = j["step_time_s"].get<double>();
       const auto& e = j["encoder"];
@@ -77,6 +122,12 @@ int main(int argc, char** argv) {
       const double busy =
           std::max(enc_compute.back() + enc_coll.back(), llm_compute.back() + llm_coll.back());
       efficiency.push_back(busy > 0 ? t / busy : 0);
+      const double moved = e.value("bridge_transfer_s", 0.0) + l.value("bridge_transfer_s", 0.0);
+      transfer.push_back(moved);
+      hidden.push_back(moved > 0 ? std::clamp(1 - llm_wait.back() / moved, 0.0, 1.0) : 0);
+      bridge_bytes += e.value("bridge_bytes", 0.0) + l.value("bridge_bytes", 0.0);
+      bridge_messages += e.value("bridge_messages", 0.0) + l.value("bridge_messages", 0.0);
+      bridge_time += moved;
       tokens += j["tokens"].get<int64_t>();
       tokens_time += t;
     }
@@ -90,11 +141,41 @@ int main(int argc, char** argv) {
                              {"llm_bridge_wait_s", Median(llm_wait)},
                              {"encoder_collective_s", Median(enc_coll)},
                              {"llm_collective_s", Median(llm_coll)},
+                             {"bridge_transfer_s", Median(transfer)},
+                             {"bridge_hidden_fraction", Median(hidden)},
                              {"pipelining_efficiency", Median(efficiency)},
+                             {"bridge_gbps", bridge_time > 0 ? bridge_bytes / bridge_time / 1e9 : 0},
+                             {"bridge_message_bytes",
+                              bridge_messages > 0 ? bridge_bytes / bridge_messages : 0},
                              {"tokens_per_s", tokens_time > 0 ? tokens / tokens_time : 0}};
     std::printf("%s\n", result.dump().c_str());
     std::fflush(stdout);
+    if (bridge_messages > 0 && bridge_time > 0) {
+      bridges.push_back({c.name, static_cast<int64_t>(bridge_bytes / bridge_messages),
+                         bridge_bytes / bridge_time / 1e9});
+    }
   }
   std::filesystem::remove_all(dir);
+  // The transport on its own at the bridge's message sizes, after the steps (so the two never
+  // share the machine).
+  for (const Bridge& b : bridges) {
+    const double streamed = TransportGbps(b.message_bytes, 4);
+    const double isolated = TransportGbps(b.message_bytes, 1);
+    if (streamed <= 0 || isolated <= 0) {
+      std::fprintf(stderr, "transport_bw failed at %lld bytes\n",
+                   static_cast<long long>(b.message_bytes));
+      return 1;
+    }
+    const nlohmann::json line = {{"bench", "step_bridge"},
+                                 {"case", b.name},
+                                 {"message_bytes", b.message_bytes},
+                                 {"bridge_gbps", b.gbps},
+                                 {"transport_bw_gbps", streamed},
+                                 {"ratio", b.gbps / streamed},
+                                 {"transport_bw_window1_gbps", isolated},
+                                 {"ratio_window1", b.gbps / isolated}};
+    std::printf("%s\n", line.dump().c_str());
+    std::fflush(stdout);
+  }
   return 0;
 }

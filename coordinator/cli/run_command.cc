@@ -122,7 +122,10 @@ class WorkerTimings {
  public:
   explicit WorkerTimings(std::string dir) : dir_(std::move(dir)) {}
 
-  // {"encoder": {"compute_s", "bridge_wait_s", "collective_s", "idle_s"}, "llm": {...}}.
+  // {"encoder": {"compute_s", "bridge_wait_s", "collective_s", "idle_s", "bridge_messages",
+  // "bridge_bytes", "bridge_transfer_s"}, "llm": {...}}. The bridge fields add up what the
+  // transport delivered to the module's ranks (the LLM: image rows; the encoder: gradients) and
+  // the ranks' transfer times, so bytes / transfer_s is their mean receive rate inside the step.
   nlohmann::json ForStep(int64_t step, double step_time_s) {
     ReadNew();
     nlohmann::json out = nlohmann::json::object();
@@ -143,6 +146,15 @@ class WorkerTimings {
                      {"bridge_wait_s", slowest->value("bridge_wait_s", 0.0)},
                      {"collective_s", slowest->value("collective_s", 0.0)},
                      {"idle_s", std::max(0.0, step_time_s - busiest)}};
+      double messages = 0, bytes = 0, transfer = 0;
+      for (const auto& line : lines) {
+        messages += line.value("bridge_messages", 0.0);
+        bytes += line.value("bridge_bytes", 0.0);
+        transfer += line.value("bridge_transfer_s", 0.0);
+      }
+      out[module]["bridge_messages"] = static_cast<int64_t>(messages);
+      out[module]["bridge_bytes"] = static_cast<int64_t>(bytes);
+      out[module]["bridge_transfer_s"] = transfer;
       if (module == "encoder") {
         double jobs = 0, bytes = 0;
         for (const auto& line : lines) {
