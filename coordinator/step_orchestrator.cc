@@ -36,6 +36,8 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   grad_norm_sent_ = false;
   grad_norm_ = 0;
   reported_.clear();
+  splits_.clear();
+  busiest_.clear();
   loss_sum_ = 0;
   loss_tokens_ = 0;
   any_loss_reported_ = false;
@@ -120,6 +122,7 @@ StepOrchestrator::Outcome StepOrchestrator::OnReport(const WorkerRecord& worker,
     return DoAbort(absl::StrCat("worker ", worker.Describe(), " reported step ", step_, " twice"),
                    now, out);
   }
+  AddTimings(report);
   for (const auto& rank : worker.ranks) {
     if (!CountsLoss(rank)) continue;
     loss_sum_ += report.loss_sum();
@@ -206,6 +209,43 @@ StepOrchestrator::Outcome StepOrchestrator::DoAbort(std::string reason, absl::Ti
   return Outcome::kAborted;
 }
 
+void StepOrchestrator::AddTimings(const v1::StepReport& report) {
+  // "<module>.<key>" -> value, by module.
+  std::map<std::string, std::map<std::string, double>> by_module;
+  for (const auto& [key, value] : report.timings_s()) {
+    const size_t dot = key.find('.');
+    if (dot == std::string::npos) continue;
+    by_module[key.substr(0, dot)][key.substr(dot + 1)] = value;
+  }
+  for (const auto& [module, t] : by_module) {
+    auto get = [&t = t](const char* key) {
+      auto it = t.find(key);
+      return it == t.end() ? 0.0 : it->second;
+    };
+    v1::ModuleStepSplit& split = splits_[module];
+    split.set_ranks(split.ranks() + 1);
+    const double busy = get("compute_s") + get("bridge_wait_s") + get("collective_s");
+    auto [it, first] = busiest_.emplace(module, busy);
+    if (first || busy > it->second) {
+      it->second = busy;
+      split.set_compute_s(get("compute_s"));
+      split.set_bridge_wait_s(get("bridge_wait_s"));
+      split.set_collective_s(get("collective_s"));
+      split.set_data_s(get("data_s"));
+      split.set_grad_norm_wait_s(get("grad_norm_wait_s"));
+      split.set_optimizer_s(get("optimizer_s"));
+    }
+    split.set_bridge_messages(split.bridge_messages() +
+                              static_cast<int64_t>(get("bridge_messages")));
+    split.set_bridge_bytes(split.bridge_bytes() + static_cast<int64_t>(get("bridge_bytes")));
+    split.set_bridge_transfer_s(split.bridge_transfer_s() + get("bridge_transfer_s"));
+    split.set_peak_live_jobs(
+        std::max(split.peak_live_jobs(), static_cast<int64_t>(get("peak_live_jobs"))));
+    split.set_peak_live_output_bytes(std::max(split.peak_live_output_bytes(),
+                                              static_cast<int64_t>(get("peak_live_output_bytes"))));
+  }
+}
+
 void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
                               const std::string& reason) {
   v1::StepTiming timing;
@@ -216,6 +256,14 @@ void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
   timing.set_loss(loss);
   timing.set_grad_norm(grad_norm_);
   timing.set_abort_reason(reason);
+  if (committed) {
+    for (auto& [module, split] : splits_) {
+      split.set_idle_s(std::max(0.0, timing.duration_s() - busiest_[module]));
+      (*timing.mutable_modules())[module] = std::move(split);
+    }
+  }
+  splits_.clear();
+  busiest_.clear();
   recent_.push_front(std::move(timing));
   while (recent_.size() > options_.recent_steps) recent_.pop_back();
 }

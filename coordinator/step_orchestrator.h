@@ -112,6 +112,7 @@ class StepOrchestrator {
   Outcome MaybeCommit(absl::Time now, Outbox* out);
   bool CountsLoss(const v1::RankCoordinates& rank) const;
   void Record(bool committed, double loss, absl::Time now, const std::string& reason);
+  void AddTimings(const v1::StepReport& report);
 
   GridShape encoder_grid_;
   GridShape llm_grid_;
@@ -129,6 +130,9 @@ class StepOrchestrator {
   bool grad_norm_sent_ = false;
   double grad_norm_ = 0;
   absl::flat_hash_set<std::string> reported_;
+  // Per module, combined from the reports' timings so far (idle_s filled in at commit).
+  std::map<std::string, v1::ModuleStepSplit> splits_;
+  std::map<std::string, double> busiest_;
   double loss_sum_ = 0;
   int64_t loss_tokens_ = 0;
   bool any_loss_reported_ = false;

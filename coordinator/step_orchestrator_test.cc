@@ -1,6 +1,8 @@
 #include "coordinator/step_orchestrator.h"
 
 #include <cmath>
+#include <map>
+#include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -54,8 +56,9 @@ class StepOrchestratorTest : public ::testing::Test {
   }
 
   Outcome Report(const WorkerRecord* w, bool ok, double loss_sum = 0, int64_t tokens = 0,
-                 int64_t step = 0) {
+                 int64_t step = 0, const std::map<std::string, double>& timings = {}) {
     v1::StepReport r;
+    for (const auto& [key, value] : timings) (*r.mutable_timings_s())[key] = value;
     r.set_step(step);
     r.set_generation(1);
     r.set_ok(ok);
@@ -135,6 +138,52 @@ TEST_F(StepOrchestratorTest, CombinesGradNormThenCommits) {
   EXPECT_DOUBLE_EQ(timing.duration_s(), 2.0);
   EXPECT_DOUBLE_EQ(timing.loss(), 2.5);
   EXPECT_DOUBLE_EQ(timing.grad_norm(), 4.0);
+}
+
+TEST_F(StepOrchestratorTest, CombinesTheModulesTimeSplitsAtCommit) {
+  Begin(0);
+  Partial(e0_, v1::MODULE_ENCODER, 1.0);
+  Partial(l0_, v1::MODULE_LLM, 1.0);
+  Partial(l1_, v1::MODULE_LLM, 1.0);
+  // The slowest rank's split per module (most compute + bridge wait + collective); bridge
+  // traffic added up; peak live jobs the largest.
+  Report(e0_, true, 0, 0, 0,
+         {{"encoder.compute_s", 0.3}, {"encoder.bridge_wait_s", 1.0},
+          {"encoder.collective_s", 0.1}, {"encoder.bridge_bytes", 100},
+          {"encoder.bridge_messages", 2}, {"encoder.bridge_transfer_s", 0.01},
+          {"encoder.peak_live_jobs", 2}, {"not_a_module_key", 5}});
+  Report(e1_, true, 0, 0, 0,
+         {{"encoder.compute_s", 0.5}, {"encoder.bridge_wait_s", 0.2},
+          {"encoder.collective_s", 0.1}, {"encoder.bridge_bytes", 50},
+          {"encoder.bridge_messages", 1}, {"encoder.bridge_transfer_s", 0.02},
+          {"encoder.peak_live_jobs", 3}});
+  Report(l1_, true, 0, 0, 0,
+         {{"llm.compute_s", 1.2}, {"llm.bridge_wait_s", 0.1}, {"llm.collective_s", 0.2},
+          {"llm.grad_norm_wait_s", 0.05}});
+  ASSERT_EQ(Report(l0_, true, 250.0, 100, 0,
+                   {{"llm.compute_s", 1.0}, {"llm.bridge_wait_s", 0.1}, {"llm.collective_s", 0.2}}),
+            Outcome::kCommitted);
+  const v1::StepTiming& timing = orchestrator_->recent().front();  // 2 s long
+  ASSERT_EQ(timing.modules_size(), 2);
+  const v1::ModuleStepSplit& enc = timing.modules().at("encoder");
+  EXPECT_EQ(enc.ranks(), 2);
+  EXPECT_DOUBLE_EQ(enc.compute_s(), 0.3);  // e0: 1.4 s busy against e1's 0.8 s
+  EXPECT_DOUBLE_EQ(enc.bridge_wait_s(), 1.0);
+  EXPECT_NEAR(enc.idle_s(), 0.6, 1e-12);
+  EXPECT_EQ(enc.bridge_bytes(), 150);
+  EXPECT_EQ(enc.bridge_messages(), 3);
+  EXPECT_NEAR(enc.bridge_transfer_s(), 0.03, 1e-12);
+  EXPECT_EQ(enc.peak_live_jobs(), 3);
+  const v1::ModuleStepSplit& llm = timing.modules().at("llm");
+  EXPECT_EQ(llm.ranks(), 2);
+  EXPECT_DOUBLE_EQ(llm.compute_s(), 1.2);
+  EXPECT_DOUBLE_EQ(llm.grad_norm_wait_s(), 0.05);
+  EXPECT_NEAR(llm.idle_s(), 0.5, 1e-12);
+  // An aborted step carries no split, and the next step starts from nothing.
+  Begin(1);
+  Report(e0_, true, 0, 0, 1, {{"encoder.compute_s", 9.0}});
+  Report(e1_, false, 0, 0, 1);
+  EXPECT_EQ(orchestrator_->recent().front().modules_size(), 0);
 }
 
 TEST_F(StepOrchestratorTest, NoClippingWhenGradClipIsOff) {

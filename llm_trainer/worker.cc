@@ -96,8 +96,9 @@ absl::Status WriteOwnedParams(const std::string& out_dir, int64_t world_rank,
   return absl::OkStatus();
 }
 
-// Appends this rank's time split of one step to <out>/workers/rank-<r>.steps.jsonl, which
-// `hetpar run` folds into metrics.jsonl once the step commits.
+// Appends this rank's time split of one step to <out>/workers/rank-<r>.steps.jsonl: the per-rank
+// detail behind the per-module split that the coordinator combines from the step reports (and
+// `hetpar run` writes to metrics.jsonl).
 void AppendStepTimings(const std::string& out_dir, int64_t world_rank, int64_t step,
                        const std::string& module, const std::map<std::string, double>& timings) {
   if (out_dir.empty()) return;

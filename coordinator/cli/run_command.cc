@@ -116,85 +116,29 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   return kExitOk;
 }
 
-// Reads the per-step time splits the workers append to <out>/workers/rank-<r>.steps.jsonl and
-// gives, per module, the split of its slowest rank (the one with the most busy time).
-class WorkerTimings {
- public:
-  explicit WorkerTimings(std::string dir) : dir_(std::move(dir)) {}
-
-  // {"encoder": {"compute_s", "bridge_wait_s", "collective_s", "idle_s", "bridge_messages",
-  // "bridge_bytes", "bridge_transfer_s"}, "llm": {...}}. The bridge fields add up what the
-  // transport delivered to the module's ranks (the LLM: image rows; the encoder: gradients) and
-  // the ranks' transfer times, so bytes / transfer_s is their mean receive rate inside the step.
-  nlohmann::json ForStep(int64_t step, double step_time_s) {
-    ReadNew();
-    nlohmann::json out = nlohmann::json::object();
-    auto it = by_step_.find(step);
-    if (it == by_step_.end()) return out;
-    for (const auto& [module, lines] : it->second) {
-      const nlohmann::json* slowest = nullptr;
-      double busiest = -1;
-      for (const auto& line : lines) {
-        const double busy = line.value("compute_s", 0.0) + line.value("bridge_wait_s", 0.0) +
-                            line.value("collective_s", 0.0);
-        if (busy > busiest) {
-          busiest = busy;
-          slowest = &line;
-        }
-      }
-      out[module] = {{"compute_s", slowest->value("compute_s", 0.0)},
-                     {"bridge_wait_s", slowest->value("bridge_wait_s", 0.0)},
-                     {"collective_s", slowest->value("collective_s", 0.0)},
-                     {"idle_s", std::max(0.0, step_time_s - busiest)}};
-      double messages = 0, bytes = 0, transfer = 0;
-      for (const auto& line : lines) {
-        messages += line.value("bridge_messages", 0.0);
-        bytes += line.value("bridge_bytes", 0.0);
-        transfer += line.value("bridge_transfer_s", 0.0);
-      }
-      out[module]["bridge_messages"] = static_cast<int64_t>(messages);
-      out[module]["bridge_bytes"] = static_cast<int64_t>(bytes);
-      out[module]["bridge_transfer_s"] = transfer;
-      if (module == "encoder") {
-        double jobs = 0, bytes = 0;
-        for (const auto& line : lines) {
-          jobs = std::max(jobs, line.value("peak_live_jobs", 0.0));
-          bytes = std::max(bytes, line.value("peak_live_output_bytes", 0.0));
-        }
-        out[module]["peak_live_jobs"] = static_cast<int64_t>(jobs);
-        out[module]["peak_live_output_bytes"] = static_cast<int64_t>(bytes);
-      }
+// A committed step's per-module split, from the coordinator's combination of the workers'
+// reports (v1::ModuleStepSplit).
+nlohmann::json ModuleSplits(const v1::StepTiming& t) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [module, m] : t.modules()) {
+    nlohmann::json j = {{"compute_s", m.compute_s()},
+                        {"bridge_wait_s", m.bridge_wait_s()},
+                        {"collective_s", m.collective_s()},
+                        {"idle_s", m.idle_s()},
+                        {"data_s", m.data_s()},
+                        {"grad_norm_wait_s", m.grad_norm_wait_s()},
+                        {"optimizer_s", m.optimizer_s()},
+                        {"bridge_messages", m.bridge_messages()},
+                        {"bridge_bytes", m.bridge_bytes()},
+                        {"bridge_transfer_s", m.bridge_transfer_s()}};
+    if (module == "encoder") {
+      j["peak_live_jobs"] = m.peak_live_jobs();
+      j["peak_live_output_bytes"] = m.peak_live_output_bytes();
     }
-    by_step_.erase(by_step_.begin(), std::next(it));
-    return out;
+    out[module] = std::move(j);
   }
-
- private:
-  void ReadNew() {
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
-      const std::string path = entry.path().string();
-      if (path.size() < 12 || path.substr(path.size() - 12) != ".steps.jsonl") continue;
-      std::ifstream in(path);
-      in.seekg(offsets_[path]);
-      std::string line;
-      while (std::getline(in, line)) {
-        if (in.eof()) break;  // a line still being written: read it next time
-        offsets_[path] = in.tellg();
-        nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (j.is_discarded() || !j.contains("step")) continue;
-        const std::string module = j.contains("module")
-                                       ? j["module"].get<std::string>()
-                                       : (j.contains("tokens") ? "llm" : "encoder");
-        by_step_[j["step"].get<int64_t>()][module].push_back(j);
-      }
-    }
-  }
-
-  std::string dir_;
-  std::map<std::string, std::streamoff> offsets_;
-  std::map<int64_t, std::map<std::string, std::vector<nlohmann::json>>> by_step_;
-};
+  return out;
+}
 
 // Sums the owned-parameter files the workers of DP replica 0 write.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
@@ -325,7 +269,6 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
             << " started (logs in " << out_dir << "/log)\n";
 
   const bool tty = ::isatty(STDERR_FILENO) != 0;
-  WorkerTimings timings(out_dir + "/workers");
   const absl::Time start = absl::Now();
   int64_t written = 0;  // steps written to metrics.jsonl
   data::SamplerCursor cursor;
@@ -383,7 +326,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                              {"images", images},
                              {"step_time_s", t.duration_s()},
                              {"generation", t.generation()}};
-      const nlohmann::json split = timings.ForStep(t.step(), t.duration_s());
+      const nlohmann::json split = ModuleSplits(t);
       for (auto it = split.begin(); it != split.end(); ++it) line[it.key()] = it.value();
       if (absl::Status s = (*run_dir)->AppendMetrics(line.dump()); !s.ok()) {
         failure = std::string(s.message());
