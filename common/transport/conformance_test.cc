@@ -383,6 +383,49 @@ TEST_P(ConformanceTest, TruncationIsReportedClearly) {
   ExpectRoundTrip(0, 1, 5, size, 12);
 }
 
+TEST_P(ConformanceTest, ScatterReceivesPlaceEachPartInItsSegment) {
+  const size_t size = GetParam().size;
+  // Four separate buffers (one empty); the last has 7 bytes more than the message needs.
+  const size_t a = size / 3, c = size / 4;
+  std::vector<std::vector<uint8_t>> parts = {std::vector<uint8_t>(a, 0xEE), {},
+                                             std::vector<uint8_t>(c, 0xEE),
+                                             std::vector<uint8_t>(size - a - c + 7, 0xEE)};
+  std::vector<MutableBuffer> segments;
+  for (auto& part : parts) segments.push_back(MutableBuffer::Host(part.data(), part.size()));
+  std::vector<uint8_t> out = Message(17, size);
+  auto recv = ranks_[1]->RecvScatter(peer_[1][0], 6, segments);
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  auto send = ranks_[0]->Send(peer_[0][1], 6, ConstBuffer::Host(out.data(), out.size()));
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE((*recv)->Wait(Deadline()).ok());
+  ASSERT_TRUE((*send)->Wait(Deadline()).ok());
+  EXPECT_EQ((*recv)->bytes(), size);
+  std::vector<uint8_t> joined;
+  for (const auto& part : parts) joined.insert(joined.end(), part.begin(), part.end());
+  std::vector<uint8_t> expected = out;
+  expected.insert(expected.end(), 7, 0xEE);  // the unused tail is untouched
+  EXPECT_TRUE(SameBytes(expected, joined, "scattered message"));
+
+  // A message longer than the segments is a truncation, as for Recv.
+  if (size >= 2) {
+    std::vector<uint8_t> first(size / 2), second(size - size / 2 - 1);
+    auto short_recv = ranks_[1]->RecvScatter(
+        peer_[1][0], 7,
+        {MutableBuffer::Host(first.data(), first.size()),
+         MutableBuffer::Host(second.data(), second.size())});
+    ASSERT_TRUE(short_recv.ok());
+    auto send2 = ranks_[0]->Send(peer_[0][1], 7, ConstBuffer::Host(out.data(), out.size()));
+    ASSERT_TRUE(send2.ok());
+    absl::Status status = (*short_recv)->Wait(Deadline());
+    EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange) << status;
+    EXPECT_NE((*send2)->Wait(Deadline()).code(), absl::StatusCode::kDeadlineExceeded);
+  }
+  // Segments must be host memory.
+  auto cuda = ranks_[1]->RecvScatter(peer_[1][0], 8,
+                                     {MutableBuffer{parts[0].data(), a, MemoryKind::kCuda, 0}});
+  EXPECT_EQ(cuda.status().code(), absl::StatusCode::kUnimplemented) << cuda.status();
+}
+
 TEST_P(ConformanceTest, WaitReturnsAtTheDeadlineAndTheOperationStaysPending) {
   std::vector<uint8_t> in(std::max<size_t>(GetParam().size, 1), 0);
   auto recv = ranks_[1]->Recv(peer_[1][0], 6, MutableBuffer::Host(in.data(), in.size()));

@@ -340,18 +340,33 @@ absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::Send(PeerId peer, Ta
 
 absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::Recv(PeerId peer, Tag tag,
                                                                  MutableBuffer buffer) {
+  return WrapReceive(peer, tag, buffer.size,
+                     [&] { return state_->inner().Recv(peer, tag, buffer); });
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::RecvScatter(
+    PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
+  size_t total = 0;
+  for (const MutableBuffer& segment : segments) total += segment.size;
+  return WrapReceive(peer, tag, total,
+                     [&] { return state_->inner().RecvScatter(peer, tag, std::move(segments)); });
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::WrapReceive(
+    PeerId peer, Tag tag, size_t size,
+    absl::FunctionRef<absl::StatusOr<std::unique_ptr<Operation>>()> post) {
   auto op = std::make_shared<internal::FaultyOp>();
-  op->what = internal::Describe(false, state_->inner().PeerName(peer), tag, buffer.size);
+  op->what = internal::Describe(false, state_->inner().PeerName(peer), tag, size);
   op->peer = peer;
   op->tag = tag;
-  op->size = buffer.size;
+  op->size = size;
   bool drop = false;
   absl::Duration delay;
   absl::Status counted = state_->CountOperation(peer, /*is_send=*/false, &drop, &delay);
   if (!counted.ok()) {
     return absl::UnavailableError(absl::StrCat(op->what, ": ", std::string(counted.message())));
   }
-  auto inner = state_->inner().Recv(peer, tag, buffer);
+  auto inner = post();
   if (!inner.ok()) return inner.status();
   {
     absl::MutexLock lock(&op->mu);

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "common/transport/transport.h"
 
 namespace hetpar::transport {
@@ -58,11 +60,17 @@ class FaultyTransport final : public Transport {
                                                   ConstBuffer buffer) override;
   absl::StatusOr<std::unique_ptr<Operation>> Recv(PeerId peer, Tag tag,
                                                   MutableBuffer buffer) override;
+  absl::StatusOr<std::unique_ptr<Operation>> RecvScatter(
+      PeerId peer, Tag tag, std::vector<MutableBuffer> segments) override;
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
 
  private:
   explicit FaultyTransport(std::shared_ptr<internal::FaultyState> state);
+  // Counts a receive of `size` bytes against the fault plan, then posts it with `post`.
+  absl::StatusOr<std::unique_ptr<Operation>> WrapReceive(
+      PeerId peer, Tag tag, size_t size,
+      absl::FunctionRef<absl::StatusOr<std::unique_ptr<Operation>>()> post);
 
   std::shared_ptr<internal::FaultyState> state_;
 };

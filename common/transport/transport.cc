@@ -1,5 +1,8 @@
 #include "common/transport/transport.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 
 namespace hetpar::transport {
@@ -44,6 +47,47 @@ absl::Status ValidateTag(Tag tag, std::string_view what) {
                                                    " bits; expected at most ", kMaxTag));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> ValidateSegments(absl::Span<const MutableBuffer> segments,
+                                        std::string_view what) {
+  size_t total = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const MutableBuffer& segment = segments[i];
+    const std::string which = absl::StrCat(std::string(what), " segment ", i);
+    if (auto s = ValidateBuffer(segment.data, segment.size, segment.kind, which); !s.ok()) {
+      return s;
+    }
+    if (segment.kind != MemoryKind::kHost) {
+      return absl::UnimplementedError(absl::StrCat(which,
+                                                   ": scatter receives take host memory only; got ",
+                                                   std::string(MemoryKindName(segment.kind))));
+    }
+    total += segment.size;
+  }
+  return total;
+}
+
+void ScatterCopy(const void* src, size_t size, absl::Span<const MutableBuffer> segments) {
+  const char* from = static_cast<const char*>(src);
+  for (const MutableBuffer& segment : segments) {
+    if (size == 0) break;
+    const size_t n = std::min(size, segment.size);
+    if (n > 0) std::memcpy(segment.data, from, n);
+    from += n;
+    size -= n;
+  }
+}
+
+void GatherCopy(absl::Span<const MutableBuffer> segments, void* dst, size_t size) {
+  char* to = static_cast<char*>(dst);
+  for (const MutableBuffer& segment : segments) {
+    if (size == 0) break;
+    const size_t n = std::min(size, segment.size);
+    if (n > 0) std::memcpy(to, segment.data, n);
+    to += n;
+    size -= n;
+  }
 }
 
 }  // namespace hetpar::transport

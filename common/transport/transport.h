@@ -56,6 +56,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -167,6 +168,15 @@ class Transport {
   virtual absl::StatusOr<std::unique_ptr<Operation>> Recv(PeerId peer, Tag tag,
                                                           MutableBuffer buffer) = 0;
 
+  // Posts a receive of one message from `peer` with `tag` scattered over `segments` in order:
+  // the message's first segments[0].size bytes land in segments[0], the next ones in
+  // segments[1], and so on, straight from the transport (no staging copy). A shorter message
+  // fills a prefix of the segments; a longer one fails with kOutOfRange. Host memory only
+  // (kUnimplemented for other kinds). Matching, completion and failure are those of Recv; bytes()
+  // is the message length. Lets a receiver put the parts of one message where each belongs.
+  virtual absl::StatusOr<std::unique_ptr<Operation>> RecvScatter(
+      PeerId peer, Tag tag, std::vector<MutableBuffer> segments) = 0;
+
   // Closes the connection to `peer`: pending operations with it complete with kCancelled, the
   // peer is told that this side is gone (its operations with us fail with kUnavailable) and the
   // connection's resources (sockets, endpoints) are released by `deadline`. Later operations on
@@ -187,6 +197,17 @@ absl::Status ValidateBuffer(const void* data, size_t size, MemoryKind kind, std:
 
 // Checks that `tag` fits kTagBits.
 absl::Status ValidateTag(Tag tag, std::string_view what);
+
+// Checks scatter segments (host memory, each non-null when its size > 0) and returns their total
+// size.
+absl::StatusOr<size_t> ValidateSegments(absl::Span<const MutableBuffer> segments,
+                                        std::string_view what);
+
+// Copies `size` bytes at `src` over `segments` in order (size <= their total).
+void ScatterCopy(const void* src, size_t size, absl::Span<const MutableBuffer> segments);
+
+// Copies the first `size` bytes held by `segments` (in order) to `dst`.
+void GatherCopy(absl::Span<const MutableBuffer> segments, void* dst, size_t size);
 
 }  // namespace hetpar::transport
 

@@ -83,6 +83,7 @@ struct PendingOp {
   QueueKey key;
   const void* src = nullptr;
   void* dst = nullptr;
+  std::vector<MutableBuffer> segments;  // a scatter receive's, instead of dst
   size_t size = 0;
   OpState state = OpState::kQueued;
 };
@@ -147,6 +148,8 @@ void Move(const PendingOpPtr& send, const PendingOpPtr& recv) {
         absl::StrCat(recv->completion->description(), ": the message is ", send->size,
                      " bytes, larger than the ", recv->size,
                      "-byte receive buffer (truncated; buffer contents unspecified)"));
+  } else if (!recv->segments.empty()) {
+    ScatterCopy(send->src, send->size, recv->segments);
   } else if (send->size > 0) {
     std::memcpy(recv->dst, send->src, send->size);
   }
@@ -334,9 +337,20 @@ absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Recv(PeerId peer, Ta
   return Post(/*is_send=*/false, peer, tag, nullptr, buffer.data, buffer.size, buffer.kind);
 }
 
-absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Post(bool is_send, PeerId peer, Tag tag,
-                                                                 const void* src, void* dst,
-                                                                 size_t size, MemoryKind kind) {
+absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::RecvScatter(
+    PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
+  size_t total = 0;
+  for (const MutableBuffer& segment : segments) total += segment.size;
+  absl::StatusOr<size_t> valid = ValidateSegments(
+      segments, internal::Describe(internal::OpKind::kRecv, PeerName(peer), tag, total));
+  if (!valid.ok()) return valid.status();
+  return Post(/*is_send=*/false, peer, tag, nullptr, nullptr, *valid, MemoryKind::kHost,
+              std::move(segments));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Post(
+    bool is_send, PeerId peer, Tag tag, const void* src, void* dst, size_t size, MemoryKind kind,
+    std::vector<MutableBuffer> segments) {
   using internal::OpKind;
   using internal::PendingOp;
   Registry& registry = Registry::Get();
@@ -345,7 +359,9 @@ absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Post(bool is_send, P
   const std::string peer_name = PeerName(peer);
   const std::string what = internal::Describe(op_kind, peer_name, tag, size);
   if (auto s = ValidateTag(tag, what); !s.ok()) return s;
-  if (auto s = ValidateBuffer(is_send ? src : dst, size, kind, what); !s.ok()) return s;
+  if (segments.empty()) {
+    if (auto s = ValidateBuffer(is_send ? src : dst, size, kind, what); !s.ok()) return s;
+  }
   if (kind != MemoryKind::kHost) {
     return absl::UnimplementedError(
         absl::StrCat(what, ": the in-process backend moves host memory only; ",
@@ -357,6 +373,7 @@ absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Post(bool is_send, P
   op->owner = self;
   op->src = src;
   op->dst = dst;
+  op->segments = std::move(segments);
   op->size = size;
   internal::PendingOpPtr match;
   {

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/transport/transport.h"
 
@@ -48,16 +49,20 @@ class InprocTransport final : public Transport {
                                                   ConstBuffer buffer) override;
   absl::StatusOr<std::unique_ptr<Operation>> Recv(PeerId peer, Tag tag,
                                                   MutableBuffer buffer) override;
+  absl::StatusOr<std::unique_ptr<Operation>> RecvScatter(
+      PeerId peer, Tag tag, std::vector<MutableBuffer> segments) override;
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
 
  private:
   explicit InprocTransport(std::shared_ptr<internal::Endpoint> endpoint);
   // Send and Recv: validates, then matches the operation against the oldest opposite one queued
-  // for (sender, tag) or queues it. Exactly one of `src` (send) and `dst` (receive) is used.
+  // for (sender, tag) or queues it. Exactly one of `src` (send) and `dst` (receive) is used; a
+  // scatter receive passes its (validated) segments instead of `dst`.
   absl::StatusOr<std::unique_ptr<Operation>> Post(bool is_send, PeerId peer, Tag tag,
                                                   const void* src, void* dst, size_t size,
-                                                  MemoryKind kind);
+                                                  MemoryKind kind,
+                                                  std::vector<MutableBuffer> segments = {});
 
   std::shared_ptr<internal::Endpoint> endpoint_;
 };

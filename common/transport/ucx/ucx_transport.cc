@@ -94,6 +94,20 @@ int ReadPeerMemory(uint32_t pid, uint64_t address, void* dst, size_t length) {
   return 0;
 }
 
+// Copies `length` bytes at `address` in process `pid` over `segments` in order; 0 or an errno.
+int ReadPeerMemoryScatter(uint32_t pid, uint64_t address,
+                          const std::vector<MutableBuffer>& segments, size_t length) {
+  size_t done = 0;
+  for (const MutableBuffer& segment : segments) {
+    if (done == length) break;
+    const size_t n = std::min(segment.size, length - done);
+    if (n == 0) continue;
+    if (int error = ReadPeerMemory(pid, address + done, segment.data, n); error != 0) return error;
+    done += n;
+  }
+  return 0;
+}
+
 enum class OpKind { kSend, kRecv, kControlSend };
 
 std::string Describe(OpKind kind, std::string_view peer_name, Tag tag, size_t size) {
@@ -118,6 +132,8 @@ struct UcxOp {
   const void* src = nullptr;
   void* dst = nullptr;
   size_t size = 0;
+  std::vector<MutableBuffer> segments;  // a scatter receive's, instead of dst
+  std::vector<ucp_dt_iov_t> iov;        // the non-empty segments, as UCX takes them
   ucs_memory_type_t memory_type = UCS_MEMORY_TYPE_HOST;
   std::shared_ptr<Completion> completion;  // null for control sends
   ControlMessage control;                  // payload of a control send
@@ -178,9 +194,10 @@ class Core {
     return stats;
   }
   absl::StatusOr<PeerId> Connect(std::string_view peer_address, absl::Time deadline);
+  // A scatter receive passes its (validated) segments and a null `dst`.
   absl::StatusOr<std::shared_ptr<UcxOp>> Post(OpKind kind, PeerId peer, Tag tag, const void* src,
                                               void* dst, size_t size, MemoryKind memory_kind,
-                                              int device);
+                                              int device, std::vector<MutableBuffer> segments = {});
   absl::Status Disconnect(PeerId peer, absl::Time deadline);
   std::string PeerName(PeerId peer) const;
   void Cancel(const std::shared_ptr<UcxOp>& op);
@@ -576,7 +593,8 @@ absl::StatusOr<PeerId> Core::Connect(std::string_view peer_address, absl::Time d
 
 absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag tag,
                                                   const void* src, void* dst, size_t size,
-                                                  MemoryKind memory_kind, int device) {
+                                                  MemoryKind memory_kind, int device,
+                                                  std::vector<MutableBuffer> segments) {
   auto op = std::make_shared<UcxOp>();
   op->kind = kind;
   op->peer = peer;
@@ -584,6 +602,11 @@ absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag 
   op->src = src;
   op->dst = dst;
   op->size = size;
+  const bool scatter = !segments.empty();
+  op->segments = std::move(segments);
+  for (const MutableBuffer& segment : op->segments) {
+    if (segment.size > 0) op->iov.push_back({segment.data, segment.size});
+  }
   op->core = this;
   {
     absl::MutexLock lock(&mu_);
@@ -597,7 +620,9 @@ absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag 
                                                      peer, "; expected a PeerId from Connect"));
     }
     if (auto s = ValidateTag(tag, what); !s.ok()) return s;
-    if (auto s = ValidateBuffer(kind == OpKind::kSend ? src : dst, size, memory_kind, what);
+    if (auto s = scatter
+                     ? absl::OkStatus()
+                     : ValidateBuffer(kind == OpKind::kSend ? src : dst, size, memory_kind, what);
         !s.ok()) {
       return s;
     }
@@ -952,6 +977,13 @@ void Core::PostRecv(const std::shared_ptr<UcxOp>& op) {
   param.cb.recv = &Core::OnRecvDone;
   param.user_data = op.get();
   param.memory_type = op->memory_type;
+  if (!op->bounced && !op->segments.empty()) {
+    // Scatter: UCX writes the message over the segments itself.
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+    param.datatype = ucp_dt_make_iov();
+    landing = op->iov.data();
+    landing_size = op->iov.size();
+  }
   void* request =
       ucp_tag_recv_nbx(worker_, landing, landing_size, WireTag(op->peer, op->tag),
                        op->memory_type == UCS_MEMORY_TYPE_HOST ? kDataMask : kFullMask, &param);
@@ -1003,13 +1035,19 @@ void Core::OnOpDone(UcxOp* op, void* request, ucs_status_t status, size_t length
   }
   if (op->kind == OpKind::kRecv && status == UCS_OK && (sender_tag & kZeroCopyBit) != 0) {
     ZeroCopyDescriptor descriptor;
-    std::memcpy(&descriptor, op->bounced ? op->bounce.data() : op->dst, sizeof(descriptor));
+    if (op->bounced || op->segments.empty()) {
+      std::memcpy(&descriptor, op->bounced ? op->bounce.data() : op->dst, sizeof(descriptor));
+    } else {
+      GatherCopy(op->segments, &descriptor, sizeof(descriptor));
+    }
     pending_reads_.push_back({hold, descriptor});
     return;
   }
   if (op->kind == OpKind::kRecv && op->bounced && status == UCS_OK) {
     if (length > op->size) {
       status = UCS_ERR_MESSAGE_TRUNCATED;
+    } else if (!op->segments.empty()) {
+      ScatterCopy(op->bounce.data(), length, op->segments);
     } else if (length > 0) {
       std::memcpy(op->dst, op->bounce.data(), length);
     }
@@ -1051,7 +1089,10 @@ bool Core::ProcessReads() {
       status = absl::OutOfRangeError(absl::StrCat(
           what, ": the message is larger than the ", op.size, "-byte receive buffer (it is ",
           d.length, " bytes); truncated, buffer contents unspecified"));
-    } else if (int error = ReadPeerMemory(d.pid, d.address, op.dst, d.length); error != 0) {
+    } else if (int error = op.segments.empty()
+                               ? ReadPeerMemory(d.pid, d.address, op.dst, d.length)
+                               : ReadPeerMemoryScatter(d.pid, d.address, op.segments, d.length);
+               error != 0) {
       result = kReadFailed;
       const std::string failure = absl::StrCat("copying ", d.length, " bytes out of its process ",
                                                d.pid, " failed: ", strerror(error));
@@ -1417,6 +1458,20 @@ absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::Recv(PeerId peer, Tag t
                                                               MutableBuffer buffer) {
   auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, buffer.data, buffer.size,
                         buffer.kind, buffer.device);
+  if (!op.ok()) return op.status();
+  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::RecvScatter(
+    PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
+  size_t total = 0;
+  for (const MutableBuffer& segment : segments) total += segment.size;
+  absl::StatusOr<size_t> valid =
+      ValidateSegments(segments, absl::StrCat("receive from peer '", core_->PeerName(peer),
+                                              "' tag ", tag, " (", total, " bytes)"));
+  if (!valid.ok()) return valid.status();
+  auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, nullptr, *valid,
+                        MemoryKind::kHost, -1, std::move(segments));
   if (!op.ok()) return op.status();
   return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
 }

@@ -58,6 +58,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "common/transport/transport.h"
@@ -107,6 +108,8 @@ class UcxTransport final : public Transport {
                                                   ConstBuffer buffer) override;
   absl::StatusOr<std::unique_ptr<Operation>> Recv(PeerId peer, Tag tag,
                                                   MutableBuffer buffer) override;
+  absl::StatusOr<std::unique_ptr<Operation>> RecvScatter(
+      PeerId peer, Tag tag, std::vector<MutableBuffer> segments) override;
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
 
