@@ -102,7 +102,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     HETPAR_ASSIGN_OR_RETURN(train::PendingSends sends,
                             boundary_->SendForward(plan, job.wave, rows));
     // The gradients of this job may come back while later jobs compute.
-    HETPAR_RETURN_IF_ERROR(boundary_->PostReceives(plan, plan::Direction::kBackward, job.wave));
+    HETPAR_RETURN_IF_ERROR(boundary_->PostBackwardReceives(plan, job.wave));
     live.push_back({&job, output, std::move(sends)});
     int64_t live_bytes = 0;
     for (const LiveJob& j : live) live_bytes += j.output.numel() * j.output.element_size();

@@ -65,12 +65,16 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t bytes_received0 = boundary_->bytes_received();
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
-  // Every wave's image rows may arrive while earlier waves compute; the samples' text is loaded
-  // while the encoder computes the first wave.
-  for (const plan::LlmMicrobatch& mb : plan.microbatches) {
-    if (mb.image_rows > 0) {
-      HETPAR_RETURN_IF_ERROR(boundary_->PostReceives(plan, plan::Direction::kForward, mb.wave));
-    }
+  // Every wave's image rows may land in their buffer while earlier waves compute; the samples'
+  // text is loaded while the encoder computes the first wave.
+  std::vector<at::Tensor> buffers(plan.microbatches.size());
+  for (size_t m = 0; m < plan.microbatches.size(); ++m) {
+    const plan::LlmMicrobatch& mb = plan.microbatches[m];
+    if (mb.image_rows <= 0) continue;
+    const int64_t rows =
+        mb.wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[mb.wave] : 0;
+    buffers[m] = at::zeros({rows, hidden}, row_options);
+    HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[m]));
   }
   auto t_data = Clock::now();
   std::vector<std::vector<LlmSample>> wave_samples;
@@ -112,7 +116,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     const at::Tensor owned_index = at::tensor(owned, at::kLong);
     at::Tensor image_rows;
     if (mb.image_rows > 0) {
-      at::Tensor buffer = at::zeros({buffer_rows, hidden}, row_options);
+      at::Tensor& buffer = buffers[m];
       auto t0 = Clock::now();
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
       stats.bridge_wait_s += Since(t0);

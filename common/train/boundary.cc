@@ -170,34 +170,72 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
 
 absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommunicator::Post(
     const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
-    const std::vector<plan::Transfer>& transfers) {
+    const std::vector<plan::Transfer>& transfers, const at::Tensor& straight) {
+  const int64_t row_bytes = plan.row_bytes;
+  if (straight.defined()) {
+    HETPAR_RETURN_IF_ERROR(CheckRows(straight, row_bytes, "boundary receive"));
+  }
   std::vector<PostedReceive> posted;
   for (const plan::Transfer& transfer : transfers) {
     if (transfer.wave != wave) continue;
     PostedReceive& r = posted.emplace_back();
     r.src_rank = transfer.src_rank;
     if (transfer.src_rank == plan.rank) continue;  // handed over in memory by Receive
-    const size_t size = MessageSize(transfer, plan.row_bytes);
-    r.buffer.assign(size, 0);
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
+    const transport::Tag tag = BoundaryTag(plan.step, direction, wave);
+    if (!straight.defined()) {
+      const size_t size = MessageSize(transfer, row_bytes);
+      r.buffer.assign(size, 0);
+      r.posted = absl::Now();
+      HETPAR_ASSIGN_OR_RETURN(
+          r.op, transport_->Recv(peer, tag, transport::MutableBuffer::Host(r.buffer.data(), size)));
+      continue;
+    }
+    // Framing and header into r.buffer, each piece's rows at its place in `straight`.
+    r.buffer.assign(kPrefixBytes + static_cast<size_t>(plan::EncodedHeaderSize(
+                                       static_cast<int64_t>(transfer.pieces.size()))),
+                    0);
+    r.rows = straight;
+    std::vector<transport::MutableBuffer> segments = {
+        transport::MutableBuffer::Host(r.buffer.data(), r.buffer.size())};
+    char* base = static_cast<char*>(straight.data_ptr());
+    for (const plan::BlockPiece& piece : transfer.pieces) {
+      if (piece.dst_offset < 0 || piece.dst_offset + piece.rows > straight.size(0)) {
+        return absl::InternalError(absl::StrCat(
+            "boundary receive: piece rows [", piece.dst_offset, ", ", piece.dst_offset + piece.rows,
+            ") outside the ", straight.size(0), "-row buffer of wave ", wave));
+      }
+      segments.push_back(transport::MutableBuffer::Host(base + piece.dst_offset * row_bytes,
+                                                        piece.rows * row_bytes));
+    }
     r.posted = absl::Now();
-    HETPAR_ASSIGN_OR_RETURN(
-        r.op, transport_->Recv(peer, BoundaryTag(plan.step, direction, wave),
-                               transport::MutableBuffer::Host(r.buffer.data(), size)));
+    HETPAR_ASSIGN_OR_RETURN(r.op, transport_->RecvScatter(peer, tag, std::move(segments)));
   }
   return posted;
 }
 
-absl::Status BoundaryCommunicator::PostReceives(const plan::RankStepPlan& plan,
-                                                plan::Direction direction, int64_t wave) {
+absl::Status BoundaryCommunicator::PostAhead(const plan::RankStepPlan& plan,
+                                             plan::Direction direction, int64_t wave,
+                                             const at::Tensor& straight) {
   const transport::Tag tag = BoundaryTag(plan.step, direction, wave);
   if (posted_.count(tag) != 0) return absl::OkStatus();
-  HETPAR_ASSIGN_OR_RETURN(std::vector<PostedReceive> posted,
-                          Post(plan, direction, wave,
-                               direction == plan::Direction::kForward ? plan.forward_receives
-                                                                      : plan.backward_receives));
+  HETPAR_ASSIGN_OR_RETURN(
+      std::vector<PostedReceive> posted,
+      Post(plan, direction, wave,
+           direction == plan::Direction::kForward ? plan.forward_receives : plan.backward_receives,
+           straight));
   posted_.emplace(tag, std::move(posted));
   return absl::OkStatus();
+}
+
+absl::Status BoundaryCommunicator::PostForwardReceives(const plan::RankStepPlan& plan, int64_t wave,
+                                                       const at::Tensor& buffer) {
+  return PostAhead(plan, plan::Direction::kForward, wave, buffer);
+}
+
+absl::Status BoundaryCommunicator::PostBackwardReceives(const plan::RankStepPlan& plan,
+                                                        int64_t wave) {
+  return PostAhead(plan, plan::Direction::kBackward, wave, at::Tensor());
 }
 
 void BoundaryCommunicator::BeginStep() {
@@ -231,13 +269,22 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
   }
   if (expected.empty()) return absl::OkStatus();
   HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary receive"));
+  // Forward rows go straight into `rows`; gradients are added, so they are staged.
+  const at::Tensor straight = add ? at::Tensor() : rows;
   std::vector<PostedReceive> posted;
   auto ahead = posted_.find(BoundaryTag(plan.step, direction, wave));
   if (ahead != posted_.end()) {
     posted = std::move(ahead->second);
     posted_.erase(ahead);
+    for (const PostedReceive& r : posted) {
+      if (r.rows.defined() && !r.rows.is_same(rows)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("boundary receive of wave ", wave,
+                         ": the receives were posted into another buffer than the one given"));
+      }
+    }
   } else {
-    HETPAR_ASSIGN_OR_RETURN(posted, Post(plan, direction, wave, transfers));
+    HETPAR_ASSIGN_OR_RETURN(posted, Post(plan, direction, wave, transfers, straight));
   }
   if (posted.size() != expected.size()) {
     return absl::InternalError(absl::StrCat("boundary receive of wave ", wave, ": ", posted.size(),
@@ -300,9 +347,8 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
                                               ": header length ", header_size, " exceeds the ",
                                               message.size(), "-byte message"));
     }
-    HETPAR_ASSIGN_OR_RETURN(
-        plan::MessageHeader header,
-        plan::DecodeHeader(message.substr(kPrefixBytes, header_size)));
+    HETPAR_ASSIGN_OR_RETURN(plan::MessageHeader header,
+                            plan::DecodeHeader(message.substr(kPrefixBytes, header_size)));
     HETPAR_RETURN_IF_ERROR(
         plan::ValidateHeader(header, plan::HeaderFor(plan, direction, transfer)));
     const absl::Time sent =
@@ -310,24 +356,21 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     const absl::Time end = receive.op->completed_at();
     intervals_[static_cast<int>(direction)].push_back(
         {std::min(std::max(sent, receive.posted), end), end, static_cast<int64_t>(bytes)});
+    bytes_received_ += transfer.rows * row_bytes;
+    if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;
-    char* base = static_cast<char*>(rows.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
       if (piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {
         return absl::InternalError(absl::StrCat(
             "boundary receive: piece rows [", piece.dst_offset, ", ", piece.dst_offset + piece.rows,
             ") outside the ", rows.size(0), "-row buffer of wave ", wave));
       }
-      if (add) {
-        at::Tensor incoming =
-            at::from_blob(const_cast<char*>(payload), {piece.rows, rows.size(1)}, rows.options());
-        rows.narrow(0, piece.dst_offset, piece.rows).add_(incoming);
-      } else {
-        std::memcpy(base + piece.dst_offset * row_bytes, payload, piece.rows * row_bytes);
-      }
+      // Staged messages are gradients: added in.
+      at::Tensor incoming =
+          at::from_blob(const_cast<char*>(payload), {piece.rows, rows.size(1)}, rows.options());
+      rows.narrow(0, piece.dst_offset, piece.rows).add_(incoming);
       payload += piece.rows * row_bytes;
     }
-    bytes_received_ += transfer.rows * row_bytes;
   }
   return absl::OkStatus();
 }

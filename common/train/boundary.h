@@ -6,11 +6,17 @@
 // sender's clock when it posted the message (8-byte little-endian Unix nanoseconds), the
 // versioned header (plan/message_header.h), then the pieces' rows back to back. A receiver knows
 // the exact size from its own plan, decodes the header and validates it against the header its
-// plan expects before touching the payload, so a message from another step, generation, wave or
-// plan is rejected with both descriptions instead of being spliced into the wrong rows.
+// plan expects, so a message from another step, generation, wave or plan is rejected with both
+// descriptions instead of being used as the wrong rows.
 //
-// Receives can be posted ahead of need (PostReceives): the data then lands while the receiver
-// computes, and Receive* only waits for it and places the rows.
+// Forward receives are scatter receives (Transport::RecvScatter): the framing and header land in
+// a small buffer and each piece's rows straight at its dst_offset in the LLM's row buffer, with no
+// staging copy. The header is checked once the message is in; a mismatch fails the receive (and
+// so the step) before the rows are used. Backward receives land in a staging buffer, because the
+// encoder adds the pieces into its gradient.
+//
+// Receives can be posted ahead of need (PostForwardReceives, PostBackwardReceives): the data then
+// lands while the receiver computes, and Receive* only waits for it.
 //
 // Timing: for every message that crossed the transport the receiver records its transfer
 // interval, from the moment both ends had posted it (the later of the sender's post time and the
@@ -93,7 +99,8 @@ class BoundaryCommunicator {
   absl::StatusOr<PendingSends> SendForward(const plan::RankStepPlan& plan, int64_t wave,
                                            const at::Tensor& job_rows);
   // LLM side: receives wave `wave`'s forward transfers into `buffer` ([image_rows[wave], hidden],
-  // contiguous) at each piece's dst_offset. Rows no transfer writes are left as they are.
+  // contiguous) at each piece's dst_offset. Rows no transfer writes are left as they are. If
+  // the wave's receives were posted ahead, `buffer` must be the tensor they were posted into.
   absl::Status ReceiveForward(const plan::RankStepPlan& plan, int64_t wave, at::Tensor& buffer);
   // LLM side: sends the gradient rows of wave `wave` back (pieces read at their src_offset in
   // `grad`, the gradient of the image-row buffer).
@@ -103,10 +110,12 @@ class BoundaryCommunicator {
   // `grad` ([job rows, hidden], contiguous; the caller zeroes it).
   absl::Status ReceiveBackward(const plan::RankStepPlan& plan, int64_t wave, at::Tensor& grad);
 
-  // Posts the receives of (direction, wave) of `plan` now, so their data can land before the
-  // Receive* call that needs it. Posting a (direction, wave) twice posts it once.
-  absl::Status PostReceives(const plan::RankStepPlan& plan, plan::Direction direction,
-                            int64_t wave);
+  // Post the receives of one wave now, so their data can land before the Receive* call that
+  // needs it: forward ones straight into `buffer` (held until received), backward ones into
+  // staging. Posting a wave twice posts it once.
+  absl::Status PostForwardReceives(const plan::RankStepPlan& plan, int64_t wave,
+                                   const at::Tensor& buffer);
+  absl::Status PostBackwardReceives(const plan::RankStepPlan& plan, int64_t wave);
 
   // Starts a step: withdraws receives still posted and rows still held for a step that ended
   // early (an aborted step), and clears the transfer records.
@@ -123,7 +132,10 @@ class BoundaryCommunicator {
   // A receive posted over the transport, with the buffer it writes into.
   struct PostedReceive {
     int64_t src_rank = 0;
-    std::vector<char> buffer;  // its storage does not move with the struct
+    // The whole message (staging), or only its framing and header when the rows go straight
+    // to `rows`. Its storage does not move with the struct.
+    std::vector<char> buffer;
+    at::Tensor rows;  // a straight receive's destination, held until received
     std::unique_ptr<transport::Operation> op;
     absl::Time posted;
   };
@@ -140,12 +152,16 @@ class BoundaryCommunicator {
   absl::Status Receive(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
                        const std::vector<plan::Transfer>& transfers, at::Tensor& rows, bool add);
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
-  // The receives of (direction, wave) in plan order; a same-rank transfer has no op.
+  // The receives of (direction, wave) in plan order; a same-rank transfer has no op. With
+  // `straight` defined, each message's rows are scattered straight into it.
   absl::StatusOr<std::vector<PostedReceive>> Post(const plan::RankStepPlan& plan,
                                                   plan::Direction direction, int64_t wave,
-                                                  const std::vector<plan::Transfer>& transfers);
+                                                  const std::vector<plan::Transfer>& transfers,
+                                                  const at::Tensor& straight);
+  absl::Status PostAhead(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
+                         const at::Tensor& straight);
 
-  // Receives posted ahead by PostReceives, by tag.
+  // Receives posted ahead, by tag.
   std::map<transport::Tag, std::vector<PostedReceive>> posted_;
   std::vector<Interval> intervals_[2];  // by direction
 

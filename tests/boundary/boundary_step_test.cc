@@ -284,5 +284,89 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"colocated_enc_dp3_llm_dp3_uneven", 3, 1, 3, 1, false, true}),
     [](const auto& info) { return info.param.name; });
 
+// A forward message lands straight in the LLM's row buffer; its header is still checked on
+// arrival: a message of another generation fails the receive naming both, and a matching one
+// leaves exactly the sent rows at their places.
+TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
+  const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
+  const hetpar::v1::RunSpec spec = MakeSpec(c);
+  auto batches = train::BatchSource::Create(spec);
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  auto placement = plan::PlacementFromRunSpec(spec);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  auto batch = (*batches)->Take({}, spec.run().global_batch());
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(options.ok());
+  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
+  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
+  auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
+  ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+  ASSERT_TRUE(enc_plan->encoder_role && llm_plan->llm_role);
+
+  auto enc_t = transport::inproc::InprocTransport::Create({"enc"});
+  auto llm_t = transport::inproc::InprocTransport::Create({"llm"});
+  ASSERT_TRUE(enc_t.ok() && llm_t.ok());
+  auto to_llm = (*enc_t)->Connect((*llm_t)->LocalAddress(), absl::Now() + absl::Seconds(10));
+  auto to_enc = (*llm_t)->Connect((*enc_t)->LocalAddress(), absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(to_llm.ok() && to_enc.ok());
+  train::BoundaryCommunicator enc(enc_t->get(), {{1, *to_llm}}, absl::Seconds(10));
+  train::BoundaryCommunicator llm(llm_t->get(), {{0, *to_enc}}, absl::Seconds(10));
+
+  // The first wave with images: the encoder job's rows are 1000 * job row + column.
+  const plan::EncoderJob* job = nullptr;
+  for (const auto& j : enc_plan->encoder_jobs) {
+    if (j.rows > 0) {
+      job = &j;
+      break;
+    }
+  }
+  ASSERT_NE(job, nullptr);
+  const int64_t wave = job->wave;
+  const int64_t hidden = spec.llm().model().hidden();
+  at::Tensor job_rows = (at::arange(job->rows, at::kDouble).unsqueeze(1) * 1000 +
+                         at::arange(hidden, at::kDouble).unsqueeze(0))
+                            .contiguous();
+  const int64_t buffer_rows = llm_plan->image_rows[wave];
+
+  // Another generation: rejected, naming the field.
+  plan::RankStepPlan stale = *enc_plan;
+  stale.generation = 7;
+  at::Tensor buffer = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, buffer).ok());
+  auto sent = enc.SendForward(stale, wave, job_rows);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  absl::Status status = llm.ReceiveForward(*llm_plan, wave, buffer);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_NE(std::string(status.message()).find("generation"), std::string::npos) << status;
+  ASSERT_TRUE(sent->Wait(absl::Now() + absl::Seconds(10)).ok());
+
+  // The matching message: every piece's rows at its dst_offset, nothing else written.
+  llm.BeginStep();
+  at::Tensor fresh = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, fresh).ok());
+  auto sent2 = enc.SendForward(*enc_plan, wave, job_rows);
+  ASSERT_TRUE(sent2.ok()) << sent2.status();
+  ASSERT_TRUE(llm.ReceiveForward(*llm_plan, wave, fresh).ok());
+  at::Tensor expected = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  for (const plan::Transfer& t : llm_plan->forward_receives) {
+    if (t.wave != wave) continue;
+    for (const plan::BlockPiece& piece : t.pieces) {
+      expected.narrow(0, piece.dst_offset, piece.rows)
+          .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
+    }
+  }
+  EXPECT_TRUE(at::equal(fresh, expected));
+  EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 1);
+  ASSERT_TRUE(sent2->Wait(absl::Now() + absl::Seconds(10)).ok());
+
+  // A receive must use the buffer its wave was posted into.
+  llm.BeginStep();
+  ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, fresh).ok());
+  at::Tensor other = at::zeros_like(fresh);
+  EXPECT_EQ(llm.ReceiveForward(*llm_plan, wave, other).code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace hetpar
