@@ -29,6 +29,8 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   generation_ = generation;
   started_ = now;
   global_loss_tokens_ = plan.global_loss_tokens;
+  tokens_ = plan.tokens;
+  images_ = plan.images;
   participants_.clear();
   expected_contributors_.clear();
   contributed_.clear();
@@ -256,6 +258,8 @@ void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
   timing.set_loss(loss);
   timing.set_grad_norm(grad_norm_);
   timing.set_abort_reason(reason);
+  timing.set_tokens(tokens_);
+  timing.set_images(images_);
   if (committed) {
     for (auto& [module, split] : splits_) {
       split.set_idle_s(std::max(0.0, timing.duration_s() - busiest_[module]));

@@ -40,6 +40,9 @@ using Outbox = std::vector<std::pair<std::string, v1::CoordinatorMessage>>;
 struct PlannedStep {
   // Loss tokens in the global batch (the divisor of every microbatch loss).
   int64_t global_loss_tokens = 0;
+  // Sequence positions and images of the global batch (for the step's record).
+  int64_t tokens = 0;
+  int64_t images = 0;
   // Each live worker's part of the plan, by worker id. Every live worker gets a StepPlan; a
   // worker missing here gets one without a rank_plan.
   std::map<std::string, v1::RankStepPlan> worker_plans;
@@ -123,6 +126,8 @@ class StepOrchestrator {
   int64_t generation_ = 0;
   absl::Time started_;
   int64_t global_loss_tokens_ = 0;
+  int64_t tokens_ = 0;
+  int64_t images_ = 0;
   std::vector<std::string> participants_;
   std::set<ContributorKey> expected_contributors_;
   std::set<ContributorKey> contributed_;

@@ -148,17 +148,26 @@ TEST_F(StepOrchestratorTest, CombinesTheModulesTimeSplitsAtCommit) {
   // The slowest rank's split per module (most compute + bridge wait + collective); bridge
   // traffic added up; peak live jobs the largest.
   Report(e0_, true, 0, 0, 0,
-         {{"encoder.compute_s", 0.3}, {"encoder.bridge_wait_s", 1.0},
-          {"encoder.collective_s", 0.1}, {"encoder.bridge_bytes", 100},
-          {"encoder.bridge_messages", 2}, {"encoder.bridge_transfer_s", 0.01},
-          {"encoder.peak_live_jobs", 2}, {"not_a_module_key", 5}});
+         {{"encoder.compute_s", 0.3},
+          {"encoder.bridge_wait_s", 1.0},
+          {"encoder.collective_s", 0.1},
+          {"encoder.bridge_bytes", 100},
+          {"encoder.bridge_messages", 2},
+          {"encoder.bridge_transfer_s", 0.01},
+          {"encoder.peak_live_jobs", 2},
+          {"not_a_module_key", 5}});
   Report(e1_, true, 0, 0, 0,
-         {{"encoder.compute_s", 0.5}, {"encoder.bridge_wait_s", 0.2},
-          {"encoder.collective_s", 0.1}, {"encoder.bridge_bytes", 50},
-          {"encoder.bridge_messages", 1}, {"encoder.bridge_transfer_s", 0.02},
+         {{"encoder.compute_s", 0.5},
+          {"encoder.bridge_wait_s", 0.2},
+          {"encoder.collective_s", 0.1},
+          {"encoder.bridge_bytes", 50},
+          {"encoder.bridge_messages", 1},
+          {"encoder.bridge_transfer_s", 0.02},
           {"encoder.peak_live_jobs", 3}});
   Report(l1_, true, 0, 0, 0,
-         {{"llm.compute_s", 1.2}, {"llm.bridge_wait_s", 0.1}, {"llm.collective_s", 0.2},
+         {{"llm.compute_s", 1.2},
+          {"llm.bridge_wait_s", 0.1},
+          {"llm.collective_s", 0.2},
           {"llm.grad_norm_wait_s", 0.05}});
   ASSERT_EQ(Report(l0_, true, 250.0, 100, 0,
                    {{"llm.compute_s", 1.0}, {"llm.bridge_wait_s", 0.1}, {"llm.collective_s", 0.2}}),

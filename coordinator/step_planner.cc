@@ -81,6 +81,10 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   if (!step_plan.ok()) return step_plan.status();
   PlannedStep planned;
   planned.global_loss_tokens = step_plan->n_global;
+  for (const plan::SampleDescriptor& sample : step_plan->samples) {
+    planned.tokens += sample.sequence_length();
+    planned.images += sample.image_count();
+  }
   for (const WorkerRecord* worker : membership.LiveWorkers()) {
     absl::StatusOr<plan::RankStepPlan> rank_plan =
         plan::ExtractRankPlan(*step_plan, worker->world_rank);

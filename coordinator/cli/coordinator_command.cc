@@ -14,7 +14,9 @@
 #include "absl/time/clock.h"
 #include "common/config/config.h"
 #include "common/logging.h"
+#include "common/run_directory.h"
 #include "coordinator/cli/commands.h"
+#include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
 #include "coordinator/run_controller.h"
 #include "coordinator/security.h"
@@ -33,6 +35,7 @@ struct CoordinatorFlags {
   double step_timeout_s = 600;
   double stop_timeout_s = 10;
   bool synthetic_batches = false;
+  std::string out;
 };
 
 // Who-expects-what line: "4 workers (2 encoder, 2 llm)".
@@ -54,6 +57,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   config::LoadOptions load;
   load.overrides = flags.overrides;
+  if (!flags.out.empty()) load.overrides.push_back(absl::StrCat("run.out_dir=", flags.out));
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
   if (!loaded.ok()) {
     std::cerr << "hetpar: invalid config " << flags.config << ":\n"
@@ -61,6 +65,14 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     return kExitInvalidInput;
   }
   const v1::RunSpec& spec = loaded->spec;
+
+  // The run directory: the normalised config and one metrics.jsonl line per committed step.
+  absl::StatusOr<std::unique_ptr<RunDirectory>> run_dir =
+      RunDirectory::Create(spec.run().out_dir(), spec);
+  if (!run_dir.ok()) {
+    std::cerr << "hetpar: " << run_dir.status().message() << "\n";
+    return kExitFailure;
+  }
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
@@ -135,11 +147,20 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     raw->Stop(signal == SIGINT ? "interrupted" : "terminated");
   });
 
+  StepMetricsWriter metrics(run_dir->get());
   v1::RunState state = v1::RUN_STATE_WAITING;
+  bool metrics_failed = false;
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
-    state = (*server)->WaitForEnd(absl::Seconds(1));
+    state = (*server)->WaitForEnd(absl::Milliseconds(200));
+    if (absl::Status s = metrics.Follow((*server)->Status()); !s.ok() && !metrics_failed) {
+      HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
+      metrics_failed = true;
+    }
   }
   const v1::StatusResponse final_status = (*server)->Status();
+  if (absl::Status s = metrics.Follow(final_status); !s.ok() && !metrics_failed) {
+    HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
+  }
   // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
   absl::SleepFor(absl::Milliseconds(500));
   (*server)->Shutdown(absl::Seconds(2));
@@ -154,7 +175,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   std::cout << "hetpar coordinator: run " << spec.run().name()
             << " done: " << final_status.state_message() << " (" << final_status.committed_steps()
-            << "/" << final_status.total_steps() << " steps committed)" << std::endl;
+            << "/" << final_status.total_steps() << " steps committed); metrics in "
+            << spec.run().out_dir() << "/metrics.jsonl" << std::endl;
   return kExitOk;
 }
 
@@ -185,6 +207,8 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->add_option("--stop-timeout", flags->stop_timeout_s,
                    "Seconds to wait for workers to close their sessions after stop")
       ->check(CLI::PositiveNumber);
+  command->add_option("--out", flags->out,
+                      "Run directory for config.yaml and metrics.jsonl (default: run.out_dir)");
   command->add_flag("--synthetic-batches", flags->synthetic_batches,
                     "Plan steps over seeded synthetic samples instead of the data index");
   command->callback([flags, exit_code] { *exit_code = RunCoordinator(*flags); });

@@ -26,6 +26,7 @@
 #include "common/train/batch_source.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
+#include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
 #include "coordinator/security.h"
 #include "coordinator/server.h"
@@ -116,30 +117,6 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   return kExitOk;
 }
 
-// A committed step's per-module split, from the coordinator's combination of the workers'
-// reports (v1::ModuleStepSplit).
-nlohmann::json ModuleSplits(const v1::StepTiming& t) {
-  nlohmann::json out = nlohmann::json::object();
-  for (const auto& [module, m] : t.modules()) {
-    nlohmann::json j = {{"compute_s", m.compute_s()},
-                        {"bridge_wait_s", m.bridge_wait_s()},
-                        {"collective_s", m.collective_s()},
-                        {"idle_s", m.idle_s()},
-                        {"data_s", m.data_s()},
-                        {"grad_norm_wait_s", m.grad_norm_wait_s()},
-                        {"optimizer_s", m.optimizer_s()},
-                        {"bridge_messages", m.bridge_messages()},
-                        {"bridge_bytes", m.bridge_bytes()},
-                        {"bridge_transfer_s", m.bridge_transfer_s()}};
-    if (module == "encoder") {
-      j["peak_live_jobs"] = m.peak_live_jobs();
-      j["peak_live_output_bytes"] = m.peak_live_output_bytes();
-    }
-    out[module] = std::move(j);
-  }
-  return out;
-}
-
 // Sums the owned-parameter files the workers of DP replica 0 write.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   std::map<std::string, std::pair<double, double>> sums;
@@ -205,7 +182,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::error_code ec;
   std::filesystem::remove_all(out_dir + "/workers", ec);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
-  // to write it; the batch source also gives each step's token and image counts.
+  // to write it.
   auto batches = train::BatchSource::Create(spec);
   if (!batches.ok()) {
     std::cerr << "hetpar run: cannot open the training data: " << batches.status().message()
@@ -270,10 +247,16 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
 
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   const absl::Time start = absl::Now();
-  int64_t written = 0;  // steps written to metrics.jsonl
-  data::SamplerCursor cursor;
   double last_loss = 0;
   int64_t tokens_total = 0;
+  StepMetricsWriter metrics(run_dir->get(), [&](const v1::StepTiming& t) {
+    last_loss = t.loss();
+    tokens_total += t.tokens();
+    const int64_t done = t.step() + 1;
+    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
+    ShowProgress(done, spec.run().steps(), last_loss, tokens_total / std::max(elapsed, 1e-9),
+                 elapsed / done * (spec.run().steps() - done), tty);
+  });
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool stop_sent = false;
@@ -294,49 +277,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         stop_sent = true;
       }
     }
-    const v1::StatusResponse status = (*server)->Status();
-    // New committed steps, oldest first (recent_steps is newest first).
-    for (int i = status.recent_steps_size() - 1; i >= 0; --i) {
-      const v1::StepTiming& t = status.recent_steps(i);
-      if (!t.committed() || t.step() < written) continue;
-      if (t.step() > written) {
-        // The coordinator keeps its 32 latest steps; a stall longer than that loses lines.
-        HETPAR_LOG(WARNING) << "metrics of steps " << written << " to " << t.step() - 1
-                            << " were committed but not seen; their lines are missing";
-        for (; written < t.step(); ++written) {
-          auto skipped = (*batches)->Take(cursor, spec.run().global_batch());
-          if (skipped.ok()) cursor = skipped->next;
-        }
-      }
-      auto batch = (*batches)->Take(cursor, spec.run().global_batch());
-      if (!batch.ok()) {
-        failure = std::string(batch.status().message());
-        break;
-      }
-      int64_t tokens = 0, images = 0;
-      for (const auto& s : batch->samples) {
-        tokens += s.sequence_length();
-        images += s.image_count();
-      }
-      cursor = batch->next;
-      nlohmann::json line = {{"step", t.step()},
-                             {"loss", t.loss()},
-                             {"grad_norm", t.grad_norm()},
-                             {"tokens", tokens},
-                             {"images", images},
-                             {"step_time_s", t.duration_s()},
-                             {"generation", t.generation()}};
-      const nlohmann::json split = ModuleSplits(t);
-      for (auto it = split.begin(); it != split.end(); ++it) line[it.key()] = it.value();
-      if (absl::Status s = (*run_dir)->AppendMetrics(line.dump()); !s.ok()) {
-        failure = std::string(s.message());
-      }
-      written = t.step() + 1;
-      last_loss = t.loss();
-      tokens_total += tokens;
-      const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-      ShowProgress(written, spec.run().steps(), last_loss, tokens_total / std::max(elapsed, 1e-9),
-                   elapsed / written * (spec.run().steps() - written), tty);
+    if (absl::Status s = metrics.Follow((*server)->Status()); !s.ok() && failure.empty()) {
+      failure = std::string(s.message());
     }
   }
   const v1::StatusResponse final_status = (*server)->Status();
@@ -350,7 +292,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   (*server)->Shutdown(absl::Seconds(2));
   if (state == v1::RUN_STATE_FAILED && failure.empty()) failure = final_status.state_message();
   if (!failure.empty()) {
-    std::cerr << "hetpar run: " << spec.run().name() << " failed after " << written
+    std::cerr << "hetpar run: " << spec.run().name() << " failed after " << metrics.written()
               << " committed steps: " << failure << "\n";
     return failure == "interrupted" ? 130 : kExitFailure;
   }
@@ -381,7 +323,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   std::cout << absl::StrFormat(
       "hetpar run: %s done: %d steps in %s, final loss %.4f; run directory %s\n", spec.run().name(),
-      written, Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
+      metrics.written(), Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
   return kExitOk;
 }
 

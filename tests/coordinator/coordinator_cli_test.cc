@@ -3,8 +3,14 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/coordinator/coordinator_test_util.h"
 
 namespace hetpar::testing {
@@ -149,6 +155,25 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_THAT(log, HasSubstr("stop: completed 3 steps"));
     EXPECT_THAT(log, HasSubstr("closed: OK"));
   }
+  // The coordinator's run directory: one metrics line per step, with each module's split
+  // combined from the reports (slowest rank's compute, bridge bytes added up).
+  std::ifstream metrics(coordinator->log + ".run/metrics.jsonl");
+  std::vector<nlohmann::json> lines;
+  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 3u);
+  for (int step = 0; step < 3; ++step) {
+    const nlohmann::json& j = lines[step];
+    EXPECT_EQ(j["step"], step);
+    EXPECT_DOUBLE_EQ(j["loss"].get<double>(), 1.5);
+    EXPECT_NEAR(j["grad_norm"].get<double>(), std::sqrt(2.0), 1e-12);
+    EXPECT_GT(j["tokens"].get<int64_t>(), 0);
+    EXPECT_GE(j["images"].get<int64_t>(), 0);
+    EXPECT_DOUBLE_EQ(j["encoder"]["compute_s"].get<double>(), 0.002);  // world ranks 0, 1
+    EXPECT_DOUBLE_EQ(j["llm"]["compute_s"].get<double>(), 0.004);      // world ranks 2, 3
+    EXPECT_EQ(j["encoder"]["bridge_bytes"], 200);
+    EXPECT_EQ(j["llm"]["bridge_bytes"], 200);
+  }
+  EXPECT_THAT(ReadFile(coordinator->log + ".run/config.yaml"), HasSubstr("steps: 3\n"));
 }
 
 }  // namespace

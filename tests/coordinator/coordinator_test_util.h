@@ -70,7 +70,9 @@ struct CoordinatorProcess {
 
 inline absl::StatusOr<CoordinatorProcess> StartCoordinator(const std::vector<std::string>& args,
                                                            const std::string& log) {
-  std::vector<std::string> argv = {kHetparBin, "coordinator", "--listen", "127.0.0.1:0"};
+  // The run directory beside the log.
+  std::vector<std::string> argv = {kHetparBin,    "coordinator", "--listen",
+                                   "127.0.0.1:0", "--out",       log + ".run"};
   argv.insert(argv.end(), args.begin(), args.end());
   absl::StatusOr<ChildProcess> child = ChildProcess::Start(argv, log);
   if (!child.ok()) return child.status();

@@ -93,6 +93,14 @@ int Run(const std::string& address, const std::string& role_name, const std::str
         report.set_step(norm.step());
         report.set_generation(norm.generation());
         report.set_ok(true);
+        // A time split the coordinator combines per module: compute 1 ms x (world rank + 1),
+        // 100 bridge bytes per rank.
+        for (const auto& rank : assignment.ranks()) {
+          const std::string module = rank.module() == v1::MODULE_LLM ? "llm." : "encoder.";
+          (*report.mutable_timings_s())[module + "compute_s"] =
+              0.001 * static_cast<double>(assignment.world_rank() + 1);
+          (*report.mutable_timings_s())[module + "bridge_bytes"] = 100;
+        }
         for (const auto& rank : assignment.ranks()) {
           if (rank.module() != v1::MODULE_LLM || rank.tp() != 0 || rank.pp() != llm_pp - 1) {
             continue;

@@ -127,9 +127,9 @@ TEST_F(RunFaultsTest, CorruptImageIsNamedWithItsSample) {
 TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   ::setenv("HETPAR_TOKEN", "the-right-token", 1);
   auto coordinator = ChildProcess::Start(
-      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--set",
-       "coordinator.register_timeout_s=30", "--set", "data.manifest=" + dir_ + "/x.jsonl", "--set",
-       "data.tokenizer=" + dir_ + "/x.model"},
+      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
+       "--set", "coordinator.register_timeout_s=30", "--set", "data.manifest=" + dir_ + "/x.jsonl",
+       "--set", "data.tokenizer=" + dir_ + "/x.model"},
       dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
   // The coordinator prints its address once listening.
@@ -217,11 +217,11 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
 
 TEST_F(RunFaultsTest, MissingWorkersAreListedWhenRegistrationTimesOut) {
   ::setenv("HETPAR_TOKEN", "token-for-missing", 1);
-  auto coordinator =
-      RunCommand({kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--set",
-                  "coordinator.register_timeout_s=2", "--set", "data.manifest=" + dir_ + "/x.jsonl",
-                  "--set", "data.tokenizer=" + dir_ + "/x.model"},
-                 60);
+  auto coordinator = RunCommand(
+      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
+       "--set", "coordinator.register_timeout_s=2", "--set", "data.manifest=" + dir_ + "/x.jsonl",
+       "--set", "data.tokenizer=" + dir_ + "/x.model"},
+      60);
   ::unsetenv("HETPAR_TOKEN");
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
   EXPECT_EQ(coordinator->exit_code, 1);

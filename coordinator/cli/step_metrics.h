@@ -1,0 +1,44 @@
+// The per-step lines of a run's metrics.jsonl, made from the coordinator's record of committed
+// steps (v1::StepTiming). `hetpar run` and `hetpar coordinator` write the same lines:
+//
+//   {"step", "loss", "grad_norm", "tokens", "images", "step_time_s", "generation",
+//    "encoder": {...}, "llm": {...}}
+//
+// with each module's split as in v1::ModuleStepSplit.
+#ifndef HETPAR_COORDINATOR_CLI_STEP_METRICS_H_
+#define HETPAR_COORDINATOR_CLI_STEP_METRICS_H_
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/status.h"
+#include "common/run_directory.h"
+#include "hetpar/v1/coordinator.pb.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::cli {
+
+nlohmann::json StepMetricsLine(const v1::StepTiming& step);
+
+// Follows the coordinator's status and appends each newly committed step's line, oldest first,
+// once. The coordinator keeps its latest 32 steps: steps that scrolled out between two calls are
+// reported in the log and their lines are missing.
+class StepMetricsWriter {
+ public:
+  // `on_step` (optional) sees each step written.
+  explicit StepMetricsWriter(RunDirectory* dir,
+                             std::function<void(const v1::StepTiming&)> on_step = nullptr)
+      : dir_(dir), on_step_(std::move(on_step)) {}
+
+  absl::Status Follow(const v1::StatusResponse& status);
+  int64_t written() const { return written_; }  // the next step expected
+
+ private:
+  RunDirectory* dir_;
+  std::function<void(const v1::StepTiming&)> on_step_;
+  int64_t written_ = 0;
+};
+
+}  // namespace hetpar::cli
+
+#endif  // HETPAR_COORDINATOR_CLI_STEP_METRICS_H_
