@@ -354,6 +354,9 @@ absl::Status RunWorker(const WorkerOptions& options) {
       if (timings->empty()) continue;
       const std::string prefix = timings == &encoder_timings ? "encoder." : "llm.";
       (*timings)["step_s"] = report.compute_s();
+      (*timings)["idle_s"] =
+          std::max(0.0, report.compute_s() - (*timings)["compute_s"] -
+                            (*timings)["bridge_wait_s"] - (*timings)["collective_s"]);
       (*timings)["grad_norm_wait_s"] = grad_norm_wait_s;
       (*timings)["optimizer_s"] = optimizer_s;
       for (const auto& [key, value] : *timings) (*report.mutable_timings_s())[prefix + key] = value;
