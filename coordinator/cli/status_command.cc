@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,13 +92,15 @@ void PrintStatus(const v1::StatusResponse& s) {
     std::cout << "recent steps:\n";
     for (const auto& t : s.recent_steps()) {
       if (t.committed()) {
-        std::cout << absl::StrFormat("  step %d  %.3fs  loss %.4f  grad norm %.4f", t.step(),
+        std::cout << absl::StrFormat("  step %d  %.3fs  loss %.4f  grad norm %.4f\n", t.step(),
                                      t.duration_s(), t.loss(), t.grad_norm());
-        for (const auto& [module, m] : t.modules()) {
-          std::cout << absl::StrFormat("  %s compute %.3fs bridge wait %.3fs collective %.3fs",
-                                       module, m.compute_s(), m.bridge_wait_s(), m.collective_s());
+        const std::map<std::string, v1::ModuleStepSplit> modules(t.modules().begin(),
+                                                                 t.modules().end());
+        for (const auto& [module, m] : modules) {
+          std::cout << absl::StrFormat(
+              "    %-7s compute %.3fs  bridge wait %.3fs  collective %.3fs  idle %.3fs\n", module,
+              m.compute_s(), m.bridge_wait_s(), m.collective_s(), m.idle_s());
         }
-        std::cout << "\n";
       } else {
         std::cout << absl::StrFormat("  step %d  %.3fs  aborted: %s\n", t.step(), t.duration_s(),
                                      t.abort_reason());
