@@ -65,17 +65,25 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t bytes_received0 = boundary_->bytes_received();
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
-  // Every wave's image rows may land in their buffer while earlier waves compute; the samples'
-  // text is loaded while the encoder computes the first wave.
-  std::vector<at::Tensor> buffers(plan.microbatches.size());
-  for (size_t m = 0; m < plan.microbatches.size(); ++m) {
-    const plan::LlmMicrobatch& mb = plan.microbatches[m];
-    if (mb.image_rows <= 0) continue;
-    const int64_t rows =
-        mb.wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[mb.wave] : 0;
-    buffers[m] = at::zeros({rows, hidden}, row_options);
-    HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[m]));
-  }
+  // Later waves' image rows land in their buffers while earlier waves compute (receives posted
+  // options_.post_ahead waves ahead); the samples' text is loaded while the encoder computes
+  // the first wave.
+  const size_t waves = plan.microbatches.size();
+  std::vector<at::Tensor> buffers(waves);
+  size_t posted = 0;  // microbatches whose buffers exist and whose receives are posted
+  auto post_through = [&](size_t last) -> absl::Status {
+    for (; posted < waves && posted <= last; ++posted) {
+      const plan::LlmMicrobatch& mb = plan.microbatches[posted];
+      if (mb.image_rows <= 0) continue;
+      const int64_t rows =
+          mb.wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[mb.wave] : 0;
+      buffers[posted] = at::zeros({rows, hidden}, row_options);
+      HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[posted]));
+    }
+    return absl::OkStatus();
+  };
+  const size_t ahead = options_.post_ahead > 0 ? static_cast<size_t>(options_.post_ahead) : waves;
+  HETPAR_RETURN_IF_ERROR(post_through(ahead));
   auto t_data = Clock::now();
   std::vector<std::vector<LlmSample>> wave_samples;
   for (const plan::LlmMicrobatch& mb : plan.microbatches) {
@@ -101,6 +109,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     const plan::LlmMicrobatch& mb = plan.microbatches[m];
     const int64_t wave = mb.wave;
     const std::vector<LlmSample>& samples = wave_samples[m];
+    HETPAR_RETURN_IF_ERROR(post_through(m + ahead));
     // This rank's buffer rows, as indices into the microbatch's full image rows.
     HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
                             BufferRows(plan, mb, sharding, plan.llm_coords.tp));

@@ -47,6 +47,10 @@ struct LlmRuntimeOptions {
   // Colocated schedule: the encoder ranks take the gradients only in their backward phase, after
   // this step returns, so RunStep leaves its gradient sends pending for WaitForSends.
   bool defer_send_wait = false;
+  // How many waves past the one computing have their image-row buffers allocated and receives
+  // posted (0: all of the step's waves). The encoder runs at most run.max_inflight waves ahead,
+  // so more never has data to land and would only hold buffers.
+  int64_t post_ahead = 0;
 };
 
 // Borrows everything; one thread calls RunStep.

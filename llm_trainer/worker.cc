@@ -251,7 +251,8 @@ absl::Status RunWorker(const WorkerOptions& options) {
       }
       if (lm != nullptr) {
         llm_runtime.emplace(lm->llm.get(), lm->tp.get(), lm->dp.get(), batches.get(), &boundary,
-                            llm::LlmRuntimeOptions{options.timeout, colocated});
+                            llm::LlmRuntimeOptions{options.timeout, colocated,
+                                                   colocated ? 0 : spec.run().max_inflight()});
       }
     }
     const int64_t step = step_message.step();
@@ -355,8 +356,8 @@ absl::Status RunWorker(const WorkerOptions& options) {
       const std::string prefix = timings == &encoder_timings ? "encoder." : "llm.";
       (*timings)["step_s"] = report.compute_s();
       (*timings)["idle_s"] =
-          std::max(0.0, report.compute_s() - (*timings)["compute_s"] -
-                            (*timings)["bridge_wait_s"] - (*timings)["collective_s"]);
+          std::max(0.0, report.compute_s() - (*timings)["compute_s"] - (*timings)["bridge_wait_s"] -
+                            (*timings)["collective_s"]);
       (*timings)["grad_norm_wait_s"] = grad_norm_wait_s;
       (*timings)["optimizer_s"] = optimizer_s;
       for (const auto& [key, value] : *timings) (*report.mutable_timings_s())[prefix + key] = value;

@@ -199,7 +199,8 @@ TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
       std::optional<llm::LlmRuntime> llm_runtime;
       if (lm) {
         llm_runtime.emplace(lm.get(), llm_tp.get(), llm_dp.get(), batches->get(), &boundary,
-                            llm::LlmRuntimeOptions{absl::Seconds(60), c.colocated});
+                            llm::LlmRuntimeOptions{absl::Seconds(60), c.colocated,
+                                                   c.colocated ? 0 : spec.run().max_inflight()});
       }
       double loss = 0;
       auto run_llm = [&]() -> absl::Status {
