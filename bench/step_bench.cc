@@ -31,8 +31,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
-#include <map>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -131,23 +129,23 @@ int main(int argc, char** argv) {
       tokens += j["tokens"].get<int64_t>();
       tokens_time += t;
     }
-    nlohmann::json result = {{"bench", "step"},
-                             {"case", c.name},
-                             {"steps_measured", step_time.size()},
-                             {"step_time_s", Median(step_time)},
-                             {"encoder_compute_s", Median(enc_compute)},
-                             {"llm_compute_s", Median(llm_compute)},
-                             {"encoder_bridge_wait_s", Median(enc_wait)},
-                             {"llm_bridge_wait_s", Median(llm_wait)},
-                             {"encoder_collective_s", Median(enc_coll)},
-                             {"llm_collective_s", Median(llm_coll)},
-                             {"bridge_transfer_s", Median(transfer)},
-                             {"bridge_hidden_fraction", Median(hidden)},
-                             {"pipelining_efficiency", Median(efficiency)},
-                             {"bridge_gbps", bridge_time > 0 ? bridge_bytes / bridge_time / 1e9 : 0},
-                             {"bridge_message_bytes",
-                              bridge_messages > 0 ? bridge_bytes / bridge_messages : 0},
-                             {"tokens_per_s", tokens_time > 0 ? tokens / tokens_time : 0}};
+    nlohmann::json result = {
+        {"bench", "step"},
+        {"case", c.name},
+        {"steps_measured", step_time.size()},
+        {"step_time_s", Median(step_time)},
+        {"encoder_compute_s", Median(enc_compute)},
+        {"llm_compute_s", Median(llm_compute)},
+        {"encoder_bridge_wait_s", Median(enc_wait)},
+        {"llm_bridge_wait_s", Median(llm_wait)},
+        {"encoder_collective_s", Median(enc_coll)},
+        {"llm_collective_s", Median(llm_coll)},
+        {"bridge_transfer_s", Median(transfer)},
+        {"bridge_hidden_fraction", Median(hidden)},
+        {"pipelining_efficiency", Median(efficiency)},
+        {"bridge_gbps", bridge_time > 0 ? bridge_bytes / bridge_time / 1e9 : 0},
+        {"bridge_message_bytes", bridge_messages > 0 ? bridge_bytes / bridge_messages : 0},
+        {"tokens_per_s", tokens_time > 0 ? tokens / tokens_time : 0}};
     std::printf("%s\n", result.dump().c_str());
     std::fflush(stdout);
     if (bridge_messages > 0 && bridge_time > 0) {

@@ -47,6 +47,11 @@ absl::StatusOr<std::vector<int64_t>> BufferRows(const plan::RankStepPlan& plan,
   return rows;
 }
 
+// Rows of this rank's image-row buffer in `wave` (0 when the plan lists none).
+int64_t BufferRowsOfWave(const plan::RankStepPlan& plan, int64_t wave) {
+  return wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[wave] : 0;
+}
+
 }  // namespace
 
 absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
@@ -75,9 +80,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     for (; posted < waves && posted <= last; ++posted) {
       const plan::LlmMicrobatch& mb = plan.microbatches[posted];
       if (mb.image_rows <= 0) continue;
-      const int64_t rows =
-          mb.wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[mb.wave] : 0;
-      buffers[posted] = at::zeros({rows, hidden}, row_options);
+      buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden}, row_options);
       HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[posted]));
     }
     return absl::OkStatus();
@@ -113,8 +116,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     // This rank's buffer rows, as indices into the microbatch's full image rows.
     HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
                             BufferRows(plan, mb, sharding, plan.llm_coords.tp));
-    const int64_t buffer_rows =
-        wave < static_cast<int64_t>(plan.image_rows.size()) ? plan.image_rows[wave] : 0;
+    const int64_t buffer_rows = BufferRowsOfWave(plan, wave);
     if (static_cast<int64_t>(owned.size()) != buffer_rows) {
       return absl::InternalError(absl::StrCat("wave ", wave, ": the plan gives rank ", plan.rank,
                                               " ", buffer_rows,

@@ -306,16 +306,14 @@ absl::Status RunWorker(const WorkerOptions& options) {
     } else {
       status = run_llm();
     }
-    if (status.ok()) {
-      if (!encoder_timings.empty()) add_bridge(encoder_timings, plan::Direction::kBackward);
-      if (!llm_timings.empty()) add_bridge(llm_timings, plan::Direction::kForward);
-    }
     if (!status.ok()) {
       report.set_ok(false);
       report.set_error(std::string(status.message()));
       (void)session->SendReport(report);
       return Annotate(status, absl::StrCat("step ", step));
     }
+    if (!encoder_timings.empty()) add_bridge(encoder_timings, plan::Direction::kBackward);
+    if (!llm_timings.empty()) add_bridge(llm_timings, plan::Direction::kForward);
     for (const ModuleState& m : modules) {
       if (m.coords.dp() != 0) continue;
       v1::GradNormPartial partial;

@@ -15,8 +15,8 @@ namespace {
 constexpr size_t kLengthBytes = 8;
 constexpr size_t kPrefixBytes = 16;
 
-void PutU64(std::string* out, uint64_t value) {
-  for (size_t i = 0; i < 8; ++i) out->push_back(static_cast<char>(value >> (8 * i)));
+void StoreU64(char* out, uint64_t value) {
+  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>(value >> (8 * i));
 }
 
 uint64_t GetU64(const char* bytes) {
@@ -50,6 +50,15 @@ double UnionSeconds(std::vector<std::pair<absl::Time, absl::Time>> intervals) {
   }
   if (end > begin) total += absl::ToDoubleSeconds(end - begin);
   return total;
+}
+
+// InternalError unless rows [offset, offset + rows) lie in a `size`-row buffer of wave `wave`.
+absl::Status CheckPiece(int64_t offset, int64_t rows, int64_t size, int64_t wave) {
+  if (offset < 0 || offset + rows > size) {
+    return absl::InternalError(absl::StrCat("boundary piece rows [", offset, ", ", offset + rows,
+                                            ") outside the ", size, "-row buffer of wave ", wave));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckRows(const at::Tensor& rows, int64_t row_bytes, std::string_view what) {
@@ -142,22 +151,16 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
     auto message = std::make_unique<std::string>();
     message->reserve(kPrefixBytes + header.size() + transfer.rows * row_bytes);
-    PutU64(message.get(), header.size());
-    PutU64(message.get(), 0);  // the post time, written just before the send is posted
+    message->resize(kPrefixBytes);  // the post time is written just before the send is posted
+    StoreU64(message->data(), header.size());
     message->append(header);
     const char* base = static_cast<const char*>(rows.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
-      if (piece.src_offset < 0 || piece.src_offset + piece.rows > rows.size(0)) {
-        return absl::InternalError(absl::StrCat(
-            "boundary send: piece rows [", piece.src_offset, ", ", piece.src_offset + piece.rows,
-            ") outside the ", rows.size(0), "-row buffer of wave ", wave));
-      }
+      HETPAR_RETURN_IF_ERROR(CheckPiece(piece.src_offset, piece.rows, rows.size(0), wave));
       message->append(base + piece.src_offset * row_bytes, piece.rows * row_bytes);
     }
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
-    const uint64_t now_ns = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
-    for (size_t i = 0; i < 8; ++i)
-      (*message)[kLengthBytes + i] = static_cast<char>(now_ns >> (8 * i));
+    StoreU64(message->data() + kLengthBytes, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
     const transport::ConstBuffer buffer =
         transport::ConstBuffer::Host(message->data(), message->size());
     HETPAR_ASSIGN_OR_RETURN(
@@ -200,11 +203,7 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
         transport::MutableBuffer::Host(r.buffer.data(), r.buffer.size())};
     char* base = static_cast<char*>(straight.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
-      if (piece.dst_offset < 0 || piece.dst_offset + piece.rows > straight.size(0)) {
-        return absl::InternalError(absl::StrCat(
-            "boundary receive: piece rows [", piece.dst_offset, ", ", piece.dst_offset + piece.rows,
-            ") outside the ", straight.size(0), "-row buffer of wave ", wave));
-      }
+      HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, straight.size(0), wave));
       segments.push_back(transport::MutableBuffer::Host(base + piece.dst_offset * row_bytes,
                                                         piece.rows * row_bytes));
     }
@@ -305,11 +304,8 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
       const at::Tensor source = std::move(local->second);
       local_.erase(local);
       for (const plan::BlockPiece& piece : transfer.pieces) {
-        if (piece.src_offset < 0 || piece.src_offset + piece.rows > source.size(0) ||
-            piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {
-          return absl::InternalError(
-              absl::StrCat("boundary handover: piece outside the buffers of wave ", wave));
-        }
+        HETPAR_RETURN_IF_ERROR(CheckPiece(piece.src_offset, piece.rows, source.size(0), wave));
+        HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, rows.size(0), wave));
         at::Tensor from = source.narrow(0, piece.src_offset, piece.rows);
         at::Tensor to = rows.narrow(0, piece.dst_offset, piece.rows);
         if (add) {
@@ -360,11 +356,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;
     for (const plan::BlockPiece& piece : transfer.pieces) {
-      if (piece.dst_offset < 0 || piece.dst_offset + piece.rows > rows.size(0)) {
-        return absl::InternalError(absl::StrCat(
-            "boundary receive: piece rows [", piece.dst_offset, ", ", piece.dst_offset + piece.rows,
-            ") outside the ", rows.size(0), "-row buffer of wave ", wave));
-      }
+      HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, rows.size(0), wave));
       // Staged messages are gradients: added in.
       at::Tensor incoming =
           at::from_blob(const_cast<char*>(payload), {piece.rows, rows.size(1)}, rows.options());

@@ -387,7 +387,8 @@ TEST_P(ConformanceTest, ScatterReceivesPlaceEachPartInItsSegment) {
   const size_t size = GetParam().size;
   // Four separate buffers (one empty); the last has 7 bytes more than the message needs.
   const size_t a = size / 3, c = size / 4;
-  std::vector<std::vector<uint8_t>> parts = {std::vector<uint8_t>(a, 0xEE), {},
+  std::vector<std::vector<uint8_t>> parts = {std::vector<uint8_t>(a, 0xEE),
+                                             {},
                                              std::vector<uint8_t>(c, 0xEE),
                                              std::vector<uint8_t>(size - a - c + 7, 0xEE)};
   std::vector<MutableBuffer> segments;
@@ -409,10 +410,9 @@ TEST_P(ConformanceTest, ScatterReceivesPlaceEachPartInItsSegment) {
   // A message longer than the segments is a truncation, as for Recv.
   if (size >= 2) {
     std::vector<uint8_t> first(size / 2), second(size - size / 2 - 1);
-    auto short_recv = ranks_[1]->RecvScatter(
-        peer_[1][0], 7,
-        {MutableBuffer::Host(first.data(), first.size()),
-         MutableBuffer::Host(second.data(), second.size())});
+    auto short_recv = ranks_[1]->RecvScatter(peer_[1][0], 7,
+                                             {MutableBuffer::Host(first.data(), first.size()),
+                                              MutableBuffer::Host(second.data(), second.size())});
     ASSERT_TRUE(short_recv.ok());
     auto send2 = ranks_[0]->Send(peer_[0][1], 7, ConstBuffer::Host(out.data(), out.size()));
     ASSERT_TRUE(send2.ok());

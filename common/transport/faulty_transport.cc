@@ -346,8 +346,7 @@ absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::Recv(PeerId peer, Ta
 
 absl::StatusOr<std::unique_ptr<Operation>> FaultyTransport::RecvScatter(
     PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
-  size_t total = 0;
-  for (const MutableBuffer& segment : segments) total += segment.size;
+  const size_t total = TotalSize(segments);
   return WrapReceive(peer, tag, total,
                      [&] { return state_->inner().RecvScatter(peer, tag, std::move(segments)); });
 }

@@ -49,9 +49,13 @@ absl::Status ValidateTag(Tag tag, std::string_view what) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<size_t> ValidateSegments(absl::Span<const MutableBuffer> segments,
-                                        std::string_view what) {
+size_t TotalSize(absl::Span<const MutableBuffer> segments) {
   size_t total = 0;
+  for (const MutableBuffer& segment : segments) total += segment.size;
+  return total;
+}
+
+absl::Status ValidateSegments(absl::Span<const MutableBuffer> segments, std::string_view what) {
   for (size_t i = 0; i < segments.size(); ++i) {
     const MutableBuffer& segment = segments[i];
     const std::string which = absl::StrCat(std::string(what), " segment ", i);
@@ -63,9 +67,8 @@ absl::StatusOr<size_t> ValidateSegments(absl::Span<const MutableBuffer> segments
                                                    ": scatter receives take host memory only; got ",
                                                    std::string(MemoryKindName(segment.kind))));
     }
-    total += segment.size;
   }
-  return total;
+  return absl::OkStatus();
 }
 
 void ScatterCopy(const void* src, size_t size, absl::Span<const MutableBuffer> segments) {

@@ -170,7 +170,8 @@ class Transport {
 
   // Posts a receive of one message from `peer` with `tag` scattered over `segments` in order:
   // the message's first segments[0].size bytes land in segments[0], the next ones in
-  // segments[1], and so on, straight from the transport (no staging copy). A shorter message
+  // segments[1], and so on, straight from the transport (UCX stages only messages under 32
+  // bytes, which land in a small bounce area first). A shorter message
   // fills a prefix of the segments; a longer one fails with kOutOfRange. Host memory only
   // (kUnimplemented for other kinds). Matching, completion and failure are those of Recv; bytes()
   // is the message length. Lets a receiver put the parts of one message where each belongs.
@@ -198,10 +199,11 @@ absl::Status ValidateBuffer(const void* data, size_t size, MemoryKind kind, std:
 // Checks that `tag` fits kTagBits.
 absl::Status ValidateTag(Tag tag, std::string_view what);
 
-// Checks scatter segments (host memory, each non-null when its size > 0) and returns their total
-// size.
-absl::StatusOr<size_t> ValidateSegments(absl::Span<const MutableBuffer> segments,
-                                        std::string_view what);
+// Bytes the segments hold together.
+size_t TotalSize(absl::Span<const MutableBuffer> segments);
+
+// Checks scatter segments: host memory, each non-null when its size > 0.
+absl::Status ValidateSegments(absl::Span<const MutableBuffer> segments, std::string_view what);
 
 // Copies `size` bytes at `src` over `segments` in order (size <= their total).
 void ScatterCopy(const void* src, size_t size, absl::Span<const MutableBuffer> segments);

@@ -158,9 +158,6 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
   }
   const v1::StatusResponse final_status = (*server)->Status();
-  if (absl::Status s = metrics.Follow(final_status); !s.ok() && !metrics_failed) {
-    HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
-  }
   // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
   absl::SleepFor(absl::Milliseconds(500));
   (*server)->Shutdown(absl::Seconds(2));

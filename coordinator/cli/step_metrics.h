@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "common/run_directory.h"

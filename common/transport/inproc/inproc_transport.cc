@@ -339,12 +339,13 @@ absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::Recv(PeerId peer, Ta
 
 absl::StatusOr<std::unique_ptr<Operation>> InprocTransport::RecvScatter(
     PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
-  size_t total = 0;
-  for (const MutableBuffer& segment : segments) total += segment.size;
-  absl::StatusOr<size_t> valid = ValidateSegments(
-      segments, internal::Describe(internal::OpKind::kRecv, PeerName(peer), tag, total));
-  if (!valid.ok()) return valid.status();
-  return Post(/*is_send=*/false, peer, tag, nullptr, nullptr, *valid, MemoryKind::kHost,
+  const size_t total = TotalSize(segments);
+  if (absl::Status s = ValidateSegments(
+          segments, internal::Describe(internal::OpKind::kRecv, PeerName(peer), tag, total));
+      !s.ok()) {
+    return s;
+  }
+  return Post(/*is_send=*/false, peer, tag, nullptr, nullptr, total, MemoryKind::kHost,
               std::move(segments));
 }
 

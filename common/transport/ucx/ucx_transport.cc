@@ -1464,13 +1464,13 @@ absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::Recv(PeerId peer, Tag t
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::RecvScatter(
     PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
-  size_t total = 0;
-  for (const MutableBuffer& segment : segments) total += segment.size;
-  absl::StatusOr<size_t> valid =
-      ValidateSegments(segments, absl::StrCat("receive from peer '", core_->PeerName(peer),
-                                              "' tag ", tag, " (", total, " bytes)"));
-  if (!valid.ok()) return valid.status();
-  auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, nullptr, *valid,
+  const size_t total = TotalSize(segments);
+  if (absl::Status s = ValidateSegments(
+          segments, internal::Describe(internal::OpKind::kRecv, core_->PeerName(peer), tag, total));
+      !s.ok()) {
+    return s;
+  }
+  auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, nullptr, total,
                         MemoryKind::kHost, -1, std::move(segments));
   if (!op.ok()) return op.status();
   return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
