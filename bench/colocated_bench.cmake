@@ -7,4 +7,4 @@ target_include_directories(colocated_bench PRIVATE "${PROJECT_SOURCE_DIR}")
 target_link_libraries(colocated_bench PRIVATE nlohmann_json::nlohmann_json CLI11::CLI11)
 target_compile_definitions(colocated_bench PRIVATE HETPAR_BIN="$<TARGET_FILE:hetpar>"
                                                    HETPAR_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
-add_dependencies(colocated_bench hetpar hetpar-worker)
+add_dependencies(colocated_bench hetpar hetpar-encoder hetpar-llm hetpar-reference)

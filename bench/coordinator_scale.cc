@@ -34,8 +34,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/control/client.h"
 #include "common/logging.h"
-#include "coordinator/client.h"
 #include "coordinator/server.h"
 #include "coordinator/step_planner.h"
 

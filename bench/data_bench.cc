@@ -12,6 +12,8 @@
 // load / read_only. The encoder lines are absent when hetpar_encoder was not built.
 //
 //   data_bench [--samples=512] [--min_seconds=1.0] [--config=configs/tiny.yaml]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <stdlib.h>
 
 #include <chrono>
@@ -27,14 +29,8 @@
 #include "common/data/file_util.h"
 #include "common/data/loader.h"
 #include "common/data/synth.h"
-
-#ifdef HETPAR_DATA_BENCH_ENCODER
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
 #include "common/nn/communicator.h"
 #include "encoder_service/encoder.h"
-#endif
 
 namespace hetpar::data {
 namespace {
@@ -194,7 +190,6 @@ int Run(const Flags& flags) {
                    ",\"read_only_samples_per_s\":", Num(read_sps),
                    ",\"load_over_read_only\":", Num(load_sps / read_sps));
 
-#ifdef HETPAR_DATA_BENCH_ENCODER
   {
     at::set_num_threads(1);
     // Samples per encoder job in this config: global_batch / (waves x encoder dp), waves =
@@ -264,7 +259,6 @@ int Run(const Flags& flags) {
     absl::StrAppend(&summary, ",\"encoder_samples_per_s\":", Num(encoder_sps),
                     ",\"load_over_encoder\":", Num(load_sps / encoder_sps));
   }
-#endif
   std::cout << summary << "}" << std::endl;
   volatile int64_t observed = sink;  // keeps the measured work from being optimised away
   (void)observed;

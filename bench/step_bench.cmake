@@ -9,4 +9,4 @@ target_link_libraries(step_bench PRIVATE nlohmann_json::nlohmann_json CLI11::CLI
 target_compile_definitions(step_bench PRIVATE HETPAR_BIN="$<TARGET_FILE:hetpar>"
                                               HETPAR_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
                                               TRANSPORT_BW_BIN="$<TARGET_FILE:transport_bw>")
-add_dependencies(step_bench hetpar hetpar-worker transport_bw)
+add_dependencies(step_bench hetpar hetpar-encoder hetpar-llm hetpar-reference transport_bw)

@@ -6,8 +6,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/data/batch_source.h"
 #include "common/logging.h"
-#include "common/train/batch_source.h"
 #include "coordinator/step_planner.h"
 
 namespace hetpar::coordinator {
@@ -21,8 +21,7 @@ class IndexBatchSource : public BatchSource {
     if (source_ == nullptr) {
       // Opened at the first step, so the coordinator can start (and admit workers) before the
       // data set exists; a synthetic data set the RunSpec names is generated here.
-      absl::StatusOr<std::unique_ptr<train::BatchSource>> source =
-          train::BatchSource::Create(spec_);
+      absl::StatusOr<std::unique_ptr<data::BatchSource>> source = data::BatchSource::Create(spec_);
       if (!source.ok()) {
         return absl::FailedPreconditionError(
             absl::StrCat("cannot open the training data (generate it with `hetpar data synth`, "
@@ -33,7 +32,7 @@ class IndexBatchSource : public BatchSource {
       HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
                        << source_->index().records.size() << " samples";
     }
-    absl::StatusOr<train::GlobalBatch> batch = source_->Take(committed_, count);
+    absl::StatusOr<data::GlobalBatch> batch = source_->Take(committed_, count);
     if (!batch.ok()) return batch.status();
     pending_ = batch->next;
     return std::move(batch->samples);
@@ -48,7 +47,7 @@ class IndexBatchSource : public BatchSource {
 
  private:
   v1::RunSpec spec_;
-  std::unique_ptr<train::BatchSource> source_;
+  std::unique_ptr<data::BatchSource> source_;
   data::SamplerCursor committed_;
   std::optional<data::SamplerCursor> pending_;
 };

@@ -17,8 +17,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/control/security.h"
 #include "coordinator/run_controller.h"
-#include "coordinator/security.h"
 #include "coordinator/step_orchestrator.h"
 #include "hetpar/v1/coordinator.pb.h"
 #include "hetpar/v1/run_spec.pb.h"

@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
+#include "common/control/plan_codec.h"
 #include "common/plan/synthetic_batch.h"
-#include "coordinator/plan_codec.h"
 
 namespace hetpar::coordinator {
 

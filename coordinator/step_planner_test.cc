@@ -2,7 +2,7 @@
 
 #include <set>
 
-#include "coordinator/plan_codec.h"
+#include "common/control/plan_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

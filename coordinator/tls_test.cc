@@ -5,7 +5,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "coordinator/client.h"
+#include "common/control/client.h"
 #include "coordinator/server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -19,9 +19,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
 #include "common/plan/step_plan.h"
-#include "common/train/batch_source.h"
 #include "common/train/boundary.h"
 #include "encoder_service/encoder.h"
 
@@ -52,7 +52,7 @@ struct EncoderRuntimeOptions {
 class EncoderRuntime {
  public:
   EncoderRuntime(VisionEncoder* model, nn::Communicator* tp, nn::Communicator* dp,
-                 const train::BatchSource* data, train::BoundaryCommunicator* boundary,
+                 const data::BatchSource* data, train::BoundaryCommunicator* boundary,
                  const EncoderRuntimeOptions& options)
       : model_(model), tp_(tp), dp_(dp), data_(data), boundary_(boundary), options_(options) {}
 
@@ -69,7 +69,7 @@ class EncoderRuntime {
   VisionEncoder* model_;
   nn::Communicator* tp_;
   nn::Communicator* dp_;
-  const train::BatchSource* data_;
+  const data::BatchSource* data_;
   train::BoundaryCommunicator* boundary_;
   EncoderRuntimeOptions options_;
 };

@@ -20,9 +20,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
 #include "common/plan/step_plan.h"
-#include "common/train/batch_source.h"
 #include "common/train/boundary.h"
 #include "llm_trainer/language_model.h"
 
@@ -57,7 +57,7 @@ struct LlmRuntimeOptions {
 class LlmRuntime {
  public:
   LlmRuntime(LanguageModel* model, nn::Communicator* tp, nn::Communicator* dp,
-             const train::BatchSource* data, train::BoundaryCommunicator* boundary,
+             const data::BatchSource* data, train::BoundaryCommunicator* boundary,
              const LlmRuntimeOptions& options)
       : model_(model), tp_(tp), dp_(dp), data_(data), boundary_(boundary), options_(options) {}
 
@@ -69,7 +69,7 @@ class LlmRuntime {
   LanguageModel* model_;
   nn::Communicator* tp_;
   nn::Communicator* dp_;
-  const train::BatchSource* data_;
+  const data::BatchSource* data_;
   train::BoundaryCommunicator* boundary_;
   LlmRuntimeOptions options_;
   std::vector<train::PendingSends> deferred_;

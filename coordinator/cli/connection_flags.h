@@ -16,8 +16,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
-#include "coordinator/client.h"
-#include "coordinator/security.h"
+#include "common/control/client.h"
+#include "common/control/security.h"
 
 namespace hetpar::cli {
 

@@ -113,11 +113,13 @@ std::string LocalProcess::LogTail(int lines) const {
   return out;
 }
 
-std::string WorkerBinary() {
-  if (const char* env = std::getenv("HETPAR_WORKER"); env != nullptr && *env != '\0') return env;
+std::string WorkerBinary(const std::string& name) {
+  if (const char* dir = std::getenv("HETPAR_BIN_DIR"); dir != nullptr && *dir != '\0') {
+    return (std::filesystem::path(dir) / name).string();
+  }
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return (self.parent_path() / "hetpar-worker").string();
+  return (self.parent_path() / name).string();
 }
 
 }  // namespace hetpar::cli

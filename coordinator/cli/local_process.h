@@ -47,8 +47,9 @@ class LocalProcess {
   std::optional<int> exit_code_;
 };
 
-// The `hetpar-worker` binary: $HETPAR_WORKER, else beside this executable.
-std::string WorkerBinary();
+// The path of a worker binary `name` ("hetpar-encoder", "hetpar-llm", "hetpar-reference"): in
+// $HETPAR_BIN_DIR when set, else beside this executable.
+std::string WorkerBinary(const std::string& name);
 
 }  // namespace hetpar::cli
 

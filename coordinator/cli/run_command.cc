@@ -1,6 +1,7 @@
 // `hetpar run`: train a RunSpec on this machine. Starts the coordinator in this process, spawns
-// the encoder pool and the LLM ranks as `hetpar-worker` processes, shows progress, writes the run
-// directory, forwards Ctrl-C as a clean stop, and ends every process it started.
+// the encoder pool as `hetpar-encoder` processes and the LLM ranks as `hetpar-llm` processes
+// (colocated: `hetpar-llm --colocated`, each a rank of both modules), shows progress, writes the
+// run directory, forwards Ctrl-C as a clean stop, and ends every process it started.
 //
 // `--reference` trains the same batches in one process at tp = 1, dp = 1 instead (the parity
 // baseline; compare the two with `hetpar compare`).
@@ -21,14 +22,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/config/config.h"
+#include "common/control/security.h"
+#include "common/data/batch_source.h"
 #include "common/logging.h"
 #include "common/run_directory.h"
-#include "common/train/batch_source.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
 #include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
-#include "coordinator/security.h"
 #include "coordinator/server.h"
 #include "coordinator/step_planner.h"
 #include "nlohmann/json.hpp"
@@ -84,8 +85,13 @@ absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
 }
 
 int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
-  std::vector<std::string> argv = {WorkerBinary(), "--role", "reference",          "--config",
-                                   flags.config,   "--out",  spec.run().out_dir(), "--progress"};
+  std::vector<std::string> argv = {WorkerBinary("hetpar-reference"),
+                                   "train",
+                                   "--config",
+                                   flags.config,
+                                   "--out",
+                                   spec.run().out_dir(),
+                                   "--progress"};
   for (const auto& o : flags.overrides) {
     argv.push_back("--set");
     argv.push_back(o);
@@ -169,11 +175,6 @@ void PrintEvaluation(const std::string& eval_line) {
 int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const std::string out_dir = spec.run().out_dir();
   const bool colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
-  if (colocated && spec.transport() == v1::TRANSPORT_KIND_INPROC) {
-    std::cerr << "hetpar run: transport: inproc needs every rank in one process; hetpar run starts "
-                 "one process per rank: use transport: ucx (shared memory on this machine)\n";
-    return kExitInvalidInput;
-  }
   auto run_dir = RunDirectory::Create(out_dir, spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
@@ -183,7 +184,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::filesystem::remove_all(out_dir + "/workers", ec);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
-  auto batches = train::BatchSource::Create(spec);
+  auto batches = data::BatchSource::Create(spec);
   if (!batches.ok()) {
     std::cerr << "hetpar run: cannot open the training data: " << batches.status().message()
               << "\n";
@@ -227,8 +228,16 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     const std::string role = colocated ? "colocated" : encoder ? "encoder" : "llm";
     const std::string name = absl::StrCat(role, "-", rank);
     std::vector<std::string> argv = {
-        WorkerBinary(),       "--role", role,    "--coordinator", (*server)->address(),   "--rank",
-        std::to_string(rank), "--out",  out_dir, "--threads",     std::to_string(threads)};
+        WorkerBinary(encoder && !colocated ? "hetpar-encoder" : "hetpar-llm"),
+        "--coordinator",
+        (*server)->address(),
+        "--rank",
+        std::to_string(rank),
+        "--out",
+        out_dir,
+        "--threads",
+        std::to_string(threads)};
+    if (colocated) argv.push_back("--colocated");
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
     if (!process.ok()) {
       std::cerr << "hetpar run: cannot start " << name << ": " << process.status().message()
@@ -304,8 +313,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   (void)(*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
   if (!spec.data().val_manifest().empty()) {
     std::cerr << "hetpar run: evaluating the validation split with and without images\n";
-    std::vector<std::string> argv = {WorkerBinary(),           "--role", "evaluate", "--config",
-                                     out_dir + "/config.yaml", "--out",  out_dir};
+    std::vector<std::string> argv = {WorkerBinary("hetpar-reference"), "evaluate", "--config",
+                                     out_dir + "/config.yaml",         "--out",    out_dir};
     if (flags.threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(flags.threads)});
     auto evaluator = LocalProcess::Spawn("evaluate", argv, {}, (*run_dir)->LogPath("evaluate"));
     const int code = evaluator.ok() ? (*evaluator)->WaitOrKill(absl::Minutes(30)) : -1;

@@ -18,16 +18,16 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/config/config.h"
+#include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
 #include "common/plan/layout.h"
 #include "common/plan/step_plan.h"
-#include "common/train/batch_source.h"
 #include "common/train/boundary.h"
 #include "common/transport/inproc/inproc_transport.h"
 #include "encoder_service/encoder_runtime.h"
 #include "gtest/gtest.h"
 #include "llm_trainer/llm_runtime.h"
-#include "llm_trainer/reference_trainer.h"
+#include "llm_trainer/reference/reference_trainer.h"
 
 namespace hetpar {
 namespace {
@@ -93,7 +93,7 @@ class BoundaryStepTest : public ::testing::TestWithParam<Case> {};
 TEST_P(BoundaryStepTest, GradientsMatchTheReference) {
   const Case c = GetParam();
   const hetpar::v1::RunSpec spec = MakeSpec(c);
-  auto batches = train::BatchSource::Create(spec);
+  auto batches = data::BatchSource::Create(spec);
   ASSERT_TRUE(batches.ok()) << batches.status();
   auto placement = plan::PlacementFromRunSpec(spec);
   ASSERT_TRUE(placement.ok()) << placement.status();
@@ -291,7 +291,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
   const hetpar::v1::RunSpec spec = MakeSpec(c);
-  auto batches = train::BatchSource::Create(spec);
+  auto batches = data::BatchSource::Create(spec);
   ASSERT_TRUE(batches.ok()) << batches.status();
   auto placement = plan::PlacementFromRunSpec(spec);
   ASSERT_TRUE(placement.ok()) << placement.status();

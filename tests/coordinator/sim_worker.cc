@@ -11,8 +11,8 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "coordinator/client.h"
-#include "coordinator/plan_codec.h"
+#include "common/control/client.h"
+#include "common/control/plan_codec.h"
 
 namespace {
 

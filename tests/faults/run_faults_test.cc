@@ -26,7 +26,7 @@ using ::testing::HasSubstr;
 using testing::RunCommand;
 
 const std::string kBin = HETPAR_BIN;
-const std::string kWorker = HETPAR_WORKER_BIN;
+const std::string kEncoder = HETPAR_ENCODER_BIN;
 const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
 
 std::string ReadFile(const std::string& path) {
@@ -143,9 +143,8 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
   ::setenv("HETPAR_TOKEN", "a-wrong-token", 1);
   const auto start = std::chrono::steady_clock::now();
-  auto worker = RunCommand({kWorker, "--role", "encoder", "--coordinator", address, "--timeout",
-                            "20", "--out", dir_ + "/w"},
-                           60);
+  auto worker =
+      RunCommand({kEncoder, "--coordinator", address, "--timeout", "20", "--out", dir_ + "/w"}, 60);
   ::unsetenv("HETPAR_TOKEN");
   ASSERT_TRUE(worker.ok()) << worker.status();
   EXPECT_EQ(worker->exit_code, 1);
@@ -167,7 +166,7 @@ TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
     const std::string text = ReadFile(metrics);
     if (std::count(text.begin(), text.end(), '\n') >= 3) break;
   }
-  std::vector<pid_t> encoders = ProcessesWith("--role encoder --coordinator");
+  std::vector<pid_t> encoders = ProcessesWith("hetpar-encoder --coordinator");
   std::vector<pid_t> victims;
   for (pid_t pid : encoders) {
     if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {

@@ -1,0 +1,66 @@
+#include "common/data/batch_source.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/data/synth.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace hetpar::data {
+
+plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t position) {
+  plan::SampleDescriptor d;
+  d.id = position;
+  d.text_tokens = record.text_tokens;
+  d.loss_tokens = record.loss_tokens;
+  d.tokens_per_image = record.image_count > 0 ? record.tokens_per_image : 0;
+  d.image_starts.assign(record.image_offsets.begin(), record.image_offsets.end());
+  return d;
+}
+
+absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v1::RunSpec& spec) {
+  data::SynthReport report;
+  HETPAR_ASSIGN_OR_RETURN(bool generated, data::EnsureSyntheticDataset(spec, &report));
+  if (generated) {
+    HETPAR_LOG(INFO) << "generated the synthetic data set: " << report.train_samples
+                     << " training and " << report.val_samples << " validation samples, "
+                     << report.images << " images";
+  }
+  HETPAR_ASSIGN_OR_RETURN(data::LoaderOptions options,
+                          data::LoaderOptionsFromRunSpec(spec, data::Split::kTrain));
+  std::unique_ptr<BatchSource> source(new BatchSource());
+  HETPAR_ASSIGN_OR_RETURN(source->loader_, data::DataLoader::Create(options));
+  data::IndexBuildOptions build;
+  build.verify_images = true;
+  HETPAR_ASSIGN_OR_RETURN(source->index_,
+                          data::LoadOrBuildIndex(*source->loader_, spec.data().index(), build));
+  if (source->index_.records.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the training data '", spec.data().manifest(), "' has no usable sample"));
+  }
+  HETPAR_ASSIGN_OR_RETURN(source->sampler_, data::EpochSampler::Create(
+                                                static_cast<int64_t>(source->index_.records.size()),
+                                                static_cast<uint64_t>(spec.run().seed())));
+  return source;
+}
+
+absl::StatusOr<GlobalBatch> BatchSource::Take(const data::SamplerCursor& cursor,
+                                              int64_t global_batch) const {
+  HETPAR_ASSIGN_OR_RETURN(data::SamplerBatch taken, sampler_->Take(cursor, global_batch));
+  GlobalBatch batch;
+  batch.next = taken.next;
+  batch.samples.reserve(taken.samples.size());
+  for (int64_t position : taken.samples) {
+    batch.samples.push_back(DescriptorOf(index_.records[position], position));
+  }
+  return batch;
+}
+
+absl::StatusOr<const data::IndexRecord*> BatchSource::Record(int64_t id) const {
+  if (id < 0 || id >= static_cast<int64_t>(index_.records.size())) {
+    return absl::OutOfRangeError(absl::StrCat("sample id ", id, " is outside the data index of ",
+                                              index_.records.size(), " samples"));
+  }
+  return &index_.records[id];
+}
+
+}  // namespace hetpar::data

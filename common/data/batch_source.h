@@ -1,0 +1,59 @@
+// The global batches of a run: the data set (generated first when the RunSpec asks for a
+// synthetic one), its index, the epoch sampler, and for each step the planner's descriptors of
+// the batch. No libtorch: the coordinator plans with it and the workers load by the same ids.
+//
+// A plan's sample id is the sample's position in the data index (DataIndex::records), so any
+// process holding the same index maps an id back to its record and manifest ordinal.
+#ifndef HETPAR_COMMON_DATA_BATCH_SOURCE_H_
+#define HETPAR_COMMON_DATA_BATCH_SOURCE_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/data/index.h"
+#include "common/data/loader.h"
+#include "common/data/record.h"
+#include "common/data/sampler.h"
+#include "common/plan/sample.h"
+#include "hetpar/v1/run_spec.pb.h"
+
+namespace hetpar::data {
+
+// The planner's view of an index record at `position` in the index.
+plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t position);
+
+struct GlobalBatch {
+  std::vector<plan::SampleDescriptor> samples;  // in training order; id = index position
+  data::SamplerCursor next;                     // the cursor once this batch is committed
+};
+
+class BatchSource {
+ public:
+  // Generates the synthetic data set when the spec names one that is absent, opens the training
+  // split and loads (or builds) its index.
+  static absl::StatusOr<std::unique_ptr<BatchSource>> Create(const hetpar::v1::RunSpec& spec);
+  BatchSource(const BatchSource&) = delete;
+  BatchSource& operator=(const BatchSource&) = delete;
+
+  const data::DataLoader& loader() const { return *loader_; }
+  const data::DataIndex& index() const { return index_; }
+  const data::EpochSampler& sampler() const { return *sampler_; }
+
+  // The `global_batch` samples that follow `cursor`.
+  absl::StatusOr<GlobalBatch> Take(const data::SamplerCursor& cursor, int64_t global_batch) const;
+
+  // The index record of plan sample id `id`; OutOfRange naming the id otherwise.
+  absl::StatusOr<const data::IndexRecord*> Record(int64_t id) const;
+
+ private:
+  BatchSource() = default;
+  std::unique_ptr<data::DataLoader> loader_;
+  data::DataIndex index_;
+  std::unique_ptr<data::EpochSampler> sampler_;
+};
+
+}  // namespace hetpar::data
+
+#endif  // HETPAR_COMMON_DATA_BATCH_SOURCE_H_

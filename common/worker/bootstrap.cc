@@ -1,0 +1,121 @@
+#include "common/worker/bootstrap.h"
+
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/rendezvous/c10d_store.h"
+#include "common/status.h"
+#include "common/transport/ucx/ucx_transport.h"
+
+namespace hetpar::worker {
+
+std::string RoleName(Role role) {
+  switch (role) {
+    case Role::kEncoder:
+      return "encoder";
+    case Role::kLlm:
+      return "llm";
+    case Role::kColocated:
+      return "colocated";
+  }
+  return "unknown";
+}
+
+WorkerContext::~WorkerContext() = default;
+
+absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
+    const WorkerOptions& options) {
+  std::unique_ptr<WorkerContext> ctx(new WorkerContext(options));
+  const std::string role_name = RoleName(options.role);
+
+  // 1. Data plane, then registration.
+  transport::ucx::UcxTransport::Options transport_options;
+  transport_options.name = absl::StrCat(role_name, " on ", options.host);
+  HETPAR_ASSIGN_OR_RETURN(ctx->transport_, transport::ucx::UcxTransport::Create(transport_options));
+
+  coordinator::ClientOptions client;
+  client.address = options.coordinator;
+  client.token = options.token;
+  HETPAR_ASSIGN_OR_RETURN(ctx->connection_, coordinator::CoordinatorConnection::Create(client));
+  HETPAR_RETURN_IF_ERROR(ctx->connection_->WaitForConnected(absl::Seconds(30)));
+  coordinator::WorkerSession::Options session_options;
+  v1::RegisterRequest& request = session_options.registration;
+  request.set_role(options.role == Role::kEncoder ? v1::WORKER_ROLE_ENCODER
+                   : options.role == Role::kLlm   ? v1::WORKER_ROLE_LLM
+                                                  : v1::WORKER_ROLE_COLOCATED);
+  request.set_host(options.host);
+  request.set_data_address(ctx->transport_->LocalAddress());
+  request.add_capabilities("cpu");
+  request.add_capabilities("ucx");
+  if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
+  HETPAR_ASSIGN_OR_RETURN(ctx->session_,
+                          coordinator::WorkerSession::Start(ctx->connection_, session_options));
+  ctx->spec_ = ctx->session_->registration().spec();
+
+  // 2. Everyone is here: peers and the rendezvous store.
+  HETPAR_ASSIGN_OR_RETURN(ctx->assignment_, ctx->session_->WaitForRunStart(options.timeout));
+  const int expected_ranks = options.role == Role::kColocated ? 2 : 1;
+  if (ctx->assignment_.ranks_size() != expected_ranks) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the coordinator assigned ", ctx->assignment_.ranks_size(),
+                     " module ranks to this ", role_name, " worker; expected ", expected_ranks));
+  }
+  std::string tag;
+  for (v1::Module module : {v1::MODULE_ENCODER, v1::MODULE_LLM}) {
+    if (const v1::RankCoordinates* c = ctx->Coordinates(module)) {
+      absl::StrAppend(&tag, tag.empty() ? "" : " ", module == v1::MODULE_ENCODER ? "enc" : "llm",
+                      " dp", c->dp(), " tp", c->tp());
+    }
+  }
+  SetLogTag(absl::StrCat("r", ctx->world_rank(), " ", tag));
+  HETPAR_LOG(INFO) << "registered as world rank " << ctx->world_rank() << ", generation "
+                   << ctx->assignment_.generation() << ", " << ctx->assignment_.peers_size()
+                   << " boundary peers";
+
+  std::map<int64_t, transport::PeerId> peers;
+  for (const v1::PeerInfo& peer : ctx->assignment_.peers()) {
+    HETPAR_ASSIGN_OR_RETURN(
+        transport::PeerId id,
+        ctx->transport_->Connect(peer.data_address(), absl::Now() + options.timeout));
+    peers[peer.world_rank()] = id;
+  }
+  ctx->boundary_ =
+      std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), peers, options.timeout);
+  auto key_value = std::make_shared<coordinator::KeyValueClient>(ctx->connection_,
+                                                                 ctx->assignment_.generation());
+  HETPAR_ASSIGN_OR_RETURN(ctx->store_, rendezvous::OpenC10dStore(key_value, options.timeout));
+  return ctx;
+}
+
+const v1::RankCoordinates* WorkerContext::Coordinates(v1::Module module) const {
+  for (const v1::RankCoordinates& coords : assignment_.ranks()) {
+    if (coords.module() == module) return &coords;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std::string& prefix,
+                                                                       int64_t rank,
+                                                                       int64_t size) const {
+  if (size == 1) return nn::Communicator::CreateSingle();
+  nn::CommunicatorOptions options;
+  options.prefix = prefix;
+  options.rank = static_cast<int>(rank);
+  options.size = static_cast<int>(size);
+  options.timeout = options_.timeout;
+  options.hostname = options_.host;
+  return nn::Communicator::Create(store_, options);
+}
+
+absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
+  if (data_ == nullptr) {
+    HETPAR_ASSIGN_OR_RETURN(data_, data::BatchSource::Create(spec_));
+  }
+  return data_.get();
+}
+
+absl::Status WorkerContext::Close(absl::Duration timeout) { return session_->Close(timeout); }
+
+}  // namespace hetpar::worker

@@ -1,0 +1,96 @@
+// A worker's start: everything between `main` and its first step, the same for every role.
+//
+//   1. Opens its data plane (UCX) and registers with the coordinator (role, host, data address).
+//   2. Waits until every rank has registered (the assignment with peers), connects to its
+//      boundary peers (encoder ranks to the LLM's first-stage ranks and back) and opens the
+//      run's rendezvous store, through which the module runtimes form their TP and DP groups.
+//
+// The module runtimes then take what they need from the WorkerContext (coordinates, groups, the
+// boundary communicator, the data set); the step driver takes the session. Owns all of it; one
+// thread uses it.
+#ifndef HETPAR_COMMON_WORKER_BOOTSTRAP_H_
+#define HETPAR_COMMON_WORKER_BOOTSTRAP_H_
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/control/client.h"
+#include "common/data/batch_source.h"
+#include "common/nn/communicator.h"
+#include "common/train/boundary.h"
+#include "common/transport/transport.h"
+#include "hetpar/v1/coordinator.pb.h"
+
+namespace hetpar::worker {
+
+enum class Role { kEncoder, kLlm, kColocated };
+
+std::string RoleName(Role role);
+
+struct WorkerOptions {
+  Role role = Role::kEncoder;
+  std::string coordinator = "127.0.0.1:50051";
+  std::string token;            // the run token
+  int64_t requested_rank = -1;  // -1: the coordinator picks
+  std::string out_dir;          // run directory for the worker's files ("" = none)
+  std::string host = "127.0.0.1";
+  absl::Duration timeout = absl::Seconds(300);  // bound of every wait for peers and messages
+};
+
+class WorkerContext {
+ public:
+  // Steps 1 and 2 above. Fails when the coordinator cannot be reached, refuses the registration,
+  // or assigns this worker other module ranks than its role holds (one; two when colocated).
+  static absl::StatusOr<std::unique_ptr<WorkerContext>> Bootstrap(const WorkerOptions& options);
+  WorkerContext(const WorkerContext&) = delete;
+  WorkerContext& operator=(const WorkerContext&) = delete;
+  ~WorkerContext();
+
+  const WorkerOptions& options() const { return options_; }
+  const v1::RunSpec& spec() const { return spec_; }
+  const v1::Assignment& assignment() const { return assignment_; }
+  int64_t world_rank() const { return assignment_.world_rank(); }
+  // This worker's coordinates in `module`'s grid; nullptr when it holds no rank of it.
+  const v1::RankCoordinates* Coordinates(v1::Module module) const;
+
+  coordinator::WorkerSession& session() { return *session_; }
+  train::BoundaryCommunicator& boundary() { return *boundary_; }
+
+  // The c10d group `prefix` in which this worker is `rank` of `size`, formed through the run's
+  // rendezvous store (a group of one needs no store); waits at most options().timeout.
+  absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(const std::string& prefix, int64_t rank,
+                                                          int64_t size) const;
+
+  // The run's data set, opened at the first call. Call it once the coordinator has planned the
+  // first step: it generates a synthetic data set before that, so workers never race to write it.
+  absl::StatusOr<const data::BatchSource*> Data();
+
+  // Says goodbye to the coordinator (waits at most `timeout` for it to end the session).
+  absl::Status Close(absl::Duration timeout);
+
+ private:
+  explicit WorkerContext(WorkerOptions options) : options_(std::move(options)) {}
+
+  WorkerOptions options_;
+  // Destroyed in reverse order: the data set, the store and the boundary go before the session,
+  // the connection and the transport they use.
+  std::unique_ptr<transport::Transport> transport_;
+  std::shared_ptr<coordinator::CoordinatorConnection> connection_;
+  std::unique_ptr<coordinator::WorkerSession> session_;
+  v1::RunSpec spec_;
+  v1::Assignment assignment_;
+  std::unique_ptr<train::BoundaryCommunicator> boundary_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<data::BatchSource> data_;
+};
+
+}  // namespace hetpar::worker
+
+#endif  // HETPAR_COMMON_WORKER_BOOTSTRAP_H_

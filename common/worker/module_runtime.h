@@ -1,0 +1,69 @@
+// What the step driver (step_driver.h) needs of the module(s) a worker runs: the seam between the
+// one step protocol every role speaks with the coordinator and the module runtimes behind it
+// (encoder_service/encoder_module.h, llm_trainer/llm_module.h, and the colocated pair).
+//
+// A ModuleRuntime runs this rank's part of one step and then waits for the coordinator's
+// decision: Apply (the global gradient norm arrived: clip, optimizer step) or Discard (the step
+// was aborted: drop its gradients). Parameters change only in Apply. One thread (the driver's)
+// calls every method.
+#ifndef HETPAR_COMMON_WORKER_MODULE_RUNTIME_H_
+#define HETPAR_COMMON_WORKER_MODULE_RUNTIME_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/plan/step_plan.h"
+#include "hetpar/v1/plan.pb.h"
+
+namespace hetpar::worker {
+
+// One module's time split and counters on this rank for one step ("compute_s", "bridge_wait_s",
+// "collective_s", "data_s", "bridge_bytes", ...); the driver adds "step_s", "idle_s",
+// "grad_norm_wait_s" and "optimizer_s", and reports each as "<module>.<key>".
+struct ModuleTimings {
+  std::string module;  // "encoder" or "llm"
+  std::map<std::string, double> values;
+};
+
+// What one rank's part of a step produced, besides the gradients its modules now hold.
+struct StepOutcome {
+  std::vector<ModuleTimings> modules;  // one entry per module this rank holds, encoder first
+  bool reports_loss = false;           // an LLM rank that reports its replica's loss (tp 0)
+  double loss_sum = 0;                 // summed token losses of this replica's microbatches
+  int64_t loss_tokens = 0;
+};
+
+// One module's part of the squared global gradient norm (the elements this rank owns).
+struct GradNormShare {
+  v1::Module module = v1::MODULE_UNSPECIFIED;
+  double sum_squares = 0;
+};
+
+class ModuleRuntime {
+ public:
+  virtual ~ModuleRuntime() = default;
+
+  // Forward and backward of this rank's part of `plan`; on return the parameter gradients hold
+  // the module's full gradient (summed over its DP group). Any failure fails the step.
+  virtual absl::StatusOr<StepOutcome> RunStep(const plan::RankStepPlan& plan) = 0;
+  // The gradient-norm shares this rank sends after RunStep: one per module where this rank is
+  // in DP replica 0 (the partials of one replica add up to the module's squared norm).
+  virtual std::vector<GradNormShare> GradNormShares() const = 0;
+  // The coordinator's decision to commit: scale the gradients by `clip_coefficient`, take the
+  // optimizer step of 0-based step `step`, drop the gradients.
+  virtual absl::Status Apply(int64_t step, double clip_coefficient) = 0;
+  // The coordinator aborted the step: drop its gradients; parameters stay as they were.
+  virtual void Discard() = 0;
+
+  // After the last step (the worker's main calls it, not the driver): the final outputs of the
+  // module(s) in `out_dir` (common/worker/outputs.h); nothing for an empty out_dir.
+  virtual absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) = 0;
+};
+
+}  // namespace hetpar::worker
+
+#endif  // HETPAR_COMMON_WORKER_MODULE_RUNTIME_H_

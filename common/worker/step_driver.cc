@@ -1,0 +1,192 @@
+#include "common/worker/step_driver.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/control/plan_codec.h"
+#include "common/logging.h"
+#include "common/status.h"
+
+namespace hetpar::worker {
+namespace {
+
+std::string LostPeers(const v1::MembershipChange& change) {
+  std::string lost;
+  for (const auto& peer : change.lost()) {
+    absl::StrAppend(&lost, lost.empty() ? "" : ", ", peer.worker_id(), " (", peer.host(), ")");
+  }
+  return lost.empty() ? "a peer" : lost;
+}
+
+absl::Status MembershipError(const v1::MembershipChange& change) {
+  return absl::UnavailableError(
+      absl::StrCat("the run lost ", LostPeers(change), ": ", change.reason()));
+}
+
+}  // namespace
+
+const char* StateName(StepDriver::State state) {
+  switch (state) {
+    case StepDriver::State::kAwaitingPlan:
+      return "awaiting plan";
+    case StepDriver::State::kComputing:
+      return "computing";
+    case StepDriver::State::kAwaitingDecision:
+      return "awaiting decision";
+    case StepDriver::State::kApplying:
+      return "applying";
+    case StepDriver::State::kStopped:
+      return "stopped";
+    case StepDriver::State::kFailed:
+      return "failed";
+  }
+  return "unknown";
+}
+
+absl::StatusOr<v1::CoordinatorMessage> SessionChannel::Next(absl::Duration timeout) {
+  return session_->Next(timeout);
+}
+
+absl::Status SessionChannel::SendGradNormPartial(const v1::GradNormPartial& partial) {
+  return session_->SendGradNormPartial(partial);
+}
+
+absl::Status SessionChannel::SendReport(const v1::StepReport& report) {
+  return session_->SendReport(report);
+}
+
+absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
+  const absl::Time deadline = absl::Now() + options_.timeout;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(absl::StrCat("no message from the coordinator within ",
+                                                      absl::FormatDuration(options_.timeout), " (",
+                                                      StateName(state_), ")"));
+    }
+    HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, channel_->Next(left));
+    if (message.has_heartbeat_ack() || message.has_assignment() || message.has_commit()) continue;
+    return message;
+  }
+}
+
+absl::Status StepDriver::Fail(absl::Status status) {
+  state_ = State::kFailed;
+  return status;
+}
+
+absl::Status StepDriver::Run() {
+  state_ = State::kAwaitingPlan;
+  while (state_ == State::kAwaitingPlan) {
+    absl::StatusOr<v1::CoordinatorMessage> message = NextRelevant();
+    if (!message.ok()) return Fail(message.status());
+    if (message->has_stop()) {
+      HETPAR_LOG(INFO) << "stop: " << message->stop().reason();
+      state_ = State::kStopped;
+    } else if (message->has_abort()) {
+      // Between steps there is nothing to undo; the coordinator sends the step again, a stop,
+      // or a membership change next.
+      HETPAR_LOG(WARNING) << "step " << message->abort().step()
+                          << " aborted by the coordinator: " << message->abort().reason();
+      modules_->Discard();
+    } else if (message->has_membership_change()) {
+      return Fail(MembershipError(message->membership_change()));
+    } else if (message->has_step_plan()) {
+      if (absl::Status s = RunOneStep(message->step_plan()); !s.ok()) return Fail(std::move(s));
+    } else if (message->has_grad_norm()) {
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("the coordinator sent the gradient norm of step ",
+                       message->grad_norm().step(), " while no step was computing")));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
+  state_ = State::kComputing;
+  const int64_t step = step_message.step();
+  v1::StepReport report;
+  report.set_step(step);
+  report.set_generation(step_message.generation());
+  const absl::Time start = absl::Now();
+  absl::StatusOr<plan::RankStepPlan> rank_plan =
+      coordinator::RankStepPlanFromProto(step_message.rank_plan());
+  absl::StatusOr<StepOutcome> outcome = rank_plan.ok()
+                                            ? modules_->RunStep(*rank_plan)
+                                            : absl::StatusOr<StepOutcome>(rank_plan.status());
+  if (!outcome.ok()) {
+    report.set_ok(false);
+    report.set_error(std::string(outcome.status().message()));
+    (void)channel_->SendReport(report);
+    modules_->Discard();
+    return Annotate(outcome.status(), absl::StrCat("step ", step));
+  }
+  for (const GradNormShare& share : modules_->GradNormShares()) {
+    v1::GradNormPartial partial;
+    partial.set_step(step);
+    partial.set_generation(step_message.generation());
+    partial.set_module(share.module);
+    partial.set_sum_squares(share.sum_squares);
+    HETPAR_RETURN_IF_ERROR(channel_->SendGradNormPartial(partial));
+  }
+
+  state_ = State::kAwaitingDecision;
+  const absl::Time decision_asked = absl::Now();
+  HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage decision, NextRelevant());
+  const double grad_norm_wait_s = absl::ToDoubleSeconds(absl::Now() - decision_asked);
+  if (decision.has_abort()) {
+    HETPAR_LOG(WARNING) << "step " << step
+                        << " aborted by the coordinator: " << decision.abort().reason();
+    modules_->Discard();
+    ++steps_discarded_;
+    state_ = State::kAwaitingPlan;
+    return absl::OkStatus();
+  }
+  if (decision.has_stop()) {
+    HETPAR_LOG(INFO) << "stop: " << decision.stop().reason();
+    modules_->Discard();
+    state_ = State::kStopped;
+    return absl::OkStatus();
+  }
+  if (decision.has_membership_change()) return MembershipError(decision.membership_change());
+  if (!decision.has_grad_norm() || decision.grad_norm().step() != step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step,
+        ": expected the global gradient norm of this step from the coordinator, got ",
+        decision.has_grad_norm() ? absl::StrCat("the norm of step ", decision.grad_norm().step())
+                                 : std::string("another message")));
+  }
+
+  state_ = State::kApplying;
+  const absl::Time optimizer_start = absl::Now();
+  HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, decision.grad_norm().clip_coefficient()),
+                                  absl::StrCat("step ", step, " optimizer")));
+  const double optimizer_s = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
+
+  report.set_ok(true);
+  report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
+  if (outcome->reports_loss) {
+    report.set_loss_sum(outcome->loss_sum);
+    report.set_loss_tokens(outcome->loss_tokens);
+  }
+  for (ModuleTimings& m : outcome->modules) {
+    auto& t = m.values;
+    t["step_s"] = report.compute_s();
+    t["idle_s"] =
+        std::max(0.0, report.compute_s() - t["compute_s"] - t["bridge_wait_s"] - t["collective_s"]);
+    t["grad_norm_wait_s"] = grad_norm_wait_s;
+    t["optimizer_s"] = optimizer_s;
+    for (const auto& [key, value] : t) {
+      (*report.mutable_timings_s())[absl::StrCat(m.module, ".", key)] = value;
+    }
+  }
+  if (options_.on_applied) options_.on_applied(step, outcome->modules);
+  ++steps_applied_;
+  HETPAR_RETURN_IF_ERROR(channel_->SendReport(report));
+  state_ = State::kAwaitingPlan;
+  return absl::OkStatus();
+}
+
+}  // namespace hetpar::worker

@@ -1,0 +1,98 @@
+// The step protocol a worker speaks with the coordinator, written once for every role (encoder,
+// LLM, colocated): a small state machine over a ControlChannel (the coordinator session) and a
+// ModuleRuntime (the module or modules this rank runs).
+//
+//   kAwaitingPlan --plan--> kComputing --RunStep ok, partials sent--> kAwaitingDecision
+//       ^   ^                   |                                        |    |    |
+//       |   |                   | error: report !ok -> kFailed           |    |    | stop
+//       |   +------- abort: Discard ------------------------------------+    |    v
+//       |                                                                    |  kStopped
+//       +------------------ report <---- kApplying (clip, optimizer) <-------+ grad norm
+//
+// Parameters change only in kApplying, on the coordinator's decision for that step (its global
+// gradient norm); an abort before it discards the step's gradients. Every wait for the
+// coordinator has a deadline. A membership change fails the worker (the run cannot yet re-form
+// its groups around a lost peer). One thread calls Run.
+#ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
+#define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/control/client.h"
+#include "common/worker/module_runtime.h"
+#include "hetpar/v1/coordinator.pb.h"
+
+namespace hetpar::worker {
+
+// What the driver needs of the coordinator: its messages and two kinds of reply.
+class ControlChannel {
+ public:
+  virtual ~ControlChannel() = default;
+  // The next coordinator message; DeadlineExceeded after `timeout`.
+  virtual absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration timeout) = 0;
+  virtual absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) = 0;
+  virtual absl::Status SendReport(const v1::StepReport& report) = 0;
+};
+
+// The channel of a registered worker: its coordinator session (borrowed).
+class SessionChannel : public ControlChannel {
+ public:
+  explicit SessionChannel(coordinator::WorkerSession* session) : session_(session) {}
+  absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration timeout) override;
+  absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) override;
+  absl::Status SendReport(const v1::StepReport& report) override;
+
+ private:
+  coordinator::WorkerSession* session_;
+};
+
+struct StepDriverOptions {
+  // Bound of each wait for the coordinator (the next plan, the step's decision).
+  absl::Duration timeout = absl::Seconds(300);
+  // Called after each applied step with the rank's per-module split (the report's timings).
+  std::function<void(int64_t step, const std::vector<ModuleTimings>& timings)> on_applied;
+};
+
+class StepDriver {
+ public:
+  enum class State { kAwaitingPlan, kComputing, kAwaitingDecision, kApplying, kStopped, kFailed };
+
+  // Borrows `channel` and `modules`.
+  StepDriver(ControlChannel* channel, ModuleRuntime* modules, StepDriverOptions options)
+      : channel_(channel), modules_(modules), options_(std::move(options)) {}
+  StepDriver(const StepDriver&) = delete;
+  StepDriver& operator=(const StepDriver&) = delete;
+
+  // Runs steps until the coordinator says stop (OK) or something fails (the error, naming the
+  // step). A step that fails in RunStep is reported to the coordinator before returning.
+  absl::Status Run();
+
+  State state() const { return state_; }
+  int64_t steps_applied() const { return steps_applied_; }
+  int64_t steps_discarded() const { return steps_discarded_; }
+
+ private:
+  // Waits for the next message other than heartbeat acks, assignments and commits.
+  absl::StatusOr<v1::CoordinatorMessage> NextRelevant();
+  // kComputing through kApplying for one plan; returns with state_ set to what follows.
+  absl::Status RunOneStep(const v1::StepPlan& step_plan);
+  absl::Status Fail(absl::Status status);
+
+  ControlChannel* channel_;
+  ModuleRuntime* modules_;
+  StepDriverOptions options_;
+  State state_ = State::kAwaitingPlan;
+  int64_t steps_applied_ = 0;
+  int64_t steps_discarded_ = 0;
+};
+
+const char* StateName(StepDriver::State state);
+
+}  // namespace hetpar::worker
+
+#endif  // HETPAR_COMMON_WORKER_STEP_DRIVER_H_

@@ -1,0 +1,230 @@
+// The step protocol against a scripted coordinator: what the driver sends, in which order, and
+// what the module sees (RunStep, Apply or Discard), for committed, aborted, stopped and failed
+// steps.
+#include "common/worker/step_driver.h"
+
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/control/plan_codec.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::worker {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// Hands out the scripted messages in order; records what the worker sends.
+class ScriptedChannel : public ControlChannel {
+ public:
+  void Push(v1::CoordinatorMessage message) { script_.push_back(std::move(message)); }
+  absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration) override {
+    if (script_.empty()) return absl::DeadlineExceededError("script ended");
+    v1::CoordinatorMessage m = std::move(script_.front());
+    script_.pop_front();
+    return m;
+  }
+  absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) override {
+    partials.push_back(partial);
+    sent.push_back(absl::StrCat("partial ", partial.step()));
+    return absl::OkStatus();
+  }
+  absl::Status SendReport(const v1::StepReport& report) override {
+    reports.push_back(report);
+    sent.push_back(absl::StrCat("report ", report.step(), report.ok() ? " ok" : " failed"));
+    return absl::OkStatus();
+  }
+
+  std::vector<v1::GradNormPartial> partials;
+  std::vector<v1::StepReport> reports;
+  std::vector<std::string> sent;  // in order
+
+ private:
+  std::deque<v1::CoordinatorMessage> script_;
+};
+
+// A module whose gradient is known: each step's RunStep "computes" grad_sum_squares, Apply
+// records the clip coefficient, Discard drops the pending gradient.
+class RecordingModule : public ModuleRuntime {
+ public:
+  absl::StatusOr<StepOutcome> RunStep(const plan::RankStepPlan& plan) override {
+    calls.push_back(absl::StrCat("run ", plan.step));
+    if (plan.step == fail_at_step) return absl::UnavailableError("peer llm-1 died");
+    pending = true;
+    StepOutcome outcome;
+    outcome.reports_loss = true;
+    outcome.loss_sum = 12.5;
+    outcome.loss_tokens = 5;
+    outcome.modules.push_back({"encoder", {{"compute_s", 0.0}, {"images", 3}}});
+    return outcome;
+  }
+  std::vector<GradNormShare> GradNormShares() const override { return {{v1::MODULE_ENCODER, 4.0}}; }
+  absl::Status Apply(int64_t step, double clip) override {
+    calls.push_back(absl::StrCat("apply ", step, " clip ", clip));
+    if (!pending) return absl::InternalError("apply without gradients");
+    pending = false;
+    ++updates;
+    return absl::OkStatus();
+  }
+  void Discard() override {
+    calls.push_back("discard");
+    pending = false;
+  }
+  absl::Status WriteOutputs(const std::string&, int64_t) override { return absl::OkStatus(); }
+
+  std::vector<std::string> calls;
+  bool pending = false;
+  int updates = 0;
+  int64_t fail_at_step = -1;
+};
+
+v1::CoordinatorMessage Plan(int64_t step) {
+  plan::RankStepPlan rank_plan;
+  rank_plan.step = step;
+  v1::CoordinatorMessage m;
+  m.mutable_step_plan()->set_step(step);
+  m.mutable_step_plan()->set_generation(1);
+  *m.mutable_step_plan()->mutable_rank_plan() = coordinator::RankStepPlanToProto(rank_plan);
+  return m;
+}
+
+v1::CoordinatorMessage Norm(int64_t step, double clip) {
+  v1::CoordinatorMessage m;
+  m.mutable_grad_norm()->set_step(step);
+  m.mutable_grad_norm()->set_clip_coefficient(clip);
+  return m;
+}
+
+v1::CoordinatorMessage Abort(int64_t step) {
+  v1::CoordinatorMessage m;
+  m.mutable_abort()->set_step(step);
+  m.mutable_abort()->set_reason("encoder-1 missed its deadline");
+  return m;
+}
+
+v1::CoordinatorMessage Stop() {
+  v1::CoordinatorMessage m;
+  m.mutable_stop()->set_reason("run complete");
+  return m;
+}
+
+v1::CoordinatorMessage Ack() {
+  v1::CoordinatorMessage m;
+  m.mutable_heartbeat_ack();
+  return m;
+}
+
+TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipAndReportAfterApplying) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(0), Ack(), Norm(0, 0.5), Plan(1), Norm(1, 1.0), Stop()}) channel.Push(m);
+  std::vector<int64_t> applied_steps;
+  StepDriverOptions options;
+  options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& t) {
+    applied_steps.push_back(step);
+    ASSERT_EQ(t.size(), 1u);
+    EXPECT_EQ(t[0].module, "encoder");
+  };
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
+  EXPECT_EQ(driver.steps_applied(), 2);
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 0.5", "run 1", "apply 1 clip 1"));
+  EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "partial 1", "report 1 ok"));
+  EXPECT_THAT(applied_steps, ElementsAre(0, 1));
+  ASSERT_EQ(channel.partials.size(), 2u);
+  EXPECT_EQ(channel.partials[0].module(), v1::MODULE_ENCODER);
+  EXPECT_EQ(channel.partials[0].sum_squares(), 4.0);
+  EXPECT_EQ(channel.partials[0].generation(), 1);
+  const v1::StepReport& report = channel.reports[0];
+  EXPECT_EQ(report.loss_sum(), 12.5);
+  EXPECT_EQ(report.loss_tokens(), 5);
+  EXPECT_EQ(report.timings_s().at("encoder.images"), 3);
+  EXPECT_TRUE(report.timings_s().contains("encoder.grad_norm_wait_s"));
+  EXPECT_TRUE(report.timings_s().contains("encoder.optimizer_s"));
+  EXPECT_TRUE(report.timings_s().contains("encoder.idle_s"));
+}
+
+TEST(StepDriverTest, AnAbortAfterThePartialsDiscardsTheStepAndTheRetryApplies) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(3), Abort(3), Plan(3), Norm(3, 1.0), Stop()}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls, ElementsAre("run 3", "discard", "run 3", "apply 3 clip 1"));
+  EXPECT_EQ(module.updates, 1);
+  EXPECT_EQ(driver.steps_applied(), 1);
+  EXPECT_EQ(driver.steps_discarded(), 1);
+  // No report for the aborted attempt.
+  EXPECT_THAT(channel.sent, ElementsAre("partial 3", "partial 3", "report 3 ok"));
+}
+
+TEST(StepDriverTest, AStopWhileAwaitingTheDecisionDiscardsWithoutApplying) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(0), Stop()}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
+  EXPECT_EQ(module.updates, 0);
+}
+
+TEST(StepDriverTest, AFailedStepIsReportedAndEndsTheWorkerNamingTheStep) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.fail_at_step = 2;
+  for (auto m : {Plan(2), Norm(2, 1.0)}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("step 2"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("peer llm-1 died"));
+  EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
+  EXPECT_THAT(channel.sent, ElementsAre("report 2 failed"));
+  EXPECT_THAT(channel.reports[0].error(), HasSubstr("peer llm-1 died"));
+  EXPECT_EQ(module.updates, 0);
+}
+
+TEST(StepDriverTest, ANormOfAnotherStepIsRefusedInsteadOfApplied) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(4), Norm(3, 1.0)}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("the norm of step 3"));
+  EXPECT_EQ(module.updates, 0);
+}
+
+TEST(StepDriverTest, AMembershipChangeEndsTheWorkerNamingTheLostPeer) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage change;
+  auto* lost = change.mutable_membership_change()->add_lost();
+  lost->set_worker_id("encoder-1");
+  lost->set_host("10.0.0.7");
+  change.mutable_membership_change()->set_reason("heartbeat timeout");
+  channel.Push(change);
+  StepDriver driver(&channel, &module, {});
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("encoder-1 (10.0.0.7)"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("heartbeat timeout"));
+}
+
+TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {
+  ScriptedChannel channel;  // empty: Next fails with DeadlineExceeded
+  RecordingModule module;
+  StepDriver driver(&channel, &module, {});
+  EXPECT_EQ(driver.Run().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(module.calls.empty());
+}
+
+}  // namespace
+}  // namespace hetpar::worker

@@ -1,0 +1,56 @@
+#include "llm_trainer/colocated_modules.h"
+
+#include <utility>
+
+#include "common/status.h"
+#include "common/worker/outputs.h"
+
+namespace hetpar::llm {
+
+absl::StatusOr<std::unique_ptr<ColocatedModules>> ColocatedModules::Create(
+    worker::WorkerContext& context) {
+  std::unique_ptr<ColocatedModules> m(new ColocatedModules());
+  m->context_ = &context;
+  HETPAR_ASSIGN_OR_RETURN(m->encoder_, encoder::EncoderModule::Create(context));
+  HETPAR_ASSIGN_OR_RETURN(m->llm_, LlmModule::Create(context, /*colocated=*/true));
+  return m;
+}
+
+absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankStepPlan& plan) {
+  context_->boundary().BeginStep();
+  worker::StepOutcome llm_outcome;
+  HETPAR_ASSIGN_OR_RETURN(worker::ModuleTimings encoder_timings,
+                          encoder_->RunPart(plan, [&]() -> absl::Status {
+                            HETPAR_ASSIGN_OR_RETURN(llm_outcome, llm_->RunPart(plan));
+                            return absl::OkStatus();
+                          }));
+  HETPAR_RETURN_IF_ERROR(llm_->WaitForSends());
+  worker::StepOutcome outcome = std::move(llm_outcome);
+  worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);
+  worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &encoder_timings);
+  outcome.modules.insert(outcome.modules.begin(), std::move(encoder_timings));
+  return outcome;
+}
+
+std::vector<worker::GradNormShare> ColocatedModules::GradNormShares() const {
+  std::vector<worker::GradNormShare> shares = encoder_->GradNormShares();
+  for (const worker::GradNormShare& share : llm_->GradNormShares()) shares.push_back(share);
+  return shares;
+}
+
+absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient));
+  return llm_->Apply(step, clip_coefficient);
+}
+
+void ColocatedModules::Discard() {
+  encoder_->Discard();
+  llm_->Discard();
+}
+
+absl::Status ColocatedModules::WriteOutputs(const std::string& out_dir, int64_t world_rank) {
+  HETPAR_RETURN_IF_ERROR(encoder_->WriteOutputs(out_dir, world_rank));
+  return llm_->WriteOutputs(out_dir, world_rank);
+}
+
+}  // namespace hetpar::llm
