@@ -655,7 +655,8 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   ResolvePath(loaded, "data.index");
 }
 
-std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files) {
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
+                                  bool require_runnable) {
   std::vector<ConfigIssue> issues;
   Checker c(loaded, &issues);
   const RunSpec& s = loaded.spec;
@@ -863,6 +864,40 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files)
            "separate processes); expected ucx");
   }
   if (s.checkpoint().every() < 0) c.Fail("checkpoint.every", "must be >= 0");
+
+  // What a run cannot do yet: refused here, before any worker registers, not after.
+  if (require_runnable) {
+    if (ll.cp() > 1) {
+      c.Fail("llm.layout.cp",
+             absl::StrCat("=", ll.cp(),
+                          ": the LLM does not run with context parallelism yet (`hetpar plan` "
+                          "shows how its blocks would be routed); expected 1"));
+    }
+    if (ll.pp() > 1) {
+      c.Fail("llm.layout.pp",
+             absl::StrCat("=", ll.pp(),
+                          ": the LLM does not run with pipeline parallelism yet (`hetpar plan` "
+                          "shows how its blocks would be routed); expected 1"));
+    }
+    if (!s.checkpoint().dir().empty()) {
+      c.Fail("checkpoint.dir",
+             absl::StrCat("='", s.checkpoint().dir(),
+                          "': runs do not write checkpoints yet (the trained parameters are "
+                          "saved under run.out_dir/model at the end); remove the checkpoint "
+                          "section"));
+    }
+    if (s.checkpoint().every() > 0) {
+      c.Fail("checkpoint.every",
+             absl::StrCat("=", s.checkpoint().every(),
+                          ": runs do not write checkpoints yet; remove the checkpoint section"));
+    }
+    if (s.transport() == hetpar::v1::TRANSPORT_KIND_INPROC &&
+        s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
+      c.Fail("transport",
+             "inproc needs every rank in one process, and a run starts one process per rank "
+             "(the in-process backend serves tests); expected ucx (shared memory on one machine)");
+    }
+  }
   if (s.coordinator().listen().empty()) c.Fail("coordinator.listen", "must not be empty");
   if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
     c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
@@ -878,7 +913,7 @@ namespace {
 // Defaults and validation over a parsed spec; all problems become one InvalidArgument.
 absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& options) {
   ApplyDefaults(&loaded);
-  std::vector<ConfigIssue> issues = Validate(loaded, options.check_files);
+  std::vector<ConfigIssue> issues = Validate(loaded, options.check_files, options.require_runnable);
   if (issues.empty()) return loaded;
   std::vector<std::string> lines;
   for (const auto& issue : issues) lines.push_back(issue.ToString());

@@ -59,6 +59,10 @@ struct LoadOptions {
   std::vector<std::string> overrides;
   // Check that input files (manifest, tokenizer, token file) exist.
   bool check_files = true;
+  // Refuse what a run cannot do yet (LLM context or pipeline parallelism, checkpoints, the
+  // in-process transport), so that a config that validates is one that runs. `hetpar plan` turns
+  // this off: the plan library already routes those layouts.
+  bool require_runnable = true;
 };
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
@@ -70,8 +74,10 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
 // Fills every field the input left out with its documented default and resolves relative paths.
 void ApplyDefaults(LoadedRunSpec* loaded);
 
-// Semantic checks over a spec with defaults applied: sizes, divisibility, layouts, files.
-std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files = true);
+// Semantic checks over a spec with defaults applied: sizes, divisibility, layouts, files, and
+// with `require_runnable` the features a run does not have yet (see LoadOptions).
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files = true,
+                                  bool require_runnable = true);
 
 // Parse + defaults + validation of a YAML text. Errors are InvalidArgument, one issue per line.
 absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,

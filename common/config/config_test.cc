@@ -249,6 +249,27 @@ TEST(ConfigTest, CpMustSplitTheSequence) {
               "=64 is not a multiple of 2 x llm.layout.cp=6");
 }
 
+TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
+  ExpectIssue(Load(kValid, {"llm.layout.cp=2"}), "llm.layout.cp", 0,
+              "=2: the LLM does not run with context parallelism yet");
+  ExpectIssue(Load(kValid, {"llm.layout.pp=2"}), "llm.layout.pp", 0,
+              "=2: the LLM does not run with pipeline parallelism yet");
+  const std::string text = std::string(kValid) + "checkpoint:\n  dir: ckpt\n  every: 5\n";
+  auto result = Load(text);
+  ExpectIssue(result, "checkpoint.dir", LineOf(text, "dir: ckpt"), "runs do not write checkpoints");
+  ExpectIssue(result, "checkpoint.every", LineOf(text, "every: 5"), "=5: runs do not write");
+  ExpectIssue(Load(kValid, {"placement=colocated", "encoder.layout.dp=2", "transport=inproc"}),
+              "transport", 0, "inproc needs every rank in one process");
+  // Planning takes the same layouts.
+  LoadOptions planning;
+  planning.check_files = false;
+  planning.require_runnable = false;
+  planning.overrides = {"llm.layout.cp=2", "llm.layout.pp=2"};
+  auto planned = LoadRunSpecFromString(text, "run.yaml", planning);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  EXPECT_EQ(planned->spec.llm().layout().pp(), 2);
+}
+
 TEST(ConfigTest, EncoderHasNoPipeline) {
   ExpectIssue(Load(kValid, {"encoder.layout.pp=2"}), "encoder.layout.pp", 0,
               "the encoder is not pipelined");

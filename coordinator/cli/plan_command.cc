@@ -388,7 +388,8 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
 int RunPlan(const Options& o) {
   config::LoadOptions load;
   load.overrides = o.overrides;
-  load.check_files = false;  // planning reads no data files
+  load.check_files = false;       // planning reads no data files
+  load.require_runnable = false;  // routing for layouts a run does not take yet is shown too
   auto loaded = config::LoadRunSpecFile(o.config, load);
   if (!loaded.ok()) {
     std::cerr << "hetpar: invalid config " << o.config << ":\n"
@@ -396,6 +397,11 @@ int RunPlan(const Options& o) {
     return kExitInvalidInput;
   }
   const hetpar::v1::RunSpec& spec = loaded->spec;
+  for (const config::ConfigIssue& issue :
+       config::Validate(*loaded, /*check_files=*/false, /*require_runnable=*/true)) {
+    std::cerr << "hetpar plan: note: `hetpar run` refuses this config for now: " << issue.ToString()
+              << "\n";
+  }
   auto fail = [](const absl::Status& status) {
     std::cerr << "hetpar plan: " << status.message() << "\n";
     return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;

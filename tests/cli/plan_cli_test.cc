@@ -61,7 +61,7 @@ TEST(CliPlanTest, LargeExamplePlans) {
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
   auto j = nlohmann::json::parse(r->stdout_text);
-  EXPECT_EQ(j["world_size"], 32 + 128);
+  EXPECT_EQ(j["world_size"], 16 + 32);
 }
 
 TEST(CliPlanTest, BadRangeExitsTwo) {

@@ -1,6 +1,7 @@
 // `hetpar validate` as a user runs it: real process, exit codes, stdout and stderr.
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -71,6 +72,47 @@ TEST(CliValidateTest, BadConfigExitsTwoWithFieldAndLine) {
               HasSubstr("llm.model.kv_heads: =3 does not divide llm.model.heads=4"));
   EXPECT_THAT(r->stderr_text, HasSubstr(path.string() + ":"));
   EXPECT_EQ(r->stdout_text, "");
+}
+
+// What a run cannot do yet is refused by validate (and so by run) with the field and the line,
+// not accepted and then failed after the workers registered.
+TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
+  const fs::path path =
+      fs::temp_directory_path() / ("hetpar_cli_future_" + std::to_string(::getpid()) + ".yaml");
+  std::string yaml;
+  {
+    std::ifstream in(kSource + "/configs/tiny.yaml");
+    std::stringstream text;
+    text << in.rdbuf();
+    yaml = text.str();
+  }
+  if (yaml.back() != '\n') yaml += '\n';
+  const int checkpoint_line = static_cast<int>(std::count(yaml.begin(), yaml.end(), '\n')) + 2;
+  yaml += "checkpoint:\n  dir: /tmp/ckpt\n";
+  std::ofstream(path) << yaml;
+  auto r = RunCommand({kBin, "validate", "--config", path.string(), "--set", "llm.layout.pp=2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("llm.layout.pp: =2: the LLM does not run with pipeline parallelism yet"));
+  EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir: ='/tmp/ckpt': runs do not write "
+                                        "checkpoints yet"));
+  EXPECT_THAT(r->stderr_text, HasSubstr(path.string() + ":" + std::to_string(checkpoint_line)));
+  EXPECT_EQ(r->stdout_text, "");
+  // `hetpar run` refuses it before starting anything.
+  r = RunCommand({kBin, "run", "--config", path.string(), "--out", path.string() + ".run"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir"));
+  EXPECT_FALSE(fs::exists(path.string() + ".run"));
+  // `hetpar plan` still routes such a layout, and says that a run would refuse it.
+  r = RunCommand(
+      {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.cp=2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stderr_text, HasSubstr("note: `hetpar run` refuses this config for now: "
+                                        "llm.layout.cp: =2"));
+  fs::remove(path);
 }
 
 TEST(CliValidateTest, MissingConfigExitsTwo) {
