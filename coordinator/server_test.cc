@@ -437,15 +437,41 @@ TEST_F(ServerTest, AddIsAtomicUnder32ConcurrentClients) {
             std::to_string(kClients * kAdds));
 }
 
-TEST_F(ServerTest, ScaleIsRecordedAndShownInStatus) {
+TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
   StartServer(TinySpec());
   AdminClient admin(Connect());
-  auto scaled = admin.Scale(5);
-  ASSERT_TRUE(scaled.ok()) << scaled.status();
-  EXPECT_EQ(scaled->current_encoder_replicas(), 2);
-  EXPECT_EQ(scaled->requested_encoder_replicas(), 5);
-  EXPECT_EQ(admin.Status()->requested_encoder_replicas(), 5);
-  EXPECT_EQ(admin.Scale(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  // Status as the CLI sees it, less the clocks that move on their own.
+  auto status_now = [&]() -> std::string {
+    auto status = admin.Status();
+    EXPECT_TRUE(status.ok()) << status.status();
+    if (!status.ok()) return "";
+    status->clear_uptime_s();
+    status->clear_cpu_seconds();
+    status->clear_missing_deadline_s();
+    return status->DebugString();
+  };
+  const std::string before = status_now();
+  auto refused = admin.Scale(5);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  // 5 requested; TinySpec's encoder.layout.dp is 2.
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
+                        "encoder pool keeps encoder.layout.dp=2 (requested: 5)"));
+  EXPECT_EQ(status_now(), before);
+  auto invalid = admin.Scale(-1);
+  EXPECT_EQ(invalid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(invalid.status().message()), HasSubstr("encoder_replicas=-1"));
+  EXPECT_EQ(status_now(), before);
+  // On the wire it is gRPC's UNIMPLEMENTED.
+  auto connection = Connect();
+  grpc::ClientContext context;
+  connection->PrepareContext(&context, absl::Seconds(10));
+  v1::ScaleRequest request;
+  request.set_encoder_replicas(3);
+  v1::ScaleResponse response;
+  const grpc::Status raw = connection->admin().Scale(&context, request, &response);
+  EXPECT_EQ(raw.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_THAT(raw.error_message(), HasSubstr("encoder.layout.dp=2 (requested: 3)"));
 }
 
 TEST_F(ServerTest, ListenFailureIsReported) {

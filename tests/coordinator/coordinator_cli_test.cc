@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ class CoordinatorCliTest : public ::testing::Test {
   TempDir dir_;
 };
 
+// `hetpar status` text with the durations that move on their own (uptime, CPU time, the time
+// left to register) blanked.
+std::string StatusWithoutClock(const std::string& text) {
+  static const std::regex kDuration("[0-9]+(\\.[0-9]+)?[sh]\\b");
+  return std::regex_replace(text, kDuration, "<t>");
+}
+
 TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   auto coordinator = StartCoordinator({"--config", kTiny}, dir_.File("coordinator.log"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
@@ -65,6 +73,7 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(json->exit_code, 0);
   EXPECT_THAT(json->stdout_text, HasSubstr("\"state\": \"RUN_STATE_WAITING\""));
   EXPECT_THAT(json->stdout_text, HasSubstr("\"expectedWorkers\": \"4\""));
+  EXPECT_THAT(json->stdout_text, Not(HasSubstr("requestedEncoderReplicas")));
 
   // A wrong token is refused and logged with the caller's address, never with a token.
   setenv("HETPAR_TOKEN", "not-the-run-token", 1);
@@ -74,10 +83,23 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(refused->exit_code, 1);
   EXPECT_THAT(refused->stderr_text, HasSubstr("missing or wrong run token"));
 
+  // Resizing the encoder pool is refused, naming both sizes (tiny.yaml: encoder.layout.dp 2),
+  // and changes nothing that status shows.
   auto scale = Hetpar({"scale", "--encoders", "3", "--coordinator", coordinator->address});
   ASSERT_TRUE(scale.ok());
-  EXPECT_EQ(scale->exit_code, 0) << scale->stderr_text;
-  EXPECT_THAT(scale->stdout_text, HasSubstr("3 encoder replicas requested"));
+  EXPECT_EQ(scale->exit_code, 1) << scale->stdout_text;
+  EXPECT_THAT(scale->stderr_text,
+              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
+                        "encoder pool keeps encoder.layout.dp=2 (requested: 3)"));
+  EXPECT_EQ(scale->stdout_text, "");
+  auto after_scale = Hetpar({"status", "--coordinator", coordinator->address});
+  ASSERT_TRUE(after_scale.ok());
+  EXPECT_EQ(after_scale->exit_code, 0) << after_scale->stderr_text;
+  EXPECT_EQ(StatusWithoutClock(after_scale->stdout_text), StatusWithoutClock(status->stdout_text));
+  auto scale_help = Hetpar({"scale", "--help"});
+  ASSERT_TRUE(scale_help.ok());
+  EXPECT_EQ(scale_help->exit_code, 0);
+  EXPECT_THAT(scale_help->stdout_text, HasSubstr("Not supported yet"));
 
   auto stop = Hetpar({"stop", "--wait", "20", "--coordinator", coordinator->address});
   ASSERT_TRUE(stop.ok());
