@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/plan/synthetic_batch.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -177,6 +178,34 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_THAT(log, HasSubstr("stop: completed 3 steps"));
     EXPECT_THAT(log, HasSubstr("closed: OK"));
   }
+  // What each step trains, from this test's inputs: --synthetic-batches draws 0 to 3 images and
+  // 8 to 64 (seq_len / 2) text tokens per sample from tiny.yaml's run.seed 1234; step s trains
+  // samples 8s .. 8s + 7 (run.global_batch 8); an image is (32 / 8)^2 = 16 tokens and every
+  // sample fits llm.model.seq_len 128.
+  std::vector<int64_t> expected_tokens, expected_images;
+  for (int step = 0; step < 3; ++step) {
+    plan::SyntheticBatchOptions options;
+    options.samples = 8;
+    options.first_id = 8 * step;
+    options.min_images = 0;
+    options.max_images = 3;
+    options.min_text_tokens = 8;
+    options.max_text_tokens = 64;
+    options.tokens_per_image = 16;
+    options.seq_len = 128;
+    options.seed = 1234;
+    auto samples = plan::SyntheticBatch(options);
+    ASSERT_TRUE(samples.ok()) << samples.status();
+    int64_t tokens = 0, images = 0;
+    for (const plan::SampleDescriptor& sample : *samples) {
+      tokens += sample.sequence_length();
+      images += sample.image_count();
+    }
+    expected_tokens.push_back(tokens);
+    expected_images.push_back(images);
+  }
+  // The steps do carry images, so the comparison below can tell a count that is lost.
+  ASSERT_GT(expected_images[0] + expected_images[1] + expected_images[2], 0);
   // The coordinator's run directory: one metrics line per step, with each module's split
   // combined from the reports (slowest rank's compute, bridge bytes added up).
   std::ifstream metrics(coordinator->log + ".run/metrics.jsonl");
@@ -188,8 +217,8 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_EQ(j["step"], step);
     EXPECT_DOUBLE_EQ(j["loss"].get<double>(), 1.5);
     EXPECT_NEAR(j["grad_norm"].get<double>(), std::sqrt(2.0), 1e-12);
-    EXPECT_GT(j["tokens"].get<int64_t>(), 0);
-    EXPECT_GE(j["images"].get<int64_t>(), 0);
+    EXPECT_EQ(j["tokens"].get<int64_t>(), expected_tokens[step]);
+    EXPECT_EQ(j["images"].get<int64_t>(), expected_images[step]);
     EXPECT_DOUBLE_EQ(j["encoder"]["compute_s"].get<double>(), 0.002);  // world ranks 0, 1
     EXPECT_DOUBLE_EQ(j["llm"]["compute_s"].get<double>(), 0.004);      // world ranks 2, 3
     EXPECT_EQ(j["encoder"]["bridge_bytes"], 200);
