@@ -407,30 +407,19 @@ v1::StopResponse RunController::Stop(const std::string& reason, absl::Time now, 
   return response;
 }
 
-absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& request) {
-  if (membership_.placement() == v1::PLACEMENT_COLOCATED) {
-    return absl::FailedPreconditionError(
-        "the encoder pool of a colocated run shares its ranks with the LLM and cannot be scaled "
-        "alone; scaling needs placement non_colocated");
-  }
+absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& request) const {
   if (request.encoder_replicas() < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("encoder_replicas=", request.encoder_replicas(), "; expected >= 1"));
   }
-  if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the run is ", RunStateName(state_), "; scaling is not possible"));
-  }
-  requested_encoder_replicas_ = request.encoder_replicas();
-  v1::ScaleResponse response;
-  response.set_current_encoder_replicas(membership_.encoder_grid().dp);
-  response.set_requested_encoder_replicas(requested_encoder_replicas_);
-  response.set_message(absl::StrCat("recorded: ", requested_encoder_replicas_,
-                                    " encoder replicas requested; generation ", generation_,
-                                    " runs ", membership_.encoder_grid().dp));
-  HETPAR_LOG(INFO) << "scale request recorded: encoder replicas " << membership_.encoder_grid().dp
-                   << " -> " << requested_encoder_replicas_;
-  return response;
+  // Nothing can act on a new pool size yet (the running generation keeps the layout it started
+  // with), so the request is refused rather than recorded and acknowledged.
+  const std::string refusal = absl::StrCat(
+      "resizing the encoder pool while a run trains is not supported yet; the encoder pool keeps "
+      "encoder.layout.dp=",
+      membership_.encoder_grid().dp, " (requested: ", request.encoder_replicas(), ")");
+  HETPAR_LOG(INFO) << "scale request refused: " << refusal;
+  return absl::UnimplementedError(refusal);
 }
 
 v1::StatusResponse RunController::Status(absl::Time now) const {
@@ -446,7 +435,6 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   status.set_placement(membership_.placement());
   status.set_listen_address(options_.listen_address);
   status.set_uptime_s(absl::ToDoubleSeconds(now - created_));
-  status.set_requested_encoder_replicas(requested_encoder_replicas_);
   auto add_worker = [&](const WorkerRecord& worker) {
     v1::WorkerStatus* w = status.add_workers();
     w->set_worker_id(worker.worker_id);

@@ -81,7 +81,10 @@ class RunController {
 
   v1::StatusResponse Status(absl::Time now) const;
   v1::StopResponse Stop(const std::string& reason, absl::Time now, Actions* actions);
-  absl::StatusOr<v1::ScaleResponse> Scale(const v1::ScaleRequest& request);
+  // Resizing the encoder pool of a run is not supported yet: InvalidArgument for fewer than one
+  // replica, otherwise always Unimplemented, naming the requested and the current pool size.
+  // Nothing is recorded.
+  absl::StatusOr<v1::ScaleResponse> Scale(const v1::ScaleRequest& request) const;
 
   v1::RunState state() const { return state_; }
   const std::string& state_message() const { return state_message_; }
@@ -119,7 +122,6 @@ class RunController {
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   int64_t committed_steps_ = 0;
   int step_attempts_ = 0;  // aborts of the current step in a row
-  int64_t requested_encoder_replicas_ = 0;
 };
 
 const char* RunStateName(v1::RunState state);

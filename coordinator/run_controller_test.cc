@@ -341,17 +341,37 @@ TEST_F(RunControllerTest, StopWhileWaitingIsDoneAtOnce) {
   EXPECT_EQ(controller_->state_message(), "stop requested");
 }
 
-TEST_F(RunControllerTest, ScaleIsRecorded) {
+TEST_F(RunControllerTest, ScaleIsRefusedNamingBothSizesAndRecordsNothing) {
   Create();
   v1::ScaleRequest request;
   request.set_encoder_replicas(4);
-  auto response = controller_->Scale(request);
-  ASSERT_TRUE(response.ok());
-  EXPECT_EQ(response->current_encoder_replicas(), 2);
-  EXPECT_EQ(response->requested_encoder_replicas(), 4);
-  EXPECT_EQ(controller_->Status(kT0).requested_encoder_replicas(), 4);
+  const std::string waiting = controller_->Status(kT0).DebugString();
+  auto refused = controller_->Scale(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  // 4 requested; TinySpec's encoder.layout.dp is 2.
+  EXPECT_EQ(refused.status().message(),
+            "resizing the encoder pool while a run trains is not supported yet; the encoder pool "
+            "keeps encoder.layout.dp=2 (requested: 4)");
+  EXPECT_EQ(controller_->Status(kT0).DebugString(), waiting);
+
+  // The same while the run trains, with a step in flight.
+  StartAll();
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  ASSERT_GE(controller_->Status(kT0).step_in_flight(), 0);
+  const std::string running = controller_->Status(kT0).DebugString();
+  request.set_encoder_replicas(1);
+  refused = controller_->Scale(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("encoder.layout.dp=2 (requested: 1)"));
+  EXPECT_EQ(controller_->Status(kT0).DebugString(), running);
+  EXPECT_EQ(controller_->membership().encoder_grid().dp, 2);
+
+  // A count below one is a bad request, not an unsupported one.
   request.set_encoder_replicas(0);
-  EXPECT_EQ(controller_->Scale(request).status().code(), absl::StatusCode::kInvalidArgument);
+  refused = controller_->Scale(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("encoder_replicas=0"));
 }
 
 }  // namespace

@@ -731,6 +731,7 @@ const std::string& CoordinatorServer::address() const { return impl_->address_; 
 int CoordinatorServer::port() const { return impl_->port_; }
 v1::RunState CoordinatorServer::state() const { return impl_->state(); }
 v1::StatusResponse CoordinatorServer::Status() const { return impl_->Status(); }
+int64_t CoordinatorServer::pending_key_value_waits() const { return impl_->kv_.pending_waits(); }
 
 v1::StopResponse CoordinatorServer::Stop(const std::string& reason) {
   return impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {

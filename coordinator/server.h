@@ -12,6 +12,7 @@
 #ifndef HETPAR_COORDINATOR_SERVER_H_
 #define HETPAR_COORDINATOR_SERVER_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -54,6 +55,8 @@ class CoordinatorServer {
   v1::RunState state() const;
   v1::StatusResponse Status() const;
   v1::StopResponse Stop(const std::string& reason);
+  // Key-value Wait and Get calls waiting for their keys now (lets a test see a reader block).
+  int64_t pending_key_value_waits() const;
   // Waits up to `timeout` for the run to be done or failed; returns the state then.
   v1::RunState WaitForEnd(absl::Duration timeout) const;
   // Ends every session, stops accepting calls and cancels those still running after `grace`.

@@ -242,18 +242,32 @@ TEST_F(ServerTest, MissingOrWrongTokenIsUnauthenticatedAndLoggedWithoutTheToken)
   EXPECT_THAT(status->DebugString(), Not(HasSubstr(kToken)));
 }
 
-TEST_F(ServerTest, SilentWorkerIsDeclaredDeadWithinTheTimeout) {
-  constexpr double kTimeout = 2.0;
-  StartServer(TinySpec(kTimeout));
+TEST_F(ServerTest, SilentWorkerIsDeclaredDeadAfterTheTimeout) {
+  constexpr absl::Duration kTimeout = absl::Seconds(2);
+  // How late the loss may be seen on a loaded machine; only a missed timeout exceeds it.
+  constexpr absl::Duration kSlack = absl::Seconds(30);
+  StartServer(TinySpec(absl::ToDoubleSeconds(kTimeout)));
   auto workers = StartFourWorkers();
   EXPECT_DOUBLE_EQ(workers[1]->assignment().heartbeat_interval_s(), 0.4);
+  // The server last heard from the worker no earlier than `asked - age`: its clock read `asked`
+  // or later when it answered. Later messages only move that time on, so the worker cannot be
+  // declared dead before `asked - age + kTimeout`.
+  const absl::Time asked = absl::Now();
+  const v1::StatusResponse before = server_->Status();
+  auto silent = std::find_if(before.workers().begin(), before.workers().end(), [&](const auto& w) {
+    return w.worker_id() == workers[1]->worker_id();
+  });
+  ASSERT_NE(silent, before.workers().end());
+  ASSERT_TRUE(silent->alive());
+  const absl::Time earliest_loss = asked - absl::Seconds(silent->last_heartbeat_age_s()) + kTimeout;
   const absl::Time paused = absl::Now();
   workers[1]->PauseHeartbeats(true);
-  auto change = NextOf(*workers[0], v1::CoordinatorMessage::kMembershipChange);
-  const double elapsed = absl::ToDoubleSeconds(absl::Now() - paused);
+  auto change = NextOf(*workers[0], v1::CoordinatorMessage::kMembershipChange, kTimeout + kSlack);
+  const absl::Time seen = absl::Now();
   ASSERT_TRUE(change.ok()) << change.status();
-  EXPECT_GE(elapsed, kTimeout - 1.0);
-  EXPECT_LE(elapsed, kTimeout + 1.0);
+  EXPECT_GE(seen, earliest_loss) << "declared dead " << (earliest_loss - seen)
+                                 << " before the heartbeat timeout ran out";
+  EXPECT_LE(seen - paused, kTimeout + kSlack);
   EXPECT_EQ(change->membership_change().generation(), 2);
   ASSERT_EQ(change->membership_change().lost_size(), 1);
   EXPECT_EQ(change->membership_change().lost(0).worker_id(), workers[1]->worker_id());
@@ -270,7 +284,7 @@ TEST_F(ServerTest, SilentWorkerIsDeclaredDeadWithinTheTimeout) {
   ASSERT_EQ(status->missing_size(), 1);
   EXPECT_EQ(status->missing(0), "encoder rank 1 (dp 1, tp 0)");
   // The heartbeating workers stay alive well past the timeout.
-  absl::SleepFor(absl::Seconds(kTimeout));
+  absl::SleepFor(kTimeout);
   status = AdminClient(Connect()).Status();
   ASSERT_TRUE(status.ok());
   int alive = 0;
@@ -283,7 +297,7 @@ TEST_F(ServerTest, SessionWithoutOpenIsEndedAtTheHeartbeatTimeout) {
   StartServer(TinySpec(/*heartbeat_timeout_s=*/1));
   auto connection = Connect();
   grpc::ClientContext context;
-  connection->PrepareContext(&context, absl::Seconds(30));
+  connection->PrepareContext(&context, absl::Seconds(60));
   const absl::Time start = absl::Now();
   auto stream = connection->coordinator().Session(&context);
   v1::CoordinatorMessage reply;
@@ -291,8 +305,9 @@ TEST_F(ServerTest, SessionWithoutOpenIsEndedAtTheHeartbeatTimeout) {
   const grpc::Status status = stream->Finish();
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   EXPECT_THAT(status.error_message(), HasSubstr("no SessionOpen within 1s"));
+  // Not before the timeout; the upper bound only has to tell a missed timeout from a slow machine.
   EXPECT_GE(absl::Now() - start, absl::Seconds(1));
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1) + absl::Seconds(30));
 }
 
 TEST_F(ServerTest, CrashedWorkerIsLostAtOnce) {
@@ -379,9 +394,15 @@ TEST_F(ServerTest, KeyValueStoreSemantics) {
   EXPECT_FALSE(*kv.Delete("a"));
   EXPECT_EQ(*kv.NumKeys(), 0);
 
-  // Get waits for a key written later by someone else.
+  // Get waits for a key written later by someone else: the writer sets it once the server holds
+  // the Get as a pending wait.
+  ASSERT_EQ(server_->pending_key_value_waits(), 0);
   std::thread writer([&] {
-    absl::SleepFor(absl::Milliseconds(200));
+    const absl::Time deadline = absl::Now() + absl::Seconds(20);
+    while (server_->pending_key_value_waits() == 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(server_->pending_key_value_waits(), 1) << "the Get never waited";
     KeyValueClient other(Connect(), 1);
     ASSERT_TRUE(other.Set("late", "here").ok());
   });
@@ -389,6 +410,7 @@ TEST_F(ServerTest, KeyValueStoreSemantics) {
   writer.join();
   ASSERT_TRUE(late.ok()) << late.status();
   EXPECT_EQ(*late, "here");
+  EXPECT_EQ(server_->pending_key_value_waits(), 0);
   ASSERT_TRUE(kv.Wait({"late"}, absl::Seconds(1)).ok());
 
   // Wait times out at its deadline, not before.
@@ -398,7 +420,7 @@ TEST_F(ServerTest, KeyValueStoreSemantics) {
   EXPECT_EQ(timed_out.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(timed_out.message()), HasSubstr("'never'"));
   EXPECT_GE(waited, absl::Milliseconds(400));
-  EXPECT_LT(waited, absl::Milliseconds(400) + absl::Seconds(1));
+  EXPECT_LT(waited, absl::Milliseconds(400) + absl::Seconds(30));
   EXPECT_EQ(kv.Get("never", absl::Milliseconds(100)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(kv.Get("never", absl::ZeroDuration()).status().code(), absl::StatusCode::kNotFound);
@@ -437,15 +459,41 @@ TEST_F(ServerTest, AddIsAtomicUnder32ConcurrentClients) {
             std::to_string(kClients * kAdds));
 }
 
-TEST_F(ServerTest, ScaleIsRecordedAndShownInStatus) {
+TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
   StartServer(TinySpec());
   AdminClient admin(Connect());
-  auto scaled = admin.Scale(5);
-  ASSERT_TRUE(scaled.ok()) << scaled.status();
-  EXPECT_EQ(scaled->current_encoder_replicas(), 2);
-  EXPECT_EQ(scaled->requested_encoder_replicas(), 5);
-  EXPECT_EQ(admin.Status()->requested_encoder_replicas(), 5);
-  EXPECT_EQ(admin.Scale(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  // Status as the CLI sees it, less the clocks that move on their own.
+  auto status_now = [&]() -> std::string {
+    auto status = admin.Status();
+    EXPECT_TRUE(status.ok()) << status.status();
+    if (!status.ok()) return "";
+    status->clear_uptime_s();
+    status->clear_cpu_seconds();
+    status->clear_missing_deadline_s();
+    return status->DebugString();
+  };
+  const std::string before = status_now();
+  auto refused = admin.Scale(5);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
+  // 5 requested; TinySpec's encoder.layout.dp is 2.
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
+                        "encoder pool keeps encoder.layout.dp=2 (requested: 5)"));
+  EXPECT_EQ(status_now(), before);
+  auto invalid = admin.Scale(-1);
+  EXPECT_EQ(invalid.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(invalid.status().message()), HasSubstr("encoder_replicas=-1"));
+  EXPECT_EQ(status_now(), before);
+  // On the wire it is gRPC's UNIMPLEMENTED.
+  auto connection = Connect();
+  grpc::ClientContext context;
+  connection->PrepareContext(&context, absl::Seconds(10));
+  v1::ScaleRequest request;
+  request.set_encoder_replicas(3);
+  v1::ScaleResponse response;
+  const grpc::Status raw = connection->admin().Scale(&context, request, &response);
+  EXPECT_EQ(raw.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  EXPECT_THAT(raw.error_message(), HasSubstr("encoder.layout.dp=2 (requested: 3)"));
 }
 
 TEST_F(ServerTest, ListenFailureIsReported) {

@@ -1,4 +1,7 @@
-// `hetpar scale`: ask the coordinator for a different number of encoder replicas.
+// `hetpar scale`: ask the coordinator for a different number of encoder replicas. Resizing the
+// encoder pool of a running run is not supported yet: the coordinator refuses every request
+// (UNIMPLEMENTED, naming the requested and the current size) and this command prints that error
+// and exits 1.
 #include <iostream>
 #include <memory>
 
@@ -16,8 +19,9 @@ void AddScaleCommand(CLI::App& app, int* exit_code) {
   auto flags = std::make_shared<Flags>();
   CLI::App* command = app.add_subcommand(
       "scale",
-      "Request a number of encoder replicas for a non-colocated run; the coordinator records "
-      "the request and shows it in status");
+      "Ask a running coordinator to resize the encoder pool. Not supported yet: the coordinator "
+      "refuses every request, the pool keeps encoder.layout.dp replicas, and this command prints "
+      "the refusal and exits 1 (2 for an invalid request)");
   AddConnectionFlags(command, &flags->connection);
   command->add_option("--encoders", flags->encoders, "Encoder replicas wanted")
       ->required()

@@ -49,9 +49,6 @@ void PrintStatus(const v1::StatusResponse& s) {
   if (s.step_in_flight() >= 0) std::cout << ", step " << s.step_in_flight() << " in flight";
   if (!s.data_position().empty()) std::cout << ", data at " << s.data_position();
   std::cout << "\n";
-  if (s.requested_encoder_replicas() > 0) {
-    std::cout << "scale requested: " << s.requested_encoder_replicas() << " encoder replicas\n";
-  }
   if (s.missing_size() > 0) {
     std::cout << "missing " << s.missing_size();
     if (s.missing_deadline_s() > 0) {

@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
+#include "common/plan/synthetic_batch.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -38,6 +40,13 @@ class CoordinatorCliTest : public ::testing::Test {
   TempDir dir_;
 };
 
+// `hetpar status` text with the durations that move on their own (uptime, CPU time, the time
+// left to register) blanked.
+std::string StatusWithoutClock(const std::string& text) {
+  static const std::regex kDuration("[0-9]+(\\.[0-9]+)?[sh]\\b");
+  return std::regex_replace(text, kDuration, "<t>");
+}
+
 TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   auto coordinator = StartCoordinator({"--config", kTiny}, dir_.File("coordinator.log"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
@@ -65,6 +74,7 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(json->exit_code, 0);
   EXPECT_THAT(json->stdout_text, HasSubstr("\"state\": \"RUN_STATE_WAITING\""));
   EXPECT_THAT(json->stdout_text, HasSubstr("\"expectedWorkers\": \"4\""));
+  EXPECT_THAT(json->stdout_text, Not(HasSubstr("requestedEncoderReplicas")));
 
   // A wrong token is refused and logged with the caller's address, never with a token.
   setenv("HETPAR_TOKEN", "not-the-run-token", 1);
@@ -74,10 +84,23 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(refused->exit_code, 1);
   EXPECT_THAT(refused->stderr_text, HasSubstr("missing or wrong run token"));
 
+  // Resizing the encoder pool is refused, naming both sizes (tiny.yaml: encoder.layout.dp 2),
+  // and changes nothing that status shows.
   auto scale = Hetpar({"scale", "--encoders", "3", "--coordinator", coordinator->address});
   ASSERT_TRUE(scale.ok());
-  EXPECT_EQ(scale->exit_code, 0) << scale->stderr_text;
-  EXPECT_THAT(scale->stdout_text, HasSubstr("3 encoder replicas requested"));
+  EXPECT_EQ(scale->exit_code, 1) << scale->stdout_text;
+  EXPECT_THAT(scale->stderr_text,
+              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
+                        "encoder pool keeps encoder.layout.dp=2 (requested: 3)"));
+  EXPECT_EQ(scale->stdout_text, "");
+  auto after_scale = Hetpar({"status", "--coordinator", coordinator->address});
+  ASSERT_TRUE(after_scale.ok());
+  EXPECT_EQ(after_scale->exit_code, 0) << after_scale->stderr_text;
+  EXPECT_EQ(StatusWithoutClock(after_scale->stdout_text), StatusWithoutClock(status->stdout_text));
+  auto scale_help = Hetpar({"scale", "--help"});
+  ASSERT_TRUE(scale_help.ok());
+  EXPECT_EQ(scale_help->exit_code, 0);
+  EXPECT_THAT(scale_help->stdout_text, HasSubstr("Not supported yet"));
 
   auto stop = Hetpar({"stop", "--wait", "20", "--coordinator", coordinator->address});
   ASSERT_TRUE(stop.ok());
@@ -155,6 +178,34 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_THAT(log, HasSubstr("stop: completed 3 steps"));
     EXPECT_THAT(log, HasSubstr("closed: OK"));
   }
+  // What each step trains, from this test's inputs: --synthetic-batches draws 0 to 3 images and
+  // 8 to 64 (seq_len / 2) text tokens per sample from tiny.yaml's run.seed 1234; step s trains
+  // samples 8s .. 8s + 7 (run.global_batch 8); an image is (32 / 8)^2 = 16 tokens and every
+  // sample fits llm.model.seq_len 128.
+  std::vector<int64_t> expected_tokens, expected_images;
+  for (int step = 0; step < 3; ++step) {
+    plan::SyntheticBatchOptions options;
+    options.samples = 8;
+    options.first_id = 8 * step;
+    options.min_images = 0;
+    options.max_images = 3;
+    options.min_text_tokens = 8;
+    options.max_text_tokens = 64;
+    options.tokens_per_image = 16;
+    options.seq_len = 128;
+    options.seed = 1234;
+    auto samples = plan::SyntheticBatch(options);
+    ASSERT_TRUE(samples.ok()) << samples.status();
+    int64_t tokens = 0, images = 0;
+    for (const plan::SampleDescriptor& sample : *samples) {
+      tokens += sample.sequence_length();
+      images += sample.image_count();
+    }
+    expected_tokens.push_back(tokens);
+    expected_images.push_back(images);
+  }
+  // The steps do carry images, so the comparison below can tell a count that is lost.
+  ASSERT_GT(expected_images[0] + expected_images[1] + expected_images[2], 0);
   // The coordinator's run directory: one metrics line per step, with each module's split
   // combined from the reports (slowest rank's compute, bridge bytes added up).
   std::ifstream metrics(coordinator->log + ".run/metrics.jsonl");
@@ -166,8 +217,8 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_EQ(j["step"], step);
     EXPECT_DOUBLE_EQ(j["loss"].get<double>(), 1.5);
     EXPECT_NEAR(j["grad_norm"].get<double>(), std::sqrt(2.0), 1e-12);
-    EXPECT_GT(j["tokens"].get<int64_t>(), 0);
-    EXPECT_GE(j["images"].get<int64_t>(), 0);
+    EXPECT_EQ(j["tokens"].get<int64_t>(), expected_tokens[step]);
+    EXPECT_EQ(j["images"].get<int64_t>(), expected_images[step]);
     EXPECT_DOUBLE_EQ(j["encoder"]["compute_s"].get<double>(), 0.002);  // world ranks 0, 1
     EXPECT_DOUBLE_EQ(j["llm"]["compute_s"].get<double>(), 0.004);      // world ranks 2, 3
     EXPECT_EQ(j["encoder"]["bridge_bytes"], 200);

@@ -1,12 +1,15 @@
 // Failures across processes: a worker killed with SIGKILL is lost at once (its connection drops),
-// a hung one (SIGSTOP: connection open, no heartbeats) is declared dead within
-// heartbeat_timeout +- 1 s, and in both cases the step in flight is aborted and the others are
-// told. A hung coordinator is noticed by every worker, which then ends instead of waiting.
+// a hung one (SIGSTOP: connection open, no heartbeats) is declared dead once heartbeat_timeout
+// has passed without a message from it, never before, and in both cases the step in flight is
+// aborted and the others are told. A hung coordinator is noticed by every worker, which then ends
+// instead of waiting. Upper bounds on how soon something happens are generous (the timeout plus
+// 30 s): they only have to tell a missed timeout from a loaded machine.
 #include <signal.h>
 #include <stdlib.h>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/coordinator/coordinator_test_util.h"
 
 namespace hetpar::testing {
@@ -15,6 +18,8 @@ namespace {
 using ::testing::HasSubstr;
 
 const std::string kTiny = kSourceDir + "/configs/tiny.yaml";
+// How late past a timeout an event may be seen on a loaded machine.
+constexpr absl::Duration kSlack = absl::Seconds(30);
 
 class CoordinatorFaultTest : public ::testing::Test {
  protected:
@@ -85,20 +90,38 @@ TEST_F(CoordinatorFaultTest, KilledWorkerIsLostAtOnceAndTheStepAborted) {
   EXPECT_EQ(*coordinator_exit, 0);
 }
 
-TEST_F(CoordinatorFaultTest, HungWorkerIsDeclaredDeadWithinTheHeartbeatTimeout) {
-  constexpr double kTimeout = 2.0;
-  StartRun(kTimeout);
+TEST_F(CoordinatorFaultTest, HungWorkerIsDeclaredDeadAfterTheHeartbeatTimeout) {
+  constexpr absl::Duration kTimeout = absl::Seconds(2);
+  StartRun(absl::ToDoubleSeconds(kTimeout));
   auto victim = AwaitInFile(dir_.File("enc-b.log"), "registered (\\S+)", absl::Seconds(1));
   ASSERT_TRUE(victim.ok());
+  // The coordinator last heard from the victim no earlier than `asked - age`: its clock read
+  // `asked` or later when it answered. Whatever the victim sends afterwards only moves that on,
+  // so the victim cannot be declared dead before `asked - age + kTimeout`.
+  const absl::Time asked = absl::Now();
+  auto status =
+      RunCommand({kHetparBin, "status", "--json", "--coordinator", coordinator_->address});
+  ASSERT_TRUE(status.ok()) << status.status();
+  ASSERT_EQ(status->exit_code, 0) << status->stderr_text;
+  const nlohmann::json parsed = nlohmann::json::parse(status->stdout_text);
+  double age_s = -1;
+  for (const auto& w : parsed.at("workers")) {
+    if (w.at("workerId") != *victim) continue;
+    ASSERT_TRUE(w.at("alive").get<bool>()) << status->stdout_text;
+    age_s = w.at("lastHeartbeatAgeS").get<double>();
+  }
+  ASSERT_GE(age_s, 0) << status->stdout_text;
+  const absl::Time earliest_loss = asked - absl::Seconds(age_s) + kTimeout;
   const absl::Time stopped = absl::Now();
   ASSERT_TRUE(workers_[1].Signal(SIGSTOP));
   auto change = AwaitInFile(dir_.File("llm-a.log"), "membership_change generation 2 lost (\\S+)",
-                            absl::Seconds(10));
-  const double elapsed = absl::ToDoubleSeconds(absl::Now() - stopped);
+                            kTimeout + kSlack);
+  const absl::Time seen = absl::Now();
   ASSERT_TRUE(change.ok()) << change.status();
   EXPECT_EQ(*change, *victim);
-  EXPECT_GE(elapsed, kTimeout - 1.0);
-  EXPECT_LE(elapsed, kTimeout + 1.0);
+  EXPECT_GE(seen, earliest_loss) << "declared dead " << (earliest_loss - seen)
+                                 << " before the heartbeat timeout ran out";
+  EXPECT_LE(seen - stopped, kTimeout + kSlack);
   EXPECT_THAT(ReadFile(coordinator_->log), HasSubstr("is dead: no heartbeat for"));
   workers_[1].Signal(SIGKILL);
   workers_[1].Signal(SIGCONT);
@@ -117,15 +140,16 @@ TEST_F(CoordinatorFaultTest, HungCoordinatorIsNoticedByTheWorkers) {
   const absl::Time stopped = absl::Now();
   ASSERT_TRUE(coordinator_->process.Signal(SIGSTOP));
   // Heartbeats every 0.4 s, an ack asked for every 5th: the silence shows within 2 s + 2 s.
+  const absl::Duration bound = absl::Seconds(2 * kTimeout) + kSlack;
   for (size_t i = 0; i < workers_.size(); ++i) {
-    auto exit_code = workers_[i].Wait(15);
+    auto exit_code = workers_[i].Wait(absl::ToDoubleSeconds(bound));
     ASSERT_TRUE(exit_code.ok()) << exit_code.status();
     EXPECT_EQ(*exit_code, 1);
     const std::string log = ReadFile(dir_.File(roles_[i].second + ".log"));
     EXPECT_THAT(log, HasSubstr("session ended: DEADLINE_EXCEEDED: the coordinator at "));
     EXPECT_THAT(log, HasSubstr("stopped answering"));
   }
-  EXPECT_LT(absl::Now() - stopped, absl::Seconds(2 * kTimeout + 3));
+  EXPECT_LT(absl::Now() - stopped, bound);
   coordinator_->process.Signal(SIGKILL);
 }
 
