@@ -1,37 +1,31 @@
 // The encoder's module runtime on one worker (common/worker/module_runtime.h): the ViT + projector
-// of this rank, its TP and DP groups, its AdamW state, and the step runtime over the boundary
-// (encoder_runtime.h). hetpar-encoder drives one; a colocated LLM worker drives one beside its
-// LLM (llm_trainer/colocated_modules.h). One thread calls it.
+// of this rank, its groups and AdamW state (common/worker/module_state.h), and the step runtime
+// over the boundary (encoder_runtime.h). hetpar-encoder drives one; a colocated LLM worker drives
+// one beside its LLM (llm_trainer/colocated_modules.h). One thread calls it.
 #ifndef HETPAR_ENCODER_SERVICE_ENCODER_MODULE_H_
 #define HETPAR_ENCODER_SERVICE_ENCODER_MODULE_H_
 
 #include <functional>
 #include <memory>
 #include <optional>
-#include <string>
-#include <vector>
+#include <utility>
 
 #include "absl/status/statusor.h"
-#include "common/nn/communicator.h"
-#include "common/train/optimizer.h"
 #include "common/worker/bootstrap.h"
 #include "common/worker/module_runtime.h"
+#include "common/worker/module_state.h"
 #include "encoder_service/encoder.h"
 #include "encoder_service/encoder_runtime.h"
 
 namespace hetpar::encoder {
 
-class EncoderModule : public worker::ModuleRuntime {
+class EncoderModule : public worker::SingleModuleRuntime {
  public:
   // Forms this rank's TP and DP groups and builds the model and its optimizer. `context` must
   // hold an encoder rank and outlive the module.
   static absl::StatusOr<std::unique_ptr<EncoderModule>> Create(worker::WorkerContext& context);
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
-  std::vector<worker::GradNormShare> GradNormShares() const override;
-  absl::Status Apply(int64_t step, double clip_coefficient) override;
-  void Discard() override;
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override;
 
   // This rank's encoder part of a step whose boundary step has begun, without the bridge
   // figures: 1F1B over the jobs, or with `between` the colocated schedule (every forward,
@@ -40,14 +34,11 @@ class EncoderModule : public worker::ModuleRuntime {
                                                 const std::function<absl::Status()>& between);
 
  private:
-  explicit EncoderModule(worker::WorkerContext* context) : context_(context) {}
+  EncoderModule(worker::WorkerContext* context, worker::ModuleState state)
+      : SingleModuleRuntime(std::move(state)), context_(context) {}
 
   worker::WorkerContext* context_;
-  v1::RankCoordinates coords_;
-  std::unique_ptr<nn::Communicator> tp_;
-  std::unique_ptr<nn::Communicator> dp_;
   std::unique_ptr<VisionEncoder> model_;
-  std::unique_ptr<train::ModuleOptimizer> optimizer_;
   std::optional<EncoderRuntime> runtime_;  // from the first step on (the data set opens then)
 };
 

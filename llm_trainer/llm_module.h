@@ -1,26 +1,24 @@
 // The LLM's module runtime on one worker (common/worker/module_runtime.h): the decoder of this
-// rank, its TP and DP groups, its AdamW state, and the step runtime over the boundary
-// (llm_runtime.h). hetpar-llm drives one, or, colocated, one beside an encoder module
+// rank, its groups and AdamW state (common/worker/module_state.h), and the step runtime over the
+// boundary (llm_runtime.h). hetpar-llm drives one, or, colocated, one beside an encoder module
 // (colocated_modules.h). One thread calls it.
 #ifndef HETPAR_LLM_TRAINER_LLM_MODULE_H_
 #define HETPAR_LLM_TRAINER_LLM_MODULE_H_
 
 #include <memory>
 #include <optional>
-#include <string>
-#include <vector>
+#include <utility>
 
 #include "absl/status/statusor.h"
-#include "common/nn/communicator.h"
-#include "common/train/optimizer.h"
 #include "common/worker/bootstrap.h"
 #include "common/worker/module_runtime.h"
+#include "common/worker/module_state.h"
 #include "llm_trainer/language_model.h"
 #include "llm_trainer/llm_runtime.h"
 
 namespace hetpar::llm {
 
-class LlmModule : public worker::ModuleRuntime {
+class LlmModule : public worker::SingleModuleRuntime {
  public:
   // Forms this rank's TP and DP groups and builds the model and its optimizer. `context` must
   // hold an LLM rank and outlive the module. `colocated`: the encoder ranks of this step run on
@@ -30,10 +28,6 @@ class LlmModule : public worker::ModuleRuntime {
                                                            bool colocated);
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
-  std::vector<worker::GradNormShare> GradNormShares() const override;
-  absl::Status Apply(int64_t step, double clip_coefficient) override;
-  void Discard() override;
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override;
 
   // This rank's LLM part of a step whose boundary step has begun, without the bridge figures.
   absl::StatusOr<worker::StepOutcome> RunPart(const plan::RankStepPlan& plan);
@@ -41,16 +35,12 @@ class LlmModule : public worker::ModuleRuntime {
   absl::Status WaitForSends();
 
  private:
-  LlmModule(worker::WorkerContext* context, bool colocated)
-      : context_(context), colocated_(colocated) {}
+  LlmModule(worker::WorkerContext* context, bool colocated, worker::ModuleState state)
+      : SingleModuleRuntime(std::move(state)), context_(context), colocated_(colocated) {}
 
   worker::WorkerContext* context_;
   bool colocated_;
-  v1::RankCoordinates coords_;
-  std::unique_ptr<nn::Communicator> tp_;
-  std::unique_ptr<nn::Communicator> dp_;
   std::unique_ptr<LanguageModel> model_;
-  std::unique_ptr<train::ModuleOptimizer> optimizer_;
   std::optional<LlmRuntime> runtime_;  // from the first step on (the data set opens then)
 };
 

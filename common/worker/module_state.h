@@ -1,0 +1,84 @@
+// What every module runtime holds for its module on this rank, and the step end they share:
+// the rank's coordinates in the module's grid, its TP and DP groups, the model's parameters and
+// their optimizer; the gradient-norm share, Apply, Discard and the final outputs of
+// ModuleRuntime (module_runtime.h). EncoderModule and LlmModule are SingleModuleRuntimes over one.
+//
+//   HETPAR_ASSIGN_OR_RETURN(worker::ModuleState state,
+//                           worker::ModuleState::Form(context, v1::MODULE_LLM));
+//   ... build the model over state.tp() ...
+//   HETPAR_RETURN_IF_ERROR(state.Train(&model->parameters(), spec.llm().optimizer()));
+//
+// One thread uses it.
+#ifndef HETPAR_COMMON_WORKER_MODULE_STATE_H_
+#define HETPAR_COMMON_WORKER_MODULE_STATE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/nn/communicator.h"
+#include "common/nn/parameters.h"
+#include "common/train/optimizer.h"
+#include "common/worker/bootstrap.h"
+#include "common/worker/module_runtime.h"
+
+namespace hetpar::worker {
+
+class ModuleState {
+ public:
+  // This worker's coordinates in `module`'s grid and the module's groups, formed through the
+  // run's rendezvous store: "<module>/dp<d>/tp" and "<module>/tp<t>/dp". FailedPrecondition when
+  // the worker holds no rank of `module`.
+  static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
+
+  // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
+  absl::Status Train(nn::ParameterSet* params, const v1::Optimizer& optimizer);
+
+  const std::string& name() const { return name_; }  // "encoder" or "llm"
+  const v1::RankCoordinates& coords() const { return coords_; }
+  nn::Communicator& tp() const { return *tp_; }
+  nn::Communicator& dp() const { return *dp_; }
+
+  // ModuleRuntime's step end for this module (after Train).
+  std::vector<GradNormShare> GradNormShares() const;
+  absl::Status Apply(int64_t step, double clip_coefficient);
+  void Discard();
+  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) const;
+
+ private:
+  ModuleState() = default;
+
+  v1::Module module_ = v1::MODULE_UNSPECIFIED;
+  std::string name_;
+  v1::RankCoordinates coords_;
+  std::unique_ptr<nn::Communicator> tp_;
+  std::unique_ptr<nn::Communicator> dp_;
+  nn::ParameterSet* params_ = nullptr;
+  std::unique_ptr<train::ModuleOptimizer> optimizer_;
+};
+
+// A ModuleRuntime of one module, whose step end is its ModuleState's; the subclass runs the step.
+class SingleModuleRuntime : public ModuleRuntime {
+ public:
+  std::vector<GradNormShare> GradNormShares() const override { return state_.GradNormShares(); }
+  absl::Status Apply(int64_t step, double clip_coefficient) override {
+    return state_.Apply(step, clip_coefficient);
+  }
+  void Discard() override { state_.Discard(); }
+  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override {
+    return state_.WriteOutputs(out_dir, world_rank);
+  }
+
+ protected:
+  explicit SingleModuleRuntime(ModuleState state) : state_(std::move(state)) {}
+
+  ModuleState state_;
+};
+
+}  // namespace hetpar::worker
+
+#endif  // HETPAR_COMMON_WORKER_MODULE_STATE_H_
