@@ -1,0 +1,147 @@
+// WorkerContext::Bootstrap with three workers (an encoder replica at tp 2, one LLM rank) against an
+// in-process coordinator on loopback: each gets its own coordinates and boundary peers, the
+// encoder ranks form their TP group through the rendezvous store and all-reduce over it, and a
+// wrong token or a role the placement has no slot for is refused.
+#include "common/worker/bootstrap.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "coordinator/server.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::worker {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::UnorderedElementsAre;
+
+constexpr char kToken[] = "bootstrap-test-token";
+
+v1::RunSpec Spec(v1::Placement placement) {
+  v1::RunSpec spec;
+  spec.mutable_run()->set_name("bootstrap");
+  spec.mutable_run()->set_steps(1);
+  spec.set_placement(placement);
+  for (v1::Layout* layout :
+       {spec.mutable_encoder()->mutable_layout(), spec.mutable_llm()->mutable_layout()}) {
+    layout->set_dp(1);
+    layout->set_tp(1);
+    layout->set_cp(1);
+    layout->set_pp(1);
+  }
+  spec.mutable_encoder()->mutable_layout()->set_tp(2);
+  spec.mutable_coordinator()->set_heartbeat_timeout_s(30);
+  spec.mutable_coordinator()->set_register_timeout_s(120);
+  return spec;
+}
+
+class BootstrapTest : public ::testing::Test {
+ protected:
+  void Start(v1::Placement placement) {
+    coordinator::ServerOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.token = kToken;
+    auto server = coordinator::CoordinatorServer::Create(Spec(placement), options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+  }
+
+  WorkerOptions Options(Role role, const std::string& token = kToken) const {
+    WorkerOptions options;
+    options.role = role;
+    options.coordinator = server_->address();
+    options.token = token;
+    options.timeout = absl::Seconds(60);
+    return options;
+  }
+
+  std::unique_ptr<coordinator::CoordinatorServer> server_;
+};
+
+TEST_F(BootstrapTest, EveryWorkerGetsItsRankPeersAndGroups) {
+  Start(v1::PLACEMENT_NON_COLOCATED);
+  const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts(roles.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      threads.emplace_back([&, i] { contexts[i] = WorkerContext::Bootstrap(Options(roles[i])); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& c : contexts) ASSERT_TRUE(c.ok()) << c.status();
+  std::vector<int64_t> world_ranks;
+  for (const auto& c : contexts) world_ranks.push_back((*c)->world_rank());
+  // Encoder ranks come first in the world (encoder world 2, then the LLM).
+  EXPECT_THAT(world_ranks, UnorderedElementsAre(0, 1, 2));
+  std::vector<int64_t> encoder_tp;
+  for (size_t i = 0; i < 2; ++i) {
+    WorkerContext& c = **contexts[i];
+    ASSERT_NE(c.Coordinates(v1::MODULE_ENCODER), nullptr);
+    EXPECT_EQ(c.Coordinates(v1::MODULE_LLM), nullptr);
+    encoder_tp.push_back(c.Coordinates(v1::MODULE_ENCODER)->tp());
+    EXPECT_LT(c.world_rank(), 2);
+    // Each encoder rank's boundary peer is the LLM rank.
+    ASSERT_EQ(c.assignment().peers_size(), 1);
+    EXPECT_EQ(c.assignment().peers(0).world_rank(), 2);
+    EXPECT_EQ(c.spec().run().name(), "bootstrap");
+  }
+  EXPECT_THAT(encoder_tp, UnorderedElementsAre(0, 1));
+  WorkerContext& llm = **contexts[2];
+  ASSERT_NE(llm.Coordinates(v1::MODULE_LLM), nullptr);
+  EXPECT_EQ(llm.Coordinates(v1::MODULE_ENCODER), nullptr);
+  EXPECT_EQ(llm.world_rank(), 2);
+  std::vector<int64_t> llm_peers;
+  for (const auto& peer : llm.assignment().peers()) llm_peers.push_back(peer.world_rank());
+  EXPECT_THAT(llm_peers, UnorderedElementsAre(0, 1));
+
+  // The encoder replica's TP group forms through the coordinator and sums over both ranks.
+  std::vector<at::Tensor> sums(2);
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        WorkerContext& c = **contexts[i];
+        const int64_t tp = c.Coordinates(v1::MODULE_ENCODER)->tp();
+        auto group = c.Group("encoder/dp0/tp", tp, 2);
+        ASSERT_TRUE(group.ok()) << group.status();
+        at::Tensor t = at::full({3}, static_cast<double>(tp + 1), at::kDouble);
+        ASSERT_TRUE((*group)->AllReduce(t).ok());
+        sums[i] = t;
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const at::Tensor& s : sums) {
+    ASSERT_TRUE(s.defined());
+    EXPECT_TRUE(at::equal(s, at::full({3}, 3.0, at::kDouble))) << s;
+  }
+  // A group of one needs no store.
+  auto single = llm.Group("llm/dp0/tp", 0, 1);
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ((*single)->size(), 1);
+}
+
+TEST_F(BootstrapTest, AWrongTokenIsRefused) {
+  Start(v1::PLACEMENT_NON_COLOCATED);
+  auto context = WorkerContext::Bootstrap(Options(Role::kLlm, "not-the-token"));
+  ASSERT_FALSE(context.ok());
+  EXPECT_EQ(context.status().code(), absl::StatusCode::kUnauthenticated) << context.status();
+}
+
+TEST_F(BootstrapTest, ARoleThePlacementHasNoSlotForIsRefused) {
+  Start(v1::PLACEMENT_NON_COLOCATED);
+  auto context = WorkerContext::Bootstrap(Options(Role::kColocated));
+  ASSERT_FALSE(context.ok());
+  EXPECT_EQ(context.status().code(), absl::StatusCode::kInvalidArgument) << context.status();
+  EXPECT_THAT(std::string(context.status().message()), HasSubstr("expected role encoder or llm"));
+}
+
+}  // namespace
+}  // namespace hetpar::worker
