@@ -139,8 +139,7 @@ StepOrchestrator::Outcome StepOrchestrator::MaybeCommit(absl::Time now, Outbox* 
   if (!grad_norm_sent_ && !expected_contributors_.empty()) {
     return DoAbort(absl::StrCat("every worker reported step ", step_, " but only ",
                                 contributed_.size(), " of ", expected_contributors_.size(),
-                                " grad-norm partials arrived; the optimizer ran without the ",
-                                "global grad norm"),
+                                " grad-norm partials arrived; the global grad norm is incomplete"),
                    now, out);
   }
   if (any_loss_reported_ && loss_tokens_ != global_loss_tokens_) {

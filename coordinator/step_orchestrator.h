@@ -5,8 +5,10 @@
 //
 // Protocol of a step (generation g, step s), as the workers see it:
 //   StepPlan(s, g) -> [DP replica 0 ranks] GradNormPartial(s, g, module, sum of squares)
-//   -> GradNorm(s, g, norm, clip coefficient) to every worker -> clip, optimizer
-//   -> StepReport(s, g, ok, loss) -> StepCommit(s, g, loss) or, at any point, StepAbort(s, g).
+//   -> GradNorm(s, g, norm, clip coefficient) to every worker -> StepReport(s, g, ok, loss)
+//   -> StepCommit(s, g, loss), on which workers clip and take their optimizer step; or, at any
+//   point before it, StepAbort(s, g), on which they drop the step's gradients. Workers change no
+//   state before the commit, so an aborted step can be planned again.
 // Grad-norm contributions are counted per (module, rank): every rank of DP replica 0 of each
 // module sends one (a colocated worker sends one per module). The loss is counted from the LLM
 // ranks with tp 0 on the last pipeline stage; their loss_tokens must add up to the plan's

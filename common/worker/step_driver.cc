@@ -25,6 +25,17 @@ absl::Status MembershipError(const v1::MembershipChange& change) {
       absl::StrCat("the run lost ", LostPeers(change), ": ", change.reason()));
 }
 
+std::string Describe(const v1::CoordinatorMessage& message) {
+  if (message.has_grad_norm()) return absl::StrCat("the norm of step ", message.grad_norm().step());
+  if (message.has_commit()) return absl::StrCat("the commit of step ", message.commit().step());
+  if (message.has_step_plan()) return absl::StrCat("the plan of step ", message.step_plan().step());
+  if (message.has_membership_change()) {
+    return absl::StrCat("a membership change (the run lost ",
+                        LostPeers(message.membership_change()), ")");
+  }
+  return "another message";
+}
+
 }  // namespace
 
 const char* StateName(StepDriver::State state) {
@@ -33,8 +44,10 @@ const char* StateName(StepDriver::State state) {
       return "awaiting plan";
     case StepDriver::State::kComputing:
       return "computing";
-    case StepDriver::State::kAwaitingDecision:
-      return "awaiting decision";
+    case StepDriver::State::kAwaitingNorm:
+      return "awaiting the gradient norm";
+    case StepDriver::State::kAwaitingCommit:
+      return "awaiting the commit";
     case StepDriver::State::kApplying:
       return "applying";
     case StepDriver::State::kStopped:
@@ -67,7 +80,8 @@ absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
                                                       StateName(state_), ")"));
     }
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, channel_->Next(left));
-    if (message.has_heartbeat_ack() || message.has_assignment() || message.has_commit()) continue;
+    if (message.has_heartbeat_ack() || message.has_assignment()) continue;
+    if (message.has_membership_change()) return MembershipError(message.membership_change());
     return message;
   }
 }
@@ -91,14 +105,11 @@ absl::Status StepDriver::Run() {
       HETPAR_LOG(WARNING) << "step " << message->abort().step()
                           << " aborted by the coordinator: " << message->abort().reason();
       modules_->Discard();
-    } else if (message->has_membership_change()) {
-      return Fail(MembershipError(message->membership_change()));
     } else if (message->has_step_plan()) {
       if (absl::Status s = RunOneStep(message->step_plan()); !s.ok()) return Fail(std::move(s));
-    } else if (message->has_grad_norm()) {
-      return Fail(absl::FailedPreconditionError(
-          absl::StrCat("the coordinator sent the gradient norm of step ",
-                       message->grad_norm().step(), " while no step was computing")));
+    } else if (message->has_grad_norm() || message->has_commit()) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "the coordinator sent ", Describe(*message), " while no step was in flight")));
     }
   }
   return absl::OkStatus();
@@ -132,39 +143,19 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     HETPAR_RETURN_IF_ERROR(channel_->SendGradNormPartial(partial));
   }
 
-  state_ = State::kAwaitingDecision;
-  const absl::Time decision_asked = absl::Now();
-  HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage decision, NextRelevant());
-  const double grad_norm_wait_s = absl::ToDoubleSeconds(absl::Now() - decision_asked);
-  if (decision.has_abort()) {
-    HETPAR_LOG(WARNING) << "step " << step
-                        << " aborted by the coordinator: " << decision.abort().reason();
-    modules_->Discard();
-    ++steps_discarded_;
-    state_ = State::kAwaitingPlan;
-    return absl::OkStatus();
-  }
-  if (decision.has_stop()) {
-    HETPAR_LOG(INFO) << "stop: " << decision.stop().reason();
-    modules_->Discard();
-    state_ = State::kStopped;
-    return absl::OkStatus();
-  }
-  if (decision.has_membership_change()) return MembershipError(decision.membership_change());
-  if (!decision.has_grad_norm() || decision.grad_norm().step() != step) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step,
-        ": expected the global gradient norm of this step from the coordinator, got ",
-        decision.has_grad_norm() ? absl::StrCat("the norm of step ", decision.grad_norm().step())
-                                 : std::string("another message")));
+  state_ = State::kAwaitingNorm;
+  const absl::Time norm_asked = absl::Now();
+  HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextRelevant());
+  const double grad_norm_wait_s = absl::ToDoubleSeconds(absl::Now() - norm_asked);
+  if (EndsStep(norm, step)) return absl::OkStatus();
+  if (!norm.has_grad_norm() || norm.grad_norm().step() != step) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step,
+                     ": expected the global gradient norm of this step from the coordinator, got ",
+                     Describe(norm)));
   }
 
-  state_ = State::kApplying;
-  const absl::Time optimizer_start = absl::Now();
-  HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, decision.grad_norm().clip_coefficient()),
-                                  absl::StrCat("step ", step, " optimizer")));
-  const double optimizer_s = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
-
+  // The report goes out before any state changes: the coordinator may still abort the step.
   report.set_ok(true);
   report.set_compute_s(absl::ToDoubleSeconds(absl::Now() - start));
   if (outcome->reports_loss) {
@@ -177,16 +168,51 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     t["idle_s"] =
         std::max(0.0, report.compute_s() - t["compute_s"] - t["bridge_wait_s"] - t["collective_s"]);
     t["grad_norm_wait_s"] = grad_norm_wait_s;
-    t["optimizer_s"] = optimizer_s;
+    // The optimizer step that applied the previous step, at the start of this one.
+    t["optimizer_s"] = last_optimizer_s_;
     for (const auto& [key, value] : t) {
       (*report.mutable_timings_s())[absl::StrCat(m.module, ".", key)] = value;
     }
   }
+  HETPAR_RETURN_IF_ERROR(channel_->SendReport(report));
+
+  state_ = State::kAwaitingCommit;
+  HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage commit, NextRelevant());
+  if (EndsStep(commit, step)) return absl::OkStatus();
+  if (!commit.has_commit() || commit.commit().step() != step) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, ": expected the coordinator to commit or abort this step, got ",
+                     Describe(commit)));
+  }
+
+  state_ = State::kApplying;
+  const absl::Time optimizer_start = absl::Now();
+  HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient()),
+                                  absl::StrCat("step ", step, " optimizer")));
+  last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
   if (options_.on_applied) options_.on_applied(step, outcome->modules);
   ++steps_applied_;
-  HETPAR_RETURN_IF_ERROR(channel_->SendReport(report));
   state_ = State::kAwaitingPlan;
   return absl::OkStatus();
+}
+
+bool StepDriver::EndsStep(const v1::CoordinatorMessage& message, int64_t step) {
+  if (message.has_abort()) {
+    HETPAR_LOG(WARNING) << "step " << step
+                        << " aborted by the coordinator: " << message.abort().reason();
+    modules_->Discard();
+    ++steps_discarded_;
+    state_ = State::kAwaitingPlan;
+    return true;
+  }
+  if (message.has_stop()) {
+    // A stop before the commit: the step never happened.
+    HETPAR_LOG(INFO) << "stop: " << message.stop().reason();
+    modules_->Discard();
+    state_ = State::kStopped;
+    return true;
+  }
+  return false;
 }
 
 }  // namespace hetpar::worker

@@ -2,17 +2,22 @@
 // LLM, colocated): a small state machine over a ControlChannel (the coordinator session) and a
 // ModuleRuntime (the module or modules this rank runs).
 //
-//   kAwaitingPlan --plan--> kComputing --RunStep ok, partials sent--> kAwaitingDecision
-//       ^   ^                   |                                        |    |    |
-//       |   |                   | error: report !ok -> kFailed           |    |    | stop
-//       |   +------- abort: Discard ------------------------------------+    |    v
-//       |                                                                    |  kStopped
-//       +------------------ report <---- kApplying (clip, optimizer) <-------+ grad norm
+//   kAwaitingPlan --plan--> kComputing --RunStep ok, partials sent--> kAwaitingNorm
+//     ^    ^   ^                 |                                        |  grad norm:
+//     |    |   |                 | error: report !ok -> kFailed           |  report sent
+//     |    |   +--- abort: Discard ----------------------------------+    v
+//     |    +------- abort: Discard --------------------------------- kAwaitingCommit
+//     |                                                                    | commit
+//     +-------------------- kApplying (clip, optimizer) <-----------------+
+//   (a stop while a step is in flight discards it too: kStopped)
 //
-// Parameters change only in kApplying, on the coordinator's decision for that step (its global
-// gradient norm); an abort before it discards the step's gradients. Every wait for the
-// coordinator has a deadline. A membership change fails the worker (the run cannot yet re-form
-// its groups around a lost peer). One thread calls Run.
+// Parameters and optimizer state change only in kApplying, on the coordinator's commit of that
+// step, which comes once every rank has reported it; until then an abort (a lost worker, a
+// deadline, a failed report, a loss-token mismatch) discards the step's gradients and leaves the
+// rank exactly as before the step, so the coordinator can re-run it. The report's optimizer_s is
+// the optimizer step that applied the previous step (at the start of this one). Every wait for
+// the coordinator has a deadline. A membership change fails the worker (the run cannot yet
+// re-form its groups around a lost peer). One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 #define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 
@@ -54,13 +59,22 @@ class SessionChannel : public ControlChannel {
 struct StepDriverOptions {
   // Bound of each wait for the coordinator (the next plan, the step's decision).
   absl::Duration timeout = absl::Seconds(300);
-  // Called after each applied step with the rank's per-module split (the report's timings).
+  // Called after each committed and applied step with the rank's per-module split (the
+  // report's timings).
   std::function<void(int64_t step, const std::vector<ModuleTimings>& timings)> on_applied;
 };
 
 class StepDriver {
  public:
-  enum class State { kAwaitingPlan, kComputing, kAwaitingDecision, kApplying, kStopped, kFailed };
+  enum class State {
+    kAwaitingPlan,
+    kComputing,
+    kAwaitingNorm,
+    kAwaitingCommit,
+    kApplying,
+    kStopped,
+    kFailed
+  };
 
   // Borrows `channel` and `modules`.
   StepDriver(ControlChannel* channel, ModuleRuntime* modules, StepDriverOptions options)
@@ -77,10 +91,13 @@ class StepDriver {
   int64_t steps_discarded() const { return steps_discarded_; }
 
  private:
-  // Waits for the next message other than heartbeat acks, assignments and commits.
+  // Waits for the next message other than heartbeat acks and assignments; a membership change is
+  // an error.
   absl::StatusOr<v1::CoordinatorMessage> NextRelevant();
   // kComputing through kApplying for one plan; returns with state_ set to what follows.
   absl::Status RunOneStep(const v1::StepPlan& step_plan);
+  // Handles an abort (discard) or a stop of step `step` in flight; false for other messages.
+  bool EndsStep(const v1::CoordinatorMessage& message, int64_t step);
   absl::Status Fail(absl::Status status);
 
   ControlChannel* channel_;
@@ -89,6 +106,7 @@ class StepDriver {
   State state_ = State::kAwaitingPlan;
   int64_t steps_applied_ = 0;
   int64_t steps_discarded_ = 0;
+  double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
 };
 
 const char* StateName(StepDriver::State state);

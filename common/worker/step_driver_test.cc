@@ -1,6 +1,6 @@
 // The step protocol against a scripted coordinator: what the driver sends, in which order, and
-// what the module sees (RunStep, Apply or Discard), for committed, aborted, stopped and failed
-// steps.
+// what the module sees (RunStep, Apply or Discard), for committed, aborted (before and after the
+// report), stopped and failed steps.
 #include "common/worker/step_driver.h"
 
 #include <deque>
@@ -37,12 +37,14 @@ class ScriptedChannel : public ControlChannel {
   absl::Status SendReport(const v1::StepReport& report) override {
     reports.push_back(report);
     sent.push_back(absl::StrCat("report ", report.step(), report.ok() ? " ok" : " failed"));
+    if (log != nullptr) log->push_back(absl::StrCat("report ", report.step()));
     return absl::OkStatus();
   }
 
   std::vector<v1::GradNormPartial> partials;
   std::vector<v1::StepReport> reports;
-  std::vector<std::string> sent;  // in order
+  std::vector<std::string> sent;            // in order
+  std::vector<std::string>* log = nullptr;  // reports are also appended here when set
 
  private:
   std::deque<v1::CoordinatorMessage> script_;
@@ -100,6 +102,12 @@ v1::CoordinatorMessage Norm(int64_t step, double clip) {
   return m;
 }
 
+v1::CoordinatorMessage Commit(int64_t step) {
+  v1::CoordinatorMessage m;
+  m.mutable_commit()->set_step(step);
+  return m;
+}
+
 v1::CoordinatorMessage Abort(int64_t step) {
   v1::CoordinatorMessage m;
   m.mutable_abort()->set_step(step);
@@ -119,10 +127,13 @@ v1::CoordinatorMessage Ack() {
   return m;
 }
 
-TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipAndReportAfterApplying) {
+TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipOnlyAtTheCommit) {
   ScriptedChannel channel;
   RecordingModule module;
-  for (auto m : {Plan(0), Ack(), Norm(0, 0.5), Plan(1), Norm(1, 1.0), Stop()}) channel.Push(m);
+  for (auto m :
+       {Plan(0), Ack(), Norm(0, 0.5), Commit(0), Plan(1), Norm(1, 1.0), Commit(1), Stop()}) {
+    channel.Push(m);
+  }
   std::vector<int64_t> applied_steps;
   StepDriverOptions options;
   options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& t) {
@@ -130,11 +141,14 @@ TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipAndReportAfterApplyin
     ASSERT_EQ(t.size(), 1u);
     EXPECT_EQ(t[0].module, "encoder");
   };
+  channel.log = &module.calls;
   StepDriver driver(&channel, &module, options);
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
   EXPECT_EQ(driver.steps_applied(), 2);
-  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 0.5", "run 1", "apply 1 clip 1"));
+  // Each step is reported before anything changes, and applied at its commit.
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "report 0", "apply 0 clip 0.5", "run 1",
+                                        "report 1", "apply 1 clip 1"));
   EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "partial 1", "report 1 ok"));
   EXPECT_THAT(applied_steps, ElementsAre(0, 1));
   ASSERT_EQ(channel.partials.size(), 2u);
@@ -150,10 +164,55 @@ TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipAndReportAfterApplyin
   EXPECT_TRUE(report.timings_s().contains("encoder.idle_s"));
 }
 
+// The update of a step that every rank reported is still not applied when the coordinator aborts
+// it before its commit (a lost worker, a loss-token mismatch): the retry starts from the same
+// parameters and applies once.
+TEST(StepDriverTest, AnAbortAfterTheReportDiscardsTheStepSoTheRetryAppliesOnce) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(5), Norm(5, 1.0), Abort(5), Plan(5), Norm(5, 0.25), Commit(5), Stop()}) {
+    channel.Push(m);
+  }
+  std::vector<int64_t> applied_steps;
+  StepDriverOptions options;
+  options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>&) {
+    applied_steps.push_back(step);
+  };
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls, ElementsAre("run 5", "discard", "run 5", "apply 5 clip 0.25"));
+  EXPECT_EQ(module.updates, 1);
+  EXPECT_EQ(driver.steps_discarded(), 1);
+  EXPECT_THAT(applied_steps, ElementsAre(5));
+  EXPECT_THAT(channel.sent, ElementsAre("partial 5", "report 5 ok", "partial 5", "report 5 ok"));
+}
+
+TEST(StepDriverTest, AStopAfterTheReportButBeforeTheCommitAppliesNothing) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(0), Norm(0, 1.0), Stop()}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
+  EXPECT_EQ(module.updates, 0);
+}
+
+TEST(StepDriverTest, ACommitOfAnotherStepIsRefusedInsteadOfApplied) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(4), Norm(4, 1.0), Commit(3)}) channel.Push(m);
+  StepDriver driver(&channel, &module, {});
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("the commit of step 3"));
+  EXPECT_EQ(module.updates, 0);
+}
+
 TEST(StepDriverTest, AnAbortAfterThePartialsDiscardsTheStepAndTheRetryApplies) {
   ScriptedChannel channel;
   RecordingModule module;
-  for (auto m : {Plan(3), Abort(3), Plan(3), Norm(3, 1.0), Stop()}) channel.Push(m);
+  for (auto m : {Plan(3), Abort(3), Plan(3), Norm(3, 1.0), Commit(3), Stop()}) channel.Push(m);
   StepDriver driver(&channel, &module, {});
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("run 3", "discard", "run 3", "apply 3 clip 1"));
