@@ -5,6 +5,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/status.h"
+#include "coordinator/limits.h"
 
 namespace hetpar::coordinator {
 
@@ -64,6 +66,8 @@ std::vector<KeyValueStore::WaitCallback> KeyValueStore::TakeSatisfied() {
 }
 
 absl::Status KeyValueStore::Set(int64_t generation, const std::string& key, std::string value) {
+  HETPAR_RETURN_IF_ERROR(CheckKey(key));
+  HETPAR_RETURN_IF_ERROR(CheckValue("rendezvous value", value));
   std::vector<WaitCallback> ready;
   {
     absl::MutexLock lock(&mu_);
@@ -76,6 +80,7 @@ absl::Status KeyValueStore::Set(int64_t generation, const std::string& key, std:
 }
 
 absl::StatusOr<std::string> KeyValueStore::Get(int64_t generation, const std::string& key) const {
+  HETPAR_RETURN_IF_ERROR(CheckKey(key));
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckGeneration(generation); !s.ok()) return s;
   auto it = values_.find(key);
@@ -88,6 +93,7 @@ absl::StatusOr<std::string> KeyValueStore::Get(int64_t generation, const std::st
 
 absl::StatusOr<int64_t> KeyValueStore::Add(int64_t generation, const std::string& key,
                                            int64_t delta) {
+  HETPAR_RETURN_IF_ERROR(CheckKey(key));
   std::vector<WaitCallback> ready;
   int64_t sum = 0;
   {
@@ -116,6 +122,9 @@ absl::StatusOr<int64_t> KeyValueStore::Add(int64_t generation, const std::string
 absl::StatusOr<std::string> KeyValueStore::CompareSet(int64_t generation, const std::string& key,
                                                       const std::string& expected,
                                                       std::string desired) {
+  HETPAR_RETURN_IF_ERROR(CheckKey(key));
+  HETPAR_RETURN_IF_ERROR(CheckValue("rendezvous expected value", expected));
+  HETPAR_RETURN_IF_ERROR(CheckValue("rendezvous value", desired));
   std::vector<WaitCallback> ready;
   std::string result;
   {
@@ -138,12 +147,14 @@ absl::StatusOr<std::string> KeyValueStore::CompareSet(int64_t generation, const 
 
 absl::StatusOr<bool> KeyValueStore::Check(int64_t generation,
                                           const std::vector<std::string>& keys) const {
+  HETPAR_RETURN_IF_ERROR(CheckKeys(keys));
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckGeneration(generation); !s.ok()) return s;
   return AllExist(keys);
 }
 
 absl::StatusOr<bool> KeyValueStore::Delete(int64_t generation, const std::string& key) {
+  HETPAR_RETURN_IF_ERROR(CheckKey(key));
   absl::MutexLock lock(&mu_);
   if (absl::Status s = CheckGeneration(generation); !s.ok()) return s;
   return values_.erase(key) > 0;
@@ -162,8 +173,8 @@ KeyValueStore::WaitId KeyValueStore::NewWaitId() {
 
 void KeyValueStore::Wait(WaitId id, int64_t generation, std::vector<std::string> keys,
                          absl::Time deadline, WaitCallback done) {
-  absl::Status immediate;
-  {
+  absl::Status immediate = CheckKeys(keys);
+  if (immediate.ok()) {
     absl::MutexLock lock(&mu_);
     immediate = CheckGeneration(generation);
     if (immediate.ok() && !AllExist(keys)) {

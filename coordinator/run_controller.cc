@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/status.h"
+#include "coordinator/limits.h"
 
 namespace hetpar::coordinator {
 namespace {
@@ -113,6 +115,8 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
         absl::StrCat("the run is ", RunStateName(state_), " and admits no workers",
                      state_message_.empty() ? "" : ": " + state_message_));
   }
+  // Sizes and characters first: nothing unchecked from the network is stored or logged.
+  HETPAR_RETURN_IF_ERROR(CheckRegistration(request));
   absl::StatusOr<WorkerRecord*> admitted = membership_.Admit(request, generation_, now);
   if (!admitted.ok()) return admitted.status();
   WorkerRecord* worker = *admitted;
@@ -147,7 +151,7 @@ absl::Status RunController::OpenSession(const std::string& worker_id, absl::Time
                                         Actions* actions) {
   WorkerRecord* worker = membership_.Find(worker_id);
   if (worker == nullptr) {
-    return absl::NotFoundError(absl::StrCat("unknown worker id '", worker_id,
+    return absl::NotFoundError(absl::StrCat("unknown worker id '", Printable(worker_id),
                                             "': call Register first and open the session with "
                                             "the worker_id it returned"));
   }

@@ -19,6 +19,7 @@
 #include "common/control/grpc_status.h"
 #include "common/logging.h"
 #include "coordinator/kv_store.h"
+#include "coordinator/limits.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -363,8 +364,9 @@ class SessionReactor : public SessionReactorBase {
       status = impl_->HandleMessage(worker_id_, incoming_);
     }
     if (!status.ok()) {
-      HETPAR_LOG(WARNING) << "ending session of " << (worker_id_.empty() ? "?" : worker_id_)
-                          << " from " << context_->peer() << ": " << status.message();
+      HETPAR_LOG(WARNING) << "ending session of "
+                          << (worker_id_.empty() ? "?" : Printable(worker_id_)) << " from "
+                          << context_->peer() << ": " << status.message();
       if (opened_) ReportEnded(std::string(status.message()));
       outbox_->Finish(ToGrpcStatus(status));
       return;
@@ -655,8 +657,10 @@ absl::Status internal::ServerCore::Start() {
   builder.AddListeningPort(options_.listen_address, *credentials, &port_);
   // A second coordinator on the same port must fail, not share the port.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(-1);
-  builder.SetMaxSendMessageSize(-1);
+  // Bounded on purpose (coordinator/limits.h): a larger request is refused by gRPC with
+  // RESOURCE_EXHAUSTED before it is parsed.
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
+  builder.SetMaxSendMessageSize(kMaxResponseBytes);
   builder.RegisterService(coordinator_service_.get());
   builder.RegisterService(kv_service_.get());
   builder.RegisterService(admin_service_.get());

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "coordinator/limits.h"
 
 namespace hetpar::coordinator {
 
@@ -116,9 +117,10 @@ StepOrchestrator::Outcome StepOrchestrator::OnReport(const WorkerRecord& worker,
     return Outcome::kPending;
   }
   if (!report.ok()) {
-    return DoAbort(absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
-                                report.error().empty() ? "no reason given" : report.error()),
-                   now, out);
+    return DoAbort(
+        absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
+                     report.error().empty() ? "no reason given" : Printable(report.error())),
+        now, out);
   }
   if (!reported_.insert(worker.worker_id).second) {
     return DoAbort(absl::StrCat("worker ", worker.Describe(), " reported step ", step_, " twice"),

@@ -1,0 +1,74 @@
+#include "coordinator/limits.h"
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace hetpar::coordinator {
+namespace {
+
+absl::Status TooLong(absl::string_view field, size_t size, size_t limit) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, " is ", size, " bytes; the limit is ", limit, " bytes"));
+}
+
+bool HostCharacter(char c) {
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == ':' ||
+         c == '_' || c == '%' || c == '[' || c == ']';
+}
+
+}  // namespace
+
+absl::Status CheckRegistration(const v1::RegisterRequest& request) {
+  const std::string& host = request.host();
+  if (host.size() > kMaxHostBytes) return TooLong("host", host.size(), kMaxHostBytes);
+  for (char c : host) {
+    if (!HostCharacter(c)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host '", Printable(host),
+                       "' is not a hostname or address (letters, digits and . - : _ % [ ] only)"));
+    }
+  }
+  if (request.data_address().size() > kMaxDataAddressBytes) {
+    return TooLong("data_address", request.data_address().size(), kMaxDataAddressBytes);
+  }
+  if (static_cast<size_t>(request.capabilities_size()) > kMaxCapabilities) {
+    return absl::InvalidArgumentError(absl::StrCat("capabilities has ", request.capabilities_size(),
+                                                   " entries; the limit is ", kMaxCapabilities));
+  }
+  for (const std::string& capability : request.capabilities()) {
+    if (capability.size() > kMaxCapabilityBytes) {
+      return TooLong("a capability", capability.size(), kMaxCapabilityBytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckKey(absl::string_view key) {
+  if (key.size() > kMaxKeyBytes) return TooLong("rendezvous key", key.size(), kMaxKeyBytes);
+  return absl::OkStatus();
+}
+
+absl::Status CheckValue(absl::string_view field, absl::string_view value) {
+  if (value.size() > kMaxValueBytes) return TooLong(field, value.size(), kMaxValueBytes);
+  return absl::OkStatus();
+}
+
+absl::Status CheckKeys(const std::vector<std::string>& keys) {
+  if (keys.size() > kMaxKeysPerCall) {
+    return absl::InvalidArgumentError(absl::StrCat("a rendezvous call names ", keys.size(),
+                                                   " keys; the limit is ", kMaxKeysPerCall));
+  }
+  for (const std::string& key : keys) {
+    if (absl::Status s = CheckKey(key); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+std::string Printable(absl::string_view text) {
+  if (text.size() <= kMaxLoggedBytes) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, kMaxLoggedBytes)), "...(", text.size(),
+                      " bytes)");
+}
+
+}  // namespace hetpar::coordinator
