@@ -1,6 +1,5 @@
-// MakeIndexBatchSource over the runs' shared batch source (common/train/batch_source.h), so the
-// coordinator plans exactly the batches the reference trainer trains. Compiled when the build has
-// the data pipeline.
+// MakeIndexBatchSource over the runs' shared batch source (common/data/batch_source.h), so the
+// coordinator plans exactly the batches the reference trainer trains.
 #include <memory>
 #include <optional>
 #include <utility>
@@ -17,20 +16,27 @@ class IndexBatchSource : public BatchSource {
  public:
   explicit IndexBatchSource(v1::RunSpec spec) : spec_(std::move(spec)) {}
 
+  // A synthetic data set the RunSpec names is generated here, so the coordinator can start (and
+  // admit workers) before the data set exists.
+  absl::Status Open() override {
+    absl::StatusOr<std::unique_ptr<data::BatchSource>> source = data::BatchSource::Create(spec_);
+    if (!source.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot open the training data (generate it with `hetpar data synth`, "
+                       "or plan over synthetic batches with --synthetic-batches): ",
+                       std::string(source.status().message())));
+    }
+    source_ = *std::move(source);
+    HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
+                     << source_->index().records.size() << " samples";
+    return absl::OkStatus();
+  }
+
+  bool NeedsOpen() const override { return true; }
+
   absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override {
     if (source_ == nullptr) {
-      // Opened at the first step, so the coordinator can start (and admit workers) before the
-      // data set exists; a synthetic data set the RunSpec names is generated here.
-      absl::StatusOr<std::unique_ptr<data::BatchSource>> source = data::BatchSource::Create(spec_);
-      if (!source.ok()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("cannot open the training data (generate it with `hetpar data synth`, "
-                         "or plan over synthetic batches with --synthetic-batches): ",
-                         std::string(source.status().message())));
-      }
-      source_ = *std::move(source);
-      HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
-                       << source_->index().records.size() << " samples";
+      return absl::FailedPreconditionError("the training data was not opened before planning");
     }
     absl::StatusOr<data::GlobalBatch> batch = source_->Take(committed_, count);
     if (!batch.ok()) return batch.status();

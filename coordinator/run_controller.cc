@@ -79,7 +79,8 @@ RunController::RunController(const v1::RunSpec& spec, Membership membership,
       orchestrator_(membership_,
                     StepOrchestrator::Options{spec.run().grad_clip(), options_.step_timeout, 32}),
       created_(now),
-      incomplete_since_(now) {}
+      incomplete_since_(now),
+      planner_prepared_(planner_ == nullptr || !planner_->NeedsPreparation()) {}
 
 v1::Assignment RunController::AssignmentOf(const WorkerRecord& worker, bool with_peers) const {
   v1::Assignment assignment;
@@ -298,9 +299,19 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
   }
 }
 
+void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions) {
+  if (!status.ok()) {
+    Fail(absl::StrCat("preparing the step planner failed: ", status.message()), now, actions);
+    return;
+  }
+  planner_prepared_ = true;
+  MaybeStartStep(now, actions);
+}
+
 void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
-  if (state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr || orchestrator_.in_flight() ||
-      committed_steps_ >= spec_.run().steps() || !membership_.Complete()) {
+  if (state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr || !planner_prepared_ ||
+      orchestrator_.in_flight() || committed_steps_ >= spec_.run().steps() ||
+      !membership_.Complete()) {
     return;
   }
   std::vector<WorkerRecord*> live = membership_.LiveWorkers();

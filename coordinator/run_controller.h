@@ -79,6 +79,15 @@ class RunController {
   // Deadlines: heartbeats, missing ranks, the step in flight, stopping.
   void Tick(absl::Time now, Actions* actions);
 
+  // The planner, for StepPlanner::Prepare, which the server runs on a thread of its own without
+  // its lock while the controller starts no step; null when the run has none or it needs no
+  // preparation.
+  StepPlanner* planner_to_prepare() const {
+    return planner_ != nullptr && !planner_prepared_ ? planner_.get() : nullptr;
+  }
+  // Prepare has returned: the first step may start, or the run fails with its error.
+  void PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions);
+
   v1::StatusResponse Status(absl::Time now) const;
   v1::StopResponse Stop(const std::string& reason, absl::Time now, Actions* actions);
   // Resizing the encoder pool of a run is not supported yet: InvalidArgument for fewer than one
@@ -121,7 +130,8 @@ class RunController {
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   int64_t committed_steps_ = 0;
-  int step_attempts_ = 0;  // aborts of the current step in a row
+  int step_attempts_ = 0;         // aborts of the current step in a row
+  bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
 };
 
 const char* RunStateName(v1::RunState state);

@@ -27,8 +27,17 @@ class CountingPlanner : public StepPlanner {
     }
     return plan;
   }
+  absl::Status Prepare() override {
+    ++prepares;
+    return prepare_status;
+  }
+  bool NeedsPreparation() const override { return needs_preparation; }
+
   int calls = 0;
   bool fail = false;
+  bool needs_preparation = false;
+  int prepares = 0;
+  absl::Status prepare_status;
 };
 
 v1::RunSpec TinySpec(int64_t steps = 2) {
@@ -48,8 +57,9 @@ v1::RunSpec TinySpec(int64_t steps = 2) {
 
 class RunControllerTest : public ::testing::Test {
  protected:
-  void Create(int64_t steps = 2, bool with_planner = true) {
+  void Create(int64_t steps = 2, bool with_planner = true, bool needs_preparation = false) {
     auto planner = std::make_unique<CountingPlanner>();
+    planner->needs_preparation = needs_preparation;
     planner_ = planner.get();
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
@@ -314,6 +324,34 @@ TEST_F(RunControllerTest, PlannerErrorFailsTheRun) {
   StartAll();
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(), HasSubstr("planning step 0 failed: no samples left"));
+}
+
+// A planner that opens its data set first (StepPlanner::Prepare, run by the server off its lock):
+// no step starts until it has prepared, however complete the membership.
+TEST_F(RunControllerTest, NoStepStartsBeforeThePlannerIsPrepared) {
+  Create(5, true, /*needs_preparation=*/true);
+  ASSERT_EQ(controller_->planner_to_prepare(), planner_);
+  StartAll();
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  EXPECT_EQ(planner_->calls, 0);
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).empty());
+  controller_->Tick(kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(planner_->calls, 0);
+  controller_->PlannerPrepared(absl::OkStatus(), kT0 + absl::Seconds(2), &actions_);
+  EXPECT_EQ(controller_->planner_to_prepare(), nullptr);
+  EXPECT_EQ(planner_->calls, 1);
+  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+}
+
+TEST_F(RunControllerTest, APreparationErrorFailsTheRunWithIt) {
+  Create(5, true, /*needs_preparation=*/true);
+  StartAll();
+  controller_->PlannerPrepared(absl::FailedPreconditionError("cannot open the training data: x"),
+                               kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("preparing the step planner failed: cannot open the training data: x"));
+  EXPECT_EQ(planner_->calls, 0);
 }
 
 TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {

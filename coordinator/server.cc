@@ -319,6 +319,8 @@ class ServerCore {
   std::unique_ptr<v1::Admin::CallbackService> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   std::thread watchdog_;
+  // Runs the planner's Prepare (opening the data set) without the lock; joined at shutdown.
+  std::thread preparer_;
   bool shut_down_ = false;
 };
 
@@ -674,6 +676,21 @@ absl::Status internal::ServerCore::Start() {
   const size_t colon = options_.listen_address.rfind(':');
   address_ = absl::StrCat(options_.listen_address.substr(0, colon), ":", port_);
   watchdog_ = std::thread([this] { WatchdogLoop(); });
+  StepPlanner* to_prepare = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    to_prepare = controller_->planner_to_prepare();
+  }
+  if (to_prepare != nullptr) {
+    // File and data-set I/O stays off the lock: heartbeats and registrations are served while
+    // the data index is read or a synthetic data set is generated; no step starts before.
+    preparer_ = std::thread([this, to_prepare] {
+      const absl::Status status = to_prepare->Prepare();
+      WithController([&](RunController& c, absl::Time now, Actions* actions) {
+        c.PlannerPrepared(status, now, actions);
+      });
+    });
+  }
   return absl::OkStatus();
 }
 
@@ -704,6 +721,7 @@ void internal::ServerCore::Shutdown(absl::Duration grace) {
     sessions_.clear();
   }
   if (watchdog_.joinable()) watchdog_.join();
+  if (preparer_.joinable()) preparer_.join();
   if (server_ != nullptr) {
     server_->Shutdown(ChronoDeadline(absl::Now() + grace));
     server_.reset();

@@ -50,11 +50,19 @@ struct PlannedStep {
   std::map<std::string, v1::RankStepPlan> worker_plans;
 };
 
-// Builds step plans. Called with the RunController's lock held, on the thread that completed
-// the previous step.
+// Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock
+// held, on the thread that completed the previous step; Prepare is not (it may read or write a
+// data set).
 class StepPlanner {
  public:
   virtual ~StepPlanner() = default;
+  // Work before the first Plan that may take long (opening the data index, generating a
+  // synthetic data set): the coordinator runs it on a thread of its own, without its lock, and
+  // starts no step until it has returned OK. Called once; no other method runs meanwhile except
+  // DataPosition.
+  virtual absl::Status Prepare() { return absl::OkStatus(); }
+  // Whether Prepare still has to run.
+  virtual bool NeedsPreparation() const { return false; }
   // Plans step `step` (0-based; an aborted step is planned again with the same number, over the
   // same samples) for the live workers of a complete `membership`.
   virtual absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,

@@ -99,6 +99,10 @@ void PlanLibraryPlanner::Committed(int64_t step) {
   batches_->Commit();
 }
 
+absl::Status PlanLibraryPlanner::Prepare() { return batches_->Open(); }
+
+bool PlanLibraryPlanner::NeedsPreparation() const { return batches_->NeedsOpen(); }
+
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
 
 absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& spec,

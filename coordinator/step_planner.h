@@ -31,6 +31,10 @@ class BatchSource {
   virtual void Commit() = 0;
   // The committed position, e.g. "epoch=0,offset=16".
   virtual std::string Position() const = 0;
+  // Opens what Next reads when that may take long (StepPlanner::Prepare); Next before a
+  // successful Open fails. Sources with nothing to open return OK and need no Open.
+  virtual absl::Status Open() { return absl::OkStatus(); }
+  virtual bool NeedsOpen() const { return false; }
 };
 
 // Seeded synthetic samples (common/plan/synthetic_batch.h) sized from the RunSpec: consecutive
@@ -54,9 +58,9 @@ class SyntheticBatchSource : public BatchSource {
 
 // The run's training batches from the batch source every runtime shares
 // (common/train/batch_source.h): the data index in the epoch sampler's order, sample id = index
-// position. Opened (the synthetic data set generated, the index read or built) on the first
-// Next, so a coordinator can start before the data set exists. Unimplemented when this build has
-// no data pipeline.
+// position. Opened (the synthetic data set generated, the index read or built) by Open, which the
+// coordinator runs on its own thread once it serves, so it can start and admit workers before
+// the data set exists and never reads the data set under its lock.
 absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(const v1::RunSpec& spec);
 
 // The coordinator's StepPlanner over the plan library.
@@ -70,6 +74,8 @@ class PlanLibraryPlanner : public StepPlanner {
                                    const Membership& membership) override;
   void Committed(int64_t step) override;
   std::string DataPosition() const override;
+  absl::Status Prepare() override;
+  bool NeedsPreparation() const override;
 
  private:
   PlanLibraryPlanner() = default;

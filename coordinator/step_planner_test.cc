@@ -136,16 +136,21 @@ TEST(StepPlannerTest, IndexSourceNeedsAManifest) {
   spec.mutable_data()->set_index("/nonexistent/train.jsonl.index");
   spec.mutable_data()->set_image_token("<image>");
   auto lazy = MakeStepPlanner(spec, false);
-  if (!lazy.ok()) {
-    // A build without the data pipeline says so.
-    EXPECT_EQ(lazy.status().code(), absl::StatusCode::kUnimplemented);
-    return;
-  }
-  // The index is opened at the first step, with a message that says what to do.
+  ASSERT_TRUE(lazy.ok()) << lazy.status();
+  // The index is opened by Prepare (the coordinator runs it off its lock before the first step),
+  // with a message that says what to do; planning before it is refused.
+  EXPECT_TRUE((*lazy)->NeedsPreparation());
   const Membership membership = FullMembership(spec);
-  auto step = (*lazy)->Plan(0, 1, membership);
-  EXPECT_FALSE(step.ok());
-  EXPECT_THAT(std::string(step.status().message()), HasSubstr("hetpar data synth"));
+  EXPECT_THAT(std::string((*lazy)->Plan(0, 1, membership).status().message()),
+              HasSubstr("not opened before planning"));
+  const absl::Status prepared = (*lazy)->Prepare();
+  EXPECT_EQ(prepared.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(prepared.message()), HasSubstr("hetpar data synth"));
+  EXPECT_THAT(std::string(prepared.message()), HasSubstr("/nonexistent/"));
+  // Synthetic batches need no preparation.
+  auto synthetic = MakeStepPlanner(spec, true);
+  ASSERT_TRUE(synthetic.ok()) << synthetic.status();
+  EXPECT_FALSE((*synthetic)->NeedsPreparation());
 }
 
 }  // namespace
