@@ -480,6 +480,7 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   }
   for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
   if (planner_ != nullptr) status.set_data_position(planner_->DataPosition());
+  status.set_skipped_steps(orchestrator_.skipped_steps());
   return status;
 }
 

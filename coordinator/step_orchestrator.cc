@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "coordinator/limits.h"
 
 namespace hetpar::coordinator {
@@ -36,6 +37,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   expected_contributors_.clear();
   contributed_.clear();
   sum_squares_ = 0;
+  non_finite_ = false;
   grad_norm_sent_ = false;
   grad_norm_ = 0;
   reported_.clear();
@@ -89,11 +91,16 @@ StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord
                                 "for ", DescribeRank(*rank), " in step ", step_),
                    now, out);
   }
-  if (!std::isfinite(partial.sum_squares()) || partial.sum_squares() < 0) {
-    return DoAbort(
-        absl::StrCat("grad-norm partial of ", DescribeRank(*rank), " in step ", step_, " is ",
-                     partial.sum_squares(), "; expected a finite sum of squares >= 0 (diverged?)"),
-        now, out);
+  if (partial.sum_squares() < 0) {
+    return DoAbort(absl::StrCat("grad-norm partial of ", DescribeRank(*rank), " in step ", step_,
+                                " is ", partial.sum_squares(), "; expected a sum of squares >= 0"),
+                   now, out);
+  }
+  if (!std::isfinite(partial.sum_squares()) && !non_finite_) {
+    non_finite_ = true;
+    HETPAR_LOG(WARNING) << "step " << step_ << ": the grad-norm partial of " << DescribeRank(*rank)
+                        << " is " << partial.sum_squares()
+                        << "; the step is skipped (no update, its samples count as trained)";
   }
   sum_squares_ += partial.sum_squares();
   if (contributed_.size() < expected_contributors_.size()) return Outcome::kPending;
@@ -104,8 +111,10 @@ StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord
   norm->set_step(step_);
   norm->set_generation(generation_);
   norm->set_norm(grad_norm_);
-  norm->set_clip_coefficient(
-      options_.grad_clip > 0 ? std::min(1.0, options_.grad_clip / (grad_norm_ + 1e-6)) : 1.0);
+  norm->set_skip(non_finite_);
+  norm->set_clip_coefficient(non_finite_ || options_.grad_clip <= 0
+                                 ? 1.0
+                                 : std::min(1.0, options_.grad_clip / (grad_norm_ + 1e-6)));
   Broadcast(message, out);
   return MaybeCommit(now, out);
 }
@@ -261,6 +270,8 @@ void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
   timing.set_abort_reason(reason);
   timing.set_tokens(tokens_);
   timing.set_images(images_);
+  timing.set_skipped(committed && non_finite_);
+  if (committed && non_finite_) ++skipped_steps_;
   if (committed) {
     for (auto& [module, split] : splits_) {
       split.set_idle_s(std::max(0.0, timing.duration_s() - busiest_[module]));

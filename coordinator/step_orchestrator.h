@@ -109,6 +109,8 @@ class StepOrchestrator {
   }
   // Why the last step was aborted (empty after a commit).
   const std::string& last_abort_reason() const { return last_abort_reason_; }
+  // Committed steps whose gradient norm was not finite.
+  int64_t skipped_steps() const { return skipped_steps_; }
   // Most recent first.
   const std::deque<v1::StepTiming>& recent() const { return recent_; }
 
@@ -142,6 +144,7 @@ class StepOrchestrator {
   std::set<ContributorKey> expected_contributors_;
   std::set<ContributorKey> contributed_;
   double sum_squares_ = 0;
+  bool non_finite_ = false;  // a partial of this step was NaN or infinite
   bool grad_norm_sent_ = false;
   double grad_norm_ = 0;
   absl::flat_hash_set<std::string> reported_;
@@ -153,6 +156,7 @@ class StepOrchestrator {
   bool any_loss_reported_ = false;
   std::string last_abort_reason_;
   std::deque<v1::StepTiming> recent_;
+  int64_t skipped_steps_ = 0;
 };
 
 }  // namespace hetpar::coordinator

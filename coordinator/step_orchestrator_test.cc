@@ -1,6 +1,7 @@
 #include "coordinator/step_orchestrator.h"
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 
@@ -246,8 +247,46 @@ TEST_F(StepOrchestratorTest, MalformedPartialsAbort) {
   EXPECT_EQ(Partial(l0_, v1::MODULE_LLM, 1.0), Outcome::kAborted);  // twice
   EXPECT_THAT(orchestrator_->last_abort_reason(), HasSubstr("second grad-norm partial"));
   Begin(0);
-  EXPECT_EQ(Partial(l0_, v1::MODULE_LLM, std::nan("")), Outcome::kAborted);
-  EXPECT_THAT(orchestrator_->last_abort_reason(), HasSubstr("finite"));
+  EXPECT_EQ(Partial(l0_, v1::MODULE_LLM, -1.0), Outcome::kAborted);
+  EXPECT_THAT(orchestrator_->last_abort_reason(), HasSubstr("expected a sum of squares >= 0"));
+}
+
+// A diverged step is not retried (its NaN would come back): every worker is told to skip it,
+// and it commits without an update, recorded as skipped.
+TEST_F(StepOrchestratorTest, ANonFiniteNormSkipsTheStepInsteadOfAbortingIt) {
+  Begin(0);
+  out_.clear();
+  EXPECT_EQ(Partial(e0_, v1::MODULE_ENCODER, 1.0), Outcome::kPending);
+  EXPECT_EQ(Partial(l0_, v1::MODULE_LLM, std::nan("")), Outcome::kPending);
+  EXPECT_EQ(Partial(l1_, v1::MODULE_LLM, 4.0), Outcome::kPending);
+  auto norms = Sent(v1::CoordinatorMessage::kGradNorm);
+  ASSERT_EQ(norms.size(), 4u);
+  for (const auto& [id, m] : norms) {
+    EXPECT_TRUE(m.grad_norm().skip());
+    EXPECT_TRUE(std::isnan(m.grad_norm().norm()));
+    EXPECT_EQ(m.grad_norm().clip_coefficient(), 1.0);
+  }
+  EXPECT_EQ(Report(e0_, true), Outcome::kPending);
+  EXPECT_EQ(Report(e1_, true), Outcome::kPending);
+  EXPECT_EQ(Report(l1_, true, 1.0, 100), Outcome::kPending);
+  EXPECT_EQ(Report(l0_, true, 1.0, 100), Outcome::kCommitted);
+  EXPECT_TRUE(orchestrator_->recent().front().committed());
+  EXPECT_TRUE(orchestrator_->recent().front().skipped());
+  EXPECT_EQ(orchestrator_->skipped_steps(), 1);
+  // The next step is an ordinary one again.
+  Begin(1);
+  out_.clear();
+  EXPECT_EQ(Partial(e0_, v1::MODULE_ENCODER, 1.0, 1), Outcome::kPending);
+  EXPECT_EQ(Partial(l0_, v1::MODULE_LLM, 1.0, 1), Outcome::kPending);
+  EXPECT_EQ(Partial(l1_, v1::MODULE_LLM, std::numeric_limits<double>::infinity(), 1),
+            Outcome::kPending);
+  EXPECT_TRUE(Sent(v1::CoordinatorMessage::kGradNorm).front().second.grad_norm().skip());
+  Begin(2);
+  out_.clear();
+  for (auto* w : {e0_, l0_, l1_}) {
+    Partial(w, w == e0_ ? v1::MODULE_ENCODER : v1::MODULE_LLM, 1.0, 2);
+  }
+  EXPECT_FALSE(Sent(v1::CoordinatorMessage::kGradNorm).front().second.grad_norm().skip());
 }
 
 TEST_F(StepOrchestratorTest, LossTokensMustMatchThePlan) {

@@ -185,6 +185,16 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
                      Describe(commit)));
   }
 
+  if (norm.grad_norm().skip()) {
+    // A non-finite norm: the step is committed without an update.
+    HETPAR_LOG(WARNING) << "step " << step << " skipped: its gradient norm is "
+                        << norm.grad_norm().norm();
+    modules_->Discard();
+    ++steps_skipped_;
+    last_optimizer_s_ = 0;
+    state_ = State::kAwaitingPlan;
+    return absl::OkStatus();
+  }
   state_ = State::kApplying;
   const absl::Time optimizer_start = absl::Now();
   HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient()),

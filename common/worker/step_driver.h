@@ -15,9 +15,10 @@
 // step, which comes once every rank has reported it; until then an abort (a lost worker, a
 // deadline, a failed report, a loss-token mismatch) discards the step's gradients and leaves the
 // rank exactly as before the step, so the coordinator can re-run it. The report's optimizer_s is
-// the optimizer step that applied the previous step (at the start of this one). Every wait for
-// the coordinator has a deadline. A membership change fails the worker (the run cannot yet
-// re-form its groups around a lost peer). One thread calls Run.
+// the optimizer step that applied the previous step (at the start of this one). A commit of a
+// step whose norm was not finite (GradNorm.skip) discards its gradients instead of applying them.
+// Every wait for the coordinator has a deadline. A membership change fails the worker (the run
+// cannot yet re-form its groups around a lost peer). One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 #define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 
@@ -89,6 +90,8 @@ class StepDriver {
   State state() const { return state_; }
   int64_t steps_applied() const { return steps_applied_; }
   int64_t steps_discarded() const { return steps_discarded_; }
+  // Committed without an update: the coordinator's norm was not finite (GradNorm.skip).
+  int64_t steps_skipped() const { return steps_skipped_; }
 
  private:
   // Waits for the next message other than heartbeat acks and assignments; a membership change is
@@ -106,6 +109,7 @@ class StepDriver {
   State state_ = State::kAwaitingPlan;
   int64_t steps_applied_ = 0;
   int64_t steps_discarded_ = 0;
+  int64_t steps_skipped_ = 0;
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
 };
 

@@ -198,6 +198,29 @@ TEST(StepDriverTest, AStopAfterTheReportButBeforeTheCommitAppliesNothing) {
   EXPECT_EQ(module.updates, 0);
 }
 
+TEST(StepDriverTest, ACommittedStepWithANonFiniteNormIsDiscardedNotApplied) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage skip = Norm(2, 1.0);
+  skip.mutable_grad_norm()->set_skip(true);
+  for (auto m : {Plan(2), skip, Commit(2), Plan(3), Norm(3, 1.0), Commit(3), Stop()}) {
+    channel.Push(m);
+  }
+  std::vector<int64_t> applied_steps;
+  StepDriverOptions options;
+  options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>&) {
+    applied_steps.push_back(step);
+  };
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls, ElementsAre("run 2", "discard", "run 3", "apply 3 clip 1"));
+  EXPECT_EQ(driver.steps_skipped(), 1);
+  EXPECT_EQ(driver.steps_applied(), 1);
+  EXPECT_THAT(applied_steps, ElementsAre(3));
+  // The skipped step was still reported: the coordinator commits it.
+  EXPECT_THAT(channel.sent, ElementsAre("partial 2", "report 2 ok", "partial 3", "report 3 ok"));
+}
+
 TEST(StepDriverTest, ACommitOfAnotherStepIsRefusedInsteadOfApplied) {
   ScriptedChannel channel;
   RecordingModule module;

@@ -46,6 +46,9 @@ void PrintStatus(const v1::StatusResponse& s) {
   for (const auto& w : s.workers()) alive += w.alive() ? 1 : 0;
   std::cout << "workers: " << alive << " of " << s.expected_workers() << " registered\n";
   std::cout << "steps: " << s.committed_steps() << " of " << s.total_steps() << " committed";
+  if (s.skipped_steps() > 0) {
+    std::cout << " (" << s.skipped_steps() << " skipped: gradient norm not finite)";
+  }
   if (s.step_in_flight() >= 0) std::cout << ", step " << s.step_in_flight() << " in flight";
   if (!s.data_position().empty()) std::cout << ", data at " << s.data_position();
   std::cout << "\n";

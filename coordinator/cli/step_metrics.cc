@@ -14,6 +14,8 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& t) {
                          {"images", t.images()},
                          {"step_time_s", t.duration_s()},
                          {"generation", t.generation()}};
+  // A step whose gradient norm was not finite is committed without an update.
+  if (t.skipped()) line["skipped"] = true;
   for (const auto& [module, m] : t.modules()) {
     nlohmann::json j = {{"compute_s", m.compute_s()},
                         {"bridge_wait_s", m.bridge_wait_s()},

@@ -137,9 +137,17 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
     const train::OwnedSums encoder_grads = train::OwnedGradSums(vision->parameters());
     const train::OwnedSums llm_grads = train::OwnedGradSums(language->parameters());
     const double grad_norm = std::sqrt(encoder_grads.square_sum + llm_grads.square_sum);
-    const double clip = train::ClipCoefficient(grad_norm, spec.run().grad_clip());
-    HETPAR_RETURN_IF_ERROR(encoder_opt->Step(step, clip));
-    HETPAR_RETURN_IF_ERROR(llm_opt->Step(step, clip));
+    // As a distributed run: a step whose norm is not finite is skipped (no update), and its
+    // samples count as trained.
+    const bool skipped = !std::isfinite(grad_norm);
+    if (skipped) {
+      vision->parameters().ZeroGrad();
+      language->parameters().ZeroGrad();
+    } else {
+      const double clip = train::ClipCoefficient(grad_norm, spec.run().grad_clip());
+      HETPAR_RETURN_IF_ERROR(encoder_opt->Step(step, clip));
+      HETPAR_RETURN_IF_ERROR(llm_opt->Step(step, clip));
+    }
     cursor = batch.next;
 
     const double step_time = Seconds(Clock::now() - step_start);
@@ -155,6 +163,7 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
         {"llm", {{"compute_s", result.llm_compute_s}, {"bridge_wait_s", 0.0}}},
         {"cursor", cursor.ToString()},
     };
+    if (skipped) line["skipped"] = true;
     HETPAR_RETURN_IF_ERROR(run_dir->AppendMetrics(line.dump()));
     if (options.progress &&
         (step % spec.run().log_every() == 0 || step + 1 == spec.run().steps())) {
