@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -17,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -257,14 +259,26 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   const absl::Time start = absl::Now();
   double last_loss = 0;
-  int64_t tokens_total = 0;
+  // The token rate over the last kRateWindow committed steps (from the start until there are
+  // that many): the commit before the window is kept as its start.
+  constexpr size_t kRateWindow = 20;
+  std::deque<std::pair<absl::Time, int64_t>> commits;  // (when, tokens of that step)
   StepMetricsWriter metrics(run_dir->get(), [&](const v1::StepTiming& t) {
     last_loss = t.loss();
-    tokens_total += t.tokens();
+    const absl::Time now = absl::Now();
+    commits.emplace_back(now, t.tokens());
+    if (commits.size() > kRateWindow + 1) commits.pop_front();
+    const bool full = commits.size() == kRateWindow + 1;
+    int64_t window_tokens = 0;
+    for (size_t i = full ? 1 : 0; i < commits.size(); ++i) window_tokens += commits[i].second;
+    const double window_s = absl::ToDoubleSeconds(now - (full ? commits.front().first : start));
     const int64_t done = t.step() + 1;
-    const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-    ShowProgress(done, spec.run().steps(), last_loss, tokens_total / std::max(elapsed, 1e-9),
-                 elapsed / done * (spec.run().steps() - done), tty);
+    const int64_t total = spec.run().steps();
+    // On a terminal the line redraws every step; in a log, one line every run.log_every steps.
+    if (!tty && done % spec.run().log_every() != 0 && done != total) return;
+    const double elapsed = absl::ToDoubleSeconds(now - start);
+    ShowProgress(done, total, last_loss, window_tokens / std::max(window_s, 1e-9),
+                 elapsed / done * (total - done), tty);
   });
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;

@@ -1,0 +1,53 @@
+// `hetpar run` as a user pipes it into a log: one progress line every run.log_every steps and
+// the last one, with the step, loss and token rate.
+#include <unistd.h>
+
+#include <filesystem>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunCommand;
+
+const std::string kBin = HETPAR_BIN;
+const std::string kSource = HETPAR_SOURCE_DIR;
+
+TEST(CliRunTest, APipedRunPrintsAProgressLineEveryLogEverySteps) {
+  char pattern[] = "/tmp/hetpar-run-cli-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  auto r = RunCommand({kBin,        "run",
+                       "--config",  kSource + "/configs/tiny.yaml",
+                       "--out",     dir + "/run",
+                       "--steps",   "5",
+                       "--threads", "1",
+                       "--set",     "run.log_every=2",
+                       "--set",     "data.manifest=" + dir + "/data/train.jsonl",
+                       "--set",     "data.val_manifest=" + dir + "/data/val.jsonl",
+                       "--set",     "data.tokenizer=" + dir + "/data/tokenizer.model",
+                       "--set",     "data.synth.samples=64",
+                       "--set",     "data.synth.val_samples=4"},
+                      300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  // Steps 2 and 4 (every 2nd), and 5 (the last); no others.
+  const std::regex progress(R"(step (\d+)/5 \[[#.]+\] loss [0-9.]+  [0-9]+ tok/s  ETA)");
+  std::vector<std::string> shown;
+  for (auto it = std::sregex_iterator(r->stderr_text.begin(), r->stderr_text.end(), progress);
+       it != std::sregex_iterator(); ++it) {
+    shown.push_back((*it)[1]);
+  }
+  EXPECT_THAT(shown, ::testing::ElementsAre("2", "4", "5")) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("5 steps"));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace hetpar
