@@ -20,6 +20,7 @@
 #include "common/logging.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/limits.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
@@ -655,6 +656,9 @@ absl::Status internal::ServerCore::Start() {
   coordinator_service_ = std::make_unique<CoordinatorServiceImpl>(this);
   kv_service_ = std::make_unique<KeyValueServiceImpl>(this);
   admin_service_ = std::make_unique<AdminServiceImpl>(this);
+  // The standard gRPC health service (grpc.health.v1.Health), without the run token, for
+  // readiness and liveness probes: SERVING while the server runs.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(options_.listen_address, *credentials, &port_);
   // A second coordinator on the same port must fail, not share the port.
@@ -672,6 +676,9 @@ absl::Status internal::ServerCore::Start() {
         absl::StrCat("cannot listen on ", options_.listen_address,
                      ": the address is in use or not local (expected host:port; port 0 picks a "
                      "free one)"));
+  }
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
   }
   const size_t colon = options_.listen_address.rfind(':');
   address_ = absl::StrCat(options_.listen_address.substr(0, colon), ":", port_);
@@ -723,6 +730,9 @@ void internal::ServerCore::Shutdown(absl::Duration grace) {
   if (watchdog_.joinable()) watchdog_.join();
   if (preparer_.joinable()) preparer_.join();
   if (server_ != nullptr) {
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->Shutdown();  // NOT_SERVING from now on
+    }
     server_->Shutdown(ChronoDeadline(absl::Now() + grace));
     server_.reset();
   }

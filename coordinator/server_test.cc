@@ -6,10 +6,14 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "common/control/client.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 
 namespace hetpar::coordinator {
@@ -184,6 +188,36 @@ TEST_F(ServerTest, RegisterSessionsStatusAndStop) {
   status = admin.Status();
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(status->state(), v1::RUN_STATE_DONE);
+}
+
+// The standard health service answers probes without the run token: a HealthCheckRequest for the
+// whole server (service "", an empty message) gets HealthCheckResponse{status: SERVING}, whose
+// wire form is field 1 (varint) = 1.
+TEST_F(ServerTest, TheHealthServiceAnswersServingWithoutAToken) {
+  StartServer(TinySpec());
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer response;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
 }
 
 TEST_F(ServerTest, MissingOrWrongTokenIsUnauthenticatedAndLoggedWithoutTheToken) {
