@@ -85,6 +85,15 @@ class RecordingModule : public ModuleRuntime {
   int64_t fail_at_step = -1;
 };
 
+// Options whose on_applied records each applied step in `steps`.
+StepDriverOptions RecordingApplied(std::vector<int64_t>* steps) {
+  StepDriverOptions options;
+  options.on_applied = [steps](int64_t step, const std::vector<ModuleTimings>&) {
+    steps->push_back(step);
+  };
+  return options;
+}
+
 v1::CoordinatorMessage Plan(int64_t step) {
   plan::RankStepPlan rank_plan;
   rank_plan.step = step;
@@ -174,11 +183,7 @@ TEST(StepDriverTest, AnAbortAfterTheReportDiscardsTheStepSoTheRetryAppliesOnce) 
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
-  StepDriverOptions options;
-  options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>&) {
-    applied_steps.push_back(step);
-  };
-  StepDriver driver(&channel, &module, options);
+  StepDriver driver(&channel, &module, RecordingApplied(&applied_steps));
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("run 5", "discard", "run 5", "apply 5 clip 0.25"));
   EXPECT_EQ(module.updates, 1);
@@ -207,11 +212,7 @@ TEST(StepDriverTest, ACommittedStepWithANonFiniteNormIsDiscardedNotApplied) {
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
-  StepDriverOptions options;
-  options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>&) {
-    applied_steps.push_back(step);
-  };
-  StepDriver driver(&channel, &module, options);
+  StepDriver driver(&channel, &module, RecordingApplied(&applied_steps));
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("run 2", "discard", "run 3", "apply 3 clip 1"));
   EXPECT_EQ(driver.steps_skipped(), 1);
