@@ -3,13 +3,14 @@
 // ModuleRuntime (the module or modules this rank runs).
 //
 //   kAwaitingPlan --plan--> kComputing --RunStep ok, partials sent--> kAwaitingNorm
-//     ^    ^   ^                 |                                        |  grad norm:
-//     |    |   |                 | error: report !ok -> kFailed           |  report sent
-//     |    |   +--- abort: Discard ----------------------------------+    v
-//     |    +------- abort: Discard --------------------------------- kAwaitingCommit
-//     |                                                                    | commit
-//     +-------------------- kApplying (clip, optimizer) <-----------------+
-//   (a stop while a step is in flight discards it too: kStopped)
+//         ^                     | error: report !ok                        | grad norm:
+//         |                     v                                          v report sent
+//         |                  kFailed                                kAwaitingCommit
+//         |                                                                | commit
+//         +------------------ kApplying (clip, optimizer) <---------------+
+//
+//   abort while awaiting the norm or the commit: Discard, back to kAwaitingPlan
+//   stop while a step is in flight: Discard, kStopped
 //
 // Parameters and optimizer state change only in kApplying, on the coordinator's commit of that
 // step, which comes once every rank has reported it; until then an abort (a lost worker, a
