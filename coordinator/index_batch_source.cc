@@ -14,11 +14,13 @@ namespace {
 
 class IndexBatchSource : public BatchSource {
  public:
-  explicit IndexBatchSource(v1::RunSpec spec) : spec_(std::move(spec)) {}
+  IndexBatchSource(v1::RunSpec spec, std::unique_ptr<data::BatchSource> opened)
+      : spec_(std::move(spec)), source_(std::move(opened)) {}
 
   // A synthetic data set the RunSpec names is generated here, so the coordinator can start (and
   // admit workers) before the data set exists.
   absl::Status Open() override {
+    if (source_ != nullptr) return absl::OkStatus();
     absl::StatusOr<std::unique_ptr<data::BatchSource>> source = data::BatchSource::Create(spec_);
     if (!source.ok()) {
       return absl::FailedPreconditionError(
@@ -32,7 +34,7 @@ class IndexBatchSource : public BatchSource {
     return absl::OkStatus();
   }
 
-  bool NeedsOpen() const override { return true; }
+  bool NeedsOpen() const override { return source_ == nullptr; }
 
   absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override {
     if (source_ == nullptr) {
@@ -60,13 +62,14 @@ class IndexBatchSource : public BatchSource {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(const v1::RunSpec& spec) {
+absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
+    const v1::RunSpec& spec, std::unique_ptr<data::BatchSource> opened) {
   if (spec.data().manifest().empty()) {
     return absl::InvalidArgumentError(
         "data.manifest is not set: the coordinator plans steps from the training data index "
         "(or pass --synthetic-batches)");
   }
-  return std::unique_ptr<BatchSource>(new IndexBatchSource(spec));
+  return std::unique_ptr<BatchSource>(new IndexBatchSource(spec, std::move(opened)));
 }
 
 }  // namespace hetpar::coordinator

@@ -105,8 +105,8 @@ bool PlanLibraryPlanner::NeedsPreparation() const { return batches_->NeedsOpen()
 
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
 
-absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& spec,
-                                                             bool synthetic_batches) {
+absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
+    const v1::RunSpec& spec, bool synthetic_batches, std::unique_ptr<data::BatchSource> opened) {
   std::unique_ptr<BatchSource> batches;
   if (synthetic_batches) {
     absl::StatusOr<std::unique_ptr<SyntheticBatchSource>> synthetic =
@@ -114,7 +114,8 @@ absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& 
     if (!synthetic.ok()) return synthetic.status();
     batches = *std::move(synthetic);
   } else {
-    absl::StatusOr<std::unique_ptr<BatchSource>> index = MakeIndexBatchSource(spec);
+    absl::StatusOr<std::unique_ptr<BatchSource>> index =
+        MakeIndexBatchSource(spec, std::move(opened));
     if (!index.ok()) return index.status();
     batches = *std::move(index);
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/data/batch_source.h"
 #include "common/plan/sample.h"
 #include "common/plan/step_plan.h"
 #include "coordinator/step_orchestrator.h"
@@ -61,7 +62,10 @@ class SyntheticBatchSource : public BatchSource {
 // position. Opened (the synthetic data set generated, the index read or built) by Open, which the
 // coordinator runs on its own thread once it serves, so it can start and admit workers before
 // the data set exists and never reads the data set under its lock.
-absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(const v1::RunSpec& spec);
+// `opened`, when given, is the data set already opened by the caller (`hetpar run` opens it
+// before it starts any process): it is used as it is and needs no Open.
+absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
+    const v1::RunSpec& spec, std::unique_ptr<data::BatchSource> opened = nullptr);
 
 // The coordinator's StepPlanner over the plan library.
 class PlanLibraryPlanner : public StepPlanner {
@@ -85,8 +89,10 @@ class PlanLibraryPlanner : public StepPlanner {
 };
 
 // The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.
-absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(const v1::RunSpec& spec,
-                                                             bool synthetic_batches);
+// `opened`: as for MakeIndexBatchSource (ignored with synthetic batches).
+absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
+    const v1::RunSpec& spec, bool synthetic_batches,
+    std::unique_ptr<data::BatchSource> opened = nullptr);
 
 }  // namespace hetpar::coordinator
 

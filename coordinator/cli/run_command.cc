@@ -202,7 +202,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   options.listen_address = flags.listen;
   options.token = *token;
   options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
-  auto planner = coordinator::MakeStepPlanner(spec, /*synthetic=*/false);
+  // The coordinator plans over the data set opened above instead of reading it again.
+  auto planner = coordinator::MakeStepPlanner(spec, /*synthetic=*/false, *std::move(batches));
   if (!planner.ok()) {
     std::cerr << "hetpar run: cannot plan steps: " << planner.status().message() << "\n";
     return kExitInvalidInput;
