@@ -13,6 +13,10 @@
 namespace hetpar::coordinator {
 namespace {
 
+// The largest reply a client takes: the coordinator sends at most 64 MiB (coordinator/limits.h,
+// kMaxResponseBytes; assignments with thousands of peers, plans, rendezvous values of <= 1 MiB).
+constexpr int kMaxReplyBytes = 64 << 20;
+
 std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
   return absl::ToChronoTime(absl::Now() + timeout);
 }
@@ -32,8 +36,13 @@ absl::StatusOr<std::shared_ptr<CoordinatorConnection>> CoordinatorConnection::Cr
       MakeChannelCredentials(options.tls);
   if (!credentials.ok()) return credentials.status();
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  args.SetMaxSendMessageSize(-1);
+  // The coordinator refuses requests over 8 MiB (kMaxRequestBytes); do not send larger ones.
+  args.SetMaxReceiveMessageSize(kMaxReplyBytes);
+  args.SetMaxSendMessageSize(8 << 20);
+  // A worker may start before its coordinator: retry the connection at least every 2 s instead
+  // of gRPC's default back-off of up to 2 minutes, so it joins soon after the coordinator is up.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   if (!options.tls.server_name.empty()) args.SetSslTargetNameOverride(options.tls.server_name);
   if (options.dedicated_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<CoordinatorConnection> connection(new CoordinatorConnection());

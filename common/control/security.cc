@@ -64,13 +64,17 @@ absl::StatusOr<RunToken> ReadTokenFile(const std::string& path) {
 absl::StatusOr<RunToken> ResolveToken(const std::string& flag_file,
                                       const std::string& config_file) {
   if (!flag_file.empty()) return ReadTokenFile(flag_file);
+  if (const char* env = std::getenv(kTokenFileEnvVar); env != nullptr && env[0] != '\0') {
+    return ReadTokenFile(env);
+  }
   if (const char* env = std::getenv(kTokenEnvVar); env != nullptr && env[0] != '\0') {
     RunToken token{std::string(absl::StripAsciiWhitespace(env)), kTokenEnvVar};
     if (absl::Status s = ValidateToken(token.value, token.origin); !s.ok()) return s;
     return token;
   }
   if (!config_file.empty()) return ReadTokenFile(config_file);
-  return absl::NotFoundError(absl::StrCat("no run token: pass --token-file, set ", kTokenEnvVar,
+  return absl::NotFoundError(absl::StrCat("no run token: pass --token-file, set ", kTokenFileEnvVar,
+                                          " or ", kTokenEnvVar,
                                           ", or set coordinator.token_file in the RunSpec"));
 }
 

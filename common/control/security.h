@@ -24,6 +24,8 @@
 namespace hetpar::coordinator {
 
 inline constexpr char kTokenEnvVar[] = "HETPAR_TOKEN";
+// A file holding the token (a mounted Secret); read before HETPAR_TOKEN.
+inline constexpr char kTokenFileEnvVar[] = "HETPAR_TOKEN_FILE";
 inline constexpr char kAuthMetadataKey[] = "authorization";
 inline constexpr char kBearerPrefix[] = "Bearer ";
 
@@ -38,7 +40,8 @@ absl::Status ValidateToken(std::string_view token, std::string_view origin);
 // Reads a token file (surrounding whitespace trimmed). NotFound / PermissionDenied name the path.
 absl::StatusOr<RunToken> ReadTokenFile(const std::string& path);
 
-// The first token found among: `flag_file`, $HETPAR_TOKEN, `config_file` (each may be empty).
+// The first token found among: `flag_file`, the file $HETPAR_TOKEN_FILE names, $HETPAR_TOKEN,
+// `config_file` (each may be empty).
 // NotFound when none is set.
 absl::StatusOr<RunToken> ResolveToken(const std::string& flag_file, const std::string& config_file);
 

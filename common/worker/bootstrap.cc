@@ -38,8 +38,13 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   coordinator::ClientOptions client;
   client.address = options.coordinator;
   client.token = options.token;
+  client.tls = options.tls;
   HETPAR_ASSIGN_OR_RETURN(ctx->connection_, coordinator::CoordinatorConnection::Create(client));
-  HETPAR_RETURN_IF_ERROR(ctx->connection_->WaitForConnected(absl::Seconds(30)));
+  if (!ctx->connection_->WaitForConnected(absl::Seconds(1)).ok()) {
+    HETPAR_LOG(INFO) << "waiting for the coordinator at " << options.coordinator << " (up to "
+                     << absl::FormatDuration(options.connect_timeout) << ")";
+    HETPAR_RETURN_IF_ERROR(ctx->connection_->WaitForConnected(options.connect_timeout));
+  }
   coordinator::WorkerSession::Options session_options;
   v1::RegisterRequest& request = session_options.registration;
   request.set_role(options.role == Role::kEncoder ? v1::WORKER_ROLE_ENCODER

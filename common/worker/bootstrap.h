@@ -37,11 +37,14 @@ std::string RoleName(Role role);
 struct WorkerOptions {
   Role role = Role::kEncoder;
   std::string coordinator = "127.0.0.1:50051";
-  std::string token;            // the run token
+  std::string token;  // the run token
+  coordinator::ClientTlsOptions tls;
   int64_t requested_rank = -1;  // -1: the coordinator picks
   std::string out_dir;          // run directory for the worker's files ("" = none)
   std::string host = "127.0.0.1";
   absl::Duration timeout = absl::Seconds(300);  // bound of every wait for peers and messages
+  // How long a worker started before its coordinator waits for it to answer.
+  absl::Duration connect_timeout = absl::Seconds(300);
 };
 
 class WorkerContext {

@@ -1,6 +1,8 @@
 #include "common/worker/worker_main.h"
 
 #include <ATen/Parallel.h>
+#include <pthread.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <iostream>
@@ -11,6 +13,7 @@
 #include "common/logging.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "common/worker/launch_options.h"
 #include "common/worker/outputs.h"
 #include "common/worker/step_driver.h"
 
@@ -46,32 +49,86 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
 }  // namespace
 
 int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFactory& factory) {
-  CLI::App app{binary.description};
+  CLI::App app{binary.description +
+               "\n\nEvery option can also be set by the environment variable named in its line "
+               "(HETPAR_ and the option's name in capitals); an option on the command line wins."};
   app.name(binary.name);
   app.set_version_flag("--version", binary.name + " " + HETPAR_VERSION);
   WorkerOptions options;
   options.role = binary.role;
   std::string token_file;
+  std::string interface;
+  RankRequest rank;
   int threads = 0;
   double timeout_s = absl::ToDoubleSeconds(options.timeout);
+  double connect_timeout_s = absl::ToDoubleSeconds(options.connect_timeout);
   bool colocated = false;
+  bool linger = false;
   app.add_option("--coordinator", options.coordinator, "Coordinator address (host:port)")
+      ->envname("HETPAR_COORDINATOR")
       ->capture_default_str();
   app.add_option("--token-file", token_file,
-                 "File holding the run token (default: the HETPAR_TOKEN environment variable)");
-  app.add_option("--rank", options.requested_rank,
-                 "Rank to take in the module's grid (default: the next free one)");
-  app.add_option("--host", options.host,
-                 "Address this worker's data plane and process groups listen on and advertise")
-      ->capture_default_str();
+                 "File holding the run token (else the HETPAR_TOKEN environment variable holds "
+                 "the token itself)")
+      ->envname(coordinator::kTokenFileEnvVar);
+  app.add_option("--tls-ca", options.tls.ca_file,
+                 "PEM CA of the coordinator's certificate; enables TLS")
+      ->envname("HETPAR_TLS_CA");
+  app.add_option("--tls-cert", options.tls.cert_file, "PEM client certificate (mutual TLS)")
+      ->envname("HETPAR_TLS_CERT");
+  app.add_option("--tls-key", options.tls.key_file, "PEM key of --tls-cert")
+      ->envname("HETPAR_TLS_KEY");
+  app.add_option("--tls-server-name", options.tls.server_name,
+                 "Name to check the coordinator's certificate against (default: its host)")
+      ->envname("HETPAR_TLS_SERVER_NAME");
+  app.add_option("--rank", rank.rank,
+                 "Rank to take in the module's grid (default: the lowest free one)")
+      ->envname("HETPAR_RANK")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--replica", rank.replica,
+                 "With --ranks-per-replica and --local-rank: take rank replica * "
+                 "ranks-per-replica + local-rank (a pod's or node's index)")
+      ->envname("HETPAR_REPLICA")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--ranks-per-replica", rank.ranks_per_replica,
+                 "Ranks each replica (pod, node) hosts")
+      ->envname("HETPAR_RANKS_PER_REPLICA")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--local-rank", rank.local_rank, "This worker's rank inside its replica")
+      ->envname("HETPAR_LOCAL_RANK")
+      ->check(CLI::NonNegativeNumber);
+  CLI::Option* host =
+      app.add_option("--host", options.host,
+                     "Address this worker's process groups listen on and that it advertises to "
+                     "its peers (a pod IP, a node's address)")
+          ->envname("HETPAR_HOST")
+          ->capture_default_str();
+  app.add_option("--interface", interface,
+                 "Advertise the IPv4 address of this network interface instead of --host "
+                 "(e.g. eth0, ib0)")
+      ->envname("HETPAR_INTERFACE")
+      ->excludes(host);
   app.add_option("--timeout", timeout_s,
                  "Seconds any wait for peers or the coordinator may last before the worker fails")
+      ->envname("HETPAR_TIMEOUT")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--connect-timeout", connect_timeout_s,
+                 "Seconds to wait for the coordinator to answer at start (a worker may start "
+                 "before it)")
+      ->envname("HETPAR_CONNECT_TIMEOUT")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--out", options.out_dir,
-                 "Run directory for step timings, parameter sums and model files (default: none)");
+                 "Run directory for step timings, parameter sums and model files (default: none)")
+      ->envname("HETPAR_OUT");
   app.add_option("--threads", threads, "Intra-op threads (default: the machine's cores)")
+      ->envname("HETPAR_THREADS")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--linger", linger,
+               "When the run ends, stay idle until terminated instead of exiting (for a "
+               "Kubernetes StatefulSet, which would restart the worker into a finished run)")
+      ->envname("HETPAR_LINGER");
   if (binary.offers_colocated) {
     app.add_flag(
         "--colocated", colocated,
@@ -83,6 +140,21 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     const int code = app.exit(e);
     return code == 0 ? 0 : kExitInvalidInput;
   }
+  absl::StatusOr<std::optional<int64_t>> requested = RequestedRank(rank);
+  if (!requested.ok()) {
+    std::cerr << binary.name << ": " << requested.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  options.requested_rank = requested->value_or(-1);
+  if (!interface.empty()) {
+    absl::StatusOr<std::string> address = InterfaceAddress(interface);
+    if (!address.ok()) {
+      std::cerr << binary.name << ": --interface: " << address.status().message() << "\n";
+      return kExitInvalidInput;
+    }
+    options.host = *address;
+  }
+  options.connect_timeout = absl::Seconds(connect_timeout_s);
   if (colocated) options.role = Role::kColocated;
   options.timeout = absl::Seconds(timeout_s);
   at::set_num_threads(
@@ -94,11 +166,20 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     return kExitInvalidInput;
   }
   options.token = token->value;
-  if (absl::Status status = Serve(options, factory); !status.ok()) {
-    HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
-    return kExitFailure;
+  // Taken by sigwait below when lingering; blocked before any thread starts so none takes them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  if (linger) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const absl::Status status = Serve(options, factory);
+  if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
+  if (linger) {
+    HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
+    int signal = 0;
+    sigwait(&signals, &signal);
   }
-  return 0;
+  return status.ok() ? 0 : kExitFailure;
 }
 
 }  // namespace hetpar::worker
