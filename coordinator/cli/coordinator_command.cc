@@ -22,6 +22,7 @@
 #include "coordinator/run_controller.h"
 #include "coordinator/server.h"
 #include "coordinator/step_planner.h"
+#include "nlohmann/json.hpp"
 
 namespace hetpar::cli {
 namespace {
@@ -36,6 +37,7 @@ struct CoordinatorFlags {
   double stop_timeout_s = 10;
   bool synthetic_batches = false;
   std::string out;
+  bool linger = false;
 };
 
 // Who-expects-what line: "4 workers (2 encoder, 2 llm)".
@@ -158,12 +160,37 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
   }
   const v1::StatusResponse final_status = (*server)->Status();
-  // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
-  absl::SleepFor(absl::Milliseconds(500));
+  // The workers wrote their parameter sums before closing their sessions; they are here when
+  // their --out is this run directory (one machine, or a volume every pod mounts).
+  const std::string out_dir = spec.run().out_dir();
+  if (state == v1::RUN_STATE_DONE) {
+    if (absl::StatusOr<nlohmann::json> params = FinalParams(out_dir); params.ok()) {
+      if (absl::Status s =
+              (*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
+          !s.ok()) {
+        HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
+      }
+    } else {
+      HETPAR_LOG(WARNING) << "no final_params line: " << params.status().message();
+    }
+  }
+  if (flags.linger) {
+    // Under a Deployment an exit would restart the coordinator into a new run: keep answering
+    // `hetpar status` with the final state until the pod is deleted.
+    std::cout << "hetpar coordinator: run " << spec.run().name() << " "
+              << (state == v1::RUN_STATE_DONE ? "done" : "failed")
+              << "; serving its status until terminated (SIGTERM)" << std::endl;
+    signal_thread.join();
+  } else {
+    // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
+    absl::SleepFor(absl::Milliseconds(500));
+  }
   (*server)->Shutdown(absl::Seconds(2));
   if (!token_path.empty()) ::unlink(token_path.c_str());
-  pthread_kill(signal_thread.native_handle(), SIGUSR1);
-  signal_thread.join();
+  if (!flags.linger) {
+    pthread_kill(signal_thread.native_handle(), SIGUSR1);
+    signal_thread.join();
+  }
 
   if (state == v1::RUN_STATE_FAILED) {
     std::cerr << "hetpar: run " << spec.run().name() << " failed: " << final_status.state_message()
@@ -183,19 +210,29 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       "coordinator",
       "Run the coordinator of a run: admit workers into the ranks of the config's layouts, host "
       "the rendezvous store, plan and commit steps; exit 0 when the run is done, 1 when it fails");
-  command->add_option("-c,--config", flags->config, "RunSpec YAML file")->required();
+  command->add_option("-c,--config", flags->config, "RunSpec YAML file")
+      ->envname("HETPAR_CONFIG")
+      ->required();
   command->add_option(
       "--set", flags->overrides,
       "Override a field, e.g. --set coordinator.heartbeat_timeout_s=5 (repeatable)");
-  command->add_option("--listen", flags->listen,
-                      "host:port to listen on (default: coordinator.listen; port 0 picks one)");
-  command->add_option("--token-file", flags->token_file,
-                      "File with the run token (default: $HETPAR_TOKEN, coordinator.token_file, "
-                      "else a generated token kept in the per-user runtime directory)");
-  command->add_option("--tls-cert", flags->tls.cert_file, "PEM server certificate; enables TLS");
-  command->add_option("--tls-key", flags->tls.key_file, "PEM key of --tls-cert");
-  command->add_option("--tls-client-ca", flags->tls.client_ca_file,
-                      "PEM CA; clients must present a certificate it signed (mutual TLS)");
+  command
+      ->add_option("--listen", flags->listen,
+                   "host:port to listen on (default: coordinator.listen; port 0 picks one)")
+      ->envname("HETPAR_LISTEN");
+  command
+      ->add_option("--token-file", flags->token_file,
+                   "File with the run token (default: $HETPAR_TOKEN, coordinator.token_file, "
+                   "else a generated token kept in the per-user runtime directory)")
+      ->envname(coordinator::kTokenFileEnvVar);
+  command->add_option("--tls-cert", flags->tls.cert_file, "PEM server certificate; enables TLS")
+      ->envname("HETPAR_TLS_CERT");
+  command->add_option("--tls-key", flags->tls.key_file, "PEM key of --tls-cert")
+      ->envname("HETPAR_TLS_KEY");
+  command
+      ->add_option("--tls-client-ca", flags->tls.client_ca_file,
+                   "PEM CA; clients must present a certificate it signed (mutual TLS)")
+      ->envname("HETPAR_TLS_CLIENT_CA");
   command
       ->add_option("--step-timeout", flags->step_timeout_s,
                    "Seconds a step may take before it is aborted")
@@ -204,8 +241,15 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->add_option("--stop-timeout", flags->stop_timeout_s,
                    "Seconds to wait for workers to close their sessions after stop")
       ->check(CLI::PositiveNumber);
-  command->add_option("--out", flags->out,
-                      "Run directory for config.yaml and metrics.jsonl (default: run.out_dir)");
+  command
+      ->add_option("--out", flags->out,
+                   "Run directory for config.yaml and metrics.jsonl (default: run.out_dir)")
+      ->envname("HETPAR_OUT");
+  command
+      ->add_flag("--linger", flags->linger,
+                 "When the run ends, keep serving its status until terminated instead of exiting "
+                 "(for a Kubernetes Deployment, which would restart it)")
+      ->envname("HETPAR_LINGER");
   command->add_flag("--synthetic-batches", flags->synthetic_batches,
                     "Plan steps over seeded synthetic samples instead of the data index");
   command->callback([flags, exit_code] { *exit_code = RunCoordinator(*flags); });

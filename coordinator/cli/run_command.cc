@@ -125,32 +125,6 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   return kExitOk;
 }
 
-// Sums the owned-parameter files the workers of DP replica 0 write.
-absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
-  std::map<std::string, std::pair<double, double>> sums;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/workers", ec)) {
-    if (entry.path().extension() != ".json") continue;  // rank-<r>.json; not the .steps.jsonl
-    std::ifstream in(entry.path());
-    nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded()) {
-      return absl::DataLossError(absl::StrCat("cannot parse '", entry.path().string(), "'"));
-    }
-    if (j["dp"].get<int64_t>() != 0) continue;
-    auto& s = sums[j["module"].get<std::string>()];
-    s.first += j["sum"].get<double>();
-    s.second += j["square_sum"].get<double>();
-  }
-  if (sums.size() != 2) {
-    return absl::NotFoundError(
-        absl::StrCat("the workers' parameter sums under '", out_dir, "/workers' are incomplete"));
-  }
-  nlohmann::json out;
-  for (const auto& [module, s] : sums)
-    out[module] = {{"sum", s.first}, {"l2", std::sqrt(s.second)}};
-  return out;
-}
-
 // The validation summary a user reads at the end of a run.
 void PrintEvaluation(const std::string& eval_line) {
   nlohmann::json j = nlohmann::json::parse(eval_line, nullptr, false);

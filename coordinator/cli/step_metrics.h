@@ -10,9 +10,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "common/run_directory.h"
 #include "hetpar/v1/coordinator.pb.h"
 #include "nlohmann/json.hpp"
@@ -39,6 +41,13 @@ class StepMetricsWriter {
   std::function<void(const v1::StepTiming&)> on_step_;
   int64_t written_ = 0;
 };
+
+// The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the
+// owned-parameter sums the workers of DP replica 0 write under <out_dir>/workers
+// (common/worker/outputs.h). NotFound when a module's sums are missing (a worker wrote them
+// elsewhere: in a cluster, every worker's --out must be the coordinator's run directory, on a
+// shared volume).
+absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir);
 
 }  // namespace hetpar::cli
 

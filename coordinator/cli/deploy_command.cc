@@ -1,0 +1,219 @@
+// `hetpar deploy k8s|slurm`: render what a cluster needs to run a RunSpec (coordinator/deploy).
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+#include "common/control/security.h"
+#include "coordinator/cli/commands.h"
+#include "coordinator/deploy/deploy.h"
+
+namespace hetpar::cli {
+namespace {
+
+struct DeployFlags {
+  std::string config;
+  std::vector<std::string> overrides;
+  std::string out;
+  std::string device = "cpu";
+  std::string token_file;
+  deploy::DeployOptions options;
+};
+
+absl::Status WriteFile(const std::string& path, const std::string& content, bool secret) {
+  std::error_code ec;
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("cannot create the directory of ", path, ": ", ec.message()));
+  const int fd =
+      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, secret ? 0600 : 0644);
+  if (fd < 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
+  if (secret) ::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
+  size_t done = 0;
+  while (done < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+    }
+    done += static_cast<size_t>(n);
+  }
+  return ::close(fd) == 0 ? absl::OkStatus()
+                          : absl::InternalError(absl::StrCat("cannot write ", path));
+}
+
+int Deploy(DeployFlags flags, bool kubernetes) {
+  const char* what = kubernetes ? "hetpar deploy k8s" : "hetpar deploy slurm";
+  config::LoadOptions load;
+  load.overrides = flags.overrides;
+  // The data set lives on the cluster, not necessarily here.
+  load.check_files = false;
+  absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
+  if (!loaded.ok()) {
+    std::cerr << "hetpar: invalid config " << flags.config << ":\n"
+              << loaded.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  deploy::DeployOptions& options = flags.options;
+  options.device = flags.device == "gpu" ? deploy::Device::kGpu : deploy::Device::kCpu;
+  const std::string out = std::filesystem::absolute(flags.out).lexically_normal().string();
+  absl::StatusOr<std::vector<deploy::RenderedFile>> files;
+  if (kubernetes) {
+    absl::StatusOr<coordinator::RunToken> token =
+        flags.token_file.empty()
+            ? absl::StatusOr<coordinator::RunToken>(coordinator::RunToken{"", "generated"})
+            : coordinator::ReadTokenFile(flags.token_file);
+    if (!token.ok()) {
+      std::cerr << what << ": --token-file: " << token.status().message() << "\n";
+      return kExitInvalidInput;
+    }
+    if (token->value.empty()) {
+      absl::StatusOr<std::string> fresh = coordinator::GenerateToken();
+      if (!fresh.ok()) {
+        std::cerr << what << ": " << fresh.status().message() << "\n";
+        return kExitFailure;
+      }
+      token->value = *fresh;
+    }
+    options.token = token->value;
+    files = deploy::RenderKubernetes(*loaded, options);
+  } else {
+    options.run_dir = out;
+    if (options.bin_dir.empty()) {
+      options.bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();
+    }
+    options.bin_dir = std::filesystem::absolute(options.bin_dir).lexically_normal().string();
+    files = deploy::RenderSlurm(*loaded, options);
+  }
+  if (!files.ok()) {
+    std::cerr << what << ": cannot place " << flags.config << ":\n"
+              << files.status().message() << "\n";
+    return absl::IsInvalidArgument(files.status()) ? kExitInvalidInput : kExitFailure;
+  }
+  for (const deploy::RenderedFile& file : *files) {
+    const std::string path = out + "/" + file.name;
+    if (absl::Status s = WriteFile(path, file.content, file.secret); !s.ok()) {
+      std::cerr << what << ": " << s.message() << "\n";
+      return kExitFailure;
+    }
+    std::cout << "wrote " << path << (file.secret ? " (holds the run token; mode 0600)" : "")
+              << "\n";
+  }
+  if (kubernetes) {
+    std::cout << "next: copy the data set into the volume "
+              << deploy::ObjectName(loaded->spec.run().name()) << "-data, then `kubectl apply -k "
+              << out << "` (or `kubectl apply -f " << out
+              << "/manifests`); watch with `hetpar status` through the coordinator's Service\n";
+  } else {
+    std::cout << "next: sbatch " << out << "/hetpar.sbatch (one allocation)"
+              << (loaded->spec.placement() == v1::PLACEMENT_COLOCATED
+                      ? ""
+                      : absl::StrCat(" or sbatch ", out,
+                                     "/hetpar-het.sbatch (encoder and LLM nodes as components)"))
+              << "; " << out << " must be on a file system every node sees\n";
+  }
+  return kExitOk;
+}
+
+void AddCommonFlags(CLI::App* command, DeployFlags* flags) {
+  command->add_option("-c,--config", flags->config, "RunSpec YAML file")->required();
+  command->add_option("--set", flags->overrides,
+                      "Override a field, e.g. --set llm.layout.tp=2 (repeatable)");
+  command
+      ->add_option("--device", flags->device,
+                   "What each rank computes on: cpu (this build), or gpu (requests one GPU "
+                   "per rank)")
+      ->check(CLI::IsMember({"cpu", "gpu"}))
+      ->capture_default_str();
+  command
+      ->add_option("--gpus-per-node", flags->options.gpus_per_node,
+                   "GPUs of a node; a replica's ranks must fit on one (with --device gpu)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  command
+      ->add_option("--cpus-per-rank", flags->options.cpus_per_rank,
+                   "CPU cores each rank requests (its intra-op threads)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  command
+      ->add_option("--cpus-per-node", flags->options.cpus_per_node,
+                   "CPU cores of a node; a replica's ranks must fit on one (0: unchecked)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  command->add_option("--port", flags->options.coordinator_port, "The coordinator's port")
+      ->check(CLI::Range(1, 65535))
+      ->capture_default_str();
+}
+
+void AddDeployCommand(CLI::App& app, int* exit_code) {
+  CLI::App* deploy = app.add_subcommand(
+      "deploy",
+      "Render what a cluster needs to run a RunSpec: Kubernetes manifests or Slurm "
+      "batch scripts (see docs/deploy.md)");
+  deploy->require_subcommand(1);
+
+  auto k8s = std::make_shared<DeployFlags>();
+  CLI::App* k = deploy->add_subcommand(
+      "k8s",
+      "Kubernetes: a Secret with the run token, a ConfigMap with the RunSpec, run and "
+      "data volumes, the coordinator (Deployment + Service), the encoder pool and the LLM "
+      "ranks (StatefulSets, one pod per replica) and a kustomization");
+  AddCommonFlags(k, k8s.get());
+  k->add_option("--image", k8s->options.image, "Container image with the hetpar binaries")
+      ->required();
+  k->add_option("-o,--out", k8s->out, "Directory to write the manifests to")->required();
+  k->add_option("--namespace", k8s->options.namespace_name, "Namespace (default: kubectl's)");
+  k->add_option("--token-file", k8s->token_file,
+                "Put this file's run token in the Secret (default: a fresh one)");
+  k->add_option("--storage-class", k8s->options.storage_class,
+                "StorageClass of the volumes, which need ReadWriteMany (default: the cluster's)");
+  k->add_option("--run-volume-size", k8s->options.run_volume_size, "Size of the run volume")
+      ->capture_default_str();
+  k->add_option("--data-volume-size", k8s->options.data_volume_size, "Size of the data volume")
+      ->capture_default_str();
+  k->add_option("--grace-period", k8s->options.grace_period_s,
+                "Seconds a terminated pod gets to finish its step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  k->callback([k8s, exit_code] { *exit_code = Deploy(*k8s, /*kubernetes=*/true); });
+
+  auto slurm = std::make_shared<DeployFlags>();
+  CLI::App* s = deploy->add_subcommand(
+      "slurm",
+      "Slurm: hetpar.sbatch (one allocation; the coordinator, encoder pool and LLM "
+      "ranks as job steps) and hetpar-het.sbatch (a heterogeneous job: encoder nodes "
+      "and LLM nodes as components), with run.yaml, in the run directory");
+  AddCommonFlags(s, slurm.get());
+  s->add_option("-o,--out", slurm->out,
+                "Run directory, on a file system every node sees: the scripts go there and the "
+                "run writes there")
+      ->required();
+  s->add_option("--bin-dir", slurm->options.bin_dir,
+                "Directory of the hetpar binaries on the nodes (default: this binary's)");
+  s->add_option("--interface", slurm->options.interface,
+                "Network interface whose address workers advertise (default: the node's name)");
+  s->add_option("--partition", slurm->options.partition, "Partition (default: the cluster's)");
+  s->add_option("--time", slurm->options.time_limit, "Time limit of the job")
+      ->capture_default_str();
+  s->callback([slurm, exit_code] { *exit_code = Deploy(*slurm, /*kubernetes=*/false); });
+}
+
+}  // namespace
+
+HETPAR_REGISTER_COMMAND(25, AddDeployCommand);
+
+}  // namespace hetpar::cli

@@ -1,0 +1,278 @@
+// `hetpar deploy k8s`: the manifests of one run (see deploy.h and docs/deploy.md).
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/deploy/deploy.h"
+
+namespace hetpar::deploy {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+constexpr char kTokenKey[] = "token";
+constexpr char kRunSpecKey[] = "run.yaml";
+constexpr char kPodIndexLabel[] = "apps.kubernetes.io/pod-index";
+constexpr int kImageUid = 10001;
+
+Json Metadata(const std::string& name, const std::string& run, const std::string& component,
+              const DeployOptions& options) {
+  Json m = {{"name", name}};
+  if (!options.namespace_name.empty()) m["namespace"] = options.namespace_name;
+  m["labels"] = {{"app.kubernetes.io/name", "hetpar"},
+                 {"app.kubernetes.io/instance", run},
+                 {"app.kubernetes.io/component", component}};
+  return m;
+}
+
+Json Selector(const std::string& run, const std::string& component) {
+  return {{"app.kubernetes.io/name", "hetpar"},
+          {"app.kubernetes.io/instance", run},
+          {"app.kubernetes.io/component", component}};
+}
+
+Json EnvValue(const std::string& name, const std::string& value) {
+  return {{"name", name}, {"value", value}};
+}
+
+Json EnvField(const std::string& name, const std::string& field_path) {
+  return {{"name", name}, {"valueFrom", {{"fieldRef", {{"fieldPath", field_path}}}}}};
+}
+
+struct Names {
+  std::string run;  // object name prefix
+  std::string token_secret, runspec, run_volume, data_volume, coordinator, workers_service;
+  explicit Names(const std::string& run_name) : run(ObjectName(run_name)) {
+    token_secret = run + "-token";
+    runspec = run + "-runspec";
+    run_volume = run + "-run";
+    data_volume = run + "-data";
+    coordinator = run + "-coordinator";
+    workers_service = run + "-workers";
+  }
+};
+
+Json Volumes(const Names& n) {
+  return Json::array(
+      {{{"name", "token"}, {"secret", {{"secretName", n.token_secret}, {"defaultMode", 0440}}}},
+       {{"name", "runspec"}, {"configMap", {{"name", n.runspec}}}},
+       {{"name", "run"}, {"persistentVolumeClaim", {{"claimName", n.run_volume}}}},
+       {{"name", "data"}, {"persistentVolumeClaim", {{"claimName", n.data_volume}}}}});
+}
+
+// The image's user (deploy/docker/Dockerfile); fsGroup lets it read the token and write the
+// volumes.
+Json PodSecurity() {
+  return {{"runAsNonRoot", true},
+          {"runAsUser", kImageUid},
+          {"runAsGroup", kImageUid},
+          {"fsGroup", kImageUid}};
+}
+
+Json VolumeMounts(bool with_runspec) {
+  Json mounts =
+      Json::array({{{"name", "token"}, {"mountPath", kContainerTokenDir}, {"readOnly", true}}});
+  if (with_runspec) {
+    mounts.push_back({{"name", "runspec"}, {"mountPath", kContainerConfigDir}, {"readOnly", true}});
+  }
+  mounts.push_back({{"name", "run"}, {"mountPath", kContainerRunDir}});
+  mounts.push_back({{"name", "data"}, {"mountPath", kContainerDataDir}});
+  return mounts;
+}
+
+Json Resources(const DeployOptions& options, int64_t ranks) {
+  Json requests = {{"cpu", std::to_string(options.cpus_per_rank * ranks)}};
+  Json limits = Json::object();
+  if (options.device == Device::kGpu) {
+    limits["nvidia.com/gpu"] = std::to_string(ranks);
+  }
+  Json r = {{"requests", requests}};
+  if (!limits.empty()) r["limits"] = limits;
+  return r;
+}
+
+std::string TokenPath() { return absl::StrCat(kContainerTokenDir, "/", kTokenKey); }
+
+Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOptions& options) {
+  const std::string port = std::to_string(options.coordinator_port);
+  Json container = {
+      {"name", "coordinator"},
+      {"image", options.image},
+      {"command", Json::array({"hetpar", "coordinator"})},
+      {"args", Json::array({"--linger"})},
+      {"env",
+       Json::array({EnvValue("HETPAR_CONFIG", absl::StrCat(kContainerConfigDir, "/", kRunSpecKey)),
+                    EnvValue("HETPAR_LISTEN", absl::StrCat("0.0.0.0:", port)),
+                    EnvValue("HETPAR_OUT", kContainerRunDir),
+                    EnvValue("HETPAR_TOKEN_FILE", TokenPath())})},
+      {"ports", Json::array({{{"name", "grpc"}, {"containerPort", options.coordinator_port}}})},
+      // The standard gRPC health service (SERVING while the coordinator runs).
+      {"readinessProbe", {{"grpc", {{"port", options.coordinator_port}}}, {"periodSeconds", 5}}},
+      {"livenessProbe",
+       {{"grpc", {{"port", options.coordinator_port}}},
+        {"periodSeconds", 10},
+        {"failureThreshold", 6}}},
+      {"resources", {{"requests", {{"cpu", "1"}}}}},
+      {"volumeMounts", VolumeMounts(/*with_runspec=*/true)}};
+  Json deployment = {{"apiVersion", "apps/v1"},
+                     {"kind", "Deployment"},
+                     {"metadata", Metadata(n.coordinator, n.run, "coordinator", options)},
+                     {"spec",
+                      {{"replicas", 1},
+                       {"strategy", {{"type", "Recreate"}}},
+                       {"selector", {{"matchLabels", Selector(n.run, "coordinator")}}},
+                       {"template",
+                        {{"metadata", {{"labels", Selector(n.run, "coordinator")}}},
+                         {"spec",
+                          {{"terminationGracePeriodSeconds", options.grace_period_s},
+                           {"securityContext", PodSecurity()},
+                           {"containers", Json::array({container})},
+                           {"volumes", Volumes(n)}}}}}}}};
+  Json service = {
+      {"apiVersion", "v1"},
+      {"kind", "Service"},
+      {"metadata", Metadata(n.coordinator, n.run, "coordinator", options)},
+      {"spec",
+       {{"selector", Selector(n.run, "coordinator")},
+        {"ports",
+         Json::array(
+             {{{"name", "grpc"}, {"port", options.coordinator_port}, {"targetPort", "grpc"}}})}}}};
+  (void)spec;
+  return Json::array({deployment, service});
+}
+
+// One StatefulSet per module: a pod per replica, a container per rank of the replica.
+Json WorkerStatefulSet(const Names& n, const std::string& component, const std::string& binary,
+                       bool colocated, const ModuleShape& shape, const DeployOptions& options) {
+  const std::string name = absl::StrCat(n.run, "-", component);
+  Json containers = Json::array();
+  for (int64_t local = 0; local < shape.ranks_per_replica; ++local) {
+    Json args = Json::array({"--ranks-per-replica", std::to_string(shape.ranks_per_replica),
+                             "--local-rank", std::to_string(local)});
+    if (colocated) args.push_back("--colocated");
+    args.push_back("--linger");
+    Json env = Json::array(
+        {EnvValue("HETPAR_COORDINATOR", absl::StrCat(n.coordinator, ":", options.coordinator_port)),
+         EnvValue("HETPAR_TOKEN_FILE", TokenPath()),
+         // The pod's index in its StatefulSet is the module replica it hosts.
+         EnvField("HETPAR_REPLICA", absl::StrCat("metadata.labels['", kPodIndexLabel, "']")),
+         EnvField("HETPAR_HOST", "status.podIP"), EnvValue("HETPAR_OUT", kContainerRunDir),
+         EnvValue("HETPAR_THREADS", std::to_string(options.cpus_per_rank))});
+    containers.push_back({{"name", absl::StrCat("rank-", local)},
+                          {"image", options.image},
+                          {"command", Json::array({binary})},
+                          {"args", args},
+                          {"env", env},
+                          {"resources", Resources(options, 1)},
+                          {"volumeMounts", VolumeMounts(/*with_runspec=*/false)}});
+  }
+  return {{"apiVersion", "apps/v1"},
+          {"kind", "StatefulSet"},
+          {"metadata", Metadata(name, n.run, component, options)},
+          {"spec",
+           {{"serviceName", n.workers_service},
+            {"replicas", shape.replicas},
+            // Every replica starts at once: the run needs all of them.
+            {"podManagementPolicy", "Parallel"},
+            {"selector", {{"matchLabels", Selector(n.run, component)}}},
+            {"template",
+             {{"metadata", {{"labels", Selector(n.run, component)}}},
+              {"spec",
+               {{"terminationGracePeriodSeconds", options.grace_period_s},
+                {"securityContext", PodSecurity()},
+                {"containers", containers},
+                {"volumes", Volumes(n)}}}}}}}};
+}
+
+std::string Document(const Json& objects) {
+  std::vector<std::string> docs;
+  for (const Json& object : objects) docs.push_back(JsonToYaml(object));
+  return absl::StrJoin(docs, "---\n");
+}
+
+std::string Pvc(const Names& n, const std::string& name, const std::string& component,
+                const std::string& size, const DeployOptions& options) {
+  Json spec = {{"accessModes", Json::array({"ReadWriteMany"})},
+               {"resources", {{"requests", {{"storage", size}}}}}};
+  if (!options.storage_class.empty()) spec["storageClassName"] = options.storage_class;
+  return JsonToYaml({{"apiVersion", "v1"},
+                     {"kind", "PersistentVolumeClaim"},
+                     {"metadata", Metadata(name, n.run, component, options)},
+                     {"spec", spec}});
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedRunSpec& loaded,
+                                                           const DeployOptions& options) {
+  if (std::vector<std::string> problems = PlacementProblems(loaded, options); !problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrJoin(problems, "\n"));
+  }
+  if (options.token.empty()) return absl::InvalidArgumentError("no run token to put in the Secret");
+  const v1::RunSpec& spec = loaded.spec;
+  const Names n(spec.run().name());
+  std::string data_root;
+  const v1::RunSpec container_spec =
+      RelocatedSpec(spec, kContainerDataDir, kContainerRunDir, &data_root);
+  const std::string header = absl::StrCat(
+      "# hetpar run '", spec.run().name(), "', rendered by `hetpar deploy k8s`. Copy the data set ",
+      "(", data_root, ") into the volume ", n.data_volume, " before the workers start.\n");
+
+  std::vector<RenderedFile> files;
+  files.push_back(
+      {"manifests/secret.yaml",
+       absl::StrCat(header,
+                    JsonToYaml({{"apiVersion", "v1"},
+                                {"kind", "Secret"},
+                                {"metadata", Metadata(n.token_secret, n.run, "token", options)},
+                                {"type", "Opaque"},
+                                {"stringData", {{kTokenKey, options.token}}}})),
+       /*secret=*/true});
+  files.push_back(
+      {"manifests/runspec.yaml",
+       absl::StrCat(
+           header,
+           JsonToYaml({{"apiVersion", "v1"},
+                       {"kind", "ConfigMap"},
+                       {"metadata", Metadata(n.runspec, n.run, "runspec", options)},
+                       {"data", {{kRunSpecKey, config::RunSpecToYaml(container_spec)}}}}))});
+  files.push_back(
+      {"manifests/volumes.yaml",
+       absl::StrCat(header, Pvc(n, n.run_volume, "run", options.run_volume_size, options), "---\n",
+                    Pvc(n, n.data_volume, "data", options.data_volume_size, options))});
+  files.push_back({"manifests/coordinator.yaml",
+                   absl::StrCat(header, Document(CoordinatorObjects(spec, n, options)))});
+
+  Json workers = Json::array();
+  // Stable pod names and DNS for the workers (a StatefulSet's governing Service).
+  workers.push_back(
+      {{"apiVersion", "v1"},
+       {"kind", "Service"},
+       {"metadata", Metadata(n.workers_service, n.run, "workers", options)},
+       {"spec",
+        {{"clusterIP", "None"},
+         {"selector",
+          {{"app.kubernetes.io/name", "hetpar"}, {"app.kubernetes.io/instance", n.run}}},
+         {"publishNotReadyAddresses", true}}}});
+  if (spec.placement() == v1::PLACEMENT_COLOCATED) {
+    workers.push_back(
+        WorkerStatefulSet(n, "colocated", "hetpar-llm", true, LlmShape(spec), options));
+  } else {
+    workers.push_back(
+        WorkerStatefulSet(n, "encoder", "hetpar-encoder", false, EncoderShape(spec), options));
+    workers.push_back(WorkerStatefulSet(n, "llm", "hetpar-llm", false, LlmShape(spec), options));
+  }
+  files.push_back({"manifests/workers.yaml", absl::StrCat(header, Document(workers))});
+
+  Json kustomization = {{"apiVersion", "kustomize.config.k8s.io/v1beta1"},
+                        {"kind", "Kustomization"}};
+  if (!options.namespace_name.empty()) kustomization["namespace"] = options.namespace_name;
+  kustomization["resources"] =
+      Json::array({"manifests/secret.yaml", "manifests/runspec.yaml", "manifests/volumes.yaml",
+                   "manifests/coordinator.yaml", "manifests/workers.yaml"});
+  files.push_back({"kustomization.yaml", absl::StrCat(header, JsonToYaml(kustomization))});
+  return files;
+}
+
+}  // namespace hetpar::deploy

@@ -1,0 +1,197 @@
+// `hetpar deploy slurm`: batch scripts of one run (see deploy.h and docs/deploy.md).
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "coordinator/deploy/deploy.h"
+
+namespace hetpar::deploy {
+namespace {
+
+// Single quotes for the shell.
+std::string Quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') {
+      out += "'\\''";
+    } else {
+      out.push_back(c);
+    }
+  }
+  return out + "'";
+}
+
+struct Job {
+  std::string name;
+  int64_t encoder_ranks = 0;  // 0 when colocated
+  int64_t llm_ranks = 0;      // colocated: the shared ranks
+  bool colocated = false;
+};
+
+// The part both scripts share after the #SBATCH lines: paths, the token, the coordinator's
+// address, and the function that starts a step and the loop that waits for them.
+std::string Prologue(const DeployOptions& options, const std::string& config,
+                     const std::string& head_nodes) {
+  std::string s = absl::StrCat(
+      "set -euo pipefail\n\n", "BIN=", Quote(options.bin_dir), "\n",
+      "RUN_DIR=", Quote(options.run_dir), "\n", "CONFIG=", Quote(config), "\n",
+      "PORT=", options.coordinator_port, "\n\n", "mkdir -p \"$RUN_DIR/log\"\n",
+      "# A fresh run token for every job, readable by its user only; the steps read the file\n",
+      "# (never a command-line argument that ps would show).\n",
+      "export HETPAR_TOKEN_FILE=\"$RUN_DIR/token\"\n",
+      "(umask 077 && od -An -N32 -tx1 /dev/urandom | tr -d ' \\n' > \"$HETPAR_TOKEN_FILE\")\n",
+      "# The coordinator runs on the first node; HETPAR_COORDINATOR_HOST overrides the address\n",
+      "# the workers dial (e.g. an IP when node names do not resolve).\n",
+      "head_node=$(scontrol show hostnames \"", head_nodes, "\" | head -n 1)\n",
+      "export HETPAR_COORDINATOR=\"${HETPAR_COORDINATOR_HOST:-$head_node}:$PORT\"\n",
+      "export HETPAR_OUT=\"$RUN_DIR\"\n", "export HETPAR_THREADS=\"${SLURM_CPUS_PER_TASK:-",
+      options.cpus_per_rank, "}\"\n");
+  if (!options.interface.empty()) {
+    absl::StrAppend(&s, "# Workers advertise this interface's address to their peers.\n",
+                    "export HETPAR_INTERFACE=", Quote(options.interface), "\n");
+  }
+  absl::StrAppend(
+      &s, "\n",
+      "# Every step in the background; the job ends when all are done, or at the first that\n",
+      "# fails, naming it.\n", "declare -A step_names=()\n",
+      "start_step() {  # NAME SRUN-ARGS...\n", "  local name=$1\n", "  shift\n",
+      "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \"$@\" &\n",
+      "  step_names[$!]=$name\n", "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n");
+  return s;
+}
+
+// A worker step's command: its rank is the task's SLURM_PROCID within the step.
+std::string WorkerCommand(const std::string& binary, bool colocated, const DeployOptions& options) {
+  std::string host = options.interface.empty() ? " --host \"$SLURMD_NODENAME\"" : "";
+  return absl::StrCat("bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\"", host, " \"$@\"' \"$BIN/",
+                      binary, "\"", colocated ? " --colocated" : "");
+}
+
+std::string WaitLoop() {
+  return absl::StrCat(
+      "\nstatus=0\n", "while [ ${#step_names[@]} -gt 0 ]; do\n", "  code=0\n",
+      "  wait -n -p finished \"${!step_names[@]}\" || code=$?\n",
+      "  name=${step_names[$finished]}\n", "  unset \"step_names[$finished]\"\n",
+      "  if [ \"$code\" -ne 0 ]; then\n",
+      "    echo \"hetpar: job step '$name' failed with exit code $code (logs: "
+      "$RUN_DIR/log/$name-*.log); "
+      "ending the job\" >&2\n",
+      "    status=1\n",
+      "    for pid in \"${!step_names[@]}\"; do kill \"$pid\" 2>/dev/null || true; done\n",
+      "  else\n", "    echo \"hetpar: job step '$name' done\"\n", "  fi\n", "done\n",
+      "[ \"$status\" -eq 0 ] && echo \"hetpar: run done; run directory $RUN_DIR\"\n",
+      "exit \"$status\"\n");
+}
+
+std::string CommonDirectives(const Job& job, const DeployOptions& options) {
+  std::string s = absl::StrCat("#SBATCH --job-name=hetpar-", job.name, "\n",
+                               "#SBATCH --output=", options.run_dir, "/slurm-%j.out\n",
+                               "#SBATCH --time=", options.time_limit, "\n");
+  if (!options.partition.empty())
+    absl::StrAppend(&s, "#SBATCH --partition=", options.partition, "\n");
+  return s;
+}
+
+std::string GpuFlag(const DeployOptions& options) {
+  return options.device == Device::kGpu ? " --gpus-per-task=1" : "";
+}
+
+std::string SingleAllocation(const Job& job, const DeployOptions& options,
+                             const std::string& config) {
+  const int64_t workers = job.encoder_ranks + job.llm_ranks;
+  std::string s = absl::StrCat(
+      "#!/bin/bash\n", "# hetpar run '", job.name,
+      "' as one Slurm allocation, rendered by `hetpar deploy slurm`:\n", "# the coordinator, ",
+      job.colocated
+          ? absl::StrCat(job.llm_ranks, " colocated ranks")
+          : absl::StrCat(job.encoder_ranks, " encoder ranks and ", job.llm_ranks, " LLM ranks"),
+      " run as job steps. Submit with: sbatch ", options.run_dir, "/hetpar.sbatch\n",
+      CommonDirectives(job, options), "#SBATCH --ntasks=", workers + 1, "\n",
+      "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+  if (options.device == Device::kGpu) absl::StrAppend(&s, "#SBATCH --gpus=", workers, "\n");
+  absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST"), "\n");
+  absl::StrAppend(&s,
+                  "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\" "
+                  "\"$BIN/hetpar\" coordinator --config \"$CONFIG\" --listen \"0.0.0.0:$PORT\" "
+                  "--out \"$RUN_DIR\"\n");
+  if (job.colocated) {
+    absl::StrAppend(&s, "start_step colocated --exact --ntasks=", job.llm_ranks, GpuFlag(options),
+                    " ", WorkerCommand("hetpar-llm", true, options), "\n");
+  } else {
+    absl::StrAppend(&s, "start_step encoder --exact --ntasks=", job.encoder_ranks, GpuFlag(options),
+                    " ", WorkerCommand("hetpar-encoder", false, options), "\n");
+    absl::StrAppend(&s, "start_step llm --exact --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                    WorkerCommand("hetpar-llm", false, options), "\n");
+  }
+  absl::StrAppend(&s, WaitLoop());
+  return s;
+}
+
+// Component 0: the encoder nodes. Component 1: the LLM nodes, and the coordinator on the first.
+std::string Heterogeneous(const Job& job, const DeployOptions& options, const std::string& config) {
+  std::string s = absl::StrCat("#!/bin/bash\n", "# hetpar run '", job.name,
+                               "' as a heterogeneous Slurm job, rendered by `hetpar deploy ",
+                               "slurm`:\n# component 0 holds the encoder pool (", job.encoder_ranks,
+                               " ranks), component 1 the LLM ranks (", job.llm_ranks,
+                               ") and the coordinator. Submit with: sbatch ", options.run_dir,
+                               "/hetpar-het.sbatch\n", CommonDirectives(job, options),
+                               "#SBATCH --ntasks=", job.encoder_ranks, "\n",
+                               "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+  if (options.device == Device::kGpu) {
+    absl::StrAppend(&s, "#SBATCH --gpus=", job.encoder_ranks, "\n");
+  }
+  absl::StrAppend(&s, "#SBATCH hetjob\n", "#SBATCH --ntasks=", job.llm_ranks + 1, "\n",
+                  "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+  if (options.device == Device::kGpu) {
+    absl::StrAppend(&s, "#SBATCH --gpus=", job.llm_ranks, "\n");
+  }
+  absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1"), "\n");
+  absl::StrAppend(&s,
+                  "start_step coordinator --het-group=1 --exact --ntasks=1 --nodes=1 "
+                  "--nodelist=\"$head_node\" \"$BIN/hetpar\" coordinator --config \"$CONFIG\" "
+                  "--listen \"0.0.0.0:$PORT\" --out \"$RUN_DIR\"\n");
+  absl::StrAppend(&s, "start_step encoder --het-group=0 --exact --ntasks=", job.encoder_ranks,
+                  GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
+  absl::StrAppend(&s, "start_step llm --het-group=1 --exact --ntasks=", job.llm_ranks,
+                  GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options), "\n");
+  absl::StrAppend(&s, WaitLoop());
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpec& loaded,
+                                                      const DeployOptions& options) {
+  if (std::vector<std::string> problems = PlacementProblems(loaded, options); !problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrJoin(problems, "\n"));
+  }
+  if (options.bin_dir.empty() || options.run_dir.empty() || options.bin_dir[0] != '/' ||
+      options.run_dir[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat("the binaries' directory ('", options.bin_dir,
+                                                   "') and the run directory ('", options.run_dir,
+                                                   "') must be absolute paths every node sees"));
+  }
+  const v1::RunSpec& spec = loaded.spec;
+  Job job;
+  job.name = ObjectName(spec.run().name());
+  job.colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
+  const ModuleShape encoder = EncoderShape(spec);
+  const ModuleShape llm = LlmShape(spec);
+  job.llm_ranks = llm.replicas * llm.ranks_per_replica;
+  job.encoder_ranks = job.colocated ? 0 : encoder.replicas * encoder.ranks_per_replica;
+  v1::RunSpec run_spec = spec;
+  run_spec.mutable_run()->set_out_dir(options.run_dir);
+  run_spec.mutable_coordinator()->clear_token_file();
+  const std::string config = options.run_dir + "/run.yaml";
+
+  std::vector<RenderedFile> files;
+  files.push_back({"run.yaml", absl::StrCat("# The RunSpec of hetpar run '", spec.run().name(),
+                                            "' (rendered by `hetpar deploy slurm`).\n",
+                                            config::RunSpecToYaml(run_spec))});
+  files.push_back({"hetpar.sbatch", SingleAllocation(job, options, config)});
+  if (!job.colocated) files.push_back({"hetpar-het.sbatch", Heterogeneous(job, options, config)});
+  return files;
+}
+
+}  // namespace hetpar::deploy
