@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Installs the Debian packages that hetpar's build, tests and benchmarks need.
-# Idempotent: packages already present are left alone and apt-get is not touched.
+# Installs the Debian packages that hetpar's build, tests and benchmarks need,
+# then the project-local Python environment <repo>/.venv (system /usr/bin/python3,
+# packages pinned in deploy/requirements.txt: the deployment-file checks).
+# Idempotent: packages already present are left alone and apt-get is not touched;
+# the venv is created only if absent and pip runs only when an installed version
+# differs from its pin.
 # A package that cannot be installed stops the script with a message naming it.
+#
+# HETPAR_NO_VENV=1 skips the Python environment (the container image's build
+# stage sets it: the image needs only the C++ build).
 set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(
   # toolchain
@@ -23,6 +32,10 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   # process tools the tests use (pgrep, ps, lsof-free fd counting via /proc)
   procps
+  # project-local Python environment (.venv) for the deployment-file checks
+  python3 python3-venv
+  # a local Slurm cluster for the rendered batch scripts' test (tests/deploy/slurm)
+  slurmctld slurmd slurm-client munge
 )
 
 missing=()
@@ -32,27 +45,118 @@ for p in "${packages[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
-fi
+install_debian_packages() {
+  if [ ${#missing[@]} -eq 0 ]; then
+    echo "install-deps: all ${#packages[@]} packages present"
+    return 0
+  fi
 
-if [ "$(id -u)" -ne 0 ]; then
-  SUDO=sudo
-else
-  SUDO=
-fi
+  local SUDO=
+  if [ "$(id -u)" -ne 0 ]; then
+    SUDO=sudo
+  fi
 
-echo "install-deps: installing ${#missing[@]} packages: ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-if ! $SUDO apt-get install -y -q "${missing[@]}"; then
-  # Name the package that fails, one by one, so the user knows what to fix.
-  for p in "${missing[@]}"; do
-    if ! $SUDO apt-get install -y -q "$p" >/dev/null 2>&1; then
-      echo "install-deps: ERROR: cannot install Debian package '$p' (apt-get install $p failed)" >&2
+  echo "install-deps: installing ${#missing[@]} packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q
+  if ! $SUDO apt-get install -y -q "${missing[@]}"; then
+    # Name the package that fails, one by one, so the user knows what to fix.
+    for p in "${missing[@]}"; do
+      if ! $SUDO apt-get install -y -q "$p" >/dev/null 2>&1; then
+        echo "install-deps: ERROR: cannot install Debian package '$p' (apt-get install $p failed)" >&2
+        exit 1
+      fi
+    done
+  fi
+  echo "install-deps: Debian packages done"
+}
+
+# Prints the pins of requirements.txt that the venv does not satisfy (name==version
+# per line; nothing when all match). Reads installed versions from package
+# metadata: about 0.1 s, so a second run of this script stays fast.
+venv_unmet_pins() {
+  "$venv/bin/python" - "$requirements" <<'EOF'
+import importlib.metadata as md
+import sys
+
+for line in open(sys.argv[1]):
+    line = line.split("#", 1)[0].strip()
+    if not line:
+        continue
+    name, _, want = line.partition("==")
+    try:
+        have = md.version(name.strip())
+    except md.PackageNotFoundError:
+        have = None
+    if have != want.strip():
+        print(line)
+EOF
+}
+
+install_python_venv() {
+  local python=/usr/bin/python3
+  venv="$repo/.venv"
+  requirements="$repo/deploy/requirements.txt"
+
+  if [ ! -f "$requirements" ]; then
+    echo "install-deps: ERROR: missing $requirements" >&2
+    exit 1
+  fi
+  if [ ! -x "$python" ]; then
+    echo "install-deps: ERROR: $python not found (Debian package python3)" >&2
+    exit 1
+  fi
+
+  # A venv whose interpreter no longer runs (system Python replaced, folder
+  # copied from another machine) is rebuilt in place.
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c '' >/dev/null 2>&1; then
+    echo "install-deps: creating Python venv $venv with $python ($("$python" --version 2>&1))"
+    if ! "$python" -m venv --clear "$venv"; then
+      echo "install-deps: ERROR: cannot create Python venv $venv ($python -m venv failed; Debian package python3-venv)" >&2
       exit 1
     fi
-  done
+  fi
+
+  local unmet
+  if ! unmet="$(venv_unmet_pins)"; then
+    echo "install-deps: ERROR: cannot read installed Python packages in $venv" >&2
+    exit 1
+  fi
+  if [ -z "$unmet" ]; then
+    echo "install-deps: Python venv $venv matches deploy/requirements.txt"
+    return 0
+  fi
+
+  echo "install-deps: installing Python packages into $venv: ${unmet//$'\n'/ }"
+  local pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input)
+  if ! "${pip[@]}" install -q -r "$requirements"; then
+    # Name the pin that fails, one by one, so the user knows what to fix.
+    local req
+    for req in $unmet; do
+      if ! "${pip[@]}" install -q --no-deps "$req" >/dev/null 2>&1; then
+        echo "install-deps: ERROR: cannot install Python package '$req' into $venv (pip install $req failed)" >&2
+        exit 1
+      fi
+    done
+    echo "install-deps: ERROR: pip install -r $requirements failed (each pin installs alone: conflicting pins?)" >&2
+    exit 1
+  fi
+  if ! "${pip[@]}" check >/dev/null; then
+    echo "install-deps: ERROR: Python packages in $venv have broken requirements (run: $venv/bin/pip check)" >&2
+    exit 1
+  fi
+  unmet="$(venv_unmet_pins)"
+  if [ -n "$unmet" ]; then
+    echo "install-deps: ERROR: after pip install, $venv still lacks: ${unmet//$'\n'/ }" >&2
+    exit 1
+  fi
+  echo "install-deps: Python venv done"
+}
+
+install_debian_packages
+if [ "${HETPAR_NO_VENV:-0}" = 1 ]; then
+  echo "install-deps: HETPAR_NO_VENV=1: skipping the Python venv"
+else
+  install_python_venv
 fi
 echo "install-deps: done"

@@ -69,19 +69,26 @@ std::string WorkerCommand(const std::string& binary, bool colocated, const Deplo
 }
 
 std::string WaitLoop() {
-  return absl::StrCat(
-      "\nstatus=0\n", "while [ ${#step_names[@]} -gt 0 ]; do\n", "  code=0\n",
-      "  wait -n -p finished \"${!step_names[@]}\" || code=$?\n",
-      "  name=${step_names[$finished]}\n", "  unset \"step_names[$finished]\"\n",
-      "  if [ \"$code\" -ne 0 ]; then\n",
-      "    echo \"hetpar: job step '$name' failed with exit code $code (logs: "
-      "$RUN_DIR/log/$name-*.log); "
-      "ending the job\" >&2\n",
-      "    status=1\n",
-      "    for pid in \"${!step_names[@]}\"; do kill \"$pid\" 2>/dev/null || true; done\n",
-      "  else\n", "    echo \"hetpar: job step '$name' done\"\n", "  fi\n", "done\n",
-      "[ \"$status\" -eq 0 ] && echo \"hetpar: run done; run directory $RUN_DIR\"\n",
-      "exit \"$status\"\n");
+  return R"sh(
+status=0
+while [ ${#step_names[@]} -gt 0 ]; do
+  code=0
+  wait -n -p finished "${!step_names[@]}" || code=$?
+  name=${step_names[$finished]}
+  unset "step_names[$finished]"
+  if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
+    echo "hetpar: job step '$name' failed with exit code $code (logs: $RUN_DIR/log/$name-*.log); ending the job" >&2
+    status=1
+    for pid in "${!step_names[@]}"; do kill "$pid" 2>/dev/null || true; done
+  elif [ "$status" -ne 0 ]; then
+    echo "hetpar: job step '$name' ended (exit code $code)"
+  else
+    echo "hetpar: job step '$name' done"
+  fi
+done
+[ "$status" -eq 0 ] && echo "hetpar: run done; run directory $RUN_DIR"
+exit "$status"
+)sh";
 }
 
 std::string CommonDirectives(const Job& job, const DeployOptions& options) {

@@ -1,0 +1,245 @@
+// `hetpar deploy k8s|slurm` on the example configs: the objects follow the layouts, every
+// container runs a real binary with flags and environment variables it takes, the token comes
+// from the Secret, and a config that cannot be placed is refused with field, value and file:line.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "coordinator/deploy/deploy.h"
+#include "tests/coordinator/coordinator_test_util.h"
+#include "tests/deploy/k8s_util.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kBinDir = std::filesystem::path(kHetparBin).parent_path().string();
+
+CommandResult RunOk(const std::vector<std::string>& argv) {
+  auto r = RunCommand(argv, 60);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return r.ok() ? *r : CommandResult{};
+}
+
+struct Rendered {
+  TempDir dir;
+  std::vector<YAML::Node> objects;
+};
+
+void RenderK8s(const std::string& config, Rendered* out, std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv = {kHetparBin,
+                                   "deploy",
+                                   "k8s",
+                                   "--config",
+                                   kSourceDir + "/configs/" + config,
+                                   "--image",
+                                   "registry.example/hetpar:test",
+                                   "--out",
+                                   out->dir.path()};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  const CommandResult r = RunOk(argv);
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  out->objects = LoadObjects(out->dir.path());
+}
+
+// Checks every container of `pod_spec`: a real binary, flags and HETPAR_* variables it documents,
+// the token file inside a mount of the Secret `secret`.
+void CheckContainers(const YAML::Node& pod_spec, const std::string& secret) {
+  std::map<std::string, std::string> volume_secret;  // volume name -> secret name
+  for (const YAML::Node& v : pod_spec["volumes"]) {
+    if (v["secret"])
+      volume_secret[v["name"].as<std::string>()] = v["secret"]["secretName"].as<std::string>();
+  }
+  for (const YAML::Node& c : pod_spec["containers"]) {
+    const std::vector<std::string> command = c["command"].as<std::vector<std::string>>();
+    ASSERT_FALSE(command.empty());
+    const std::string binary = command[0];
+    ASSERT_TRUE(std::filesystem::exists(kBinDir + "/" + binary))
+        << c["name"] << " runs '" << binary << "', not a hetpar binary";
+    // `hetpar coordinator --help` documents the subcommand's flags.
+    std::vector<std::string> help_argv = command;
+    help_argv[0] = kBinDir + "/" + binary;
+    help_argv.push_back("--help");
+    const CommandResult help = RunOk(help_argv);
+    ASSERT_EQ(help.exit_code, 0) << help.stderr_text;
+    std::vector<std::string> args;
+    if (c["args"]) args = c["args"].as<std::vector<std::string>>();
+    for (const std::string& a : args) {
+      if (a.rfind("--", 0) == 0) {
+        EXPECT_THAT(help.stdout_text, HasSubstr(a + " ")) << binary << " has no flag " << a;
+      }
+    }
+    std::string token_file;
+    for (const YAML::Node& e : c["env"]) {
+      const std::string name = e["name"].as<std::string>();
+      EXPECT_THAT(help.stdout_text, HasSubstr("Env:" + name))
+          << binary << " reads no environment variable " << name;
+      if (name == "HETPAR_TOKEN_FILE") token_file = e["value"].as<std::string>();
+      EXPECT_NE(name, "HETPAR_TOKEN") << "the token must come from the Secret's file";
+    }
+    ASSERT_FALSE(token_file.empty()) << c["name"] << " gets no token file";
+    bool from_secret = false;
+    for (const YAML::Node& m : c["volumeMounts"]) {
+      const std::string mount = m["mountPath"].as<std::string>();
+      if (token_file.rfind(mount + "/", 0) == 0 &&
+          volume_secret[m["name"].as<std::string>()] == secret) {
+        from_secret = true;
+      }
+    }
+    EXPECT_TRUE(from_secret) << token_file << " is not in a mount of the Secret " << secret;
+  }
+}
+
+TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
+  Rendered r;
+  RenderK8s("tiny.yaml", &r);
+  ASSERT_FALSE(r.objects.empty());
+  // configs/tiny.yaml: encoder dp 2 tp 1, LLM dp 1 tp 2.
+  const YAML::Node encoder = Named(r.objects, "StatefulSet", "tiny-encoder");
+  const YAML::Node llm = Named(r.objects, "StatefulSet", "tiny-llm");
+  ASSERT_TRUE(encoder && llm);
+  EXPECT_EQ(encoder["spec"]["replicas"].as<int>(), 2);
+  EXPECT_EQ(encoder["spec"]["template"]["spec"]["containers"].size(), 1u);
+  EXPECT_EQ(llm["spec"]["replicas"].as<int>(), 1);
+  EXPECT_EQ(llm["spec"]["template"]["spec"]["containers"].size(), 2u);
+  const YAML::Node secret = Named(r.objects, "Secret", "tiny-token");
+  ASSERT_TRUE(secret);
+  EXPECT_EQ(secret["stringData"]["token"].as<std::string>().size(), 64u);
+  struct stat st = {};
+  ASSERT_EQ(::stat((r.dir.path() + "/manifests/secret.yaml").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  for (const YAML::Node& set : {encoder, llm}) {
+    CheckContainers(set["spec"]["template"]["spec"], "tiny-token");
+  }
+  const YAML::Node coordinator = Named(r.objects, "Deployment", "tiny-coordinator");
+  ASSERT_TRUE(coordinator);
+  CheckContainers(coordinator["spec"]["template"]["spec"], "tiny-token");
+  EXPECT_EQ(coordinator["spec"]["replicas"].as<int>(), 1);
+  EXPECT_TRUE(Named(r.objects, "Service", "tiny-coordinator"));
+  // The RunSpec in the ConfigMap loads and keeps the layouts; paths point into the mounts.
+  const YAML::Node runspec = Named(r.objects, "ConfigMap", "tiny-runspec");
+  ASSERT_TRUE(runspec);
+  const YAML::Node spec = YAML::Load(runspec["data"]["run.yaml"].as<std::string>());
+  EXPECT_EQ(spec["encoder"]["layout"]["dp"].as<int>(), 2);
+  EXPECT_EQ(spec["run"]["out_dir"].as<std::string>(), "/var/lib/hetpar/run");
+  EXPECT_EQ(spec["data"]["manifest"].as<std::string>(), "/var/lib/hetpar/data/train.jsonl");
+  EXPECT_EQ(spec["data"]["tokenizer"].as<std::string>(), "/var/lib/hetpar/data/tokenizer.model");
+  // The kustomization names every manifest file.
+  const YAML::Node k = YAML::LoadFile(r.dir.path() + "/kustomization.yaml");
+  for (const YAML::Node& file : k["resources"]) {
+    EXPECT_TRUE(std::filesystem::exists(r.dir.path() + "/" + file.as<std::string>())) << file;
+  }
+  EXPECT_EQ(k["resources"].size(), 5u);
+}
+
+TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
+  Rendered r;
+  RenderK8s("large-example.yaml", &r, {"--device", "gpu", "--gpus-per-node", "8"});
+  // configs/large-example.yaml: encoder dp 16 tp 1; LLM dp 8 tp 4.
+  const YAML::Node encoder = Named(r.objects, "StatefulSet", "vit400m-llm8b-encoder");
+  const YAML::Node llm = Named(r.objects, "StatefulSet", "vit400m-llm8b-llm");
+  ASSERT_TRUE(encoder && llm);
+  EXPECT_EQ(encoder["spec"]["replicas"].as<int>(), 16);
+  EXPECT_EQ(llm["spec"]["replicas"].as<int>(), 8);
+  const YAML::Node containers = llm["spec"]["template"]["spec"]["containers"];
+  ASSERT_EQ(containers.size(), 4u);
+  std::set<std::string> local_ranks;
+  for (const YAML::Node& c : containers) {
+    EXPECT_EQ(c["resources"]["limits"]["nvidia.com/gpu"].as<std::string>(), "1");
+    const auto args = c["args"].as<std::vector<std::string>>();
+    for (size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == "--ranks-per-replica") {
+        EXPECT_EQ(args[i + 1], "4");
+      }
+      if (args[i] == "--local-rank") local_ranks.insert(args[i + 1]);
+    }
+  }
+  EXPECT_EQ(local_ranks, (std::set<std::string>{"0", "1", "2", "3"}));
+  CheckContainers(llm["spec"]["template"]["spec"], "vit400m-llm8b-token");
+}
+
+TEST(DeployK8sTest, AReplicaLargerThanANodeIsRefusedWithFieldValueAndLine) {
+  TempDir dir;
+  std::ifstream in(kSourceDir + "/configs/tiny.yaml");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "layout: {dp: 2, tp: 1}";
+  ASSERT_NE(text.find(from), std::string::npos);
+  text.replace(text.find(from), from.size(), "layout: {dp: 2, tp: 4}");
+  // deploy does not need the data files (they live on the cluster).
+  const std::string config = dir.File("run.yaml");
+  { std::ofstream(config) << text; }
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "k8s", "--config", config, "--image", "x", "--out",
+             dir.File("out"), "--device", "gpu", "--gpus-per-node", "2"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.stderr_text, HasSubstr("encoder.layout.tp: =4 puts 4 GPUs in one encoder replica"));
+  EXPECT_THAT(r.stderr_text, HasSubstr("--gpus-per-node 2"));
+  EXPECT_THAT(r.stderr_text, HasSubstr(config + ":25"));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("out")));
+}
+
+TEST(DeploySlurmTest, ScriptsAreValidBashAndStartEveryRankWithARealBinary) {
+  TempDir dir;
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("run"), "--interface", "lo"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  for (const char* script : {"hetpar.sbatch", "hetpar-het.sbatch"}) {
+    const std::string path = dir.File("run") + "/" + script;
+    const CommandResult syntax = RunOk({"bash", "-n", path});
+    EXPECT_EQ(syntax.exit_code, 0) << script << ": " << syntax.stderr_text;
+    const std::string text = ReadFile(path);
+    EXPECT_THAT(text, HasSubstr("BIN='" + kBinDir + "'"));
+    EXPECT_THAT(text, HasSubstr("\"$BIN/hetpar\" coordinator --config \"$CONFIG\""));
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+                                "\"$BIN/hetpar-encoder\""));
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+                                "\"$BIN/hetpar-llm\""));
+    EXPECT_THAT(text, HasSubstr("export HETPAR_INTERFACE='lo'"));
+  }
+  EXPECT_THAT(ReadFile(dir.File("run") + "/hetpar.sbatch"), HasSubstr("#SBATCH --ntasks=5"));
+  const std::string het = ReadFile(dir.File("run") + "/hetpar-het.sbatch");
+  EXPECT_THAT(het, HasSubstr("#SBATCH hetjob"));
+  EXPECT_THAT(het, HasSubstr("--het-group=0"));
+  const YAML::Node spec = YAML::LoadFile(dir.File("run") + "/run.yaml");
+  EXPECT_EQ(spec["run"]["out_dir"].as<std::string>(), dir.File("run"));
+}
+
+TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {
+  const nlohmann::ordered_json value = {{"port", 50051},
+                                        {"port_text", "50051"},
+                                        {"flag", "--rank"},
+                                        {"yes_text", "yes"},
+                                        {"enabled", true},
+                                        {"empty", nlohmann::ordered_json::object()},
+                                        {"list", {"a", 1, {{"k", "v"}, {"k2", "v2"}}}},
+                                        {"multi", "line one\n  line two\n"},
+                                        {"quote", "it's \"quoted\": yes"}};
+  const YAML::Node y = YAML::Load(deploy::JsonToYaml(value));
+  EXPECT_EQ(y["port"].as<int>(), 50051);
+  EXPECT_EQ(y["port"].Tag(), "?");  // plain: a number
+  EXPECT_EQ(y["port_text"].as<std::string>(), "50051");
+  EXPECT_EQ(y["port_text"].Tag(), "!");  // quoted: a string
+  EXPECT_EQ(y["flag"].as<std::string>(), "--rank");
+  EXPECT_EQ(y["yes_text"].Tag(), "!");
+  EXPECT_TRUE(y["enabled"].as<bool>());
+  EXPECT_TRUE(y["empty"].IsMap());
+  EXPECT_EQ(y["empty"].size(), 0u);
+  EXPECT_EQ(y["list"][0].as<std::string>(), "a");
+  EXPECT_EQ(y["list"][1].as<int>(), 1);
+  EXPECT_EQ(y["list"][2]["k2"].as<std::string>(), "v2");
+  EXPECT_EQ(y["multi"].as<std::string>(), "line one\n  line two\n");
+  EXPECT_EQ(y["quote"].as<std::string>(), "it's \"quoted\": yes");
+}
+
+}  // namespace
+}  // namespace hetpar::testing

@@ -1,0 +1,245 @@
+// "Runs the manifests": renders the Kubernetes manifests of a small tiny run, reads each
+// container's command, arguments and environment, and starts them as local processes, changing
+// only addresses (the coordinator Service and pod IPs become loopback, the pod index the replica)
+// and paths (each volume mount becomes a local directory). The workers start first and wait for
+// the coordinator. The run must complete, write its run directory, and match the reference
+// trainer under `hetpar compare`.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "tests/coordinator/coordinator_test_util.h"
+#include "tests/deploy/k8s_util.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kBinDir = std::filesystem::path(kHetparBin).parent_path().string();
+
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// One container of one pod, turned into a local process's argv (run through `env -i` so it sees
+// only the manifest's environment).
+struct LocalContainer {
+  std::string name;  // pod/container
+  std::vector<std::string> argv;
+};
+
+class ManifestsRunTest : public ::testing::Test {
+ protected:
+  // Local directory for a pod volume: Secrets and ConfigMaps are written out as files.
+  std::string VolumeDir(const YAML::Node& volume) {
+    const std::string name = volume["name"].as<std::string>();
+    if (volume["persistentVolumeClaim"]) {
+      return dir_.File("volumes/" + volume["persistentVolumeClaim"]["claimName"].as<std::string>());
+    }
+    const bool secret = static_cast<bool>(volume["secret"]);
+    const std::string object_name = secret ? volume["secret"]["secretName"].as<std::string>()
+                                           : volume["configMap"]["name"].as<std::string>();
+    const std::string local = dir_.File((secret ? "secrets/" : "configmaps/") + object_name);
+    const YAML::Node object = Named(objects_, secret ? "Secret" : "ConfigMap", object_name);
+    EXPECT_TRUE(object) << "no " << (secret ? "Secret " : "ConfigMap ") << object_name;
+    std::filesystem::create_directories(local);
+    for (const auto& item : object[secret ? "stringData" : "data"]) {
+      const std::string path = local + "/" + item.first.as<std::string>();
+      std::ofstream(path) << item.second.as<std::string>();
+      std::filesystem::permissions(path, std::filesystem::perms::owner_read |
+                                             std::filesystem::perms::owner_write);
+    }
+    return local;
+  }
+
+  // Container paths -> local paths, longest mount first.
+  std::string Localize(std::string value, const std::map<std::string, std::string>& mounts) {
+    for (auto it = mounts.rbegin(); it != mounts.rend(); ++it) {
+      if (value == it->first || value.rfind(it->first + "/", 0) == 0) {
+        return it->second + value.substr(it->first.size());
+      }
+    }
+    return value;
+  }
+
+  std::vector<LocalContainer> Containers(const YAML::Node& workload, int64_t replicas) {
+    std::vector<LocalContainer> out;
+    const YAML::Node pod = workload["spec"]["template"]["spec"];
+    std::map<std::string, std::string> volume_dirs;
+    for (const YAML::Node& v : pod["volumes"]) {
+      volume_dirs[v["name"].as<std::string>()] = VolumeDir(v);
+    }
+    for (int64_t index = 0; index < replicas; ++index) {
+      for (const YAML::Node& c : pod["containers"]) {
+        std::map<std::string, std::string> mounts;
+        for (const YAML::Node& m : c["volumeMounts"]) {
+          mounts[m["mountPath"].as<std::string>()] = volume_dirs[m["name"].as<std::string>()];
+        }
+        LocalContainer local;
+        local.name = absl::StrCat(workload["metadata"]["name"].as<std::string>(), "-", index, "-",
+                                  c["name"].as<std::string>());
+        local.argv = {"/usr/bin/env", "-i", "PATH=" + kBinDir + ":/usr/bin:/bin"};
+        for (const YAML::Node& e : c["env"]) {
+          std::string value;
+          if (e["value"]) {
+            value = Localize(e["value"].as<std::string>(), mounts);
+          } else {
+            const std::string field = e["valueFrom"]["fieldRef"]["fieldPath"].as<std::string>();
+            if (field == "status.podIP") {
+              value = "127.0.0.1";
+            } else if (field == "metadata.labels['apps.kubernetes.io/pod-index']") {
+              value = std::to_string(index);
+            } else {
+              ADD_FAILURE() << "unexpected fieldRef " << field;
+            }
+          }
+          // Addresses: the coordinator's Service and its listening address become loopback.
+          value = absl::StrReplaceAll(value, {{service_address_, local_address_},
+                                              {"0.0.0.0:50051", local_address_}});
+          local.argv.push_back(e["name"].as<std::string>() + "=" + value);
+        }
+        // Threads: two cores shared by five processes.
+        local.argv.push_back("HETPAR_THREADS=1");
+        for (const std::string& word : c["command"].as<std::vector<std::string>>()) {
+          local.argv.push_back(word);
+        }
+        if (c["args"]) {
+          for (const std::string& a : c["args"].as<std::vector<std::string>>()) {
+            EXPECT_EQ(a.find("$("), std::string::npos) << "unexpanded reference in " << a;
+            local.argv.push_back(Localize(a, mounts));
+          }
+        }
+        out.push_back(std::move(local));
+      }
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  std::vector<YAML::Node> objects_;
+  std::string service_address_ = "tiny-coordinator:50051";
+  std::string local_address_;
+};
+
+TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  local_address_ = absl::StrCat("127.0.0.1:", port);
+  auto rendered = RunCommand(
+      {kHetparBin, "deploy", "k8s", "--config", kSourceDir + "/configs/tiny.yaml", "--image",
+       "hetpar:test", "--out", dir_.File("k8s"), "--set", "run.steps=6", "--set",
+       "run.dtype=float64", "--set", "data.synth.samples=64", "--set", "data.synth.val_samples=4"},
+      60);
+  ASSERT_TRUE(rendered.ok()) << rendered.status();
+  ASSERT_EQ(rendered->exit_code, 0) << rendered->stderr_text;
+  objects_ = LoadObjects(dir_.File("k8s"));
+
+  std::vector<LocalContainer> workers;
+  for (const YAML::Node& set : OfKind(objects_, "StatefulSet")) {
+    for (LocalContainer& c : Containers(set, set["spec"]["replicas"].as<int64_t>())) {
+      workers.push_back(std::move(c));
+    }
+  }
+  ASSERT_EQ(workers.size(), 4u);  // 2 encoder pods x 1 rank, 1 LLM pod x 2 ranks
+  const std::vector<LocalContainer> coordinators =
+      Containers(Named(objects_, "Deployment", "tiny-coordinator"), 1);
+  ASSERT_EQ(coordinators.size(), 1u);
+
+  // The ConfigMap's RunSpec names container paths; the coordinator reads the localized copy.
+  const std::string run_dir = dir_.File("volumes/tiny-run");
+  const std::string data_dir = dir_.File("volumes/tiny-data");
+  std::filesystem::create_directories(run_dir);
+  std::filesystem::create_directories(data_dir);
+  const std::string spec_path = dir_.File("configmaps/tiny-runspec/run.yaml");
+  {
+    const std::string text = ReadFile(spec_path);
+    std::ofstream(spec_path) << absl::StrReplaceAll(
+        text, {{"/var/lib/hetpar/run", run_dir}, {"/var/lib/hetpar/data", data_dir}});
+  }
+
+  // Workers first: each must wait for the coordinator, which is not up yet.
+  std::vector<ChildProcess> processes;
+  std::vector<std::string> logs;
+  for (const LocalContainer& c : workers) {
+    logs.push_back(dir_.File(c.name + ".log"));
+    auto p = ChildProcess::Start(c.argv, logs.back());
+    ASSERT_TRUE(p.ok()) << p.status();
+    processes.push_back(*std::move(p));
+  }
+  for (const std::string& log : logs) {
+    ASSERT_TRUE(AwaitInFile(log, "waiting for the coordinator at 127\\.0\\.0\\.1",
+                            absl::Seconds(60))
+                    .ok())
+        << log << ":\n"
+        << ReadFile(log);
+  }
+  logs.push_back(dir_.File("coordinator.log"));
+  auto coordinator = ChildProcess::Start(coordinators[0].argv, logs.back());
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  processes.push_back(*std::move(coordinator));
+
+  // Every process lingers after the run (as in a pod): wait for the coordinator to say so.
+  auto done = AwaitInFile(logs.back(), "run tiny (done|failed); serving its status",
+                          absl::Seconds(400));
+  std::string all_logs;
+  for (const std::string& log : logs) absl::StrAppend(&all_logs, "== ", log, "\n", ReadFile(log));
+  ASSERT_TRUE(done.ok()) << all_logs;
+  EXPECT_EQ(*done, "done") << all_logs;
+  for (size_t i = 0; i + 1 < logs.size(); ++i) {
+    ASSERT_TRUE(AwaitInFile(logs[i], "idle until terminated", absl::Seconds(60)).ok())
+        << logs[i] << ":\n"
+        << ReadFile(logs[i]);
+  }
+  for (ChildProcess& p : processes) {
+    p.Signal(SIGTERM);
+    auto code = p.Wait(60);
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << all_logs;
+  }
+
+  // The run directory on the run volume: 6 steps, final parameters, the model files.
+  const std::string metrics = ReadFile(run_dir + "/metrics.jsonl");
+  EXPECT_THAT(metrics, HasSubstr("\"step\":5"));
+  EXPECT_THAT(metrics, HasSubstr("\"final_params\""));
+  EXPECT_TRUE(std::filesystem::exists(run_dir + "/model/encoder.hpar"));
+  EXPECT_TRUE(std::filesystem::exists(run_dir + "/model/llm.hpar"));
+
+  auto reference = RunCommand({kHetparBin, "run", "--reference", "--config", spec_path, "--out",
+                               dir_.File("reference")},
+                              300);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_EQ(reference->exit_code, 0) << reference->stderr_text;
+  auto compare = RunCommand({kHetparBin, "compare", run_dir, dir_.File("reference")}, 60);
+  ASSERT_TRUE(compare.ok()) << compare.status();
+  EXPECT_EQ(compare->exit_code, 0) << compare->stdout_text << compare->stderr_text;
+}
+
+}  // namespace
+}  // namespace hetpar::testing

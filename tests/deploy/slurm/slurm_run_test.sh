@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The batch scripts `hetpar deploy slurm` renders, run by a real Slurm: a throw-away cluster on
+# this machine (local_slurm.sh: munged, slurmctld and two slurmd, in a temporary directory,
+# stopped by pid) runs
+#   1. the single-allocation script of a 6-step tiny run: the run directory must hold the steps,
+#      the final parameters and the model, and match the reference trainer under hetpar compare;
+#   2. the heterogeneous-job script (checked with sbatch --test-only, then run for real on the
+#      two nodes, with the same checks);
+#   3. the single-allocation script with workers that cannot start: the job must fail and its
+#      log must name the failing step.
+# Usage: slurm_run_test.sh HETPAR_BIN_DIR REPO_ROOT. Exit 77 (skipped) without Slurm or root.
+set -euo pipefail
+
+bin="$1"
+repo="$2"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+for tool in slurmctld slurmd munged sbatch; do
+  if ! command -v "$tool" >/dev/null && [ ! -x "/usr/sbin/$tool" ]; then
+    echo "skipped: $tool is not installed (deploy/install-deps.sh installs Slurm)"
+    exit 77
+  fi
+done
+if [ "$(id -u)" -ne 0 ]; then
+  echo "skipped: the local Slurm cluster runs its daemons as root"
+  exit 77
+fi
+
+work="$(mktemp -d /tmp/hetpar-slurm-test.XXXXXX)"
+cleanup() {
+  "$here/local_slurm.sh" stop "$work/slurm" >/dev/null 2>&1 || true
+  if [ "${KEEP:-0}" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+fail() {
+  echo "slurm_run_test: FAIL: $*" >&2
+  for f in "$work"/run*/slurm-*.out "$work"/run*/log/*.log; do
+    [ -f "$f" ] && { echo "== $f" >&2; tail -n 15 "$f" >&2; }
+  done
+  exit 1
+}
+
+"$here/local_slurm.sh" start "$work/slurm" 8 2 >/dev/null
+# shellcheck disable=SC1091
+source "$work/slurm/env"
+
+# Renders NAME's scripts: a 6-step float64 tiny run on a small synthetic set in this test's
+# directory; workers advertise the loopback interface (the nodes share this host).
+render() {
+  "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$1" \
+    --interface lo --cpus-per-rank 1 --bin-dir "$bin" \
+    --set run.steps=6 --set run.dtype=float64 \
+    --set data.manifest="$work/data/train.jsonl" --set data.val_manifest="$work/data/val.jsonl" \
+    --set data.tokenizer="$work/data/tokenizer.model" \
+    --set data.synth.samples=64 --set data.synth.val_samples=4 >/dev/null
+}
+
+# Submits SCRIPT with extra exported variables; prints the job id.
+submit() {
+  local script=$1
+  shift
+  local exports="ALL,HETPAR_COORDINATOR_HOST=127.0.0.1"
+  for e in "$@"; do exports="$exports,$e"; done
+  sbatch --parsable --export="$exports" "$script" | cut -d';' -f1
+}
+
+check_run() {  # RUN_DIR
+  local dir=$1
+  grep -q '"step":5' "$dir/metrics.jsonl" || fail "$dir/metrics.jsonl has no step 5"
+  grep -q '"final_params"' "$dir/metrics.jsonl" || fail "$dir/metrics.jsonl has no final_params"
+  [ -f "$dir/model/encoder.hpar" ] && [ -f "$dir/model/llm.hpar" ] || fail "no model files in $dir"
+  "$bin/hetpar" compare "$dir" "$work/reference" >"$dir/compare.txt" 2>&1 ||
+    fail "hetpar compare $dir against the reference: $(cat "$dir/compare.txt")"
+}
+
+# 1. One allocation.
+render run
+job=$(submit "$work/run/hetpar.sbatch")
+"$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "job $job did not complete"
+grep -q "hetpar: run done" "$work/run/slurm-$job.out" || fail "no 'run done' in the job's log"
+"$bin/hetpar" run --reference --config "$work/run/run.yaml" --out "$work/reference" \
+  >"$work/reference.log" 2>&1 || fail "reference run: $(tail -n 5 "$work/reference.log")"
+check_run "$work/run"
+echo "slurm_run_test: single allocation: job $job completed and matches the reference"
+
+# 2. The heterogeneous job.
+render run-het
+sbatch --test-only "$work/run-het/hetpar-het.sbatch" >"$work/het-test-only.txt" 2>&1 ||
+  fail "sbatch --test-only refused the heterogeneous script: $(cat "$work/het-test-only.txt")"
+job=$(submit "$work/run-het/hetpar-het.sbatch")
+"$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "het job $job did not complete"
+check_run "$work/run-het"
+echo "slurm_run_test: heterogeneous job: job $job completed and matches the reference"
+
+# 3. A failing step ends the job and is named.
+render run-fail
+job=$(submit "$work/run-fail/hetpar.sbatch" HETPAR_TIMEOUT=not-a-number)
+if "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 300 >/dev/null; then
+  fail "job $job with failing workers completed"
+fi
+grep -Eq "hetpar: job step '(encoder|llm)' failed with exit code 2" "$work/run-fail/slurm-$job.out" ||
+  fail "the failed job's log does not name the failing step"
+echo "slurm_run_test: failing workers: job $job failed, naming the step"
