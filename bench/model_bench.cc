@@ -35,6 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
+#include "common/plan/flops.h"
 #include "common/status.h"
 #include "encoder_service/encoder.h"
 #include "llm_trainer/language_model.h"
@@ -185,7 +186,7 @@ class MatmulBaseline {
 };
 
 std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops, double matmul_s,
-                 int iters) {
+                 int iters, double accounting_flops) {
   const double model_gflops = flops / step_s / 1e9;
   const double matmul_gflops = flops * iters / matmul_s / 1e9;
   std::ostringstream out;
@@ -196,8 +197,14 @@ std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops
       << ",\"step_ms\":" << step_s * 1e3 << ",\"tokens_per_s\":" << tokens / step_s
       << ",\"gemm_gflop_per_rank_per_iter\":" << flops / 1e9
       << ",\"model_gflops_per_rank\":" << model_gflops
-      << ",\"matmul_gflops_per_rank\":" << matmul_gflops
-      << ",\"ratio_vs_matmul\":" << model_gflops / matmul_gflops << "}";
+      << ",\"matmul_gflops_per_rank\":" << matmul_gflops << ",\"ratio_vs_matmul\":"
+      << model_gflops / matmul_gflops
+      // The run's accounting for the whole replica: its FLOPs per iteration, the replica's
+      // achieved GFLOP/s, and its ratio to this bench's GEMM list times the TP size (1 when the
+      // two independent counts agree).
+      << ",\"accounting_gflop_per_iter\":" << accounting_flops / 1e9
+      << ",\"accounting_gflops\":" << accounting_flops / step_s / 1e9
+      << ",\"accounting_vs_gemm_list\":" << accounting_flops / (flops * c.tp) << "}";
   return out.str();
 }
 
@@ -218,6 +225,9 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   }
   std::function<absl::Status()> step;
   std::vector<Gemm> gemms;
+  // The replica's model FLOPs per iteration as the coordinator counts them (common/plan/flops.h),
+  // against which the per-rank GEMM list (counted here, independently) is cross-checked.
+  double accounting_flops = 0;
   int64_t tokens = 0;
   std::unique_ptr<encoder::VisionEncoder> vit;
   std::unique_ptr<llm::LanguageModel> lm;
@@ -234,6 +244,7 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     tokens = n * vit->tokens_per_image();
     grad_output = at::randn({tokens, model.out_hidden()}).to(c.dtype);
     gemms = EncoderGemms(model, n, c.tp);
+    accounting_flops = static_cast<double>(n) * plan::EncoderImageFlops(model).total();
     step = [&]() -> absl::Status {
       HETPAR_ASSIGN_OR_RETURN(at::Tensor out, vit->Forward(images));
       HETPAR_RETURN_IF_ERROR(vit->Backward(out, grad_output));
@@ -265,7 +276,10 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
       }
       for (int64_t i = 0; i < rows_per_sample; ++i) sample.image_positions.push_back(1 + i);
       sample.image_rows = rows_per_sample;
-      for (uint8_t m : sample.loss_mask) loss_rows += m;
+      int64_t sample_loss_rows = 0;
+      for (uint8_t m : sample.loss_mask) sample_loss_rows += m;
+      loss_rows += sample_loss_rows;
+      accounting_flops += plan::LlmSampleFlops(model, length, sample_loss_rows).total();
       lengths.push_back(length);
       tokens += length;
       samples.push_back(std::move(sample));
@@ -303,7 +317,7 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   for (const Gemm& g : gemms) flops += g.Flops();
   if (rank == 0) {
     std::ofstream out(out_path);
-    out << Json(c, tokens, step_s / c.iters, flops, matmul_s, c.iters) << "\n";
+    out << Json(c, tokens, step_s / c.iters, flops, matmul_s, c.iters, accounting_flops) << "\n";
     if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", out_path));
   }
   return absl::OkStatus();

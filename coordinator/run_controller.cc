@@ -481,6 +481,10 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
   if (planner_ != nullptr) status.set_data_position(planner_->DataPosition());
   status.set_skipped_steps(orchestrator_.skipped_steps());
+  status.set_peak_tflops(spec_.run().peak_tflops());
+  status.set_aborted_steps(orchestrator_.aborted_steps());
+  status.set_tokens_total(orchestrator_.tokens_total());
+  status.set_images_total(orchestrator_.images_total());
   return status;
 }
 

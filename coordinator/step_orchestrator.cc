@@ -33,6 +33,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   global_loss_tokens_ = plan.global_loss_tokens;
   tokens_ = plan.tokens;
   images_ = plan.images;
+  model_flops_ = plan.model_flops;
   participants_.clear();
   expected_contributors_.clear();
   contributed_.clear();
@@ -273,8 +274,17 @@ void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
   timing.set_skipped(committed && non_finite_);
   if (committed && non_finite_) ++skipped_steps_;
   if (committed) {
+    tokens_total_ += tokens_;
+    images_total_ += images_;
+  } else {
+    ++aborted_steps_;
+  }
+  if (committed) {
     for (auto& [module, split] : splits_) {
       split.set_idle_s(std::max(0.0, timing.duration_s() - busiest_[module]));
+      if (auto f = model_flops_.find(module); f != model_flops_.end()) {
+        split.set_model_flops(f->second);
+      }
       (*timing.mutable_modules())[module] = std::move(split);
     }
   }

@@ -45,6 +45,9 @@ struct PlannedStep {
   // Sequence positions and images of the global batch (for the step's record).
   int64_t tokens = 0;
   int64_t images = 0;
+  // Model FLOPs of the step's samples, forward and backward (common/plan/flops.h), by module
+  // ("encoder", "llm").
+  std::map<std::string, double> model_flops;
   // Each live worker's part of the plan, by worker id. Every live worker gets a StepPlan; a
   // worker missing here gets one without a rank_plan.
   std::map<std::string, v1::RankStepPlan> worker_plans;
@@ -111,6 +114,10 @@ class StepOrchestrator {
   const std::string& last_abort_reason() const { return last_abort_reason_; }
   // Committed steps whose gradient norm was not finite.
   int64_t skipped_steps() const { return skipped_steps_; }
+  // Totals since the start: aborted attempts; positions and images of committed steps.
+  int64_t aborted_steps() const { return aborted_steps_; }
+  int64_t tokens_total() const { return tokens_total_; }
+  int64_t images_total() const { return images_total_; }
   // Most recent first.
   const std::deque<v1::StepTiming>& recent() const { return recent_; }
 
@@ -140,6 +147,7 @@ class StepOrchestrator {
   int64_t global_loss_tokens_ = 0;
   int64_t tokens_ = 0;
   int64_t images_ = 0;
+  std::map<std::string, double> model_flops_;
   std::vector<std::string> participants_;
   std::set<ContributorKey> expected_contributors_;
   std::set<ContributorKey> contributed_;
@@ -157,6 +165,9 @@ class StepOrchestrator {
   std::string last_abort_reason_;
   std::deque<v1::StepTiming> recent_;
   int64_t skipped_steps_ = 0;
+  int64_t aborted_steps_ = 0;
+  int64_t tokens_total_ = 0;
+  int64_t images_total_ = 0;
 };
 
 }  // namespace hetpar::coordinator

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/control/plan_codec.h"
+#include "common/plan/flops.h"
 #include "common/plan/synthetic_batch.h"
 
 namespace hetpar::coordinator {
@@ -85,6 +86,8 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
     planned.tokens += sample.sequence_length();
     planned.images += sample.image_count();
   }
+  const plan::StepFlops flops = plan::BatchFlops(spec_, step_plan->samples);
+  planned.model_flops = {{"encoder", flops.encoder.total()}, {"llm", flops.llm.total()}};
   for (const WorkerRecord* worker : membership.LiveWorkers()) {
     absl::StatusOr<plan::RankStepPlan> rank_plan =
         plan::ExtractRankPlan(*step_plan, worker->world_rank);

@@ -36,6 +36,8 @@ packages=(
   python3 python3-venv
   # a local Slurm cluster for the rendered batch scripts' test (tests/deploy/slurm)
   slurmctld slurmd slurm-client munge
+  # the metrics endpoint's tests: promtool and a Prometheus server that scrapes a run; curl
+  prometheus curl
 )
 
 missing=()

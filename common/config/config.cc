@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -672,6 +673,10 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                                          " must be >= 0 (0 turns clipping off)"));
   }
   if (s.run().name().empty()) c.Fail("run.name", "must not be empty");
+  if (s.run().peak_tflops() < 0) {
+    c.Fail("run.peak_tflops", absl::StrCat("=", FormatDouble(s.run().peak_tflops()),
+                                           " must be >= 0 (0: utilisation not reported)"));
+  }
 
   // layouts
   bool layouts_ok = true;
@@ -899,6 +904,16 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     }
   }
   if (s.coordinator().listen().empty()) c.Fail("coordinator.listen", "must not be empty");
+  if (const std::string& m = s.coordinator().metrics_listen(); !m.empty()) {
+    const size_t colon = m.rfind(':');
+    const std::string port = colon == std::string::npos ? "" : m.substr(colon + 1);
+    int64_t value = -1;
+    if (colon == 0 || port.empty() || !absl::SimpleAtoi(port, &value) || value < 0 ||
+        value > 65535) {
+      c.Fail("coordinator.metrics_listen",
+             absl::StrCat("='", m, "' is not host:port (e.g. 0.0.0.0:9464; port 0 picks one)"));
+    }
+  }
   if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
     c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
   }

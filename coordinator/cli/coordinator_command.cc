@@ -19,6 +19,7 @@
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
+#include "coordinator/metrics_exporter.h"
 #include "coordinator/run_controller.h"
 #include "coordinator/server.h"
 #include "coordinator/step_planner.h"
@@ -38,6 +39,7 @@ struct CoordinatorFlags {
   bool synthetic_batches = false;
   std::string out;
   bool linger = false;
+  std::string metrics_listen;
 };
 
 // Who-expects-what line: "4 workers (2 encoder, 2 llm)".
@@ -60,6 +62,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   config::LoadOptions load;
   load.overrides = flags.overrides;
   if (!flags.out.empty()) load.overrides.push_back(absl::StrCat("run.out_dir=", flags.out));
+  if (!flags.metrics_listen.empty()) {
+    load.overrides.push_back(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen));
+  }
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
   if (!loaded.ok()) {
     std::cerr << "hetpar: invalid config " << flags.config << ":\n"
@@ -140,6 +145,18 @@ int RunCoordinator(const CoordinatorFlags& flags) {
             << ExpectedWorkers(spec) << std::endl;
 
   coordinator::CoordinatorServer* raw = server->get();
+  std::unique_ptr<coordinator::MetricsExporter> exporter;
+  if (const std::string& listen = spec.coordinator().metrics_listen(); !listen.empty()) {
+    absl::StatusOr<std::unique_ptr<coordinator::MetricsExporter>> started =
+        coordinator::MetricsExporter::Start(listen, [raw] { return raw->Status(); });
+    if (!started.ok()) {
+      std::cerr << "hetpar: coordinator.metrics_listen: " << started.status().message() << "\n";
+      raw->Shutdown(absl::Seconds(2));
+      return kExitFailure;
+    }
+    exporter = *std::move(started);
+    std::cout << "hetpar coordinator: Prometheus metrics at " << exporter->url() << std::endl;
+  }
   std::thread signal_thread([raw, signals] {
     int signal = 0;
     if (sigwait(&signals, &signal) != 0) return;
@@ -149,7 +166,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     raw->Stop(signal == SIGINT ? "interrupted" : "terminated");
   });
 
-  StepMetricsWriter metrics(run_dir->get());
+  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops());
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool metrics_failed = false;
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
@@ -185,6 +202,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // Let a `hetpar stop --wait` or `hetpar status` see the final state before the port closes.
     absl::SleepFor(absl::Milliseconds(500));
   }
+  exporter.reset();
   (*server)->Shutdown(absl::Seconds(2));
   if (!token_path.empty()) ::unlink(token_path.c_str());
   if (!flags.linger) {
@@ -216,6 +234,11 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
   command->add_option(
       "--set", flags->overrides,
       "Override a field, e.g. --set coordinator.heartbeat_timeout_s=5 (repeatable)");
+  command
+      ->add_option("--metrics-listen", flags->metrics_listen,
+                   "host:port to serve Prometheus metrics on at /metrics (default: "
+                   "coordinator.metrics_listen; port 0 picks one)")
+      ->envname("HETPAR_METRICS_LISTEN");
   command
       ->add_option("--listen", flags->listen,
                    "host:port to listen on (default: coordinator.listen; port 0 picks one)")

@@ -32,6 +32,7 @@
 #include "coordinator/cli/local_process.h"
 #include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
+#include "coordinator/metrics_exporter.h"
 #include "coordinator/server.h"
 #include "coordinator/step_planner.h"
 #include "nlohmann/json.hpp"
@@ -62,13 +63,17 @@ std::string Duration(double seconds) {
 }
 
 // One progress line: a bar when stderr is a terminal, a plain line otherwise.
-void ShowProgress(int64_t done, int64_t total, double loss, double tokens_per_s, double eta_s,
-                  bool tty) {
+void ShowProgress(int64_t done, int64_t total, double loss, double tokens_per_s, double flops_per_s,
+                  double eta_s, bool tty) {
   const int width = 24;
   const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;
   const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-  const std::string text = absl::StrFormat("step %d/%d [%s] loss %.4f  %.0f tok/s  ETA %s", done,
-                                           total, bar, loss, tokens_per_s, Duration(eta_s));
+  // Model FLOPs of both modules (common/plan/flops.h) over the same window.
+  const std::string rate = flops_per_s >= 1e12 ? absl::StrFormat("%.2f TFLOPS", flops_per_s / 1e12)
+                                               : absl::StrFormat("%.1f GFLOP/s", flops_per_s / 1e9);
+  const std::string text =
+      absl::StrFormat("step %d/%d [%s] loss %.4f  %.0f tok/s  %s  ETA %s", done, total, bar, loss,
+                      tokens_per_s, rate, Duration(eta_s));
   if (tty) {
     std::fprintf(stderr, "\r%s   ", text.c_str());
     if (done == total) std::fprintf(stderr, "\n");
@@ -187,6 +192,18 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: cannot start the coordinator: " << server.status().message() << "\n";
     return kExitFailure;
   }
+  std::unique_ptr<coordinator::MetricsExporter> exporter;
+  if (const std::string& listen = spec.coordinator().metrics_listen(); !listen.empty()) {
+    coordinator::CoordinatorServer* raw = server->get();
+    auto started = coordinator::MetricsExporter::Start(listen, [raw] { return raw->Status(); });
+    if (!started.ok()) {
+      std::cerr << "hetpar run: coordinator.metrics_listen: " << started.status().message() << "\n";
+      (*server)->Shutdown(absl::Seconds(2));
+      return kExitFailure;
+    }
+    exporter = *std::move(started);
+    std::cerr << "hetpar run: Prometheus metrics at " << exporter->url() << "\n";
+  }
 
   const int64_t encoder_ranks = spec.encoder().layout().dp() * spec.encoder().layout().tp();
   const auto& ll = spec.llm().layout();
@@ -237,22 +254,34 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   // The token rate over the last kRateWindow committed steps (from the start until there are
   // that many): the commit before the window is kept as its start.
   constexpr size_t kRateWindow = 20;
-  std::deque<std::pair<absl::Time, int64_t>> commits;  // (when, tokens of that step)
-  StepMetricsWriter metrics(run_dir->get(), [&](const v1::StepTiming& t) {
+  struct Commit {
+    absl::Time when;
+    int64_t tokens;
+    double model_flops;
+  };
+  std::deque<Commit> commits;
+  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops(), [&](const v1::StepTiming& t) {
     last_loss = t.loss();
     const absl::Time now = absl::Now();
-    commits.emplace_back(now, t.tokens());
+    double step_flops = 0;
+    for (const auto& [module, split] : t.modules()) step_flops += split.model_flops();
+    commits.push_back({now, t.tokens(), step_flops});
     if (commits.size() > kRateWindow + 1) commits.pop_front();
     const bool full = commits.size() == kRateWindow + 1;
     int64_t window_tokens = 0;
-    for (size_t i = full ? 1 : 0; i < commits.size(); ++i) window_tokens += commits[i].second;
-    const double window_s = absl::ToDoubleSeconds(now - (full ? commits.front().first : start));
+    double window_flops = 0;
+    for (size_t i = full ? 1 : 0; i < commits.size(); ++i) {
+      window_tokens += commits[i].tokens;
+      window_flops += commits[i].model_flops;
+    }
+    const double window_s =
+        std::max(absl::ToDoubleSeconds(now - (full ? commits.front().when : start)), 1e-9);
     const int64_t done = t.step() + 1;
     const int64_t total = spec.run().steps();
     // On a terminal the line redraws every step; in a log, one line every run.log_every steps.
     if (!tty && done % spec.run().log_every() != 0 && done != total) return;
     const double elapsed = absl::ToDoubleSeconds(now - start);
-    ShowProgress(done, total, last_loss, window_tokens / std::max(window_s, 1e-9),
+    ShowProgress(done, total, last_loss, window_tokens / window_s, window_flops / window_s,
                  elapsed / done * (total - done), tty);
   });
   std::string failure;
@@ -287,6 +316,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                              process->LogTail(8));
     }
   }
+  exporter.reset();
   (*server)->Shutdown(absl::Seconds(2));
   if (state == v1::RUN_STATE_FAILED && failure.empty()) failure = final_status.state_message();
   if (!failure.empty()) {

@@ -1,4 +1,6 @@
 // `hetpar status`: what a running coordinator knows about its run.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
@@ -10,6 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/plan/flops.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/connection_flags.h"
 #include "coordinator/membership.h"
@@ -97,9 +101,16 @@ void PrintStatus(const v1::StatusResponse& s) {
         const std::map<std::string, v1::ModuleStepSplit> modules(t.modules().begin(),
                                                                  t.modules().end());
         for (const auto& [module, m] : modules) {
+          const plan::FlopRate rate =
+              plan::AchievedRate(m.model_flops(), t.duration_s(), m.ranks(), s.peak_tflops());
+          std::string flops =
+              absl::StrFormat("  %.4g TFLOPS (%.4g per rank", rate.tflops, rate.tflops_per_rank);
+          if (rate.utilization >= 0) {
+            absl::StrAppendFormat(&flops, ", %.1f%% of peak", 100 * rate.utilization);
+          }
           std::cout << absl::StrFormat(
-              "    %-7s compute %.3fs  bridge wait %.3fs  collective %.3fs  idle %.3fs\n", module,
-              m.compute_s(), m.bridge_wait_s(), m.collective_s(), m.idle_s());
+              "    %-7s compute %.3fs  bridge wait %.3fs  collective %.3fs  idle %.3fs%s)\n",
+              module, m.compute_s(), m.bridge_wait_s(), m.collective_s(), m.idle_s(), flops);
         }
       } else {
         std::cout << absl::StrFormat("  step %d  %.3fs  aborted: %s\n", t.step(), t.duration_s(),
@@ -109,10 +120,50 @@ void PrintStatus(const v1::StatusResponse& s) {
   }
 }
 
+std::string JsonText(const v1::StatusResponse& status) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(status, &json, options);
+  return json;
+}
+
+// `--watch`: on a terminal the screen is cleared and redrawn; otherwise each status is printed
+// after a blank line (one JSON object per line with --json). Ends when the run is done or
+// failed (exit 0 or 1), or when the coordinator stops answering (exit 1, saying why).
+int Watch(coordinator::AdminClient& admin, double interval_s, bool json) {
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  bool first = true;
+  while (true) {
+    absl::StatusOr<v1::StatusResponse> status = admin.Status();
+    if (!status.ok()) {
+      std::cerr << "hetpar: " << status.status().message() << "\n";
+      return kExitFailure;
+    }
+    if (json) {
+      std::cout << JsonText(*status) << std::endl;
+    } else {
+      if (tty) {
+        std::cout << "\033[H\033[2J";  // home, clear
+      } else if (!first) {
+        std::cout << "\n";
+      }
+      PrintStatus(*status);
+      std::cout << std::flush;
+    }
+    first = false;
+    if (status->state() == v1::RUN_STATE_DONE) return kExitOk;
+    if (status->state() == v1::RUN_STATE_FAILED) return kExitFailure;
+    absl::SleepFor(absl::Seconds(interval_s));
+  }
+}
+
 void AddStatusCommand(CLI::App& app, int* exit_code) {
   struct Flags {
     ConnectionFlags connection;
     bool json = false;
+    bool watch = false;
+    double interval_s = 2;
   };
   auto flags = std::make_shared<Flags>();
   CLI::App* command = app.add_subcommand(
@@ -121,6 +172,12 @@ void AddStatusCommand(CLI::App& app, int* exit_code) {
       "heartbeat), missing ranks, steps and recent step times");
   AddConnectionFlags(command, &flags->connection);
   command->add_flag("--json", flags->json, "Print the StatusResponse as JSON");
+  command->add_flag("--watch", flags->watch,
+                    "Redraw the status every --interval seconds until the run ends (Ctrl-C "
+                    "leaves); in a log, print it each time");
+  command->add_option("--interval", flags->interval_s, "Seconds between redraws with --watch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   command->callback([flags, exit_code] {
     auto connection = ConnectFromFlags(flags->connection);
     if (!connection.ok()) {
@@ -128,7 +185,12 @@ void AddStatusCommand(CLI::App& app, int* exit_code) {
       *exit_code = absl::IsInvalidArgument(connection.status()) ? kExitInvalidInput : kExitFailure;
       return;
     }
-    auto status = coordinator::AdminClient(*connection).Status();
+    coordinator::AdminClient admin(*connection);
+    if (flags->watch) {
+      *exit_code = Watch(admin, flags->interval_s, flags->json);
+      return;
+    }
+    auto status = admin.Status();
     if (!status.ok()) {
       std::cerr << "hetpar: " << status.status().message() << "\n";
       *exit_code = kExitFailure;

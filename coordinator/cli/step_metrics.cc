@@ -9,10 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/plan/flops.h"
 
 namespace hetpar::cli {
 
-nlohmann::json StepMetricsLine(const v1::StepTiming& t) {
+nlohmann::json StepMetricsLine(const v1::StepTiming& t, double peak_tflops) {
   nlohmann::json line = {{"step", t.step()},
                          {"loss", t.loss()},
                          {"grad_norm", t.grad_norm()},
@@ -22,6 +23,9 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& t) {
                          {"generation", t.generation()}};
   // A step whose gradient norm was not finite is committed without an update.
   if (t.skipped()) line["skipped"] = true;
+  double model_flops = 0;
+  for (const auto& [module, m] : t.modules()) model_flops += m.model_flops();
+  line["tflops"] = plan::AchievedRate(model_flops, t.duration_s(), 1, 0).tflops;
   for (const auto& [module, m] : t.modules()) {
     nlohmann::json j = {{"compute_s", m.compute_s()},
                         {"bridge_wait_s", m.bridge_wait_s()},
@@ -33,6 +37,12 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& t) {
                         {"bridge_messages", m.bridge_messages()},
                         {"bridge_bytes", m.bridge_bytes()},
                         {"bridge_transfer_s", m.bridge_transfer_s()}};
+    const plan::FlopRate rate =
+        plan::AchievedRate(m.model_flops(), t.duration_s(), m.ranks(), peak_tflops);
+    j["model_tflop"] = m.model_flops() / 1e12;
+    j["tflops"] = rate.tflops;
+    j["tflops_per_rank"] = rate.tflops_per_rank;
+    if (rate.utilization >= 0) j["utilization"] = rate.utilization;
     if (module == "encoder") {
       j["peak_live_jobs"] = m.peak_live_jobs();
       j["peak_live_output_bytes"] = m.peak_live_output_bytes();
@@ -51,7 +61,9 @@ absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status) {
       HETPAR_LOG(WARNING) << "metrics of steps " << written_ << " to " << t.step() - 1
                           << " were committed but not seen; their lines are missing";
     }
-    if (absl::Status s = dir_->AppendMetrics(StepMetricsLine(t).dump()); !s.ok()) return s;
+    if (absl::Status s = dir_->AppendMetrics(StepMetricsLine(t, peak_tflops_).dump()); !s.ok()) {
+      return s;
+    }
     written_ = t.step() + 1;
     if (on_step_) on_step_(t);
   }

@@ -21,7 +21,8 @@
 
 namespace hetpar::cli {
 
-nlohmann::json StepMetricsLine(const v1::StepTiming& step);
+// `peak_tflops` (run.peak_tflops, per rank) adds each module's "utilization" when > 0.
+nlohmann::json StepMetricsLine(const v1::StepTiming& step, double peak_tflops = 0);
 
 // Follows the coordinator's status and appends each newly committed step's line, oldest first,
 // once. The coordinator keeps its latest 32 steps: steps that scrolled out between two calls are
@@ -29,15 +30,16 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& step);
 class StepMetricsWriter {
  public:
   // `on_step` (optional) sees each step written.
-  explicit StepMetricsWriter(RunDirectory* dir,
+  explicit StepMetricsWriter(RunDirectory* dir, double peak_tflops = 0,
                              std::function<void(const v1::StepTiming&)> on_step = nullptr)
-      : dir_(dir), on_step_(std::move(on_step)) {}
+      : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)) {}
 
   absl::Status Follow(const v1::StatusResponse& status);
   int64_t written() const { return written_; }  // the next step expected
 
  private:
   RunDirectory* dir_;
+  double peak_tflops_;
   std::function<void(const v1::StepTiming&)> on_step_;
   int64_t written_ = 0;
 };

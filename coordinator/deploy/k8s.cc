@@ -94,8 +94,18 @@ Json Resources(const DeployOptions& options, int64_t ranks) {
 
 std::string TokenPath() { return absl::StrCat(kContainerTokenDir, "/", kTokenKey); }
 
+// The port of coordinator.metrics_listen, or 0 when metrics are off.
+int MetricsPort(const v1::RunSpec& spec) {
+  const std::string& listen = spec.coordinator().metrics_listen();
+  const size_t colon = listen.rfind(':');
+  int port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port)) return 0;
+  return port;
+}
+
 Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOptions& options) {
   const std::string port = std::to_string(options.coordinator_port);
+  const int metrics_port = MetricsPort(spec);
   Json container = {
       {"name", "coordinator"},
       {"image", options.image},
@@ -115,6 +125,20 @@ Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOpt
         {"failureThreshold", 6}}},
       {"resources", {{"requests", {{"cpu", "1"}}}}},
       {"volumeMounts", VolumeMounts(/*with_runspec=*/true)}};
+  Json pod_metadata = {{"labels", Selector(n.run, "coordinator")}};
+  Json service_ports =
+      Json::array({{{"name", "grpc"}, {"port", options.coordinator_port}, {"targetPort", "grpc"}}});
+  if (metrics_port > 0) {
+    // Prometheus scrapes the coordinator only: the workers' figures reach it in their reports.
+    container["ports"].push_back({{"name", "metrics"}, {"containerPort", metrics_port}});
+    container["env"].push_back(
+        EnvValue("HETPAR_METRICS_LISTEN", absl::StrCat("0.0.0.0:", metrics_port)));
+    service_ports.push_back(
+        {{"name", "metrics"}, {"port", metrics_port}, {"targetPort", "metrics"}});
+    pod_metadata["annotations"] = {{"prometheus.io/scrape", "true"},
+                                   {"prometheus.io/port", std::to_string(metrics_port)},
+                                   {"prometheus.io/path", "/metrics"}};
+  }
   Json deployment = {{"apiVersion", "apps/v1"},
                      {"kind", "Deployment"},
                      {"metadata", Metadata(n.coordinator, n.run, "coordinator", options)},
@@ -123,7 +147,7 @@ Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOpt
                        {"strategy", {{"type", "Recreate"}}},
                        {"selector", {{"matchLabels", Selector(n.run, "coordinator")}}},
                        {"template",
-                        {{"metadata", {{"labels", Selector(n.run, "coordinator")}}},
+                        {{"metadata", pod_metadata},
                          {"spec",
                           {{"terminationGracePeriodSeconds", options.grace_period_s},
                            {"securityContext", PodSecurity()},
@@ -133,12 +157,7 @@ Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOpt
       {"apiVersion", "v1"},
       {"kind", "Service"},
       {"metadata", Metadata(n.coordinator, n.run, "coordinator", options)},
-      {"spec",
-       {{"selector", Selector(n.run, "coordinator")},
-        {"ports",
-         Json::array(
-             {{{"name", "grpc"}, {"port", options.coordinator_port}, {"targetPort", "grpc"}}})}}}};
-  (void)spec;
+      {"spec", {{"selector", Selector(n.run, "coordinator")}, {"ports", service_ports}}}};
   return Json::array({deployment, service});
 }
 

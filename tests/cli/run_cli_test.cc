@@ -38,11 +38,14 @@ TEST(CliRunTest, APipedRunPrintsAProgressLineEveryLogEverySteps) {
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
   // Steps 2 and 4 (every 2nd), and 5 (the last); no others.
-  const std::regex progress(R"(step (\d+)/5 \[[#.]+\] loss [0-9.]+  [0-9]+ tok/s  ETA)");
+  // Tokens and model FLOPs per second over the recent steps; both positive.
+  const std::regex progress(
+      R"(step (\d+)/5 \[[#.]+\] loss [0-9.]+  [1-9][0-9]* tok/s  [0-9.]+ (GFLOP/s|TFLOPS)  ETA)");
   std::vector<std::string> shown;
   for (auto it = std::sregex_iterator(r->stderr_text.begin(), r->stderr_text.end(), progress);
        it != std::sregex_iterator(); ++it) {
     shown.push_back((*it)[1]);
+    EXPECT_THAT((*it).str(), ::testing::Not(HasSubstr(" 0.0 GFLOP/s"))) << (*it).str();
   }
   EXPECT_THAT(shown, ::testing::ElementsAre("2", "4", "5")) << r->stderr_text;
   EXPECT_THAT(r->stdout_text, HasSubstr("5 steps"));

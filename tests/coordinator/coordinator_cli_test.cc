@@ -223,8 +223,58 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
     EXPECT_DOUBLE_EQ(j["llm"]["compute_s"].get<double>(), 0.004);      // world ranks 2, 3
     EXPECT_EQ(j["encoder"]["bridge_bytes"], 200);
     EXPECT_EQ(j["llm"]["bridge_bytes"], 200);
+    // Model FLOPs of the planned samples (their formula is checked in flops_test), and the
+    // step's rate is both modules' FLOPs over its time.
+    const double encoder_tflop = j["encoder"]["model_tflop"].get<double>();
+    const double llm_tflop = j["llm"]["model_tflop"].get<double>();
+    EXPECT_GT(llm_tflop, 0);
+    EXPECT_EQ(encoder_tflop > 0, expected_images[step] > 0);
+    EXPECT_NEAR(j["tflops"].get<double>(),
+                (encoder_tflop + llm_tflop) / j["step_time_s"].get<double>(), 1e-12);
+    EXPECT_NEAR(j["llm"]["tflops_per_rank"].get<double>(),
+                llm_tflop / j["step_time_s"].get<double>() / 2, 1e-12);  // 2 LLM ranks
+    EXPECT_FALSE(j["llm"].contains("utilization"));  // run.peak_tflops is not set
   }
   EXPECT_THAT(ReadFile(coordinator->log + ".run/config.yaml"), HasSubstr("steps: 3\n"));
+}
+
+TEST_F(CoordinatorCliTest, StatusWatchFollowsTheRunToItsEnd) {
+  setenv("HETPAR_TOKEN", "a-token-for-this-test", 1);
+  // --linger keeps the finished run's status up, so the watcher cannot miss the end.
+  auto coordinator = StartCoordinator({"--config", kTiny, "--synthetic-batches", "--set",
+                                       "run.steps=3", "--linger"},
+                                      dir_.File("c.log"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  auto watch = ChildProcess::Start({kHetparBin, "status", "--watch", "--interval", "0.1",
+                                    "--coordinator", coordinator->address},
+                                   dir_.File("watch.log"));
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  // The watcher has drawn the waiting run before any worker exists.
+  ASSERT_TRUE(AwaitInFile(dir_.File("watch.log"), "run tiny: waiting", absl::Seconds(30)).ok())
+      << ReadFile(dir_.File("watch.log"));
+  std::vector<ChildProcess> workers;
+  for (const auto& [role, host] : std::vector<std::pair<std::string, std::string>>{
+           {"encoder", "enc-a"}, {"encoder", "enc-b"}, {"llm", "llm-a"}, {"llm", "llm-b"}}) {
+    auto w = StartSimWorker(coordinator->address, role, host, dir_.File(host + ".log"));
+    ASSERT_TRUE(w.ok());
+    workers.push_back(*std::move(w));
+  }
+  auto watch_exit = watch->Wait(60);
+  ASSERT_TRUE(watch_exit.ok()) << watch_exit.status();
+  const std::string text = ReadFile(dir_.File("watch.log"));
+  EXPECT_EQ(*watch_exit, 0) << text;
+  // In a log (not a terminal) each redraw is printed after a blank line; the last is the end.
+  const size_t last = text.rfind("run tiny: ");
+  ASSERT_NE(last, std::string::npos);
+  EXPECT_GT(last, 0u) << "only one status printed:\n" << text;
+  EXPECT_THAT(text.substr(last), HasSubstr("run tiny: done"));
+  EXPECT_THAT(text.substr(last), HasSubstr("steps: 3 of 3 committed"));
+  EXPECT_THAT(text.substr(last), HasSubstr("TFLOPS"));
+  coordinator->process.Signal(SIGTERM);
+  auto exit_code = coordinator->process.Wait(20);
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0) << ReadFile(coordinator->log);
+  for (ChildProcess& w : workers) (void)w.Wait(20);
 }
 
 }  // namespace

@@ -167,6 +167,31 @@ TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
   CheckContainers(llm["spec"]["template"]["spec"], "vit400m-llm8b-token");
 }
 
+TEST(DeployK8sTest, MetricsPortIsServedAndAnnotatedForPrometheus) {
+  Rendered r;
+  RenderK8s("tiny.yaml", &r, {"--set", "coordinator.metrics_listen=127.0.0.1:9464"});
+  const YAML::Node deployment = Named(r.objects, "Deployment", "tiny-coordinator");
+  ASSERT_TRUE(deployment);
+  const YAML::Node pod = deployment["spec"]["template"];
+  EXPECT_EQ(pod["metadata"]["annotations"]["prometheus.io/scrape"].as<std::string>(), "true");
+  EXPECT_EQ(pod["metadata"]["annotations"]["prometheus.io/port"].as<std::string>(), "9464");
+  bool env = false;
+  for (const YAML::Node& e : pod["spec"]["containers"][0]["env"]) {
+    if (e["name"].as<std::string>() == "HETPAR_METRICS_LISTEN") {
+      // Inside the pod it listens on every interface, not the loopback the RunSpec names.
+      EXPECT_EQ(e["value"].as<std::string>(), "0.0.0.0:9464");
+      env = true;
+    }
+  }
+  EXPECT_TRUE(env);
+  CheckContainers(pod["spec"], "tiny-token");
+  bool service_port = false;
+  for (const YAML::Node& p : Named(r.objects, "Service", "tiny-coordinator")["spec"]["ports"]) {
+    if (p["name"].as<std::string>() == "metrics") service_port = p["port"].as<int>() == 9464;
+  }
+  EXPECT_TRUE(service_port);
+}
+
 TEST(DeployK8sTest, AReplicaLargerThanANodeIsRefusedWithFieldValueAndLine) {
   TempDir dir;
   std::ifstream in(kSourceDir + "/configs/tiny.yaml");
