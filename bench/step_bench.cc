@@ -23,7 +23,10 @@
 //   {"bench":"step_bridge","case":...,"message_bytes":...,"bridge_gbps":...,
 //    "transport_bw_gbps":...,"ratio":...,"transport_bw_window1_gbps":...,"ratio_window1":...}
 //
-// Cases: the config as given (tiny: 4 waves), and with run.micro_batch=1 (8 waves). The first
+// Cases: the config as given (tiny: 4 waves), with run.micro_batch=1 (8 waves), and the first
+// again with every step traced (`--trace`), followed by a step_trace line with its overhead:
+//   {"bench":"step_trace","step_time_s_untraced":...,"step_time_s_traced":...,"overhead":...} The
+//   first
 // --warmup steps are excluded. Baseline for the efficiency: the busier module's own busy time in
 // the same run.
 #include <unistd.h>
@@ -32,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -83,8 +87,12 @@ int main(int argc, char** argv) {
     std::string name;
     std::string extra;
   };
+  // "traced" repeats the first case with every step's timeline recorded (--trace): its step
+  // time against the first case's is the cost of tracing (a step_trace line).
   const std::vector<Case> cases = {{"as_configured", ""},
-                                   {"micro_batch_1", " --set run.micro_batch=1"}};
+                                   {"micro_batch_1", " --set run.micro_batch=1"},
+                                   {"traced", " --trace 0:" + std::to_string(steps)}};
+  std::map<std::string, double> median_step_time;
   struct Bridge {
     std::string name;
     int64_t message_bytes;
@@ -148,6 +156,18 @@ int main(int argc, char** argv) {
         {"tokens_per_s", tokens_time > 0 ? tokens / tokens_time : 0}};
     std::printf("%s\n", result.dump().c_str());
     std::fflush(stdout);
+    median_step_time[c.name] = Median(step_time);
+    if (c.name == "traced") {
+      const double off = median_step_time["as_configured"];
+      const nlohmann::json line = {
+          {"bench", "step_trace"},
+          {"step_time_s_untraced", off},
+          {"step_time_s_traced", median_step_time["traced"]},
+          {"overhead", off > 0 ? median_step_time["traced"] / off - 1 : 0}};
+      std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
+      continue;  // the same bridge as the first case
+    }
     if (bridge_messages > 0 && bridge_time > 0) {
       bridges.push_back({c.name, static_cast<int64_t>(bridge_bytes / bridge_messages),
                          bridge_bytes / bridge_time / 1e9});

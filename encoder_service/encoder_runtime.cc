@@ -10,13 +10,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/trace/recorder.h"
 #include "common/train/batch.h"
 #include "common/train/optimizer.h"
 
 namespace hetpar::encoder {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = trace::Clock;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -49,17 +50,23 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     live.pop_front();
     auto t0 = Clock::now();
     at::Tensor grad = at::zeros_like(job.output);
-    HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, job.job->wave, grad));
+    const int64_t wave = job.job->wave;
+    HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
     stats.bridge_wait_s += Since(t0);
+    trace::Record(trace::kEncoderLane, "wait for gradients", "bridge_wait", t0, {{"wave", wave}});
     t0 = Clock::now();
     HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
     stats.collective_s += Since(t0);
+    trace::Record(trace::kEncoderLane, "tp all-reduce gradients", "collective", t0,
+                  {{"wave", wave}});
     t0 = Clock::now();
     HETPAR_RETURN_IF_ERROR(model_->Backward(job.output, grad));
     stats.compute_s += Since(t0);
+    trace::Record(trace::kEncoderLane, "backward", "compute", t0, {{"wave", wave}});
     t0 = Clock::now();
     HETPAR_RETURN_IF_ERROR(job.sends.Wait(absl::Now() + options_.timeout));
     stats.bridge_wait_s += Since(t0);
+    trace::Record(trace::kEncoderLane, "wait for row sends", "bridge_wait", t0, {{"wave", wave}});
     return absl::OkStatus();
   };
 
@@ -87,12 +94,15 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
       pixels.push_back(&it->second.images[ref.image]);
     }
     stats.data_s += Since(t_data);
+    trace::Record(trace::kEncoderLane, "load images", "data", t_data, {{"wave", job.wave}});
     auto t0 = Clock::now();
     HETPAR_ASSIGN_OR_RETURN(
         at::Tensor images,
         train::ImagesTensor(pixels, em.channels(), em.image_size(), model_->parameters().dtype()));
     HETPAR_ASSIGN_OR_RETURN(at::Tensor output, model_->Forward(images));
     stats.compute_s += Since(t0);
+    trace::Record(trace::kEncoderLane, "forward", "compute", t0,
+                  {{"wave", job.wave}, {"images", static_cast<int64_t>(job.images.size())}});
     if (output.size(0) != job.rows) {
       return absl::InternalError(absl::StrCat("encoder job of wave ", job.wave, " produced ",
                                               output.size(0), " rows; the plan expects ",
@@ -121,6 +131,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
   HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
   stats.collective_s += Since(t0);
+  trace::Record(trace::kEncoderLane, "gradient all-reduce", "collective", t0);
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
   stats.bytes_received = boundary_->bytes_received() - bytes_received0;
   return stats;

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/plan/sequence_sharding.h"
 #include "common/status.h"
+#include "common/trace/recorder.h"
 #include "common/train/optimizer.h"
 #include "llm_trainer/llm_inputs.h"
 
@@ -107,6 +108,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     }
   }
   stats.data_s += Since(t_data);
+  trace::Record(trace::kLlmLane, "load samples", "data", t_data);
 
   for (size_t m = 0; m < plan.microbatches.size(); ++m) {
     const plan::LlmMicrobatch& mb = plan.microbatches[m];
@@ -131,12 +133,15 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       auto t0 = Clock::now();
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
       stats.bridge_wait_s += Since(t0);
+      trace::Record(trace::kLlmLane, "wait for image rows", "bridge_wait", t0, {{"wave", wave}});
       // Every TP rank needs all rows: place ours, zeros elsewhere, and sum over the group.
       at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
       if (buffer_rows > 0) full.index_copy_(0, owned_index, buffer);
       t0 = Clock::now();
       HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));
       stats.collective_s += Since(t0);
+      trace::Record(trace::kLlmLane, "tp all-reduce image rows", "collective", t0,
+                    {{"wave", wave}});
       image_rows = full.requires_grad_(true);
     }
     auto t0 = Clock::now();
@@ -144,6 +149,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
                             model_->Forward(samples, image_rows, plan.n_global));
     HETPAR_RETURN_IF_ERROR(model_->Backward(result.loss));
     stats.compute_s += Since(t0);
+    trace::Record(trace::kLlmLane, "forward+backward", "compute", t0,
+                  {{"wave", wave}, {"samples", static_cast<int64_t>(samples.size())}});
     const double loss = result.loss.item<double>();
     stats.loss += loss;
     stats.loss_tokens += result.loss_tokens;
@@ -154,6 +161,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
         t0 = Clock::now();
         HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
         stats.collective_s += Since(t0);
+        trace::Record(trace::kLlmLane, "tp all-reduce row gradients", "collective", t0,
+                      {{"wave", wave}});
       }
       grad = grad.index_select(0, owned_index).contiguous();
       HETPAR_ASSIGN_OR_RETURN(train::PendingSends pending,
@@ -170,10 +179,12 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     }
   }
   stats.bridge_wait_s += Since(t0);
+  trace::Record(trace::kLlmLane, "wait for gradient sends", "bridge_wait", t0);
   t0 = Clock::now();
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
   HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
   stats.collective_s += Since(t0);
+  trace::Record(trace::kLlmLane, "gradient all-reduce", "collective", t0);
   stats.loss_sum = stats.loss * static_cast<double>(plan.n_global);
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
   stats.bytes_received = boundary_->bytes_received() - bytes_received0;

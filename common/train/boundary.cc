@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/trace/recorder.h"
 
 namespace hetpar::train {
 namespace {
@@ -166,6 +167,16 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     HETPAR_ASSIGN_OR_RETURN(
         auto op, transport_->Send(peer, BoundaryTag(plan.step, direction, wave), buffer));
     bytes_sent_ += transfer.rows * row_bytes;
+    if (trace::Recorder::Process().on()) {
+      const double now_us = trace::NowMicros();
+      trace::Recorder::Process().CompleteAt(
+          trace::kBridgeLane,
+          direction == plan::Direction::kForward ? "send image rows" : "send gradients", "bridge",
+          now_us, now_us,
+          {{"peer", transfer.dst_rank},
+           {"bytes", static_cast<int64_t>(buffer.size)},
+           {"wave", wave}});
+    }
     pending.Add(std::move(message), std::move(op));
   }
   return pending;
@@ -352,6 +363,14 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     const absl::Time end = receive.op->completed_at();
     intervals_[static_cast<int>(direction)].push_back(
         {std::min(std::max(sent, receive.posted), end), end, static_cast<int64_t>(bytes)});
+    trace::Recorder::Process().CompleteAt(
+        trace::kBridgeLane,
+        direction == plan::Direction::kForward ? "receive image rows" : "receive gradients",
+        "bridge",
+        absl::ToDoubleMicroseconds(intervals_[static_cast<int>(direction)].back().start -
+                                   absl::UnixEpoch()),
+        absl::ToDoubleMicroseconds(end - absl::UnixEpoch()),
+        {{"peer", transfer.src_rank}, {"bytes", static_cast<int64_t>(bytes)}, {"wave", wave}});
     bytes_received_ += transfer.rows * row_bytes;
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;

@@ -45,6 +45,8 @@ struct WorkerOptions {
   absl::Duration timeout = absl::Seconds(300);  // bound of every wait for peers and messages
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
+  int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
+
 };
 
 class WorkerContext {

@@ -8,6 +8,7 @@
 #include "common/control/plan_codec.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/trace/recorder.h"
 
 namespace hetpar::worker {
 namespace {
@@ -118,6 +119,8 @@ absl::Status StepDriver::Run() {
 absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   state_ = State::kComputing;
   const int64_t step = step_message.step();
+  trace::Recorder::Process().BeginStep(step);
+  const trace::Clock::time_point step_start = trace::Clock::now();
   v1::StepReport report;
   report.set_step(step);
   report.set_generation(step_message.generation());
@@ -127,6 +130,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   absl::StatusOr<StepOutcome> outcome = rank_plan.ok()
                                             ? modules_->RunStep(*rank_plan)
                                             : absl::StatusOr<StepOutcome>(rank_plan.status());
+  trace::Record(trace::kStepLane, "compute", "step", step_start);
   if (!outcome.ok()) {
     report.set_ok(false);
     report.set_error(std::string(outcome.status().message()));
@@ -145,8 +149,10 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
 
   state_ = State::kAwaitingNorm;
   const absl::Time norm_asked = absl::Now();
+  const trace::Clock::time_point norm_start = trace::Clock::now();
   HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextRelevant());
   const double grad_norm_wait_s = absl::ToDoubleSeconds(absl::Now() - norm_asked);
+  trace::Record(trace::kStepLane, "gradient norm wait", "grad_norm_wait", norm_start);
   if (EndsStep(norm, step)) return absl::OkStatus();
   if (!norm.has_grad_norm() || norm.grad_norm().step() != step) {
     return absl::FailedPreconditionError(
@@ -177,7 +183,9 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   HETPAR_RETURN_IF_ERROR(channel_->SendReport(report));
 
   state_ = State::kAwaitingCommit;
+  const trace::Clock::time_point commit_start = trace::Clock::now();
   HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage commit, NextRelevant());
+  trace::Record(trace::kStepLane, "commit wait", "commit_wait", commit_start);
   if (EndsStep(commit, step)) return absl::OkStatus();
   if (!commit.has_commit() || commit.commit().step() != step) {
     return absl::FailedPreconditionError(
@@ -200,6 +208,9 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient()),
                                   absl::StrCat("step ", step, " optimizer")));
   last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
+  trace::Record(trace::kStepLane, "optimizer", "optimizer",
+                trace::Clock::now() - std::chrono::duration_cast<trace::Clock::duration>(
+                                          std::chrono::duration<double>(last_optimizer_s_)));
   if (options_.on_applied) options_.on_applied(step, outcome->modules);
   ++steps_applied_;
   state_ = State::kAwaitingPlan;

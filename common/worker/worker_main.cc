@@ -9,9 +9,11 @@
 #include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
 #include "common/control/security.h"
 #include "common/logging.h"
 #include "common/status.h"
+#include "common/trace/recorder.h"
 #include "common/version.h"
 #include "common/worker/launch_options.h"
 #include "common/worker/outputs.h"
@@ -31,15 +33,43 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   StepDriverOptions driver_options;
   driver_options.timeout = options.timeout;
   const int64_t world_rank = context->world_rank();
+  // Trace events of the traced steps go to <out>/trace/rank-<r>.jsonl after each step, the
+  // process's name first.
+  std::vector<std::string> pending_trace;
+  if (options.trace_first >= 0 && !options.out_dir.empty()) {
+    std::string name = absl::StrCat("rank ", world_rank, ":");
+    for (v1::Module module : {v1::MODULE_ENCODER, v1::MODULE_LLM}) {
+      if (const v1::RankCoordinates* c = context->Coordinates(module)) {
+        absl::StrAppend(&name, " ", module == v1::MODULE_ENCODER ? "encoder" : "llm", " dp ",
+                        c->dp(), " tp ", c->tp());
+      }
+    }
+    pending_trace.push_back(trace::ProcessNameEvent(world_rank, name));
+  }
+  const std::string trace_path =
+      absl::StrCat(options.out_dir, "/trace/rank-", world_rank, ".jsonl");
+  auto flush_trace = [&] {
+    if (options.trace_first < 0 || options.out_dir.empty()) return;
+    for (std::string& e : trace::Recorder::Process().TakeJson(world_rank)) {
+      pending_trace.push_back(std::move(e));
+    }
+    if (absl::Status s = trace::AppendEvents(trace_path, pending_trace); !s.ok()) {
+      HETPAR_LOG(WARNING) << "trace events not written: " << s;
+    }
+    pending_trace.clear();
+  };
   driver_options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& timings) {
     for (const ModuleTimings& t : timings) {
       if (absl::Status s = AppendStepTimings(options.out_dir, world_rank, step, t); !s.ok()) {
         HETPAR_LOG(WARNING) << "step timings not written: " << s;
       }
     }
+    flush_trace();
   };
   StepDriver driver(&channel, modules.get(), driver_options);
-  HETPAR_RETURN_IF_ERROR(driver.Run());
+  const absl::Status run = driver.Run();
+  flush_trace();
+  HETPAR_RETURN_IF_ERROR(run);
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
                    << " discarded";
   HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(options.out_dir, world_rank));
@@ -64,6 +94,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   double connect_timeout_s = absl::ToDoubleSeconds(options.connect_timeout);
   bool colocated = false;
   bool linger = false;
+  std::string trace_steps;
   app.add_option("--coordinator", options.coordinator, "Coordinator address (host:port)")
       ->envname("HETPAR_COORDINATOR")
       ->capture_default_str();
@@ -122,6 +153,10 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   app.add_option("--out", options.out_dir,
                  "Run directory for step timings, parameter sums and model files (default: none)")
       ->envname("HETPAR_OUT");
+  app.add_option("--trace", trace_steps,
+                 "Record a timeline of these steps (FIRST:LAST or STEP, 0-based) into "
+                 "<out>/trace/rank-<r>.jsonl (docs/observability.md)")
+      ->envname("HETPAR_TRACE");
   app.add_option("--threads", threads, "Intra-op threads (default: the machine's cores)")
       ->envname("HETPAR_THREADS")
       ->check(CLI::NonNegativeNumber);
@@ -155,6 +190,15 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     options.host = *address;
   }
   options.connect_timeout = absl::Seconds(connect_timeout_s);
+  if (!trace_steps.empty()) {
+    absl::StatusOr<std::pair<int64_t, int64_t>> range = trace::ParseStepRange(trace_steps);
+    if (!range.ok()) {
+      std::cerr << binary.name << ": --trace: " << range.status().message() << "\n";
+      return kExitInvalidInput;
+    }
+    options.trace_first = range->first;
+    trace::Recorder::Process().Configure(range->first, range->second);
+  }
   if (colocated) options.role = Role::kColocated;
   options.timeout = absl::Seconds(timeout_s);
   at::set_num_threads(

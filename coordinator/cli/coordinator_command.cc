@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -16,6 +17,7 @@
 #include "common/control/security.h"
 #include "common/logging.h"
 #include "common/run_directory.h"
+#include "common/trace/recorder.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/step_metrics.h"
 #include "coordinator/membership.h"
@@ -189,6 +191,17 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       }
     } else {
       HETPAR_LOG(WARNING) << "no final_params line: " << params.status().message();
+    }
+  }
+  // Workers started with --trace wrote their timelines into this run directory (one machine, or
+  // a shared volume): merge them.
+  if (std::filesystem::exists(out_dir + "/trace")) {
+    absl::StatusOr<int64_t> events =
+        trace::MergeTraceFiles(out_dir + "/trace", out_dir + "/trace.json");
+    if (events.ok()) {
+      HETPAR_LOG(INFO) << "timeline: " << out_dir << "/trace.json (" << *events << " events)";
+    } else {
+      HETPAR_LOG(WARNING) << "no timeline: " << events.status().message();
     }
   }
   if (flags.linger) {

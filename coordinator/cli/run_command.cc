@@ -28,6 +28,7 @@
 #include "common/data/batch_source.h"
 #include "common/logging.h"
 #include "common/run_directory.h"
+#include "common/trace/recorder.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
 #include "coordinator/cli/step_metrics.h"
@@ -49,6 +50,7 @@ struct RunFlags {
   int threads = 0;
   std::string listen = "127.0.0.1:0";
   double step_timeout_s = 600;
+  std::string trace;  // FIRST:LAST of steps to record a timeline of
 };
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -163,6 +165,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   std::error_code ec;
   std::filesystem::remove_all(out_dir + "/workers", ec);
+  std::filesystem::remove_all(out_dir + "/trace", ec);
+  std::filesystem::remove(out_dir + "/trace.json", ec);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
   auto batches = data::BatchSource::Create(spec);
@@ -232,6 +236,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         "--threads",
         std::to_string(threads)};
     if (colocated) argv.push_back("--colocated");
+    if (!flags.trace.empty()) argv.insert(argv.end(), {"--trace", flags.trace});
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
     if (!process.ok()) {
       std::cerr << "hetpar run: cannot start " << name << ": " << process.status().message()
@@ -330,6 +335,16 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     return kExitFailure;
   }
   (void)(*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
+  if (!flags.trace.empty()) {
+    absl::StatusOr<int64_t> events =
+        trace::MergeTraceFiles(out_dir + "/trace", out_dir + "/trace.json");
+    if (events.ok()) {
+      std::cerr << "hetpar run: timeline of steps " << flags.trace << ": " << out_dir
+                << "/trace.json (" << *events << " events; open it in https://ui.perfetto.dev)\n";
+    } else {
+      std::cerr << "hetpar run: no timeline: " << events.status().message() << "\n";
+    }
+  }
   if (!spec.data().val_manifest().empty()) {
     std::cerr << "hetpar run: evaluating the validation split with and without images\n";
     std::vector<std::string> argv = {WorkerBinary("hetpar-reference"), "evaluate", "--config",
@@ -388,6 +403,14 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->add_option("--threads", flags->threads,
                    "Intra-op threads per worker (default: cores / workers)")
       ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--trace", flags->trace,
+                   "Record a timeline of steps FIRST:LAST (or one STEP, 0-based) of every rank "
+                   "into <out>/trace.json (Chrome trace events; opens in the Perfetto UI)")
+      ->check([](const std::string& text) {
+        auto range = trace::ParseStepRange(text);
+        return range.ok() ? std::string() : std::string(range.status().message());
+      });
   command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
       ->capture_default_str();
   command
