@@ -50,7 +50,8 @@ struct RunFlags {
   int threads = 0;
   std::string listen = "127.0.0.1:0";
   double step_timeout_s = 600;
-  std::string trace;  // FIRST:LAST of steps to record a timeline of
+  std::string trace;       // FIRST:LAST of steps to record a timeline of
+  double log_every_s = 0;  // in a log, also a progress line once this many seconds passed
 };
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -265,6 +266,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     double model_flops;
   };
   std::deque<Commit> commits;
+  absl::Time last_line = start;
   StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops(), [&](const v1::StepTiming& t) {
     last_loss = t.loss();
     const absl::Time now = absl::Now();
@@ -283,8 +285,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         std::max(absl::ToDoubleSeconds(now - (full ? commits.front().when : start)), 1e-9);
     const int64_t done = t.step() + 1;
     const int64_t total = spec.run().steps();
-    // On a terminal the line redraws every step; in a log, one line every run.log_every steps.
-    if (!tty && done % spec.run().log_every() != 0 && done != total) return;
+    // On a terminal the line redraws every step; in a log, one line every run.log_every steps,
+    // or once --log-every-seconds have passed since the last line, and at the last step.
+    if (!tty && done != total && done % spec.run().log_every() != 0 &&
+        !(flags.log_every_s > 0 && absl::ToDoubleSeconds(now - last_line) >= flags.log_every_s)) {
+      return;
+    }
+    last_line = now;
     const double elapsed = absl::ToDoubleSeconds(now - start);
     ShowProgress(done, total, last_loss, window_tokens / window_s, window_flops / window_s,
                  elapsed / done * (total - done), tty);
@@ -403,6 +410,11 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->add_option("--threads", flags->threads,
                    "Intra-op threads per worker (default: cores / workers)")
       ->check(CLI::PositiveNumber);
+  command
+      ->add_option("--log-every-seconds", flags->log_every_s,
+                   "When stderr is not a terminal, also print a progress line once this many "
+                   "seconds have passed since the last (besides every run.log_every steps)")
+      ->check(CLI::NonNegativeNumber);
   command
       ->add_option("--trace", flags->trace,
                    "Record a timeline of steps FIRST:LAST (or one STEP, 0-based) of every rank "

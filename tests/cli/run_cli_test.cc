@@ -1,5 +1,5 @@
-// `hetpar run` as a user pipes it into a log: one progress line every run.log_every steps and
-// the last one, with the step, loss and token rate.
+// `hetpar run` as a user pipes it into a log: one progress line every run.log_every steps (or
+// --log-every-seconds) and the last one, with the step, loss, token and FLOP rates.
 #include <unistd.h>
 
 #include <filesystem>
@@ -20,36 +20,48 @@ using testing::RunCommand;
 const std::string kBin = HETPAR_BIN;
 const std::string kSource = HETPAR_SOURCE_DIR;
 
-TEST(CliRunTest, APipedRunPrintsAProgressLineEveryLogEverySteps) {
+// The steps whose progress line a piped `hetpar run` of 5 steps printed, with `extra` flags.
+std::vector<std::string> ProgressSteps(const std::vector<std::string>& extra) {
   char pattern[] = "/tmp/hetpar-run-cli-XXXXXX";
   const std::string dir = ::mkdtemp(pattern);
-  auto r = RunCommand({kBin,        "run",
-                       "--config",  kSource + "/configs/tiny.yaml",
-                       "--out",     dir + "/run",
-                       "--steps",   "5",
-                       "--threads", "1",
-                       "--set",     "run.log_every=2",
-                       "--set",     "data.manifest=" + dir + "/data/train.jsonl",
-                       "--set",     "data.val_manifest=" + dir + "/data/val.jsonl",
-                       "--set",     "data.tokenizer=" + dir + "/data/tokenizer.model",
-                       "--set",     "data.synth.samples=64",
-                       "--set",     "data.synth.val_samples=4"},
-                      300);
-  ASSERT_TRUE(r.ok()) << r.status();
-  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
-  // Steps 2 and 4 (every 2nd), and 5 (the last); no others.
+  std::vector<std::string> argv = {kBin,        "run",
+                                   "--config",  kSource + "/configs/tiny.yaml",
+                                   "--out",     dir + "/run",
+                                   "--steps",   "5",
+                                   "--threads", "1",
+                                   "--set",     "data.manifest=" + dir + "/data/train.jsonl",
+                                   "--set",     "data.val_manifest=" + dir + "/data/val.jsonl",
+                                   "--set",     "data.tokenizer=" + dir + "/data/tokenizer.model",
+                                   "--set",     "data.synth.samples=64",
+                                   "--set",     "data.synth.val_samples=4"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  auto r = RunCommand(argv, 300);
+  std::vector<std::string> shown;
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return shown;
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
   // Tokens and model FLOPs per second over the recent steps; both positive.
   const std::regex progress(
       R"(step (\d+)/5 \[[#.]+\] loss [0-9.]+  [1-9][0-9]* tok/s  [0-9.]+ (GFLOP/s|TFLOPS)  ETA)");
-  std::vector<std::string> shown;
   for (auto it = std::sregex_iterator(r->stderr_text.begin(), r->stderr_text.end(), progress);
        it != std::sregex_iterator(); ++it) {
     shown.push_back((*it)[1]);
     EXPECT_THAT((*it).str(), ::testing::Not(HasSubstr(" 0.0 GFLOP/s"))) << (*it).str();
   }
-  EXPECT_THAT(shown, ::testing::ElementsAre("2", "4", "5")) << r->stderr_text;
   EXPECT_THAT(r->stdout_text, HasSubstr("5 steps"));
   std::filesystem::remove_all(dir);
+  return shown;
+}
+
+TEST(CliRunTest, APipedRunPrintsAProgressLineEveryLogEverySteps) {
+  // Steps 2 and 4 (every 2nd), and 5 (the last); no others.
+  EXPECT_THAT(ProgressSteps({"--set", "run.log_every=2"}), ::testing::ElementsAre("2", "4", "5"));
+}
+
+TEST(CliRunTest, LogEverySecondsAddsALineWhenTheTimeHasPassed) {
+  // Every step takes longer than a microsecond, so each one is past the interval.
+  EXPECT_THAT(ProgressSteps({"--set", "run.log_every=100", "--log-every-seconds", "0.000001"}),
+              ::testing::ElementsAre("1", "2", "3", "4", "5"));
 }
 
 }  // namespace
