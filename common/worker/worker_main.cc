@@ -5,6 +5,10 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
 #include <iostream>
 #include <thread>
 
@@ -175,6 +179,13 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     const int code = app.exit(e);
     return code == 0 ? 0 : kExitInvalidInput;
   }
+  // Lingering, SIGINT and SIGTERM go to one thread (below): block them before any thread starts
+  // (the intra-op pool, gRPC, UCX), so every thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  if (linger) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   absl::StatusOr<std::optional<int64_t>> requested = RequestedRank(rank);
   if (!requested.ok()) {
     std::cerr << binary.name << ": " << requested.status().message() << "\n";
@@ -210,19 +221,33 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     return kExitInvalidInput;
   }
   options.token = token->value;
-  // Taken by sigwait below when lingering; blocked before any thread starts so none takes them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  if (linger) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  const absl::Status status = Serve(options, factory);
-  if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
-  if (linger) {
-    HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
-    int signal = 0;
-    sigwait(&signals, &signal);
+  if (!linger) {
+    const absl::Status status = Serve(options, factory);
+    if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
+    return status.ok() ? 0 : kExitFailure;
   }
+  // Lingering: during the run SIGINT and SIGTERM end the process at once, as they would without
+  // --linger; after it they end the idle wait with the run's exit code.
+  std::atomic<bool> run_over{false};
+  std::promise<void> terminated;
+  std::thread waiter([&] {
+    int signal = 0;
+    if (sigwait(&signals, &signal) != 0) return;
+    if (!run_over.load()) {
+      HETPAR_LOG(WARNING) << "terminated by signal " << signal << " during the run";
+      std::cerr.flush();
+      std::clog.flush();
+      std::fflush(nullptr);
+      std::_Exit(128 + signal);
+    }
+    terminated.set_value();
+  });
+  const absl::Status status = Serve(options, factory);
+  run_over.store(true);
+  if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
+  HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
+  terminated.get_future().wait();
+  waiter.join();
   return status.ok() ? 0 : kExitFailure;
 }
 

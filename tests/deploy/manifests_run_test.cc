@@ -73,8 +73,8 @@ class ManifestsRunTest : public ::testing::Test {
     for (const auto& item : object[secret ? "stringData" : "data"]) {
       const std::string path = local + "/" + item.first.as<std::string>();
       std::ofstream(path) << item.second.as<std::string>();
-      std::filesystem::permissions(path, std::filesystem::perms::owner_read |
-                                             std::filesystem::perms::owner_write);
+      std::filesystem::permissions(
+          path, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
     }
     return local;
   }
@@ -121,8 +121,8 @@ class ManifestsRunTest : public ::testing::Test {
             }
           }
           // Addresses: the coordinator's Service and its listening address become loopback.
-          value = absl::StrReplaceAll(value, {{service_address_, local_address_},
-                                              {"0.0.0.0:50051", local_address_}});
+          value = absl::StrReplaceAll(
+              value, {{service_address_, local_address_}, {"0.0.0.0:50051", local_address_}});
           local.argv.push_back(e["name"].as<std::string>() + "=" + value);
         }
         // Threads: two cores shared by five processes.
@@ -194,9 +194,8 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
     processes.push_back(*std::move(p));
   }
   for (const std::string& log : logs) {
-    ASSERT_TRUE(AwaitInFile(log, "waiting for the coordinator at 127\\.0\\.0\\.1",
-                            absl::Seconds(60))
-                    .ok())
+    ASSERT_TRUE(
+        AwaitInFile(log, "waiting for the coordinator at 127\\.0\\.0\\.1", absl::Seconds(60)).ok())
         << log << ":\n"
         << ReadFile(log);
   }
@@ -206,8 +205,8 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
   processes.push_back(*std::move(coordinator));
 
   // Every process lingers after the run (as in a pod): wait for the coordinator to say so.
-  auto done = AwaitInFile(logs.back(), "run tiny (done|failed); serving its status",
-                          absl::Seconds(400));
+  auto done =
+      AwaitInFile(logs.back(), "run tiny (done|failed); serving its status", absl::Seconds(400));
   std::string all_logs;
   for (const std::string& log : logs) absl::StrAppend(&all_logs, "== ", log, "\n", ReadFile(log));
   ASSERT_TRUE(done.ok()) << all_logs;
@@ -231,14 +230,36 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
   EXPECT_TRUE(std::filesystem::exists(run_dir + "/model/encoder.hpar"));
   EXPECT_TRUE(std::filesystem::exists(run_dir + "/model/llm.hpar"));
 
-  auto reference = RunCommand({kHetparBin, "run", "--reference", "--config", spec_path, "--out",
-                               dir_.File("reference")},
-                              300);
+  auto reference = RunCommand(
+      {kHetparBin, "run", "--reference", "--config", spec_path, "--out", dir_.File("reference")},
+      300);
   ASSERT_TRUE(reference.ok()) << reference.status();
   ASSERT_EQ(reference->exit_code, 0) << reference->stderr_text;
   auto compare = RunCommand({kHetparBin, "compare", run_dir, dir_.File("reference")}, 60);
   ASSERT_TRUE(compare.ok()) << compare.status();
   EXPECT_EQ(compare->exit_code, 0) << compare->stdout_text << compare->stderr_text;
+}
+
+// A lingering worker still ends at once when terminated before its run is over (a pod deleted
+// mid-run), here while it waits for a coordinator that never comes.
+TEST(LingerTest, TerminatedBeforeTheRunEndsTheWorkerExitsAtOnce) {
+  TempDir dir;
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  auto worker = ChildProcess::Start(
+      {"/usr/bin/env", "-i", "HETPAR_TOKEN=a-token-for-this-test", kBinDir + "/hetpar-encoder",
+       "--coordinator", absl::StrCat("127.0.0.1:", port), "--linger"},
+      dir.File("worker.log"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  ASSERT_TRUE(
+      AwaitInFile(dir.File("worker.log"), "waiting for the coordinator", absl::Seconds(60)).ok())
+      << ReadFile(dir.File("worker.log"));
+  ASSERT_TRUE(worker->Signal(SIGTERM));
+  auto code = worker->Wait(30);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 128 + SIGTERM) << ReadFile(dir.File("worker.log"));
+  EXPECT_THAT(ReadFile(dir.File("worker.log")),
+              HasSubstr("terminated by signal 15 during the run"));
 }
 
 }  // namespace
