@@ -10,6 +10,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/control/security.h"
 #include "common/plan/flops.h"
 #include "coordinator/membership.h"
 #include "coordinator/run_controller.h"
@@ -171,10 +172,9 @@ std::string RenderPrometheus(const v1::StatusResponse& s) {
 
 absl::StatusOr<std::unique_ptr<MetricsExporter>> MetricsExporter::Start(
     const std::string& listen, std::function<v1::StatusResponse()> status) {
+  const int port = PortOf(listen);
   const size_t colon = listen.rfind(':');
-  int port = -1;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
+  if (port < 0 || colon == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", listen, "' is not host:port"));
   }

@@ -79,13 +79,13 @@ absl::Status MakeDirectories(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                                 bool durable) {
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, bool durable,
+                                 int mode) {
   static std::atomic<uint64_t> counter{0};
   const fs::path target(path);
   if (absl::Status s = MakeDirectories(target.parent_path().string()); !s.ok()) return s;
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
   if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
   size_t written = 0;
   while (written < contents.size()) {

@@ -30,8 +30,10 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path);
 // Writes `contents` to `path` through a temporary file in the same directory, fsync and rename,
 // so a reader sees either the old file or the whole new one. Creates missing parent directories.
 // `durable` = false skips the fsync (for many small files made durable at once by SyncFileSystem).
+// The new file is created with permission bits `mode` (less the umask): 0600 for a file that
+// holds a secret is never more open, not even while it is written.
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                                 bool durable = true);
+                                 bool durable = true, int mode = 0644);
 
 // Flushes the file system that holds `path` (syncfs(2)).
 absl::Status SyncFileSystem(const std::string& path);

@@ -363,14 +363,16 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     const absl::Time end = receive.op->completed_at();
     intervals_[static_cast<int>(direction)].push_back(
         {std::min(std::max(sent, receive.posted), end), end, static_cast<int64_t>(bytes)});
-    trace::Recorder::Process().CompleteAt(
-        trace::kBridgeLane,
-        direction == plan::Direction::kForward ? "receive image rows" : "receive gradients",
-        "bridge",
-        absl::ToDoubleMicroseconds(intervals_[static_cast<int>(direction)].back().start -
-                                   absl::UnixEpoch()),
-        absl::ToDoubleMicroseconds(end - absl::UnixEpoch()),
-        {{"peer", transfer.src_rank}, {"bytes", static_cast<int64_t>(bytes)}, {"wave", wave}});
+    if (trace::Recorder::Process().on()) {
+      trace::Recorder::Process().CompleteAt(
+          trace::kBridgeLane,
+          direction == plan::Direction::kForward ? "receive image rows" : "receive gradients",
+          "bridge",
+          absl::ToDoubleMicroseconds(intervals_[static_cast<int>(direction)].back().start -
+                                     absl::UnixEpoch()),
+          absl::ToDoubleMicroseconds(end - absl::UnixEpoch()),
+          {{"peer", transfer.src_rank}, {"bytes", static_cast<int64_t>(bytes)}, {"wave", wave}});
+    }
     bytes_received_ += transfer.rows * row_bytes;
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;

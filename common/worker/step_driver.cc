@@ -205,12 +205,11 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   }
   state_ = State::kApplying;
   const absl::Time optimizer_start = absl::Now();
+  const trace::Clock::time_point optimizer_trace_start = trace::Clock::now();
   HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient()),
                                   absl::StrCat("step ", step, " optimizer")));
   last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
-  trace::Record(trace::kStepLane, "optimizer", "optimizer",
-                trace::Clock::now() - std::chrono::duration_cast<trace::Clock::duration>(
-                                          std::chrono::duration<double>(last_optimizer_s_)));
+  trace::Record(trace::kStepLane, "optimizer", "optimizer", optimizer_trace_start);
   if (options_.on_applied) options_.on_applied(step, outcome->modules);
   ++steps_applied_;
   state_ = State::kAwaitingPlan;

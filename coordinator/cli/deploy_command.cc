@@ -1,10 +1,5 @@
 // `hetpar deploy k8s|slurm`: render what a cluster needs to run a RunSpec (coordinator/deploy).
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -14,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
+#include "common/data/file_util.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/deploy/deploy.h"
 
@@ -28,33 +24,6 @@ struct DeployFlags {
   std::string token_file;
   deploy::DeployOptions options;
 };
-
-absl::Status WriteFile(const std::string& path, const std::string& content, bool secret) {
-  std::error_code ec;
-  std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  if (ec)
-    return absl::InternalError(
-        absl::StrCat("cannot create the directory of ", path, ": ", ec.message()));
-  const int fd =
-      ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, secret ? 0600 : 0644);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
-  }
-  if (secret) ::fchmod(fd, 0600);  // an existing file keeps its mode otherwise
-  size_t done = 0;
-  while (done < content.size()) {
-    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      ::close(fd);
-      return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return ::close(fd) == 0 ? absl::OkStatus()
-                          : absl::InternalError(absl::StrCat("cannot write ", path));
-}
 
 int Deploy(DeployFlags flags, bool kubernetes) {
   const char* what = kubernetes ? "hetpar deploy k8s" : "hetpar deploy slurm";
@@ -106,7 +75,9 @@ int Deploy(DeployFlags flags, bool kubernetes) {
   }
   for (const deploy::RenderedFile& file : *files) {
     const std::string path = out + "/" + file.name;
-    if (absl::Status s = WriteFile(path, file.content, file.secret); !s.ok()) {
+    if (absl::Status s = data::WriteFileAtomically(path, file.content, /*durable=*/true,
+                                                   file.secret ? 0600 : 0644);
+        !s.ok()) {
       std::cerr << what << ": " << s.message() << "\n";
       return kExitFailure;
     }

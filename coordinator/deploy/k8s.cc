@@ -1,9 +1,11 @@
 // `hetpar deploy k8s`: the manifests of one run (see deploy.h and docs/deploy.md).
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/control/security.h"
 #include "coordinator/deploy/deploy.h"
 
 namespace hetpar::deploy {
@@ -53,12 +55,14 @@ struct Names {
   }
 };
 
-Json Volumes(const Names& n) {
-  return Json::array(
-      {{{"name", "token"}, {"secret", {{"secretName", n.token_secret}, {"defaultMode", 0440}}}},
-       {{"name", "runspec"}, {"configMap", {{"name", n.runspec}}}},
-       {{"name", "run"}, {"persistentVolumeClaim", {{"claimName", n.run_volume}}}},
-       {{"name", "data"}, {"persistentVolumeClaim", {{"claimName", n.data_volume}}}}});
+// The pod's volumes; only the coordinator reads the RunSpec (workers get it when they register).
+Json Volumes(const Names& n, bool with_runspec) {
+  Json volumes = Json::array(
+      {{{"name", "token"}, {"secret", {{"secretName", n.token_secret}, {"defaultMode", 0440}}}}});
+  if (with_runspec) volumes.push_back({{"name", "runspec"}, {"configMap", {{"name", n.runspec}}}});
+  volumes.push_back({{"name", "run"}, {"persistentVolumeClaim", {{"claimName", n.run_volume}}}});
+  volumes.push_back({{"name", "data"}, {"persistentVolumeClaim", {{"claimName", n.data_volume}}}});
+  return volumes;
 }
 
 // The image's user (deploy/docker/Dockerfile); fsGroup lets it read the token and write the
@@ -96,11 +100,7 @@ std::string TokenPath() { return absl::StrCat(kContainerTokenDir, "/", kTokenKey
 
 // The port of coordinator.metrics_listen, or 0 when metrics are off.
 int MetricsPort(const v1::RunSpec& spec) {
-  const std::string& listen = spec.coordinator().metrics_listen();
-  const size_t colon = listen.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(listen.substr(colon + 1), &port)) return 0;
-  return port;
+  return std::max(0, coordinator::PortOf(spec.coordinator().metrics_listen()));
 }
 
 Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOptions& options) {
@@ -152,7 +152,7 @@ Json CoordinatorObjects(const v1::RunSpec& spec, const Names& n, const DeployOpt
                           {{"terminationGracePeriodSeconds", options.grace_period_s},
                            {"securityContext", PodSecurity()},
                            {"containers", Json::array({container})},
-                           {"volumes", Volumes(n)}}}}}}}};
+                           {"volumes", Volumes(n, /*with_runspec=*/true)}}}}}}}};
   Json service = {
       {"apiVersion", "v1"},
       {"kind", "Service"},
@@ -201,7 +201,7 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
                {{"terminationGracePeriodSeconds", options.grace_period_s},
                 {"securityContext", PodSecurity()},
                 {"containers", containers},
-                {"volumes", Volumes(n)}}}}}}}};
+                {"volumes", Volumes(n, /*with_runspec=*/false)}}}}}}}};
 }
 
 std::string Document(const Json& objects) {
