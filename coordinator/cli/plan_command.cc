@@ -16,6 +16,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/config/config.h"
+#include "common/data/batch_source.h"
+#include "common/plan/cluster.h"
+#include "common/plan/estimate.h"
+#include "common/plan/search.h"
 #include "common/plan/step_plan.h"
 #include "common/plan/synthetic_batch.h"
 #include "coordinator/cli/commands.h"
@@ -120,6 +124,16 @@ struct Options {
   int64_t samples = 0;
   int64_t data_seed = -1;
   int64_t wave = -1;
+  // The planner.
+  bool estimate = false;
+  bool search = false;
+  std::string cluster = "h100-sxm";
+  int64_t gpus = 0;
+  int64_t top = 5;
+  int64_t estimate_steps = 4;
+  bool from_data = false;
+  int64_t max_pp = 1;
+  std::string placements = "all";
 };
 
 // Everything the printers need besides the plan.
@@ -385,6 +399,249 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
   }
 }
 
+// "dp 2 x tp 1" without the rank span: the layout of a candidate.
+std::string LayoutText(const Layout& l) {
+  std::string text = absl::StrCat("dp", l.dp, " tp", l.tp);
+  if (l.cp != 1) absl::StrAppend(&text, " cp", l.cp);
+  if (l.pp != 1) absl::StrAppend(&text, " pp", l.pp);
+  if (l.sequence_parallel && l.tp > 1) absl::StrAppend(&text, " sp");
+  return text;
+}
+
+nlohmann::ordered_json ModuleJson(const plan::ModuleEstimate& m) {
+  return {{"ranks", m.ranks},
+          {"parameters", m.parameters},
+          {"model_tflop", m.flops / 1e12},
+          {"compute_s", m.compute_s},
+          {"tp_collective_s", m.tp_collective_s},
+          {"cp_collective_s", m.cp_collective_s},
+          {"pp_p2p_s", m.pp_p2p_s},
+          {"bubble_s", m.bubble_s},
+          {"dp_collective_s", m.dp_collective_s},
+          {"optimizer_s", m.optimizer_s},
+          {"imbalance_s", m.imbalance_s},
+          {"busy_s", m.busy_s},
+          {"state_gib", m.state_gib},
+          {"activation_gib", m.activation_gib}};
+}
+
+nlohmann::ordered_json EstimateJson(const plan::StepEstimate& e, const std::string& kind) {
+  nlohmann::ordered_json j;
+  j["placement"] = kind.empty() ? e.placement : kind;
+  j["encoder_layout"] = LayoutText(e.encoder);
+  j["llm_layout"] = LayoutText(e.llm);
+  j["gpus"] = e.devices;
+  j["step_time_s"] = e.step_time_s;
+  j["tflops_per_gpu"] = e.tflops_per_device;
+  j["tokens_per_s_per_gpu"] = e.tokens_per_s_per_device;
+  j["memory_gib_per_gpu"] = e.memory_gib_per_device;
+  j["fits_memory"] = e.fits_memory;
+  j["tokens_per_step"] = e.tokens;
+  j["images_per_step"] = e.images;
+  j["boundary_s"] = e.boundary_s;
+  j["control_s"] = e.overhead_s;
+  j["shared_devices_bound_s"] = e.shared_bound_s;
+  j["encoder"] = ModuleJson(e.encoder_module);
+  j["llm"] = ModuleJson(e.llm_module);
+  j["notes"] = e.notes;
+  return j;
+}
+
+std::string Gib(double gib) { return Fixed(gib, gib < 10 ? 2 : 1) + " GiB"; }
+
+// Seconds with three significant digits and a unit that fits.
+std::string Time(double s) {
+  if (s == 0) return "0";
+  if (s < 1e-3) return Fixed(s * 1e6, 1) + " us";
+  if (s < 1) return Fixed(s * 1e3, 1) + " ms";
+  return Fixed(s, 3) + " s";
+}
+
+void PrintEstimateText(const plan::StepEstimate& e, const plan::ClusterSpec& cluster,
+                       const std::string& config, int64_t steps, bool from_data) {
+  std::cout << "hetpar plan --estimate: " << config << " on " << cluster.name
+            << (cluster.description.empty() ? "" : " (" + cluster.description + ")") << ", mean of "
+            << steps << (steps == 1 ? " step" : " steps") << " ("
+            << (from_data ? "batches from the data set" : "synthetic batches") << ")\n\n";
+  std::cout << "placement   " << e.placement << ", " << e.devices << " devices\n";
+  std::cout << "encoder     " << LayoutText(e.encoder) << "\n";
+  std::cout << "llm         " << LayoutText(e.llm) << "\n";
+  std::cout << "step time   " << Time(e.step_time_s) << "\n";
+  std::cout << "per device  " << Fixed(e.tflops_per_device, e.tflops_per_device < 1 ? 4 : 1)
+            << " TFLOPS, " << Fixed(e.tokens_per_s_per_device, 1) << " tokens/s, "
+            << Gib(e.memory_gib_per_device) << " of " << Gib(cluster.memory_gib)
+            << (e.fits_memory ? "" : " (does not fit)") << "\n";
+  std::cout << "step        " << Fixed(e.tokens, 0) << " tokens, " << Fixed(e.images, 0)
+            << " images, " << Flops(e.encoder_module.flops) << " encoder + "
+            << Flops(e.llm_module.flops) << " LLM (forward + backward)\n";
+  std::cout << "\nBreakdown (per step; the busiest replica of each module)\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "  %-8s %10s %10s %10s %10s %10s %10s %10s %10s\n", "",
+                "compute", "tp", "cp", "pp send", "bubble", "dp", "optimizer", "imbalance");
+  std::cout << line;
+  for (const auto& [name, m] :
+       {std::pair<const char*, const plan::ModuleEstimate*>{"encoder", &e.encoder_module},
+        std::pair<const char*, const plan::ModuleEstimate*>{"llm", &e.llm_module}}) {
+    std::snprintf(line, sizeof(line), "  %-8s %10s %10s %10s %10s %10s %10s %10s %10s\n", name,
+                  Time(m->compute_s).c_str(), Time(m->tp_collective_s).c_str(),
+                  Time(m->cp_collective_s).c_str(), Time(m->pp_p2p_s).c_str(),
+                  Time(m->bubble_s).c_str(), Time(m->dp_collective_s).c_str(),
+                  Time(m->optimizer_s).c_str(), Time(m->imbalance_s).c_str());
+    std::cout << line;
+  }
+  std::cout << "  boundary " << Time(e.boundary_s)
+            << " (the busiest LLM rank's transfers, both ways; overlapped with compute where "
+               "the schedule allows)\n";
+  std::cout << "  control  " << Time(e.overhead_s) << " (the control plane's round trips)\n";
+  if (e.shared_bound_s > 0) {
+    std::cout << "  shared   " << Time(e.shared_bound_s)
+              << " (the ranks' busy time over the devices they share: a lower bound)\n";
+  }
+  std::cout << "\nMemory per device: encoder " << Gib(e.encoder_module.state_gib) << " state + "
+            << Gib(e.encoder_module.activation_gib) << " activations; LLM "
+            << Gib(e.llm_module.state_gib) << " state + " << Gib(e.llm_module.activation_gib)
+            << " activations; " << Gib(cluster.reserved_gib) << " reserved\n";
+  for (const std::string& note : e.notes) std::cout << "note: " << note << "\n";
+}
+
+void PrintSearchText(const plan::SearchResult& r, const plan::ClusterSpec& cluster,
+                     const Options& o) {
+  std::cout << "hetpar plan --search: " << o.config << " on " << o.gpus << " x " << cluster.name
+            << ": " << r.considered << " candidates estimated, " << r.over_memory
+            << " over memory\n\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "  %-4s %-24s %-16s %-16s %10s %10s %12s %9s %8s\n", "#",
+                "placement", "encoder", "llm", "step", "TFLOPS/gpu", "tokens/s/gpu", "GiB/gpu",
+                "gain");
+  std::cout << line;
+  const double base =
+      r.best_homogeneous >= 0 ? r.ranked[r.best_homogeneous].estimate.tokens_per_s_per_device : 0;
+  const int64_t shown = std::min<int64_t>(o.top, static_cast<int64_t>(r.ranked.size()));
+  auto print = [&](int64_t i) {
+    const plan::Candidate& c = r.ranked[i];
+    const plan::StepEstimate& e = c.estimate;
+    const std::string gain =
+        base > 0 ? absl::StrCat(e.tokens_per_s_per_device >= base ? "+" : "",
+                                Fixed(100 * (e.tokens_per_s_per_device / base - 1), 1), "%")
+                 : "-";
+    std::snprintf(line, sizeof(line), "  %-4lld %-24s %-16s %-16s %10s %10s %12s %9s %8s%s\n",
+                  static_cast<long long>(i + 1), c.kind.c_str(), LayoutText(e.encoder).c_str(),
+                  LayoutText(e.llm).c_str(), Time(e.step_time_s).c_str(),
+                  Fixed(e.tflops_per_device, e.tflops_per_device < 1 ? 4 : 1).c_str(),
+                  Fixed(e.tokens_per_s_per_device, 1).c_str(),
+                  Fixed(e.memory_gib_per_device, 1).c_str(), gain.c_str(),
+                  c.runnable ? "" : "  (not runnable yet)");
+    std::cout << line;
+  };
+  for (int64_t i = 0; i < shown; ++i) print(i);
+  if (r.best_homogeneous >= shown) {
+    std::cout << "  ...\n";
+    print(r.best_homogeneous);
+  }
+  if (r.best_homogeneous < 0) {
+    std::cout << "\nNo homogeneous layout fits; gains are not shown.\n";
+  } else {
+    std::cout << "\ngain: tokens/s per device over the best homogeneous layout (the encoder "
+                 "inheriting the LLM's layout, colocated)\n";
+  }
+}
+
+// The batches of steps [first, first + count): synthetic (ctx, batch) or from the data set.
+absl::StatusOr<std::vector<std::vector<plan::SampleDescriptor>>> PlannerBatches(
+    const hetpar::v1::RunSpec& spec, const plan::SyntheticBatchOptions& synthetic, int64_t first,
+    int64_t count, bool from_data) {
+  std::vector<std::vector<plan::SampleDescriptor>> batches;
+  const int64_t global_batch = spec.run().global_batch();
+  if (from_data) {
+    auto source = data::BatchSource::Create(spec);
+    if (!source.ok()) return source.status();
+    data::SamplerCursor cursor;
+    for (int64_t step = 0; step < first + count; ++step) {
+      auto batch = (*source)->Take(cursor, global_batch);
+      if (!batch.ok()) return batch.status();
+      cursor = batch->next;
+      if (step >= first) batches.push_back(std::move(batch->samples));
+    }
+    return batches;
+  }
+  for (int64_t step = first; step < first + count; ++step) {
+    plan::SyntheticBatchOptions b = synthetic;
+    b.first_id = (step * global_batch) % b.dataset_size;
+    auto samples = plan::SyntheticBatch(b);
+    if (!samples.ok()) return samples.status();
+    batches.push_back(std::move(*samples));
+  }
+  return batches;
+}
+
+int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
+               const plan::SyntheticBatchOptions& synthetic) {
+  auto fail = [](const absl::Status& status) {
+    std::cerr << "hetpar plan: " << status.message() << "\n";
+    return status.code() == absl::StatusCode::kInvalidArgument ||
+                   status.code() == absl::StatusCode::kNotFound
+               ? kExitInvalidInput
+               : kExitFailure;
+  };
+  if (o.estimate_steps < 1) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("--estimate-steps ", o.estimate_steps, " must be >= 1")));
+  }
+  auto cluster = plan::ResolveCluster(o.cluster);
+  if (!cluster.ok()) return fail(cluster.status());
+  auto batches = PlannerBatches(spec, synthetic, o.step, o.estimate_steps, o.from_data);
+  if (!batches.ok()) return fail(batches.status());
+  if (o.estimate) {
+    auto estimate = plan::EstimateOverBatches(spec, *batches, *cluster);
+    if (!estimate.ok()) return fail(estimate.status());
+    if (o.json) {
+      nlohmann::ordered_json j = EstimateJson(*estimate, "");
+      j["config"] = o.config;
+      j["cluster"] = cluster->name;
+      j["steps"] = o.estimate_steps;
+      std::cout << j.dump() << "\n";
+    } else {
+      PrintEstimateText(*estimate, *cluster, o.config, o.estimate_steps, o.from_data);
+    }
+    return kExitOk;
+  }
+  if (o.gpus < 1) {
+    return fail(absl::InvalidArgumentError("--search needs --gpus N, the budget of devices"));
+  }
+  plan::SearchOptions search;
+  search.devices = o.gpus;
+  search.max_pp = o.max_pp;
+  search.colocated = o.placements != "non_colocated";
+  search.non_colocated = o.placements != "colocated";
+  std::cerr << "hetpar plan: searching the layouts of " << o.gpus << " devices on " << cluster->name
+            << "...\n";
+  auto result = plan::SearchLayouts(spec, *batches, *cluster, search);
+  if (!result.ok()) return fail(result.status());
+  if (o.json) {
+    const double base =
+        result->best_homogeneous >= 0
+            ? result->ranked[result->best_homogeneous].estimate.tokens_per_s_per_device
+            : 0;
+    const int64_t shown = std::min<int64_t>(o.top, static_cast<int64_t>(result->ranked.size()));
+    for (int64_t i = 0; i < static_cast<int64_t>(result->ranked.size()); ++i) {
+      const plan::Candidate& c = result->ranked[i];
+      if (i >= shown && c.kind != "homogeneous") continue;
+      if (i >= shown && i != result->best_homogeneous) continue;
+      nlohmann::ordered_json j = EstimateJson(c.estimate, c.kind);
+      j["rank"] = i + 1;
+      j["runnable"] = c.runnable;
+      if (!c.runnable) j["why_not_runnable"] = c.why;
+      j["gain_vs_best_homogeneous"] =
+          base > 0 ? nlohmann::ordered_json(c.estimate.tokens_per_s_per_device / base - 1)
+                   : nlohmann::ordered_json();
+      std::cout << j.dump() << "\n";
+    }
+  } else {
+    PrintSearchText(*result, *cluster, o);
+  }
+  return result->ranked.empty() ? kExitFailure : kExitOk;
+}
+
 int RunPlan(const Options& o) {
   config::LoadOptions load;
   load.overrides = o.overrides;
@@ -457,6 +714,7 @@ int RunPlan(const Options& o) {
   batch.tokens_per_image = ctx.tokens_per_image;
   batch.seq_len = seq_len;
   batch.seed = ctx.data_seed;
+  if (o.estimate || o.search) return RunPlanner(o, spec, batch);
   auto samples = plan::SyntheticBatch(batch);
   if (!samples.ok()) return fail(samples.status());
   auto step_plan = plan::BuildStepPlan(*placement, std::move(*samples), *options);
@@ -494,7 +752,40 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
                       "Seed of the synthetic samples (default data.synth.seed)");
   command->add_option("--wave", options->wave,
                       "Also list every transfer and share step of this wave");
-  command->callback([options, exit_code] { *exit_code = RunPlan(*options); });
+  command->add_flag("--estimate", options->estimate,
+                    "Predict the step time, TFLOPS and tokens/s per device and the memory per "
+                    "device of this config on --cluster, with a breakdown (docs/planner.md)");
+  command->add_flag(
+      "--search", options->search,
+      "Estimate every homogeneous, colocated and non-colocated layout of --gpus "
+      "devices and print the best --top, with the gain over the best homogeneous one");
+  command->add_option(
+      "--cluster", options->cluster,
+      absl::StrCat("Cluster preset (", absl::StrJoin(plan::ClusterPresetNames(), ", "),
+                   ") or a cluster YAML file, e.g. one plan_calibrate wrote "
+                   "(default h100-sxm)"));
+  command->add_option("--gpus", options->gpus, "Devices to spend (--search)");
+  command->add_option("--top", options->top, "Candidates to print (--search; default 5)");
+  command->add_option("--estimate-steps", options->estimate_steps,
+                      "Steps from --step whose batches the estimate averages over (default 4)");
+  command->add_flag("--from-data", options->from_data,
+                    "Plan the batches a run draws from the config's data set (generated when "
+                    "synthetic and absent) instead of synthetic batches");
+  command->add_option("--max-pp", options->max_pp,
+                      "Largest LLM pipeline size --search tries (default 1; runs take pp = 1 for "
+                      "now)");
+  command
+      ->add_option("--placements", options->placements,
+                   "Placements --search tries: all, colocated or non_colocated (default all)")
+      ->check(CLI::IsMember({"all", "colocated", "non_colocated"}));
+  command->callback([options, exit_code] {
+    if (options->estimate && options->search) {
+      std::cerr << "hetpar plan: --estimate and --search are alternatives; pass one\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    *exit_code = RunPlan(*options);
+  });
 }
 
 }  // namespace
