@@ -509,6 +509,12 @@ void PrintSearchText(const plan::SearchResult& r, const plan::ClusterSpec& clust
   std::cout << "hetpar plan --search: " << o.config << " on " << o.gpus << " x " << cluster.name
             << ": " << r.considered << " candidates estimated, " << r.over_memory
             << " over memory\n\n";
+  if (r.ranked.empty()) {
+    std::cout << "No layout of " << o.gpus << " devices fits: " << r.over_memory
+              << " exceed the devices' memory and the rest fail the validator. Try more devices, "
+                 "a smaller micro_batch or seq_len, or --max-pp.\n";
+    return;
+  }
   char line[256];
   std::snprintf(line, sizeof(line), "  %-4s %-24s %-16s %-16s %10s %10s %12s %9s %8s\n", "#",
                 "placement", "encoder", "llm", "step", "TFLOPS/gpu", "tokens/s/gpu", "GiB/gpu",

@@ -1,4 +1,10 @@
 // `hetpar plan` as a user runs it: the text and JSON views of a config's step plan.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -69,6 +75,112 @@ TEST(CliPlanTest, BadRangeExitsTwo) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, HasSubstr("--images-per-sample"));
+}
+
+TEST(CliPlanTest, EstimateOnAPresetPrintsTheBreakdown) {
+  auto r = RunCommand({kBin, "plan", "--config", kLarge, "--estimate", "--cluster", "h100-sxm",
+                       "--estimate-steps", "1"},
+                      120);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("on h100-sxm"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("placement   non_colocated, 48 devices"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("step time"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("Breakdown"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("Memory per device"));
+}
+
+TEST(CliPlanTest, EstimateJsonAddsUp) {
+  auto r = RunCommand({kBin, "plan", "--config", kTiny, "--estimate", "--json", "--cluster",
+                       "a100-80g", "--estimate-steps", "2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  auto j = nlohmann::json::parse(r->stdout_text);
+  EXPECT_EQ(j["placement"], "non_colocated");
+  EXPECT_EQ(j["encoder_layout"], "dp2 tp1");
+  EXPECT_EQ(j["llm_layout"], "dp1 tp2");
+  EXPECT_EQ(j["gpus"], 4);
+  EXPECT_EQ(j["cluster"], "a100-80g");
+  const double step = j["step_time_s"].get<double>();
+  ASSERT_GT(step, 0);
+  // TFLOPS per GPU: both modules' model FLOPs over the step and the 4 devices.
+  const double tflop =
+      j["encoder"]["model_tflop"].get<double>() + j["llm"]["model_tflop"].get<double>();
+  EXPECT_NEAR(j["tflops_per_gpu"].get<double>(), tflop / step / 4, 1e-9 * tflop / step);
+  EXPECT_NEAR(j["tokens_per_s_per_gpu"].get<double>(),
+              j["tokens_per_step"].get<double>() / step / 4, 1e-6);
+  EXPECT_GT(j["memory_gib_per_gpu"].get<double>(), 4.0);  // the preset reserves 4 GiB
+  EXPECT_TRUE(j["fits_memory"].get<bool>());
+}
+
+TEST(CliPlanTest, SearchRanksCandidatesAndShowsTheBestHomogeneous) {
+  auto r = RunCommand({kBin, "plan", "--config", kTiny, "--search", "--gpus", "4", "--top", "3",
+                       "--json", "--cluster", "h100-sxm", "--estimate-steps", "1"},
+                      120);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  std::istringstream lines(r->stdout_text);
+  std::string line;
+  std::vector<nlohmann::json> candidates;
+  while (std::getline(lines, line)) candidates.push_back(nlohmann::json::parse(line));
+  ASSERT_GE(candidates.size(), 3u);
+  bool homogeneous = false;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const auto& c = candidates[i];
+    for (const char* key : {"placement", "encoder_layout", "llm_layout", "gpus", "step_time_s",
+                            "tflops_per_gpu", "tokens_per_s_per_gpu", "memory_gib_per_gpu"}) {
+      EXPECT_TRUE(c.contains(key)) << key << " missing from " << line;
+    }
+    EXPECT_EQ(c["gpus"], 4);
+    if (i > 0) {
+      EXPECT_GT(c["rank"].get<int>(), candidates[i - 1]["rank"].get<int>());
+      EXPECT_LE(c["tokens_per_s_per_gpu"].get<double>(),
+                candidates[i - 1]["tokens_per_s_per_gpu"].get<double>());
+    }
+    if (c["placement"] == "homogeneous") {
+      homogeneous = true;
+      EXPECT_EQ(c["encoder_layout"], c["llm_layout"]);
+      EXPECT_NEAR(c["gain_vs_best_homogeneous"].get<double>(), 0, 1e-12);
+    }
+  }
+  EXPECT_TRUE(homogeneous) << r->stdout_text;
+}
+
+TEST(CliPlanTest, PlannerInputErrorsExitTwo) {
+  auto no_budget = RunCommand({kBin, "plan", "--config", kTiny, "--search"});
+  ASSERT_TRUE(no_budget.ok());
+  EXPECT_EQ(no_budget->exit_code, 2);
+  EXPECT_THAT(no_budget->stderr_text, HasSubstr("--search needs --gpus"));
+
+  auto both = RunCommand({kBin, "plan", "--config", kTiny, "--search", "--estimate"});
+  ASSERT_TRUE(both.ok());
+  EXPECT_EQ(both->exit_code, 2);
+
+  auto unknown = RunCommand({kBin, "plan", "--config", kTiny, "--estimate", "--cluster", "tpu"});
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_EQ(unknown->exit_code, 2);
+  EXPECT_THAT(unknown->stderr_text, HasSubstr("h100-sxm"));
+
+  char dir[] = "/tmp/hetpar-plan-cli.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string file = std::string(dir) + "/cluster.yaml";
+  std::ofstream(file) << "devices_per_node: 8\nmemory_gib: 80\nmemory_gbps: 3000\n"
+                         "peak_tflops: {bfloat16: 900}\ncompute_efficiency: 0.5\n"
+                         "intra_node: {collective_gbps: 300, p2p_gbps: 100}\nnics: 8\n";
+  auto bad = RunCommand({kBin, "plan", "--config", kTiny, "--estimate", "--cluster", file});
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(bad->exit_code, 2);
+  EXPECT_THAT(bad->stderr_text, HasSubstr(file + ":7: nics is not a cluster field"));
+  // tiny.yaml trains in float32; the file has only a bfloat16 peak.
+  std::ofstream(file) << "devices_per_node: 8\nmemory_gib: 80\nmemory_gbps: 3000\n"
+                         "peak_tflops: {bfloat16: 900}\ncompute_efficiency: 0.5\n"
+                         "intra_node: {collective_gbps: 300, p2p_gbps: 100}\n";
+  auto dtype = RunCommand({kBin, "plan", "--config", kTiny, "--estimate", "--cluster", file});
+  ASSERT_TRUE(dtype.ok());
+  EXPECT_EQ(dtype->exit_code, 2);
+  EXPECT_THAT(dtype->stderr_text, HasSubstr("peak_tflops.float32"));
+  std::remove(file.c_str());
+  ::rmdir(dir);
 }
 
 }  // namespace
