@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "common/nn/test_ranks.h"
+#include "common/plan/estimate.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -95,6 +96,14 @@ TEST(EncoderTest, ParameterNamesAndShapes) {
   ASSERT_NE(fc2, nullptr);
   EXPECT_EQ(fc2->slice.split_dim, 1);
   EXPECT_EQ(encoder->parameters().Find("encoder.norm.bias")->slice.split_dim, -1);
+}
+
+// The layout planner sizes gradients, optimizer state and DP all-reduces from a count of the
+// parameters by formula (common/plan/estimate.h); it must match what the model registers.
+TEST(EncoderTest, PlannerCountsEveryParameter) {
+  auto encoder = Make();
+  EXPECT_EQ(encoder->parameters().FullNumel(),
+            static_cast<int64_t>(plan::EncoderParameters(TinyModel())));
 }
 
 // Finite differences of a weighted sum of the output against the autograd gradient, for a few

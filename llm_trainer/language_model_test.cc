@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/nn/test_ranks.h"
+#include "common/plan/estimate.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -83,6 +84,13 @@ double Loss(LanguageModel& lm, const std::vector<LlmSample>& samples, const at::
   auto out = lm.Forward(samples, rows, n_global);
   EXPECT_TRUE(out.ok()) << out.status();
   return out.ok() ? out->loss.item<double>() : NAN;
+}
+
+// The layout planner sizes gradients, optimizer state and DP all-reduces from a count of the
+// parameters by formula (common/plan/estimate.h); it must match what the model registers.
+TEST(LanguageModelTest, PlannerCountsEveryParameter) {
+  auto lm = Make();
+  EXPECT_EQ(lm->parameters().FullNumel(), static_cast<int64_t>(plan::LlmParameters(TinyModel())));
 }
 
 TEST(LanguageModelTest, SplicedRowsLandExactlyOnTheirPlaceholders) {
