@@ -739,7 +739,9 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   CLI::App* command = app.add_subcommand(
       "plan",
       "Show one step's plan for a config: layouts, which encoder ranks send image embeddings to "
-      "which LLM ranks, per-rank load and imbalance; check routing before launching");
+      "which LLM ranks, per-rank load and imbalance; check routing before launching. With "
+      "--estimate, predict its step time, TFLOPS, tokens/s and memory per device on a cluster; "
+      "with --search, rank the layouts of a device budget (docs/planner.md)");
   command->add_option("-c,--config", options->config, "RunSpec YAML file")->required();
   command->add_option("--set", options->overrides,
                       "Override a config field, e.g. --set llm.layout.cp=2 (repeatable)");
