@@ -33,6 +33,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "bench/tiny_models.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
 #include "common/plan/flops.h"
@@ -65,14 +66,8 @@ struct BenchCase {
 
 hetpar::v1::EncoderModel EncoderConfig(const std::string& config, int64_t* images) {
   hetpar::v1::EncoderModel m;
-  if (config == "tiny") {  // configs/tiny.yaml
-    m.set_image_size(32);
-    m.set_patch(8);
-    m.set_hidden(64);
-    m.set_layers(2);
-    m.set_heads(4);
-    m.set_mlp(128);
-    m.set_out_hidden(64);
+  if (config == "tiny") {
+    m = TinyEncoder();
     *images = 8;
   } else {
     m.set_image_size(64);
@@ -91,14 +86,8 @@ hetpar::v1::EncoderModel EncoderConfig(const std::string& config, int64_t* image
 hetpar::v1::LlmModel LlmConfig(const std::string& config, int64_t* samples,
                                int64_t* image_rows_per_sample) {
   hetpar::v1::LlmModel m;
-  if (config == "tiny") {  // configs/tiny.yaml
-    m.set_hidden(64);
-    m.set_layers(2);
-    m.set_heads(4);
-    m.set_kv_heads(2);
-    m.set_ffn(128);
-    m.set_vocab(256);
-    m.set_seq_len(128);
+  if (config == "tiny") {
+    m = TinyLlm();
     *samples = 2;
     *image_rows_per_sample = 16;
   } else {

@@ -61,6 +61,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "bench/tiny_models.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
 #include "common/plan/estimate.h"
@@ -85,34 +86,6 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0 : v[v.size() / 2];
-}
-
-// The models of configs/tiny.yaml: what the CPU tests and the demo train.
-v1::EncoderModel TinyEncoder() {
-  v1::EncoderModel m;
-  m.set_image_size(32);
-  m.set_patch(8);
-  m.set_hidden(64);
-  m.set_layers(2);
-  m.set_heads(4);
-  m.set_mlp(128);
-  m.set_out_hidden(64);
-  m.set_channels(3);
-  return m;
-}
-
-v1::LlmModel TinyLlm() {
-  v1::LlmModel m;
-  m.set_hidden(64);
-  m.set_layers(2);
-  m.set_heads(4);
-  m.set_kv_heads(2);
-  m.set_ffn(128);
-  m.set_vocab(256);
-  m.set_seq_len(128);
-  m.set_rope_theta(10000);
-  m.set_norm_eps(1e-5);
-  return m;
 }
 
 // Runs `body` `iters` times between barriers (none when `comm` is null); per-iteration times.
