@@ -699,9 +699,6 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     c.Fail("encoder.layout.pp",
            absl::StrCat("=", el.pp(), ": the encoder is not pipelined; expected 1"));
   }
-  if (el.sequence_parallel()) {
-    c.Fail("encoder.layout.sequence_parallel", "is not supported for the encoder; expected false");
-  }
 
   // encoder model
   const auto& em = s.encoder().model();

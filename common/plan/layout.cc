@@ -119,10 +119,6 @@ absl::Status ValidateLayout(const Layout& layout, Module module, std::string_vie
       return absl::InvalidArgumentError(
           absl::StrCat(prefix, ".pp=", layout.pp, ": the encoder is not pipelined; expected 1"));
     }
-    if (layout.sequence_parallel) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          prefix, ".sequence_parallel is not supported for the encoder; expected false"));
-    }
   }
   return absl::OkStatus();
 }
