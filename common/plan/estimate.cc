@@ -242,12 +242,13 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
     out.notes.push_back(
         absl::StrCat(out.devices, " ranks share the cluster's ", cluster.devices(), " devices"));
   }
-  for (const auto& [name, tp] : {std::pair<const char*, int64_t>{"encoder", el.tp},
-                                 std::pair<const char*, int64_t>{"llm", ll.tp * ll.cp}}) {
-    if (tp > cluster.devices_per_node && !cluster.share_devices) {
+  for (const auto& [group, size] :
+       {std::pair<const char*, int64_t>{"encoder tp", el.tp},
+        std::pair<const char*, int64_t>{"llm tp x cp", ll.tp * ll.cp}}) {
+    if (size > cluster.devices_per_node && !cluster.share_devices) {
       return absl::InvalidArgumentError(
-          absl::StrCat(name, " tp x cp = ", tp, " spans more than a node of ",
-                       cluster.devices_per_node, " devices; TP and CP groups stay inside a node"));
+          absl::StrCat(group, " = ", size, " spans more than a node of ", cluster.devices_per_node,
+                       " devices; TP and CP groups stay inside a node"));
     }
   }
   const v1::Dtype dtype = spec.run().dtype();

@@ -552,6 +552,15 @@ void PrintSearchText(const plan::SearchResult& r, const plan::ClusterSpec& clust
   }
 }
 
+// Prints the problem; exit 2 for bad input (a bad value, a missing cluster file), else 1.
+int Fail(const absl::Status& status) {
+  std::cerr << "hetpar plan: " << status.message() << "\n";
+  return status.code() == absl::StatusCode::kInvalidArgument ||
+                 status.code() == absl::StatusCode::kNotFound
+             ? kExitInvalidInput
+             : kExitFailure;
+}
+
 // The batches of steps [first, first + count): synthetic (ctx, batch) or from the data set.
 absl::StatusOr<std::vector<std::vector<plan::SampleDescriptor>>> PlannerBatches(
     const hetpar::v1::RunSpec& spec, const plan::SyntheticBatchOptions& synthetic, int64_t first,
@@ -582,24 +591,17 @@ absl::StatusOr<std::vector<std::vector<plan::SampleDescriptor>>> PlannerBatches(
 
 int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
                const plan::SyntheticBatchOptions& synthetic) {
-  auto fail = [](const absl::Status& status) {
-    std::cerr << "hetpar plan: " << status.message() << "\n";
-    return status.code() == absl::StatusCode::kInvalidArgument ||
-                   status.code() == absl::StatusCode::kNotFound
-               ? kExitInvalidInput
-               : kExitFailure;
-  };
   if (o.estimate_steps < 1) {
-    return fail(absl::InvalidArgumentError(
+    return Fail(absl::InvalidArgumentError(
         absl::StrCat("--estimate-steps ", o.estimate_steps, " must be >= 1")));
   }
   auto cluster = plan::ResolveCluster(o.cluster);
-  if (!cluster.ok()) return fail(cluster.status());
+  if (!cluster.ok()) return Fail(cluster.status());
   auto batches = PlannerBatches(spec, synthetic, o.step, o.estimate_steps, o.from_data);
-  if (!batches.ok()) return fail(batches.status());
+  if (!batches.ok()) return Fail(batches.status());
   if (o.estimate) {
     auto estimate = plan::EstimateOverBatches(spec, *batches, *cluster);
-    if (!estimate.ok()) return fail(estimate.status());
+    if (!estimate.ok()) return Fail(estimate.status());
     if (o.json) {
       nlohmann::ordered_json j = EstimateJson(*estimate, "");
       j["config"] = o.config;
@@ -612,7 +614,7 @@ int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
     return kExitOk;
   }
   if (o.gpus < 1) {
-    return fail(absl::InvalidArgumentError("--search needs --gpus N, the budget of devices"));
+    return Fail(absl::InvalidArgumentError("--search needs --gpus N, the budget of devices"));
   }
   plan::SearchOptions search;
   search.devices = o.gpus;
@@ -622,7 +624,7 @@ int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
   std::cerr << "hetpar plan: searching the layouts of " << o.gpus << " devices on " << cluster->name
             << "...\n";
   auto result = plan::SearchLayouts(spec, *batches, *cluster, search);
-  if (!result.ok()) return fail(result.status());
+  if (!result.ok()) return Fail(result.status());
   if (o.json) {
     const double base =
         result->best_homogeneous >= 0
@@ -631,7 +633,6 @@ int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
     const int64_t shown = std::min<int64_t>(o.top, static_cast<int64_t>(result->ranked.size()));
     for (int64_t i = 0; i < static_cast<int64_t>(result->ranked.size()); ++i) {
       const plan::Candidate& c = result->ranked[i];
-      if (i >= shown && c.kind != "homogeneous") continue;
       if (i >= shown && i != result->best_homogeneous) continue;
       nlohmann::ordered_json j = EstimateJson(c.estimate, c.kind);
       j["rank"] = i + 1;
@@ -665,22 +666,18 @@ int RunPlan(const Options& o) {
     std::cerr << "hetpar plan: note: `hetpar run` refuses this config for now: " << issue.ToString()
               << "\n";
   }
-  auto fail = [](const absl::Status& status) {
-    std::cerr << "hetpar plan: " << status.message() << "\n";
-    return status.code() == absl::StatusCode::kInvalidArgument ? kExitInvalidInput : kExitFailure;
-  };
   if (o.step < 0 || o.generation < 0) {
-    return fail(absl::InvalidArgumentError(
+    return Fail(absl::InvalidArgumentError(
         absl::StrCat("--step ", o.step, " and --generation ", o.generation, " must be >= 0")));
   }
   auto images = ParseRange("--images-per-sample", o.images_per_sample);
-  if (!images.ok()) return fail(images.status());
+  if (!images.ok()) return Fail(images.status());
   auto placement = plan::PlacementFromRunSpec(spec);
-  if (!placement.ok()) return fail(placement.status());
+  if (!placement.ok()) return Fail(placement.status());
   auto options = plan::StepPlanOptionsFromRunSpec(spec, o.step, o.generation);
-  if (!options.ok()) return fail(options.status());
+  if (!options.ok()) return Fail(options.status());
   if (o.wave >= options->waves) {
-    return fail(absl::InvalidArgumentError(absl::StrCat("--wave ", o.wave, " is past the step's ",
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--wave ", o.wave, " is past the step's ",
                                                         options->waves, " waves (0-",
                                                         options->waves - 1, ")")));
   }
@@ -695,7 +692,7 @@ int RunPlan(const Options& o) {
     ctx.text.hi = std::max(ctx.text.lo, seq_len - ctx.images.hi * ctx.tokens_per_image);
   } else {
     auto text = ParseRange("--text-tokens", o.text_tokens);
-    if (!text.ok()) return fail(text.status());
+    if (!text.ok()) return Fail(text.status());
     ctx.text = *text;
   }
   const int64_t global_batch = spec.run().global_batch();
@@ -703,7 +700,7 @@ int RunPlan(const Options& o) {
                      : spec.data().synth().samples() > 0 ? spec.data().synth().samples()
                                                          : global_batch;
   if (ctx.dataset_size < global_batch) {
-    return fail(absl::InvalidArgumentError(absl::StrCat(
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--samples ", ctx.dataset_size, " is smaller than run.global_batch=", global_batch,
         "; one step needs that many distinct samples")));
   }
@@ -722,9 +719,9 @@ int RunPlan(const Options& o) {
   batch.seed = ctx.data_seed;
   if (o.estimate || o.search) return RunPlanner(o, spec, batch);
   auto samples = plan::SyntheticBatch(batch);
-  if (!samples.ok()) return fail(samples.status());
+  if (!samples.ok()) return Fail(samples.status());
   auto step_plan = plan::BuildStepPlan(*placement, std::move(*samples), *options);
-  if (!step_plan.ok()) return fail(step_plan.status());
+  if (!step_plan.ok()) return Fail(step_plan.status());
   const PlanStats stats = plan::ComputePlanStats(*step_plan);
   if (o.json) {
     PrintJson(*step_plan, stats, ctx, o.wave);
