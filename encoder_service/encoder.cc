@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -18,6 +19,7 @@ namespace {
 
 constexpr double kLayerNormEps = 1e-6;
 constexpr double kInitStd = 0.02;
+constexpr std::string_view kProjectorPrefix = "encoder.projector.";
 
 using nn::CheckDivides;
 using nn::CheckPositive;
@@ -29,6 +31,8 @@ absl::StatusOr<EncoderOptions> EncoderOptionsFromSpec(const hetpar::v1::RunSpec&
   HETPAR_ASSIGN_OR_RETURN(options.dtype, nn::TorchDtype(spec.run().dtype()));
   options.seed = spec.run().seed();
   options.sequence_parallel = spec.encoder().layout().sequence_parallel();
+  options.frozen = spec.encoder().frozen();
+  options.train_projector = spec.encoder().frozen() && spec.encoder().train_projector();
   return options;
 }
 
@@ -121,6 +125,11 @@ absl::Status VisionEncoder::Build() {
                           p.Add("encoder.projector.fc2.weight", {out, out}, 1, weight));
   HETPAR_ASSIGN_OR_RETURN(proj2_bias_,
                           p.Add("encoder.projector.fc2.bias", {out}, -1, p.BiasInit()));
+  if (options_.frozen) {
+    std::vector<std::string> keep;
+    if (options_.train_projector) keep.push_back(std::string(kProjectorPrefix));
+    p.Freeze("encoder.", keep);
+  }
   return absl::OkStatus();
 }
 
@@ -157,6 +166,9 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
   const at::ScalarType dtype = options_.dtype;
   const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
 
+  // A frozen tower keeps no graph (its parameters need no gradient and neither do the images).
+  const bool grad_enabled = at::GradMode::is_enabled();
+  const at::AutoGradMode tower_mode(grad_enabled && !options_.frozen);
   // [n, C, gy, py, gx, px] -> [n, gy, gx, C, py, px]: one row per patch, features in conv order.
   at::Tensor patches = images.to(dtype)
                            .reshape({n, channels, grid, patch, grid, patch})
@@ -186,6 +198,8 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
     x = x + nn::RowParallelLinear(inner, layer.fc2_weight, layer.fc2_bias, tp_);
   }
   x = nn::LayerNorm(x, norm_weight_, norm_bias_, kLayerNormEps);
+  const at::AutoGradMode projector_mode(grad_enabled &&
+                                        (!options_.frozen || options_.train_projector));
 
   // Projector: the last layer's partial sums are all-reduced (not reduce-scattered) so that every
   // rank holds the whole boundary tensor.
@@ -195,6 +209,11 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
 }
 
 absl::Status VisionEncoder::Backward(const at::Tensor& output, const at::Tensor& grad_output) {
+  if (!TakesGradients()) {
+    return absl::FailedPreconditionError(
+        "encoder backward: the encoder is frozen (encoder.frozen without train_projector); it "
+        "takes no gradients");
+  }
   if (!output.defined() || !output.requires_grad()) {
     return absl::FailedPreconditionError(
         "encoder backward: the output is not attached to an autograd graph (was it produced by "

@@ -52,9 +52,15 @@ struct EncoderOptions {
   int64_t seed = 1234;                // run seed; parameter seeds derive from it and their names
   bool sequence_parallel = false;
   nn::InitStyle init_style = nn::InitStyle::kTraining;
+  // The vision tower (everything before the projector) is frozen: no gradients, no updates, and
+  // its forward keeps no autograd graph.
+  bool frozen = false;
+  // With frozen: the projector stays trainable (else it is frozen too).
+  bool train_projector = false;
 };
 
-// Options of a RunSpec: run.dtype, run.seed and encoder.layout.sequence_parallel.
+// Options of a RunSpec: run.dtype, run.seed, encoder.layout.sequence_parallel, encoder.frozen and
+// encoder.train_projector.
 absl::StatusOr<EncoderOptions> EncoderOptionsFromSpec(const hetpar::v1::RunSpec& spec);
 
 class VisionEncoder {
@@ -71,7 +77,8 @@ class VisionEncoder {
 
   // Encodes one job: images [n, channels, image_size, image_size] of any floating dtype
   // (converted to the model dtype), n >= 1. Returns [n * tokens_per_image(), out_hidden] in the
-  // model dtype, identical on every TP rank, attached to the autograd graph.
+  // model dtype, identical on every TP rank, attached to the autograd graph unless every
+  // parameter is frozen (TakesGradients() false). A frozen vision tower runs without autograd.
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& images);
 
   // Backpropagates grad_output (the gradient of the loss with respect to `output`, same shape)
@@ -82,6 +89,9 @@ class VisionEncoder {
   // Once per step, after the last Backward: sums over the TP group the gradients that sequence
   // parallelism leaves partial (norms, biases after a reduce-scatter). No-op without SP.
   absl::Status FinishGradients();
+
+  // Whether the output needs its gradient back (some parameter is trainable).
+  bool TakesGradients() const { return parameters_->AnyTrainable(); }
 
   nn::ParameterSet& parameters() { return *parameters_; }
   const nn::ParameterSet& parameters() const { return *parameters_; }

@@ -45,25 +45,29 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
   std::map<int64_t, data::LoadedSample> loaded;
   std::deque<LiveJob> live;
 
-  auto backward_oldest = [&]() -> absl::Status {
+  // A frozen encoder takes no gradients back: a job is done once its rows are sent.
+  const bool takes_gradients = model_->TakesGradients();
+  auto retire_oldest = [&]() -> absl::Status {
     LiveJob job = std::move(live.front());
     live.pop_front();
-    auto t0 = Clock::now();
-    at::Tensor grad = at::zeros_like(job.output);
     const int64_t wave = job.job->wave;
-    HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
-    stats.bridge_wait_s += Since(t0);
-    trace::Record(trace::kEncoderLane, "wait for gradients", "bridge_wait", t0, {{"wave", wave}});
-    t0 = Clock::now();
-    HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
-    stats.collective_s += Since(t0);
-    trace::Record(trace::kEncoderLane, "tp all-reduce gradients", "collective", t0,
-                  {{"wave", wave}});
-    t0 = Clock::now();
-    HETPAR_RETURN_IF_ERROR(model_->Backward(job.output, grad));
-    stats.compute_s += Since(t0);
-    trace::Record(trace::kEncoderLane, "backward", "compute", t0, {{"wave", wave}});
-    t0 = Clock::now();
+    auto t0 = Clock::now();
+    if (takes_gradients) {
+      at::Tensor grad = at::zeros_like(job.output);
+      HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
+      stats.bridge_wait_s += Since(t0);
+      trace::Record(trace::kEncoderLane, "wait for gradients", "bridge_wait", t0, {{"wave", wave}});
+      t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
+      stats.collective_s += Since(t0);
+      trace::Record(trace::kEncoderLane, "tp all-reduce gradients", "collective", t0,
+                    {{"wave", wave}});
+      t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(model_->Backward(job.output, grad));
+      stats.compute_s += Since(t0);
+      trace::Record(trace::kEncoderLane, "backward", "compute", t0, {{"wave", wave}});
+      t0 = Clock::now();
+    }
     HETPAR_RETURN_IF_ERROR(job.sends.Wait(absl::Now() + options_.timeout));
     stats.bridge_wait_s += Since(t0);
     trace::Record(trace::kEncoderLane, "wait for row sends", "bridge_wait", t0, {{"wave", wave}});
@@ -111,21 +115,27 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     at::Tensor rows = output.detach().contiguous();
     HETPAR_ASSIGN_OR_RETURN(train::PendingSends sends,
                             boundary_->SendForward(plan, job.wave, rows));
-    // The gradients of this job may come back while later jobs compute.
-    HETPAR_RETURN_IF_ERROR(boundary_->PostBackwardReceives(plan, job.wave));
+    if (takes_gradients) {
+      // The gradients of this job may come back while later jobs compute.
+      HETPAR_RETURN_IF_ERROR(boundary_->PostBackwardReceives(plan, job.wave));
+    } else {
+      output = at::Tensor();  // the sends hold their own copy; nothing waits for a gradient
+    }
     live.push_back({&job, output, std::move(sends)});
     int64_t live_bytes = 0;
-    for (const LiveJob& j : live) live_bytes += j.output.numel() * j.output.element_size();
+    for (const LiveJob& j : live) {
+      if (j.output.defined()) live_bytes += j.output.numel() * j.output.element_size();
+    }
     stats.peak_live_jobs = std::max<int64_t>(stats.peak_live_jobs, live.size());
     stats.peak_live_output_bytes = std::max(stats.peak_live_output_bytes, live_bytes);
     ++stats.jobs;
     stats.images += static_cast<int64_t>(job.images.size());
     if (!between && static_cast<int64_t>(live.size()) >= options_.max_inflight) {
-      HETPAR_RETURN_IF_ERROR(backward_oldest());
+      HETPAR_RETURN_IF_ERROR(retire_oldest());
     }
   }
   if (between) HETPAR_RETURN_IF_ERROR(between());
-  while (!live.empty()) HETPAR_RETURN_IF_ERROR(backward_oldest());
+  while (!live.empty()) HETPAR_RETURN_IF_ERROR(retire_oldest());
 
   auto t0 = Clock::now();
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());

@@ -5,6 +5,7 @@
 
 #include "common/nn/test_ranks.h"
 #include "common/plan/estimate.h"
+#include "common/train/optimizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -31,12 +32,15 @@ at::Tensor Images(int64_t n, uint64_t seed) {
   return at::normal(0.0, 1.0, {n, 3, 6, 6}, generator, at::TensorOptions().dtype(at::kDouble));
 }
 
-std::unique_ptr<VisionEncoder> Make(at::ScalarType dtype = at::kDouble, int64_t seed = 5) {
+std::unique_ptr<VisionEncoder> Make(at::ScalarType dtype = at::kDouble, int64_t seed = 5,
+                                    bool frozen = false, bool train_projector = false) {
   static auto single = nn::Communicator::CreateSingle();
   EncoderOptions options;
   options.dtype = dtype;
   options.seed = seed;
   options.init_style = nn::InitStyle::kAllRandom;
+  options.frozen = frozen;
+  options.train_projector = train_projector;
   auto encoder = VisionEncoder::Create(TinyModel(), options, *single);
   EXPECT_TRUE(encoder.ok()) << encoder.status();
   return encoder.ok() ? *std::move(encoder) : nullptr;
@@ -186,6 +190,69 @@ TEST(EncoderTest, TpThatDoesNotSplitTheHeadsIsRejected) {
   ASSERT_TRUE(status.ok()) << status;
 }
 
+// A frozen encoder computes what the trainable one computes, keeps no graph and takes no
+// gradient; AdamW (with weight decay) leaves it bit for bit as it was.
+TEST(EncoderTest, FrozenEncoderKeepsNoGraphAndNeverChanges) {
+  auto trainable = Make();
+  auto frozen = Make(at::kDouble, 5, /*frozen=*/true);
+  const at::Tensor images = Images(2, 8);
+  auto a = trainable->Forward(images);
+  auto b = frozen->Forward(images);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_TRUE(at::equal(a->detach(), *b));
+  EXPECT_TRUE(a->requires_grad());
+  EXPECT_FALSE(b->requires_grad());
+  EXPECT_FALSE(frozen->TakesGradients());
+  EXPECT_EQ(frozen->parameters().TrainableLocalNumel(), 0);
+  const absl::Status backward = frozen->Backward(*b, at::ones_like(*b));
+  EXPECT_EQ(backward.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(backward.message()), HasSubstr("frozen"));
+
+  std::vector<at::Tensor> before;
+  for (const auto& p : frozen->parameters().parameters()) before.push_back(p.tensor.clone());
+  hetpar::v1::Optimizer adamw;
+  adamw.set_lr(0.1);
+  adamw.set_weight_decay(0.5);
+  auto optimizer = train::ModuleOptimizer::Create(&frozen->parameters(), adamw);
+  ASSERT_TRUE(optimizer.ok()) << optimizer.status();
+  ASSERT_TRUE((*optimizer)->Step(0, 1.0).ok());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(at::equal(frozen->parameters().parameters()[i].tensor, before[i]))
+        << frozen->parameters().parameters()[i].name;
+  }
+}
+
+// With train_projector only the projector gets gradients, and they equal the trainable model's.
+TEST(EncoderTest, FrozenTowerWithTrainableProjector) {
+  auto trainable = Make();
+  auto partial = Make(at::kDouble, 5, /*frozen=*/true, /*train_projector=*/true);
+  ASSERT_TRUE(partial->TakesGradients());
+  const at::Tensor images = Images(2, 9);
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(10);
+  const at::Tensor weights =
+      at::normal(0.0, 1.0, {18, 12}, generator, at::TensorOptions().dtype(at::kDouble));
+  auto a = trainable->Forward(images);
+  auto b = partial->Forward(images);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(b->requires_grad());
+  ASSERT_TRUE(trainable->Backward(*a, weights).ok());
+  ASSERT_TRUE(partial->Backward(*b, weights).ok());
+  int64_t projector = 0;
+  for (const auto& p : partial->parameters().parameters()) {
+    const bool is_projector = p.name.rfind("encoder.projector.", 0) == 0;
+    EXPECT_EQ(p.trainable, is_projector) << p.name;
+    if (!is_projector) {
+      EXPECT_FALSE(p.tensor.grad().defined()) << p.name;
+      continue;
+    }
+    ++projector;
+    ASSERT_TRUE(p.tensor.grad().defined()) << p.name;
+    const at::Tensor expected = trainable->parameters().Find(p.name)->tensor.grad();
+    EXPECT_LE(RelativeError(p.tensor.grad(), expected), 1e-13) << p.name;
+  }
+  EXPECT_EQ(projector, 4);
+}
+
 TEST(EncoderTest, OptionsComeFromTheRunSpec) {
   hetpar::v1::RunSpec spec;
   spec.mutable_run()->set_dtype(hetpar::v1::DTYPE_BFLOAT16);
@@ -196,6 +263,12 @@ TEST(EncoderTest, OptionsComeFromTheRunSpec) {
   EXPECT_EQ(options->dtype, at::kBFloat16);
   EXPECT_EQ(options->seed, 77);
   EXPECT_TRUE(options->sequence_parallel);
+  EXPECT_FALSE(options->frozen);
+  spec.mutable_encoder()->set_train_projector(true);  // meaningless without frozen
+  EXPECT_FALSE(EncoderOptionsFromSpec(spec)->train_projector);
+  spec.mutable_encoder()->set_frozen(true);
+  EXPECT_TRUE(EncoderOptionsFromSpec(spec)->frozen);
+  EXPECT_TRUE(EncoderOptionsFromSpec(spec)->train_projector);
   spec.mutable_run()->set_dtype(hetpar::v1::DTYPE_UNSPECIFIED);
   EXPECT_FALSE(EncoderOptionsFromSpec(spec).ok());
 }

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "common/plan/step_plan.h"
 #include "common/status.h"
 #include "common/worker/outputs.h"
 
@@ -25,7 +26,8 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
     HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
     runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
                      LlmRuntimeOptions{context_->options().timeout, colocated_,
-                                       colocated_ ? 0 : context_->spec().run().max_inflight()});
+                                       colocated_ ? 0 : context_->spec().run().max_inflight(),
+                                       plan::ImageGradientsCross(context_->spec())});
   }
   HETPAR_ASSIGN_OR_RETURN(LlmStepStats stats, runtime_->RunStep(plan));
   worker::StepOutcome outcome;

@@ -142,7 +142,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       stats.collective_s += Since(t0);
       trace::Record(trace::kLlmLane, "tp all-reduce image rows", "collective", t0,
                     {{"wave", wave}});
-      image_rows = full.requires_grad_(true);
+      image_rows = options_.image_gradients ? full.requires_grad_(true) : full;
     }
     auto t0 = Clock::now();
     HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
@@ -154,7 +154,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     const double loss = result.loss.item<double>();
     stats.loss += loss;
     stats.loss_tokens += result.loss_tokens;
-    if (mb.image_rows > 0) {
+    if (mb.image_rows > 0 && options_.image_gradients) {
       at::Tensor grad = image_rows.grad();
       if (!grad.defined()) grad = at::zeros_like(image_rows);
       if (model_->image_rows_grad_is_partial()) {

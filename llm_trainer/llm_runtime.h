@@ -51,6 +51,9 @@ struct LlmRuntimeOptions {
   // posted (0: all of the step's waves). The encoder runs at most run.max_inflight waves ahead,
   // so more never has data to land and would only hold buffers.
   int64_t post_ahead = 0;
+  // Whether the image rows' gradients go back to the encoder (false for a frozen encoder:
+  // plan::ImageGradientsCross).
+  bool image_gradients = true;
 };
 
 // Borrows everything; one thread calls RunStep.

@@ -700,6 +700,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
            absl::StrCat("=", el.pp(), ": the encoder is not pipelined; expected 1"));
   }
 
+  if (s.encoder().train_projector() && !s.encoder().frozen()) {
+    c.Fail("encoder.train_projector",
+           "=true needs encoder.frozen: true (an encoder that is not frozen trains its projector "
+           "anyway); set encoder.frozen or drop train_projector");
+  }
+
   // encoder model
   const auto& em = s.encoder().model();
   bool enc_ok = true;

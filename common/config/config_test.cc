@@ -270,6 +270,15 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
   EXPECT_EQ(planned->spec.llm().layout().pp(), 2);
 }
 
+TEST(ConfigTest, TrainProjectorNeedsAFrozenEncoder) {
+  ExpectIssue(Load(kValid, {"encoder.train_projector=true"}), "encoder.train_projector", 0,
+              "=true needs encoder.frozen: true");
+  auto frozen = Load(kValid, {"encoder.frozen=true", "encoder.train_projector=true"});
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  EXPECT_TRUE(frozen->spec.encoder().frozen());
+  EXPECT_TRUE(frozen->spec.encoder().train_projector());
+}
+
 TEST(ConfigTest, EncoderHasNoPipeline) {
   ExpectIssue(Load(kValid, {"encoder.layout.pp=2"}), "encoder.layout.pp", 0,
               "the encoder is not pipelined");

@@ -6,6 +6,7 @@
 #include <numeric>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/nn/torch_status.h"
@@ -182,6 +183,36 @@ int64_t ParameterSet::FullNumel() const {
   return total;
 }
 
+int64_t ParameterSet::Freeze(std::string_view prefix, const std::vector<std::string>& except) {
+  int64_t frozen = 0;
+  for (auto& param : parameters_) {
+    if (!absl::StartsWith(param.name, absl::string_view(prefix.data(), prefix.size()))) continue;
+    bool excepted = false;
+    for (const std::string& e : except) excepted |= absl::StartsWith(param.name, e);
+    if (excepted || !param.trainable) continue;
+    param.trainable = false;
+    param.tensor.requires_grad_(false);
+    param.tensor.mutable_grad() = at::Tensor();
+    ++frozen;
+  }
+  return frozen;
+}
+
+int64_t ParameterSet::TrainableLocalNumel() const {
+  int64_t n = 0;
+  for (const auto& param : parameters_) {
+    if (param.trainable) n += param.tensor.numel();
+  }
+  return n;
+}
+
+bool ParameterSet::AnyTrainable() const {
+  for (const auto& param : parameters_) {
+    if (param.trainable) return true;
+  }
+  return false;
+}
+
 void ParameterSet::ZeroGrad() {
   for (auto& param : parameters_) param.tensor.mutable_grad() = at::Tensor();
 }
@@ -191,7 +222,7 @@ absl::Status ParameterSet::ReducePartialGrads(const CommGroup& tp) {
   return RunTorch("summing sequence-parallel partial gradients over the TP group", [&] {
     std::vector<at::Tensor> grads;
     for (auto& param : parameters_) {
-      if (!param.grad_partial_over_sequence) continue;
+      if (!param.grad_partial_over_sequence || !param.trainable) continue;
       if (!param.tensor.grad().defined()) {
         param.tensor.mutable_grad() = at::zeros_like(param.tensor);
       }

@@ -61,13 +61,15 @@ struct TpSlice {
 
 struct NamedParameter {
   std::string name;
-  at::Tensor tensor;  // this rank's part; an autograd leaf that requires grad
+  at::Tensor tensor;  // this rank's part; an autograd leaf that requires grad unless frozen
   std::vector<int64_t> full_shape;
   TpSlice slice;
   // Under sequence parallelism, a replicated parameter used on this rank's sequence shard only
   // (norm scales, biases added after a reduce-scatter) gets a partial gradient; the TP ranks'
   // gradients must be summed (ParameterSet::ReducePartialGrads) before an optimizer step.
   bool grad_partial_over_sequence = false;
+  // False once frozen (ParameterSet::Freeze): no gradient, no optimizer state, no update.
+  bool trainable = true;
 };
 
 // The 64-bit seed of a parameter: a hash of the run seed and the name (stable across builds and
@@ -106,10 +108,18 @@ class ParameterSet {
   int64_t LocalNumel() const;  // elements held by this rank
   int64_t FullNumel() const;   // elements of the full model
 
+  // Freezes every parameter whose name starts with `prefix` and is not under one of `except`
+  // (prefixes too): it stops requiring grad, so autograd records nothing for it. Returns how
+  // many it froze.
+  int64_t Freeze(std::string_view prefix, const std::vector<std::string>& except = {});
+  // Elements of this rank's trainable parameters.
+  int64_t TrainableLocalNumel() const;
+  bool AnyTrainable() const;
+
   // Drops every gradient (grad() becomes undefined).
   void ZeroGrad();
   // Sums over the TP group, in one all-reduce, the gradients of parameters marked
-  // grad_partial_over_sequence. A parameter without a gradient counts as zero.
+  // grad_partial_over_sequence (trainable ones). A parameter without a gradient counts as zero.
   absl::Status ReducePartialGrads(const CommGroup& tp);
 
   int64_t run_seed() const { return run_seed_; }

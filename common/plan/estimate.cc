@@ -263,6 +263,10 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   const bool llm_sp = ll.sequence_parallel && ll.tp > 1;
   const int64_t max_inflight = std::max<int64_t>(1, spec.run().max_inflight());
   const int64_t waves = plan.llm.waves;
+  // A frozen encoder (encoder.frozen) has no backward, no gradients back over the boundary, no
+  // DP all-reduce and no optimizer; with train_projector the projector keeps all of them.
+  const EncoderTraining training = EncoderTrainingOf(spec.encoder());
+  const bool image_gradients = training != EncoderTraining::kNone;
 
   // Links: a group stays in a node while its span of consecutive ranks fits one.
   const LinkSpec& enc_tp_link = LinkFor(cluster, el.tp);
@@ -293,7 +297,11 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   }
 
   // --- LLM waves: per replica and wave, the time of its forward + backward on a stage.
-  const FlopCount image_flops = EncoderImageFlops(em);
+  const FlopCount image_flops = EncoderImageFlops(em, training);
+  const FlopCount trained_image_flops = EncoderImageFlops(em);
+  // The share of a fully trained encoder's backward that this one runs.
+  const double backward_share =
+      trained_image_flops.backward > 0 ? image_flops.backward / trained_image_flops.backward : 0.0;
   std::vector<std::vector<double>> llm_wave(ll.dp, std::vector<double>(waves, 0));
   std::vector<double> llm_compute(ll.dp, 0), llm_tp(ll.dp, 0), llm_cp(ll.dp, 0), llm_pp(ll.dp, 0);
   const int64_t stage_layers = (lm.layers() + ll.pp - 1) / ll.pp;
@@ -354,18 +362,23 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
     out.encoder_module.flops += n * image_flops.total();
     const double overhead = static_cast<double>(em.layers()) * cluster.layer_overhead_s;
     const PassSeconds gemms = EncoderJobSeconds(em, n, el.tp, roofline);
-    const double undivided =
-        UndividedSeconds(cluster.tp_parallel_fraction, el.tp, n * image_flops.total(), rate);
+    const double undivided = UndividedSeconds(cluster.tp_parallel_fraction, el.tp,
+                                              n * trained_image_flops.total(), rate);
     const double fwd = gemms.forward + undivided / 3 + overhead / 3;
-    const double bwd = gemms.backward + undivided * 2 / 3 + overhead * 2 / 3;
+    const double bwd = (gemms.backward + undivided * 2 / 3 + overhead * 2 / 3) * backward_share;
+    // The TP collectives of a trained job, split forward/backward as its FLOPs are; a frozen
+    // encoder runs the backward share it has.
     const double tp =
         TpSeconds(enc_tp_shared, el.tp, enc_sp,
                   EncoderTpCollectives(em, static_cast<int64_t>(job.images.size()), dtype_bytes));
-    const double fwd_share =
-        image_flops.total() > 0 ? image_flops.forward / image_flops.total() : 0.5;
-    jobs[job.replica].push_back({job.wave, fwd + tp * fwd_share, bwd + tp * (1 - fwd_share)});
+    const double fwd_share = trained_image_flops.total() > 0
+                                 ? trained_image_flops.forward / trained_image_flops.total()
+                                 : 0.5;
+    const double tp_fwd = tp * fwd_share;
+    const double tp_bwd = tp * (1 - fwd_share) * backward_share;
+    jobs[job.replica].push_back({job.wave, fwd + tp_fwd, bwd + tp_bwd});
     enc_compute[job.replica] += fwd + bwd;
-    enc_tp[job.replica] += tp;
+    enc_tp[job.replica] += tp_fwd + tp_bwd;
   }
 
   // --- Boundary: per LLM replica and wave, the slowest of its ranks' receives; the sources.
@@ -388,7 +401,7 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
       const int64_t d = ll.CoordsOf(key.first).dp;
       const double seconds = P2pSeconds(boundary_link, value.first, value.second);
       transfer[d][key.second] = std::max(transfer[d][key.second], seconds);
-      per_rank_total[key.first] += 2.0 * seconds;
+      per_rank_total[key.first] += (image_gradients ? 2.0 : 1.0) * seconds;
     }
     out.boundary_s = *std::max_element(per_rank_total.begin(), per_rank_total.end());
   }
@@ -399,12 +412,18 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   out.encoder_module.parameters = enc_params;
   out.llm_module.parameters = llm_params;
   const double enc_rank_params = enc_params / el.tp;
+  const double o = static_cast<double>(em.out_hidden());
+  const double projector_params = static_cast<double>(em.hidden()) * o + o + o * o + o;
+  const double enc_trained_params = training == EncoderTraining::kAll             ? enc_params
+                                    : training == EncoderTraining::kProjectorOnly ? projector_params
+                                                                                  : 0.0;
+  const double enc_rank_trained = enc_trained_params / el.tp;
   const double llm_rank_params = llm_params / (ll.tp * ll.pp);
   out.encoder_module.dp_collective_s =
-      AllReduceSeconds(enc_dp_link, el.dp, enc_rank_params * dtype_bytes);
+      AllReduceSeconds(enc_dp_link, el.dp, enc_rank_trained * dtype_bytes);
   out.llm_module.dp_collective_s =
       AllReduceSeconds(llm_dp_link, ll.dp, llm_rank_params * dtype_bytes);
-  out.encoder_module.optimizer_s = OptimizerSeconds(cluster, enc_rank_params, dtype);
+  out.encoder_module.optimizer_s = OptimizerSeconds(cluster, enc_rank_trained, dtype);
   out.llm_module.optimizer_s = OptimizerSeconds(cluster, llm_rank_params, dtype);
 
   // --- The schedule.
@@ -430,7 +449,8 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
         auto backward_oldest = [&] {
           const JobTime* o = live.front();
           live.pop_front();
-          t = std::max(t, grads_back[e][o->wave]) + o->backward;
+          if (image_gradients) t = std::max(t, grads_back[e][o->wave]);
+          t += o->backward;
         };
         for (const JobTime& job : jobs[e]) {
           t += job.forward;
@@ -485,8 +505,8 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
       llm = std::max(llm, t + bubble);
       xfer = std::max(xfer, x);
     }
-    schedule_end = forward + xfer + llm + xfer + backward + out.encoder_module.dp_collective_s +
-                   out.llm_module.dp_collective_s;
+    schedule_end = forward + xfer + llm + (image_gradients ? xfer : 0.0) + backward +
+                   out.encoder_module.dp_collective_s + out.llm_module.dp_collective_s;
   }
   out.overhead_s = cluster.step_overhead_s;
   const double optimizer =
@@ -554,7 +574,10 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
 
   // --- Memory per rank.
   const double state_per_param = StateBytesPerParameter(dtype_bytes, dtype);
-  out.encoder_module.state_gib = enc_rank_params * state_per_param / kGiB;
+  out.encoder_module.state_gib =
+      (enc_rank_trained * state_per_param +
+       (enc_rank_params - enc_rank_trained) * static_cast<double>(dtype_bytes)) /
+      kGiB;
   const double stage_params =
       (static_cast<double>(stage_layers) * (LlmParameters(lm) - 2.0 * lm.vocab() * h - h) /
            std::max<int64_t>(1, lm.layers()) +
@@ -569,10 +592,17 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
     max_job_images = std::max<int64_t>(max_job_images, job.images.size());
     ++jobs_per_replica[job.replica];
   }
+  // A frozen tower keeps no activations; a job then holds its output rows (and, with a trainable
+  // projector, the projector's input and inner activations).
+  const double job_rows = patches * static_cast<double>(max_job_images);
   const double job_activation =
-      static_cast<double>(em.layers()) *
-      LayerActivationBytes(patches, static_cast<double>(max_job_images), em.hidden(),
-                           std::max<int64_t>(1, em.heads()), el.tp, enc_sp, dtype_bytes);
+      training == EncoderTraining::kAll
+          ? static_cast<double>(em.layers()) *
+                LayerActivationBytes(patches, static_cast<double>(max_job_images), em.hidden(),
+                                     std::max<int64_t>(1, em.heads()), el.tp, enc_sp, dtype_bytes)
+      : training == EncoderTraining::kProjectorOnly
+          ? job_rows * (static_cast<double>(em.hidden()) + 2.0 * o) * dtype_bytes
+          : job_rows * o * dtype_bytes;
   const int64_t live_jobs =
       colocated ? *std::max_element(jobs_per_replica.begin(), jobs_per_replica.end())
                 : std::min<int64_t>(max_inflight, waves);

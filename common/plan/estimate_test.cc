@@ -207,6 +207,53 @@ TEST(EstimateTest, NonColocatedOverlapsTheModules) {
   EXPECT_NEAR(slow->step_time_s, 2 * co->step_time_s, 1e-9);
 }
 
+TEST(EstimateTest, FrozenEncoderDropsItsBackward) {
+  // As BoundaryLatencyPerMessageEachWay, with the encoder frozen: the gradients stay on the LLM,
+  // so only the four forward messages of 1 ms remain.
+  ClusterSpec c = FreeCluster();
+  c.intra_node.p2p_latency_s = 1e-3;
+  auto e = Estimate(Spec({"placement=colocated", "llm.layout.tp=1", "encoder.frozen=true"}), c);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_NEAR(e->boundary_s, 0.004, 1e-9);
+  EXPECT_NEAR(e->step_time_s, 0.004, 1e-6);
+
+  // State: a frozen parameter holds its value only (4 bytes), a trained one value, gradient and
+  // two moments (16). The tiny encoder has 88768 parameters (EncoderTest checks the count
+  // against the model); its projector 64 x 64 + 64 + 64 x 64 + 64 = 8320.
+  const ClusterSpec free = FreeCluster();
+  const double gib = 1 << 30;
+  auto trained = Estimate(Spec({"llm.layout.tp=1"}), free);
+  auto frozen = Estimate(Spec({"llm.layout.tp=1", "encoder.frozen=true"}), free);
+  auto projector = Estimate(
+      Spec({"llm.layout.tp=1", "encoder.frozen=true", "encoder.train_projector=true"}), free);
+  ASSERT_TRUE(trained.ok() && frozen.ok() && projector.ok());
+  EXPECT_NEAR(trained->encoder_module.state_gib, 88768.0 * 16 / gib, 1e-12);
+  EXPECT_NEAR(frozen->encoder_module.state_gib, 88768.0 * 4 / gib, 1e-12);
+  EXPECT_NEAR(projector->encoder_module.state_gib, (8320.0 * 16 + 80448.0 * 4) / gib, 1e-12);
+  // Activations: a frozen job keeps its output rows only (16 patches x 64 x 4 bytes per image).
+  EXPECT_NEAR(frozen->encoder_module.activation_gib, 2 * 16.0 * 64 * 4 / gib, 1e-12);
+  EXPECT_LT(frozen->encoder_module.activation_gib, projector->encoder_module.activation_gib);
+  EXPECT_LT(projector->encoder_module.activation_gib, trained->encoder_module.activation_gib);
+
+  // Compute at 1 GFLOP/s: the frozen encoder runs its forward FLOPs only, the projector variant
+  // adds the projector's backward. No DP all-reduce for the frozen encoder at dp 2.
+  ClusterSpec slow = FreeCluster();
+  slow.peak_tflops = {{"float32", 1e-3}};
+  slow.intra_node.collective_gbps = 1;
+  auto t = Estimate(Spec({"llm.layout.tp=1", "encoder.layout.dp=2"}), slow);
+  auto f = Estimate(Spec({"llm.layout.tp=1", "encoder.layout.dp=2", "encoder.frozen=true"}), slow);
+  ASSERT_TRUE(t.ok() && f.ok());
+  // Per image (16 patches, h 64, MLP 128): patch embedding 2 x 16 x 192 x 64 = 393216; a layer
+  // 393216 + 2 x 32768 + 131072 + 524288 = 1114112, two 2228224; projector 262144. Forward
+  // 2883584; trained backward 393216 + 2 x 2490368. Four images.
+  EXPECT_DOUBLE_EQ(f->encoder_module.flops, 4 * 2883584.0);
+  EXPECT_DOUBLE_EQ(t->encoder_module.flops, 4 * (2883584.0 + 393216.0 + 2 * 2490368.0));
+  EXPECT_LT(f->encoder_module.compute_s, 0.5 * t->encoder_module.compute_s);
+  EXPECT_GT(t->encoder_module.dp_collective_s, 0);
+  EXPECT_EQ(f->encoder_module.dp_collective_s, 0);
+  EXPECT_EQ(f->encoder_module.optimizer_s, 0);
+}
+
 TEST(EstimateTest, ActivationMemoryByHand) {
   // LLM tp 1, one microbatch of 1 x 128 positions at float32 (Korthikanti et al.: per layer
   // s b h (34 + 5 a s / h) bytes at 16 bits, doubled for 32): 128 x 64 x (34 + 5 x 4 x 128 / 64)

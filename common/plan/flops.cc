@@ -2,7 +2,12 @@
 
 namespace hetpar::plan {
 
-FlopCount EncoderImageFlops(const v1::EncoderModel& m) {
+EncoderTraining EncoderTrainingOf(const v1::EncoderSpec& encoder) {
+  if (!encoder.frozen()) return EncoderTraining::kAll;
+  return encoder.train_projector() ? EncoderTraining::kProjectorOnly : EncoderTraining::kNone;
+}
+
+FlopCount EncoderImageFlops(const v1::EncoderModel& m, EncoderTraining training) {
   const double grid = static_cast<double>(m.image_size() / m.patch());
   const double p = grid * grid;
   const double h = static_cast<double>(m.hidden());
@@ -12,11 +17,22 @@ FlopCount EncoderImageFlops(const v1::EncoderModel& m) {
   const double embed = 2 * p * patch_in * h;
   const double layer = 2 * p * h * 3 * h + 2 * p * p * h + 2 * p * p * h + 2 * p * h * h +
                        2 * p * h * mlp + 2 * p * mlp * h;
-  const double projector = 2 * p * h * o + 2 * p * o * o;
-  const double rest = static_cast<double>(m.layers()) * layer + projector;
+  const double projector1 = 2 * p * h * o;
+  const double projector2 = 2 * p * o * o;
+  const double rest = static_cast<double>(m.layers()) * layer + projector1 + projector2;
   FlopCount flops;
   flops.forward = embed + rest;
-  flops.backward = embed + 2 * rest;
+  switch (training) {
+    case EncoderTraining::kAll:
+      flops.backward = embed + 2 * rest;
+      break;
+    case EncoderTraining::kProjectorOnly:
+      flops.backward = projector1 + 2 * projector2;
+      break;
+    case EncoderTraining::kNone:
+      flops.backward = 0;
+      break;
+  }
   return flops;
 }
 
@@ -36,7 +52,8 @@ FlopCount LlmSampleFlops(const v1::LlmModel& m, int64_t positions, int64_t loss_
 }
 
 StepFlops BatchFlops(const v1::RunSpec& spec, const std::vector<SampleDescriptor>& samples) {
-  const FlopCount image = EncoderImageFlops(spec.encoder().model());
+  const FlopCount image =
+      EncoderImageFlops(spec.encoder().model(), EncoderTrainingOf(spec.encoder()));
   StepFlops flops;
   for (const SampleDescriptor& sample : samples) {
     for (int64_t i = 0; i < sample.image_count(); ++i) flops.encoder += image;

@@ -16,7 +16,9 @@
 //                      + 3 x 2 s h f (gate, up, down)
 //     output head      2 l h V (logits only where a label is)
 //   Backward: twice the forward (input and weight gradients), except the patch embedding, whose
-//   input (the pixels) needs no gradient: once.
+//   input (the pixels) needs no gradient: once. A frozen encoder (encoder.frozen) has no
+//   backward; with encoder.train_projector only the projector's: its first layer's weight
+//   gradient (its input needs none) and both gradients of its second layer.
 #ifndef HETPAR_COMMON_PLAN_FLOPS_H_
 #define HETPAR_COMMON_PLAN_FLOPS_H_
 
@@ -39,8 +41,13 @@ struct FlopCount {
   }
 };
 
+// Which of the encoder's parameters train (encoder.frozen, encoder.train_projector).
+enum class EncoderTraining { kAll, kProjectorOnly, kNone };
+EncoderTraining EncoderTrainingOf(const v1::EncoderSpec& encoder);
+
 // One image through the ViT and the projector.
-FlopCount EncoderImageFlops(const v1::EncoderModel& model);
+FlopCount EncoderImageFlops(const v1::EncoderModel& model,
+                            EncoderTraining training = EncoderTraining::kAll);
 
 // One sample of `positions` sequence positions (text and image placeholders) of which
 // `loss_tokens` carry a label.
@@ -51,7 +58,8 @@ struct StepFlops {
   FlopCount llm;
 };
 
-// A global batch: every image through the encoder, every sample through the LLM.
+// A global batch: every image through the encoder, every sample through the LLM (the encoder's
+// backward as encoder.frozen and train_projector say).
 StepFlops BatchFlops(const v1::RunSpec& spec, const std::vector<SampleDescriptor>& samples);
 
 // A module's achieved rate in a step: its model FLOPs over the step's duration (the rate the

@@ -46,6 +46,22 @@ TEST(FlopsTest, VitImageByHand) {
   EXPECT_DOUBLE_EQ(f.total(), f.forward + f.backward);
 }
 
+TEST(FlopsTest, FrozenEncoderBackwardByHand) {
+  // Frozen: no backward. With a trainable projector: fc1's weight gradient only (its input, the
+  // frozen tower's output, needs none), 384; fc2's input and weight gradients, 2 * 288.
+  EXPECT_DOUBLE_EQ(EncoderImageFlops(SmallVit(), EncoderTraining::kNone).backward, 0.0);
+  EXPECT_DOUBLE_EQ(EncoderImageFlops(SmallVit(), EncoderTraining::kProjectorOnly).backward,
+                   384.0 + 2 * 288.0);
+  EXPECT_DOUBLE_EQ(EncoderImageFlops(SmallVit(), EncoderTraining::kNone).forward,
+                   12288.0 + 9216.0 + 672.0);
+  v1::EncoderSpec encoder;
+  EXPECT_EQ(EncoderTrainingOf(encoder), EncoderTraining::kAll);
+  encoder.set_frozen(true);
+  EXPECT_EQ(EncoderTrainingOf(encoder), EncoderTraining::kNone);
+  encoder.set_train_projector(true);
+  EXPECT_EQ(EncoderTrainingOf(encoder), EncoderTraining::kProjectorOnly);
+}
+
 TEST(FlopsTest, LlmSampleByHand) {
   // s = 5 positions, 2 with a label.
   // One layer: qkv 2*5*8*(8 + 2*2*2) = 1280; scores 2*25*8 = 400; weighted values 400;

@@ -87,7 +87,12 @@ absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::Run
   o.row_bytes = spec.llm().model().hidden() * dtype_bytes;
   o.encoder_cost = EncoderCostModel(spec.encoder().model());
   o.llm_cost = LlmCostModel(spec.llm().model());
+  o.image_gradients = ImageGradientsCross(spec);
   return o;
+}
+
+bool ImageGradientsCross(const hetpar::v1::RunSpec& spec) {
+  return !spec.encoder().frozen() || spec.encoder().train_projector();
 }
 
 absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
@@ -152,7 +157,7 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
       for (const ImageRef& ref : job.images) referenced.push_back(ref.sample);
     }
     out.forward_sends = Copy(ForwardFrom(plan.boundary, rank));
-    out.backward_receives = Copy(BackwardTo(plan.boundary, rank));
+    if (plan.options.image_gradients) out.backward_receives = Copy(BackwardTo(plan.boundary, rank));
     for (const ShareStep* share : EncoderSharesOf(plan.boundary, placement.encoder, rank)) {
       out.encoder_shares.push_back(*share);
     }
@@ -168,7 +173,7 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
       for (int64_t s : out.microbatches.back().samples) referenced.push_back(s);
     }
     out.forward_receives = Copy(ForwardTo(plan.boundary, rank));
-    out.backward_sends = Copy(BackwardFrom(plan.boundary, rank));
+    if (plan.options.image_gradients) out.backward_sends = Copy(BackwardFrom(plan.boundary, rank));
     for (const ShareStep* share : LlmSharesOf(plan.boundary, placement.llm, rank)) {
       out.llm_shares.push_back(*share);
     }

@@ -35,7 +35,14 @@ struct StepPlanOptions {
   int64_t row_bytes = 0;    // llm.model.hidden x dtype size
   CostModel encoder_cost;   // per image
   CostModel llm_cost;       // per sample
+  // Whether gradients of the image rows go back to the encoder; without them the rank plans
+  // carry no backward transfers.
+  bool image_gradients = true;
 };
+
+// Whether the encoder takes the gradients of its output rows: false for encoder.frozen without
+// encoder.train_projector.
+bool ImageGradientsCross(const hetpar::v1::RunSpec& spec);
 
 // Bytes per element: float32 4, float64 8, bfloat16 2; 0 for an unspecified dtype.
 int64_t DtypeBytes(hetpar::v1::Dtype dtype);

@@ -179,6 +179,32 @@ TEST(StepPlanTest, RankPlansPartitionThePlanAndHeadersCheckOut) {
   CheckRankPlans(TinyPlan(sp, 1));
 }
 
+// A frozen encoder takes no gradients: the rank plans carry the forward transfers only; with a
+// trainable projector the gradients go back as usual.
+TEST(StepPlanTest, FrozenEncoderPlansNoBackwardTransfers) {
+  auto spec = TinySpec();
+  spec.mutable_encoder()->set_frozen(true);
+  EXPECT_FALSE(ImageGradientsCross(spec));
+  const StepPlan frozen = TinyPlan(spec, 0);
+  int64_t forward = 0;
+  for (int64_t rank = 0; rank < frozen.placement.world_size; ++rank) {
+    auto part = ExtractRankPlan(frozen, rank);
+    ASSERT_TRUE(part.ok()) << part.status();
+    forward += static_cast<int64_t>(part->forward_sends.size());
+    EXPECT_TRUE(part->backward_sends.empty()) << "rank " << rank;
+    EXPECT_TRUE(part->backward_receives.empty()) << "rank " << rank;
+  }
+  EXPECT_GT(forward, 0);
+  spec.mutable_encoder()->set_train_projector(true);
+  EXPECT_TRUE(ImageGradientsCross(spec));
+  const StepPlan projector = TinyPlan(spec, 0);
+  int64_t backward = 0;
+  for (int64_t rank = 0; rank < projector.placement.world_size; ++rank) {
+    backward += static_cast<int64_t>(ExtractRankPlan(projector, rank)->backward_sends.size());
+  }
+  EXPECT_EQ(backward, forward);
+}
+
 TEST(StepPlanTest, ColocatedRanksHaveBothParts) {
   auto spec = TinySpec();
   spec.set_placement(hetpar::v1::PLACEMENT_COLOCATED);

@@ -45,6 +45,7 @@ absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group) {
   if (group.size() == 1) return absl::OkStatus();
   std::vector<at::Tensor> flat;
   for (const auto& p : params.parameters()) {
+    if (!p.trainable) continue;
     at::Tensor& grad = p.tensor.mutable_grad();
     if (!grad.defined()) grad = at::zeros_like(p.tensor);
     flat.push_back(grad.reshape({-1}));
@@ -55,6 +56,7 @@ absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group) {
   if (!status.ok()) return status;
   int64_t offset = 0;
   for (const auto& p : params.parameters()) {
+    if (!p.trainable) continue;
     at::Tensor& grad = p.tensor.mutable_grad();
     const int64_t n = grad.numel();
     grad.copy_(buffer.narrow(0, offset, n).view_as(grad));
@@ -80,8 +82,12 @@ absl::StatusOr<std::unique_ptr<ModuleOptimizer>> ModuleOptimizer::Create(
     return absl::InvalidArgumentError(absl::StrCat("optimizer lr=", options.lr(), " must be > 0"));
   }
   std::unique_ptr<ModuleOptimizer> optimizer(new ModuleOptimizer(params, options));
+  // Frozen parameters get no AdamW state and are never updated (weight decay included).
   std::vector<at::Tensor> tensors;
-  for (const auto& p : params->parameters()) tensors.push_back(p.tensor);
+  for (const auto& p : params->parameters()) {
+    if (p.trainable) tensors.push_back(p.tensor);
+  }
+  if (tensors.empty()) return optimizer;
   torch::optim::AdamWOptions adamw(options.lr());
   adamw.betas({options.beta1(), options.beta2()});
   adamw.eps(options.eps());
@@ -99,7 +105,9 @@ double ModuleOptimizer::LearningRate(int64_t step) const {
 absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
   return nn::RunTorch("optimizer step", [&] {
     at::NoGradGuard no_grad;
+    if (adamw_ == nullptr) return;  // nothing trainable
     for (const auto& p : params_->parameters()) {
+      if (!p.trainable) continue;
       at::Tensor& grad = p.tensor.mutable_grad();
       if (!grad.defined()) {
         grad = at::zeros_like(p.tensor);

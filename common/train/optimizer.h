@@ -34,15 +34,17 @@ OwnedSums OwnedGradSums(const nn::ParameterSet& params);
 // Of the parameter values.
 OwnedSums OwnedParamSums(const nn::ParameterSet& params);
 
-// Sums every parameter's gradient over `group` (the module's DP group), in one flat all-reduce.
-// A parameter without a gradient contributes zeros and gets the sum. No-op for a group of one.
+// Sums every trainable parameter's gradient over `group` (the module's DP group), in one flat
+// all-reduce. A parameter without a gradient contributes zeros and gets the sum. No-op for a
+// group of one.
 absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group);
 
 // The factor gradients are scaled by: max_norm / (norm + 1e-6) when that is below 1, else 1
 // (and 1 when max_norm is 0, clipping off).
 double ClipCoefficient(double total_norm, double max_norm);
 
-// AdamW with linear warm-up over one module's parameters. Owns the optimizer state; keeps a
+// AdamW with linear warm-up over one module's trainable parameters (frozen ones get no state and
+// never change). Owns the optimizer state; keeps a
 // reference to the ParameterSet, which must outlive it. One thread calls it.
 class ModuleOptimizer {
  public:
@@ -56,8 +58,8 @@ class ModuleOptimizer {
   double LearningRate(int64_t step) const;
 
   // Scales every gradient by clip_coefficient, takes one AdamW step at LearningRate(step) and
-  // drops the gradients. A parameter without a gradient steps with a zero gradient (so every
-  // layout updates every parameter the same way).
+  // drops the gradients. A trainable parameter without a gradient steps with a zero gradient (so
+  // every layout updates every parameter the same way). No-op when nothing is trainable.
   absl::Status Step(int64_t step, double clip_coefficient);
 
  private:

@@ -139,6 +139,32 @@ TEST(ModuleOptimizerTest, ParameterWithoutGradientStepsWithZero) {
   EXPECT_NEAR(set.parameters()[0].tensor.item<double>(), 1.9, 1e-15);
 }
 
+// A frozen parameter has no AdamW state: weight decay and a stray gradient leave it as it was,
+// while its trainable neighbour decays.
+TEST(ModuleOptimizerTest, FrozenParameterNeverChanges) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("tower.w", {1}, -1, nn::InitRule::Constant(2.0)).ok());
+  ASSERT_TRUE(set.Add("head.w", {1}, -1, nn::InitRule::Constant(2.0)).ok());
+  EXPECT_EQ(set.Freeze("tower."), 1);
+  EXPECT_EQ(set.Freeze("tower."), 0);  // already frozen
+  EXPECT_FALSE(set.parameters()[0].trainable);
+  EXPECT_FALSE(set.parameters()[0].tensor.requires_grad());
+  EXPECT_EQ(set.TrainableLocalNumel(), 1);
+  auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.5));
+  ASSERT_TRUE(opt.ok());
+  set.parameters()[0].tensor.mutable_grad() = at::ones_like(set.parameters()[0].tensor);
+  ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
+  EXPECT_EQ(set.parameters()[0].tensor.item<double>(), 2.0);
+  EXPECT_NEAR(set.parameters()[1].tensor.item<double>(), 1.9, 1e-15);
+  // Everything frozen: the optimizer is a no-op.
+  EXPECT_EQ(set.Freeze(""), 1);
+  EXPECT_FALSE(set.AnyTrainable());
+  auto none = ModuleOptimizer::Create(&set, Adam(0.1, 0.5));
+  ASSERT_TRUE(none.ok()) << none.status();
+  ASSERT_TRUE((*none)->Step(1, 1.0).ok());
+  EXPECT_NEAR(set.parameters()[1].tensor.item<double>(), 1.9, 1e-15);
+}
+
 TEST(ModuleOptimizerTest, LinearWarmup) {
   nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
   ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());

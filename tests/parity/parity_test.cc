@@ -218,6 +218,46 @@ TEST_F(ParityTest, EncoderSequenceParallelFloat64) {
   }
 }
 
+// A frozen encoder (the vision tower of the common recipe): no gradients cross the boundary and
+// the encoder's parameters never change; with train_projector only the projector trains, its
+// gradients coming back over the boundary.
+TEST_F(ParityTest, FrozenEncoderFloat64) {
+  const std::vector<std::string> frozen = {"--set", "encoder.frozen=true"};
+  {
+    const Layouts l{"frozen_enc_dp3_tp1_llm_dp1_tp2", 3, 1, 1, 2};
+    SCOPED_TRACE(l.name);
+    const std::string dist = Train(l.name + "_f64", l, "float64", 3, false, kTiny, frozen);
+    const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, kTiny, frozen);
+    ExpectAgree(dist, ref, 3, 1e-9);
+    // The encoder after one step is the encoder after three: nothing updated it.
+    const std::string one = Train(l.name + "_1_ref", l, "float64", 1, true, kTiny, frozen);
+    EXPECT_EQ(Metrics(one).final_params["encoder"], Metrics(dist).final_params["encoder"]);
+    // No gradient reached the encoder ranks.
+    for (const nlohmann::json& step : Metrics(dist).steps) {
+      EXPECT_EQ(step["encoder"]["bridge_bytes"].get<double>(), 0.0) << step.dump();
+      EXPECT_GT(step["llm"]["bridge_bytes"].get<double>(), 0.0) << step.dump();
+    }
+  }
+  {
+    std::vector<std::string> projector = frozen;
+    projector.insert(projector.end(), {"--set", "encoder.train_projector=true"});
+    const Layouts l{"colocated_frozen_projector_enc_dp2_tp2_llm_dp4_tp1", 2, 2, 4, 1};
+    SCOPED_TRACE(l.name);
+    const std::string dist =
+        Train(l.name + "_f64", l, "float64", 3, false, kTinyColocated, projector);
+    const std::string ref =
+        Train(l.name + "_f64_ref", l, "float64", 3, true, kTinyColocated, projector);
+    ExpectAgree(dist, ref, 3, 1e-9);
+    const std::string one =
+        Train(l.name + "_1_ref", l, "float64", 1, true, kTinyColocated, projector);
+    EXPECT_NE(Metrics(one).final_params["encoder"]["sum"].get<double>(),
+              Metrics(dist).final_params["encoder"]["sum"].get<double>());
+    for (const nlohmann::json& step : Metrics(dist).steps) {
+      EXPECT_GT(step["encoder"]["bridge_bytes"].get<double>(), 0.0) << step.dump();
+    }
+  }
+}
+
 TEST_F(ParityTest, ColocatedFloat32TwentySteps) {
   const Layouts l{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4};
   const std::string dist = Train("colocated_f32", l, "float32", 20, false, kTinyColocated);
