@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -37,13 +38,39 @@ struct SpliceMap {
   std::vector<int64_t> sources;
 };
 
-SpliceMap MapSplice(const std::vector<LlmSample>& samples, int tp_rank, int tp_size,
-                    bool sequence_parallel) {
+// The positions of each sample that a rank packs (CpLocalPositions), and where each sample starts
+// in the packed rows.
+struct LocalLayout {
+  std::vector<std::vector<int64_t>> positions;  // per sample, increasing
+  std::vector<int64_t> starts;                  // per sample, then the total
+};
+
+LocalLayout LayOut(const std::vector<LlmSample>& samples, int64_t seq_len, int64_t cp,
+                   int64_t cp_rank) {
+  LocalLayout layout;
   int64_t rows = 0;
-  std::vector<int64_t> placeholders;  // packed row of each image row, in tensor order
   for (const LlmSample& sample : samples) {
-    for (int64_t position : sample.image_positions) placeholders.push_back(rows + position);
-    rows += static_cast<int64_t>(sample.tokens.size());
+    layout.starts.push_back(rows);
+    layout.positions.push_back(
+        CpLocalPositions(static_cast<int64_t>(sample.tokens.size()), seq_len, cp, cp_rank));
+    rows += static_cast<int64_t>(layout.positions.back().size());
+  }
+  layout.starts.push_back(rows);
+  return layout;
+}
+
+SpliceMap MapSplice(const std::vector<LlmSample>& samples, const LocalLayout& layout, int tp_rank,
+                    int tp_size, bool sequence_parallel) {
+  const int64_t rows = layout.starts.back();
+  std::vector<int64_t> placeholders;  // packed row of each image row, in tensor order; -1: absent
+  for (size_t s = 0; s < samples.size(); ++s) {
+    const std::vector<int64_t>& local = layout.positions[s];
+    for (int64_t position : samples[s].image_positions) {
+      auto it = std::lower_bound(local.begin(), local.end(), position);
+      placeholders.push_back(it != local.end() && *it == position
+                                 ? layout.starts[s] + (it - local.begin())
+                                 : -1);
+    }
   }
   int64_t first_row = 0;
   int64_t end_row = rows;
@@ -54,7 +81,7 @@ SpliceMap MapSplice(const std::vector<LlmSample>& samples, int tp_rank, int tp_s
   }
   SpliceMap map;
   for (size_t k = 0; k < placeholders.size(); ++k) {
-    if (placeholders[k] >= first_row && placeholders[k] < end_row) {
+    if (placeholders[k] >= 0 && placeholders[k] >= first_row && placeholders[k] < end_row) {
       map.targets.push_back(placeholders[k] - first_row);
       map.sources.push_back(static_cast<int64_t>(k));
     }
@@ -111,7 +138,41 @@ absl::StatusOr<at::Tensor> VocabParallelArgmax(const at::Tensor& local_logits, i
 
 std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, int tp_rank,
                                          int tp_size, bool sequence_parallel) {
-  return MapSplice(samples, tp_rank, tp_size, sequence_parallel).sources;
+  return MapSplice(samples, LayOut(samples, 0, 1, 0), tp_rank, tp_size, sequence_parallel).sources;
+}
+
+std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t cp,
+                                      int64_t cp_rank) {
+  std::vector<int64_t> positions;
+  if (cp <= 1) {
+    positions.resize(length);
+    for (int64_t i = 0; i < length; ++i) positions[i] = i;
+    return positions;
+  }
+  const int64_t chunk = seq_len / (2 * cp);
+  for (int64_t c : {cp_rank, 2 * cp - 1 - cp_rank}) {
+    for (int64_t p = c * chunk; p < std::min((c + 1) * chunk, length); ++p) positions.push_back(p);
+  }
+  return positions;
+}
+
+absl::Status LanguageModel::SetContextParallel(nn::CommGroupPtr cp) {
+  if (!cp.defined() || cp->size() == 1) {
+    cp_ = nullptr;
+    return absl::OkStatus();
+  }
+  if (tp_.sequence_parallel) {
+    return absl::InvalidArgumentError(
+        "llm.layout.cp > 1 with llm.layout.sequence_parallel: the LLM does not combine context "
+        "and sequence parallelism yet");
+  }
+  if (model_.seq_len() % (2 * cp->size()) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("llm.model.seq_len=", model_.seq_len(),
+                                                   " is not a multiple of 2 x llm.layout.cp=",
+                                                   2 * cp->size()));
+  }
+  cp_ = std::move(cp);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<LlmOptions> LlmOptionsFromSpec(const hetpar::v1::RunSpec& spec) {
@@ -299,16 +360,15 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   std::vector<int64_t> loss_rows, loss_labels;
-  int64_t rows = 0;
-  for (const LlmSample& sample : samples) {
-    const int64_t length = static_cast<int64_t>(sample.tokens.size());
-    for (int64_t i = 0; i < length; ++i) {
-      if (sample.loss_mask[i]) {
-        loss_rows.push_back(rows + i);
-        loss_labels.push_back(sample.labels[i]);
+  const LocalLayout layout = LayOut(samples, model_.seq_len(), cp_size(), cp_rank());
+  for (size_t s = 0; s < samples.size(); ++s) {
+    const std::vector<int64_t>& local = layout.positions[s];
+    for (size_t i = 0; i < local.size(); ++i) {
+      if (samples[s].loss_mask[local[i]]) {
+        loss_rows.push_back(layout.starts[s] + static_cast<int64_t>(i));
+        loss_labels.push_back(samples[s].labels[local[i]]);
       }
     }
-    rows += length;
   }
   at::Tensor h = FinalHidden(samples, image_rows);
   at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
@@ -334,24 +394,53 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
 
-  // Pack the samples: row r of the sequence is (sample, position).
-  std::vector<int64_t> starts, ids, positions;
-  int64_t rows = 0;
-  for (const LlmSample& sample : samples) {
-    starts.push_back(rows);
-    const int64_t length = static_cast<int64_t>(sample.tokens.size());
-    for (int64_t i = 0; i < length; ++i) {
-      ids.push_back(sample.tokens[i]);
-      positions.push_back(i);
+  // Pack the samples: row r of the sequence is (sample, position), for the positions this CP
+  // rank holds (all of them without CP).
+  const int64_t cp = cp_size();
+  const LocalLayout layout = LayOut(samples, model_.seq_len(), cp, cp_rank());
+  const std::vector<int64_t>& starts = layout.starts;
+  const int64_t rows = starts.back();
+  std::vector<int64_t> ids, positions;
+  for (size_t s = 0; s < samples.size(); ++s) {
+    for (int64_t p : layout.positions[s]) {
+      ids.push_back(samples[s].tokens[p]);
+      positions.push_back(p);
     }
-    rows += length;
   }
-  starts.push_back(rows);
+
+  // Context parallelism: where each rank's keys and values land in the all-gather (every rank
+  // padded to the largest rank's rows), and, per sample, the gathered rows of its positions in
+  // order.
+  int64_t gather_rows = 0;  // rows per rank in the all-gather
+  std::vector<int64_t> full_index;  // gathered row of each (sample, position), samples packed
+  std::vector<int64_t> full_starts;
+  if (cp > 1) {
+    std::vector<LocalLayout> all;
+    for (int64_t r = 0; r < cp; ++r) {
+      all.push_back(LayOut(samples, model_.seq_len(), cp, r));
+      gather_rows = std::max(gather_rows, all.back().starts.back());
+    }
+    gather_rows = std::max<int64_t>(gather_rows, 1);
+    for (size_t s = 0; s < samples.size(); ++s) {
+      full_starts.push_back(static_cast<int64_t>(full_index.size()));
+      const int64_t length = static_cast<int64_t>(samples[s].tokens.size());
+      std::vector<int64_t> row_of(length, -1);
+      for (int64_t r = 0; r < cp; ++r) {
+        const std::vector<int64_t>& local = all[r].positions[s];
+        for (size_t i = 0; i < local.size(); ++i) {
+          row_of[local[i]] = r * gather_rows + all[r].starts[s] + static_cast<int64_t>(i);
+        }
+      }
+      full_index.insert(full_index.end(), row_of.begin(), row_of.end());
+    }
+    full_starts.push_back(static_cast<int64_t>(full_index.size()));
+  }
 
   // Embedding, then image rows in place of their placeholders (in this rank's rows only).
   at::Tensor x = nn::LeaveTensorParallel(
       nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
-  const SpliceMap splice = MapSplice(samples, tp_.rank(), tp_.size(), tp_.sequence_parallel);
+  const SpliceMap splice =
+      MapSplice(samples, layout, tp_.rank(), tp_.size(), tp_.sequence_parallel);
   if (!splice.targets.empty()) {
     x = x.index_copy(0, at::tensor(splice.targets, i64),
                      image_rows.index_select(0, at::tensor(splice.sources, i64)));
@@ -360,11 +449,19 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
   const at::Tensor position_ids = at::tensor(positions, i64);
   const at::Tensor cos = rope_cos_.index_select(0, position_ids).unsqueeze(1);
   const at::Tensor sin = rope_sin_.index_select(0, position_ids).unsqueeze(1);
+  // True where a key comes after the query: the key's position exceeds the query's.
   std::vector<at::Tensor> causal_masks(samples.size());
   for (size_t s = 0; s < samples.size(); ++s) {
     const int64_t length = starts[s + 1] - starts[s];
-    causal_masks[s] = at::ones({length, length}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    if (cp == 1) {
+      causal_masks[s] = at::ones({length, length}, at::TensorOptions().dtype(at::kBool)).triu(1);
+    } else {
+      const at::Tensor query = position_ids.narrow(0, starts[s], length);
+      const at::Tensor key = at::arange(full_starts[s + 1] - full_starts[s], i64);
+      causal_masks[s] = key.unsqueeze(0).gt(query.unsqueeze(1));
+    }
   }
+  const at::Tensor full_rows = at::tensor(full_index, i64);
 
   for (const Layer& layer : layers_) {
     at::Tensor h =
@@ -375,13 +472,30 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
         ApplyRope(qkv.narrow(2, 0, group).reshape({rows, local_heads, head_dim}), cos, sin);
     at::Tensor k = ApplyRope(qkv.select(2, group), cos, sin);  // [rows, local_kv, d]
     at::Tensor v = qkv.select(2, group + 1);
+    // Keys and values of every position of the microbatch: this rank's, or all CP ranks'.
+    at::Tensor all_k = k, all_v = v;
+    std::vector<int64_t> kv_starts = starts;
+    if (cp > 1) {
+      at::Tensor mine = at::stack({k, v}, 1).reshape({rows, 2 * local_kv * head_dim});
+      if (rows < gather_rows) {
+        mine = at::cat({mine, at::zeros({gather_rows - rows, mine.size(1)}, mine.options())});
+      }
+      const at::Tensor gathered =
+          nn::GatherFromSequenceParallel(mine, gather_rows * cp, cp_)
+              .index_select(0, full_rows)
+              .view({-1, 2, local_kv, head_dim});
+      all_k = gathered.select(1, 0);
+      all_v = gathered.select(1, 1);
+      kv_starts = full_starts;
+    }
     std::vector<at::Tensor> outputs;
     for (size_t s = 0; s < samples.size(); ++s) {
       const int64_t start = starts[s];
       const int64_t length = starts[s + 1] - start;
+      const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
       at::Tensor qs = q.narrow(0, start, length).transpose(0, 1);  // [heads, L, d]
-      at::Tensor ks = k.narrow(0, start, length).transpose(0, 1);  // [kv, L, d]
-      at::Tensor vs = v.narrow(0, start, length).transpose(0, 1);
+      at::Tensor ks = all_k.narrow(0, kv_starts[s], kv_length).transpose(0, 1);  // [kv, Lk, d]
+      at::Tensor vs = all_v.narrow(0, kv_starts[s], kv_length).transpose(0, 1);
       if (group > 1) {
         ks = ks.repeat_interleave(group, 0);
         vs = vs.repeat_interleave(group, 0);
@@ -406,6 +520,11 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
 absl::StatusOr<at::Tensor> LanguageModel::LocalLogits(const std::vector<LlmSample>& samples,
                                                       const at::Tensor& image_rows) {
   HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, /*n_global=*/1));
+  if (cp_size() > 1) {
+    return absl::FailedPreconditionError(
+        "llm logits: a context-parallel model holds only its CP rank's positions; predictions "
+        "run on a model without context parallelism");
+  }
   return nn::RunTorchOr(
       absl::StrCat("llm logits on TP rank ", tp_.rank(), " of ", tp_.size()), [&] {
         at::NoGradGuard no_grad;

@@ -44,6 +44,19 @@
 // dtypes: float32, float64, bfloat16. Norms, softmax and cross-entropy run in float32 for
 // bfloat16; the loss is float64 for a float64 model and float32 otherwise.
 //
+// Context parallelism (SetContextParallel, cp > 1): each sample, as padded to seq_len positions,
+// is cut into 2*cp chunks and CP rank i holds chunks i and 2*cp-1-i (plan/sequence_sharding.h,
+// the split the boundary plan routes image rows by). A rank packs only the positions it holds;
+// norms, projections and the MLP run on them alone. Attention all-gathers every layer's keys and
+// values over the CP group (one all-gather of the microbatch's K and V; its backward a
+// reduce-scatter that returns to each rank the gradient of its own keys and values) and each
+// query attends to the keys at positions up to its own. All-gather rather than a ring: the
+// microbatches here are short enough that one collective per layer beats 2*(cp-1) steps, and the
+// result is exact in any order. The loss covers this rank's loss positions only: the sum over CP
+// ranks is the replica's loss, and parameter gradients are summed over the CP ranks as over DP
+// replicas. The image rows tensor holds every image row of the microbatch; a CP rank reads only
+// those whose placeholders it holds (ImageRowsHeldByCpRank) and its gradient covers those.
+//
 // Threading: one thread drives a LanguageModel (its collectives follow the TP group's order).
 #ifndef HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_
 #define HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_
@@ -80,6 +93,12 @@ struct LlmSample {
 // contiguous shards; see nn::ShardSequence).
 std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, int tp_rank,
                                          int tp_size, bool sequence_parallel);
+
+// Positions of a sample of `length` tokens that CP rank `cp_rank` of `cp` holds when sequences
+// are padded to `seq_len` (chunks cp_rank and 2*cp-1-cp_rank of seq_len / (2*cp) positions),
+// increasing. cp = 1: all of them.
+std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t cp,
+                                      int64_t cp_rank);
 
 struct LlmOptions {
   at::ScalarType dtype = at::kFloat;
@@ -146,6 +165,13 @@ class LanguageModel {
   // True when each TP rank's gradient of the image rows covers only its sequence shard.
   bool image_rows_grad_is_partial() const { return tp_.sharded(); }
 
+  // Runs context-parallel over `cp` (this rank's CP group, same TP rank on every member); a group
+  // of one leaves the model as it is. Without sequence parallelism only (InvalidArgument
+  // otherwise). Call before the first Forward; every member calls it.
+  absl::Status SetContextParallel(nn::CommGroupPtr cp);
+  int64_t cp_size() const { return cp_.defined() ? cp_->size() : 1; }
+  int64_t cp_rank() const { return cp_.defined() ? cp_->rank() : 0; }
+
   nn::ParameterSet& parameters() { return *parameters_; }
   const nn::ParameterSet& parameters() const { return *parameters_; }
   const hetpar::v1::LlmModel& model() const { return model_; }
@@ -163,12 +189,14 @@ class LanguageModel {
                         int64_t n_global) const;
   LlmForwardResult ForwardUnchecked(const std::vector<LlmSample>& samples,
                                     const at::Tensor& image_rows, int64_t n_global);
-  // The final-norm activations of every packed row, [rows, hidden], on every TP rank.
+  // The final-norm activations of every packed row this CP rank holds, [rows, hidden], on every
+  // TP rank.
   at::Tensor FinalHidden(const std::vector<LlmSample>& samples, const at::Tensor& image_rows);
 
   hetpar::v1::LlmModel model_;
   LlmOptions options_;
   nn::TensorParallel tp_;
+  nn::CommGroupPtr cp_;  // null without context parallelism
   std::unique_ptr<nn::ParameterSet> parameters_;
   at::Tensor embed_;
   std::vector<Layer> layers_;

@@ -7,6 +7,7 @@
 
 #include "common/nn/test_ranks.h"
 #include "common/plan/estimate.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -312,6 +313,74 @@ TEST(LanguageModelTest, TpThatDoesNotSplitKvHeadsIsRejected) {
   auto single = nn::Communicator::CreateSingle();
   auto lm = LanguageModel::Create(model, LlmOptions(), *single);
   EXPECT_THAT(std::string(lm.status().message()), HasSubstr("odd head size 3"));
+}
+
+TEST(LanguageModelTest, CpLocalPositionsAreTheLoadBalancedChunks) {
+  // seq_len 24 over cp 2: chunks of 6; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+  EXPECT_EQ(CpLocalPositions(20, 24, 2, 0), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 18, 19}));
+  EXPECT_EQ(CpLocalPositions(20, 24, 2, 1),
+            (std::vector<int64_t>{6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}));
+  EXPECT_EQ(CpLocalPositions(4, 24, 2, 1), std::vector<int64_t>{});
+  EXPECT_EQ(CpLocalPositions(3, 24, 1, 0), (std::vector<int64_t>{0, 1, 2}));
+}
+
+// Context parallelism over 2 ranks (threads) against the model in one piece: the sum of the
+// ranks' losses, of their parameter gradients and of their image-row gradients equal the whole
+// model's, for a batch where every rank holds rows and for one that lies on rank 0 alone (rank 1
+// then holds no row and still takes part in every collective).
+TEST(LanguageModelTest, ContextParallelEqualsTheWholeModel) {
+  std::vector<LlmSample> mixed = MixedBatch();
+  mixed.push_back(MakeSample("short", Tokens(4, 4)));
+  mixed.push_back(MakeSample("long", Tokens(23, 5), {5, 6, 7, 17, 18}));
+  const std::vector<std::vector<LlmSample>> batches = {
+      mixed, {MakeSample("a", Tokens(5, 6), {1, 2}), MakeSample("b", Tokens(6, 7))}};
+  for (const auto& batch : batches) {
+    SCOPED_TRACE(batch.size());
+    int64_t image_rows = 0;
+    for (const auto& sample : batch) image_rows += sample.image_rows;
+    const at::Tensor rows = Random({image_rows, 32}, 21);
+    auto whole = Make();
+    at::Tensor whole_rows = rows.clone().requires_grad_(true);
+    auto out = whole->Forward(batch, whole_rows, 50);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE(whole->Backward(out->loss).ok());
+    const double whole_loss = out->loss.item<double>();
+    const absl::Status status = nn::testing::RunRanks(2, [&](int rank, nn::Communicator& cp) {
+      auto single = nn::Communicator::CreateSingle();
+      LlmOptions options;
+      options.dtype = at::kDouble;
+      options.seed = 11;
+      options.init_style = nn::InitStyle::kAllRandom;
+      auto lm = LanguageModel::Create(TinyModel(), options, *single);
+      if (!lm.ok()) return lm.status();
+      HETPAR_RETURN_IF_ERROR((*lm)->SetContextParallel(cp.group()));
+      EXPECT_EQ((*lm)->cp_rank(), rank);
+      at::Tensor my_rows = rows.clone().requires_grad_(true);
+      auto part = (*lm)->Forward(batch, my_rows, 50);
+      if (!part.ok()) return part.status();
+      HETPAR_RETURN_IF_ERROR((*lm)->Backward(part->loss));
+      at::Tensor loss = part->loss.detach().reshape({1}).clone();
+      HETPAR_RETURN_IF_ERROR(cp.AllReduce(loss));
+      EXPECT_NEAR(loss.item<double>(), whole_loss, 1e-12 * std::abs(whole_loss)) << rank;
+      for (const auto& p : (*lm)->parameters().parameters()) {
+        at::Tensor grad = p.tensor.grad().defined() ? p.tensor.grad().clone()
+                                                    : at::zeros_like(p.tensor);
+        HETPAR_RETURN_IF_ERROR(cp.AllReduce(grad));
+        const at::Tensor expected = whole->parameters().Find(p.name)->tensor.grad();
+        EXPECT_LE((grad - expected).abs().max().item<double>(),
+                  1e-12 * std::max(1.0, expected.abs().max().item<double>()))
+            << p.name << " on rank " << rank;
+      }
+      if (image_rows > 0) {
+        at::Tensor grad = my_rows.grad().defined() ? my_rows.grad().clone()
+                                                   : at::zeros_like(my_rows);
+        HETPAR_RETURN_IF_ERROR(cp.AllReduce(grad));
+        EXPECT_LE((grad - whole_rows.grad()).abs().max().item<double>(), 1e-12) << rank;
+      }
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(status.ok()) << status;
+  }
 }
 
 TEST(LanguageModelTest, OptionsComeFromTheRunSpec) {

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "common/logging.h"
 #include "common/plan/step_plan.h"
 #include "common/status.h"
 #include "common/worker/outputs.h"
@@ -17,6 +18,12 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   HETPAR_ASSIGN_OR_RETURN(LlmOptions model_options, LlmOptionsFromSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(m->model_,
                           LanguageModel::Create(spec.llm().model(), model_options, m->state_.tp()));
+  HETPAR_RETURN_IF_ERROR(m->model_->SetContextParallel(m->state_.cp().group()));
+  if (m->model_->cp_size() > 1) {
+    HETPAR_LOG(INFO) << "llm model: cp rank " << m->model_->cp_rank() << " of "
+                     << m->model_->cp_size()
+                     << " (load-balanced chunks, keys and values all-gathered per layer)";
+  }
   HETPAR_RETURN_IF_ERROR(m->state_.Train(&m->model_->parameters(), spec.llm().optimizer()));
   return m;
 }

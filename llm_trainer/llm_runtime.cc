@@ -22,12 +22,12 @@ double Since(Clock::time_point t) {
 }
 
 // Indices, in the microbatch's full image-row order (sample by sample, image by image), of the
-// rows in this rank's image-row buffer: under sequence parallelism the rows whose sequence
-// positions the rank owns (plan/sequence_sharding.h), otherwise all of them.
+// rows in this rank's image-row buffer: the rows whose sequence positions the rank's CP rank
+// holds and, under sequence parallelism, its TP rank too (plan/sequence_sharding.h).
 absl::StatusOr<std::vector<int64_t>> BufferRows(const plan::RankStepPlan& plan,
                                                 const plan::LlmMicrobatch& mb,
                                                 const plan::SequenceSharding& sharding,
-                                                int64_t tp_rank) {
+                                                int64_t cp_rank, int64_t tp_rank) {
   std::vector<int64_t> rows;
   int64_t full = 0;
   for (int64_t index : mb.samples) {
@@ -39,7 +39,7 @@ absl::StatusOr<std::vector<int64_t>> BufferRows(const plan::RankStepPlan& plan,
     for (int64_t start : sample->image_starts) {
       for (int64_t r = 0; r < sample->tokens_per_image; ++r, ++full) {
         const auto& segment = sharding.segments()[sharding.SegmentOf(start + r)];
-        if (segment.cp_rank == 0 && (segment.tp_rank < 0 || segment.tp_rank == tp_rank)) {
+        if (segment.cp_rank == cp_rank && (segment.tp_rank < 0 || segment.tp_rank == tp_rank)) {
           rows.push_back(full);
         }
       }
@@ -57,15 +57,20 @@ int64_t BufferRowsOfWave(const plan::RankStepPlan& plan, int64_t wave) {
 
 absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
   LlmStepStats stats;
-  if (plan.llm_coords.cp != 0 || plan.llm_coords.pp != 0) {
-    return absl::UnimplementedError(absl::StrCat(
-        "LLM rank ", plan.rank, " is at cp ", plan.llm_coords.cp, ", pp ", plan.llm_coords.pp,
-        ": the LLM runs without context and pipeline parallelism in this version (cp = pp = 1)"));
+  if (plan.llm_coords.pp != 0) {
+    return absl::UnimplementedError(
+        absl::StrCat("LLM rank ", plan.rank, " is at pp ", plan.llm_coords.pp,
+                     ": the LLM runs without pipeline parallelism in this version (pp = 1)"));
+  }
+  if (plan.llm_coords.cp != model_->cp_rank()) {
+    return absl::InternalError(absl::StrCat("LLM rank ", plan.rank, " is at cp ",
+                                            plan.llm_coords.cp, " in the plan but at CP rank ",
+                                            model_->cp_rank(), " of its model's group"));
   }
   const bool sequence_parallel = model_->options().sequence_parallel && tp_->size() > 1;
-  HETPAR_ASSIGN_OR_RETURN(
-      plan::SequenceSharding sharding,
-      plan::SequenceSharding::Create(plan.seq_len, 1, tp_->size(), sequence_parallel));
+  HETPAR_ASSIGN_OR_RETURN(plan::SequenceSharding sharding,
+                          plan::SequenceSharding::Create(plan.seq_len, model_->cp_size(),
+                                                         tp_->size(), sequence_parallel));
   const int64_t hidden = model_->model().hidden();
   const int64_t bytes_sent0 = boundary_->bytes_sent();
   const int64_t bytes_received0 = boundary_->bytes_received();
@@ -117,7 +122,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     HETPAR_RETURN_IF_ERROR(post_through(m + ahead));
     // This rank's buffer rows, as indices into the microbatch's full image rows.
     HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
-                            BufferRows(plan, mb, sharding, plan.llm_coords.tp));
+                            BufferRows(plan, mb, sharding, plan.llm_coords.cp, plan.llm_coords.tp));
     const int64_t buffer_rows = BufferRowsOfWave(plan, wave);
     if (static_cast<int64_t>(owned.size()) != buffer_rows) {
       return absl::InternalError(absl::StrCat("wave ", wave, ": the plan gives rank ", plan.rank,
@@ -134,7 +139,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
       stats.bridge_wait_s += Since(t0);
       trace::Record(trace::kLlmLane, "wait for image rows", "bridge_wait", t0, {{"wave", wave}});
-      // Every TP rank needs all rows: place ours, zeros elsewhere, and sum over the group.
+      // Every TP rank needs all rows of its CP rank: place ours, zeros elsewhere (and in rows
+      // other CP ranks hold), and sum over the TP group.
       at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
       if (buffer_rows > 0) full.index_copy_(0, owned_index, buffer);
       t0 = Clock::now();

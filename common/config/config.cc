@@ -875,11 +875,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
 
   // What a run cannot do yet: refused here, before any worker registers, not after.
   if (require_runnable) {
-    if (ll.cp() > 1) {
+    if (ll.cp() > 1 && ll.sequence_parallel()) {
       c.Fail("llm.layout.cp",
              absl::StrCat("=", ll.cp(),
-                          ": the LLM does not run with context parallelism yet (`hetpar plan` "
-                          "shows how its blocks would be routed); expected 1"));
+                          " with llm.layout.sequence_parallel: the LLM does not combine context "
+                          "and sequence parallelism yet; expected cp 1 or sequence_parallel "
+                          "false"));
     }
     if (ll.pp() > 1) {
       c.Fail("llm.layout.pp",

@@ -250,8 +250,11 @@ TEST(ConfigTest, CpMustSplitTheSequence) {
 }
 
 TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
-  ExpectIssue(Load(kValid, {"llm.layout.cp=2"}), "llm.layout.cp", 0,
-              "=2: the LLM does not run with context parallelism yet");
+  ExpectIssue(Load(kValid, {"llm.layout.cp=2", "llm.layout.sequence_parallel=true"}),
+              "llm.layout.cp", 0, "does not combine context and sequence parallelism yet");
+  auto cp = Load(kValid, {"llm.layout.cp=2"});
+  ASSERT_TRUE(cp.ok()) << cp.status();
+  EXPECT_EQ(cp->spec.llm().layout().cp(), 2);
   ExpectIssue(Load(kValid, {"llm.layout.pp=2"}), "llm.layout.pp", 0,
               "=2: the LLM does not run with pipeline parallelism yet");
   const std::string text = std::string(kValid) + "checkpoint:\n  dir: ckpt\n  every: 5\n";

@@ -420,7 +420,8 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   const double enc_rank_trained = enc_trained_params / el.tp;
   const double llm_rank_params = llm_params / (ll.tp * ll.pp);
   out.encoder_module.dp_collective_s =
-      AllReduceSeconds(enc_dp_link, el.dp, enc_rank_trained * dtype_bytes);
+      enc_rank_trained > 0 ? AllReduceSeconds(enc_dp_link, el.dp, enc_rank_trained * dtype_bytes)
+                           : 0.0;
   out.llm_module.dp_collective_s =
       AllReduceSeconds(llm_dp_link, ll.dp, llm_rank_params * dtype_bytes);
   out.encoder_module.optimizer_s = OptimizerSeconds(cluster, enc_rank_trained, dtype);

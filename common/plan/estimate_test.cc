@@ -240,6 +240,7 @@ TEST(EstimateTest, FrozenEncoderDropsItsBackward) {
   ClusterSpec slow = FreeCluster();
   slow.peak_tflops = {{"float32", 1e-3}};
   slow.intra_node.collective_gbps = 1;
+  slow.intra_node.collective_latency_s = 1e-3;
   auto t = Estimate(Spec({"llm.layout.tp=1", "encoder.layout.dp=2"}), slow);
   auto f = Estimate(Spec({"llm.layout.tp=1", "encoder.layout.dp=2", "encoder.frozen=true"}), slow);
   ASSERT_TRUE(t.ok() && f.ok());

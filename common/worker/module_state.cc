@@ -1,5 +1,6 @@
 #include "common/worker/module_state.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,12 +21,19 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
   state.coords_ = *coords;
   const v1::Layout& layout = module == v1::MODULE_ENCODER ? context.spec().encoder().layout()
                                                           : context.spec().llm().layout();
+  const int64_t cp = std::max<int64_t>(1, layout.cp());
+  const std::string cp_part = cp > 1 ? absl::StrCat("/cp", coords->cp()) : "";
   HETPAR_ASSIGN_OR_RETURN(
-      state.tp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), "/tp"), coords->tp(),
-                               layout.tp()));
+      state.tp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), cp_part, "/tp"),
+                               coords->tp(), layout.tp()));
+  state.gradient_rank_ = coords->dp() * cp + coords->cp();
   HETPAR_ASSIGN_OR_RETURN(
-      state.dp_, context.Group(absl::StrCat(state.name_, "/tp", coords->tp(), "/dp"), coords->dp(),
-                               layout.dp()));
+      state.dp_, context.Group(absl::StrCat(state.name_, "/tp", coords->tp(), "/dp"),
+                               state.gradient_rank_, layout.dp() * cp));
+  HETPAR_ASSIGN_OR_RETURN(
+      state.cp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), "/tp", coords->tp(),
+                                            "/cp"),
+                               coords->cp(), cp));
   return state;
 }
 
@@ -36,8 +44,8 @@ absl::Status ModuleState::Train(nn::ParameterSet* params, const v1::Optimizer& o
 }
 
 std::vector<GradNormShare> ModuleState::GradNormShares() const {
-  // The partials of DP replica 0 add up to the module's squared norm.
-  if (coords_.dp() != 0) return {};
+  // The partials of DP replica 0 (CP rank 0) add up to the module's squared norm.
+  if (gradient_rank_ != 0) return {};
   return {{module_, train::OwnedGradSums(*params_).square_sum}};
 }
 
@@ -48,7 +56,7 @@ absl::Status ModuleState::Apply(int64_t step, double clip_coefficient) {
 void ModuleState::Discard() { params_->ZeroGrad(); }
 
 absl::Status ModuleState::WriteOutputs(const std::string& out_dir, int64_t world_rank) const {
-  return WriteModuleOutputs(out_dir, world_rank, name_, coords_.dp(), *params_, *tp_);
+  return WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_);
 }
 
 }  // namespace hetpar::worker

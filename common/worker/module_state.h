@@ -31,8 +31,11 @@ namespace hetpar::worker {
 class ModuleState {
  public:
   // This worker's coordinates in `module`'s grid and the module's groups, formed through the
-  // run's rendezvous store: "<module>/dp<d>/tp" and "<module>/tp<t>/dp". FailedPrecondition when
-  // the worker holds no rank of `module`.
+  // run's rendezvous store: "<module>/dp<d>/tp" and "<module>/tp<t>/dp". With context
+  // parallelism (the LLM's cp > 1) the TP group is "<module>/dp<d>/cp<c>/tp", the gradient
+  // group dp() spans the DP replicas and the CP ranks (index dp * cp + c, as Megatron sums
+  // gradients over DP x CP) and cp() is "<module>/dp<d>/tp<t>/cp". FailedPrecondition when the
+  // worker holds no rank of `module`.
   static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
@@ -41,7 +44,11 @@ class ModuleState {
   const std::string& name() const { return name_; }  // "encoder" or "llm"
   const v1::RankCoordinates& coords() const { return coords_; }
   nn::Communicator& tp() const { return *tp_; }
+  // The group gradients are summed over: the DP replicas (and CP ranks).
   nn::Communicator& dp() const { return *dp_; }
+  nn::Communicator& cp() const { return *cp_; }  // a group of one without CP
+  // This rank's index in dp(): 0 on exactly one rank per TP rank.
+  int64_t gradient_rank() const { return gradient_rank_; }
 
   // ModuleRuntime's step end for this module (after Train).
   std::vector<GradNormShare> GradNormShares() const;
@@ -57,6 +64,8 @@ class ModuleState {
   v1::RankCoordinates coords_;
   std::unique_ptr<nn::Communicator> tp_;
   std::unique_ptr<nn::Communicator> dp_;
+  std::unique_ptr<nn::Communicator> cp_;
+  int64_t gradient_rank_ = 0;
   nn::ParameterSet* params_ = nullptr;
   std::unique_ptr<train::ModuleOptimizer> optimizer_;
 };

@@ -288,10 +288,17 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
             << " text tokens, dataset of " << ctx.dataset_size << ", seed " << ctx.data_seed
             << "): " << stats.images << " images, " << stats.image_rows << " image rows, N_global "
             << p.n_global << " loss tokens\n";
-  std::cout << "boundary   " << stats.messages << " messages forward and " << stats.messages
-            << " backward, " << stats.pieces << " pieces, " << Bytes(stats.boundary_bytes)
-            << " each way (" << Bytes(row_bytes) << " per row); " << p.boundary.llm_shares.size()
-            << " LLM and " << p.boundary.encoder_shares.size() << " encoder share steps\n";
+  if (p.options.image_gradients) {
+    std::cout << "boundary   " << stats.messages << " messages forward and " << stats.messages
+              << " backward, " << stats.pieces << " pieces, " << Bytes(stats.boundary_bytes)
+              << " each way (";
+  } else {
+    std::cout << "boundary   " << stats.messages
+              << " messages forward and none backward (the encoder is frozen), " << stats.pieces
+              << " pieces, " << Bytes(stats.boundary_bytes) << " forward (";
+  }
+  std::cout << Bytes(row_bytes) << " per row); " << p.boundary.llm_shares.size() << " LLM and "
+            << p.boundary.encoder_shares.size() << " encoder share steps\n";
   std::cout << "imbalance  (max / mean) LLM replicas " << Fixed(stats.llm_imbalance, 3)
             << "; encoder replicas " << Fixed(stats.encoder_step_imbalance, 3) << " over the step, "
             << Fixed(stats.encoder_mean_wave_imbalance, 3) << " per wave on average, "
@@ -336,7 +343,9 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
               << Flops(p.encoder.replica_cost[e]) << " forward\n";
   }
 
-  std::cout << "\nRoutes (forward over all waves; gradients take each route back)\n";
+  std::cout << (p.options.image_gradients
+                    ? "\nRoutes (forward over all waves; gradients take each route back)\n"
+                    : "\nRoutes (forward over all waves; no gradients come back)\n");
   for (int64_t src = pl.encoder.rank_offset; src < pl.encoder.end_rank(); ++src) {
     std::vector<int64_t> destinations;
     int64_t bytes = 0;

@@ -30,6 +30,17 @@ TEST(CliPlanTest, TinyTextShowsLayoutsRoutesAndLoad) {
   EXPECT_THAT(r->stdout_text, HasSubstr("Per-rank load"));
 }
 
+TEST(CliPlanTest, FrozenEncoderPlansNoGradientsBack) {
+  auto r = RunCommand({kBin, "plan", "--config", kTiny, "--set", "encoder.frozen=true"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("none backward (the encoder is frozen)"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("no gradients come back"));
+  auto trained = RunCommand({kBin, "plan", "--config", kTiny});
+  ASSERT_TRUE(trained.ok());
+  EXPECT_THAT(trained->stdout_text, HasSubstr("gradients take each route back"));
+}
+
 TEST(CliPlanTest, JsonIsConsistent) {
   auto r = RunCommand({kBin, "plan", "--config", kTiny, "--json", "--images-per-sample", "1-1"});
   ASSERT_TRUE(r.ok()) << r.status();

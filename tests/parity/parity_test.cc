@@ -258,6 +258,33 @@ TEST_F(ParityTest, FrozenEncoderFloat64) {
   }
 }
 
+// LLM context parallelism: each sequence in load-balanced chunks over cp ranks, keys and values
+// all-gathered, image rows sent straight to the CP rank holding their positions.
+TEST_F(ParityTest, ContextParallelFloat64) {
+  struct Case {
+    Layouts layouts;
+    std::string config;
+  };
+  const std::vector<Case> cases = {
+      {{"llm_cp2_enc_dp2", 2, 1, 1, 1}, kTiny},
+      {{"llm_cp2_tp2_enc_dp3", 3, 1, 1, 2}, kTiny},
+      {{"llm_dp2_cp2_enc_tp2", 1, 2, 2, 1}, kTiny},
+      {{"colocated_llm_cp2_tp2_enc_dp4", 4, 1, 1, 2}, kTinyColocated},
+  };
+  const std::vector<std::string> cp = {"--set", "llm.layout.cp=2"};
+  for (const Case& c : cases) {
+    const Layouts& l = c.layouts;
+    SCOPED_TRACE(l.name);
+    const std::string dist = Train(l.name + "_f64", l, "float64", 3, false, c.config, cp);
+    const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, c.config, cp);
+    ExpectAgree(dist, ref, 3, 1e-9);
+  }
+  // Every LLM rank says which CP rank it is.
+  std::ifstream log(dir_ + "/llm_cp2_tp2_enc_dp3_f64/log/llm-3.log");
+  const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("llm model: cp rank 1 of 2")) << text;
+}
+
 TEST_F(ParityTest, ColocatedFloat32TwentySteps) {
   const Layouts l{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4};
   const std::string dist = Train("colocated_f32", l, "float32", 20, false, kTinyColocated);
