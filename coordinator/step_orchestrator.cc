@@ -51,7 +51,10 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   for (const WorkerRecord* worker : participants) {
     participants_.push_back(worker->worker_id);
     for (const auto& rank : worker->ranks) {
-      if (rank.dp() == 0) expected_contributors_.insert({rank.module(), rank.rank()});
+      // One DP replica (CP rank 0) of each module holds its gradients whole (worker::ModuleState).
+      if (rank.dp() == 0 && rank.cp() == 0) {
+        expected_contributors_.insert({rank.module(), rank.rank()});
+      }
     }
   }
   for (const WorkerRecord* worker : participants) {
@@ -77,13 +80,14 @@ StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord
   for (const auto& r : worker.ranks) {
     if (r.module() == partial.module()) rank = &r;
   }
-  if (rank == nullptr || rank->dp() != 0) {
+  if (rank == nullptr || rank->dp() != 0 || rank->cp() != 0) {
     return DoAbort(
-        absl::StrCat(
-            "worker ", worker.Describe(), " sent a grad-norm partial for module ",
-            ModuleName(partial.module()),
-            rank == nullptr ? " it has no rank in" : absl::StrCat(" from dp replica ", rank->dp()),
-            "; expected partials only from ranks of dp replica 0"),
+        absl::StrCat("worker ", worker.Describe(), " sent a grad-norm partial for module ",
+                     ModuleName(partial.module()),
+                     rank == nullptr
+                         ? " it has no rank in"
+                         : absl::StrCat(" from dp replica ", rank->dp(), ", cp rank ", rank->cp()),
+                     "; expected partials only from ranks of dp replica 0, cp rank 0"),
         now, out);
   }
   const ContributorKey key{rank->module(), rank->rank()};

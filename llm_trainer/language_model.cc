@@ -67,9 +67,8 @@ SpliceMap MapSplice(const std::vector<LlmSample>& samples, const LocalLayout& la
     const std::vector<int64_t>& local = layout.positions[s];
     for (int64_t position : samples[s].image_positions) {
       auto it = std::lower_bound(local.begin(), local.end(), position);
-      placeholders.push_back(it != local.end() && *it == position
-                                 ? layout.starts[s] + (it - local.begin())
-                                 : -1);
+      placeholders.push_back(
+          it != local.end() && *it == position ? layout.starts[s] + (it - local.begin()) : -1);
     }
   }
   int64_t first_row = 0;
@@ -158,7 +157,7 @@ std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t c
 
 absl::Status LanguageModel::SetContextParallel(nn::CommGroupPtr cp) {
   if (!cp.defined() || cp->size() == 1) {
-    cp_ = nullptr;
+    cp_.reset();
     return absl::OkStatus();
   }
   if (tp_.sequence_parallel) {
@@ -167,9 +166,9 @@ absl::Status LanguageModel::SetContextParallel(nn::CommGroupPtr cp) {
         "and sequence parallelism yet");
   }
   if (model_.seq_len() % (2 * cp->size()) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("llm.model.seq_len=", model_.seq_len(),
-                                                   " is not a multiple of 2 x llm.layout.cp=",
-                                                   2 * cp->size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("llm.model.seq_len=", model_.seq_len(),
+                     " is not a multiple of 2 x llm.layout.cp=", 2 * cp->size()));
   }
   cp_ = std::move(cp);
   return absl::OkStatus();
@@ -411,7 +410,7 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
   // Context parallelism: where each rank's keys and values land in the all-gather (every rank
   // padded to the largest rank's rows), and, per sample, the gathered rows of its positions in
   // order.
-  int64_t gather_rows = 0;  // rows per rank in the all-gather
+  int64_t gather_rows = 0;          // rows per rank in the all-gather
   std::vector<int64_t> full_index;  // gathered row of each (sample, position), samples packed
   std::vector<int64_t> full_starts;
   if (cp > 1) {
@@ -480,10 +479,9 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
       if (rows < gather_rows) {
         mine = at::cat({mine, at::zeros({gather_rows - rows, mine.size(1)}, mine.options())});
       }
-      const at::Tensor gathered =
-          nn::GatherFromSequenceParallel(mine, gather_rows * cp, cp_)
-              .index_select(0, full_rows)
-              .view({-1, 2, local_kv, head_dim});
+      const at::Tensor gathered = nn::GatherFromSequenceParallel(mine, gather_rows * cp, cp_)
+                                      .index_select(0, full_rows)
+                                      .view({-1, 2, local_kv, head_dim});
       all_k = gathered.select(1, 0);
       all_v = gathered.select(1, 1);
       kv_starts = full_starts;
@@ -493,7 +491,7 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
       const int64_t start = starts[s];
       const int64_t length = starts[s + 1] - start;
       const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
-      at::Tensor qs = q.narrow(0, start, length).transpose(0, 1);  // [heads, L, d]
+      at::Tensor qs = q.narrow(0, start, length).transpose(0, 1);                // [heads, L, d]
       at::Tensor ks = all_k.narrow(0, kv_starts[s], kv_length).transpose(0, 1);  // [kv, Lk, d]
       at::Tensor vs = all_v.narrow(0, kv_starts[s], kv_length).transpose(0, 1);
       if (group > 1) {

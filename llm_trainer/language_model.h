@@ -97,8 +97,7 @@ std::vector<int64_t> ImageRowsReadByRank(const std::vector<LlmSample>& samples, 
 // Positions of a sample of `length` tokens that CP rank `cp_rank` of `cp` holds when sequences
 // are padded to `seq_len` (chunks cp_rank and 2*cp-1-cp_rank of seq_len / (2*cp) positions),
 // increasing. cp = 1: all of them.
-std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t cp,
-                                      int64_t cp_rank);
+std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t cp, int64_t cp_rank);
 
 struct LlmOptions {
   at::ScalarType dtype = at::kFloat;

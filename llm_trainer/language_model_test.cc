@@ -363,8 +363,8 @@ TEST(LanguageModelTest, ContextParallelEqualsTheWholeModel) {
       HETPAR_RETURN_IF_ERROR(cp.AllReduce(loss));
       EXPECT_NEAR(loss.item<double>(), whole_loss, 1e-12 * std::abs(whole_loss)) << rank;
       for (const auto& p : (*lm)->parameters().parameters()) {
-        at::Tensor grad = p.tensor.grad().defined() ? p.tensor.grad().clone()
-                                                    : at::zeros_like(p.tensor);
+        at::Tensor grad =
+            p.tensor.grad().defined() ? p.tensor.grad().clone() : at::zeros_like(p.tensor);
         HETPAR_RETURN_IF_ERROR(cp.AllReduce(grad));
         const at::Tensor expected = whole->parameters().Find(p.name)->tensor.grad();
         EXPECT_LE((grad - expected).abs().max().item<double>(),
@@ -372,8 +372,8 @@ TEST(LanguageModelTest, ContextParallelEqualsTheWholeModel) {
             << p.name << " on rank " << rank;
       }
       if (image_rows > 0) {
-        at::Tensor grad = my_rows.grad().defined() ? my_rows.grad().clone()
-                                                   : at::zeros_like(my_rows);
+        at::Tensor grad =
+            my_rows.grad().defined() ? my_rows.grad().clone() : at::zeros_like(my_rows);
         HETPAR_RETURN_IF_ERROR(cp.AllReduce(grad));
         EXPECT_LE((grad - whole_rows.grad()).abs().max().item<double>(), 1e-12) << rank;
       }

@@ -27,13 +27,12 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
       state.tp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), cp_part, "/tp"),
                                coords->tp(), layout.tp()));
   state.gradient_rank_ = coords->dp() * cp + coords->cp();
-  HETPAR_ASSIGN_OR_RETURN(
-      state.dp_, context.Group(absl::StrCat(state.name_, "/tp", coords->tp(), "/dp"),
-                               state.gradient_rank_, layout.dp() * cp));
-  HETPAR_ASSIGN_OR_RETURN(
-      state.cp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), "/tp", coords->tp(),
-                                            "/cp"),
-                               coords->cp(), cp));
+  HETPAR_ASSIGN_OR_RETURN(state.dp_,
+                          context.Group(absl::StrCat(state.name_, "/tp", coords->tp(), "/dp"),
+                                        state.gradient_rank_, layout.dp() * cp));
+  HETPAR_ASSIGN_OR_RETURN(state.cp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(),
+                                                                "/tp", coords->tp(), "/cp"),
+                                                   coords->cp(), cp));
   return state;
 }
 
