@@ -13,6 +13,7 @@ namespace hetpar {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RunCommand;
 namespace fs = std::filesystem;
 
@@ -107,11 +108,17 @@ TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
   EXPECT_FALSE(fs::exists(path.string() + ".run"));
   // `hetpar plan` still routes such a layout, and says that a run would refuse it.
   r = RunCommand(
-      {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.cp=2"});
+      {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.pp=2"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
   EXPECT_THAT(r->stderr_text, HasSubstr("note: `hetpar run` refuses this config for now: "
-                                        "llm.layout.cp: =2"));
+                                        "llm.layout.pp: =2"));
+  // Context parallelism runs: no note.
+  r = RunCommand(
+      {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.cp=2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stderr_text, Not(HasSubstr("refuses")));
   fs::remove(path);
 }
 
