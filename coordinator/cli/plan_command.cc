@@ -20,6 +20,7 @@
 #include "common/plan/cluster.h"
 #include "common/plan/estimate.h"
 #include "common/plan/search.h"
+#include "common/plan/sequence_sharding.h"
 #include "common/plan/step_plan.h"
 #include "common/plan/synthetic_batch.h"
 #include "coordinator/cli/commands.h"
@@ -144,7 +145,43 @@ struct Context {
   int64_t dataset_size = 0;
   uint64_t data_seed = 0;
   int64_t tokens_per_image = 0;
+  int64_t llm_layers = 0;
 };
+
+// "[0, 32) + [96, 128)": the positions a CP rank holds.
+std::string RangesText(const std::vector<plan::PositionRange>& ranges) {
+  std::vector<std::string> parts;
+  for (const plan::PositionRange& r : ranges)
+    parts.push_back(absl::StrCat("[", r.begin, ", ", r.end, ")"));
+  return absl::StrJoin(parts, " + ");
+}
+
+// The LLM's sequence split over CP ranks and its layers over PP stages, when there are any.
+void PrintShardsAndStages(const StepPlan& p, const Context& ctx) {
+  const plan::Layout& llm = p.placement.llm;
+  if (llm.cp > 1) {
+    auto sharding = plan::SequenceSharding::Create(p.options.seq_len, llm.cp, 1, false);
+    if (sharding.ok()) {
+      std::vector<std::string> held;
+      for (int64_t c = 0; c < llm.cp; ++c) {
+        held.push_back(absl::StrCat("cp", c, " ", RangesText(sharding->Ranges(c, 0))));
+      }
+      std::cout << "cp shards  positions of each sequence (padded to " << p.options.seq_len
+                << "): " << absl::StrJoin(held, "; ") << "\n";
+    }
+  }
+  if (llm.pp > 1 && ctx.llm_layers > 0) {
+    const int64_t per_stage = (ctx.llm_layers + llm.pp - 1) / llm.pp;
+    std::vector<std::string> stages;
+    for (int64_t s = 0; s < llm.pp; ++s) {
+      const int64_t first = std::min(ctx.llm_layers, s * per_stage);
+      const int64_t last = std::min(ctx.llm_layers, first + per_stage);
+      stages.push_back(absl::StrCat("pp", s, " layers [", first, ", ", last, ")"));
+    }
+    std::cout << "pp stages  " << absl::StrJoin(stages, "; ")
+              << "; image rows land on stage 0, the loss on stage " << llm.pp - 1 << "\n";
+  }
+}
 
 nlohmann::ordered_json LayoutJson(const Layout& l) {
   return {{"dp", l.dp},
@@ -283,6 +320,7 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
             << " tokens per image\n";
   std::cout << "llm        " << pl.llm.ToString() << "; seq_len " << p.options.seq_len
             << ", micro_batch " << p.llm.micro_batch << ", " << p.llm.waves << " waves\n";
+  PrintShardsAndStages(p, ctx);
   std::cout << "batch      " << p.samples.size() << " synthetic samples (" << ctx.images.lo << "-"
             << ctx.images.hi << " images, " << ctx.text.lo << "-" << ctx.text.hi
             << " text tokens, dataset of " << ctx.dataset_size << ", seed " << ctx.data_seed
@@ -695,6 +733,7 @@ int RunPlan(const Options& o) {
   ctx.config = o.config;
   ctx.images = *images;
   ctx.tokens_per_image = config::TokensPerImage(spec.encoder().model());
+  ctx.llm_layers = spec.llm().model().layers();
   const int64_t seq_len = options->seq_len;
   if (o.text_tokens.empty()) {
     ctx.text.lo = std::min<int64_t>(8, seq_len);

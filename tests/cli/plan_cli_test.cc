@@ -41,6 +41,20 @@ TEST(CliPlanTest, FrozenEncoderPlansNoGradientsBack) {
   EXPECT_THAT(trained->stdout_text, HasSubstr("gradients take each route back"));
 }
 
+TEST(CliPlanTest, ShowsCpShardsAndPpStages) {
+  // configs/tiny.yaml: seq_len 128, 2 LLM layers.
+  auto r = RunCommand({kBin, "plan", "--config", kTiny, "--set", "llm.layout.cp=2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("cp shards  positions of each sequence (padded to 128): "
+                                        "cp0 [0, 32) + [96, 128); cp1 [32, 96)"));
+  r = RunCommand({kBin, "plan", "--config", kTiny, "--set", "llm.layout.pp=2"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("pp stages  pp0 layers [0, 1); pp1 layers [1, 2); image "
+                                        "rows land on stage 0, the loss on stage 1"));
+}
+
 TEST(CliPlanTest, JsonIsConsistent) {
   auto r = RunCommand({kBin, "plan", "--config", kTiny, "--json", "--images-per-sample", "1-1"});
   ASSERT_TRUE(r.ok()) << r.status();
