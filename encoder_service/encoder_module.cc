@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "common/nn/export.h"
 #include "common/status.h"
 #include "common/worker/outputs.h"
 
@@ -17,6 +18,11 @@ absl::StatusOr<std::unique_ptr<EncoderModule>> EncoderModule::Create(
   HETPAR_ASSIGN_OR_RETURN(EncoderOptions model_options, EncoderOptionsFromSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(
       m->model_, VisionEncoder::Create(spec.encoder().model(), model_options, m->state_.tp()));
+  if (!spec.encoder().init_from().empty()) {
+    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(m->model_->parameters(), "encoder.init_from",
+                                                     spec.encoder().init_from()));
+    HETPAR_LOG(INFO) << "encoder parameters from " << spec.encoder().init_from();
+  }
   HETPAR_RETURN_IF_ERROR(m->state_.Train(&m->model_->parameters(), spec.encoder().optimizer()));
   const bool sequence_parallel = model_options.sequence_parallel && m->state_.tp().size() > 1;
   HETPAR_LOG(INFO) << "encoder model: tp " << m->state_.tp().size()

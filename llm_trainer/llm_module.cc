@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "common/logging.h"
+#include "common/nn/export.h"
 #include "common/plan/step_plan.h"
 #include "common/status.h"
 #include "common/worker/outputs.h"
@@ -23,6 +24,11 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
     HETPAR_LOG(INFO) << "llm model: cp rank " << m->model_->cp_rank() << " of "
                      << m->model_->cp_size()
                      << " (load-balanced chunks, keys and values all-gathered per layer)";
+  }
+  if (!spec.llm().init_from().empty()) {
+    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(m->model_->parameters(), "llm.init_from",
+                                                     spec.llm().init_from()));
+    HETPAR_LOG(INFO) << "llm parameters from " << spec.llm().init_from();
   }
   HETPAR_RETURN_IF_ERROR(m->state_.Train(&m->model_->parameters(), spec.llm().optimizer()));
   return m;

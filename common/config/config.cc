@@ -645,8 +645,9 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Double("coordinator.heartbeat_timeout_s", 10.0);
   d.Double("coordinator.register_timeout_s", 120.0);
 
-  for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
-                           "coordinator.token_file", "checkpoint.dir", "run.out_dir"}) {
+  for (const char* path :
+       {"data.manifest", "data.val_manifest", "data.tokenizer", "coordinator.token_file",
+        "checkpoint.dir", "run.out_dir", "encoder.init_from", "llm.init_from"}) {
     ResolvePath(loaded, path);
   }
   // The index sits beside the manifest unless the config names one.
@@ -859,6 +860,8 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
       c.FileExists("data.val_manifest", s.data().val_manifest(), false);
     }
     c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
+    c.FileExists("encoder.init_from", s.encoder().init_from(), false);
+    c.FileExists("llm.init_from", s.llm().init_from(), false);
   } else if (!synth) {
     if (s.data().manifest().empty()) c.Fail("data.manifest", "is required: expected a file path");
     if (s.data().tokenizer().empty()) c.Fail("data.tokenizer", "is required: expected a file path");

@@ -339,6 +339,24 @@ TEST_F(ConfigFilesTest, MissingFilesAreNamed) {
   EXPECT_THAT(message, HasSubstr("data.tokenizer: file '"));
 }
 
+TEST_F(ConfigFilesTest, InitFromIsAFileBesideTheConfig) {
+  Write("train.jsonl", "");
+  Write("tok.model", "");
+  Write("llm.hpar", "");
+  const std::string text =
+      absl::StrReplaceAll(std::string(kValid), {{"llm:\n", "llm:\n  init_from: llm.hpar\n"}});
+  auto result = LoadRunSpecFile(Write("run.yaml", text));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.llm().init_from(), (dir_ / "llm.hpar").string());
+  const std::string missing = absl::StrReplaceAll(
+      std::string(kValid), {{"encoder:\n", "encoder:\n  init_from: encoder.hpar\n"}});
+  auto bad = LoadRunSpecFile(Write("bad.yaml", missing));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.status().message()),
+              HasSubstr("encoder.init_from: file '" + (dir_ / "encoder.hpar").string() +
+                        "' does not exist"));
+}
+
 TEST_F(ConfigFilesTest, RelativePathsResolveAgainstTheConfigFile) {
   Write("train.jsonl", "");
   Write("tok.model", "");

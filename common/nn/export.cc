@@ -507,4 +507,11 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {
   });
 }
 
+absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
+                                   const std::string& path) {
+  absl::Status status = LoadFullParameters(params, path);
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
+}
+
 }  // namespace hetpar::nn

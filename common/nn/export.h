@@ -63,6 +63,11 @@ absl::Status SaveFullParameters(const ParameterSet& params, Communicator& tp,
 // checksum, malformed). On any error the parameters are left unchanged. Gradients are untouched.
 absl::Status LoadFullParameters(ParameterSet& params, const std::string& path);
 
+// LoadFullParameters for a RunSpec field naming the file a run starts from (encoder.init_from,
+// llm.init_from): its errors begin with the field and keep their code.
+absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
+                                   const std::string& path);
+
 // One entry of a parameter file with its full tensor (checksum verified).
 struct FullParameter {
   std::string name;

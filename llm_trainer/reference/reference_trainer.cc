@@ -55,6 +55,15 @@ absl::StatusOr<SingleProcessModels> CreateSingleProcessModels(const hetpar::v1::
   llm_options.sequence_parallel = false;
   HETPAR_ASSIGN_OR_RETURN(models.llm,
                           LanguageModel::Create(spec.llm().model(), llm_options, *models.single));
+  // A run that starts from earlier parameters (encoder.init_from, llm.init_from).
+  if (!spec.encoder().init_from().empty()) {
+    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(
+        models.encoder->parameters(), "encoder.init_from", spec.encoder().init_from()));
+  }
+  if (!spec.llm().init_from().empty()) {
+    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(models.llm->parameters(), "llm.init_from",
+                                                     spec.llm().init_from()));
+  }
   return models;
 }
 

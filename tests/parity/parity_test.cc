@@ -281,6 +281,32 @@ TEST_F(ParityTest, ContextParallelFloat64) {
   EXPECT_THAT(text, HasSubstr("llm model: cp rank 1 of 2")) << text;
 }
 
+// Starting from an earlier run's exported parameters (model/*.hpar), on another layout: the
+// common recipe of a pretrained, frozen vision tower under an LLM that trains on.
+TEST_F(ParityTest, StartsFromExportedParametersFloat64) {
+  const Layouts first{"pretrain_enc_dp1_tp2_llm_dp1_tp2", 1, 2, 1, 2};
+  const std::string pretrained = Train(first.name, first, "float64", 3, false);
+  const std::vector<std::string> from = {
+      "--set", "encoder.init_from=" + pretrained + "/model/encoder.hpar",
+      "--set", "llm.init_from=" + pretrained + "/model/llm.hpar",
+      "--set", "encoder.frozen=true"};
+  const Layouts l{"finetune_enc_dp3_tp1_llm_dp2_tp1", 3, 1, 2, 1};
+  const std::string dist = Train(l.name + "_f64", l, "float64", 3, false, kTiny, from);
+  const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, kTiny, from);
+  ExpectAgree(dist, ref, 3, 1e-9);
+  // The frozen encoder is the pretrained one (a fresh initialisation differs). Its sums are
+  // added up over other TP slices here, hence a rounding-level tolerance.
+  for (const char* stat : {"sum", "l2"}) {
+    const double a = Metrics(dist).final_params["encoder"][stat].get<double>();
+    const double b = Metrics(pretrained).final_params["encoder"][stat].get<double>();
+    EXPECT_NEAR(a, b, 1e-13 * std::fabs(b)) << stat;
+  }
+  // The LLM went on from where the first run left it: on the same first batch, its loss is below
+  // the loss the fresh model started at.
+  EXPECT_LT(Metrics(dist).steps[0]["loss"].get<double>(),
+            Metrics(pretrained).steps[0]["loss"].get<double>());
+}
+
 TEST_F(ParityTest, ColocatedFloat32TwentySteps) {
   const Layouts l{"colocated_enc_dp4_tp1_llm_dp1_tp4", 4, 1, 1, 4};
   const std::string dist = Train("colocated_f32", l, "float32", 20, false, kTinyColocated);
