@@ -347,5 +347,32 @@ TEST(SearchTest, PrefersASmallerEncoderTpWhenTheEncoderIsSmall) {
   }
 }
 
+// With --max-cp 2 the LLM's context-parallel layouts are candidates too, and runnable.
+TEST(SearchTest, ContextParallelCandidatesWithMaxCp) {
+  const v1::RunSpec spec = SmallVitLargeLlm();
+  std::vector<SampleDescriptor> batch;
+  for (int64_t i = 0; i < 32; ++i) batch.push_back(MakeSample(i, 4, 1024, 1000 + 60 * i, 800));
+  auto cluster = ClusterPreset("h200-sxm");
+  ASSERT_TRUE(cluster.ok());
+  SearchOptions options;
+  options.devices = 16;
+  auto plain = SearchLayouts(spec, {batch}, *cluster, options);
+  options.max_cp = 2;
+  auto with_cp = SearchLayouts(spec, {batch}, *cluster, options);
+  ASSERT_TRUE(plain.ok() && with_cp.ok());
+  int64_t cp2 = 0;
+  for (const Candidate& c : plain->ranked) EXPECT_EQ(c.estimate.llm.cp, 1);
+  for (const Candidate& c : with_cp->ranked) {
+    EXPECT_EQ(c.estimate.devices, 16);
+    if (c.estimate.llm.cp == 2) {
+      ++cp2;
+      EXPECT_TRUE(c.runnable) << c.why;
+      EXPECT_EQ(c.estimate.llm.size(), c.estimate.llm.dp * c.estimate.llm.tp * 2);
+    }
+  }
+  EXPECT_GT(cp2, 0);
+  EXPECT_GT(with_cp->considered, plain->considered);
+}
+
 }  // namespace
 }  // namespace hetpar::plan

@@ -99,7 +99,7 @@ absl::StatusOr<SearchResult> SearchLayouts(
   SearchResult result;
   std::vector<Candidate> fitting;
   auto consider = [&](const std::string& kind, v1::Placement placement, int64_t etp, int64_t edp,
-                      int64_t ltp, int64_t ldp, int64_t lpp) -> absl::Status {
+                      int64_t ltp, int64_t ldp, int64_t lcp, int64_t lpp) -> absl::Status {
     if (etp > cluster.devices_per_node || ltp > cluster.devices_per_node) return absl::OkStatus();
     Candidate c;
     c.kind = kind;
@@ -111,7 +111,7 @@ absl::StatusOr<SearchResult> SearchLayouts(
     auto* ll = c.spec.mutable_llm()->mutable_layout();
     ll->set_tp(ltp);
     ll->set_dp(ldp);
-    ll->set_cp(1);
+    ll->set_cp(lcp);
     ll->set_pp(lpp);
     config::LoadedRunSpec loaded;
     loaded.spec = c.spec;
@@ -140,15 +140,20 @@ absl::StatusOr<SearchResult> SearchLayouts(
   const int64_t n = options.devices;
   std::vector<int64_t> pps;
   for (int64_t pp = 1; pp <= std::max<int64_t>(1, options.max_pp); ++pp) pps.push_back(pp);
+  // (cp, pp) pairs of the LLM, each with cp x pp ranks per TP rank of a replica.
+  std::vector<std::pair<int64_t, int64_t>> grids;
+  for (int64_t cp = 1; cp <= std::max<int64_t>(1, options.max_cp); ++cp) {
+    for (int64_t pp : pps) grids.emplace_back(cp, pp);
+  }
   if (options.colocated) {
     for (int64_t ltp : Divisors(n)) {
-      for (int64_t lpp : pps) {
-        if ((n / ltp) % lpp != 0) continue;
-        const int64_t ldp = n / ltp / lpp;
+      for (const auto& [lcp, lpp] : grids) {
+        if ((n / ltp) % (lcp * lpp) != 0) continue;
+        const int64_t ldp = n / ltp / lcp / lpp;
         for (int64_t etp : Divisors(n)) {
-          const bool same = etp == ltp && lpp == 1;
+          const bool same = etp == ltp && lcp == 1 && lpp == 1;
           absl::Status s = consider(same ? "homogeneous" : "colocated_heterogeneous",
-                                    v1::PLACEMENT_COLOCATED, etp, n / etp, ltp, ldp, lpp);
+                                    v1::PLACEMENT_COLOCATED, etp, n / etp, ltp, ldp, lcp, lpp);
           if (!s.ok()) return s;
         }
       }
@@ -159,10 +164,10 @@ absl::StatusOr<SearchResult> SearchLayouts(
       const int64_t l = n - e;
       for (int64_t etp : Divisors(e)) {
         for (int64_t ltp : Divisors(l)) {
-          for (int64_t lpp : pps) {
-            if ((l / ltp) % lpp != 0) continue;
+          for (const auto& [lcp, lpp] : grids) {
+            if ((l / ltp) % (lcp * lpp) != 0) continue;
             absl::Status s = consider("non_colocated", v1::PLACEMENT_NON_COLOCATED, etp, e / etp,
-                                      ltp, l / ltp / lpp, lpp);
+                                      ltp, l / ltp / lcp / lpp, lcp, lpp);
             if (!s.ok()) return s;
           }
         }

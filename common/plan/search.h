@@ -6,8 +6,9 @@
 //                           default): both tp x dp = the budget
 //   colocated_heterogeneous colocated, each module its own tp x dp = the budget
 //   non_colocated           an encoder pool of E devices and the LLM on the other budget - E
-// The LLM may also take pp > 1 up to max_pp (estimated; a run refuses pp > 1 for now, and such
-// candidates say so). Candidates that do not fit the devices' memory are dropped.
+// The LLM may also take cp > 1 up to max_cp (context parallelism, within a node with its TP
+// group) and pp > 1 up to max_pp (estimated; a run refuses pp > 1 for now, and such candidates
+// say so). Candidates that do not fit the devices' memory are dropped.
 #ifndef HETPAR_COMMON_PLAN_SEARCH_H_
 #define HETPAR_COMMON_PLAN_SEARCH_H_
 
@@ -26,6 +27,7 @@ namespace hetpar::plan {
 struct SearchOptions {
   int64_t devices = 0;  // the budget
   int64_t max_pp = 1;
+  int64_t max_cp = 1;
   bool non_colocated = true;
   bool colocated = true;
 };

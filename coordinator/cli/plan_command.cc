@@ -134,6 +134,7 @@ struct Options {
   int64_t estimate_steps = 4;
   bool from_data = false;
   int64_t max_pp = 1;
+  int64_t max_cp = 1;
   std::string placements = "all";
 };
 
@@ -666,6 +667,7 @@ int RunPlanner(const Options& o, const hetpar::v1::RunSpec& spec,
   plan::SearchOptions search;
   search.devices = o.gpus;
   search.max_pp = o.max_pp;
+  search.max_cp = o.max_cp;
   search.colocated = o.placements != "non_colocated";
   search.non_colocated = o.placements != "colocated";
   std::cerr << "hetpar plan: searching the layouts of " << o.gpus << " devices on " << cluster->name
@@ -827,6 +829,8 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
   command->add_option("--max-pp", options->max_pp,
                       "Largest LLM pipeline size --search tries (default 1; runs take pp = 1 for "
                       "now)");
+  command->add_option("--max-cp", options->max_cp,
+                      "Largest LLM context-parallel size --search tries (default 1)");
   command
       ->add_option("--placements", options->placements,
                    "Placements --search tries: all, colocated or non_colocated (default all)")
