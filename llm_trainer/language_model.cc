@@ -160,11 +160,6 @@ absl::Status LanguageModel::SetContextParallel(nn::CommGroupPtr cp) {
     cp_.reset();
     return absl::OkStatus();
   }
-  if (tp_.sequence_parallel) {
-    return absl::InvalidArgumentError(
-        "llm.layout.cp > 1 with llm.layout.sequence_parallel: the LLM does not combine context "
-        "and sequence parallelism yet");
-  }
   if (model_.seq_len() % (2 * cp->size()) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("llm.model.seq_len=", model_.seq_len(),

@@ -165,8 +165,9 @@ class LanguageModel {
   bool image_rows_grad_is_partial() const { return tp_.sharded(); }
 
   // Runs context-parallel over `cp` (this rank's CP group, same TP rank on every member); a group
-  // of one leaves the model as it is. Without sequence parallelism only (InvalidArgument
-  // otherwise). Call before the first Forward; every member calls it.
+  // of one leaves the model as it is; sequence parallelism, if on, then splits each CP rank's
+  // rows over the TP group. InvalidArgument when seq_len does not split into 2 x cp chunks. Call
+  // before the first Forward; every member calls it.
   absl::Status SetContextParallel(nn::CommGroupPtr cp);
   int64_t cp_size() const { return cp_.defined() ? cp_->size() : 1; }
   int64_t cp_rank() const { return cp_.defined() ? cp_->rank() : 0; }

@@ -878,13 +878,6 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
 
   // What a run cannot do yet: refused here, before any worker registers, not after.
   if (require_runnable) {
-    if (ll.cp() > 1 && ll.sequence_parallel()) {
-      c.Fail("llm.layout.cp",
-             absl::StrCat("=", ll.cp(),
-                          " with llm.layout.sequence_parallel: the LLM does not combine context "
-                          "and sequence parallelism yet; expected cp 1 or sequence_parallel "
-                          "false"));
-    }
     if (ll.pp() > 1) {
       c.Fail("llm.layout.pp",
              absl::StrCat("=", ll.pp(),

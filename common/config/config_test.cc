@@ -250,9 +250,7 @@ TEST(ConfigTest, CpMustSplitTheSequence) {
 }
 
 TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
-  ExpectIssue(Load(kValid, {"llm.layout.cp=2", "llm.layout.sequence_parallel=true"}),
-              "llm.layout.cp", 0, "does not combine context and sequence parallelism yet");
-  auto cp = Load(kValid, {"llm.layout.cp=2"});
+  auto cp = Load(kValid, {"llm.layout.cp=2", "llm.layout.sequence_parallel=true"});
   ASSERT_TRUE(cp.ok()) << cp.status();
   EXPECT_EQ(cp->spec.llm().layout().cp(), 2);
   ExpectIssue(Load(kValid, {"llm.layout.pp=2"}), "llm.layout.pp", 0,

@@ -275,6 +275,15 @@ TEST_F(ParityTest, ContextParallelFloat64) {
     const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, config, cp);
     ExpectAgree(dist, ref, 3, 1e-9);
   }
+  {  // With sequence parallelism inside each CP rank's TP group.
+    const Layouts l{"llm_cp2_tp2_sp_enc_dp2", 2, 1, 1, 2};
+    SCOPED_TRACE(l.name);
+    std::vector<std::string> sp = cp;
+    sp.insert(sp.end(), {"--set", "llm.layout.sequence_parallel=true"});
+    const std::string dist = Train(l.name + "_f64", l, "float64", 3, false, kTiny, sp);
+    const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, kTiny, sp);
+    ExpectAgree(dist, ref, 3, 1e-9);
+  }
   // Every LLM rank says which CP rank it is.
   std::ifstream log(dir_ + "/llm_cp2_tp2_enc_dp3_f64/log/llm-3.log");
   const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
