@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
+#include "common/plan/layout.h"
 #include "common/status.h"
 
 namespace hetpar::llm {
@@ -216,6 +217,12 @@ absl::StatusOr<std::unique_ptr<LanguageModel>> LanguageModel::Create(
   HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.ffn", m.ffn()));
   HETPAR_RETURN_IF_ERROR(CheckDivides("llm.layout.tp", size, "llm.model.vocab", m.vocab(),
                                       "the embedding and output head are split by vocabulary"));
+  if (options.pp_stages < 1 || options.pp_stages > m.layers() || options.pp_stage < 0 ||
+      options.pp_stage >= options.pp_stages) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "llm.layout.pp=", options.pp_stages, " (stage ", options.pp_stage,
+        "): expected 1 to llm.model.layers=", m.layers(), " stages (each holds a layer)"));
+  }
   auto lm = std::unique_ptr<LanguageModel>(
       new LanguageModel(m, options, nn::TensorParallel{tp.group(), options.sequence_parallel}));
   HETPAR_RETURN_IF_ERROR(lm->Build());
@@ -233,8 +240,12 @@ absl::Status LanguageModel::Build() {
   const nn::InitRule weight = nn::InitRule::Normal(kInitStd);
   const nn::InitRule output_weight =
       nn::InitRule::Normal(kInitStd / std::sqrt(2.0 * static_cast<double>(model_.layers())));
-  HETPAR_ASSIGN_OR_RETURN(embed_, p.Add("llm.embed.weight", {model_.vocab(), hidden}, 0, weight));
-  for (int64_t i = 0; i < model_.layers(); ++i) {
+  const auto [first_layer, end_layer] =
+      plan::PipelineStageLayers(model_.layers(), options_.pp_stages, options_.pp_stage);
+  if (first_stage()) {
+    HETPAR_ASSIGN_OR_RETURN(embed_, p.Add("llm.embed.weight", {model_.vocab(), hidden}, 0, weight));
+  }
+  for (int64_t i = first_layer; i < end_layer; ++i) {
     const std::string n = absl::StrCat("llm.layers.", i, ".");
     Layer layer;
     HETPAR_ASSIGN_OR_RETURN(layer.attn_norm,
@@ -253,8 +264,11 @@ absl::Status LanguageModel::Build() {
                             p.Add(n + "mlp.down.weight", {hidden, model_.ffn()}, 1, output_weight));
     layers_.push_back(std::move(layer));
   }
-  HETPAR_ASSIGN_OR_RETURN(norm_, p.Add("llm.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
-  HETPAR_ASSIGN_OR_RETURN(output_, p.Add("llm.output.weight", {model_.vocab(), hidden}, 0, weight));
+  if (last_stage()) {
+    HETPAR_ASSIGN_OR_RETURN(norm_, p.Add("llm.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(output_,
+                            p.Add("llm.output.weight", {model_.vocab(), hidden}, 0, weight));
+  }
   return nn::RunTorch("building rotary tables", [&] {
     const auto f64 = at::TensorOptions().dtype(at::kDouble);
     at::Tensor inv_freq =
@@ -344,13 +358,60 @@ absl::Status LanguageModel::Validate(const std::vector<LlmSample>& samples,
 absl::StatusOr<LlmForwardResult> LanguageModel::Forward(const std::vector<LlmSample>& samples,
                                                         const at::Tensor& image_rows,
                                                         int64_t n_global) {
+  if (options_.pp_stages > 1) {
+    return absl::FailedPreconditionError(
+        "llm forward: this model is one pipeline stage; use ForwardStage");
+  }
   HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, n_global));
-  return nn::RunTorchOr(absl::StrCat("llm forward on TP rank ", tp_.rank(), " of ", tp_.size()),
-                        [&] { return ForwardUnchecked(samples, image_rows, n_global); });
+  return nn::RunTorchOr(
+      absl::StrCat("llm forward on TP rank ", tp_.rank(), " of ", tp_.size()),
+      [&] { return LossOf(samples, StageHidden(samples, image_rows, at::Tensor()), n_global); });
 }
 
-LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& samples,
-                                                 const at::Tensor& image_rows, int64_t n_global) {
+absl::StatusOr<LlmStageResult> LanguageModel::ForwardStage(const std::vector<LlmSample>& samples,
+                                                           const at::Tensor& image_rows,
+                                                           const at::Tensor& input,
+                                                           int64_t n_global) {
+  const std::string where = absl::StrCat("llm stage ", options_.pp_stage, " of ",
+                                         options_.pp_stages, " on TP rank ", tp_.rank());
+  if (first_stage()) {
+    HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, n_global));
+  } else {
+    // A later stage reads no image rows: check the samples alone.
+    std::vector<LlmSample> text = samples;
+    for (LlmSample& sample : text) {
+      sample.image_positions.clear();
+      sample.image_rows = 0;
+    }
+    HETPAR_RETURN_IF_ERROR(Validate(text, at::Tensor(), n_global));
+    const int64_t rows = LayOut(samples, model_.seq_len(), cp_size(), cp_rank()).starts.back();
+    const int64_t expected =
+        tp_.sharded() ? nn::ShardSequence(rows, tp_.rank(), tp_.size()).shard_rows : rows;
+    if (!input.defined() || input.dim() != 2 || input.size(0) != expected ||
+        input.size(1) != model_.hidden() || input.scalar_type() != options_.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": the input from the previous stage has shape [",
+          input.defined() ? absl::StrJoin(input.sizes(), ", ") : std::string("undefined"),
+          "], expected [", expected, ", ", model_.hidden(), "] in ",
+          nn::DtypeName(options_.dtype)));
+    }
+  }
+  return nn::RunTorchOr(where, [&] {
+    LlmStageResult result;
+    at::Tensor h = StageHidden(samples, image_rows, input);
+    if (!last_stage()) {
+      result.output = h;
+      return result;
+    }
+    LlmForwardResult loss = LossOf(samples, h, n_global);
+    result.loss = loss.loss;
+    result.loss_tokens = loss.loss_tokens;
+    return result;
+  });
+}
+
+LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, const at::Tensor& h,
+                                       int64_t n_global) {
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   std::vector<int64_t> loss_rows, loss_labels;
@@ -364,7 +425,6 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
       }
     }
   }
-  at::Tensor h = FinalHidden(samples, image_rows);
   at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
   at::Tensor logits = nn::ColumnParallelLinear(selected, output_, at::Tensor());
   at::Tensor token_loss =
@@ -375,8 +435,8 @@ LlmForwardResult LanguageModel::ForwardUnchecked(const std::vector<LlmSample>& s
   return result;
 }
 
-at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
-                                      const at::Tensor& image_rows) {
+at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
+                                      const at::Tensor& image_rows, const at::Tensor& input) {
   const auto i64 = at::TensorOptions().dtype(at::kLong);
   const at::ScalarType dtype = options_.dtype;
   const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
@@ -430,14 +490,18 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
     full_starts.push_back(static_cast<int64_t>(full_index.size()));
   }
 
-  // Embedding, then image rows in place of their placeholders (in this rank's rows only).
-  at::Tensor x = nn::LeaveTensorParallel(
-      nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
-  const SpliceMap splice =
-      MapSplice(samples, layout, tp_.rank(), tp_.size(), tp_.sequence_parallel);
-  if (!splice.targets.empty()) {
-    x = x.index_copy(0, at::tensor(splice.targets, i64),
-                     image_rows.index_select(0, at::tensor(splice.sources, i64)));
+  // The first stage: the embedding, then image rows in place of their placeholders (in this
+  // rank's rows only). A later stage: the previous stage's activations.
+  at::Tensor x = input;
+  if (first_stage()) {
+    x = nn::LeaveTensorParallel(
+        nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
+    const SpliceMap splice =
+        MapSplice(samples, layout, tp_.rank(), tp_.size(), tp_.sequence_parallel);
+    if (!splice.targets.empty()) {
+      x = x.index_copy(0, at::tensor(splice.targets, i64),
+                       image_rows.index_select(0, at::tensor(splice.sources, i64)));
+    }
   }
 
   const at::Tensor position_ids = at::tensor(positions, i64);
@@ -507,21 +571,23 @@ at::Tensor LanguageModel::FinalHidden(const std::vector<LlmSample>& samples,
     x = x + nn::RowParallelLinear(inner, layer.down, at::Tensor(), tp_);
   }
 
+  if (!last_stage()) return x;
   return nn::EnterTensorParallel(nn::RmsNorm(x, norm_, model_.norm_eps()), rows, tp_);
 }
 
 absl::StatusOr<at::Tensor> LanguageModel::LocalLogits(const std::vector<LlmSample>& samples,
                                                       const at::Tensor& image_rows) {
   HETPAR_RETURN_IF_ERROR(Validate(samples, image_rows, /*n_global=*/1));
-  if (cp_size() > 1) {
+  if (cp_size() > 1 || options_.pp_stages > 1) {
     return absl::FailedPreconditionError(
-        "llm logits: a context-parallel model holds only its CP rank's positions; predictions "
-        "run on a model without context parallelism");
+        "llm logits: a context-parallel model or a pipeline stage holds only part of the model's "
+        "work; predictions run on a model without context or pipeline parallelism");
   }
   return nn::RunTorchOr(
       absl::StrCat("llm logits on TP rank ", tp_.rank(), " of ", tp_.size()), [&] {
         at::NoGradGuard no_grad;
-        return nn::ColumnParallelLinear(FinalHidden(samples, image_rows), output_, at::Tensor());
+        return nn::ColumnParallelLinear(StageHidden(samples, image_rows, at::Tensor()), output_,
+                                        at::Tensor());
       });
 }
 

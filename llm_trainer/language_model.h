@@ -66,6 +66,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -104,6 +105,11 @@ struct LlmOptions {
   int64_t seed = 1234;  // run seed; parameter seeds derive from it and their names
   bool sequence_parallel = false;
   nn::InitStyle init_style = nn::InitStyle::kTraining;
+  // Pipeline stage this model is (plan::PipelineStageLayers): stage 0 holds the embedding, the last
+  // stage the final norm and the output head, each stage its share of the layers. The default
+  // is the whole model.
+  int64_t pp_stage = 0;
+  int64_t pp_stages = 1;
 };
 
 // Options of a RunSpec: run.dtype, run.seed and llm.layout.sequence_parallel.
@@ -112,6 +118,14 @@ absl::StatusOr<LlmOptions> LlmOptionsFromSpec(const hetpar::v1::RunSpec& spec);
 struct LlmForwardResult {
   at::Tensor loss;          // scalar: sum of token losses / N_global, attached to autograd
   int64_t loss_tokens = 0;  // loss tokens of this microbatch
+};
+
+// One pipeline stage's forward of a microbatch: the last stage's loss, or the activations every
+// other stage hands on ([rows, hidden] in the sequence layout: this rank's rows under SP).
+struct LlmStageResult {
+  at::Tensor output;        // not the last stage: what the next stage takes as `input`
+  at::Tensor loss;          // the last stage: as LlmForwardResult
+  int64_t loss_tokens = 0;  // the last stage
 };
 
 // The argmax over the vocabulary of logits split by vocabulary over `tp`: `local_logits` is this
@@ -140,6 +154,17 @@ class LanguageModel {
   // rows. Errors (InvalidArgument) name the sample and what is wrong.
   absl::StatusOr<LlmForwardResult> Forward(const std::vector<LlmSample>& samples,
                                            const at::Tensor& image_rows, int64_t n_global);
+
+  // A pipeline stage's forward (options.pp_stages > 1; the whole model is the one stage too).
+  // The first stage takes `image_rows` as Forward does; a later stage takes `input`, the previous
+  // stage's output (pass a leaf that requires grad and send its grad() back after the backward
+  // of this stage's output). The last stage returns the loss, the others their output: its
+  // backward is output.backward(gradient from the next stage).
+  absl::StatusOr<LlmStageResult> ForwardStage(const std::vector<LlmSample>& samples,
+                                              const at::Tensor& image_rows, const at::Tensor& input,
+                                              int64_t n_global);
+  bool first_stage() const { return options_.pp_stage == 0; }
+  bool last_stage() const { return options_.pp_stage == options_.pp_stages - 1; }
 
   // Backpropagates a loss returned by Forward: parameter gradients accumulate, and so does the
   // gradient of the image rows passed to that Forward.
@@ -187,11 +212,14 @@ class LanguageModel {
   absl::Status Build();
   absl::Status Validate(const std::vector<LlmSample>& samples, const at::Tensor& image_rows,
                         int64_t n_global) const;
-  LlmForwardResult ForwardUnchecked(const std::vector<LlmSample>& samples,
-                                    const at::Tensor& image_rows, int64_t n_global);
-  // The final-norm activations of every packed row this CP rank holds, [rows, hidden], on every
-  // TP rank.
-  at::Tensor FinalHidden(const std::vector<LlmSample>& samples, const at::Tensor& image_rows);
+  // The loss of the final-norm activations `h` of the packed rows this CP rank holds.
+  LlmForwardResult LossOf(const std::vector<LlmSample>& samples, const at::Tensor& h,
+                          int64_t n_global);
+  // The stage's layers over the packed rows this CP rank holds: from the embedding and the
+  // image rows on the first stage, else from `input`. The last stage ends with the final norm
+  // ([rows, hidden] on every TP rank); the others return the sequence layout.
+  at::Tensor StageHidden(const std::vector<LlmSample>& samples, const at::Tensor& image_rows,
+                         const at::Tensor& input);
 
   hetpar::v1::LlmModel model_;
   LlmOptions options_;

@@ -383,6 +383,77 @@ TEST(LanguageModelTest, ContextParallelEqualsTheWholeModel) {
   }
 }
 
+// Two pipeline stages (the tiny model's two layers, one each) against the whole model: stage 1
+// takes stage 0's output as a leaf, and the gradient of that leaf goes back into stage 0. The
+// loss, every parameter's gradient (each parameter on exactly one stage) and the image rows'
+// gradient equal the whole model's.
+TEST(LanguageModelTest, PipelineStagesComposeToTheWholeModel) {
+  const std::vector<LlmSample> batch = MixedBatch();
+  const at::Tensor rows = Random({8, 32}, 31);
+  auto whole = Make();
+  at::Tensor whole_rows = rows.clone().requires_grad_(true);
+  auto out = whole->Forward(batch, whole_rows, 30);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_TRUE(whole->Backward(out->loss).ok());
+
+  static auto single = nn::Communicator::CreateSingle();
+  std::vector<std::unique_ptr<LanguageModel>> stages;
+  for (int64_t stage = 0; stage < 2; ++stage) {
+    LlmOptions options;
+    options.dtype = at::kDouble;
+    options.seed = 11;
+    options.init_style = nn::InitStyle::kAllRandom;
+    options.pp_stage = stage;
+    options.pp_stages = 2;
+    auto lm = LanguageModel::Create(TinyModel(), options, *single);
+    ASSERT_TRUE(lm.ok()) << lm.status();
+    stages.push_back(*std::move(lm));
+  }
+  EXPECT_TRUE(stages[0]->first_stage() && !stages[0]->last_stage());
+  EXPECT_TRUE(stages[1]->last_stage() && !stages[1]->first_stage());
+  EXPECT_EQ(stages[0]->Forward(batch, rows, 30).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  at::Tensor stage_rows = rows.clone().requires_grad_(true);
+  auto first = stages[0]->ForwardStage(batch, stage_rows, at::Tensor(), 30);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(first->output.defined());
+  EXPECT_FALSE(first->loss.defined());
+  at::Tensor input = first->output.detach().clone().requires_grad_(true);
+  auto bad = stages[1]->ForwardStage(batch, at::Tensor(), input.narrow(0, 0, 5), 30);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("input from the previous stage"));
+  auto last = stages[1]->ForwardStage(batch, at::Tensor(), input, 30);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->loss_tokens, out->loss_tokens);
+  EXPECT_NEAR(last->loss.item<double>(), out->loss.item<double>(),
+              1e-13 * std::abs(out->loss.item<double>()));
+  last->loss.backward();
+  first->output.backward(input.grad());
+
+  int64_t seen = 0;
+  for (const auto& stage : stages) {
+    for (const auto& p : stage->parameters().parameters()) {
+      ++seen;
+      const at::Tensor expected = whole->parameters().Find(p.name)->tensor.grad();
+      ASSERT_TRUE(p.tensor.grad().defined()) << p.name;
+      EXPECT_LE((p.tensor.grad() - expected).abs().max().item<double>(),
+                1e-12 * std::max(1.0, expected.abs().max().item<double>()))
+          << p.name;
+    }
+  }
+  EXPECT_EQ(seen, static_cast<int64_t>(whole->parameters().parameters().size()));
+  EXPECT_EQ(stages[0]->parameters().FullNumel() + stages[1]->parameters().FullNumel(),
+            whole->parameters().FullNumel());
+  EXPECT_LE((stage_rows.grad() - whole_rows.grad()).abs().max().item<double>(), 1e-12);
+
+  // More stages than layers is refused.
+  LlmOptions options;
+  options.pp_stages = 3;
+  auto three = LanguageModel::Create(TinyModel(), options, *single);
+  EXPECT_THAT(std::string(three.status().message()), HasSubstr("llm.layout.pp=3"));
+}
+
 TEST(LanguageModelTest, OptionsComeFromTheRunSpec) {
   hetpar::v1::RunSpec spec;
   spec.mutable_run()->set_dtype(hetpar::v1::DTYPE_FLOAT64);

@@ -215,4 +215,8 @@ absl::StatusOr<Placement> PlacementFromRunSpec(const hetpar::v1::RunSpec& spec) 
                        LayoutFromProto(spec.llm().layout()));
 }
 
+std::pair<int64_t, int64_t> PipelineStageLayers(int64_t layers, int64_t stages, int64_t stage) {
+  return {stage * layers / stages, (stage + 1) * layers / stages};
+}
+
 }  // namespace hetpar::plan

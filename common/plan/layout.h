@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -121,6 +122,11 @@ absl::Status ValidatePlacement(const Placement& placement);
 
 // The placement of a RunSpec (placement, encoder.layout, llm.layout).
 absl::StatusOr<Placement> PlacementFromRunSpec(const hetpar::v1::RunSpec& spec);
+
+// Layers [first, last) of pipeline stage `stage` of `stages` (1 <= stages <= layers): the
+// layers split as evenly as they go, stage k taking [k * layers / stages, (k+1) * layers /
+// stages), so every stage holds floor or ceil of layers / stages, at least one.
+std::pair<int64_t, int64_t> PipelineStageLayers(int64_t layers, int64_t stages, int64_t stage);
 
 }  // namespace hetpar::plan
 

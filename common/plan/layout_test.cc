@@ -33,6 +33,29 @@ TEST(LayoutTest, RankOrderIsTpThenCpThenDpThenPp) {
   EXPECT_EQ(l.first_stage_size(), 8);
 }
 
+TEST(LayoutTest, PipelineStagesSplitTheLayersEvenly) {
+  using Range = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(PipelineStageLayers(2, 2, 0), Range(0, 1));
+  EXPECT_EQ(PipelineStageLayers(2, 2, 1), Range(1, 2));
+  // 4 layers over 3 stages: 1, 1, 2 (never an empty stage).
+  EXPECT_EQ(PipelineStageLayers(4, 3, 0), Range(0, 1));
+  EXPECT_EQ(PipelineStageLayers(4, 3, 1), Range(1, 2));
+  EXPECT_EQ(PipelineStageLayers(4, 3, 2), Range(2, 4));
+  for (int64_t layers = 1; layers <= 9; ++layers) {
+    for (int64_t stages = 1; stages <= layers; ++stages) {
+      int64_t next = 0;
+      for (int64_t s = 0; s < stages; ++s) {
+        const auto [first, last] = PipelineStageLayers(layers, stages, s);
+        EXPECT_EQ(first, next);
+        EXPECT_GE(last - first, layers / stages);
+        EXPECT_LE(last - first, (layers + stages - 1) / stages);
+        next = last;
+      }
+      EXPECT_EQ(next, layers);
+    }
+  }
+}
+
 TEST(LayoutTest, CoordsRoundTripOverManyGrids) {
   for (int64_t dp = 1; dp <= 3; ++dp) {
     for (int64_t tp = 1; tp <= 3; ++tp) {

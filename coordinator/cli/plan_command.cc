@@ -172,11 +172,9 @@ void PrintShardsAndStages(const StepPlan& p, const Context& ctx) {
     }
   }
   if (llm.pp > 1 && ctx.llm_layers > 0) {
-    const int64_t per_stage = (ctx.llm_layers + llm.pp - 1) / llm.pp;
     std::vector<std::string> stages;
     for (int64_t s = 0; s < llm.pp; ++s) {
-      const int64_t first = std::min(ctx.llm_layers, s * per_stage);
-      const int64_t last = std::min(ctx.llm_layers, first + per_stage);
+      const auto [first, last] = plan::PipelineStageLayers(ctx.llm_layers, llm.pp, s);
       stages.push_back(absl::StrCat("pp", s, " layers [", first, ", ", last, ")"));
     }
     std::cout << "pp stages  " << absl::StrJoin(stages, "; ")
