@@ -11,6 +11,7 @@
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
 #include "common/plan/layout.h"
+#include "common/plan/sequence_sharding.h"
 #include "common/status.h"
 
 namespace hetpar::llm {
@@ -150,7 +151,8 @@ std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t c
     return positions;
   }
   const int64_t chunk = seq_len / (2 * cp);
-  for (int64_t c : {cp_rank, 2 * cp - 1 - cp_rank}) {
+  const auto [early, late] = plan::LoadBalancedChunks(cp, cp_rank);
+  for (int64_t c : {early, late}) {
     for (int64_t p = c * chunk; p < std::min((c + 1) * chunk, length); ++p) positions.push_back(p);
   }
   return positions;

@@ -50,12 +50,13 @@
 // norms, projections and the MLP run on them alone. Attention all-gathers every layer's keys and
 // values over the CP group (one all-gather of the microbatch's K and V; its backward a
 // reduce-scatter that returns to each rank the gradient of its own keys and values) and each
-// query attends to the keys at positions up to its own. All-gather rather than a ring: the
-// microbatches here are short enough that one collective per layer beats 2*(cp-1) steps, and the
-// result is exact in any order. The loss covers this rank's loss positions only: the sum over CP
-// ranks is the replica's loss, and parameter gradients are summed over the CP ranks as over DP
-// replicas. The image rows tensor holds every image row of the microbatch; a CP rank reads only
-// those whose placeholders it holds (ImageRowsHeldByCpRank) and its gradient covers those.
+// query attends to the keys at positions up to its own. All-gather rather than a ring: one
+// collective per layer instead of cp-1 ring steps, and a result that does not depend on the
+// order of partial sums (a ring has not been measured against it). The loss covers this rank's
+// loss positions only: the sum over CP ranks is the replica's loss, and parameter gradients are
+// summed over the CP ranks as over DP replicas. The image rows tensor holds every image row of
+// the microbatch; a CP rank reads only those whose placeholders lie in its positions
+// (CpLocalPositions; the other rows may hold anything) and its gradient covers those.
 //
 // Threading: one thread drives a LanguageModel (its collectives follow the TP group's order).
 #ifndef HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_

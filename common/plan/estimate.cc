@@ -194,13 +194,18 @@ double AllReduceSeconds(const LinkSpec& link, int64_t ranks, double bytes) {
 }
 
 double EncoderParameters(const v1::EncoderModel& m) {
-  const double h = m.hidden(), mlp = m.mlp(), o = m.out_hidden();
+  const double h = m.hidden(), mlp = m.mlp();
   const double channels = m.channels() > 0 ? m.channels() : 3;
   const double per_side = m.patch() > 0 ? m.image_size() / m.patch() : 0;
   const double patches = per_side * per_side;
   const double embed = channels * m.patch() * m.patch() * h + h + patches * h;
   const double layer = 3 * h * h + 3 * h + h * h + h + h * mlp + mlp + mlp * h + h + 4 * h;
-  return embed + m.layers() * layer + 2 * h + h * o + o + o * o + o;
+  return embed + m.layers() * layer + 2 * h + EncoderProjectorParameters(m);
+}
+
+double EncoderProjectorParameters(const v1::EncoderModel& m) {
+  const double h = m.hidden(), o = m.out_hidden();
+  return h * o + o + o * o + o;
 }
 
 double LlmParameters(const v1::LlmModel& m) {
@@ -413,7 +418,7 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   out.llm_module.parameters = llm_params;
   const double enc_rank_params = enc_params / el.tp;
   const double o = static_cast<double>(em.out_hidden());
-  const double projector_params = static_cast<double>(em.hidden()) * o + o + o * o + o;
+  const double projector_params = EncoderProjectorParameters(em);
   const double enc_trained_params = training == EncoderTraining::kAll             ? enc_params
                                     : training == EncoderTraining::kProjectorOnly ? projector_params
                                                                                   : 0.0;

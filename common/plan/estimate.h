@@ -65,6 +65,7 @@ double AllReduceSeconds(const LinkSpec& link, int64_t ranks, double bytes);
 
 // Parameters of each module (the planner's memory and DP terms; matches the models' shapes).
 double EncoderParameters(const v1::EncoderModel& model);
+double EncoderProjectorParameters(const v1::EncoderModel& model);  // part of EncoderParameters
 double LlmParameters(const v1::LlmModel& model);
 
 struct ModuleEstimate {

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/plan/flops.h"
 
 namespace hetpar::plan {
 namespace {
@@ -92,7 +93,7 @@ absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::Run
 }
 
 bool ImageGradientsCross(const hetpar::v1::RunSpec& spec) {
-  return !spec.encoder().frozen() || spec.encoder().train_projector();
+  return EncoderTrainingOf(spec.encoder()) != EncoderTraining::kNone;
 }
 
 absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
