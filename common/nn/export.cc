@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -449,7 +450,38 @@ absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string&
   return out;
 }
 
+absl::Status WriteFullParameters(const std::vector<FullParameter>& params,
+                                 const std::string& path) {
+  std::set<std::string> names;
+  for (const FullParameter& p : params) {
+    if (p.name.empty() || p.name.size() > kMaxNameBytes || !names.insert(p.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("writing ", path, ": parameter name '", p.name,
+                                                     "' is empty, longer than ", kMaxNameBytes,
+                                                     " bytes or given twice"));
+    }
+  }
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Create(path));
+  std::string header(kMagic, sizeof(kMagic));
+  Put<uint32_t>(&header, kVersion);
+  Put<uint32_t>(&header, 0);
+  Put<uint64_t>(&header, params.size());
+  Put<uint32_t>(&header, Crc(0, header.data(), header.size()));
+  Put<uint32_t>(&header, 0);
+  HETPAR_RETURN_IF_ERROR(file->Append(header.data(), header.size()));
+  for (const FullParameter& p : params) {
+    HETPAR_ASSIGN_OR_RETURN(at::Tensor contiguous,
+                            RunTorchOr(absl::StrCat("exporting parameter ", p.name),
+                                       [&] { return p.tensor.contiguous(); }));
+    HETPAR_RETURN_IF_ERROR(WriteEntry(*file, p.name, contiguous));
+  }
+  return Annotate(file->Commit(), absl::StrCat("saving parameters to ", path));
+}
+
 absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {
+  return LoadFullParameters(params, path, FileScope::kWholeModel);
+}
+
+absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope) {
   HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<FileReader> file, FileReader::Open(path));
   HETPAR_ASSIGN_OR_RETURN(std::vector<Entry> entries, ReadIndex(*file));
   std::map<std::string, const Entry*> by_name;
@@ -458,7 +490,7 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {
       return absl::DataLossError(
           absl::StrCat("parameter file ", path, " holds parameter '", e.name, "' twice"));
     }
-    if (params.Find(e.name) == nullptr) {
+    if (params.Find(e.name) == nullptr && scope == FileScope::kWholeModel) {
       // A corrupt name is corruption, not a model mismatch.
       HETPAR_RETURN_IF_ERROR(ReadTensor(*file, e).status());
       return absl::InvalidArgumentError(
@@ -508,8 +540,8 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {
 }
 
 absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
-                                   const std::string& path) {
-  absl::Status status = LoadFullParameters(params, path);
+                                   const std::string& path, FileScope scope) {
+  absl::Status status = LoadFullParameters(params, path, scope);
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
 }

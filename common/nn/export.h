@@ -63,10 +63,20 @@ absl::Status SaveFullParameters(const ParameterSet& params, Communicator& tp,
 // checksum, malformed). On any error the parameters are left unchanged. Gradients are untouched.
 absl::Status LoadFullParameters(ParameterSet& params, const std::string& path);
 
+// What a parameter file is to the model loading it.
+enum class FileScope {
+  kWholeModel,  // the file holds exactly the model's parameters
+  // The model is a part of the file's (a pipeline stage of the model the file holds): entries
+  // the model lacks are skipped; every parameter of the model must still be in the file.
+  kModelIsPart,
+};
+absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope);
+
 // LoadFullParameters for a RunSpec field naming the file a run starts from (encoder.init_from,
 // llm.init_from): its errors begin with the field and keep their code.
 absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
-                                   const std::string& path);
+                                   const std::string& path,
+                                   FileScope scope = FileScope::kWholeModel);
 
 // One entry of a parameter file with its full tensor (checksum verified).
 struct FullParameter {
@@ -76,6 +86,11 @@ struct FullParameter {
 
 // Every entry of `path`, in file order; the same errors as LoadFullParameters for the file.
 absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string& path);
+
+// Writes `params` (full tensors, in this order) to `path` as SaveFullParameters does, from one
+// process: how the pipeline stages' files of a model are joined into one. InvalidArgument for an
+// empty, overlong or repeated name; write errors name the path.
+absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path);
 
 }  // namespace hetpar::nn
 

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -273,6 +274,46 @@ TEST_F(ExportTest, ModelAndFileMustHoldTheSameParameters) {
   absl::Status text = LoadFullParameters(*MakeSet(Specs(), 0, 1, at::kFloat), dir_ + "/text");
   EXPECT_EQ(text.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(text.message()), HasSubstr("is not a hetpar parameter file"));
+}
+
+// How pipeline stages export and start: parts saved separately and joined by
+// WriteFullParameters read back as one whole file; a stage loads its part of a whole file.
+TEST_F(ExportTest, StagePartsJoinIntoOneFileAndAStageLoadsItsPart) {
+  const std::vector<Spec> specs = Specs();
+  const std::vector<Spec> first(specs.begin(), specs.begin() + 2);
+  const std::vector<Spec> second(specs.begin() + 2, specs.end());
+  SaveAt(2, dir_ + "/part-0", at::kFloat, first);
+  SaveAt(4, dir_ + "/part-1", at::kFloat, second);
+  std::vector<FullParameter> whole;
+  for (const char* part : {"/part-0", "/part-1"}) {
+    auto read = ReadFullParameters(dir_ + part);
+    ASSERT_TRUE(read.ok()) << read.status();
+    for (FullParameter& p : *read) whole.push_back(std::move(p));
+  }
+  const std::string joined = dir_ + "/joined.hpar";
+  ASSERT_TRUE(WriteFullParameters(whole, joined).ok());
+  // Byte for byte what one save of the whole model writes.
+  const std::string saved = dir_ + "/whole.hpar";
+  SaveAt(1, saved, at::kFloat);
+  auto bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(bytes(joined), bytes(saved));
+  // The second stage's rank 1 of 2 loads its slices of the whole file; as a whole model it may not.
+  auto stage = MakeSet(second, 1, 2, at::kFloat);
+  EXPECT_EQ(LoadFullParameters(*stage, joined).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(LoadFullParameters(*stage, joined, FileScope::kModelIsPart).ok());
+  for (const NamedParameter& p : stage->parameters()) {
+    const Spec& spec = *std::find_if(second.begin(), second.end(),
+                                     [&](const Spec& s) { return s.name == p.name; });
+    ExpectIdentical(p.tensor, SliceOf(Trained(spec, at::kFloat), p), p.name);
+  }
+  // A repeated name is refused before anything is written.
+  whole.push_back(whole.front());
+  EXPECT_EQ(WriteFullParameters(whole, dir_ + "/twice.hpar").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(fs::exists(dir_ + "/twice.hpar"));
 }
 
 TEST_F(ExportTest, AFailedWriteFailsEveryRankAndLeavesNoTemporaryFile) {
