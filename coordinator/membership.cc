@@ -272,9 +272,22 @@ std::vector<const WorkerRecord*> Membership::PeersOf(const WorkerRecord& worker)
     case v1::WORKER_ROLE_ENCODER:
       add_role(v1::WORKER_ROLE_LLM, /*first_stage_only=*/true);
       break;
-    case v1::WORKER_ROLE_LLM:
-      if (worker.ranks.back().pp() == 0) add_role(v1::WORKER_ROLE_ENCODER, false);
+    case v1::WORKER_ROLE_LLM: {
+      const v1::RankCoordinates& self = worker.ranks.back();
+      if (self.pp() == 0) add_role(v1::WORKER_ROLE_ENCODER, false);
+      // Pipeline neighbours: the same (dp, cp, tp) one stage before and after.
+      auto it = slots_.find(v1::WORKER_ROLE_LLM);
+      if (it == slots_.end()) break;
+      for (const WorkerRecord* peer : it->second) {
+        if (peer == nullptr || peer == &worker) continue;
+        const v1::RankCoordinates& other = peer->ranks.back();
+        if (other.dp() == self.dp() && other.cp() == self.cp() && other.tp() == self.tp() &&
+            (other.pp() == self.pp() - 1 || other.pp() == self.pp() + 1)) {
+          peers.push_back(peer);
+        }
+      }
       break;
+    }
     case v1::WORKER_ROLE_COLOCATED:
       add_role(v1::WORKER_ROLE_COLOCATED, false);
       break;

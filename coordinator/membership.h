@@ -97,7 +97,7 @@ class Membership {
 
   // What other workers need to know of `worker`.
   v1::PeerInfo PeerInfoOf(const WorkerRecord& worker) const;
-  // The live workers `worker` exchanges boundary tensors with (see Assignment.peers).
+  // The live workers `worker` exchanges boundary and pipeline tensors with (Assignment.peers).
   std::vector<const WorkerRecord*> PeersOf(const WorkerRecord& worker) const;
 
   // All records, live and dead, in admission order.

@@ -141,7 +141,7 @@ TEST(MembershipTest, RequestedRank) {
   EXPECT_EQ((*c)->slot, 3);
 }
 
-TEST(MembershipTest, PeersAreTheBoundaryRanks) {
+TEST(MembershipTest, PeersAreTheBoundaryRanksAndPipelineNeighbours) {
   // Encoder dp 2; LLM tp 2 x pp 2: only the first pipeline stage talks to the encoder.
   auto m = Membership::Create(Spec(v1::PLACEMENT_NON_COLOCATED, 2, 1, 1, 2, 1, 2));
   ASSERT_TRUE(m.ok());
@@ -156,8 +156,11 @@ TEST(MembershipTest, PeersAreTheBoundaryRanks) {
   };
   // LLM ranks 0, 1 are pp 0; ranks 2, 3 are pp 1.
   EXPECT_THAT(ids(m->PeersOf(*enc[0])), ElementsAre(llm[0]->worker_id, llm[1]->worker_id));
-  EXPECT_THAT(ids(m->PeersOf(*llm[1])), ElementsAre(enc[0]->worker_id, enc[1]->worker_id));
-  EXPECT_TRUE(m->PeersOf(*llm[2]).empty());
+  // A first-stage LLM rank also talks to its next stage (same dp and tp), a later stage only to
+  // its neighbours.
+  EXPECT_THAT(ids(m->PeersOf(*llm[1])),
+              ElementsAre(enc[0]->worker_id, enc[1]->worker_id, llm[3]->worker_id));
+  EXPECT_THAT(ids(m->PeersOf(*llm[2])), ElementsAre(llm[0]->worker_id));
   const v1::PeerInfo info = m->PeerInfoOf(*llm[3]);
   EXPECT_EQ(info.worker_id(), llm[3]->worker_id);
   EXPECT_EQ(info.ranks(0).pp(), 1);
