@@ -1,0 +1,147 @@
+#include "common/train/stage_link.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status.h"
+
+namespace hetpar::train {
+namespace {
+
+constexpr uint64_t kMagic = 0x31454741545350ULL;  // "PSTAGE1" (little-endian)
+constexpr size_t kHeaderWords = 5;                // magic, step, direction, microbatch, rows
+constexpr size_t kHeaderBytes = kHeaderWords * 8;
+constexpr int64_t kStageWaveBit = int64_t{1} << 18;
+
+void StoreU64(char* out, uint64_t value) {
+  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>(value >> (8 * i));
+}
+
+uint64_t GetU64(const char* bytes) {
+  uint64_t value = 0;
+  for (size_t i = 0; i < 8; ++i) {
+    value |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
+  }
+  return value;
+}
+
+std::string Describe(int64_t step, plan::Direction direction, int64_t microbatch, int64_t rows) {
+  return absl::StrCat(direction == plan::Direction::kForward ? "activations" : "gradients",
+                      " of step ", step, " microbatch ", microbatch, " (", rows, " rows)");
+}
+
+}  // namespace
+
+transport::Tag StageTag(int64_t step, plan::Direction direction, int64_t microbatch) {
+  return BoundaryTag(step, direction, microbatch | kStageWaveBit);
+}
+
+absl::StatusOr<transport::PeerId> StageLink::Peer(int64_t rank) const {
+  auto it = peers_.find(rank);
+  if (it == peers_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("no data-plane connection to rank ", rank,
+                                                      " (the neighbouring pipeline stage)"));
+  }
+  return it->second;
+}
+
+absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction direction,
+                             int64_t microbatch, const at::Tensor& rows) {
+  if (!rows.defined() || rows.dim() != 2 || !rows.device().is_cpu()) {
+    return absl::InvalidArgumentError("stage send: expected a CPU tensor [rows, hidden]");
+  }
+  HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(dst));
+  const at::Tensor data = rows.detach().contiguous();
+  const size_t data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
+  auto message = std::make_unique<std::string>(kHeaderBytes + data_bytes, '\0');
+  const uint64_t header[kHeaderWords] = {
+      kMagic, static_cast<uint64_t>(step), static_cast<uint64_t>(direction),
+      static_cast<uint64_t>(microbatch), static_cast<uint64_t>(data.size(0))};
+  for (size_t i = 0; i < kHeaderWords; ++i) StoreU64(message->data() + 8 * i, header[i]);
+  if (data_bytes > 0) std::memcpy(message->data() + kHeaderBytes, data.data_ptr(), data_bytes);
+  HETPAR_ASSIGN_OR_RETURN(
+      auto op, transport_->Send(peer, StageTag(step, direction, microbatch),
+                                transport::ConstBuffer::Host(message->data(), message->size())));
+  bytes_sent_ += static_cast<int64_t>(data_bytes);
+  sends_.Add(std::move(message), std::move(op));
+  return absl::OkStatus();
+}
+
+absl::Status StageLink::Post(int64_t src, int64_t step, plan::Direction direction,
+                             int64_t microbatch, const at::Tensor& rows) {
+  const Key key{src, StageTag(step, direction, microbatch)};
+  if (posted_.count(key) != 0) return absl::OkStatus();
+  if (!rows.defined() || rows.dim() != 2 || !rows.is_contiguous() || !rows.device().is_cpu()) {
+    return absl::InvalidArgumentError(
+        "stage receive: expected a contiguous CPU tensor [rows, hidden]");
+  }
+  HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(src));
+  Posted posted;
+  posted.header.assign(kHeaderBytes, 0);
+  posted.rows = rows;
+  std::vector<transport::MutableBuffer> segments = {
+      transport::MutableBuffer::Host(posted.header.data(), posted.header.size())};
+  const size_t data_bytes = static_cast<size_t>(rows.numel()) * rows.element_size();
+  if (data_bytes > 0)
+    segments.push_back(transport::MutableBuffer::Host(rows.data_ptr(), data_bytes));
+  HETPAR_ASSIGN_OR_RETURN(posted.op,
+                          transport_->RecvScatter(peer, std::get<1>(key), std::move(segments)));
+  posted_.emplace(key, std::move(posted));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::Direction direction,
+                                              int64_t microbatch) {
+  auto it = posted_.find(Key{src, StageTag(step, direction, microbatch)});
+  if (it == posted_.end()) {
+    return absl::FailedPreconditionError(absl::StrCat("stage receive of the ",
+                                                      Describe(step, direction, microbatch, 0),
+                                                      " from rank ", src, " was not posted"));
+  }
+  Posted posted = std::move(it->second);
+  posted_.erase(it);
+  const int64_t rows = posted.rows.size(0);
+  const std::string expected = Describe(step, direction, microbatch, rows);
+  absl::Status status = posted.op->Wait(absl::Now() + timeout_);
+  if (!status.ok()) {
+    return Annotate(status, absl::StrCat("receiving the ", expected, " from pipeline rank ", src));
+  }
+  const size_t data_bytes = static_cast<size_t>(posted.rows.numel()) * posted.rows.element_size();
+  const char* h = posted.header.data();
+  const bool matches = posted.op->bytes() == kHeaderBytes + data_bytes && GetU64(h) == kMagic &&
+                       GetU64(h + 8) == static_cast<uint64_t>(step) &&
+                       GetU64(h + 16) == static_cast<uint64_t>(direction) &&
+                       GetU64(h + 24) == static_cast<uint64_t>(microbatch) &&
+                       GetU64(h + 32) == static_cast<uint64_t>(rows);
+  if (!matches) {
+    const plan::Direction got_direction =
+        GetU64(h + 16) == 0 ? plan::Direction::kForward : plan::Direction::kBackward;
+    return absl::DataLossError(absl::StrCat(
+        "pipeline rank ", src, " sent ", posted.op->bytes(), " bytes",
+        GetU64(h) == kMagic
+            ? absl::StrCat(" of the ", Describe(static_cast<int64_t>(GetU64(h + 8)), got_direction,
+                                                static_cast<int64_t>(GetU64(h + 24)),
+                                                static_cast<int64_t>(GetU64(h + 32))))
+            : std::string(" without a stage header"),
+        "; expected the ", expected, ", ", kHeaderBytes + data_bytes, " bytes"));
+  }
+  bytes_received_ += static_cast<int64_t>(data_bytes);
+  return posted.rows;
+}
+
+absl::Status StageLink::WaitSends() {
+  absl::Status status = sends_.Wait(absl::Now() + timeout_);
+  if (status.ok()) sends_ = PendingSends();
+  return Annotate(status, "sending to the neighbouring pipeline stages");
+}
+
+void StageLink::Reset() {
+  posted_.clear();  // destroying a pending receive withdraws it
+  sends_ = PendingSends();
+}
+
+}  // namespace hetpar::train

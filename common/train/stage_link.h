@@ -1,0 +1,90 @@
+// The link between neighbouring pipeline stages of one LLM replica: a stage's output rows go to
+// the rank of the same (dp, cp, tp) in the next stage, and their gradient comes back, over the
+// data plane (the same transport as the boundary; the coordinator lists these ranks among the
+// worker's peers).
+//
+// One message per (step, direction, microbatch) and pair of ranks: an 8-byte little-endian
+// magic, then step, direction, microbatch and rows (8 bytes each, little-endian), then the rows.
+// The receiver knows the exact size from its own microbatch (the rows of its sequence shard),
+// posts the receive straight into its tensor (header into a small buffer, rows in place) and
+// checks the header once the message is in: a message of another step, microbatch, direction or
+// size fails the receive with both descriptions instead of being used as the wrong rows.
+//
+// Tags: BoundaryTag(step, direction, microbatch | 2^18), so they never match the boundary's
+// messages between the same two ranks (a wave is below 2^18).
+//
+// Sends are posted and held until WaitSends; receives can be posted ahead (Post) and are waited
+// for by Receive. Every wait is bounded by the timeout; a dead peer fails it with kUnavailable
+// naming the rank. One thread drives a StageLink.
+#ifndef HETPAR_COMMON_TRAIN_STAGE_LINK_H_
+#define HETPAR_COMMON_TRAIN_STAGE_LINK_H_
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/plan/step_plan.h"
+#include "common/train/boundary.h"
+#include "common/transport/transport.h"
+
+namespace hetpar::train {
+
+// The tag of a stage message of (step, direction, microbatch).
+transport::Tag StageTag(int64_t step, plan::Direction direction, int64_t microbatch);
+
+class StageLink {
+ public:
+  // `peers` maps world ranks to connected transport peers (it must hold both neighbours); the
+  // transport must outlive the link.
+  StageLink(transport::Transport* transport, std::map<int64_t, transport::PeerId> peers,
+            absl::Duration timeout)
+      : transport_(transport), peers_(std::move(peers)), timeout_(timeout) {}
+
+  // Posts the send of `rows` ([rows, hidden], any layout; copied into the message) to world rank
+  // `dst`.
+  absl::Status Send(int64_t dst, int64_t step, plan::Direction direction, int64_t microbatch,
+                    const at::Tensor& rows);
+  // Posts the receive of the message from world rank `src` straight into `rows` (contiguous,
+  // [rows, hidden]; held until received). Posting a message twice posts it once.
+  absl::Status Post(int64_t src, int64_t step, plan::Direction direction, int64_t microbatch,
+                    const at::Tensor& rows);
+  // Waits for the message Post posted and returns its rows tensor.
+  absl::StatusOr<at::Tensor> Receive(int64_t src, int64_t step, plan::Direction direction,
+                                     int64_t microbatch);
+  // Waits for every send posted since the last call.
+  absl::Status WaitSends();
+  // Withdraws receives still posted and sends still held (a step that ended early).
+  void Reset();
+
+  int64_t bytes_sent() const { return bytes_sent_; }
+  int64_t bytes_received() const { return bytes_received_; }
+
+ private:
+  struct Posted {
+    std::vector<char> header;
+    at::Tensor rows;
+    std::unique_ptr<transport::Operation> op;
+  };
+  using Key = std::tuple<int64_t, transport::Tag>;  // (peer rank, tag)
+
+  absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
+
+  transport::Transport* transport_;
+  std::map<int64_t, transport::PeerId> peers_;
+  absl::Duration timeout_;
+  std::map<Key, Posted> posted_;
+  PendingSends sends_;
+  int64_t bytes_sent_ = 0;
+  int64_t bytes_received_ = 0;
+};
+
+}  // namespace hetpar::train
+
+#endif  // HETPAR_COMMON_TRAIN_STAGE_LINK_H_

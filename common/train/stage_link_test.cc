@@ -1,0 +1,94 @@
+// StageLink over the in-process transport: rows arrive where they were posted, in any order of
+// send and post, and a message of another microbatch or size is refused, naming both.
+#include "common/train/stage_link.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+
+#include "common/transport/inproc/inproc_transport.h"
+
+namespace hetpar::train {
+namespace {
+
+using ::testing::HasSubstr;
+
+class StageLinkTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto a = transport::inproc::InprocTransport::Create({"stage 0"});
+    auto b = transport::inproc::InprocTransport::Create({"stage 1"});
+    ASSERT_TRUE(a.ok() && b.ok());
+    a_ = *std::move(a);
+    b_ = *std::move(b);
+    auto to_b = a_->Connect(b_->LocalAddress(), absl::Now() + absl::Seconds(10));
+    auto to_a = b_->Connect(a_->LocalAddress(), absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(to_b.ok() && to_a.ok());
+    // World ranks 4 (stage 0) and 6 (stage 1).
+    first_ = std::make_unique<StageLink>(a_.get(), std::map<int64_t, transport::PeerId>{{6, *to_b}},
+                                         absl::Seconds(10));
+    second_ = std::make_unique<StageLink>(
+        b_.get(), std::map<int64_t, transport::PeerId>{{4, *to_a}}, absl::Seconds(10));
+  }
+
+  std::unique_ptr<transport::Transport> a_, b_;
+  std::unique_ptr<StageLink> first_, second_;
+};
+
+TEST_F(StageLinkTest, ActivationsAndGradientsArriveInPlace) {
+  const at::Tensor activations = at::arange(12, at::kDouble).reshape({3, 4});
+  // Posted before the send for microbatch 0, after it for microbatch 1.
+  at::Tensor in0 = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 7, plan::Direction::kForward, 0, in0).ok());
+  ASSERT_TRUE(first_->Send(6, 7, plan::Direction::kForward, 0, activations).ok());
+  ASSERT_TRUE(first_->Send(6, 7, plan::Direction::kForward, 1, activations * 2).ok());
+  at::Tensor in1 = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 7, plan::Direction::kForward, 1, in1).ok());
+  auto got1 = second_->Receive(4, 7, plan::Direction::kForward, 1);
+  auto got0 = second_->Receive(4, 7, plan::Direction::kForward, 0);
+  ASSERT_TRUE(got0.ok()) << got0.status();
+  ASSERT_TRUE(got1.ok()) << got1.status();
+  EXPECT_TRUE(got0->is_same(in0));
+  EXPECT_TRUE(at::equal(in0, activations));
+  EXPECT_TRUE(at::equal(in1, activations * 2));
+  // The gradient goes back; a transposed (non-contiguous) tensor is sent as its values.
+  const at::Tensor grad = at::arange(12, at::kDouble).reshape({4, 3}).t();
+  at::Tensor back = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(first_->Post(6, 7, plan::Direction::kBackward, 0, back).ok());
+  ASSERT_TRUE(second_->Send(4, 7, plan::Direction::kBackward, 0, grad).ok());
+  ASSERT_TRUE(first_->Receive(6, 7, plan::Direction::kBackward, 0).ok());
+  EXPECT_TRUE(at::equal(back, grad));
+  EXPECT_TRUE(first_->WaitSends().ok());
+  EXPECT_TRUE(second_->WaitSends().ok());
+  EXPECT_EQ(first_->bytes_sent(), 2 * 12 * 8);
+  EXPECT_EQ(first_->bytes_received(), 12 * 8);
+}
+
+TEST_F(StageLinkTest, AMessageOfAnotherSizeIsRefused) {
+  at::Tensor in = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 2, plan::Direction::kForward, 5, in).ok());
+  // Two rows where the receiver expects three: the plans disagree.
+  ASSERT_TRUE(first_->Send(6, 2, plan::Direction::kForward, 5, at::ones({2, 4}, at::kDouble)).ok());
+  auto got = second_->Receive(4, 2, plan::Direction::kForward, 5);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(got.status().message(),
+              HasSubstr("activations of step 2 microbatch 5 (2 rows); expected the activations "
+                        "of step 2 microbatch 5 (3 rows)"));
+}
+
+TEST_F(StageLinkTest, UnknownPeersAndUnpostedReceivesAreErrors) {
+  EXPECT_EQ(first_->Send(9, 0, plan::Direction::kForward, 0, at::ones({1, 1})).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(second_->Receive(4, 0, plan::Direction::kForward, 3).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Distinct from the boundary's tag of the same step, direction and wave.
+  EXPECT_NE(StageTag(3, plan::Direction::kForward, 1),
+            BoundaryTag(3, plan::Direction::kForward, 1));
+}
+
+}  // namespace
+}  // namespace hetpar::train
