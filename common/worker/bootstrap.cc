@@ -72,22 +72,27 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     if (const v1::RankCoordinates* c = ctx->Coordinates(module)) {
       absl::StrAppend(&tag, tag.empty() ? "" : " ", module == v1::MODULE_ENCODER ? "enc" : "llm",
                       " dp", c->dp(), " tp", c->tp());
+      if (module == v1::MODULE_LLM && ctx->spec_.llm().layout().cp() > 1) {
+        absl::StrAppend(&tag, " cp", c->cp());
+      }
+      if (module == v1::MODULE_LLM && ctx->spec_.llm().layout().pp() > 1) {
+        absl::StrAppend(&tag, " pp", c->pp());
+      }
     }
   }
   SetLogTag(absl::StrCat("r", ctx->world_rank(), " ", tag));
   HETPAR_LOG(INFO) << "registered as world rank " << ctx->world_rank() << ", generation "
                    << ctx->assignment_.generation() << ", " << ctx->assignment_.peers_size()
-                   << " boundary peers";
+                   << " data-plane peers";
 
-  std::map<int64_t, transport::PeerId> peers;
   for (const v1::PeerInfo& peer : ctx->assignment_.peers()) {
     HETPAR_ASSIGN_OR_RETURN(
         transport::PeerId id,
         ctx->transport_->Connect(peer.data_address(), absl::Now() + options.timeout));
-    peers[peer.world_rank()] = id;
+    ctx->peers_[peer.world_rank()] = id;
   }
-  ctx->boundary_ =
-      std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), peers, options.timeout);
+  ctx->boundary_ = std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), ctx->peers_,
+                                                                 options.timeout);
   auto key_value = std::make_shared<coordinator::KeyValueClient>(ctx->connection_,
                                                                  ctx->assignment_.generation());
   HETPAR_ASSIGN_OR_RETURN(ctx->store_, rendezvous::OpenC10dStore(key_value, options.timeout));

@@ -2,7 +2,8 @@
 //
 //   1. Opens its data plane (UCX) and registers with the coordinator (role, host, data address).
 //   2. Waits until every rank has registered (the assignment with peers), connects to its
-//      boundary peers (encoder ranks to the LLM's first-stage ranks and back) and opens the
+//      peers (encoder ranks to the LLM's first-stage ranks and back, LLM ranks to their
+//      neighbouring pipeline stages) and opens the
 //      run's rendezvous store, through which the module runtimes form their TP and DP groups.
 //
 // The module runtimes then take what they need from the WorkerContext (coordinates, groups, the
@@ -14,6 +15,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -46,7 +48,6 @@ struct WorkerOptions {
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
   int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
-
 };
 
 class WorkerContext {
@@ -67,6 +68,10 @@ class WorkerContext {
 
   coordinator::WorkerSession& session() { return *session_; }
   train::BoundaryCommunicator& boundary() { return *boundary_; }
+  // The data plane and the connected peers (Assignment.peers) by world rank: the pipeline
+  // stages' link (train::StageLink) uses them beside the boundary.
+  transport::Transport& transport() { return *transport_; }
+  const std::map<int64_t, transport::PeerId>& peers() const { return peers_; }
 
   // The c10d group `prefix` in which this worker is `rank` of `size`, formed through the run's
   // rendezvous store (a group of one needs no store); waits at most options().timeout.
@@ -91,6 +96,7 @@ class WorkerContext {
   std::unique_ptr<coordinator::WorkerSession> session_;
   v1::RunSpec spec_;
   v1::Assignment assignment_;
+  std::map<int64_t, transport::PeerId> peers_;
   std::unique_ptr<train::BoundaryCommunicator> boundary_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<data::BatchSource> data_;

@@ -22,17 +22,25 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
   const v1::Layout& layout = module == v1::MODULE_ENCODER ? context.spec().encoder().layout()
                                                           : context.spec().llm().layout();
   const int64_t cp = std::max<int64_t>(1, layout.cp());
+  const int64_t pp = std::max<int64_t>(1, layout.pp());
   const std::string cp_part = cp > 1 ? absl::StrCat("/cp", coords->cp()) : "";
-  HETPAR_ASSIGN_OR_RETURN(
-      state.tp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), cp_part, "/tp"),
-                               coords->tp(), layout.tp()));
+  // Every pipeline stage has groups of its own.
+  const std::string pp_part = pp > 1 ? absl::StrCat("/pp", coords->pp()) : "";
+  HETPAR_ASSIGN_OR_RETURN(state.tp_, context.Group(absl::StrCat(state.name_, pp_part, "/dp",
+                                                                coords->dp(), cp_part, "/tp"),
+                                                   coords->tp(), layout.tp()));
   state.gradient_rank_ = coords->dp() * cp + coords->cp();
-  HETPAR_ASSIGN_OR_RETURN(state.dp_,
-                          context.Group(absl::StrCat(state.name_, "/tp", coords->tp(), "/dp"),
-                                        state.gradient_rank_, layout.dp() * cp));
-  HETPAR_ASSIGN_OR_RETURN(state.cp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(),
-                                                                "/tp", coords->tp(), "/cp"),
-                                                   coords->cp(), cp));
+  HETPAR_ASSIGN_OR_RETURN(
+      state.dp_, context.Group(absl::StrCat(state.name_, pp_part, "/tp", coords->tp(), "/dp"),
+                               state.gradient_rank_, layout.dp() * cp));
+  HETPAR_ASSIGN_OR_RETURN(
+      state.cp_, context.Group(absl::StrCat(state.name_, pp_part, "/dp", coords->dp(), "/tp",
+                                            coords->tp(), "/cp"),
+                               coords->cp(), cp));
+  HETPAR_ASSIGN_OR_RETURN(
+      state.pp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), cp_part, "/tp",
+                                            coords->tp(), "/pp"),
+                               coords->pp(), pp));
   return state;
 }
 
@@ -55,7 +63,7 @@ absl::Status ModuleState::Apply(int64_t step, double clip_coefficient) {
 void ModuleState::Discard() { params_->ZeroGrad(); }
 
 absl::Status ModuleState::WriteOutputs(const std::string& out_dir, int64_t world_rank) const {
-  return WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_);
+  return WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
 }
 
 }  // namespace hetpar::worker

@@ -34,8 +34,10 @@ class ModuleState {
   // run's rendezvous store: "<module>/dp<d>/tp" and "<module>/tp<t>/dp". With context
   // parallelism (the LLM's cp > 1) the TP group is "<module>/dp<d>/cp<c>/tp", the gradient
   // group dp() spans the DP replicas and the CP ranks (index dp * cp + c, as Megatron sums
-  // gradients over DP x CP) and cp() is "<module>/dp<d>/tp<t>/cp". FailedPrecondition when the
-  // worker holds no rank of `module`.
+  // gradients over DP x CP) and cp() is "<module>/dp<d>/tp<t>/cp". With pipeline parallelism
+  // (the LLM's pp > 1) each stage has its own: "/pp<p>" follows the module name, and pp() is
+  // "<module>/dp<d>[/cp<c>]/tp<t>/pp", the rank's pipeline (index: its stage). FailedPrecondition
+  // when the worker holds no rank of `module`.
   static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
@@ -47,6 +49,7 @@ class ModuleState {
   // The group gradients are summed over: the DP replicas (and CP ranks).
   nn::Communicator& dp() const { return *dp_; }
   nn::Communicator& cp() const { return *cp_; }  // a group of one without CP
+  nn::Communicator& pp() const { return *pp_; }  // a group of one without PP
   // This rank's index in dp(): 0 on exactly one rank per TP rank.
   int64_t gradient_rank() const { return gradient_rank_; }
 
@@ -65,6 +68,7 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> tp_;
   std::unique_ptr<nn::Communicator> dp_;
   std::unique_ptr<nn::Communicator> cp_;
+  std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
   nn::ParameterSet* params_ = nullptr;
   std::unique_ptr<train::ModuleOptimizer> optimizer_;

@@ -34,9 +34,12 @@ void AddBridgeStats(const train::BoundaryCommunicator& boundary, plan::Direction
 
 // The final outputs of one module on this rank: its owned-parameter sums, and on DP replica 0
 // the full parameters (every TP rank of the replica takes part; TP rank 0 writes the file).
+// With pipeline stages (`pp`, the rank's pipeline, larger than one) each stage writes its part
+// and the first stage joins the parts into the one file; every rank of the pipeline calls it.
 absl::Status WriteModuleOutputs(const std::string& out_dir, int64_t world_rank,
                                 const std::string& module, int64_t dp_rank,
-                                const nn::ParameterSet& params, nn::Communicator& tp);
+                                const nn::ParameterSet& params, nn::Communicator& tp,
+                                nn::Communicator& pp);
 
 }  // namespace hetpar::worker
 

@@ -58,8 +58,8 @@ TEST(WorkerOutputsTest, ModuleOutputsHoldTheOwnedSumsAndOnReplicaZeroTheModel) {
   auto b = params.Add("b", {3}, -1, nn::InitRule::Constant(-2.0));
   ASSERT_TRUE(w.ok() && b.ok());
   auto tp = nn::Communicator::CreateSingle();
-  ASSERT_TRUE(WriteModuleOutputs(dir, 4, "llm", 0, params, *tp).ok());
-  ASSERT_TRUE(WriteModuleOutputs(dir, 5, "encoder", 1, params, *tp).ok());
+  ASSERT_TRUE(WriteModuleOutputs(dir, 4, "llm", 0, params, *tp, *tp).ok());
+  ASSERT_TRUE(WriteModuleOutputs(dir, 5, "encoder", 1, params, *tp, *tp).ok());
 
   const auto sums = ReadLines(dir + "/workers/rank-4-llm.json");
   ASSERT_EQ(sums.size(), 1u);
