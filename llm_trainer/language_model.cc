@@ -386,9 +386,7 @@ absl::StatusOr<LlmStageResult> LanguageModel::ForwardStage(const std::vector<Llm
       sample.image_rows = 0;
     }
     HETPAR_RETURN_IF_ERROR(Validate(text, at::Tensor(), n_global));
-    const int64_t rows = LayOut(samples, model_.seq_len(), cp_size(), cp_rank()).starts.back();
-    const int64_t expected =
-        tp_.sharded() ? nn::ShardSequence(rows, tp_.rank(), tp_.size()).shard_rows : rows;
+    const int64_t expected = StageRows(samples);
     if (!input.defined() || input.dim() != 2 || input.size(0) != expected ||
         input.size(1) != model_.hidden() || input.scalar_type() != options_.dtype) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -410,6 +408,11 @@ absl::StatusOr<LlmStageResult> LanguageModel::ForwardStage(const std::vector<Llm
     result.loss_tokens = loss.loss_tokens;
     return result;
   });
+}
+
+int64_t LanguageModel::StageRows(const std::vector<LlmSample>& samples) const {
+  const int64_t rows = LayOut(samples, model_.seq_len(), cp_size(), cp_rank()).starts.back();
+  return tp_.sharded() ? nn::ShardSequence(rows, tp_.rank(), tp_.size()).shard_rows : rows;
 }
 
 LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, const at::Tensor& h,
@@ -616,6 +619,19 @@ absl::Status LanguageModel::Backward(const at::Tensor& loss) {
   }
   return nn::RunTorch(absl::StrCat("llm backward on TP rank ", tp_.rank(), " of ", tp_.size()),
                       [&] { loss.backward(); });
+}
+
+absl::Status LanguageModel::BackwardStage(const at::Tensor& output, const at::Tensor& output_grad) {
+  if (!output.defined() || !output.requires_grad() || !output_grad.defined() ||
+      !output.sizes().equals(output_grad.sizes())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("llm stage ", options_.pp_stage,
+                     " backward: expected the output of a ForwardStage with "
+                     "gradients enabled and a gradient of its shape"));
+  }
+  return nn::RunTorch(absl::StrCat("llm stage ", options_.pp_stage, " backward on TP rank ",
+                                   tp_.rank(), " of ", tp_.size()),
+                      [&] { output.backward(output_grad); });
 }
 
 absl::Status LanguageModel::FinishGradients() {

@@ -164,6 +164,12 @@ class LanguageModel {
   absl::StatusOr<LlmStageResult> ForwardStage(const std::vector<LlmSample>& samples,
                                               const at::Tensor& image_rows, const at::Tensor& input,
                                               int64_t n_global);
+  // Rows of the activations between stages for `samples` on this rank: a non-last stage's output
+  // and a later stage's input (this CP rank's packed positions, this TP rank's shard under SP).
+  int64_t StageRows(const std::vector<LlmSample>& samples) const;
+  // Backpropagates a non-last stage's `output` with `output_grad`, its gradient from the next
+  // stage: parameter gradients accumulate, and so does the gradient of the stage's input.
+  absl::Status BackwardStage(const at::Tensor& output, const at::Tensor& output_grad);
   bool first_stage() const { return options_.pp_stage == 0; }
   bool last_stage() const { return options_.pp_stage == options_.pp_stages - 1; }
 

@@ -1,9 +1,11 @@
 #include "llm_trainer/llm_module.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "common/logging.h"
 #include "common/nn/export.h"
+#include "common/plan/layout.h"
 #include "common/plan/step_plan.h"
 #include "common/status.h"
 #include "common/worker/outputs.h"
@@ -17,6 +19,30 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   std::unique_ptr<LlmModule> m(new LlmModule(&context, colocated, std::move(state)));
   const v1::RunSpec& spec = context.spec();
   HETPAR_ASSIGN_OR_RETURN(LlmOptions model_options, LlmOptionsFromSpec(spec));
+  const v1::RankCoordinates& coords = m->state_.coords();
+  model_options.pp_stage = coords.pp();
+  model_options.pp_stages = std::max<int64_t>(1, spec.llm().layout().pp());
+  if (model_options.pp_stages > 1) {
+    // The neighbouring stages of this rank's pipeline, over the data plane.
+    HETPAR_ASSIGN_OR_RETURN(plan::Placement placement, plan::PlacementFromRunSpec(spec));
+    plan::RankCoords neighbour{coords.dp(), coords.tp(), coords.cp(), coords.pp()};
+    if (coords.pp() > 0) {
+      neighbour.pp = coords.pp() - 1;
+      m->pipeline_.previous_rank = placement.llm.RankOf(neighbour);
+    }
+    if (coords.pp() + 1 < model_options.pp_stages) {
+      neighbour.pp = coords.pp() + 1;
+      m->pipeline_.next_rank = placement.llm.RankOf(neighbour);
+    }
+    m->stage_link_ = std::make_unique<train::StageLink>(&context.transport(), context.peers(),
+                                                        context.options().timeout);
+    m->pipeline_.link = m->stage_link_.get();
+    const auto [begin, end] = plan::PipelineStageLayers(spec.llm().model().layers(),
+                                                        model_options.pp_stages, coords.pp());
+    HETPAR_LOG(INFO) << "llm model: pipeline stage " << coords.pp() << " of "
+                     << model_options.pp_stages << " (layers [" << begin << ", " << end
+                     << "), 1F1B over the step's microbatches)";
+  }
   HETPAR_ASSIGN_OR_RETURN(m->model_,
                           LanguageModel::Create(spec.llm().model(), model_options, m->state_.tp()));
   HETPAR_RETURN_IF_ERROR(m->model_->SetContextParallel(m->state_.cp().group()));
@@ -26,8 +52,9 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
                      << " (load-balanced chunks, keys and values all-gathered per layer)";
   }
   if (!spec.llm().init_from().empty()) {
-    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(m->model_->parameters(), "llm.init_from",
-                                                     spec.llm().init_from()));
+    HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(
+        m->model_->parameters(), "llm.init_from", spec.llm().init_from(),
+        model_options.pp_stages > 1 ? nn::FileScope::kModelIsPart : nn::FileScope::kWholeModel));
     HETPAR_LOG(INFO) << "llm parameters from " << spec.llm().init_from();
   }
   HETPAR_RETURN_IF_ERROR(m->state_.Train(&m->model_->parameters(), spec.llm().optimizer()));
@@ -40,12 +67,13 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
     runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
                      LlmRuntimeOptions{context_->options().timeout, colocated_,
                                        colocated_ ? 0 : context_->spec().run().max_inflight(),
-                                       plan::ImageGradientsCross(context_->spec())});
+                                       plan::ImageGradientsCross(context_->spec())},
+                     pipeline_);
   }
   HETPAR_ASSIGN_OR_RETURN(LlmStepStats stats, runtime_->RunStep(plan));
   worker::StepOutcome outcome;
-  // TP ranks of a replica compute the same loss: one of them reports it.
-  outcome.reports_loss = state_.coords().tp() == 0;
+  // TP ranks of a replica compute the same loss: one of them reports it (on the last stage).
+  outcome.reports_loss = state_.coords().tp() == 0 && model_->last_stage();
   outcome.loss_sum = stats.loss_sum;
   outcome.loss_tokens = stats.loss_tokens;
   worker::ModuleTimings& timings = outcome.modules.emplace_back();
@@ -57,6 +85,10 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
                     {"tokens", static_cast<double>(stats.tokens)},
                     {"images", static_cast<double>(stats.images)},
                     {"bytes_received", static_cast<double>(stats.bytes_received)}};
+  if (pipeline_.link != nullptr) {
+    timings.values["pipeline_wait_s"] = stats.pipeline_wait_s;
+    timings.values["pipeline_bytes"] = static_cast<double>(stats.pipeline_bytes);
+  }
   return outcome;
 }
 

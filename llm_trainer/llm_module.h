@@ -41,6 +41,8 @@ class LlmModule : public worker::SingleModuleRuntime {
   worker::WorkerContext* context_;
   bool colocated_;
   std::unique_ptr<LanguageModel> model_;
+  std::unique_ptr<train::StageLink> stage_link_;  // with pipeline stages
+  PipelinePeers pipeline_;
   std::optional<LlmRuntime> runtime_;  // from the first step on (the data set opens then)
 };
 

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -57,10 +58,19 @@ int64_t BufferRowsOfWave(const plan::RankStepPlan& plan, int64_t wave) {
 
 absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
   LlmStepStats stats;
-  if (plan.llm_coords.pp != 0) {
-    return absl::UnimplementedError(
+  const int64_t stages = model_->options().pp_stages;
+  const int64_t stage = model_->options().pp_stage;
+  if (plan.llm_coords.pp != stage) {
+    return absl::InternalError(
         absl::StrCat("LLM rank ", plan.rank, " is at pp ", plan.llm_coords.pp,
-                     ": the LLM runs without pipeline parallelism in this version (pp = 1)"));
+                     " in the plan but its model is stage ", stage, " of ", stages));
+  }
+  const bool first = model_->first_stage();
+  const bool last = model_->last_stage();
+  if ((!first && pipeline_.previous_rank < 0) || (!last && pipeline_.next_rank < 0) ||
+      (stages > 1 && pipeline_.link == nullptr)) {
+    return absl::InternalError(absl::StrCat("LLM rank ", plan.rank, " is pipeline stage ", stage,
+                                            " of ", stages, " without a link to its neighbours"));
   }
   if (plan.llm_coords.cp != model_->cp_rank()) {
     return absl::InternalError(absl::StrCat("LLM rank ", plan.rank, " is at cp ",
@@ -74,16 +84,18 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t hidden = model_->model().hidden();
   const int64_t bytes_sent0 = boundary_->bytes_sent();
   const int64_t bytes_received0 = boundary_->bytes_received();
+  const int64_t stage_bytes0 = pipeline_.link != nullptr ? pipeline_.link->bytes_sent() : 0;
+  if (pipeline_.link != nullptr) pipeline_.link->Reset();
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
   // Later waves' image rows land in their buffers while earlier waves compute (receives posted
   // options_.post_ahead waves ahead); the samples' text is loaded while the encoder computes
-  // the first wave.
+  // the first wave. Only the first stage receives image rows.
   const size_t waves = plan.microbatches.size();
   std::vector<at::Tensor> buffers(waves);
   size_t posted = 0;  // microbatches whose buffers exist and whose receives are posted
-  auto post_through = [&](size_t last) -> absl::Status {
-    for (; posted < waves && posted <= last; ++posted) {
+  auto post_through = [&](size_t last_mb) -> absl::Status {
+    for (; first && posted < waves && posted <= last_mb; ++posted) {
       const plan::LlmMicrobatch& mb = plan.microbatches[posted];
       if (mb.image_rows <= 0) continue;
       buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden}, row_options);
@@ -115,54 +127,127 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   stats.data_s += Since(t_data);
   trace::Record(trace::kLlmLane, "load samples", "data", t_data);
 
-  for (size_t m = 0; m < plan.microbatches.size(); ++m) {
+  // Receives from the neighbouring stages, posted one microbatch ahead: the previous stage's
+  // activations (forward) and the next stage's gradients (backward), each [StageRows, hidden].
+  auto post_stage = [&](plan::Direction direction, size_t m) -> absl::Status {
+    if (m >= waves) return absl::OkStatus();
+    const bool forward = direction == plan::Direction::kForward;
+    if (forward ? first : last) return absl::OkStatus();
+    at::Tensor rows = at::empty({model_->StageRows(wave_samples[m]), hidden}, row_options);
+    return pipeline_.link->Post(forward ? pipeline_.previous_rank : pipeline_.next_rank, plan.step,
+                                direction, static_cast<int64_t>(m), rows);
+  };
+  auto receive_stage = [&](plan::Direction direction, size_t m) -> absl::StatusOr<at::Tensor> {
+    const bool forward = direction == plan::Direction::kForward;
+    HETPAR_RETURN_IF_ERROR(post_stage(direction, m));
+    HETPAR_RETURN_IF_ERROR(post_stage(direction, m + 1));
+    auto t0 = Clock::now();
+    HETPAR_ASSIGN_OR_RETURN(
+        at::Tensor rows,
+        pipeline_.link->Receive(forward ? pipeline_.previous_rank : pipeline_.next_rank, plan.step,
+                                direction, static_cast<int64_t>(m)));
+    stats.pipeline_wait_s += Since(t0);
+    trace::Record(trace::kLlmLane, forward ? "wait for activations" : "wait for stage gradients",
+                  "pipeline_wait", t0, {{"microbatch", static_cast<int64_t>(m)}});
+    return rows;
+  };
+
+  // What a microbatch keeps from its forward to its backward.
+  struct InFlight {
+    at::Tensor image_rows;  // the first stage's image-row leaf (undefined without images)
+    at::Tensor input;       // a later stage's input leaf
+    at::Tensor output;      // a non-last stage's output
+    at::Tensor loss;        // the last stage's loss
+    at::Tensor owned_index;
+  };
+  std::vector<InFlight> in_flight(waves);
+
+  auto forward = [&](size_t m) -> absl::Status {
     const plan::LlmMicrobatch& mb = plan.microbatches[m];
     const int64_t wave = mb.wave;
     const std::vector<LlmSample>& samples = wave_samples[m];
-    HETPAR_RETURN_IF_ERROR(post_through(m + ahead));
-    // This rank's buffer rows, as indices into the microbatch's full image rows.
-    HETPAR_ASSIGN_OR_RETURN(std::vector<int64_t> owned,
-                            BufferRows(plan, mb, sharding, plan.llm_coords.cp, plan.llm_coords.tp));
-    const int64_t buffer_rows = BufferRowsOfWave(plan, wave);
-    if (static_cast<int64_t>(owned.size()) != buffer_rows) {
-      return absl::InternalError(absl::StrCat("wave ", wave, ": the plan gives rank ", plan.rank,
-                                              " ", buffer_rows,
-                                              " image rows; its sequence shard "
-                                              "holds ",
-                                              owned.size()));
-    }
-    const at::Tensor owned_index = at::tensor(owned, at::kLong);
-    at::Tensor image_rows;
-    if (mb.image_rows > 0) {
-      at::Tensor& buffer = buffers[m];
-      auto t0 = Clock::now();
-      HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
-      stats.bridge_wait_s += Since(t0);
-      trace::Record(trace::kLlmLane, "wait for image rows", "bridge_wait", t0, {{"wave", wave}});
-      // Every TP rank needs all rows of its CP rank: place ours, zeros elsewhere (and in rows
-      // other CP ranks hold), and sum over the TP group.
-      at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
-      if (buffer_rows > 0) full.index_copy_(0, owned_index, buffer);
-      t0 = Clock::now();
-      HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));
-      stats.collective_s += Since(t0);
-      trace::Record(trace::kLlmLane, "tp all-reduce image rows", "collective", t0,
-                    {{"wave", wave}});
-      image_rows = options_.image_gradients ? full.requires_grad_(true) : full;
+    InFlight& f = in_flight[m];
+    if (first) {
+      HETPAR_RETURN_IF_ERROR(post_through(m + ahead));
+      // This rank's buffer rows, as indices into the microbatch's full image rows.
+      HETPAR_ASSIGN_OR_RETURN(
+          std::vector<int64_t> owned,
+          BufferRows(plan, mb, sharding, plan.llm_coords.cp, plan.llm_coords.tp));
+      const int64_t buffer_rows = BufferRowsOfWave(plan, wave);
+      if (static_cast<int64_t>(owned.size()) != buffer_rows) {
+        return absl::InternalError(absl::StrCat("wave ", wave, ": the plan gives rank ", plan.rank,
+                                                " ", buffer_rows,
+                                                " image rows; its sequence shard "
+                                                "holds ",
+                                                owned.size()));
+      }
+      f.owned_index = at::tensor(owned, at::kLong);
+      if (mb.image_rows > 0) {
+        at::Tensor& buffer = buffers[m];
+        auto t0 = Clock::now();
+        HETPAR_RETURN_IF_ERROR(boundary_->ReceiveForward(plan, wave, buffer));
+        stats.bridge_wait_s += Since(t0);
+        trace::Record(trace::kLlmLane, "wait for image rows", "bridge_wait", t0, {{"wave", wave}});
+        // Every TP rank needs all rows of its CP rank: place ours, zeros elsewhere (and in rows
+        // other CP ranks hold), and sum over the TP group.
+        at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
+        if (buffer_rows > 0) full.index_copy_(0, f.owned_index, buffer);
+        buffer = at::Tensor();
+        t0 = Clock::now();
+        HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));
+        stats.collective_s += Since(t0);
+        trace::Record(trace::kLlmLane, "tp all-reduce image rows", "collective", t0,
+                      {{"wave", wave}});
+        f.image_rows = options_.image_gradients ? full.requires_grad_(true) : full;
+      }
+    } else {
+      HETPAR_ASSIGN_OR_RETURN(f.input, receive_stage(plan::Direction::kForward, m));
+      f.input.requires_grad_(true);
     }
     auto t0 = Clock::now();
-    HETPAR_ASSIGN_OR_RETURN(LlmForwardResult result,
-                            model_->Forward(samples, image_rows, plan.n_global));
-    HETPAR_RETURN_IF_ERROR(model_->Backward(result.loss));
+    HETPAR_ASSIGN_OR_RETURN(LlmStageResult result,
+                            model_->ForwardStage(samples, f.image_rows, f.input, plan.n_global));
     stats.compute_s += Since(t0);
-    trace::Record(trace::kLlmLane, "forward+backward", "compute", t0,
+    trace::Record(trace::kLlmLane, "forward", "compute", t0,
                   {{"wave", wave}, {"samples", static_cast<int64_t>(samples.size())}});
-    const double loss = result.loss.item<double>();
-    stats.loss += loss;
-    stats.loss_tokens += result.loss_tokens;
+    if (last) {
+      f.loss = result.loss;
+      stats.loss += result.loss.item<double>();
+      stats.loss_tokens += result.loss_tokens;
+    } else {
+      f.output = result.output;
+      HETPAR_RETURN_IF_ERROR(pipeline_.link->Send(pipeline_.next_rank, plan.step,
+                                                  plan::Direction::kForward,
+                                                  static_cast<int64_t>(m), f.output));
+    }
+    return absl::OkStatus();
+  };
+
+  auto backward = [&](size_t m) -> absl::Status {
+    const plan::LlmMicrobatch& mb = plan.microbatches[m];
+    const int64_t wave = mb.wave;
+    InFlight f = std::move(in_flight[m]);
+    at::Tensor output_grad;
+    if (!last) {
+      HETPAR_ASSIGN_OR_RETURN(output_grad, receive_stage(plan::Direction::kBackward, m));
+    }
+    auto t0 = Clock::now();
+    if (last) {
+      HETPAR_RETURN_IF_ERROR(model_->Backward(f.loss));
+    } else {
+      HETPAR_RETURN_IF_ERROR(model_->BackwardStage(f.output, output_grad));
+    }
+    stats.compute_s += Since(t0);
+    trace::Record(trace::kLlmLane, "backward", "compute", t0, {{"wave", wave}});
+    if (!first) {
+      at::Tensor grad = f.input.grad();
+      if (!grad.defined()) grad = at::zeros_like(f.input);
+      return pipeline_.link->Send(pipeline_.previous_rank, plan.step, plan::Direction::kBackward,
+                                  static_cast<int64_t>(m), grad);
+    }
     if (mb.image_rows > 0 && options_.image_gradients) {
-      at::Tensor grad = image_rows.grad();
-      if (!grad.defined()) grad = at::zeros_like(image_rows);
+      at::Tensor grad = f.image_rows.grad();
+      if (!grad.defined()) grad = at::zeros_like(f.image_rows);
       if (model_->image_rows_grad_is_partial()) {
         t0 = Clock::now();
         HETPAR_RETURN_IF_ERROR(tp_->AllReduce(grad));
@@ -170,12 +255,24 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
         trace::Record(trace::kLlmLane, "tp all-reduce row gradients", "collective", t0,
                       {{"wave", wave}});
       }
-      grad = grad.index_select(0, owned_index).contiguous();
+      grad = grad.index_select(0, f.owned_index).contiguous();
       HETPAR_ASSIGN_OR_RETURN(train::PendingSends pending,
                               boundary_->SendBackward(plan, wave, grad));
       sends.push_back(std::move(pending));
     }
+    return absl::OkStatus();
+  };
+
+  // 1F1B: warm-up forwards, then one forward and one backward at a time, then the rest.
+  const size_t warmup = std::min<size_t>(static_cast<size_t>(stages - stage - 1), waves);
+  size_t forwards = 0, backwards = 0;
+  for (; forwards < warmup; ++forwards) HETPAR_RETURN_IF_ERROR(forward(forwards));
+  for (; forwards < waves; ++forwards, ++backwards) {
+    HETPAR_RETURN_IF_ERROR(forward(forwards));
+    HETPAR_RETURN_IF_ERROR(backward(backwards));
   }
+  for (; backwards < waves; ++backwards) HETPAR_RETURN_IF_ERROR(backward(backwards));
+
   auto t0 = Clock::now();
   if (options_.defer_send_wait) {
     for (auto& pending : sends) deferred_.push_back(std::move(pending));
@@ -186,6 +283,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   }
   stats.bridge_wait_s += Since(t0);
   trace::Record(trace::kLlmLane, "wait for gradient sends", "bridge_wait", t0);
+  if (pipeline_.link != nullptr) {
+    t0 = Clock::now();
+    HETPAR_RETURN_IF_ERROR(pipeline_.link->WaitSends());
+    stats.pipeline_wait_s += Since(t0);
+    trace::Record(trace::kLlmLane, "wait for stage sends", "pipeline_wait", t0);
+    stats.pipeline_bytes = pipeline_.link->bytes_sent() - stage_bytes0;
+  }
   t0 = Clock::now();
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
   HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));

@@ -12,6 +12,16 @@
 // Loss: each microbatch contributes sum(token losses) / N_global; the step's token-loss sum and
 // loss-token count are reported so the coordinator can form the global batch's loss. After the
 // last wave the parameter gradients are summed over the DP group.
+//
+// Pipeline parallelism (the model is stage s of S > 1): the rank runs the replica's M
+// microbatches in the 1F1B order (Megatron's non-interleaved schedule): min(S - s - 1, M)
+// forwards, then one forward and one backward at a time, then the remaining backwards. Only the
+// first stage receives image rows and sends their gradients back; a later stage receives its
+// input from the previous stage (train::StageLink) and sends the input's gradient back to it; a
+// stage other than the last sends its output on and receives the output's gradient. The last
+// stage computes the loss. Sends are posted and waited for at the end of the step; every
+// receive is posted one microbatch ahead of the one that needs it. Without PP (S = 1) the
+// schedule is forward and backward of each microbatch in turn.
 #ifndef HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
 #define HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
 
@@ -24,6 +34,7 @@
 #include "common/nn/communicator.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
+#include "common/train/stage_link.h"
 #include "llm_trainer/language_model.h"
 
 namespace hetpar::llm {
@@ -34,10 +45,12 @@ struct LlmStepStats {
   int64_t loss_tokens = 0;  // loss tokens of this replica's microbatches
   int64_t tokens = 0;       // sequence positions of this replica's microbatches
   int64_t images = 0;
-  double compute_s = 0;      // forward and backward
-  double bridge_wait_s = 0;  // waiting for image rows and for gradient sends to complete
-  double collective_s = 0;   // TP share of image rows and gradients, DP gradient sum
-  double data_s = 0;         // loading and tokenizing the samples (before the first wave waits)
+  double compute_s = 0;        // forward and backward
+  double bridge_wait_s = 0;    // waiting for image rows and for gradient sends to complete
+  double collective_s = 0;     // TP share of image rows and gradients, DP gradient sum
+  double pipeline_wait_s = 0;  // waiting for the neighbouring stages' activations and gradients
+  int64_t pipeline_bytes = 0;  // activation and gradient rows sent to the neighbouring stages
+  double data_s = 0;           // loading and tokenizing the samples (before the first wave waits)
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
 };
@@ -56,13 +69,27 @@ struct LlmRuntimeOptions {
   bool image_gradients = true;
 };
 
+// The model's neighbouring pipeline stages: the ranks of the same (dp, cp, tp) one stage before
+// and after (-1 where there is none) and the link to them. Without PP, none.
+struct PipelinePeers {
+  train::StageLink* link = nullptr;
+  int64_t previous_rank = -1;
+  int64_t next_rank = -1;
+};
+
 // Borrows everything; one thread calls RunStep.
 class LlmRuntime {
  public:
   LlmRuntime(LanguageModel* model, nn::Communicator* tp, nn::Communicator* dp,
              const data::BatchSource* data, train::BoundaryCommunicator* boundary,
-             const LlmRuntimeOptions& options)
-      : model_(model), tp_(tp), dp_(dp), data_(data), boundary_(boundary), options_(options) {}
+             const LlmRuntimeOptions& options, PipelinePeers pipeline = {})
+      : model_(model),
+        tp_(tp),
+        dp_(dp),
+        data_(data),
+        boundary_(boundary),
+        options_(options),
+        pipeline_(pipeline) {}
 
   absl::StatusOr<LlmStepStats> RunStep(const plan::RankStepPlan& plan);
   // Waits for the gradient sends RunStep left pending (defer_send_wait).
@@ -75,6 +102,7 @@ class LlmRuntime {
   const data::BatchSource* data_;
   train::BoundaryCommunicator* boundary_;
   LlmRuntimeOptions options_;
+  PipelinePeers pipeline_;
   std::vector<train::PendingSends> deferred_;
 };
 

@@ -9,7 +9,7 @@
 //   trace::Recorder::Process().BeginStep(step);      // the step driver, at each plan
 //   auto t0 = trace::Clock::now();
 //   ... forward ...
-//   trace::Record(trace::kLlmLane, "forward+backward", "compute", t0, {{"wave", wave}});
+//   trace::Record(trace::kLlmLane, "forward", "compute", t0, {{"wave", wave}});
 //
 // Off (no step configured, or the step outside the range) a record costs one relaxed atomic
 // load. One recorder per process (a worker process is one rank); thread-safe.
