@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/plan/step_plan.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/reflection.h"
@@ -878,11 +879,16 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
 
   // What a run cannot do yet: refused here, before any worker registers, not after.
   if (require_runnable) {
-    if (ll.pp() > 1) {
-      c.Fail("llm.layout.pp",
-             absl::StrCat("=", ll.pp(),
-                          ": the LLM does not run with pipeline parallelism yet (`hetpar plan` "
-                          "shows how its blocks would be routed); expected 1"));
+    // The first stage runs pp forwards (1F1B warm-up) before its first backward returns the
+    // gradients the encoder waits for to retire a job: the encoder must keep that many alive.
+    if (ll.pp() > 1 && s.placement() == hetpar::v1::PLACEMENT_NON_COLOCATED &&
+        plan::ImageGradientsCross(s) && s.run().max_inflight() < ll.pp()) {
+      c.Fail("run.max_inflight",
+             absl::StrCat("=", s.run().max_inflight(), " is less than llm.layout.pp=", ll.pp(),
+                          ": the LLM's first stage runs ", ll.pp(),
+                          " forwards before its first backward, so the encoder must keep that "
+                          "many jobs in flight; expected >= ",
+                          ll.pp()));
     }
     if (!s.checkpoint().dir().empty()) {
       c.Fail("checkpoint.dir",

@@ -253,8 +253,13 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
   auto cp = Load(kValid, {"llm.layout.cp=2", "llm.layout.sequence_parallel=true"});
   ASSERT_TRUE(cp.ok()) << cp.status();
   EXPECT_EQ(cp->spec.llm().layout().cp(), 2);
-  ExpectIssue(Load(kValid, {"llm.layout.pp=2"}), "llm.layout.pp", 0,
-              "=2: the LLM does not run with pipeline parallelism yet");
+  auto pp = Load(kValid, {"llm.layout.pp=2"});
+  ASSERT_TRUE(pp.ok()) << pp.status();
+  EXPECT_EQ(pp->spec.llm().layout().pp(), 2);
+  // Colocated too, whatever max_inflight: the encoder's forwards all run before the LLM's waves.
+  auto colocated = Load(kValid, {"placement=colocated", "encoder.layout.dp=4", "llm.layout.pp=2",
+                                 "run.max_inflight=1"});
+  EXPECT_TRUE(colocated.ok()) << colocated.status();
   const std::string text = std::string(kValid) + "checkpoint:\n  dir: ckpt\n  every: 5\n";
   auto result = Load(text);
   ExpectIssue(result, "checkpoint.dir", LineOf(text, "dir: ckpt"), "runs do not write checkpoints");
@@ -269,6 +274,14 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
   auto planned = LoadRunSpecFromString(text, "run.yaml", planning);
   ASSERT_TRUE(planned.ok()) << planned.status();
   EXPECT_EQ(planned->spec.llm().layout().pp(), 2);
+}
+
+TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {
+  ExpectIssue(Load(kValid, {"llm.layout.pp=2", "run.max_inflight=1"}), "run.max_inflight", 0,
+              "=1 is less than llm.layout.pp=2: the LLM's first stage runs 2 forwards");
+  // A frozen encoder waits for no gradients.
+  auto frozen = Load(kValid, {"llm.layout.pp=2", "run.max_inflight=1", "encoder.frozen=true"});
+  EXPECT_TRUE(frozen.ok()) << frozen.status();
 }
 
 TEST(ConfigTest, TrainProjectorNeedsAFrozenEncoder) {

@@ -91,11 +91,11 @@ TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
   const int checkpoint_line = static_cast<int>(std::count(yaml.begin(), yaml.end(), '\n')) + 2;
   yaml += "checkpoint:\n  dir: /tmp/ckpt\n";
   std::ofstream(path) << yaml;
-  auto r = RunCommand({kBin, "validate", "--config", path.string(), "--set", "llm.layout.pp=2"});
+  auto r = RunCommand({kBin, "validate", "--config", path.string(), "--set", "llm.layout.pp=2",
+                       "--set", "run.max_inflight=1"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 2);
-  EXPECT_THAT(r->stderr_text,
-              HasSubstr("llm.layout.pp: =2: the LLM does not run with pipeline parallelism yet"));
+  EXPECT_THAT(r->stderr_text, HasSubstr("run.max_inflight: =1 is less than llm.layout.pp=2"));
   EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir: ='/tmp/ckpt': runs do not write "
                                         "checkpoints yet"));
   EXPECT_THAT(r->stderr_text, HasSubstr(path.string() + ":" + std::to_string(checkpoint_line)));
@@ -107,12 +107,12 @@ TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
   EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir"));
   EXPECT_FALSE(fs::exists(path.string() + ".run"));
   // `hetpar plan` still routes such a layout, and says that a run would refuse it.
-  r = RunCommand(
-      {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.pp=2"});
+  r = RunCommand({kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set",
+                  "llm.layout.pp=2", "--set", "run.max_inflight=1"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
   EXPECT_THAT(r->stderr_text, HasSubstr("note: `hetpar run` refuses this config for now: "
-                                        "llm.layout.pp: =2"));
+                                        "run.max_inflight: =1"));
   // Context parallelism runs: no note.
   r = RunCommand(
       {kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set", "llm.layout.cp=2"});
