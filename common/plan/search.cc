@@ -113,6 +113,12 @@ absl::StatusOr<SearchResult> SearchLayouts(
     ll->set_dp(ldp);
     ll->set_cp(lcp);
     ll->set_pp(lpp);
+    // A pipelined LLM needs the encoder to keep pp jobs in flight (the validator's rule); the
+    // candidate takes that many, and the estimate counts their activations.
+    if (placement == v1::PLACEMENT_NON_COLOCATED && c.spec.run().max_inflight() < lpp &&
+        ImageGradientsCross(c.spec)) {
+      c.spec.mutable_run()->set_max_inflight(lpp);
+    }
     config::LoadedRunSpec loaded;
     loaded.spec = c.spec;
     if (!config::Validate(loaded, /*check_files=*/false, /*require_runnable=*/false).empty()) {

@@ -7,8 +7,9 @@
 //   colocated_heterogeneous colocated, each module its own tp x dp = the budget
 //   non_colocated           an encoder pool of E devices and the LLM on the other budget - E
 // The LLM may also take cp > 1 up to max_cp (context parallelism, within a node with its TP
-// group) and pp > 1 up to max_pp (estimated; a run refuses pp > 1 for now, and such candidates
-// say so). Candidates that do not fit the devices' memory are dropped.
+// group) and pp > 1 up to max_pp (a non-colocated candidate with pp stages keeps at least pp
+// encoder jobs in flight, run.max_inflight, as runs require). Candidates that do not fit the
+// devices' memory are dropped.
 #ifndef HETPAR_COMMON_PLAN_SEARCH_H_
 #define HETPAR_COMMON_PLAN_SEARCH_H_
 

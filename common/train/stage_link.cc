@@ -55,6 +55,7 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
     return absl::InvalidArgumentError("stage send: expected a CPU tensor [rows, hidden]");
   }
   HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(dst));
+  HETPAR_RETURN_IF_ERROR(Reap());
   const at::Tensor data = rows.detach().contiguous();
   const size_t data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
   auto message = std::make_unique<std::string>(kHeaderBytes + data_bytes, '\0');
@@ -67,7 +68,21 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
       auto op, transport_->Send(peer, StageTag(step, direction, microbatch),
                                 transport::ConstBuffer::Host(message->data(), message->size())));
   bytes_sent_ += static_cast<int64_t>(data_bytes);
-  sends_.Add(std::move(message), std::move(op));
+  sends_.push_back({std::move(message), std::move(op)});
+  return absl::OkStatus();
+}
+
+absl::Status StageLink::Reap() {
+  std::vector<Sent> pending;
+  for (Sent& sent : sends_) {
+    if (!sent.op->Done()) {
+      pending.push_back(std::move(sent));
+      continue;
+    }
+    absl::Status status = sent.op->Wait(absl::InfinitePast());
+    if (!status.ok()) return Annotate(status, "sending to a neighbouring pipeline stage");
+  }
+  sends_ = std::move(pending);
   return absl::OkStatus();
 }
 
@@ -134,14 +149,20 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
 }
 
 absl::Status StageLink::WaitSends() {
-  absl::Status status = sends_.Wait(absl::Now() + timeout_);
-  if (status.ok()) sends_ = PendingSends();
-  return Annotate(status, "sending to the neighbouring pipeline stages");
+  std::vector<std::unique_ptr<transport::Operation>> ops;
+  for (Sent& sent : sends_) ops.push_back(std::move(sent.op));
+  absl::Status status = transport::WaitAll(ops, absl::Now() + timeout_);
+  if (!status.ok()) {
+    for (size_t i = 0; i < ops.size(); ++i) sends_[i].op = std::move(ops[i]);
+    return Annotate(status, "sending to the neighbouring pipeline stages");
+  }
+  sends_.clear();
+  return absl::OkStatus();
 }
 
 void StageLink::Reset() {
   posted_.clear();  // destroying a pending receive withdraws it
-  sends_ = PendingSends();
+  sends_.clear();   // and a pending send is cancelled
 }
 
 }  // namespace hetpar::train

@@ -13,9 +13,11 @@
 // Tags: BoundaryTag(step, direction, microbatch | 2^18), so they never match the boundary's
 // messages between the same two ranks (a wave is below 2^18).
 //
-// Sends are posted and held until WaitSends; receives can be posted ahead (Post) and are waited
-// for by Receive. Every wait is bounded by the timeout; a dead peer fails it with kUnavailable
-// naming the rank. One thread drives a StageLink.
+// Sends are posted and their messages held until they complete: each Send first drops the
+// messages of completed sends (and fails with the error of a failed one), WaitSends waits for
+// the rest. Receives can be posted ahead (Post) and are waited for by Receive. Every wait is
+// bounded by the timeout; a dead peer fails it with kUnavailable naming the rank. One thread drives
+// a StageLink.
 #ifndef HETPAR_COMMON_TRAIN_STAGE_LINK_H_
 #define HETPAR_COMMON_TRAIN_STAGE_LINK_H_
 
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -63,6 +66,8 @@ class StageLink {
   // Withdraws receives still posted and sends still held (a step that ended early).
   void Reset();
 
+  // Sends whose messages are still held (not yet dropped by a Send or WaitSends).
+  int64_t held_sends() const { return static_cast<int64_t>(sends_.size()); }
   int64_t bytes_sent() const { return bytes_sent_; }
   int64_t bytes_received() const { return bytes_received_; }
 
@@ -79,8 +84,15 @@ class StageLink {
   transport::Transport* transport_;
   std::map<int64_t, transport::PeerId> peers_;
   absl::Duration timeout_;
+  struct Sent {
+    std::unique_ptr<std::string> message;
+    std::unique_ptr<transport::Operation> op;
+  };
+  // Drops completed sends; the first failure, naming the peer.
+  absl::Status Reap();
+
   std::map<Key, Posted> posted_;
-  PendingSends sends_;
+  std::vector<Sent> sends_;
   int64_t bytes_sent_ = 0;
   int64_t bytes_received_ = 0;
 };

@@ -54,6 +54,15 @@ TEST_F(StageLinkTest, ActivationsAndGradientsArriveInPlace) {
   EXPECT_TRUE(got0->is_same(in0));
   EXPECT_TRUE(at::equal(in0, activations));
   EXPECT_TRUE(at::equal(in1, activations * 2));
+  // Send 0 had completed (its receive was posted first) when send 1 was posted, which dropped
+  // its message; send 1 has completed since, and the next send drops it.
+  EXPECT_EQ(first_->held_sends(), 1);
+  at::Tensor in2 = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 7, plan::Direction::kForward, 2, in2).ok());
+  ASSERT_TRUE(first_->Send(6, 7, plan::Direction::kForward, 2, activations * 3).ok());
+  EXPECT_EQ(first_->held_sends(), 1);
+  ASSERT_TRUE(second_->Receive(4, 7, plan::Direction::kForward, 2).ok());
+  EXPECT_TRUE(at::equal(in2, activations * 3));
   // The gradient goes back; a transposed (non-contiguous) tensor is sent as its values.
   const at::Tensor grad = at::arange(12, at::kDouble).reshape({4, 3}).t();
   at::Tensor back = at::zeros({3, 4}, at::kDouble);
@@ -63,7 +72,8 @@ TEST_F(StageLinkTest, ActivationsAndGradientsArriveInPlace) {
   EXPECT_TRUE(at::equal(back, grad));
   EXPECT_TRUE(first_->WaitSends().ok());
   EXPECT_TRUE(second_->WaitSends().ok());
-  EXPECT_EQ(first_->bytes_sent(), 2 * 12 * 8);
+  EXPECT_EQ(first_->held_sends(), 0);
+  EXPECT_EQ(first_->bytes_sent(), 3 * 12 * 8);
   EXPECT_EQ(first_->bytes_received(), 12 * 8);
 }
 

@@ -171,6 +171,26 @@ TEST(CliPlanTest, SearchRanksCandidatesAndShowsTheBestHomogeneous) {
   EXPECT_TRUE(homogeneous) << r->stdout_text;
 }
 
+TEST(CliPlanTest, SearchOffersRunnablePipelinedLlms) {
+  auto r = RunCommand(
+      {kBin, "plan", "--config", kTiny, "--search", "--gpus", "8", "--top", "200", "--max-pp", "2",
+       "--json", "--cluster", "h100-sxm", "--estimate-steps", "1", "--set", "run.max_inflight=1"},
+      120);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+  std::istringstream lines(r->stdout_text);
+  std::string line;
+  int pipelined = 0;
+  while (std::getline(lines, line)) {
+    const auto c = nlohmann::json::parse(line);
+    if (c["llm_layout"].get<std::string>().find("pp2") == std::string::npos) continue;
+    ++pipelined;
+    // One job in flight is too few for 2 stages fed by an encoder pool: the search raises it.
+    EXPECT_TRUE(c["runnable"].get<bool>()) << line;
+  }
+  EXPECT_GT(pipelined, 0) << r->stdout_text;
+}
+
 TEST(CliPlanTest, PlannerInputErrorsExitTwo) {
   auto no_budget = RunCommand({kBin, "plan", "--config", kTiny, "--search"});
   ASSERT_TRUE(no_budget.ok());
