@@ -25,16 +25,27 @@
 //
 // Cases: the config as given (tiny: 4 waves), the same with every step traced (`--trace`),
 // followed by a step_trace line with its overhead, and with run.micro_batch=1 (8 waves):
-//   {"bench":"step_trace","step_time_s_untraced":...,"step_time_s_traced":...,"overhead":...} The
-//   first
-// --warmup steps are excluded. Baseline for the efficiency: the busier module's own busy time in
-// the same run.
+//   {"bench":"step_trace","step_time_s_untraced":...,"step_time_s_traced":...,"overhead":...}
+//
+// Pipeline cases: the LLM at 4 layers, tp 1, in 1, 2 and 4 pipeline stages over 8 microbatches
+// (run.micro_batch=1), fed by one encoder rank, each followed by one line
+//   {"bench":"step_pipeline","case":...,"stages":S,"microbatches":M,"bubble":...,
+//    "bubble_bound":(S-1)/(M+S-1),"ratio":bubble/bound,"step_time_s":...,
+//    "step_time_vs_pp1":...}
+// where a rank's bubble is its time waiting for the neighbouring stages over its compute plus
+// that wait (what the bound counts: idle over busy plus idle), averaged over the LLM ranks and
+// taken as the median over the measured steps. On a machine with fewer cores than processes the
+// stages also wait for cores, which this does not separate.
+//
+// The first --warmup steps are excluded. Baseline for the efficiency: the busier module's own
+// busy time in the same run.
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -66,6 +77,36 @@ double TransportGbps(int64_t size, int window) {
   return gbps;
 }
 
+// The median over steps >= warmup of the LLM ranks' mean pipeline bubble: per rank,
+// pipeline_wait_s / (compute_s + pipeline_wait_s) from workers/rank-<r>.steps.jsonl. 0 without
+// pipeline stages.
+double PipelineBubble(const std::string& out, int warmup) {
+  std::map<int64_t, std::vector<double>> by_step;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(out + "/workers", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() < 12 || name.substr(name.size() - 12) != ".steps.jsonl") continue;
+    std::ifstream in(entry.path());
+    std::string text;
+    while (std::getline(in, text)) {
+      const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+      if (j.is_discarded() || j.value("module", "") != "llm" || j["step"].get<int>() < warmup) {
+        continue;
+      }
+      const double wait = j.value("pipeline_wait_s", 0.0);
+      const double busy = j.value("compute_s", 0.0);
+      by_step[j["step"].get<int64_t>()].push_back(wait + busy > 0 ? wait / (wait + busy) : 0);
+    }
+  }
+  std::vector<double> per_step;
+  for (const auto& [step, ranks] : by_step) {
+    double sum = 0;
+    for (double b : ranks) sum += b;
+    per_step.push_back(sum / static_cast<double>(ranks.size()));
+  }
+  return Median(per_step);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,9 +131,15 @@ int main(int argc, char** argv) {
   // "traced" repeats the first case with every step's timeline recorded (--trace): its step
   // time against the first case's is the cost of tracing (a step_trace line).
   // It runs right after the first case, so both see the machine in the same state.
+  const std::string pipeline =
+      " --set run.micro_batch=1 --set run.max_inflight=4 --set encoder.layout.dp=1"
+      " --set llm.model.layers=4 --set llm.layout.tp=1 --set llm.layout.pp=";
   const std::vector<Case> cases = {{"as_configured", ""},
                                    {"traced", " --trace 0:" + std::to_string(steps)},
-                                   {"micro_batch_1", " --set run.micro_batch=1"}};
+                                   {"micro_batch_1", " --set run.micro_batch=1"},
+                                   {"pipeline_pp1", pipeline + "1"},
+                                   {"pipeline_pp2", pipeline + "2"},
+                                   {"pipeline_pp4", pipeline + "4"}};
   std::map<std::string, double> median_step_time;
   struct Bridge {
     std::string name;
@@ -158,6 +205,25 @@ int main(int argc, char** argv) {
     std::printf("%s\n", result.dump().c_str());
     std::fflush(stdout);
     median_step_time[c.name] = Median(step_time);
+    if (c.name.rfind("pipeline_pp", 0) == 0) {
+      const int stages = std::stoi(c.name.substr(std::string("pipeline_pp").size()));
+      const int microbatches = 8;  // global batch 8, micro batch 1, LLM dp 1
+      const double bubble = PipelineBubble(out, warmup);
+      const double bound = static_cast<double>(stages - 1) / (microbatches + stages - 1);
+      const double pp1 = median_step_time["pipeline_pp1"];
+      const nlohmann::json line = {
+          {"bench", "step_pipeline"},
+          {"case", c.name},
+          {"stages", stages},
+          {"microbatches", microbatches},
+          {"bubble", bubble},
+          {"bubble_bound", bound},
+          {"ratio", bound > 0 ? bubble / bound : 0},
+          {"step_time_s", median_step_time[c.name]},
+          {"step_time_vs_pp1", pp1 > 0 ? median_step_time[c.name] / pp1 : 0}};
+      std::printf("%s\n", line.dump().c_str());
+      std::fflush(stdout);
+    }
     if (c.name == "traced") {
       const double off = median_step_time["as_configured"];
       const nlohmann::json line = {
@@ -169,7 +235,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       continue;  // the same bridge as the first case
     }
-    if (bridge_messages > 0 && bridge_time > 0) {
+    // The pipeline cases move the same image rows as micro_batch_1: no bridge line of their own.
+    if (bridge_messages > 0 && bridge_time > 0 && c.name.rfind("pipeline_pp", 0) != 0) {
       bridges.push_back({c.name, static_cast<int64_t>(bridge_bytes / bridge_messages),
                          bridge_bytes / bridge_time / 1e9});
     }
