@@ -134,6 +134,8 @@ class AtomicFileWriter {
   }
 
   absl::Status Append(const void* data, size_t bytes) {
+    crc_ = Crc(crc_, data, bytes);
+    bytes_ += bytes;
     const char* p = static_cast<const char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::write(fd_, p, std::min(bytes, kChunkBytes));
@@ -167,6 +169,9 @@ class AtomicFileWriter {
     return absl::OkStatus();
   }
 
+  // The size and CRC-32 of what was appended: the file's, once committed.
+  WrittenFile written() const { return {bytes_, crc_}; }
+
  private:
   AtomicFileWriter(std::string path, std::string temp, int fd)
       : path_(std::move(path)), temp_(std::move(temp)), fd_(fd) {}
@@ -175,6 +180,8 @@ class AtomicFileWriter {
   std::string temp_;
   int fd_;
   bool committed_ = false;
+  uint32_t crc_ = 0;  // of every byte appended
+  uint64_t bytes_ = 0;
 };
 
 // Random-access reads of a parameter file; reading past its end is DataLoss ("truncated").
@@ -450,8 +457,8 @@ absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string&
   return out;
 }
 
-absl::Status WriteFullParameters(const std::vector<FullParameter>& params,
-                                 const std::string& path) {
+absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path,
+                                 WrittenFile* written) {
   std::set<std::string> names;
   for (const FullParameter& p : params) {
     if (p.name.empty() || p.name.size() > kMaxNameBytes || !names.insert(p.name).second) {
@@ -474,7 +481,9 @@ absl::Status WriteFullParameters(const std::vector<FullParameter>& params,
                                        [&] { return p.tensor.contiguous(); }));
     HETPAR_RETURN_IF_ERROR(WriteEntry(*file, p.name, contiguous));
   }
-  return Annotate(file->Commit(), absl::StrCat("saving parameters to ", path));
+  HETPAR_RETURN_IF_ERROR(Annotate(file->Commit(), absl::StrCat("saving parameters to ", path)));
+  if (written != nullptr) *written = file->written();
+  return absl::OkStatus();
 }
 
 absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {

@@ -90,7 +90,13 @@ absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string&
 // Writes `params` (full tensors, in this order) to `path` as SaveFullParameters does, from one
 // process: how the pipeline stages' files of a model are joined into one. InvalidArgument for an
 // empty, overlong or repeated name; write errors name the path.
-absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path);
+// `written`, when given, receives the file's size and zlib CRC-32, summed while it was written.
+struct WrittenFile {
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path,
+                                 WrittenFile* written = nullptr);
 
 }  // namespace hetpar::nn
 

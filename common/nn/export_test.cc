@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <stdlib.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -291,7 +292,8 @@ TEST_F(ExportTest, StagePartsJoinIntoOneFileAndAStageLoadsItsPart) {
     for (FullParameter& p : *read) whole.push_back(std::move(p));
   }
   const std::string joined = dir_ + "/joined.hpar";
-  ASSERT_TRUE(WriteFullParameters(whole, joined).ok());
+  WrittenFile written;
+  ASSERT_TRUE(WriteFullParameters(whole, joined, &written).ok());
   // Byte for byte what one save of the whole model writes.
   const std::string saved = dir_ + "/whole.hpar";
   SaveAt(1, saved, at::kFloat);
@@ -300,6 +302,11 @@ TEST_F(ExportTest, StagePartsJoinIntoOneFileAndAStageLoadsItsPart) {
     return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   };
   EXPECT_EQ(bytes(joined), bytes(saved));
+  // The size and checksum summed while writing are the file's.
+  const std::string file = bytes(joined);
+  EXPECT_EQ(written.bytes, file.size());
+  EXPECT_EQ(written.crc32, static_cast<uint32_t>(crc32_z(
+                               0, reinterpret_cast<const Bytef*>(file.data()), file.size())));
   // The second stage's rank 1 of 2 loads its slices of the whole file; as a whole model it may not.
   auto stage = MakeSet(second, 1, 2, at::kFloat);
   EXPECT_EQ(LoadFullParameters(*stage, joined).code(), absl::StatusCode::kInvalidArgument);

@@ -4,10 +4,13 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/nn/torch_status.h"
+#include "common/status.h"
 
 namespace hetpar::train {
 namespace {
@@ -122,6 +125,81 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
     adamw_->step();
     params_->ZeroGrad();
   });
+}
+
+const nn::NamedParameter* ModuleOptimizer::TrainableParameter(const std::string& name) const {
+  const nn::NamedParameter* p = params_->Find(name);
+  if (p == nullptr || !p->trainable || adamw_ == nullptr) return nullptr;
+  for (const auto& group : adamw_->param_groups()) {
+    for (const at::Tensor& t : group.params()) {
+      if (t.is_same(p->tensor)) return p;
+    }
+  }
+  return nullptr;
+}
+
+// AdamW keys its state by the address of the parameter's TensorImpl, as libtorch's own
+// optimizers and their serialisation do.
+std::optional<ModuleOptimizer::ParamState> ModuleOptimizer::StateOf(const std::string& name) const {
+  const nn::NamedParameter* p = TrainableParameter(name);
+  if (p == nullptr) return std::nullopt;
+  const auto& states = adamw_->state();
+  auto it = states.find(c10::guts::to_string(p->tensor.unsafeGetTensorImpl()));
+  if (it == states.end()) return std::nullopt;
+  const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+  return ParamState{adam.exp_avg(), adam.exp_avg_sq(), adam.step()};
+}
+
+absl::Status ModuleOptimizer::CheckState(const std::string& name, const ParamState& state) const {
+  const nn::NamedParameter* p = params_->Find(name);
+  if (p == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state for unknown parameter '", name, "'"));
+  }
+  if (TrainableParameter(name) == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer state for parameter '", name, "', which the optimizer does not train (frozen)"));
+  }
+  if (state.step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state for parameter '", name, "' has step ", state.step));
+  }
+  const auto check_moment = [&](const char* what, const at::Tensor& moment) {
+    if (!moment.defined()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer state for parameter '", name, "' has no ", what));
+    }
+    if (moment.sizes() != p->tensor.sizes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer state for parameter '", name, "': ", what, " has shape [",
+                       absl::StrJoin(moment.sizes(), ", "), "], the parameter [",
+                       absl::StrJoin(p->tensor.sizes(), ", "), "]"));
+    }
+    return absl::OkStatus();
+  };
+  HETPAR_RETURN_IF_ERROR(check_moment("exp_avg", state.exp_avg));
+  return check_moment("exp_avg_sq", state.exp_avg_sq);
+}
+
+absl::Status ModuleOptimizer::SetState(const std::string& name, const ParamState& state) {
+  HETPAR_RETURN_IF_ERROR(CheckState(name, state));
+  const nn::NamedParameter* p = TrainableParameter(name);
+  return nn::RunTorch(absl::StrCat("setting the optimizer state of ", name), [&] {
+    at::NoGradGuard no_grad;
+    // Fresh tensors laid out like the parameter (AdamW's own init uses zeros_like), so that the
+    // state never aliases the caller's tensors.
+    auto adam = std::make_unique<torch::optim::AdamWParamState>();
+    adam->step(state.step);
+    adam->exp_avg(at::empty_like(p->tensor, at::MemoryFormat::Preserve).copy_(state.exp_avg));
+    adam->exp_avg_sq(at::empty_like(p->tensor, at::MemoryFormat::Preserve).copy_(state.exp_avg_sq));
+    adamw_->state()[c10::guts::to_string(p->tensor.unsafeGetTensorImpl())] = std::move(adam);
+  });
+}
+
+void ModuleOptimizer::ClearState(const std::string& name) {
+  const nn::NamedParameter* p = TrainableParameter(name);
+  if (p == nullptr) return;
+  adamw_->state().erase(c10::guts::to_string(p->tensor.unsafeGetTensorImpl()));
 }
 
 }  // namespace hetpar::train

@@ -10,6 +10,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -62,8 +64,33 @@ class ModuleOptimizer {
   // every layout updates every parameter the same way). No-op when nothing is trainable.
   absl::Status Step(int64_t step, double clip_coefficient);
 
+  // AdamW's state of one parameter: its moments (this rank's slice) and how many steps it took.
+  struct ParamState {
+    at::Tensor exp_avg;
+    at::Tensor exp_avg_sq;
+    int64_t step = 0;
+  };
+  // The state of the parameter `name`; nullopt for a frozen or unknown parameter or before its
+  // first step. The moments are the optimizer's own tensors, not copies: the next Step changes
+  // them in place, so a caller that keeps them past it clones them.
+  std::optional<ParamState> StateOf(const std::string& name) const;
+  // What SetState checks, changing nothing: InvalidArgument naming the parameter for a frozen
+  // or unknown name, undefined moments, moments of another shape than the parameter's, or a
+  // negative step. Lets a caller validate a whole set of states before replacing any.
+  absl::Status CheckState(const std::string& name, const ParamState& state) const;
+  // Replaces the state of trainable parameter `name` (the moments are copied, converted to the
+  // parameter's dtype and device); the next Step continues from it exactly as from the steps
+  // that produced it. Errors as CheckState, and then nothing changes.
+  absl::Status SetState(const std::string& name, const ParamState& state);
+  // Drops the state of `name` (its next Step starts from zero moments, as its first did). No-op
+  // for a parameter without state, a frozen or an unknown one.
+  void ClearState(const std::string& name);
+
  private:
   ModuleOptimizer(nn::ParameterSet* params, const hetpar::v1::Optimizer& options);
+  // The trainable parameter `name` that AdamW updates; nullptr when frozen, unknown or not
+  // registered with AdamW (nothing trainable, or made trainable after Create).
+  const nn::NamedParameter* TrainableParameter(const std::string& name) const;
 
   nn::ParameterSet* params_;
   hetpar::v1::Optimizer options_;

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -163,6 +165,88 @@ TEST(ModuleOptimizerTest, FrozenParameterNeverChanges) {
   ASSERT_TRUE(none.ok()) << none.status();
   ASSERT_TRUE((*none)->Step(1, 1.0).ok());
   EXPECT_NEAR(set.parameters()[1].tensor.item<double>(), 1.9, 1e-15);
+}
+
+// A fresh optimizer given the parameters and the AdamW state of one after 3 steps takes the 4th
+// step bit for bit as the original does: StateOf/SetState carry everything AdamW needs (the
+// moments and the step count behind the bias correction).
+TEST(ModuleOptimizerTest, SetStateContinuesExactlyLikeTheOriginal) {
+  auto original = MakeSet(0, 1);
+  auto original_opt = ModuleOptimizer::Create(original.get(), Adam(0.05, 0.1, 2));
+  ASSERT_TRUE(original_opt.ok());
+  EXPECT_FALSE((*original_opt)->StateOf("m.weight").has_value());  // before the first step
+  for (int step = 0; step < 3; ++step) {
+    SetGrads(*original, step);
+    ASSERT_TRUE((*original_opt)->Step(step, 0.8).ok());
+  }
+  // Another seed: every value the copy ends with comes from the original.
+  nn::ParameterSet copy(8, at::kDouble, 0, 1, nn::InitStyle::kAllRandom);
+  ASSERT_TRUE(copy.Add("m.weight", {4, 3}, 0, nn::InitRule::Normal(0.5)).ok());
+  ASSERT_TRUE(copy.Add("m.bias", {3}, -1, nn::InitRule::Normal(0.5)).ok());
+  auto copy_opt = ModuleOptimizer::Create(&copy, Adam(0.05, 0.1, 2));
+  ASSERT_TRUE(copy_opt.ok());
+  for (const auto& p : original->parameters()) {
+    std::optional<ModuleOptimizer::ParamState> state = (*original_opt)->StateOf(p.name);
+    ASSERT_TRUE(state.has_value()) << p.name;
+    EXPECT_EQ(state->step, 3) << p.name;
+    {
+      at::NoGradGuard no_grad;
+      copy.Find(p.name)->tensor.copy_(p.tensor);
+    }
+    ASSERT_TRUE((*copy_opt)->SetState(p.name, *state).ok()) << p.name;
+    // SetState copied the moments: they do not alias the original's.
+    std::optional<ModuleOptimizer::ParamState> copied = (*copy_opt)->StateOf(p.name);
+    ASSERT_TRUE(copied.has_value());
+    EXPECT_FALSE(copied->exp_avg.is_same(state->exp_avg));
+    EXPECT_TRUE(at::equal(copied->exp_avg, state->exp_avg)) << p.name;
+    EXPECT_TRUE(at::equal(copied->exp_avg_sq, state->exp_avg_sq)) << p.name;
+  }
+  SetGrads(*original, 3);
+  SetGrads(copy, 3);
+  ASSERT_TRUE((*original_opt)->Step(3, 0.8).ok());
+  ASSERT_TRUE((*copy_opt)->Step(3, 0.8).ok());
+  for (const auto& p : original->parameters()) {
+    const at::Tensor a = p.tensor.detach().reshape({-1});
+    const at::Tensor b = copy.Find(p.name)->tensor.detach().reshape({-1});
+    // The step moved the parameter, so matching it is not matching a copy made before it.
+    ASSERT_EQ(a.numel(), b.numel());
+    for (int64_t i = 0; i < a.numel(); ++i) {
+      EXPECT_EQ(a[i].item<double>(), b[i].item<double>()) << p.name << " at index " << i;
+    }
+    EXPECT_EQ((*copy_opt)->StateOf(p.name)->step, 4);
+  }
+}
+
+TEST(ModuleOptimizerTest, SetStateRejectsFrozenUnknownAndMisshapen) {
+  nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("tower.w", {2, 3}, -1, nn::InitRule::Constant(1.0)).ok());
+  ASSERT_TRUE(set.Add("head.w", {2, 3}, -1, nn::InitRule::Constant(1.0)).ok());
+  set.Freeze("tower.");
+  auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.0));
+  ASSERT_TRUE(opt.ok());
+  const ModuleOptimizer::ParamState good{at::ones({2, 3}, at::kFloat),
+                                         at::full({2, 3}, 0.5, at::kFloat), 7};
+  for (const std::string name : {"tower.w", "nope"}) {
+    absl::Status status = (*opt)->SetState(name, good);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_NE(status.message().find(name), std::string::npos) << status;
+  }
+  ModuleOptimizer::ParamState misshapen = good;
+  misshapen.exp_avg_sq = at::ones({3, 2}, at::kDouble);
+  absl::Status status = (*opt)->SetState("head.w", misshapen);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("head.w"), std::string::npos) << status;
+  EXPECT_FALSE((*opt)->StateOf("head.w").has_value());  // the failed call set nothing
+  EXPECT_FALSE((*opt)->StateOf("tower.w").has_value());
+  // A float32 state is converted to the parameter's float64.
+  ASSERT_TRUE((*opt)->SetState("head.w", good).ok());
+  std::optional<ModuleOptimizer::ParamState> state = (*opt)->StateOf("head.w");
+  ASSERT_TRUE(state.has_value());
+  EXPECT_EQ(state->step, 7);
+  EXPECT_EQ(state->exp_avg.scalar_type(), at::kDouble);
+  EXPECT_TRUE(at::equal(state->exp_avg_sq, at::full({2, 3}, 0.5, at::kDouble)));
+  (*opt)->ClearState("head.w");
+  EXPECT_FALSE((*opt)->StateOf("head.w").has_value());
 }
 
 TEST(ModuleOptimizerTest, LinearWarmup) {

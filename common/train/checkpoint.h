@@ -1,0 +1,133 @@
+// Sharded, resumable checkpoints of the modules' parameters and AdamW state, written from one
+// parallel layout and loaded into any other.
+//
+// A checkpoint of step N (N committed steps) is one directory, e.g. <checkpoint.dir>/step-000004:
+//
+//   llm-pp0-tp0.hpar    one shard per writing rank: the rank's parameter slices, each under its
+//   llm-pp0-tp0.json    name, and their AdamW moments under "<name>@exp_avg" and
+//   llm-pp1-tp0.hpar    "<name>@exp_avg_sq" (the .hpar format of common/nn/export.h); and its
+//   ...                 sidecar, saying what the shard holds and how each slice lies in the
+//   encoder-pp0-tp0.*   full tensor
+//   manifest.json       written last, once every shard's sidecar is there: the checkpoint is
+//                       complete when, and only when, it exists
+//
+// Only one DP replica (and CP rank 0) of each module writes, one shard per (PP stage, TP rank):
+// the other replicas hold the same values. Every file is written atomically (temporary file,
+// fsync, rename), a sidecar after its shard, so a sidecar always names a complete shard and a
+// manifest complete sidecars.
+//
+//   // each writer, after the optimizer step of step N-1:
+//   HETPAR_RETURN_IF_ERROR(WriteShard(dir, id, N, params, optimizer.get()));
+//   HETPAR_ASSIGN_OR_RETURN(bool complete, CompleteIfAllWritten(dir, writers, N, extra));
+//   if (complete) HETPAR_RETURN_IF_ERROR(PruneCheckpoints(parent, keep));
+//   // on resume, at any layout:
+//   HETPAR_ASSIGN_OR_RETURN(CheckpointInfo info, ReadCheckpointInfo(dir));
+//   HETPAR_RETURN_IF_ERROR(LoadModuleState(dir, "llm", params, optimizer.get()));
+//
+// The functions are thread-safe: several ranks (processes or threads) write their shards and may
+// complete the same checkpoint at once.
+#ifndef HETPAR_COMMON_TRAIN_CHECKPOINT_H_
+#define HETPAR_COMMON_TRAIN_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/nn/export.h"
+#include "common/nn/parameters.h"
+#include "common/train/optimizer.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::train {
+
+// The rank that writes a shard: its module ("encoder" or "llm"), TP rank and size, pipeline
+// stage and stage count. Only one DP replica (and one CP rank) writes: they all hold the same.
+struct ShardId {
+  std::string module;
+  int64_t tp = 0;
+  int64_t tp_size = 1;
+  int64_t pp = 0;
+  int64_t pp_size = 1;
+};
+// "llm-pp0-tp1": the shard file is <name>.hpar, its sidecar <name>.json.
+std::string ShardName(const ShardId& id);
+
+// The name of the directory of the checkpoint of step `step` under checkpoint.dir:
+// "step-000004" (PruneCheckpoints reads it back).
+std::string CheckpointDirName(int64_t step);
+
+// Writes this rank's shard of a checkpoint of step `step` into `dir` (created if missing):
+// <name>.hpar holding, for every parameter of `params`, its local slice under its name, and for a
+// parameter with optimizer state (optimizer != nullptr and StateOf has a value) the moments under
+// "<name>@exp_avg" and "<name>@exp_avg_sq"; then <name>.json, the sidecar: {"format": 1,
+// "module", "step", "tp", "tp_size", "pp", "pp_size", "file": "<name>.hpar", "bytes", "crc32"
+// (zlib CRC-32 of the whole .hpar file), "params": [{"name", "full_shape", "split_dim",
+// "offset", "length", "adam_step" (absent without state)}]}. A stale sidecar of the same shard
+// is removed first. InvalidArgument for an id out of range or not matching the ParameterSet's TP
+// rank and size; I/O errors name the file.
+absl::Status WriteShard(const std::string& dir, const ShardId& id, int64_t step,
+                        const nn::ParameterSet& params, const ModuleOptimizer* optimizer);
+
+// WriteShard in two parts, so the write can run off the training thread: SnapshotShard copies
+// what the shard holds out of the live parameters and optimizer (the only part that must happen
+// between two steps), WriteShardSnapshot writes the copy (any thread; the model may train on).
+// The same checks and errors as WriteShard, the argument checks in SnapshotShard.
+struct ShardSnapshot {
+  ShardId id;
+  int64_t step = 0;
+  std::vector<nn::FullParameter> entries;  // the slices and moments, copied
+  nlohmann::json params;                   // the sidecar's "params"
+  int64_t bytes() const;                   // of the copied tensors
+};
+absl::StatusOr<ShardSnapshot> SnapshotShard(const ShardId& id, int64_t step,
+                                            const nn::ParameterSet& params,
+                                            const ModuleOptimizer* optimizer);
+absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& snapshot);
+
+// Called by each writer after its WriteShard: when the sidecars of all `expected` shards (the
+// writers of every module) are in `dir`, writes <dir>/manifest.json atomically: {"format": 1,
+// "step", "shards": [{"name", "file", "bytes", "crc32"}, ...] (in the order of `expected`),
+// "extra": `extra`} and returns true; false while some are missing. Several writers may finish
+// at once and each write the same manifest (the rename makes that safe). `extra` is a JSON
+// object the caller gives (e.g. the data position; null counts as {}). InvalidArgument for an
+// empty or repeated `expected` or an `extra` that is not an object; FailedPrecondition naming
+// the file for a sidecar of another step or layout; DataLoss for a malformed sidecar or a shard
+// whose size is not its sidecar's.
+absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
+                                          const std::vector<ShardId>& expected, int64_t step,
+                                          const nlohmann::json& extra);
+
+// What a complete checkpoint says of itself (its manifest.json).
+struct CheckpointInfo {
+  int64_t step = 0;
+  nlohmann::json extra;  // the object given to CompleteIfAllWritten
+};
+// NotFound naming the directory when it has no manifest (an incomplete checkpoint, or none);
+// DataLoss naming the file for a malformed one.
+absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir);
+
+// Loads this rank's slices of module `module`'s parameters, and with optimizer != nullptr their
+// AdamW state, from the complete checkpoint `dir`, whatever TP and PP layout wrote it: each
+// parameter's full tensor is assembled from the shards of `module` that hold it (the TP slices
+// concatenated along split_dim in offset order; a replicated one taken from any shard), then
+// sliced to this rank's `slice` and converted to the parameter's dtype. Every shard file of the
+// module is checked against the manifest's bytes and crc32 first: a mismatch is DataLoss naming
+// the file and both values. A parameter of `params` that no shard holds is NotFound naming it and
+// the directory; InvalidArgument for one whose full shape differs from the checkpoint's. A
+// trainable parameter with saved state gets it (SetState); one without saved state (e.g. it was
+// frozen, or the run was at step 0) gets none; a frozen one never gets any. On any error nothing
+// of `params` or the optimizer changes. Gradients are untouched.
+absl::Status LoadModuleState(const std::string& dir, const std::string& module,
+                             nn::ParameterSet& params, ModuleOptimizer* optimizer);
+
+// Removes the step-* directories of `parent` (named "step-%06d") except the `keep` newest
+// complete ones (with a readable manifest); incomplete ones older than the newest complete one go
+// too, newer ones (being written) stay. Other entries of `parent` are left alone; a missing
+// `parent` has nothing to prune. InvalidArgument for keep < 1.
+absl::Status PruneCheckpoints(const std::string& parent, int64_t keep);
+
+}  // namespace hetpar::train
+
+#endif  // HETPAR_COMMON_TRAIN_CHECKPOINT_H_

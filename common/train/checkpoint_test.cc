@@ -1,0 +1,529 @@
+#include "common/train/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <stdlib.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "common/nn/export.h"
+#include "common/nn/test_ranks.h"
+#include "common/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::train {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int split_dim;
+};
+
+constexpr char kFrozen[] = "f.frozen";
+
+// Parameters split on each dim of 1-, 2- and 3-D tensors, replicated ones and a frozen one;
+// every split size divides by 1, 2 and 4.
+std::vector<Spec> Specs() {
+  return {{"a.weight", {8, 6}, 0}, {"b.weight", {6, 8}, 1},   {"c.norm", {6}, -1},
+          {"d.bias", {8}, 0},      {"e.table", {4, 2, 8}, 2}, {kFrozen, {4, 4}, 0}};
+}
+
+std::vector<Spec> Pick(const std::vector<std::string>& names) {
+  std::vector<Spec> picked;
+  for (const Spec& s : Specs()) {
+    if (std::find(names.begin(), names.end(), s.name) != names.end()) picked.push_back(s);
+  }
+  return picked;
+}
+
+hetpar::v1::Optimizer Adam() {
+  hetpar::v1::Optimizer o;
+  o.set_lr(0.05);
+  o.set_weight_decay(0.1);
+  o.set_beta1(0.9);
+  o.set_beta2(0.999);
+  o.set_eps(1e-8);
+  return o;
+}
+
+// A module's parameters (TP rank `rank` of `size`, float64, initialised from `seed`) and their
+// optimizer. Sets of different seeds start from different values, so a loaded value can only
+// come from the checkpoint.
+struct Trainee {
+  std::vector<Spec> specs;
+  std::unique_ptr<nn::ParameterSet> set;
+  std::unique_ptr<ModuleOptimizer> opt;
+};
+
+Trainee MakeTrainee(const std::vector<Spec>& specs, int rank, int size, int64_t seed) {
+  Trainee t;
+  t.specs = specs;
+  t.set =
+      std::make_unique<nn::ParameterSet>(seed, at::kDouble, rank, size, nn::InitStyle::kAllRandom);
+  for (const Spec& s : specs) {
+    auto added = t.set->Add(s.name, s.shape, s.split_dim, nn::InitRule::Normal(0.5));
+    EXPECT_TRUE(added.ok()) << added.status();
+  }
+  t.set->Freeze(kFrozen);
+  auto opt = ModuleOptimizer::Create(t.set.get(), Adam());
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  t.opt = *std::move(opt);
+  return t;
+}
+
+at::Tensor SliceOf(const at::Tensor& full, const nn::NamedParameter& p) {
+  return p.slice.split_dim < 0 ? full
+                               : full.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
+}
+
+// The full gradient of a parameter at `step`: the same whatever the layout.
+at::Tensor FullGrad(const Spec& spec, int step) {
+  int64_t n = 1;
+  for (int64_t d : spec.shape) n *= d;
+  return at::arange(n, at::kDouble)
+      .mul(0.37)
+      .add(step * 0.11 + static_cast<double>(spec.name.size()) * 0.05)
+      .sin()
+      .reshape(spec.shape);
+}
+
+// One optimizer step of `t` with this rank's slices of the full gradients of `step`.
+absl::Status TrainStep(Trainee& t, int step) {
+  for (const Spec& s : t.specs) {
+    const nn::NamedParameter* p = t.set->Find(s.name);
+    if (p->trainable) p->tensor.mutable_grad() = SliceOf(FullGrad(s, step), *p).clone();
+  }
+  return t.opt->Step(step, 1.0);
+}
+
+// Exact equality of every element, with the first mismatch reported.
+void ExpectIdentical(const at::Tensor& actual, const at::Tensor& expected,
+                     const std::string& what) {
+  ASSERT_TRUE(actual.defined()) << what;
+  ASSERT_EQ(actual.sizes(), expected.sizes()) << what;
+  ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
+  const at::Tensor a = actual.detach().contiguous().view(-1);
+  const at::Tensor e = expected.detach().contiguous().view(-1);
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    ASSERT_EQ(a[i].item<double>(), e[i].item<double>()) << what << ": mismatch at index " << i;
+  }
+}
+
+// A module's full parameters and moments, joined from the slices of the trainees of one TP
+// group (in rank order, which is offset order).
+struct FullState {
+  std::map<std::string, at::Tensor> value;
+  std::map<std::string, at::Tensor> exp_avg;  // absent without state
+  std::map<std::string, at::Tensor> exp_avg_sq;
+  std::map<std::string, int64_t> step;
+};
+
+FullState Join(const std::vector<Trainee>& group) {
+  FullState full;
+  for (const Spec& s : group.front().specs) {
+    const nn::NamedParameter& p0 = *group.front().set->Find(s.name);
+    const auto join = [&](const std::function<at::Tensor(const Trainee&)>& part) {
+      if (p0.slice.split_dim < 0) return part(group.front()).clone();
+      std::vector<at::Tensor> parts;
+      for (const Trainee& t : group) parts.push_back(part(t));
+      return at::cat(parts, p0.slice.split_dim);
+    };
+    full.value[s.name] =
+        join([&](const Trainee& t) { return t.set->Find(s.name)->tensor.detach(); });
+    if (!group.front().opt->StateOf(s.name).has_value()) continue;
+    full.exp_avg[s.name] = join([&](const Trainee& t) { return t.opt->StateOf(s.name)->exp_avg; });
+    full.exp_avg_sq[s.name] =
+        join([&](const Trainee& t) { return t.opt->StateOf(s.name)->exp_avg_sq; });
+    full.step[s.name] = group.front().opt->StateOf(s.name)->step;
+  }
+  return full;
+}
+
+// Every parameter of `t` and its AdamW state are this rank's slices of `full`.
+void ExpectHolds(const Trainee& t, const FullState& full, const std::string& what) {
+  for (const Spec& s : t.specs) {
+    SCOPED_TRACE(absl::StrCat(what, ", ", s.name));
+    const nn::NamedParameter& p = *t.set->Find(s.name);
+    ExpectIdentical(p.tensor, SliceOf(full.value.at(s.name), p), "value");
+    std::optional<ModuleOptimizer::ParamState> state = t.opt->StateOf(s.name);
+    if (full.exp_avg.count(s.name) == 0) {
+      EXPECT_FALSE(state.has_value());
+      continue;
+    }
+    ASSERT_TRUE(state.has_value());
+    EXPECT_EQ(state->step, full.step.at(s.name));
+    ExpectIdentical(state->exp_avg, SliceOf(full.exp_avg.at(s.name), p), "exp_avg");
+    ExpectIdentical(state->exp_avg_sq, SliceOf(full.exp_avg_sq.at(s.name), p), "exp_avg_sq");
+  }
+}
+
+uint32_t FileCrc(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return static_cast<uint32_t>(
+      crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data()), bytes.size()));
+}
+
+json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return json::parse(in);
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / "hetpar_checkpoint_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(dir_.data()), nullptr);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Writes every trainee's shard (same order as `ids`) and completes the checkpoint.
+  void Save(const std::string& dir, const std::vector<ShardId>& ids,
+            const std::vector<const Trainee*>& writers, int64_t step) {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      absl::Status written = WriteShard(dir, ids[i], step, *writers[i]->set, writers[i]->opt.get());
+      ASSERT_TRUE(written.ok()) << written;
+    }
+    absl::StatusOr<bool> complete = CompleteIfAllWritten(dir, ids, step, json::object());
+    ASSERT_TRUE(complete.ok()) << complete.status();
+    ASSERT_TRUE(*complete);
+  }
+
+  std::string dir_;
+};
+
+TEST_F(CheckpointTest, SavedAtTp2LoadsAtTp1And4AndStepsOnAlike) {
+  const std::string dir = absl::StrCat(dir_, "/", CheckpointDirName(2));
+  EXPECT_EQ(CheckpointDirName(2), "step-000002");
+  std::vector<Trainee> tp2;
+  for (int rank = 0; rank < 2; ++rank) tp2.push_back(MakeTrainee(Specs(), rank, 2, 5));
+  const std::vector<ShardId> writers = {{"llm", 0, 2, 0, 1}, {"llm", 1, 2, 0, 1}};
+  std::atomic<int> completed{0};
+  absl::Status status = nn::testing::RunRanks(2, [&](int rank, nn::Communicator&) -> absl::Status {
+    for (int step = 0; step < 2; ++step) HETPAR_RETURN_IF_ERROR(TrainStep(tp2[rank], step));
+    HETPAR_RETURN_IF_ERROR(WriteShard(dir, writers[rank], 2, *tp2[rank].set, tp2[rank].opt.get()));
+    HETPAR_ASSIGN_OR_RETURN(bool complete,
+                            CompleteIfAllWritten(dir, writers, 2, json{{"data_position", 123}}));
+    if (complete) completed.fetch_add(1);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_GE(completed.load(), 1);  // whichever finished last saw both sidecars
+  absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(dir);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step, 2);
+  EXPECT_EQ(info->extra, json({{"data_position", 123}}));
+
+  const FullState saved = Join(tp2);
+  ASSERT_EQ(saved.exp_avg.size(), Specs().size() - 1);  // every parameter but the frozen one
+  std::vector<std::vector<Trainee>> loaded;
+  for (int tp : {1, 4}) {
+    loaded.emplace_back();
+    for (int rank = 0; rank < tp; ++rank) {
+      Trainee t = MakeTrainee(Specs(), rank, tp, 6);
+      ASSERT_FALSE(at::equal(t.set->Find(kFrozen)->tensor,
+                             SliceOf(saved.value.at(kFrozen), *t.set->Find(kFrozen))));
+      absl::Status load = LoadModuleState(dir, "llm", *t.set, t.opt.get());
+      ASSERT_TRUE(load.ok()) << load;
+      ExpectHolds(t, saved, absl::StrCat("tp=", tp, " rank ", rank));
+      loaded.back().push_back(std::move(t));
+    }
+  }
+
+  // The next step, with the same full gradient, moves every layout's slices alike.
+  for (Trainee& t : tp2) ASSERT_TRUE(TrainStep(t, 2).ok());
+  for (auto& group : loaded) {
+    for (Trainee& t : group) ASSERT_TRUE(TrainStep(t, 2).ok());
+  }
+  const FullState next = Join(tp2);
+  EXPECT_FALSE(at::equal(next.value.at("a.weight"), saved.value.at("a.weight")));
+  for (size_t g = 0; g < loaded.size(); ++g) {
+    for (size_t rank = 0; rank < loaded[g].size(); ++rank) {
+      ExpectHolds(loaded[g][rank], next,
+                  absl::StrCat("after a step, tp=", loaded[g].size(), " rank ", rank));
+    }
+  }
+}
+
+TEST_F(CheckpointTest, PipelineStagesLoadIntoTheWholeModelAndBack) {
+  // Two LLM stages and an encoder whose parameter has the name of an LLM one: loading a module
+  // takes its own shards only.
+  const std::vector<Spec> stage0_specs = Pick({"a.weight", "b.weight", kFrozen});
+  const std::vector<Spec> stage1_specs = Pick({"c.norm", "d.bias", "e.table"});
+  const std::vector<Spec> encoder_specs = Pick({"a.weight"});
+  Trainee stage0 = MakeTrainee(stage0_specs, 0, 1, 5);
+  Trainee stage1 = MakeTrainee(stage1_specs, 0, 1, 5);
+  Trainee encoder = MakeTrainee(encoder_specs, 0, 1, 9);
+  ASSERT_TRUE(TrainStep(stage0, 0).ok());
+  ASSERT_TRUE(TrainStep(stage1, 0).ok());
+  ASSERT_TRUE(TrainStep(encoder, 0).ok());
+  const std::string staged = dir_ + "/staged";
+  Save(staged, {{"llm", 0, 1, 0, 2}, {"llm", 0, 1, 1, 2}, {"encoder", 0, 1, 0, 1}},
+       {&stage0, &stage1, &encoder}, 1);
+
+  Trainee whole = MakeTrainee(Specs(), 0, 1, 6);
+  absl::Status status = LoadModuleState(staged, "llm", *whole.set, whole.opt.get());
+  ASSERT_TRUE(status.ok()) << status;
+  FullState stages;  // both stages' parameters
+  {
+    std::vector<Trainee> g0;
+    g0.push_back(std::move(stage0));
+    std::vector<Trainee> g1;
+    g1.push_back(std::move(stage1));
+    const FullState f0 = Join(g0);
+    const FullState f1 = Join(g1);
+    for (const FullState* f : {&f0, &f1}) {
+      stages.value.insert(f->value.begin(), f->value.end());
+      stages.exp_avg.insert(f->exp_avg.begin(), f->exp_avg.end());
+      stages.exp_avg_sq.insert(f->exp_avg_sq.begin(), f->exp_avg_sq.end());
+      stages.step.insert(f->step.begin(), f->step.end());
+    }
+  }
+  ExpectHolds(whole, stages, "whole model from two stages");
+
+  Trainee encoder_loaded = MakeTrainee(encoder_specs, 0, 1, 6);
+  status = LoadModuleState(staged, "encoder", *encoder_loaded.set, encoder_loaded.opt.get());
+  ASSERT_TRUE(status.ok()) << status;
+  std::vector<Trainee> encoders;
+  encoders.push_back(std::move(encoder));
+  ExpectHolds(encoder_loaded, Join(encoders), "encoder");
+
+  // And back: the whole model, one step further, saved as one stage; the second of two stages,
+  // at TP 2, loads its part.
+  ASSERT_TRUE(TrainStep(whole, 1).ok());
+  const std::string single = dir_ + "/single";
+  Save(single, {{"llm", 0, 1, 0, 1}}, {&whole}, 2);
+  std::vector<Trainee> wholes;
+  wholes.push_back(std::move(whole));
+  const FullState saved = Join(wholes);
+  EXPECT_EQ(saved.step.at("d.bias"), 2);
+  for (int rank = 0; rank < 2; ++rank) {
+    Trainee part = MakeTrainee(stage1_specs, rank, 2, 7);
+    status = LoadModuleState(single, "llm", *part.set, part.opt.get());
+    ASSERT_TRUE(status.ok()) << status;
+    ExpectHolds(part, saved, absl::StrCat("stage 1 at tp=2 rank ", rank));
+  }
+}
+
+TEST_F(CheckpointTest, CompleteOnlyOnceEverySidecarIsWritten) {
+  const std::string dir = dir_ + "/step-000005";
+  const std::vector<ShardId> ids = {
+      {"encoder", 0, 1, 0, 1}, {"llm", 0, 2, 0, 1}, {"llm", 1, 2, 0, 1}};
+  std::vector<Trainee> trainees;
+  trainees.push_back(MakeTrainee(Pick({"a.weight"}), 0, 1, 5));
+  trainees.push_back(MakeTrainee(Specs(), 0, 2, 5));
+  trainees.push_back(MakeTrainee(Specs(), 1, 2, 5));
+  const json extra{{"data", {{"epoch", 1}, {"sample", 42}}}};
+  for (size_t i = 0; i < ids.size(); ++i) {
+    ASSERT_TRUE(TrainStep(trainees[i], 0).ok());
+    ASSERT_TRUE(WriteShard(dir, ids[i], 5, *trainees[i].set, trainees[i].opt.get()).ok());
+    absl::StatusOr<bool> complete = CompleteIfAllWritten(dir, ids, 5, extra);
+    ASSERT_TRUE(complete.ok()) << complete.status();
+    EXPECT_EQ(*complete, i + 1 == ids.size()) << "after " << i + 1 << " shards";
+    EXPECT_EQ(fs::exists(dir + "/manifest.json"), i + 1 == ids.size());
+    if (i + 1 < ids.size()) {
+      absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(dir);
+      EXPECT_EQ(info.status().code(), absl::StatusCode::kNotFound);
+      EXPECT_THAT(info.status().message(), HasSubstr(dir));
+    }
+  }
+  EXPECT_EQ(ShardName(ids[2]), "llm-pp0-tp1");
+
+  const json manifest = ReadJson(dir + "/manifest.json");
+  EXPECT_EQ(manifest["format"], 1);
+  EXPECT_EQ(manifest["step"], 5);
+  EXPECT_EQ(manifest["extra"], extra);
+  ASSERT_EQ(manifest["shards"].size(), 3u);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const json& shard = manifest["shards"][i];
+    const std::string file = ShardName(ids[i]) + ".hpar";
+    EXPECT_EQ(shard["name"], ShardName(ids[i]));
+    EXPECT_EQ(shard["file"], file);
+    EXPECT_EQ(shard["bytes"], fs::file_size(dir + "/" + file));
+    EXPECT_EQ(shard["crc32"], FileCrc(dir + "/" + file));
+  }
+  absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(dir);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->step, 5);
+  EXPECT_EQ(info->extra, extra);
+
+  // The sidecar of TP rank 1 describes its slices, and its moments where it has them.
+  const json sidecar = ReadJson(dir + "/llm-pp0-tp1.json");
+  EXPECT_EQ(sidecar["format"], 1);
+  EXPECT_EQ(sidecar["module"], "llm");
+  EXPECT_EQ(sidecar["step"], 5);
+  EXPECT_EQ(sidecar["tp"], 1);
+  EXPECT_EQ(sidecar["tp_size"], 2);
+  EXPECT_EQ(sidecar["pp"], 0);
+  EXPECT_EQ(sidecar["pp_size"], 1);
+  EXPECT_EQ(sidecar["file"], "llm-pp0-tp1.hpar");
+  EXPECT_EQ(sidecar["bytes"], manifest["shards"][2]["bytes"]);
+  EXPECT_EQ(sidecar["crc32"], manifest["shards"][2]["crc32"]);
+  const std::vector<Spec> specs = Specs();
+  ASSERT_EQ(sidecar["params"].size(), specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Spec& s = specs[i];
+    const json& p = sidecar["params"][i];
+    SCOPED_TRACE(s.name);
+    EXPECT_EQ(p["name"], s.name);
+    EXPECT_EQ(p["full_shape"].get<std::vector<int64_t>>(), s.shape);
+    EXPECT_EQ(p["split_dim"], s.split_dim);
+    const int64_t length = s.split_dim < 0 ? 0 : s.shape[s.split_dim] / 2;
+    EXPECT_EQ(p["offset"], length);  // rank 1's half starts where rank 0's ends
+    EXPECT_EQ(p["length"], length);
+    EXPECT_EQ(p.contains("adam_step"), s.name != kFrozen);
+    if (s.name != kFrozen) {
+      EXPECT_EQ(p["adam_step"], 1);
+    }
+  }
+  auto entries = nn::ReadFullParameters(dir + "/llm-pp0-tp1.hpar");
+  ASSERT_TRUE(entries.ok()) << entries.status();
+  std::set<std::string> names;
+  for (const auto& e : *entries) names.insert(e.name);
+  EXPECT_EQ(names.count("a.weight@exp_avg"), 1u);
+  EXPECT_EQ(names.count("a.weight@exp_avg_sq"), 1u);
+  EXPECT_EQ(names.count(std::string(kFrozen) + "@exp_avg"), 0u);
+  EXPECT_EQ(entries->size(), 3 * specs.size() - 2);
+
+  // A writer of another step finds sidecars that are not its own.
+  absl::StatusOr<bool> other = CompleteIfAllWritten(dir, ids, 6, extra);
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other.status().message(), HasSubstr("encoder-pp0-tp0.json"));
+  // Bad arguments.
+  EXPECT_EQ(CompleteIfAllWritten(dir, {}, 5, extra).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CompleteIfAllWritten(dir, {ids[0], ids[0]}, 5, extra).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CompleteIfAllWritten(dir, ids, 5, json::array()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WriteShard(dir, {"llm", 1, 2, 0, 1}, 5, *trainees[1].set, nullptr).code(),
+            absl::StatusCode::kInvalidArgument);  // the set is TP rank 0
+}
+
+TEST_F(CheckpointTest, CorruptShardIsDataLossAndChangesNothing) {
+  Trainee saved = MakeTrainee(Specs(), 0, 1, 5);
+  ASSERT_TRUE(TrainStep(saved, 0).ok());
+  Save(dir_, {{"llm", 0, 1, 0, 1}}, {&saved}, 1);
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const uint32_t good_crc = FileCrc(shard);
+  {
+    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
+    const std::streamoff middle = static_cast<std::streamoff>(fs::file_size(shard) / 2);
+    file.seekg(middle);
+    char byte = 0;
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    file.seekp(middle);
+    file.write(&byte, 1);
+  }
+  const uint32_t bad_crc = FileCrc(shard);
+  ASSERT_NE(bad_crc, good_crc);
+
+  Trainee t = MakeTrainee(Specs(), 0, 2, 6);
+  const at::Tensor before = t.set->Find("a.weight")->tensor.detach().clone();
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(good_crc)));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(bad_crc)));
+  ExpectIdentical(t.set->Find("a.weight")->tensor, before, "a.weight after a failed load");
+  EXPECT_FALSE(t.opt->StateOf("a.weight").has_value());
+}
+
+TEST_F(CheckpointTest, MissingOrMalformedManifest) {
+  Trainee saved = MakeTrainee(Specs(), 0, 1, 5);
+  ASSERT_TRUE(WriteShard(dir_, {"llm", 0, 1, 0, 1}, 0, *saved.set, saved.opt.get()).ok());
+  Trainee t = MakeTrainee(Specs(), 0, 1, 6);
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+  EXPECT_THAT(status.message(), HasSubstr(dir_));
+  EXPECT_EQ(ReadCheckpointInfo(dir_).status().code(), absl::StatusCode::kNotFound);
+
+  std::ofstream(dir_ + "/manifest.json") << "{\"format\": 1, \"step\": ";
+  status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(dir_ + "/manifest.json"));
+  std::ofstream(dir_ + "/manifest.json") << "{\"format\": 1, \"step\": \"three\"}";
+  absl::StatusOr<CheckpointInfo> info = ReadCheckpointInfo(dir_);
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kDataLoss) << info.status();
+  EXPECT_THAT(info.status().message(), HasSubstr(dir_ + "/manifest.json"));
+}
+
+TEST_F(CheckpointTest, ParameterInNoShardIsNotFoundAndChangesNothing) {
+  // Saved at step 0: no optimizer state yet, and the loaded optimizer gets none.
+  Trainee saved = MakeTrainee(Specs(), 0, 1, 5);
+  Save(dir_, {{"llm", 0, 1, 0, 1}}, {&saved}, 0);
+  Trainee plain = MakeTrainee(Specs(), 0, 1, 6);
+  absl::Status status = LoadModuleState(dir_, "llm", *plain.set, plain.opt.get());
+  ASSERT_TRUE(status.ok()) << status;
+  std::vector<Trainee> group;
+  group.push_back(std::move(saved));
+  ExpectHolds(plain, Join(group), "step 0");
+
+  std::vector<Spec> specs = Specs();
+  specs.push_back({"z.extra", {2, 2}, -1});
+  Trainee t = MakeTrainee(specs, 0, 1, 6);
+  const at::Tensor before = t.set->Find("a.weight")->tensor.detach().clone();
+  status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+  EXPECT_THAT(status.message(), HasSubstr("'z.extra'"));
+  EXPECT_THAT(status.message(), HasSubstr(dir_));
+  ExpectIdentical(t.set->Find("a.weight")->tensor, before, "a.weight after a failed load");
+  // A module with no shard at all.
+  status = LoadModuleState(dir_, "encoder", *plain.set, plain.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+}
+
+TEST_F(CheckpointTest, PruneKeepsTheNewestCompleteCheckpoints) {
+  const std::string parent = dir_ + "/ckpts";
+  // Complete: 1, 3, 4 (a manifest); incomplete: 2 (a failed attempt), 5 (being written).
+  for (int step : {1, 2, 3, 4, 5}) {
+    const std::string dir = absl::StrCat(parent, "/", CheckpointDirName(step));
+    fs::create_directories(dir);
+    std::ofstream(dir + "/llm-pp0-tp0.hpar") << "shard";
+    if (step != 2 && step != 5) {
+      std::ofstream(dir + "/manifest.json") << json{
+          {"format", 1},
+          {"step", step},
+          {"shards", json::array()},
+          {"extra", json::object()}}.dump();
+    }
+  }
+  fs::create_directories(parent + "/other");
+  std::ofstream(parent + "/step-notes.txt") << "not a checkpoint";
+  const auto listing = [&] {
+    std::set<std::string> names;
+    for (const auto& entry : fs::directory_iterator(parent)) {
+      names.insert(entry.path().filename().string());
+    }
+    return names;
+  };
+
+  ASSERT_TRUE(PruneCheckpoints(parent, 2).ok());
+  EXPECT_EQ(listing(), std::set<std::string>({"step-000003", "step-000004", "step-000005", "other",
+                                              "step-notes.txt"}));
+  ASSERT_TRUE(PruneCheckpoints(parent, 1).ok());
+  EXPECT_EQ(listing(),
+            std::set<std::string>({"step-000004", "step-000005", "other", "step-notes.txt"}));
+  ASSERT_TRUE(PruneCheckpoints(parent, 1).ok());  // nothing more to do
+  EXPECT_EQ(listing().size(), 4u);
+  EXPECT_EQ(PruneCheckpoints(parent, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(PruneCheckpoints(dir_ + "/missing", 2).ok());
+}
+
+}  // namespace
+}  // namespace hetpar::train
