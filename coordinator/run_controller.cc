@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/config/config.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "coordinator/limits.h"
@@ -65,8 +66,15 @@ absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
     options.heartbeat_interval = std::min(absl::Seconds(1), options.heartbeat_timeout / 5);
   }
   if (options.max_step_attempts < 1) options.max_step_attempts = 1;
-  return std::unique_ptr<RunController>(
+  auto controller = std::unique_ptr<RunController>(
       new RunController(spec, *std::move(membership), std::move(options), std::move(planner), now));
+  // A resumed run goes on from its checkpoint's step.
+  if (!spec.checkpoint().resume_from().empty()) {
+    absl::StatusOr<int64_t> step = config::CheckpointStep(spec.checkpoint().resume_from());
+    if (!step.ok()) return step.status();
+    controller->committed_steps_ = *step;
+  }
+  return controller;
 }
 
 RunController::RunController(const v1::RunSpec& spec, Membership membership,

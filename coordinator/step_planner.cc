@@ -66,6 +66,11 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
   planner->spec_ = spec;
   planner->placement_ = *std::move(placement);
   planner->batches_ = std::move(batches);
+  if (!spec.checkpoint().resume_from().empty()) {
+    absl::StatusOr<int64_t> step = config::CheckpointStep(spec.checkpoint().resume_from());
+    if (!step.ok()) return step.status();
+    planner->skip_steps_ = *step;
+  }
   return planner;
 }
 
@@ -102,9 +107,24 @@ void PlanLibraryPlanner::Committed(int64_t step) {
   batches_->Commit();
 }
 
-absl::Status PlanLibraryPlanner::Prepare() { return batches_->Open(); }
+absl::Status PlanLibraryPlanner::Prepare() {
+  if (batches_->NeedsOpen()) {
+    absl::Status opened = batches_->Open();
+    if (!opened.ok()) return opened;
+  }
+  // A resumed run continues after the samples its checkpoint's steps trained.
+  for (; skip_steps_ > 0; --skip_steps_) {
+    absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
+        batches_->Next(spec_.run().global_batch());
+    if (!samples.ok()) return samples.status();
+    batches_->Commit();
+  }
+  return absl::OkStatus();
+}
 
-bool PlanLibraryPlanner::NeedsPreparation() const { return batches_->NeedsOpen(); }
+bool PlanLibraryPlanner::NeedsPreparation() const {
+  return batches_->NeedsOpen() || skip_steps_ > 0;
+}
 
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
 

@@ -67,7 +67,9 @@ class SyntheticBatchSource : public BatchSource {
 absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
     const v1::RunSpec& spec, std::unique_ptr<data::BatchSource> opened = nullptr);
 
-// The coordinator's StepPlanner over the plan library.
+// The coordinator's StepPlanner over the plan library. A run resumed from a checkpoint
+// (checkpoint.resume_from) starts at the checkpoint's step: Prepare skips the samples of the
+// steps before it, so the data position is the one the checkpointed run had reached.
 class PlanLibraryPlanner : public StepPlanner {
  public:
   // InvalidArgument when the RunSpec's batch cannot be planned (global_batch not divisible).
@@ -86,6 +88,8 @@ class PlanLibraryPlanner : public StepPlanner {
   v1::RunSpec spec_;
   plan::Placement placement_;
   std::unique_ptr<BatchSource> batches_;
+  // Steps of a resumed run's checkpoint whose samples Prepare skips (checkpoint.resume_from).
+  int64_t skip_steps_ = 0;
 };
 
 // The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.

@@ -19,6 +19,7 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
 #include "google/protobuf/reflection.h"
+#include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
 
 namespace hetpar::config {
@@ -535,6 +536,23 @@ class Checker {
 
 }  // namespace
 
+absl::StatusOr<int64_t> CheckpointStep(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "manifest.json").string();
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat("no complete checkpoint: '", path,
+                     "' does not exist (expected a step-NNNNNN directory of checkpoint.dir)"));
+  }
+  const nlohmann::json manifest = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (manifest.is_discarded() || !manifest.is_object() || !manifest.contains("step") ||
+      !manifest["step"].is_number_integer() || manifest["step"].get<int64_t>() < 0) {
+    return absl::DataLossError(
+        absl::StrCat("'", path, "' is not a checkpoint manifest (no non-negative integer step)"));
+  }
+  return manifest["step"].get<int64_t>();
+}
+
 std::string SourceMap::Where(std::string_view path) const {
   std::string p(path);
   while (true) {
@@ -642,13 +660,14 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   }
   d.Enum("transport", hetpar::v1::TRANSPORT_KIND_UCX);
   d.Int("checkpoint.every", 0);
+  d.Int("checkpoint.keep", 2);
   d.String("coordinator.listen", "127.0.0.1:50051");
   d.Double("coordinator.heartbeat_timeout_s", 10.0);
   d.Double("coordinator.register_timeout_s", 120.0);
 
-  for (const char* path :
-       {"data.manifest", "data.val_manifest", "data.tokenizer", "coordinator.token_file",
-        "checkpoint.dir", "run.out_dir", "encoder.init_from", "llm.init_from"}) {
+  for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
+                           "coordinator.token_file", "checkpoint.dir", "checkpoint.resume_from",
+                           "run.out_dir", "encoder.init_from", "llm.init_from"}) {
     ResolvePath(loaded, path);
   }
   // The index sits beside the manifest unless the config names one.
@@ -863,6 +882,18 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
     c.FileExists("encoder.init_from", s.encoder().init_from(), false);
     c.FileExists("llm.init_from", s.llm().init_from(), false);
+    if (!s.checkpoint().resume_from().empty()) {
+      absl::StatusOr<int64_t> step = CheckpointStep(s.checkpoint().resume_from());
+      if (!step.ok()) {
+        c.Fail("checkpoint.resume_from",
+               absl::StrCat("='", s.checkpoint().resume_from(), "': ", step.status().message()));
+      } else if (*step >= s.run().steps()) {
+        c.Fail("checkpoint.resume_from",
+               absl::StrCat("='", s.checkpoint().resume_from(), "' is at step ", *step,
+                            ", which is not before run.steps=", s.run().steps(),
+                            ": nothing is left to train; raise run.steps"));
+      }
+    }
   } else if (!synth) {
     if (s.data().manifest().empty()) c.Fail("data.manifest", "is required: expected a file path");
     if (s.data().tokenizer().empty()) c.Fail("data.tokenizer", "is required: expected a file path");
@@ -876,6 +907,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
            "separate processes); expected ucx");
   }
   if (s.checkpoint().every() < 0) c.Fail("checkpoint.every", "must be >= 0");
+  c.AtLeast("checkpoint.keep", s.checkpoint().keep(), 1);
+  if (s.checkpoint().every() > 0 && s.checkpoint().dir().empty()) {
+    c.Fail("checkpoint.every", absl::StrCat("=", s.checkpoint().every(),
+                                            " needs checkpoint.dir: expected the directory "
+                                            "every rank writes its shards to"));
+  }
 
   // What a run cannot do yet: refused here, before any worker registers, not after.
   if (require_runnable) {
@@ -889,18 +926,6 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                           " forwards before its first backward, so the encoder must keep that "
                           "many jobs in flight; expected >= ",
                           ll.pp()));
-    }
-    if (!s.checkpoint().dir().empty()) {
-      c.Fail("checkpoint.dir",
-             absl::StrCat("='", s.checkpoint().dir(),
-                          "': runs do not write checkpoints yet (the trained parameters are "
-                          "saved under run.out_dir/model at the end); remove the checkpoint "
-                          "section"));
-    }
-    if (s.checkpoint().every() > 0) {
-      c.Fail("checkpoint.every",
-             absl::StrCat("=", s.checkpoint().every(),
-                          ": runs do not write checkpoints yet; remove the checkpoint section"));
     }
     if (s.transport() == hetpar::v1::TRANSPORT_KIND_INPROC &&
         s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {

@@ -59,11 +59,16 @@ struct LoadOptions {
   std::vector<std::string> overrides;
   // Check that input files (manifest, tokenizer, token file) exist.
   bool check_files = true;
-  // Refuse what a run cannot do yet (LLM context or pipeline parallelism, checkpoints, the
-  // in-process transport), so that a config that validates is one that runs. `hetpar plan` turns
-  // this off: the plan library already routes those layouts.
+  // Refuse what a run cannot do yet (the in-process transport, fewer encoder jobs in flight
+  // than LLM pipeline stages), so that a config that validates is one that runs. `hetpar plan`
+  // turns this off: the plan library already routes those layouts.
   bool require_runnable = true;
 };
+
+// The step (committed steps) of the complete checkpoint in `dir`, from its manifest.json
+// (train/checkpoint.h writes it): NotFound without a manifest (the checkpoint is incomplete or
+// not one), DataLoss for a manifest without a step.
+absl::StatusOr<int64_t> CheckpointStep(const std::string& dir);
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
 // keys (with a "did you mean") and wrong types are returned together as InvalidArgument.

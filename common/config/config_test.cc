@@ -261,9 +261,9 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
                                  "run.max_inflight=1"});
   EXPECT_TRUE(colocated.ok()) << colocated.status();
   const std::string text = std::string(kValid) + "checkpoint:\n  dir: ckpt\n  every: 5\n";
-  auto result = Load(text);
-  ExpectIssue(result, "checkpoint.dir", LineOf(text, "dir: ckpt"), "runs do not write checkpoints");
-  ExpectIssue(result, "checkpoint.every", LineOf(text, "every: 5"), "=5: runs do not write");
+  auto checkpoints = Load(text);
+  ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
+  EXPECT_EQ(checkpoints->spec.checkpoint().keep(), 2);  // default
   ExpectIssue(Load(kValid, {"placement=colocated", "encoder.layout.dp=2", "transport=inproc"}),
               "transport", 0, "inproc needs every rank in one process");
   // Planning takes the same layouts.
@@ -274,6 +274,36 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
   auto planned = LoadRunSpecFromString(text, "run.yaml", planning);
   ASSERT_TRUE(planned.ok()) << planned.status();
   EXPECT_EQ(planned->spec.llm().layout().pp(), 2);
+}
+
+TEST(ConfigTest, CheckpointFieldsAreChecked) {
+  const std::string every = std::string(kValid) + "checkpoint:\n  every: 5\n";
+  ExpectIssue(Load(every), "checkpoint.every", LineOf(every, "every: 5"),
+              "=5 needs checkpoint.dir");
+  ExpectIssue(Load(kValid, {"checkpoint.dir=c", "checkpoint.keep=0"}), "checkpoint.keep", 0,
+              "=0 must be >= 1");
+  // resume_from must name a complete checkpoint before run.steps.
+  const fs::path dir =
+      fs::temp_directory_path() / ("hetpar_config_ckpt_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "step-000004");
+  auto with_files = [&](const std::string& resume, int64_t steps) {
+    LoadOptions o;
+    o.overrides = {"checkpoint.resume_from=" + resume, "run.steps=" + std::to_string(steps),
+                   "data.synth.samples=64"};
+    return LoadRunSpecFromString(kValid, "run.yaml", o);
+  };
+  const std::string step4 = (dir / "step-000004").string();
+  ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0,
+              "no complete checkpoint: '" + step4 + "/manifest.json' does not exist");
+  std::ofstream(dir / "step-000004" / "manifest.json") << "{\"format\": 1}";
+  ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0, "is not a checkpoint manifest");
+  std::ofstream(dir / "step-000004" / "manifest.json") << R"({"format": 1, "step": 4})";
+  EXPECT_EQ(*CheckpointStep(step4), 4);
+  auto resumed = with_files(step4, 10);
+  EXPECT_TRUE(resumed.ok()) << resumed.status();
+  ExpectIssue(with_files(step4, 4), "checkpoint.resume_from", 0,
+              "is at step 4, which is not before run.steps=4");
+  fs::remove_all(dir);
 }
 
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {

@@ -1,11 +1,17 @@
 #include "common/worker/module_state.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <future>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/logging.h"
 #include "common/status.h"
+#include "common/train/checkpoint.h"
 #include "common/worker/outputs.h"
+#include "nlohmann/json.hpp"
 
 namespace hetpar::worker {
 
@@ -19,6 +25,7 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
         absl::StrCat("world rank ", context.world_rank(), " holds no ", state.name_, " rank"));
   }
   state.coords_ = *coords;
+  state.spec_ = context.spec();
   const v1::Layout& layout = module == v1::MODULE_ENCODER ? context.spec().encoder().layout()
                                                           : context.spec().llm().layout();
   const int64_t cp = std::max<int64_t>(1, layout.cp());
@@ -47,6 +54,13 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
 absl::Status ModuleState::Train(nn::ParameterSet* params, const v1::Optimizer& optimizer) {
   params_ = params;
   HETPAR_ASSIGN_OR_RETURN(optimizer_, train::ModuleOptimizer::Create(params, optimizer));
+  const std::string& resume = spec_.checkpoint().resume_from();
+  if (!resume.empty()) {
+    HETPAR_RETURN_IF_ERROR(
+        Annotate(train::LoadModuleState(resume, name_, *params_, optimizer_.get()),
+                 absl::StrCat("resuming the ", name_, " from checkpoint.resume_from=", resume)));
+    HETPAR_LOG(INFO) << name_ << " parameters and AdamW state from " << resume;
+  }
   return absl::OkStatus();
 }
 
@@ -57,13 +71,91 @@ std::vector<GradNormShare> ModuleState::GradNormShares() const {
 }
 
 absl::Status ModuleState::Apply(int64_t step, double clip_coefficient) {
-  return optimizer_->Step(step, clip_coefficient);
+  HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
+  const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
+  const int64_t committed = step + 1;
+  const bool due = !checkpoint.dir().empty() &&
+                   ((checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
+                    committed == spec_.run().steps());
+  if (!due || gradient_rank_ != 0) return absl::OkStatus();
+  return Annotate(WriteCheckpoint(committed),
+                  absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
+}
+
+absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
+  // One save at a time: the previous one must have finished (and succeeded) first.
+  HETPAR_RETURN_IF_ERROR(FinishCheckpoint());
+  const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
+  const std::string dir =
+      (std::filesystem::path(checkpoint.dir()) / train::CheckpointDirName(committed)).string();
+  const v1::Layout& layout =
+      module_ == v1::MODULE_ENCODER ? spec_.encoder().layout() : spec_.llm().layout();
+  train::ShardId id;
+  id.module = name_;
+  id.tp = coords_.tp();
+  id.tp_size = std::max<int64_t>(1, layout.tp());
+  id.pp = coords_.pp();
+  id.pp_size = std::max<int64_t>(1, layout.pp());
+  // The step waits only for this copy; the write runs beside the next steps.
+  const absl::Time copy_start = absl::Now();
+  HETPAR_ASSIGN_OR_RETURN(train::ShardSnapshot snapshot,
+                          train::SnapshotShard(id, committed, *params_, optimizer_.get()));
+  const double copy_s = absl::ToDoubleSeconds(absl::Now() - copy_start);
+  // Every module's writers: each TP rank of each stage of one replica.
+  std::vector<train::ShardId> expected;
+  for (const auto& [module, l] :
+       {std::pair<std::string, const v1::Layout*>{"encoder", &spec_.encoder().layout()},
+        {"llm", &spec_.llm().layout()}}) {
+    const int64_t tp = std::max<int64_t>(1, l->tp());
+    const int64_t pp = std::max<int64_t>(1, l->pp());
+    for (int64_t s = 0; s < pp; ++s) {
+      for (int64_t t = 0; t < tp; ++t) expected.push_back({module, t, tp, s, pp});
+    }
+  }
+  nlohmann::json extra = {{"run", spec_.run().name()},
+                          {"samples_trained", committed * spec_.run().global_batch()}};
+  pending_checkpoint_ = std::async(
+      std::launch::async,
+      [dir, snapshot = std::move(snapshot), expected = std::move(expected),
+       extra = std::move(extra), parent = checkpoint.dir(), keep = checkpoint.keep(), committed,
+       copy_s]() -> absl::Status {
+        const absl::Time start = absl::Now();
+        HETPAR_RETURN_IF_ERROR(train::WriteShardSnapshot(dir, snapshot));
+        HETPAR_ASSIGN_OR_RETURN(bool complete,
+                                train::CompleteIfAllWritten(dir, expected, committed, extra));
+        HETPAR_LOG(INFO) << "checkpoint shard " << train::ShardName(snapshot.id) << " of step "
+                         << committed << ": " << snapshot.bytes() << " bytes copied in "
+                         << absl::StrFormat("%.3f", copy_s) << " s (the step's wait), written in "
+                         << absl::StrFormat("%.3f", absl::ToDoubleSeconds(absl::Now() - start))
+                         << " s";
+        if (!complete) return absl::OkStatus();
+        HETPAR_LOG(INFO) << "checkpoint of step " << committed << " complete: " << dir;
+        return train::PruneCheckpoints(parent, keep);
+      });
+  return absl::OkStatus();
+}
+
+absl::Status ModuleState::FinishCheckpoint() {
+  if (!pending_checkpoint_.valid()) return absl::OkStatus();
+  return pending_checkpoint_.get();
+}
+
+ModuleState::~ModuleState() {
+  if (!pending_checkpoint_.valid()) return;
+  const absl::Status status = pending_checkpoint_.get();
+  if (!status.ok()) HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
 }
 
 void ModuleState::Discard() { params_->ZeroGrad(); }
 
-absl::Status ModuleState::WriteOutputs(const std::string& out_dir, int64_t world_rank) const {
-  return WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
+absl::Status ModuleState::WriteOutputs(const std::string& out_dir, int64_t world_rank) {
+  const absl::Status saved = FinishCheckpoint();
+  // The outputs gather over the TP group: take part even when the save failed, so that the
+  // other ranks are not left waiting, then report the save's error first.
+  const absl::Status written =
+      WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
+  HETPAR_RETURN_IF_ERROR(Annotate(saved, absl::StrCat("the ", name_, " checkpoint")));
+  return written;
 }
 
 }  // namespace hetpar::worker

@@ -13,6 +13,7 @@
 #define HETPAR_COMMON_WORKER_MODULE_STATE_H_
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <utility>
@@ -41,6 +42,8 @@ class ModuleState {
   static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
+  // A resumed run (checkpoint.resume_from) then loads this rank's slices of the parameters and
+  // of their AdamW state from the checkpoint, whatever layout wrote it (train/checkpoint.h).
   absl::Status Train(nn::ParameterSet* params, const v1::Optimizer& optimizer);
 
   const std::string& name() const { return name_; }  // "encoder" or "llm"
@@ -53,11 +56,20 @@ class ModuleState {
   // This rank's index in dp(): 0 on exactly one rank per TP rank.
   int64_t gradient_rank() const { return gradient_rank_; }
 
-  // ModuleRuntime's step end for this module (after Train).
+  // ModuleRuntime's step end for this module (after Train). When the step ends a checkpoint
+  // interval (checkpoint.every, and the last step when checkpoint.dir is set), Apply also copies
+  // this rank's checkpoint shard and starts writing it in the background: the rank of DP replica
+  // 0 (CP rank 0) of each TP rank and stage writes, and the last writer completes the manifest.
   std::vector<GradNormShare> GradNormShares() const;
   absl::Status Apply(int64_t step, double clip_coefficient);
   void Discard();
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) const;
+  // Waits for a checkpoint still being written first.
+  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank);
+
+  ModuleState(ModuleState&&) = default;
+  ModuleState& operator=(ModuleState&&) = default;
+  // Waits for a checkpoint still being written (and logs its error).
+  ~ModuleState();
 
  private:
   ModuleState() = default;
@@ -70,8 +82,16 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> cp_;
   std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
+  // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
+  // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
+  absl::Status WriteCheckpoint(int64_t committed);
+  // Waits for the save in progress; its error.
+  absl::Status FinishCheckpoint();
+
   nn::ParameterSet* params_ = nullptr;
   std::unique_ptr<train::ModuleOptimizer> optimizer_;
+  v1::RunSpec spec_;  // the checkpoint section, the run's steps and batch, both layouts
+  std::future<absl::Status> pending_checkpoint_;  // the save in progress
 };
 
 // A ModuleRuntime of one module, whose step end is its ModuleState's; the subclass runs the step.

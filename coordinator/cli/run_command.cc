@@ -46,6 +46,7 @@ struct RunFlags {
   std::vector<std::string> overrides;
   int64_t steps = 0;
   std::string out;
+  std::string resume;  // a checkpoint to continue from (checkpoint.resume_from)
   bool reference = false;
   int threads = 0;
   std::string listen = "127.0.0.1:0";
@@ -91,6 +92,9 @@ absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
   load.overrides = flags.overrides;
   if (flags.steps > 0) load.overrides.push_back(absl::StrCat("run.steps=", flags.steps));
   if (!flags.out.empty()) load.overrides.push_back(absl::StrCat("run.out_dir=", flags.out));
+  if (!flags.resume.empty()) {
+    load.overrides.push_back(absl::StrCat("checkpoint.resume_from=", flags.resume));
+  }
   return config::LoadRunSpecFile(flags.config, load);
 }
 
@@ -384,6 +388,14 @@ int Run(const RunFlags& flags) {
               << loaded.status().message() << "\n";
     return kExitInvalidInput;
   }
+  if (flags.reference && (!loaded->spec.checkpoint().dir().empty() ||
+                          !loaded->spec.checkpoint().resume_from().empty())) {
+    std::cerr << "hetpar run: --reference trains from step 0 and writes no checkpoints; remove "
+                 "--resume and the checkpoint section (checkpoint.dir='"
+              << loaded->spec.checkpoint().dir() << "', checkpoint.resume_from='"
+              << loaded->spec.checkpoint().resume_from() << "')\n";
+    return kExitInvalidInput;
+  }
   struct sigaction action = {};
   action.sa_handler = OnSignal;
   sigaction(SIGINT, &action, nullptr);
@@ -404,6 +416,9 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   command->add_option("--steps", flags->steps, "Steps to train (overrides run.steps)")
       ->check(CLI::PositiveNumber);
   command->add_option("--out", flags->out, "Run directory (overrides run.out_dir)");
+  command->add_option("--resume", flags->resume,
+                      "Continue from a checkpoint (a step-NNNNNN directory of checkpoint.dir), on "
+                      "this config's layout: sets checkpoint.resume_from");
   command->add_flag("--reference", flags->reference,
                     "Train both modules in one process at tp 1, dp 1 (the parity baseline)");
   command

@@ -117,6 +117,11 @@ absl::StatusOr<ReferenceStepResult> RunReferenceStep(const data::BatchSource& ba
 }
 
 absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options) {
+  if (!spec.checkpoint().dir().empty() || !spec.checkpoint().resume_from().empty()) {
+    return absl::InvalidArgumentError(
+        "the reference trainer trains from step 0 and writes no checkpoints: remove "
+        "checkpoint.dir and checkpoint.resume_from");
+  }
   HETPAR_ASSIGN_OR_RETURN(auto batches, data::BatchSource::Create(spec));
   HETPAR_ASSIGN_OR_RETURN(plan::Placement placement, plan::PlacementFromRunSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(auto run_dir, RunDirectory::Create(options.out_dir, spec));

@@ -89,22 +89,24 @@ TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
   }
   if (yaml.back() != '\n') yaml += '\n';
   const int checkpoint_line = static_cast<int>(std::count(yaml.begin(), yaml.end(), '\n')) + 2;
-  yaml += "checkpoint:\n  dir: /tmp/ckpt\n";
+  yaml += "checkpoint:\n  resume_from: /tmp/hetpar-no-such-checkpoint\n";
   std::ofstream(path) << yaml;
   auto r = RunCommand({kBin, "validate", "--config", path.string(), "--set", "llm.layout.pp=2",
                        "--set", "run.max_inflight=1"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 2);
   EXPECT_THAT(r->stderr_text, HasSubstr("run.max_inflight: =1 is less than llm.layout.pp=2"));
-  EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir: ='/tmp/ckpt': runs do not write "
-                                        "checkpoints yet"));
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("checkpoint.resume_from: ='/tmp/hetpar-no-such-checkpoint': no complete "
+                        "checkpoint: '/tmp/hetpar-no-such-checkpoint/manifest.json' does not "
+                        "exist"));
   EXPECT_THAT(r->stderr_text, HasSubstr(path.string() + ":" + std::to_string(checkpoint_line)));
   EXPECT_EQ(r->stdout_text, "");
   // `hetpar run` refuses it before starting anything.
   r = RunCommand({kBin, "run", "--config", path.string(), "--out", path.string() + ".run"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 2);
-  EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.dir"));
+  EXPECT_THAT(r->stderr_text, HasSubstr("checkpoint.resume_from"));
   EXPECT_FALSE(fs::exists(path.string() + ".run"));
   // `hetpar plan` still routes such a layout, and says that a run would refuse it.
   r = RunCommand({kBin, "plan", "--config", kSource + "/configs/tiny.yaml", "--set",

@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -15,6 +18,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/util/subprocess.h"
 
 namespace hetpar {
@@ -188,6 +192,79 @@ TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
   const std::string text = ReadFile(metrics);
   EXPECT_GE(std::count(text.begin(), text.end(), '\n'), 3);
   EXPECT_THAT(text, ::testing::Not(HasSubstr("final_params")));
+}
+
+// A run killed while it writes a checkpoint every step (SIGKILL of an LLM worker, at whatever
+// point of a save it is) leaves its newest complete checkpoint loadable: resuming from it trains
+// the next steps as a run that was never interrupted.
+TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> argv = RunArgs(400);
+  for (const std::string& flag : std::vector<std::string>{
+           "run.dtype=float64", "checkpoint.dir=" + checkpoints, "checkpoint.every=1"}) {
+    argv.insert(argv.end(), {"--set", flag});
+  }
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string metrics = dir_ + "/run/metrics.jsonl";
+  for (int i = 0; i < 1200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string text = ReadFile(metrics);
+    if (std::count(text.begin(), text.end(), '\n') >= 4) break;
+  }
+  std::vector<pid_t> victims;
+  for (pid_t pid : ProcessesWith("hetpar-llm --coordinator")) {
+    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
+      victims.push_back(pid);
+    }
+  }
+  ASSERT_FALSE(victims.empty()) << ReadFile(dir_ + "/hetpar-run.log");
+  ASSERT_EQ(::kill(victims[0], SIGKILL), 0);
+  auto code = run->Wait(90);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 1);
+  // The newest checkpoint with a manifest.
+  int64_t newest = -1;
+  for (const auto& entry : fs::directory_iterator(checkpoints)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step-", 0) != 0 || !fs::exists(entry.path() / "manifest.json")) continue;
+    newest = std::max<int64_t>(newest, std::stoll(name.substr(5)));
+  }
+  ASSERT_GE(newest, 3) << "no complete checkpoint";
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%06lld", static_cast<long long>(newest));
+  const int steps = static_cast<int>(newest) + 2;
+  std::vector<std::string> resume = RunArgs(steps);
+  resume[5] = dir_ + "/resumed";  // the value of --out
+  resume.insert(resume.end(), {"--set", "run.dtype=float64", "--resume", checkpoints + "/" + name});
+  auto resumed = RunCommand(resume, 120);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  ASSERT_EQ(resumed->exit_code, 0) << resumed->stderr_text;
+  std::vector<std::string> straight = RunArgs(steps);
+  straight[5] = dir_ + "/straight";
+  straight.insert(straight.end(), {"--set", "run.dtype=float64"});
+  auto whole = RunCommand(straight, 120);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_EQ(whole->exit_code, 0) << whole->stderr_text;
+  auto lines = [&](const std::string& run) {
+    std::map<int64_t, nlohmann::json> by_step;
+    std::istringstream in(ReadFile(run + "/metrics.jsonl"));
+    std::string line;
+    while (std::getline(in, line)) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      by_step[j.contains("step") ? j["step"].get<int64_t>() : -1] = j;  // -1: final_params, eval
+    }
+    return by_step;
+  };
+  const auto a = lines(dir_ + "/resumed");
+  const auto b = lines(dir_ + "/straight");
+  for (int64_t step = newest; step < steps; ++step) {
+    ASSERT_TRUE(a.count(step) && b.count(step)) << "step " << step;
+    EXPECT_NEAR(a.at(step)["loss"].get<double>(), b.at(step)["loss"].get<double>(),
+                1e-9 * std::fabs(b.at(step)["loss"].get<double>()))
+        << "step " << step;
+  }
+  EXPECT_EQ(a.count(newest - 1), 0u);  // the resumed run starts at the checkpoint's step
 }
 
 TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {

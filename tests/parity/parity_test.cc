@@ -344,6 +344,70 @@ TEST_F(ParityTest, PipelineParallelFloat64) {
   EXPECT_EQ(lines, 3);
 }
 
+// Checkpoints: a run that stops after 4 steps and is resumed, on its own layout, on another
+// one (other encoder and LLM TP and DP, LLM pipeline stages) and on the other placement, trains
+// steps 4 to 9 as the run that went straight through. The AdamW moments are part of the state: a
+// resume that lost them would differ from step 4 on.
+TEST_F(ParityTest, ResumesFromACheckpointOnAnyLayoutFloat64) {
+  const std::string checkpoints = dir_ + "/checkpoints";
+  const Layouts straight_layout{"ckpt_straight_enc_dp2_tp2_llm_dp1_tp2", 2, 2, 1, 2};
+  const std::string straight =
+      Train(straight_layout.name, straight_layout, "float64", 10, false, kTiny,
+            {"--set", "checkpoint.dir=" + checkpoints, "--set", "checkpoint.every=2", "--set",
+             "checkpoint.keep=3"});
+  // Every 2 steps, the newest 3 kept: 6, 8 and 10 (the last step is always written).
+  for (const char* kept : {"step-000006", "step-000008", "step-000010"}) {
+    EXPECT_TRUE(fs::exists(checkpoints + "/" + kept + "/manifest.json")) << kept;
+  }
+  EXPECT_FALSE(fs::exists(checkpoints + "/step-000004"));
+  // Resume from step 6: the straight run's own checkpoint.
+  const std::string from = checkpoints + "/step-000006";
+  const RunMetrics reference = Metrics(straight);
+  ASSERT_EQ(reference.steps.size(), 10u);
+  auto rel = [](double x, double y) {
+    return std::fabs(x - y) / std::max({std::fabs(x), std::fabs(y), 1e-300});
+  };
+  struct Resume {
+    Layouts layout;
+    std::vector<std::string> extra;
+  };
+  const std::vector<Resume> resumes = {
+      {{"resume_same_layout", 2, 2, 1, 2}, {}},
+      {{"resume_enc_dp3_tp1_llm_dp2_tp1", 3, 1, 2, 1}, {}},
+      {{"resume_llm_pp2_enc_dp1", 1, 1, 1, 1}, {"--set", "llm.layout.pp=2"}},
+      {{"resume_colocated_enc_dp4_llm_dp2_tp2", 4, 1, 2, 2}, {"--set", "placement=colocated"}},
+  };
+  for (const Resume& r : resumes) {
+    SCOPED_TRACE(r.layout.name);
+    std::vector<std::string> extra = {"--set", "checkpoint.resume_from=" + from};
+    extra.insert(extra.end(), r.extra.begin(), r.extra.end());
+    const std::string run = Train(r.layout.name, r.layout, "float64", 10, false, kTiny, extra);
+    const RunMetrics resumed = Metrics(run);
+    ASSERT_EQ(resumed.steps.size(), 4u) << run;
+    for (size_t i = 0; i < resumed.steps.size(); ++i) {
+      const nlohmann::json& a = resumed.steps[i];
+      const nlohmann::json& b = reference.steps[6 + i];
+      EXPECT_EQ(a["step"], b["step"]);
+      EXPECT_EQ(a["tokens"], b["tokens"]) << "step " << b["step"];  // the same samples
+      EXPECT_LE(rel(a["loss"], b["loss"]), 1e-9) << "step " << b["step"];
+      EXPECT_LE(rel(a["grad_norm"], b["grad_norm"]), 1e-9) << "step " << b["step"];
+    }
+    for (const char* module : {"encoder", "llm"}) {
+      for (const char* stat : {"sum", "l2"}) {
+        EXPECT_LE(rel(resumed.final_params[module][stat], reference.final_params[module][stat]),
+                  1e-9)
+            << module << " " << stat;
+      }
+    }
+  }
+  // The reference trainer does not take checkpoints: refused, not ignored.
+  auto refused = RunCommand({kBin, "run", "--config", kTiny, "--reference", "--out",
+                             dir_ + "/resume_reference", "--resume", from});
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2);
+  EXPECT_THAT(refused->stderr_text, HasSubstr("--reference trains from step 0"));
+}
+
 // Starting from an earlier run's exported parameters (model/*.hpar), on another layout: the
 // common recipe of a pretrained, frozen vision tower under an LLM that trains on.
 TEST_F(ParityTest, StartsFromExportedParametersFloat64) {
