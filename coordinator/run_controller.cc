@@ -289,6 +289,12 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
         BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
         return;
       }
+      if (!stop_after_step_.empty()) {
+        BeginStopping(
+            absl::StrCat(stop_after_step_, " (checkpointed after ", committed_steps_, " steps)"),
+            now, actions);
+        return;
+      }
       MaybeStartStep(now, actions);
       return;
     case StepOrchestrator::Outcome::kAborted:
@@ -300,6 +306,13 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
         Fail(absl::StrCat("step ", orchestrator_.step(), " aborted ", step_attempts_,
                           " times in a row; last: ", orchestrator_.last_abort_reason()),
              now, actions);
+        return;
+      }
+      if (!stop_after_step_.empty()) {
+        BeginStopping(absl::StrCat(stop_after_step_,
+                                   " (the step to checkpoint was aborted: no "
+                                   "checkpoint)"),
+                      now, actions);
         return;
       }
       MaybeStartStep(now, actions);
@@ -421,9 +434,25 @@ void RunController::Fail(const std::string& reason, absl::Time now, Actions* act
   }
 }
 
-v1::StopResponse RunController::Stop(const std::string& reason, absl::Time now, Actions* actions) {
-  if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
-    BeginStopping(reason.empty() ? "stop requested" : "stop requested: " + reason, now, actions);
+v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint, absl::Time now,
+                                     Actions* actions) {
+  const std::string why = reason.empty() ? "stop requested" : "stop requested: " + reason;
+  if (checkpoint && state_ == v1::RUN_STATE_RUNNING && orchestrator_.in_flight() &&
+      !spec_.checkpoint().dir().empty()) {
+    if (stop_after_step_.empty()) {
+      stop_after_step_ = why;
+      orchestrator_.CheckpointAtCommit();
+      HETPAR_LOG(INFO) << why << ": stopping once step " << orchestrator_.step()
+                       << " commits, with a checkpoint";
+    }
+  } else if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
+    if (checkpoint) {
+      HETPAR_LOG(WARNING) << why << ": no checkpoint ("
+                          << (spec_.checkpoint().dir().empty() ? "checkpoint.dir is not set"
+                                                               : "no step in flight")
+                          << ")";
+    }
+    BeginStopping(why, now, actions);
   }
   v1::StopResponse response;
   response.set_state(state_);

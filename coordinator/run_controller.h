@@ -89,7 +89,10 @@ class RunController {
   void PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions);
 
   v1::StatusResponse Status(absl::Time now) const;
-  v1::StopResponse Stop(const std::string& reason, absl::Time now, Actions* actions);
+  // Stops the run. With `checkpoint` (and checkpoint.dir set) the step in flight commits first,
+  // with a checkpoint, and the stop follows its commit (or its abort, without one).
+  v1::StopResponse Stop(const std::string& reason, bool checkpoint, absl::Time now,
+                        Actions* actions);
   // Resizing the encoder pool of a run is not supported yet: InvalidArgument for fewer than one
   // replica, otherwise always Unimplemented, naming the requested and the current pool size.
   // Nothing is recorded.
@@ -130,6 +133,7 @@ class RunController {
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   int64_t committed_steps_ = 0;
+  std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
 };

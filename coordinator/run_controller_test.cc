@@ -40,8 +40,9 @@ class CountingPlanner : public StepPlanner {
   absl::Status prepare_status;
 };
 
-v1::RunSpec TinySpec(int64_t steps = 2) {
+v1::RunSpec TinySpec(int64_t steps = 2, const std::string& checkpoint_dir = "") {
   v1::RunSpec spec;
+  spec.mutable_checkpoint()->set_dir(checkpoint_dir);
   spec.mutable_run()->set_name("tiny");
   spec.mutable_run()->set_steps(steps);
   spec.mutable_run()->set_grad_clip(1.0);
@@ -57,13 +58,14 @@ v1::RunSpec TinySpec(int64_t steps = 2) {
 
 class RunControllerTest : public ::testing::Test {
  protected:
-  void Create(int64_t steps = 2, bool with_planner = true, bool needs_preparation = false) {
+  void Create(int64_t steps = 2, bool with_planner = true, bool needs_preparation = false,
+              const std::string& checkpoint_dir = "") {
     auto planner = std::make_unique<CountingPlanner>();
     planner->needs_preparation = needs_preparation;
     planner_ = planner.get();
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
-    auto c = RunController::Create(TinySpec(steps), options,
+    auto c = RunController::Create(TinySpec(steps, checkpoint_dir), options,
                                    with_planner ? std::move(planner) : nullptr, kT0);
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = *std::move(c);
@@ -357,7 +359,7 @@ TEST_F(RunControllerTest, APreparationErrorFailsTheRunWithIt) {
 TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
   Create(5, false);
   StartAll();
-  auto response = controller_->Stop("maintenance", kT0, &actions_);
+  auto response = controller_->Stop("maintenance", false, kT0, &actions_);
   EXPECT_EQ(response.state(), v1::RUN_STATE_STOPPING);
   EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop)[0].stop().reason(),
             "stop requested: maintenance");
@@ -370,13 +372,41 @@ TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
   EXPECT_EQ(actions_.end_sessions.size(), 3u);
   // Stop is idempotent.
-  EXPECT_EQ(controller_->Stop("again", kT0, &actions_).state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->Stop("again", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
 }
 
 TEST_F(RunControllerTest, StopWhileWaitingIsDoneAtOnce) {
   Create();
-  EXPECT_EQ(controller_->Stop("", kT0, &actions_).state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->Stop("", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
   EXPECT_EQ(controller_->state_message(), "stop requested");
+}
+
+TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) {
+  Create(5, true, false, "/ckpt");
+  StartAll();
+  ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+  auto response = controller_->Stop("preempted", true, kT0, &actions_);
+  // Step 0 goes on: nothing stops yet.
+  EXPECT_EQ(response.state(), v1::RUN_STATE_RUNNING);
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
+  CompleteStep(0);
+  const auto commits = SentTo(ids_[0], v1::CoordinatorMessage::kCommit);
+  ASSERT_EQ(commits.size(), 1u);
+  EXPECT_TRUE(commits[0].commit().checkpoint());
+  // Then the run stops instead of planning step 1.
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(controller_->committed_steps(), 1);
+  EXPECT_EQ(planner_->calls, 1);
+  const auto stops = SentTo(ids_[0], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_EQ(stops[0].stop().reason(), "stop requested: preempted (checkpointed after 1 steps)");
+}
+
+TEST_F(RunControllerTest, AStopWithACheckpointStopsAtOnceWithoutACheckpointDirectory) {
+  Create(5);
+  StartAll();
+  EXPECT_EQ(controller_->Stop("preempted", true, kT0, &actions_).state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop).size(), 1u);
 }
 
 TEST_F(RunControllerTest, ScaleIsRefusedNamingBothSizesAndRecordsNothing) {

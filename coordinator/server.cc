@@ -619,7 +619,7 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
     HETPAR_LOG(INFO) << "stop requested by " << context->peer()
                      << (request->reason().empty() ? "" : ": " + request->reason());
     *response = impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
-      return c.Stop(request->reason(), now, actions);
+      return c.Stop(request->reason(), request->checkpoint(), now, actions);
     });
     reactor->Finish(grpc::Status::OK);
     return reactor;
@@ -765,9 +765,9 @@ v1::RunState CoordinatorServer::state() const { return impl_->state(); }
 v1::StatusResponse CoordinatorServer::Status() const { return impl_->Status(); }
 int64_t CoordinatorServer::pending_key_value_waits() const { return impl_->kv_.pending_waits(); }
 
-v1::StopResponse CoordinatorServer::Stop(const std::string& reason) {
+v1::StopResponse CoordinatorServer::Stop(const std::string& reason, bool checkpoint) {
   return impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
-    return c.Stop(reason, now, actions);
+    return c.Stop(reason, checkpoint, now, actions);
   });
 }
 

@@ -54,7 +54,7 @@ class CoordinatorServer {
 
   v1::RunState state() const;
   v1::StatusResponse Status() const;
-  v1::StopResponse Stop(const std::string& reason);
+  v1::StopResponse Stop(const std::string& reason, bool checkpoint = false);
   // Key-value Wait and Get calls waiting for their keys now (lets a test see a reader block).
   int64_t pending_key_value_waits() const;
   // Waits up to `timeout` for the run to be done or failed; returns the state then.

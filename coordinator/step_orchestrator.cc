@@ -27,6 +27,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
                              const std::vector<const WorkerRecord*>& participants, absl::Time now,
                              Outbox* out) {
   in_flight_ = true;
+  checkpoint_at_commit_ = false;
   step_ = step;
   generation_ = generation;
   started_ = now;
@@ -171,6 +172,7 @@ StepOrchestrator::Outcome StepOrchestrator::MaybeCommit(absl::Time now, Outbox* 
   commit->set_step(step_);
   commit->set_generation(generation_);
   commit->set_loss(loss);
+  commit->set_checkpoint(checkpoint_at_commit_);
   Broadcast(message, out);
   in_flight_ = false;
   Record(true, loss, now, "");

@@ -106,6 +106,8 @@ class StepOrchestrator {
   Outcome Abort(const std::string& reason, absl::Time now, Outbox* out);
 
   bool in_flight() const { return in_flight_; }
+  // The step in flight's commit tells the workers to checkpoint after applying it.
+  void CheckpointAtCommit() { checkpoint_at_commit_ = true; }
   int64_t step() const { return step_; }  // the step in flight, or the last one
   absl::Time deadline() const {
     return in_flight_ ? started_ + options_.step_timeout : absl::InfiniteFuture();
@@ -141,6 +143,7 @@ class StepOrchestrator {
   Options options_;
 
   bool in_flight_ = false;
+  bool checkpoint_at_commit_ = false;
   int64_t step_ = -1;
   int64_t generation_ = 0;
   absl::Time started_;

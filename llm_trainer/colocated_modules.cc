@@ -38,9 +38,9 @@ std::vector<worker::GradNormShare> ColocatedModules::GradNormShares() const {
   return shares;
 }
 
-absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient) {
-  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient));
-  return llm_->Apply(step, clip_coefficient);
+absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool checkpoint) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, checkpoint));
+  return llm_->Apply(step, clip_coefficient, checkpoint);
 }
 
 void ColocatedModules::Discard() {

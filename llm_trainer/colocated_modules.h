@@ -25,7 +25,7 @@ class ColocatedModules : public worker::ModuleRuntime {
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
   std::vector<worker::GradNormShare> GradNormShares() const override;
-  absl::Status Apply(int64_t step, double clip_coefficient) override;
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override;
   void Discard() override;
   absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override;
 

@@ -84,11 +84,13 @@ absl::StatusOr<v1::StatusResponse> AdminClient::Status() const {
   return response;
 }
 
-absl::StatusOr<v1::StopResponse> AdminClient::Stop(const std::string& reason) const {
+absl::StatusOr<v1::StopResponse> AdminClient::Stop(const std::string& reason,
+                                                   bool checkpoint) const {
   grpc::ClientContext context;
   connection_->PrepareContext(&context, connection_->options().rpc_timeout);
   v1::StopRequest request;
   request.set_reason(reason);
+  request.set_checkpoint(checkpoint);
   v1::StopResponse response;
   grpc::Status status = connection_->admin().Stop(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status, connection_->Where("Stop"));

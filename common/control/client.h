@@ -85,7 +85,8 @@ class AdminClient {
   explicit AdminClient(std::shared_ptr<CoordinatorConnection> connection)
       : connection_(std::move(connection)) {}
   absl::StatusOr<v1::StatusResponse> Status() const;
-  absl::StatusOr<v1::StopResponse> Stop(const std::string& reason) const;
+  // `checkpoint`: the step in flight commits with a checkpoint before the run stops.
+  absl::StatusOr<v1::StopResponse> Stop(const std::string& reason, bool checkpoint = false) const;
   absl::StatusOr<v1::ScaleResponse> Scale(int64_t encoder_replicas) const;
 
  private:

@@ -54,8 +54,9 @@ class ModuleRuntime {
   // in DP replica 0 (the partials of one replica add up to the module's squared norm).
   virtual std::vector<GradNormShare> GradNormShares() const = 0;
   // The coordinator's decision to commit: scale the gradients by `clip_coefficient`, take the
-  // optimizer step of 0-based step `step`, drop the gradients.
-  virtual absl::Status Apply(int64_t step, double clip_coefficient) = 0;
+  // optimizer step of 0-based step `step`, drop the gradients; then write a checkpoint when the
+  // step ends a checkpoint interval or the commit asks for one (`checkpoint`).
+  virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
 

@@ -70,13 +70,14 @@ std::vector<GradNormShare> ModuleState::GradNormShares() const {
   return {{module_, train::OwnedGradSums(*params_).square_sum}};
 }
 
-absl::Status ModuleState::Apply(int64_t step, double clip_coefficient) {
+absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool checkpoint_now) {
   HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const int64_t committed = step + 1;
-  const bool due = !checkpoint.dir().empty() &&
-                   ((checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
-                    committed == spec_.run().steps());
+  const bool due =
+      !checkpoint.dir().empty() &&
+      (checkpoint_now || (checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
+       committed == spec_.run().steps());
   if (!due || gradient_rank_ != 0) return absl::OkStatus();
   return Annotate(WriteCheckpoint(committed),
                   absl::StrCat("writing the ", name_, " checkpoint of step ", committed));

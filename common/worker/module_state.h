@@ -57,11 +57,12 @@ class ModuleState {
   int64_t gradient_rank() const { return gradient_rank_; }
 
   // ModuleRuntime's step end for this module (after Train). When the step ends a checkpoint
-  // interval (checkpoint.every, and the last step when checkpoint.dir is set), Apply also copies
+  // interval (checkpoint.every, and the last step when checkpoint.dir is set) or `checkpoint`
+  // asks for one (the coordinator's stop with a checkpoint), Apply also copies
   // this rank's checkpoint shard and starts writing it in the background: the rank of DP replica
   // 0 (CP rank 0) of each TP rank and stage writes, and the last writer completes the manifest.
   std::vector<GradNormShare> GradNormShares() const;
-  absl::Status Apply(int64_t step, double clip_coefficient);
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint);
   void Discard();
   // Waits for a checkpoint still being written first.
   absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank);
@@ -98,8 +99,8 @@ class ModuleState {
 class SingleModuleRuntime : public ModuleRuntime {
  public:
   std::vector<GradNormShare> GradNormShares() const override { return state_.GradNormShares(); }
-  absl::Status Apply(int64_t step, double clip_coefficient) override {
-    return state_.Apply(step, clip_coefficient);
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override {
+    return state_.Apply(step, clip_coefficient, checkpoint);
   }
   void Discard() override { state_.Discard(); }
   absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override {

@@ -196,7 +196,8 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   if (norm.grad_norm().skip()) {
     // A non-finite norm: the step is committed without an update.
     HETPAR_LOG(WARNING) << "step " << step << " skipped: its gradient norm is "
-                        << norm.grad_norm().norm();
+                        << norm.grad_norm().norm()
+                        << (commit.commit().checkpoint() ? " (and not checkpointed)" : "");
     modules_->Discard();
     ++steps_skipped_;
     last_optimizer_s_ = 0;
@@ -206,8 +207,9 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   state_ = State::kApplying;
   const absl::Time optimizer_start = absl::Now();
   const trace::Clock::time_point optimizer_trace_start = trace::Clock::now();
-  HETPAR_RETURN_IF_ERROR(Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient()),
-                                  absl::StrCat("step ", step, " optimizer")));
+  HETPAR_RETURN_IF_ERROR(Annotate(
+      modules_->Apply(step, norm.grad_norm().clip_coefficient(), commit.commit().checkpoint()),
+      absl::StrCat("step ", step, " optimizer")));
   last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
   trace::Record(trace::kStepLane, "optimizer", "optimizer", optimizer_trace_start);
   if (options_.on_applied) options_.on_applied(step, outcome->modules);

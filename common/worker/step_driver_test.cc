@@ -66,8 +66,8 @@ class RecordingModule : public ModuleRuntime {
     return outcome;
   }
   std::vector<GradNormShare> GradNormShares() const override { return {{v1::MODULE_ENCODER, 4.0}}; }
-  absl::Status Apply(int64_t step, double clip) override {
-    calls.push_back(absl::StrCat("apply ", step, " clip ", clip));
+  absl::Status Apply(int64_t step, double clip, bool checkpoint) override {
+    calls.push_back(absl::StrCat("apply ", step, " clip ", clip, checkpoint ? " checkpoint" : ""));
     if (!pending) return absl::InternalError("apply without gradients");
     pending = false;
     ++updates;
@@ -111,9 +111,10 @@ v1::CoordinatorMessage Norm(int64_t step, double clip) {
   return m;
 }
 
-v1::CoordinatorMessage Commit(int64_t step) {
+v1::CoordinatorMessage Commit(int64_t step, bool checkpoint = false) {
   v1::CoordinatorMessage m;
   m.mutable_commit()->set_step(step);
+  m.mutable_commit()->set_checkpoint(checkpoint);
   return m;
 }
 
@@ -140,7 +141,7 @@ TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipOnlyAtTheCommit) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m :
-       {Plan(0), Ack(), Norm(0, 0.5), Commit(0), Plan(1), Norm(1, 1.0), Commit(1), Stop()}) {
+       {Plan(0), Ack(), Norm(0, 0.5), Commit(0), Plan(1), Norm(1, 1.0), Commit(1, true), Stop()}) {
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
@@ -155,9 +156,10 @@ TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipOnlyAtTheCommit) {
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
   EXPECT_EQ(driver.steps_applied(), 2);
-  // Each step is reported before anything changes, and applied at its commit.
+  // Each step is reported before anything changes, and applied at its commit, which may ask for
+  // a checkpoint.
   EXPECT_THAT(module.calls, ElementsAre("run 0", "report 0", "apply 0 clip 0.5", "run 1",
-                                        "report 1", "apply 1 clip 1"));
+                                        "report 1", "apply 1 clip 1 checkpoint"));
   EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "partial 1", "report 1 ok"));
   EXPECT_THAT(applied_steps, ElementsAre(0, 1));
   ASSERT_EQ(channel.partials.size(), 2u);

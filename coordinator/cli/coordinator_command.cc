@@ -165,7 +165,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     if (signal == SIGUSR1) return;  // woken to exit
     HETPAR_LOG(WARNING) << "received " << (signal == SIGINT ? "SIGINT" : "SIGTERM")
                         << ": stopping the run";
-    raw->Stop(signal == SIGINT ? "interrupted" : "terminated");
+    // SIGTERM (a scheduler ending the job): the step in flight commits with a checkpoint first
+    // when the run writes checkpoints.
+    raw->Stop(signal == SIGINT ? "interrupted" : "terminated", /*checkpoint=*/signal == SIGTERM);
   });
 
   StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops());

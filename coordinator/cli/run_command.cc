@@ -56,7 +56,7 @@ struct RunFlags {
 };
 
 volatile sig_atomic_t g_interrupted = 0;
-void OnSignal(int) { g_interrupted = 1; }
+void OnSignal(int signal) { g_interrupted = signal; }  // SIGINT or SIGTERM
 
 std::string Duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -306,9 +306,14 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(100));
     if (g_interrupted && !stop_sent) {
-      std::cerr << "\nhetpar run: interrupted; stopping every worker\n";
+      // SIGTERM (a scheduler ending the job): the step in flight commits with a checkpoint first
+      // when the run writes checkpoints.
+      const bool checkpoint = g_interrupted == SIGTERM && !spec.checkpoint().dir().empty();
+      std::cerr << "\nhetpar run: " << (g_interrupted == SIGTERM ? "terminated" : "interrupted")
+                << "; stopping every worker"
+                << (checkpoint ? " after a checkpoint of the step in flight" : "") << "\n";
       failure = "interrupted";
-      (*server)->Stop("interrupted");
+      (*server)->Stop(g_interrupted == SIGTERM ? "terminated" : "interrupted", checkpoint);
       stop_sent = true;
     }
     for (auto& process : processes) {

@@ -16,6 +16,7 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
     ConnectionFlags connection;
     std::string reason;
     double wait_s = 0;
+    bool checkpoint = false;
   };
   auto flags = std::make_shared<Flags>();
   CLI::App* command = app.add_subcommand(
@@ -24,6 +25,9 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
       "ends when their sessions have closed");
   AddConnectionFlags(command, &flags->connection);
   command->add_option("--reason", flags->reason, "Why (shown to the workers and in status)");
+  command->add_flag("--checkpoint", flags->checkpoint,
+                    "Let the step in flight commit and write a checkpoint of it (checkpoint.dir "
+                    "must be set) before stopping");
   command
       ->add_option("--wait", flags->wait_s,
                    "Seconds to wait for the run to be done (exit 1 if it is not by then)")
@@ -36,7 +40,7 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
       return;
     }
     coordinator::AdminClient admin(*connection);
-    auto stopped = admin.Stop(flags->reason);
+    auto stopped = admin.Stop(flags->reason, flags->checkpoint);
     if (!stopped.ok()) {
       std::cerr << "hetpar: " << stopped.status().message() << "\n";
       *exit_code = kExitFailure;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -288,6 +289,39 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
     const std::string log = ReadFile(dir_ + "/run/log/" + name + ".log");
     EXPECT_THAT(log, HasSubstr("stop:")) << name << ":\n" << log;
     EXPECT_THAT(log, ::testing::Not(HasSubstr("worker failed"))) << name;
+  }
+}
+
+// SIGTERM (a scheduler ending the job) with checkpoint.dir set: the step in flight commits, every
+// rank checkpoints it, then the run stops; the checkpoint holds every committed step.
+TEST_F(RunFaultsTest, SigtermCheckpointsTheStepInFlightThenStops) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> argv = RunArgs(400);
+  argv.insert(argv.end(), {"--set", "checkpoint.dir=" + checkpoints});  // every: 0, no periodic
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string metrics = dir_ + "/run/metrics.jsonl";
+  for (int i = 0; i < 1200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const std::string text = ReadFile(metrics);
+    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
+  }
+  ASSERT_TRUE(run->Signal(SIGTERM));
+  auto code = run->Wait(60);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 130);
+  const std::string log = ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_THAT(log, HasSubstr("stopping every worker after a checkpoint of the step in flight"));
+  const std::string text = ReadFile(metrics);
+  const int64_t committed = std::count(text.begin(), text.end(), '\n');
+  ASSERT_GE(committed, 2);
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%06lld", static_cast<long long>(committed));
+  EXPECT_TRUE(fs::exists(checkpoints + "/" + name + "/manifest.json")) << name << "\n" << log;
+  for (const char* worker : {"encoder-0", "llm-0", "llm-1"}) {
+    const std::string worker_log = ReadFile(dir_ + "/run/log/" + worker + ".log");
+    EXPECT_THAT(worker_log, HasSubstr(absl::StrCat("of step ", committed, ":"))) << worker;
+    EXPECT_THAT(worker_log, ::testing::Not(HasSubstr("worker failed"))) << worker;
   }
 }
 
