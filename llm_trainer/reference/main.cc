@@ -59,6 +59,17 @@ int main(int argc, char** argv) {
       "evaluate", "Evaluate a run's saved model (<out>/model) on the validation split");
   AddCommonFlags(evaluate, &flags);
   evaluate->add_option("--out", flags.out_dir, "Run directory holding model/")->required();
+  std::string checkpoint;
+  CLI::App* export_command = app.add_subcommand(
+      "export",
+      "Write a checkpoint's full parameters as <out>/encoder.hpar and llm.hpar (the files "
+      "encoder.init_from and llm.init_from start a run from)");
+  AddCommonFlags(export_command, &flags);
+  export_command
+      ->add_option("--checkpoint", checkpoint, "A complete checkpoint (a step-NNNNNN directory)")
+      ->required();
+  export_command->add_option("--out", flags.out_dir, "Directory to write the two files to")
+      ->required();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -78,6 +89,17 @@ int main(int argc, char** argv) {
                           ? flags.threads
                           : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
 
+  if (export_command->parsed()) {
+    hetpar::SetLogTag("export");
+    if (absl::Status status = hetpar::llm::ExportCheckpoint(spec, checkpoint, flags.out_dir);
+        !status.ok()) {
+      HETPAR_LOG(ERROR) << "export failed: " << status;
+      return kExitFailure;
+    }
+    HETPAR_LOG(INFO) << "wrote " << flags.out_dir << "/encoder.hpar and " << flags.out_dir
+                     << "/llm.hpar from " << checkpoint;
+    return 0;
+  }
   if (evaluate->parsed()) {
     hetpar::SetLogTag("evaluate");
     auto line = hetpar::llm::EvaluateSavedModel(spec, flags.out_dir + "/model", spec.run().steps());

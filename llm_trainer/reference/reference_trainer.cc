@@ -18,6 +18,7 @@
 #include "common/run_directory.h"
 #include "common/status.h"
 #include "common/train/batch.h"
+#include "common/train/checkpoint.h"
 #include "common/train/optimizer.h"
 #include "encoder_service/encoder.h"
 #include "llm_trainer/language_model.h"
@@ -201,6 +202,18 @@ absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOption
                           EvaluateCaptioning(spec, *vision, *language, eval_options));
   if (options.progress) HETPAR_LOG(INFO) << "validation: " << eval.ToJson();
   return run_dir->AppendMetrics(eval.ToJson());
+}
+
+absl::Status ExportCheckpoint(const hetpar::v1::RunSpec& spec, const std::string& checkpoint_dir,
+                              const std::string& model_dir) {
+  HETPAR_ASSIGN_OR_RETURN(SingleProcessModels models, CreateSingleProcessModels(spec));
+  HETPAR_RETURN_IF_ERROR(
+      train::LoadModuleState(checkpoint_dir, "encoder", models.encoder->parameters(), nullptr));
+  HETPAR_RETURN_IF_ERROR(
+      train::LoadModuleState(checkpoint_dir, "llm", models.llm->parameters(), nullptr));
+  HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(models.encoder->parameters(), *models.single,
+                                                model_dir + "/encoder.hpar"));
+  return nn::SaveFullParameters(models.llm->parameters(), *models.single, model_dir + "/llm.hpar");
 }
 
 absl::StatusOr<std::string> EvaluateSavedModel(const hetpar::v1::RunSpec& spec,

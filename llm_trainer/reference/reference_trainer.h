@@ -47,6 +47,12 @@ absl::StatusOr<ReferenceStepResult> RunReferenceStep(const data::BatchSource& ba
 absl::StatusOr<std::string> EvaluateSavedModel(const hetpar::v1::RunSpec& spec,
                                                const std::string& model_dir, int64_t step);
 
+// Writes the full parameters of the checkpoint `checkpoint_dir` (train/checkpoint.h, any layout)
+// as <model_dir>/encoder.hpar and llm.hpar, the files a run saves in model/: what `init_from`
+// starts a new run from. `spec` gives the models' shapes (the run's config).
+absl::Status ExportCheckpoint(const hetpar::v1::RunSpec& spec, const std::string& checkpoint_dir,
+                              const std::string& model_dir);
+
 // Trains spec.run().steps() steps and writes the run directory. `spec` has defaults applied.
 absl::Status RunReference(const hetpar::v1::RunSpec& spec, const ReferenceOptions& options);
 

@@ -360,6 +360,21 @@ TEST_F(ParityTest, ResumesFromACheckpointOnAnyLayoutFloat64) {
     EXPECT_TRUE(fs::exists(checkpoints + "/" + kept + "/manifest.json")) << kept;
   }
   EXPECT_FALSE(fs::exists(checkpoints + "/step-000004"));
+  // The last checkpoint, exported to full parameter files, is the model the run saved.
+  auto exported =
+      RunCommand({HETPAR_REFERENCE_BIN, "export", "--config", straight + "/config.yaml",
+                  "--checkpoint", checkpoints + "/step-000010", "--out", dir_ + "/exported"});
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_EQ(exported->exit_code, 0) << exported->stderr_text;
+  auto bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  for (const char* file : {"/encoder.hpar", "/llm.hpar"}) {
+    const std::string saved = bytes(straight + "/model" + file);
+    EXPECT_FALSE(saved.empty()) << file;
+    EXPECT_TRUE(saved == bytes(dir_ + "/exported" + file)) << file;
+  }
   // Resume from step 6: the straight run's own checkpoint.
   const std::string from = checkpoints + "/step-000006";
   const RunMetrics reference = Metrics(straight);
