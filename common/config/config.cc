@@ -536,6 +536,26 @@ class Checker {
 
 }  // namespace
 
+namespace {
+
+// manifest.json's "extra" number `key` (written by the workers: common/worker/module_state.cc).
+absl::StatusOr<int64_t> ManifestExtra(const std::string& dir, const std::string& key) {
+  std::ifstream in((fs::path(dir) / "manifest.json").string());
+  const nlohmann::json manifest = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (manifest.is_discarded() || !manifest.is_object() || !manifest.contains("extra") ||
+      !manifest["extra"].is_object() || !manifest["extra"].contains(key) ||
+      !manifest["extra"][key].is_number_integer()) {
+    return absl::NotFoundError(absl::StrCat("no ", key, " in ", dir, "/manifest.json"));
+  }
+  return manifest["extra"][key].get<int64_t>();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> CheckpointSamplesTrained(const std::string& dir) {
+  return ManifestExtra(dir, "samples_trained");
+}
+
 absl::StatusOr<int64_t> CheckpointStep(const std::string& dir) {
   const std::string path = (fs::path(dir) / "manifest.json").string();
   std::ifstream in(path);
@@ -892,6 +912,15 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                absl::StrCat("='", s.checkpoint().resume_from(), "' is at step ", *step,
                             ", which is not before run.steps=", s.run().steps(),
                             ": nothing is left to train; raise run.steps"));
+      } else if (absl::StatusOr<int64_t> samples =
+                     CheckpointSamplesTrained(s.checkpoint().resume_from());
+                 samples.ok() && *step > 0 && *samples != *step * s.run().global_batch()) {
+        // The data position is the checkpoint's step times the global batch.
+        c.Fail("checkpoint.resume_from",
+               absl::StrCat("='", s.checkpoint().resume_from(), "' trained ", *samples,
+                            " samples in ", *step, " steps (a global batch of ", *samples / *step,
+                            "); run.global_batch=", s.run().global_batch(),
+                            ": resume with the global batch it was written with"));
       }
     }
   } else if (!synth) {

@@ -69,6 +69,9 @@ struct LoadOptions {
 // (train/checkpoint.h writes it): NotFound without a manifest (the checkpoint is incomplete or
 // not one), DataLoss for a manifest without a step.
 absl::StatusOr<int64_t> CheckpointStep(const std::string& dir);
+// The samples the run had trained at that checkpoint (its manifest's extra.samples_trained);
+// NotFound when the manifest does not say.
+absl::StatusOr<int64_t> CheckpointSamplesTrained(const std::string& dir);
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
 // keys (with a "did you mean") and wrong types are returned together as InvalidArgument.

@@ -297,10 +297,16 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
               "no complete checkpoint: '" + step4 + "/manifest.json' does not exist");
   std::ofstream(dir / "step-000004" / "manifest.json") << "{\"format\": 1}";
   ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0, "is not a checkpoint manifest");
-  std::ofstream(dir / "step-000004" / "manifest.json") << R"({"format": 1, "step": 4})";
+  std::ofstream(dir / "step-000004" / "manifest.json")
+      << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32}})";
   EXPECT_EQ(*CheckpointStep(step4), 4);
-  auto resumed = with_files(step4, 10);
+  EXPECT_EQ(*CheckpointSamplesTrained(step4), 32);
+  auto resumed = with_files(step4, 10);  // kValid: global_batch 8, 4 x 8 = 32
   EXPECT_TRUE(resumed.ok()) << resumed.status();
+  std::ofstream(dir / "step-000004" / "manifest.json")
+      << R"({"format": 1, "step": 4, "extra": {"samples_trained": 64}})";
+  ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0,
+              "trained 64 samples in 4 steps (a global batch of 16); run.global_batch=8");
   ExpectIssue(with_files(step4, 4), "checkpoint.resume_from", 0,
               "is at step 4, which is not before run.steps=4");
   fs::remove_all(dir);
