@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/errno_status.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 
@@ -35,23 +36,6 @@ constexpr size_t kChunkBytes = size_t{1} << 26;
 
 uint32_t Crc(uint32_t crc, const void* data, size_t bytes) {
   return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), bytes));
-}
-
-absl::Status ErrnoStatus(int err, const std::string& what) {
-  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
-  switch (err) {
-    case ENOENT:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-    case EROFS:
-      return absl::PermissionDeniedError(message);
-    case ENOSPC:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(message);
-    default:
-      return absl::UnavailableError(message);
-  }
 }
 
 absl::StatusOr<uint8_t> DtypeCode(at::ScalarType dtype, const std::string& name) {

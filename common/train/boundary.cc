@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
+#include "common/train/little_endian.h"
 
 namespace hetpar::train {
 namespace {
@@ -15,18 +16,6 @@ namespace {
 // Framing before the header: its length, then the sender's post time.
 constexpr size_t kLengthBytes = 8;
 constexpr size_t kPrefixBytes = 16;
-
-void StoreU64(char* out, uint64_t value) {
-  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>(value >> (8 * i));
-}
-
-uint64_t GetU64(const char* bytes) {
-  uint64_t value = 0;
-  for (size_t i = 0; i < 8; ++i) {
-    value |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
-  }
-  return value;
-}
 
 size_t MessageSize(const plan::Transfer& transfer, int64_t row_bytes) {
   return kPrefixBytes +

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/errno_status.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -35,23 +36,6 @@ constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
 // Checksums read files this many bytes at a time.
 constexpr size_t kChunkBytes = size_t{1} << 20;
-
-absl::Status ErrnoStatus(int err, const std::string& what) {
-  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
-  switch (err) {
-    case ENOENT:
-      return absl::NotFoundError(message);
-    case EACCES:
-    case EPERM:
-    case EROFS:
-      return absl::PermissionDeniedError(message);
-    case ENOSPC:
-    case EDQUOT:
-      return absl::ResourceExhaustedError(message);
-    default:
-      return absl::UnavailableError(message);
-  }
-}
 
 std::string JoinPath(const std::string& dir, const std::string& file) {
   return (fs::path(dir) / file).string();

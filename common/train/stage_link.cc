@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
+#include "common/train/little_endian.h"
 
 namespace hetpar::train {
 namespace {
@@ -16,18 +17,6 @@ constexpr uint64_t kMagic = 0x31454741545350ULL;  // "PSTAGE1" (little-endian)
 constexpr size_t kHeaderWords = 5;                // magic, step, direction, microbatch, rows
 constexpr size_t kHeaderBytes = kHeaderWords * 8;
 constexpr int64_t kStageWaveBit = int64_t{1} << 18;
-
-void StoreU64(char* out, uint64_t value) {
-  for (size_t i = 0; i < 8; ++i) out[i] = static_cast<char>(value >> (8 * i));
-}
-
-uint64_t GetU64(const char* bytes) {
-  uint64_t value = 0;
-  for (size_t i = 0; i < 8; ++i) {
-    value |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
-  }
-  return value;
-}
 
 std::string Describe(int64_t step, plan::Direction direction, int64_t microbatch, int64_t rows) {
   return absl::StrCat(direction == plan::Direction::kForward ? "activations" : "gradients",

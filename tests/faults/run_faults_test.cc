@@ -92,6 +92,15 @@ class RunFaultsTest : public ::testing::Test {
     return argv;
   }
 
+  // Polls `path` until it has `lines` lines (committed steps in metrics.jsonl), at most 60 s.
+  static void WaitForLines(const std::string& path, int lines) {
+    for (int i = 0; i < 1200; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      const std::string text = ReadFile(path);
+      if (std::count(text.begin(), text.end(), '\n') >= lines) return;
+    }
+  }
+
   std::string dir_;
 };
 
@@ -166,11 +175,7 @@ TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
   ASSERT_TRUE(run.ok());
   // Wait for a few committed steps.
   const std::string metrics = dir_ + "/run/metrics.jsonl";
-  for (int i = 0; i < 1200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const std::string text = ReadFile(metrics);
-    if (std::count(text.begin(), text.end(), '\n') >= 3) break;
-  }
+  WaitForLines(metrics, 3);
   std::vector<pid_t> encoders = ProcessesWith("hetpar-encoder --coordinator");
   std::vector<pid_t> victims;
   for (pid_t pid : encoders) {
@@ -208,11 +213,7 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
-  for (int i = 0; i < 1200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const std::string text = ReadFile(metrics);
-    if (std::count(text.begin(), text.end(), '\n') >= 4) break;
-  }
+  WaitForLines(metrics, 4);
   std::vector<pid_t> victims;
   for (pid_t pid : ProcessesWith("hetpar-llm --coordinator")) {
     if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
@@ -272,11 +273,7 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
-  for (int i = 0; i < 1200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const std::string text = ReadFile(metrics);
-    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
-  }
+  WaitForLines(metrics, 2);
   ASSERT_EQ(ProcessesWith("--out " + dir_ + "/run --threads").size(), 4u)
       << ReadFile(dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run->Signal(SIGINT));
@@ -301,11 +298,7 @@ TEST_F(RunFaultsTest, SigtermCheckpointsTheStepInFlightThenStops) {
   auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
-  for (int i = 0; i < 1200; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    const std::string text = ReadFile(metrics);
-    if (std::count(text.begin(), text.end(), '\n') >= 2) break;
-  }
+  WaitForLines(metrics, 2);
   ASSERT_TRUE(run->Signal(SIGTERM));
   auto code = run->Wait(60);
   ASSERT_TRUE(code.ok()) << code.status();
