@@ -70,9 +70,10 @@ absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
       new RunController(spec, *std::move(membership), std::move(options), std::move(planner), now));
   // A resumed run goes on from its checkpoint's step.
   if (!spec.checkpoint().resume_from().empty()) {
-    absl::StatusOr<int64_t> step = config::CheckpointStep(spec.checkpoint().resume_from());
-    if (!step.ok()) return step.status();
-    controller->committed_steps_ = *step;
+    absl::StatusOr<config::CheckpointSummary> checkpoint =
+        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+    if (!checkpoint.ok()) return checkpoint.status();
+    controller->committed_steps_ = checkpoint->step;
   }
   return controller;
 }

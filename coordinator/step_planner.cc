@@ -67,9 +67,10 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
   planner->placement_ = *std::move(placement);
   planner->batches_ = std::move(batches);
   if (!spec.checkpoint().resume_from().empty()) {
-    absl::StatusOr<int64_t> step = config::CheckpointStep(spec.checkpoint().resume_from());
-    if (!step.ok()) return step.status();
-    planner->skip_steps_ = *step;
+    absl::StatusOr<config::CheckpointSummary> checkpoint =
+        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+    if (!checkpoint.ok()) return checkpoint.status();
+    planner->skip_steps_ = checkpoint->step;
   }
   return planner;
 }

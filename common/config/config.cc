@@ -536,27 +536,7 @@ class Checker {
 
 }  // namespace
 
-namespace {
-
-// manifest.json's "extra" number `key` (written by the workers: common/worker/module_state.cc).
-absl::StatusOr<int64_t> ManifestExtra(const std::string& dir, const std::string& key) {
-  std::ifstream in((fs::path(dir) / "manifest.json").string());
-  const nlohmann::json manifest = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (manifest.is_discarded() || !manifest.is_object() || !manifest.contains("extra") ||
-      !manifest["extra"].is_object() || !manifest["extra"].contains(key) ||
-      !manifest["extra"][key].is_number_integer()) {
-    return absl::NotFoundError(absl::StrCat("no ", key, " in ", dir, "/manifest.json"));
-  }
-  return manifest["extra"][key].get<int64_t>();
-}
-
-}  // namespace
-
-absl::StatusOr<int64_t> CheckpointSamplesTrained(const std::string& dir) {
-  return ManifestExtra(dir, "samples_trained");
-}
-
-absl::StatusOr<int64_t> CheckpointStep(const std::string& dir) {
+absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) {
   const std::string path = (fs::path(dir) / "manifest.json").string();
   std::ifstream in(path);
   if (!in) {
@@ -570,7 +550,15 @@ absl::StatusOr<int64_t> CheckpointStep(const std::string& dir) {
     return absl::DataLossError(
         absl::StrCat("'", path, "' is not a checkpoint manifest (no non-negative integer step)"));
   }
-  return manifest["step"].get<int64_t>();
+  CheckpointSummary summary;
+  summary.step = manifest["step"].get<int64_t>();
+  // Written by the workers (common/worker/module_state.cc).
+  const nlohmann::json& extra = manifest.value("extra", nlohmann::json::object());
+  if (extra.is_object() && extra.contains("samples_trained") &&
+      extra["samples_trained"].is_number_integer()) {
+    summary.samples_trained = extra["samples_trained"].get<int64_t>();
+  }
+  return summary;
 }
 
 std::string SourceMap::Where(std::string_view path) const {
@@ -903,22 +891,22 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     c.FileExists("encoder.init_from", s.encoder().init_from(), false);
     c.FileExists("llm.init_from", s.llm().init_from(), false);
     if (!s.checkpoint().resume_from().empty()) {
-      absl::StatusOr<int64_t> step = CheckpointStep(s.checkpoint().resume_from());
-      if (!step.ok()) {
+      absl::StatusOr<CheckpointSummary> checkpoint =
+          ReadCheckpointSummary(s.checkpoint().resume_from());
+      if (!checkpoint.ok()) {
+        c.Fail("checkpoint.resume_from", absl::StrCat("='", s.checkpoint().resume_from(),
+                                                      "': ", checkpoint.status().message()));
+      } else if (const int64_t step = checkpoint->step; step >= s.run().steps()) {
         c.Fail("checkpoint.resume_from",
-               absl::StrCat("='", s.checkpoint().resume_from(), "': ", step.status().message()));
-      } else if (*step >= s.run().steps()) {
-        c.Fail("checkpoint.resume_from",
-               absl::StrCat("='", s.checkpoint().resume_from(), "' is at step ", *step,
+               absl::StrCat("='", s.checkpoint().resume_from(), "' is at step ", step,
                             ", which is not before run.steps=", s.run().steps(),
                             ": nothing is left to train; raise run.steps"));
-      } else if (absl::StatusOr<int64_t> samples =
-                     CheckpointSamplesTrained(s.checkpoint().resume_from());
-                 samples.ok() && *step > 0 && *samples != *step * s.run().global_batch()) {
+      } else if (const int64_t samples = checkpoint->samples_trained;
+                 samples >= 0 && step > 0 && samples != step * s.run().global_batch()) {
         // The data position is the checkpoint's step times the global batch.
         c.Fail("checkpoint.resume_from",
-               absl::StrCat("='", s.checkpoint().resume_from(), "' trained ", *samples,
-                            " samples in ", *step, " steps (a global batch of ", *samples / *step,
+               absl::StrCat("='", s.checkpoint().resume_from(), "' trained ", samples,
+                            " samples in ", step, " steps (a global batch of ", samples / step,
                             "); run.global_batch=", s.run().global_batch(),
                             ": resume with the global batch it was written with"));
       }

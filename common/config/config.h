@@ -65,13 +65,14 @@ struct LoadOptions {
   bool require_runnable = true;
 };
 
-// The step (committed steps) of the complete checkpoint in `dir`, from its manifest.json
-// (train/checkpoint.h writes it): NotFound without a manifest (the checkpoint is incomplete or
-// not one), DataLoss for a manifest without a step.
-absl::StatusOr<int64_t> CheckpointStep(const std::string& dir);
-// The samples the run had trained at that checkpoint (its manifest's extra.samples_trained);
-// NotFound when the manifest does not say.
-absl::StatusOr<int64_t> CheckpointSamplesTrained(const std::string& dir);
+// What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
+// was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
+// manifest without a step.
+struct CheckpointSummary {
+  int64_t step = 0;              // committed steps
+  int64_t samples_trained = -1;  // -1: the manifest does not say
+};
+absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
 // keys (with a "did you mean") and wrong types are returned together as InvalidArgument.

@@ -299,8 +299,8 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0, "is not a checkpoint manifest");
   std::ofstream(dir / "step-000004" / "manifest.json")
       << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32}})";
-  EXPECT_EQ(*CheckpointStep(step4), 4);
-  EXPECT_EQ(*CheckpointSamplesTrained(step4), 32);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->step, 4);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->samples_trained, 32);
   auto resumed = with_files(step4, 10);  // kValid: global_batch 8, 4 x 8 = 32
   EXPECT_TRUE(resumed.ok()) << resumed.status();
   std::ofstream(dir / "step-000004" / "manifest.json")

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/errno_status.h"
+#include "common/nn/atomic_file.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 
@@ -89,84 +90,6 @@ T Get(const char* bytes) {
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
-
-// Writes a file through "<path>.tmp-<pid>": Append, then Commit (fsync, rename, fsync of the
-// directory). Destroyed without a Commit, it removes the temporary file.
-class AtomicFileWriter {
- public:
-  static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> Create(const std::string& path) {
-    const std::filesystem::path target(path);
-    if (target.has_parent_path()) {
-      std::error_code error;
-      std::filesystem::create_directories(target.parent_path(), error);
-      if (error) {
-        return ErrnoStatus(error.value(), absl::StrCat("creating the directory of ", path));
-      }
-    }
-    std::string temp = absl::StrCat(path, ".tmp-", ::getpid());
-    const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating ", temp));
-    return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, std::move(temp), fd));
-  }
-
-  AtomicFileWriter(const AtomicFileWriter&) = delete;
-  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
-
-  ~AtomicFileWriter() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(temp_.c_str());
-  }
-
-  absl::Status Append(const void* data, size_t bytes) {
-    crc_ = Crc(crc_, data, bytes);
-    bytes_ += bytes;
-    const char* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      const ssize_t n = ::write(fd_, p, std::min(bytes, kChunkBytes));
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return ErrnoStatus(errno, absl::StrCat("writing ", temp_));
-      }
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Commit() {
-    if (::fsync(fd_) != 0) return ErrnoStatus(errno, absl::StrCat("syncing ", temp_));
-    const int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", temp_));
-    if (::rename(temp_.c_str(), path_.c_str()) != 0) {
-      return ErrnoStatus(errno, absl::StrCat("renaming ", temp_, " to ", path_));
-    }
-    committed_ = true;
-    std::string dir = std::filesystem::path(path_).parent_path().string();
-    if (dir.empty()) dir = ".";
-    const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dir_fd < 0) return ErrnoStatus(errno, absl::StrCat("opening directory ", dir));
-    const int synced = ::fsync(dir_fd);
-    const int err = errno;
-    ::close(dir_fd);
-    if (synced != 0) return ErrnoStatus(err, absl::StrCat("syncing directory ", dir));
-    return absl::OkStatus();
-  }
-
-  // The size and CRC-32 of what was appended: the file's, once committed.
-  WrittenFile written() const { return {bytes_, crc_}; }
-
- private:
-  AtomicFileWriter(std::string path, std::string temp, int fd)
-      : path_(std::move(path)), temp_(std::move(temp)), fd_(fd) {}
-
-  std::string path_;
-  std::string temp_;
-  int fd_;
-  bool committed_ = false;
-  uint32_t crc_ = 0;  // of every byte appended
-  uint64_t bytes_ = 0;
-};
 
 // Random-access reads of a parameter file; reading past its end is DataLoss ("truncated").
 class FileReader {

@@ -28,8 +28,8 @@
 //     u32 CRC-32 of every byte of the entry before it
 //   and nothing after the last entry.
 //
-// Writes go to "<path>.tmp-<pid>" in the same directory, are fsynced, renamed over `path`, and
-// the directory is fsynced: a reader sees the old file or the whole new one.
+// Writes go through nn::AtomicFileWriter (atomic_file.h): a temporary file beside `path`,
+// fsynced and renamed over it, so a reader sees the old file or the whole new one.
 #ifndef HETPAR_COMMON_NN_EXPORT_H_
 #define HETPAR_COMMON_NN_EXPORT_H_
 
@@ -41,6 +41,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/nn/atomic_file.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
 
@@ -91,10 +92,6 @@ absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string&
 // process: how the pipeline stages' files of a model are joined into one. InvalidArgument for an
 // empty, overlong or repeated name; write errors name the path.
 // `written`, when given, receives the file's size and zlib CRC-32, summed while it was written.
-struct WrittenFile {
-  uint64_t bytes = 0;
-  uint32_t crc32 = 0;
-};
 absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path,
                                  WrittenFile* written = nullptr);
 

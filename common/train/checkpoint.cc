@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/errno_status.h"
+#include "common/nn/atomic_file.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -53,12 +54,6 @@ class FdCloser {
   FdCloser& operator=(const FdCloser&) = delete;
   ~FdCloser() {
     if (fd_ >= 0) ::close(fd_);
-  }
-  // Closes now, reporting the error that a close at destruction would lose.
-  int Close() {
-    const int fd = fd_;
-    fd_ = -1;
-    return ::close(fd);
   }
 
  private:
@@ -107,51 +102,6 @@ absl::StatusOr<FileSum> SumFile(const std::string& path) {
   }
   sum.crc32 = static_cast<uint32_t>(crc);
   return sum;
-}
-
-// Writes `contents` to `path` through a temporary file of a unique name in the same directory
-// (several threads of one process may write the same path at once), fsyncs it, renames it over
-// `path` and fsyncs the directory: a reader sees the old file or the whole new one.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents) {
-  std::string temp = absl::StrCat(path, ".tmp-XXXXXX");
-  const int fd = ::mkstemp(temp.data());
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating a temporary file for ", path));
-  FdCloser closer(fd);
-  bool renamed = false;
-  // Removes the temporary file on every failure before the rename.
-  struct Cleanup {
-    const std::string& temp;
-    const bool& renamed;
-    ~Cleanup() {
-      if (!renamed) ::unlink(temp.c_str());
-    }
-  } cleanup{temp, renamed};
-  if (::fchmod(fd, 0644) != 0)
-    return ErrnoStatus(errno, absl::StrCat("setting the mode of ", temp));
-  const char* p = contents.data();
-  size_t left = contents.size();
-  while (left > 0) {
-    const ssize_t n = ::write(fd, p, left);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("writing ", temp));
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) return ErrnoStatus(errno, absl::StrCat("syncing ", temp));
-  if (closer.Close() != 0) return ErrnoStatus(errno, absl::StrCat("closing ", temp));
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("renaming ", temp, " to ", path));
-  }
-  renamed = true;
-  std::string dir = fs::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) return ErrnoStatus(errno, absl::StrCat("opening directory ", dir));
-  FdCloser dir_closer(dir_fd);
-  if (::fsync(dir_fd) != 0) return ErrnoStatus(errno, absl::StrCat("syncing directory ", dir));
-  return absl::OkStatus();
 }
 
 // A JSON file of the checkpoint; `what` names it in errors ("checkpoint manifest"). NotFound
@@ -572,7 +522,7 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
   HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(snapshot.entries, shard_path, &written));
   const FileSum sum{static_cast<int64_t>(written.bytes), written.crc32};
   const json sidecar = SidecarJson(id, snapshot.step, file, sum, snapshot.params);
-  return Annotate(WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
+  return Annotate(nn::WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
                   absl::StrCat("writing checkpoint sidecar ", sidecar_path));
 }
 
@@ -636,7 +586,7 @@ absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
                       {"shards", std::move(shards)},
                       {"extra", extra.is_null() ? json::object() : extra}};
   const std::string path = JoinPath(dir, kManifest);
-  HETPAR_RETURN_IF_ERROR(Annotate(WriteFileAtomically(path, manifest.dump(2) + "\n"),
+  HETPAR_RETURN_IF_ERROR(Annotate(nn::WriteFileAtomically(path, manifest.dump(2) + "\n"),
                                   absl::StrCat("writing checkpoint manifest ", path)));
   return true;
 }
