@@ -18,8 +18,10 @@
 #include "absl/time/clock.h"
 #include "common/control/grpc_status.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "coordinator/kv_store.h"
 #include "coordinator/limits.h"
+#include "coordinator/output_sink.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -117,8 +119,10 @@ namespace internal {
 // Everything the services share: the controller under the lock, the session table, the store.
 class ServerCore {
  public:
-  ServerCore(ServerOptions options, std::unique_ptr<RunController> controller)
+  ServerCore(ServerOptions options, std::unique_ptr<RunController> controller,
+             std::unique_ptr<OutputSink> outputs)
       : options_(std::move(options)),
+        outputs_(std::move(outputs)),
         metadata_value_(std::string(kBearerPrefix) + options_.token),
         controller_(std::move(controller)),
         controller_options_(controller_->options()),
@@ -296,10 +300,18 @@ class ServerCore {
     }
   }
 
+  // A registered worker of this run (alive or not: a worker may send its outputs after it was
+  // declared lost).
+  bool KnownWorker(const std::string& worker_id) const {
+    absl::MutexLock lock(&mu_);
+    return controller_->membership().Find(worker_id) != nullptr;
+  }
+
   void WatchdogLoop();
 
   ServerOptions options_;
-  const std::string metadata_value_;  // "Bearer <token>"
+  const std::unique_ptr<OutputSink> outputs_;  // PutOutput's files; null without a run directory
+  const std::string metadata_value_;           // "Bearer <token>"
   std::string address_;
   int port_ = 0;
 
@@ -402,6 +414,93 @@ class SessionReactor : public SessionReactorBase {
   std::atomic<bool> ended_reported_{false};
 };
 
+// PutOutput: one file of a worker's outputs, chunk by chunk into the run directory.
+class PutOutputReactor : public grpc::ServerReadReactor<v1::OutputChunk> {
+ public:
+  PutOutputReactor(internal::ServerCore* impl, grpc::CallbackServerContext* context,
+                   v1::PutOutputResponse* response)
+      : impl_(impl), context_(context), response_(response) {
+    if (!impl_->Authorized(context, "Coordinator.PutOutput")) {
+      Finish(internal::ServerCore::Unauthenticated());
+      return;
+    }
+    if (impl_->outputs_ == nullptr) {
+      Finish(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                          "this coordinator has no run directory (run.out_dir) to write outputs "
+                          "into"));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      if (finished_) {
+        Finish(grpc::Status::OK);
+      } else {
+        Fail(absl::DataLossError(
+            absl::StrCat("output ", upload_ == nullptr ? std::string("?") : upload_->name(),
+                         ": the stream ended before its last chunk",
+                         context_->IsCancelled() ? " (cancelled)" : "")));
+      }
+      return;
+    }
+    if (absl::Status s = Take(); !s.ok()) {
+      Fail(s);
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Take() {
+    if (finished_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("output ", upload_->name(), ": a chunk after the last one"));
+    }
+    if (upload_ == nullptr) {
+      if (!impl_->KnownWorker(chunk_.worker_id())) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "output ", chunk_.name().substr(0, 200), " from '", Printable(chunk_.worker_id()),
+            "', which is not a registered worker of this run"));
+      }
+      absl::StatusOr<std::unique_ptr<OutputSink::Upload>> upload =
+          impl_->outputs_->Begin(chunk_.name(), chunk_.total_bytes());
+      if (!upload.ok()) return upload.status();
+      upload_ = *std::move(upload);
+      worker_id_ = chunk_.worker_id();
+      total_bytes_ = chunk_.total_bytes();
+    }
+    HETPAR_RETURN_IF_ERROR(upload_->Append(chunk_.data()));
+    if (chunk_.last()) {
+      HETPAR_RETURN_IF_ERROR(upload_->Finish(chunk_.crc32()));
+      response_->set_bytes(total_bytes_);
+      HETPAR_LOG(INFO) << "output " << upload_->name() << " (" << response_->bytes()
+                       << " bytes) from " << worker_id_;
+      finished_ = true;
+    }
+    return absl::OkStatus();
+  }
+
+  void Fail(const absl::Status& status) {
+    HETPAR_LOG(WARNING) << "refused an output from " << context_->peer() << ": "
+                        << status.message();
+    upload_.reset();  // leaves nothing behind
+    Finish(ToGrpcStatus(status));
+  }
+
+  internal::ServerCore* impl_;
+  grpc::CallbackServerContext* context_;
+  v1::PutOutputResponse* response_;
+  v1::OutputChunk chunk_;
+  std::unique_ptr<OutputSink::Upload> upload_;
+  std::string worker_id_;
+  uint64_t total_bytes_ = 0;
+  bool finished_ = false;
+};
+
 class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
  public:
   explicit CoordinatorServiceImpl(internal::ServerCore* impl) : impl_(impl) {}
@@ -433,6 +532,11 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Session(
       grpc::CallbackServerContext* context) override {
     return new SessionReactor(impl_, context);
+  }
+
+  grpc::ServerReadReactor<v1::OutputChunk>* PutOutput(grpc::CallbackServerContext* context,
+                                                      v1::PutOutputResponse* response) override {
+    return new PutOutputReactor(impl_, context, response);
   }
 
  private:
@@ -750,7 +854,12 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Create(
   absl::StatusOr<std::unique_ptr<RunController>> controller =
       RunController::Create(spec, options.controller, std::move(planner), absl::Now());
   if (!controller.ok()) return controller.status();
-  auto impl = std::make_unique<internal::ServerCore>(std::move(options), *std::move(controller));
+  std::unique_ptr<OutputSink> outputs;
+  if (!spec.run().out_dir().empty()) {
+    outputs = std::make_unique<OutputSink>(spec.run().out_dir(), spec.llm().layout().pp());
+  }
+  auto impl = std::make_unique<internal::ServerCore>(std::move(options), *std::move(controller),
+                                                     std::move(outputs));
   if (absl::Status s = impl->Start(); !s.ok()) return s;
   return std::unique_ptr<CoordinatorServer>(new CoordinatorServer(std::move(impl)));
 }

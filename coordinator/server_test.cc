@@ -1,8 +1,14 @@
 // Every RPC of the coordinator against an in-process server on a free port.
 #include "coordinator/server.h"
 
+#include <stdlib.h>
+#include <zlib.h>
+
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -531,6 +537,108 @@ TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
   const grpc::Status raw = connection->admin().Scale(&context, request, &response);
   EXPECT_EQ(raw.error_code(), grpc::StatusCode::UNIMPLEMENTED);
   EXPECT_THAT(raw.error_message(), HasSubstr("encoder.layout.dp=2 (requested: 3)"));
+}
+
+// A parameter file as common/nn/export.h lays it out: the 32-byte header counting `entries`,
+// then `body` standing for the entries (the coordinator copies them as bytes).
+std::string ParameterFileBytes(uint64_t entries, const std::string& body) {
+  std::string bytes("HETPARAM", 8);
+  auto put = [&](uint64_t value, int size) {
+    for (int i = 0; i < size; ++i) bytes.push_back(static_cast<char>(value >> (8 * i)));
+  };
+  put(1, 4);  // version
+  put(0, 4);  // flags
+  put(entries, 8);
+  put(crc32_z(crc32_z(0, Z_NULL, 0), reinterpret_cast<const Bytef*>(bytes.data()), 24), 4);
+  put(0, 4);
+  return bytes + body;
+}
+
+std::string ReadWhole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST_F(ServerTest, PutOutputWritesWholeFilesIntoTheRunDirectoryAndJoinsStageParts) {
+  std::string pattern = (std::filesystem::temp_directory_path() / "server_test.XXXXXX").string();
+  ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+  const std::string run_dir = pattern + "/run";
+  v1::RunSpec spec = TinySpec();
+  spec.mutable_run()->set_out_dir(run_dir);
+  spec.mutable_llm()->mutable_layout()->set_pp(2);
+  StartServer(spec);
+  std::unique_ptr<WorkerSession> worker = StartWorker(v1::WORKER_ROLE_LLM, "llm-a");
+  ASSERT_NE(worker, nullptr);
+  auto connection = Connect();
+  // Local files, as a worker leaves them in its scratch directory. 2.5 MiB: three chunks.
+  std::string big(size_t{5} << 19, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>((i * 131) >> 3);
+  const std::string stage0 = ParameterFileBytes(2, "first stage's two entries");
+  const std::string stage1 = ParameterFileBytes(3, big);
+  const std::map<std::string, std::string> local = {
+      {"sums", "{\"sum\": 1.5}\n"}, {"stage0", stage0}, {"stage1", stage1}};
+  for (const auto& [name, bytes] : local) {
+    std::ofstream(pattern + "/" + name, std::ios::binary) << bytes;
+  }
+  const absl::Duration timeout = absl::Seconds(20);
+  const std::string id = worker->worker_id();
+  ASSERT_TRUE(
+      PutOutputFile(*connection, id, "workers/rank-2-llm.json", pattern + "/sums", timeout).ok());
+  EXPECT_EQ(ReadWhole(run_dir + "/workers/rank-2-llm.json"), local.at("sums"));
+  // The second stage's part first: nothing is joined until both are in.
+  ASSERT_TRUE(
+      PutOutputFile(*connection, id, "model/llm.hpar.stage-1", pattern + "/stage1", timeout).ok());
+  EXPECT_FALSE(std::filesystem::exists(run_dir + "/model/llm.hpar"));
+  EXPECT_EQ(ReadWhole(run_dir + "/model/llm.hpar.stage-1"), stage1);
+  ASSERT_TRUE(
+      PutOutputFile(*connection, id, "model/llm.hpar.stage-0", pattern + "/stage0", timeout).ok());
+  // One header counting all five entries, then stage 0's entries and stage 1's.
+  EXPECT_EQ(ReadWhole(run_dir + "/model/llm.hpar"),
+            ParameterFileBytes(5, "first stage's two entries" + big));
+  EXPECT_FALSE(std::filesystem::exists(run_dir + "/model/llm.hpar.stage-0"));
+  EXPECT_FALSE(std::filesystem::exists(run_dir + "/model/llm.hpar.stage-1"));
+
+  // Refused: a name outside the outputs, a stage the layout lacks, an unknown worker, a wrong
+  // token. None leaves a file behind.
+  for (const std::string name : {"../escape.json", "/etc/passwd", "model/llm.hpar.stage-2",
+                                 "workers/rank-x-llm.json", "model/vision.hpar", "config.yaml"}) {
+    const absl::Status refused = PutOutputFile(*connection, id, name, pattern + "/sums", timeout);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << name << ": " << refused;
+    EXPECT_THAT(std::string(refused.message()), HasSubstr(name)) << refused;
+  }
+  const absl::Status stranger =
+      PutOutputFile(*connection, "w-999", "model/encoder.hpar", pattern + "/sums", timeout);
+  EXPECT_EQ(stranger.code(), absl::StatusCode::kPermissionDenied) << stranger;
+  const absl::Status no_token = PutOutputFile(*Connect("wrong-token-0000000000"), id,
+                                              "model/encoder.hpar", pattern + "/sums", timeout);
+  EXPECT_EQ(no_token.code(), absl::StatusCode::kUnauthenticated) << no_token;
+  // A file whose bytes do not match the checksum its sender gives is not written.
+  {
+    grpc::ClientContext context;
+    connection->PrepareContext(&context, timeout);
+    v1::PutOutputResponse response;
+    auto writer = connection->coordinator().PutOutput(&context, &response);
+    v1::OutputChunk chunk;
+    chunk.set_worker_id(id);
+    chunk.set_name("model/encoder.hpar");
+    chunk.set_total_bytes(4);
+    chunk.set_data("abcd");
+    chunk.set_last(true);
+    chunk.set_crc32(12345);
+    writer->Write(chunk);
+    writer->WritesDone();
+    const grpc::Status damaged = writer->Finish();
+    EXPECT_EQ(damaged.error_code(), grpc::StatusCode::DATA_LOSS);
+    EXPECT_THAT(damaged.error_message(), HasSubstr("CRC-32 12345"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(run_dir + "/model/encoder.hpar"));
+  std::vector<std::string> left;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(run_dir)) {
+    if (entry.is_regular_file()) left.push_back(entry.path().lexically_relative(run_dir));
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_THAT(left, testing::ElementsAre("model/llm.hpar", "workers/rank-2-llm.json"));
+  std::filesystem::remove_all(pattern);
 }
 
 TEST_F(ServerTest, ListenFailureIsReported) {

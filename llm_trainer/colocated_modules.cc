@@ -48,9 +48,9 @@ void ColocatedModules::Discard() {
   llm_->Discard();
 }
 
-absl::Status ColocatedModules::WriteOutputs(const std::string& out_dir, int64_t world_rank) {
-  HETPAR_RETURN_IF_ERROR(encoder_->WriteOutputs(out_dir, world_rank));
-  return llm_->WriteOutputs(out_dir, world_rank);
+absl::Status ColocatedModules::WriteOutputs(const worker::OutputSender& send, int64_t world_rank) {
+  HETPAR_RETURN_IF_ERROR(encoder_->WriteOutputs(send, world_rank));
+  return llm_->WriteOutputs(send, world_rank);
 }
 
 }  // namespace hetpar::llm

@@ -27,7 +27,7 @@ class ColocatedModules : public worker::ModuleRuntime {
   std::vector<worker::GradNormShare> GradNormShares() const override;
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override;
   void Discard() override;
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override;
+  absl::Status WriteOutputs(const worker::OutputSender& send, int64_t world_rank) override;
 
  private:
   ColocatedModules() = default;

@@ -1,6 +1,10 @@
 #include "common/control/client.h"
 
+#include <zlib.h>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -74,6 +78,60 @@ std::string CoordinatorConnection::Where(std::string_view rpc) const {
 
 // ------------------------------------------------------------------------------------------------
 // AdminClient
+
+absl::Status PutOutputFile(const CoordinatorConnection& connection, const std::string& worker_id,
+                           const std::string& name, const std::string& local_path,
+                           absl::Duration timeout) {
+  std::ifstream in(local_path, std::ios::binary);
+  std::error_code ec;
+  const uintmax_t size = std::filesystem::file_size(local_path, ec);
+  if (!in || ec) {
+    return absl::NotFoundError(absl::StrCat("cannot read output ", name, " from ", local_path));
+  }
+  grpc::ClientContext context;
+  connection.PrepareContext(&context, timeout);
+  v1::PutOutputResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::OutputChunk>> writer =
+      connection.coordinator().PutOutput(&context, &response);
+  constexpr size_t kChunkBytes = size_t{1} << 20;
+  std::string buffer(kChunkBytes, '\0');
+  uLong crc = crc32_z(0, Z_NULL, 0);
+  uintmax_t sent = 0;
+  bool first = true;
+  bool written = true;
+  while (written) {
+    const size_t n = static_cast<size_t>(std::min<uintmax_t>(kChunkBytes, size - sent));
+    if (n > 0 && !in.read(buffer.data(), static_cast<std::streamsize>(n))) {
+      writer->WritesDone();
+      (void)writer->Finish();
+      return absl::DataLossError(absl::StrCat("reading output ", name, " from ", local_path,
+                                              ": it ended after ", sent, " of ", size, " bytes"));
+    }
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buffer.data()), n);
+    sent += n;
+    v1::OutputChunk chunk;
+    if (first) {
+      chunk.set_worker_id(worker_id);
+      chunk.set_name(name);
+      chunk.set_total_bytes(size);
+      first = false;
+    }
+    chunk.set_data(buffer.data(), n);
+    if (sent == size) {
+      chunk.set_last(true);
+      chunk.set_crc32(static_cast<uint32_t>(crc));
+      written = writer->Write(chunk);
+      break;
+    }
+    written = writer->Write(chunk);
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();  // the server's reason when a write failed
+  if (!status.ok()) {
+    return FromGrpcStatus(status, absl::StrCat(connection.Where("PutOutput"), " (", name, ")"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<v1::StatusResponse> AdminClient::Status() const {
   grpc::ClientContext context;

@@ -93,6 +93,14 @@ class AdminClient {
   std::shared_ptr<CoordinatorConnection> connection_;
 };
 
+// Sends the local file `local_path` as output `name` of worker `worker_id` (OutputChunk
+// documents the names) to the coordinator, which writes it into its run directory (PutOutput),
+// in chunks of 1 MiB with the file's size and CRC-32; waits up to `timeout` for it to be
+// written. Errors name the file and the RPC.
+absl::Status PutOutputFile(const CoordinatorConnection& connection, const std::string& worker_id,
+                           const std::string& name, const std::string& local_path,
+                           absl::Duration timeout);
+
 // The rendezvous key-value store of one generation on the coordinator's key-value service (see
 // coordinator/kv_store.h for semantics), behind the rendezvous interface that the torch layer
 // adapts to c10d. Thread-safe.

@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/errno_status.h"
-#include "common/nn/atomic_file.h"
+#include "common/atomic_file.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 

@@ -28,7 +28,7 @@
 //     u32 CRC-32 of every byte of the entry before it
 //   and nothing after the last entry.
 //
-// Writes go through nn::AtomicFileWriter (atomic_file.h): a temporary file beside `path`,
+// Writes go through AtomicFileWriter (common/atomic_file.h): a temporary file beside `path`,
 // fsynced and renamed over it, so a reader sees the old file or the whole new one.
 #ifndef HETPAR_COMMON_NN_EXPORT_H_
 #define HETPAR_COMMON_NN_EXPORT_H_
@@ -41,7 +41,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "common/nn/atomic_file.h"
+#include "common/atomic_file.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
 

@@ -21,7 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/errno_status.h"
-#include "common/nn/atomic_file.h"
+#include "common/atomic_file.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -518,11 +518,11 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
   fs::remove(sidecar_path, error);
   if (error) return ErrnoStatus(error.value(), absl::StrCat("removing stale ", sidecar_path));
   // The file's checksum is summed while it is written: no second pass over the bytes.
-  nn::WrittenFile written;
+  WrittenFile written;
   HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(snapshot.entries, shard_path, &written));
   const FileSum sum{static_cast<int64_t>(written.bytes), written.crc32};
   const json sidecar = SidecarJson(id, snapshot.step, file, sum, snapshot.params);
-  return Annotate(nn::WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
+  return Annotate(WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
                   absl::StrCat("writing checkpoint sidecar ", sidecar_path));
 }
 
@@ -586,7 +586,7 @@ absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
                       {"shards", std::move(shards)},
                       {"extra", extra.is_null() ? json::object() : extra}};
   const std::string path = JoinPath(dir, kManifest);
-  HETPAR_RETURN_IF_ERROR(Annotate(nn::WriteFileAtomically(path, manifest.dump(2) + "\n"),
+  HETPAR_RETURN_IF_ERROR(Annotate(WriteFileAtomically(path, manifest.dump(2) + "\n"),
                                   absl::StrCat("writing checkpoint manifest ", path)));
   return true;
 }

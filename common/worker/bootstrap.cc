@@ -126,6 +126,11 @@ absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
   return data_.get();
 }
 
+absl::Status WorkerContext::PutOutput(const std::string& name, const std::string& local_path) {
+  return coordinator::PutOutputFile(*connection_, session_->worker_id(), name, local_path,
+                                    options_.timeout);
+}
+
 absl::Status WorkerContext::Close(absl::Duration timeout) { return session_->Close(timeout); }
 
 }  // namespace hetpar::worker

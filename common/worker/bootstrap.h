@@ -82,6 +82,10 @@ class WorkerContext {
   // first step: it generates a synthetic data set before that, so workers never race to write it.
   absl::StatusOr<const data::BatchSource*> Data();
 
+  // Sends the local file `local_path` into the coordinator's run directory as output `name`
+  // (coordinator::PutOutputFile); waits at most options().timeout.
+  absl::Status PutOutput(const std::string& name, const std::string& local_path);
+
   // Says goodbye to the coordinator (waits at most `timeout` for it to end the session).
   absl::Status Close(absl::Duration timeout);
 

@@ -10,6 +10,7 @@
 #define HETPAR_COMMON_WORKER_MODULE_RUNTIME_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -20,6 +21,11 @@
 #include "hetpar/v1/plan.pb.h"
 
 namespace hetpar::worker {
+
+// Delivers a finished local file into the run directory as `name` ("model/llm.hpar"): a worker
+// sends it to the coordinator (WorkerContext::PutOutput), which writes it there.
+using OutputSender =
+    std::function<absl::Status(const std::string& name, const std::string& local_path)>;
 
 // One module's time split and counters on this rank for one step ("compute_s", "bridge_wait_s",
 // "collective_s", "data_s", "bridge_bytes", ...); the driver adds "step_s", "idle_s",
@@ -61,8 +67,8 @@ class ModuleRuntime {
   virtual void Discard() = 0;
 
   // After the last step (the worker's main calls it, not the driver): the final outputs of the
-  // module(s) in `out_dir` (common/worker/outputs.h); nothing for an empty out_dir.
-  virtual absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) = 0;
+  // module(s), handed to `send` (common/worker/outputs.h).
+  virtual absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank) = 0;
 };
 
 }  // namespace hetpar::worker

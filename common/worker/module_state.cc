@@ -149,12 +149,12 @@ ModuleState::~ModuleState() {
 
 void ModuleState::Discard() { params_->ZeroGrad(); }
 
-absl::Status ModuleState::WriteOutputs(const std::string& out_dir, int64_t world_rank) {
+absl::Status ModuleState::WriteOutputs(const OutputSender& send, int64_t world_rank) {
   const absl::Status saved = FinishCheckpoint();
   // The outputs gather over the TP group: take part even when the save failed, so that the
   // other ranks are not left waiting, then report the save's error first.
   const absl::Status written =
-      WriteModuleOutputs(out_dir, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
+      WriteModuleOutputs(send, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
   HETPAR_RETURN_IF_ERROR(Annotate(saved, absl::StrCat("the ", name_, " checkpoint")));
   return written;
 }

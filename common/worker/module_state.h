@@ -65,7 +65,7 @@ class ModuleState {
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint);
   void Discard();
   // Waits for a checkpoint still being written first.
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank);
+  absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank);
 
   ModuleState(ModuleState&&) = default;
   ModuleState& operator=(ModuleState&&) = default;
@@ -103,8 +103,8 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.Apply(step, clip_coefficient, checkpoint);
   }
   void Discard() override { state_.Discard(); }
-  absl::Status WriteOutputs(const std::string& out_dir, int64_t world_rank) override {
-    return state_.WriteOutputs(out_dir, world_rank);
+  absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank) override {
+    return state_.WriteOutputs(send, world_rank);
   }
 
  protected:

@@ -1,11 +1,16 @@
 #include "common/worker/outputs.h"
 
+#include <stdlib.h>
+
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <system_error>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/errno_status.h"
 #include "common/nn/export.h"
 #include "common/status.h"
 #include "common/train/optimizer.h"
@@ -13,6 +18,37 @@
 
 namespace hetpar::worker {
 namespace {
+
+// A directory of its own under $TMPDIR, removed with everything in it when destroyed.
+class ScratchDirectory {
+ public:
+  static absl::StatusOr<ScratchDirectory> Create(const std::string& what) {
+    std::error_code ec;
+    const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+    if (ec) return ErrnoStatus(ec.value(), "finding the temporary directory ($TMPDIR)");
+    std::string pattern = (base / absl::StrCat("hetpar-", what, "-outputs.XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return ErrnoStatus(errno, absl::StrCat("creating a scratch directory like ", pattern));
+    }
+    return ScratchDirectory(pattern);
+  }
+  ScratchDirectory(ScratchDirectory&& other) noexcept : path_(std::move(other.path_)) {
+    other.path_.clear();
+  }
+  ScratchDirectory(const ScratchDirectory&) = delete;
+  ScratchDirectory& operator=(const ScratchDirectory&) = delete;
+  ScratchDirectory& operator=(ScratchDirectory&&) = delete;
+  ~ScratchDirectory() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit ScratchDirectory(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
 
 absl::Status EnsureDirectory(const std::string& dir) {
   std::error_code ec;
@@ -49,48 +85,29 @@ void AddBridgeStats(const train::BoundaryCommunicator& boundary, plan::Direction
   timings->values["bridge_transfer_sum_s"] = bridge.sum_transfer_s;
 }
 
-absl::Status WriteModuleOutputs(const std::string& out_dir, int64_t world_rank,
+absl::Status WriteModuleOutputs(const OutputSender& send, int64_t world_rank,
                                 const std::string& module, int64_t dp_rank,
                                 const nn::ParameterSet& params, nn::Communicator& tp,
                                 nn::Communicator& pp) {
-  if (out_dir.empty()) return absl::OkStatus();
-  HETPAR_RETURN_IF_ERROR(EnsureDirectory(out_dir + "/workers"));
+  HETPAR_ASSIGN_OR_RETURN(ScratchDirectory scratch, ScratchDirectory::Create(module));
   const train::OwnedSums sums = train::OwnedParamSums(params);
   const nlohmann::json j = {{"world_rank", world_rank},
                             {"module", module},
                             {"dp", dp_rank},
                             {"sum", sums.sum},
                             {"square_sum", sums.square_sum}};
-  {
-    const std::string sums_path =
-        absl::StrCat(out_dir, "/workers/rank-", world_rank, "-", module, ".json");
-    std::ofstream out(sums_path);
-    out << j.dump() << "\n";
-    out.flush();
-    if (!out) return absl::DataLossError(absl::StrCat("cannot write '", sums_path, "'"));
-  }
+  const std::string sums_file = scratch.path() + "/sums.json";
+  HETPAR_RETURN_IF_ERROR(WriteFileAtomically(sums_file, j.dump() + "\n"));
+  HETPAR_RETURN_IF_ERROR(
+      send(absl::StrCat("workers/rank-", world_rank, "-", module, ".json"), sums_file));
   if (dp_rank != 0) return absl::OkStatus();
-  const std::string path = absl::StrCat(out_dir, "/model/", module, ".hpar");
-  if (pp.size() == 1) return nn::SaveFullParameters(params, tp, path);
-  // Each stage saves its part; once all have (the barrier), the first stage's TP rank 0 joins
-  // them, in stage order (the model's parameter order), into one file and removes the parts.
-  auto part = [&](int64_t stage) { return absl::StrCat(path, ".stage-", stage); };
-  const absl::Status saved = nn::SaveFullParameters(params, tp, part(pp.rank()));
-  HETPAR_RETURN_IF_ERROR(pp.Barrier());
-  HETPAR_RETURN_IF_ERROR(saved);
-  if (pp.rank() != 0 || tp.rank() != 0) return absl::OkStatus();
-  std::vector<nn::FullParameter> whole;
-  for (int64_t stage = 0; stage < pp.size(); ++stage) {
-    HETPAR_ASSIGN_OR_RETURN(std::vector<nn::FullParameter> stage_params,
-                            nn::ReadFullParameters(part(stage)));
-    for (nn::FullParameter& p : stage_params) whole.push_back(std::move(p));
-  }
-  HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(whole, path));
-  for (int64_t stage = 0; stage < pp.size(); ++stage) {
-    std::error_code ec;
-    std::filesystem::remove(part(stage), ec);
-  }
-  return absl::OkStatus();
+  const std::string model_file = scratch.path() + "/model.hpar";
+  HETPAR_RETURN_IF_ERROR(nn::SaveFullParameters(params, tp, model_file));
+  if (tp.rank() != 0) return absl::OkStatus();
+  const std::string name = pp.size() == 1
+                               ? absl::StrCat("model/", module, ".hpar")
+                               : absl::StrCat("model/", module, ".hpar.stage-", pp.rank());
+  return send(name, model_file);
 }
 
 }  // namespace hetpar::worker

@@ -1,12 +1,19 @@
-// What a worker leaves in the run directory (`--out`), apart from its log:
+// What a worker leaves in the run directory.
 //
+// In its own `--out` (none when empty), apart from its log:
 //   workers/rank-<world rank>.steps.jsonl   one line per applied step and module: its time split
+//
+// Through the coordinator (an OutputSender; the coordinator writes them into its run directory,
+// so no disk needs to be shared):
 //   workers/rank-<world rank>-<module>.json  the float64 sum and sum of squares of the parameter
 //                                            elements this rank owns (DP replica 0 counts), from
-//                                            which `hetpar run` forms the final parameter line
-//   model/<module>.hpar                      the full parameters, saved by DP replica 0
+//                                            which the coordinator forms the final parameter line
+//   model/<module>.hpar                      the full parameters, saved by DP replica 0 (with
+//                                            pipeline stages, each stage sends its part,
+//                                            model/<module>.hpar.stage-<s>, and the coordinator
+//                                            joins them)
 //
-// An empty out_dir writes nothing. One thread calls these.
+// One thread calls these.
 #ifndef HETPAR_COMMON_WORKER_OUTPUTS_H_
 #define HETPAR_COMMON_WORKER_OUTPUTS_H_
 
@@ -32,11 +39,12 @@ absl::Status AppendStepTimings(const std::string& out_dir, int64_t world_rank, i
 void AddBridgeStats(const train::BoundaryCommunicator& boundary, plan::Direction direction,
                     ModuleTimings* timings);
 
-// The final outputs of one module on this rank: its owned-parameter sums, and on DP replica 0
-// the full parameters (every TP rank of the replica takes part; TP rank 0 writes the file).
-// With pipeline stages (`pp`, the rank's pipeline, larger than one) each stage writes its part
-// and the first stage joins the parts into the one file; every rank of the pipeline calls it.
-absl::Status WriteModuleOutputs(const std::string& out_dir, int64_t world_rank,
+// The final outputs of one module on this rank, written to files in a scratch directory of its
+// own under the system's temporary directory ($TMPDIR), handed to `send` and removed: its
+// owned-parameter sums, and on DP replica 0 the full parameters (every TP rank of the replica
+// takes part; TP rank 0 sends the file). With pipeline stages (`pp`, the rank's pipeline, larger
+// than one) each stage's TP rank 0 sends its part, model/<module>.hpar.stage-<s>.
+absl::Status WriteModuleOutputs(const OutputSender& send, int64_t world_rank,
                                 const std::string& module, int64_t dp_rank,
                                 const nn::ParameterSet& params, nn::Communicator& tp,
                                 nn::Communicator& pp);

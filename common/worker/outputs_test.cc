@@ -58,8 +58,22 @@ TEST(WorkerOutputsTest, ModuleOutputsHoldTheOwnedSumsAndOnReplicaZeroTheModel) {
   auto b = params.Add("b", {3}, -1, nn::InitRule::Constant(-2.0));
   ASSERT_TRUE(w.ok() && b.ok());
   auto tp = nn::Communicator::CreateSingle();
-  ASSERT_TRUE(WriteModuleOutputs(dir, 4, "llm", 0, params, *tp, *tp).ok());
-  ASSERT_TRUE(WriteModuleOutputs(dir, 5, "encoder", 1, params, *tp, *tp).ok());
+  // The sender stands in for the coordinator: it copies each file under its name into `dir`,
+  // and records the names and that the local file is gone once the outputs are written.
+  std::vector<std::string> names;
+  std::vector<std::string> local_files;
+  const OutputSender send = [&](const std::string& name, const std::string& local_path) {
+    names.push_back(name);
+    local_files.push_back(local_path);
+    std::filesystem::create_directories(std::filesystem::path(dir + "/" + name).parent_path());
+    std::filesystem::copy_file(local_path, dir + "/" + name);
+    return absl::OkStatus();
+  };
+  ASSERT_TRUE(WriteModuleOutputs(send, 4, "llm", 0, params, *tp, *tp).ok());
+  ASSERT_TRUE(WriteModuleOutputs(send, 5, "encoder", 1, params, *tp, *tp).ok());
+  EXPECT_THAT(names, testing::ElementsAre("workers/rank-4-llm.json", "model/llm.hpar",
+                                          "workers/rank-5-encoder.json"));
+  for (const std::string& file : local_files) EXPECT_FALSE(std::filesystem::exists(file)) << file;
 
   const auto sums = ReadLines(dir + "/workers/rank-4-llm.json");
   ASSERT_EQ(sums.size(), 1u);

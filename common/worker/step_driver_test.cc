@@ -77,7 +77,7 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
-  absl::Status WriteOutputs(const std::string&, int64_t) override { return absl::OkStatus(); }
+  absl::Status WriteOutputs(const OutputSender&, int64_t) override { return absl::OkStatus(); }
 
   std::vector<std::string> calls;
   bool pending = false;

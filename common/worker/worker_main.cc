@@ -76,7 +76,11 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   HETPAR_RETURN_IF_ERROR(run);
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
                    << " discarded";
-  HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(options.out_dir, world_rank));
+  HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(
+      [&](const std::string& name, const std::string& local_path) {
+        return context->PutOutput(name, local_path);
+      },
+      world_rank));
   return context->Close(absl::Seconds(10));
 }
 
@@ -155,7 +159,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--out", options.out_dir,
-                 "Run directory for step timings, parameter sums and model files (default: none)")
+                 "Directory for this worker's step timings and timeline (default: none); its "
+                 "parameter sums and model files go to the coordinator's run directory")
       ->envname("HETPAR_OUT");
   app.add_option("--trace", trace_steps,
                  "Record a timeline of these steps (FIRST:LAST or STEP, 0-based) into "

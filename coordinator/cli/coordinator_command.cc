@@ -42,6 +42,7 @@ struct CoordinatorFlags {
   std::string out;
   bool linger = false;
   std::string metrics_listen;
+  int eval_threads = 0;
 };
 
 // Who-expects-what line: "4 workers (2 encoder, 2 llm)".
@@ -75,13 +76,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   const v1::RunSpec& spec = loaded->spec;
 
-  // The run directory: the normalised config and one metrics.jsonl line per committed step.
+  // The run directory: the normalised config and one metrics.jsonl line per committed step, and
+  // at the end the workers' outputs, the final parameter line and the evaluation.
   absl::StatusOr<std::unique_ptr<RunDirectory>> run_dir =
       RunDirectory::Create(spec.run().out_dir(), spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar: " << run_dir.status().message() << "\n";
     return kExitFailure;
   }
+  ClearRunOutputs(spec.run().out_dir());
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
@@ -171,6 +174,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   });
 
   StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops());
+  std::string outputs_failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool metrics_failed = false;
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
@@ -181,29 +185,16 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
   }
   const v1::StatusResponse final_status = (*server)->Status();
-  // The workers wrote their parameter sums before closing their sessions; they are here when
-  // their --out is this run directory (one machine, or a volume every pod mounts).
-  const std::string out_dir = spec.run().out_dir();
+  // The workers sent their parameter sums and model files before closing their sessions.
   if (state == v1::RUN_STATE_DONE) {
-    if (absl::StatusOr<nlohmann::json> params = FinalParams(out_dir); params.ok()) {
-      if (absl::Status s =
-              (*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
-          !s.ok()) {
-        HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
-      }
-    } else {
-      HETPAR_LOG(WARNING) << "no final_params line: " << params.status().message();
-    }
-  }
-  // Workers started with --trace wrote their timelines into this run directory (one machine, or
-  // a shared volume): merge them.
-  if (std::filesystem::exists(out_dir + "/trace")) {
-    absl::StatusOr<int64_t> events =
-        trace::MergeTraceFiles(out_dir + "/trace", out_dir + "/trace.json");
-    if (events.ok()) {
-      HETPAR_LOG(INFO) << "timeline: " << out_dir << "/trace.json (" << *events << " events)";
-    } else {
-      HETPAR_LOG(WARNING) << "no timeline: " << events.status().message();
+    if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.eval_threads, nullptr);
+        absl::IsNotFound(s)) {
+      // Workers that send no outputs (e.g. simulated ones): the run itself is done.
+      HETPAR_LOG(WARNING) << "no final outputs: " << s.message();
+    } else if (!s.ok()) {
+      HETPAR_LOG(ERROR) << "the run's outputs are incomplete: " << s.message();
+      state = v1::RUN_STATE_FAILED;
+      outputs_failure = std::string(s.message());
     }
   }
   if (flags.linger) {
@@ -226,8 +217,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
 
   if (state == v1::RUN_STATE_FAILED) {
-    std::cerr << "hetpar: run " << spec.run().name() << " failed: " << final_status.state_message()
-              << "\n";
+    std::cerr << "hetpar: run " << spec.run().name() << " failed: "
+              << (outputs_failure.empty() ? final_status.state_message() : outputs_failure) << "\n";
     return kExitFailure;
   }
   std::cout << "hetpar coordinator: run " << spec.run().name()
@@ -281,13 +272,20 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->check(CLI::PositiveNumber);
   command
       ->add_option("--out", flags->out,
-                   "Run directory for config.yaml and metrics.jsonl (default: run.out_dir)")
+                   "Run directory: config.yaml, metrics.jsonl, the workers' outputs (model/, their "
+                   "parameter sums) and the evaluation (default: run.out_dir)")
       ->envname("HETPAR_OUT");
   command
       ->add_flag("--linger", flags->linger,
                  "When the run ends, keep serving its status until terminated instead of exiting "
                  "(for a Kubernetes Deployment, which would restart it)")
       ->envname("HETPAR_LINGER");
+  command
+      ->add_option("--eval-threads", flags->eval_threads,
+                   "Intra-op threads of the evaluation at the end of the run (default: the "
+                   "machine's cores)")
+      ->envname("HETPAR_EVAL_THREADS")
+      ->check(CLI::NonNegativeNumber);
   command->add_flag("--synthetic-batches", flags->synthetic_batches,
                     "Plan steps over seeded synthetic samples instead of the data index");
   command->callback([flags, exit_code] { *exit_code = RunCoordinator(*flags); });

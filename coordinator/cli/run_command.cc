@@ -168,10 +168,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
     return kExitFailure;
   }
-  std::error_code ec;
-  std::filesystem::remove_all(out_dir + "/workers", ec);
-  std::filesystem::remove_all(out_dir + "/trace", ec);
-  std::filesystem::remove(out_dir + "/trace.json", ec);
+  ClearRunOutputs(out_dir);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
   auto batches = data::BatchSource::Create(spec);
@@ -345,41 +342,19 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
               << " committed steps: " << failure << "\n";
     return failure == "interrupted" ? 130 : kExitFailure;
   }
-  auto params = FinalParams(out_dir);
-  if (!params.ok()) {
-    std::cerr << "hetpar run: " << params.status().message() << "\n";
+  std::cerr << "hetpar run: writing the final parameters"
+            << (spec.data().val_manifest().empty() ? "" : " and evaluating the validation split")
+            << "\n";
+  std::string eval_line;
+  if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.threads, &eval_line); !s.ok()) {
+    std::cerr << "hetpar run: " << s.message() << "\n";
     return kExitFailure;
   }
-  (void)(*run_dir)->AppendMetrics(nlohmann::json{{"final_params", *params}}.dump());
   if (!flags.trace.empty()) {
-    absl::StatusOr<int64_t> events =
-        trace::MergeTraceFiles(out_dir + "/trace", out_dir + "/trace.json");
-    if (events.ok()) {
-      std::cerr << "hetpar run: timeline of steps " << flags.trace << ": " << out_dir
-                << "/trace.json (" << *events << " events; open it in https://ui.perfetto.dev)\n";
-    } else {
-      std::cerr << "hetpar run: no timeline: " << events.status().message() << "\n";
-    }
+    std::cerr << "hetpar run: timeline of steps " << flags.trace << ": " << out_dir
+              << "/trace.json (open it in https://ui.perfetto.dev)\n";
   }
-  if (!spec.data().val_manifest().empty()) {
-    std::cerr << "hetpar run: evaluating the validation split with and without images\n";
-    std::vector<std::string> argv = {WorkerBinary("hetpar-reference"), "evaluate", "--config",
-                                     out_dir + "/config.yaml",         "--out",    out_dir};
-    if (flags.threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(flags.threads)});
-    auto evaluator = LocalProcess::Spawn("evaluate", argv, {}, (*run_dir)->LogPath("evaluate"));
-    const int code = evaluator.ok() ? (*evaluator)->WaitOrKill(absl::Minutes(30)) : -1;
-    std::ifstream in(out_dir + "/eval.json");
-    std::string line;
-    if (code != 0 || !std::getline(in, line)) {
-      std::cerr << "hetpar run: evaluation failed"
-                << (evaluator.ok() ? ":\n" + (*evaluator)->LogTail(10)
-                                   : ": " + std::string(evaluator.status().message()))
-                << "\n";
-      return kExitFailure;
-    }
-    (void)(*run_dir)->AppendMetrics(line);
-    PrintEvaluation(line);
-  }
+  if (!eval_line.empty()) PrintEvaluation(eval_line);
   std::cout << absl::StrFormat(
       "hetpar run: %s done: %d steps in %s, final loss %.4f; run directory %s\n", spec.run().name(),
       metrics.written(), Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);

@@ -6,10 +6,14 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/plan/flops.h"
+#include "common/status.h"
+#include "common/trace/recorder.h"
+#include "coordinator/cli/local_process.h"
 
 namespace hetpar::cli {
 
@@ -94,6 +98,63 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   for (const auto& [module, s] : sums)
     out[module] = {{"sum", s.first}, {"l2", std::sqrt(s.second)}};
   return out;
+}
+
+void ClearRunOutputs(const std::string& out_dir) {
+  std::error_code ec;
+  std::filesystem::remove_all(out_dir + "/workers", ec);
+  std::filesystem::remove_all(out_dir + "/trace", ec);
+  std::filesystem::remove(out_dir + "/trace.json", ec);
+  std::filesystem::remove(out_dir + "/eval.json", ec);
+  for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/model", ec)) {
+    // Pipeline stages' parts of an earlier run would be joined with this run's.
+    if (entry.path().filename().string().find(".hpar.stage-") != std::string::npos) {
+      std::filesystem::remove(entry.path(), ec);
+    }
+  }
+}
+
+absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
+                                std::string* eval_line) {
+  const std::string& out_dir = dir.path();
+  HETPAR_ASSIGN_OR_RETURN(nlohmann::json params, FinalParams(out_dir));
+  HETPAR_RETURN_IF_ERROR(dir.AppendMetrics(nlohmann::json{{"final_params", params}}.dump()));
+  if (std::filesystem::exists(out_dir + "/trace")) {
+    absl::StatusOr<int64_t> events =
+        trace::MergeTraceFiles(out_dir + "/trace", out_dir + "/trace.json");
+    if (events.ok()) {
+      HETPAR_LOG(INFO) << "timeline: " << out_dir << "/trace.json (" << *events
+                       << " events; open it in https://ui.perfetto.dev)";
+    } else {
+      HETPAR_LOG(WARNING) << "no timeline: " << events.status().message();
+    }
+  }
+  if (spec.data().val_manifest().empty()) return absl::OkStatus();
+  for (const char* module : {"encoder", "llm"}) {
+    const std::string model = absl::StrCat(out_dir, "/model/", module, ".hpar");
+    if (!std::filesystem::exists(model)) {
+      return absl::NotFoundError(absl::StrCat("cannot evaluate: ", model,
+                                              " is missing (DP replica 0 of the ", module,
+                                              " sends it when the run ends)"));
+    }
+  }
+  HETPAR_LOG(INFO) << "evaluating the validation split with and without images";
+  std::vector<std::string> argv = {WorkerBinary("hetpar-reference"), "evaluate", "--config",
+                                   out_dir + "/config.yaml",         "--out",    out_dir};
+  if (threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(threads)});
+  absl::StatusOr<std::unique_ptr<LocalProcess>> evaluator =
+      LocalProcess::Spawn("evaluate", argv, {}, dir.LogPath("evaluate"));
+  if (!evaluator.ok()) return evaluator.status();
+  const int code = (*evaluator)->WaitOrKill(absl::Minutes(30));
+  std::ifstream in(out_dir + "/eval.json");
+  std::string line;
+  if (code != 0 || !std::getline(in, line)) {
+    return absl::InternalError(
+        absl::StrCat("the evaluation failed (exit ", code, "):\n", (*evaluator)->LogTail(10)));
+  }
+  HETPAR_RETURN_IF_ERROR(dir.AppendMetrics(line));
+  if (eval_line != nullptr) *eval_line = line;
+  return absl::OkStatus();
 }
 
 }  // namespace hetpar::cli

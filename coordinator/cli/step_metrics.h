@@ -45,11 +45,22 @@ class StepMetricsWriter {
 };
 
 // The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the
-// owned-parameter sums the workers of DP replica 0 write under <out_dir>/workers
-// (common/worker/outputs.h). NotFound when a module's sums are missing (a worker wrote them
-// elsewhere: in a cluster, every worker's --out must be the coordinator's run directory, on a
-// shared volume).
+// owned-parameter sums the workers of DP replica 0 sent into <out_dir>/workers
+// (common/worker/outputs.h). NotFound when a module's sums are missing.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir);
+
+// Removes what a previous run left in the run directory that the coordinator's end-of-run steps
+// read (the workers' sums, timelines, the evaluation), so that they never mix two runs.
+void ClearRunOutputs(const std::string& out_dir);
+
+// The end of a run that is done, the same for `hetpar run` and `hetpar coordinator`: appends the
+// final parameter line, merges the workers' timelines when they left some (`trace/`), and, when
+// the RunSpec has a validation split, evaluates the model files the workers sent
+// (`hetpar-reference evaluate`, its log in log/evaluate.log, `threads` intra-op threads; 0: its
+// default) and appends the {"eval": ...} line. `eval_line` receives that line. Progress goes to
+// the log; errors name what is missing.
+absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
+                                std::string* eval_line);
 
 }  // namespace hetpar::cli
 
