@@ -1,4 +1,4 @@
-#include "common/nn/atomic_file.h"
+#include "common/atomic_file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include "common/errno_status.h"
 #include "common/status.h"
 
-namespace hetpar::nn {
+namespace hetpar {
 namespace {
 
 // Bytes per write call.
@@ -90,4 +90,4 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   return file->Commit();
 }
 
-}  // namespace hetpar::nn
+}  // namespace hetpar

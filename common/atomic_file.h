@@ -3,11 +3,11 @@
 // fsynced, renamed over the target, and the directory fsynced. A reader sees the old file or the
 // whole new one; a failed or abandoned write leaves no temporary file behind.
 //
-//   HETPAR_ASSIGN_OR_RETURN(auto file, nn::AtomicFileWriter::Create(path));
+//   HETPAR_ASSIGN_OR_RETURN(auto file, AtomicFileWriter::Create(path));
 //   HETPAR_RETURN_IF_ERROR(file->Append(data, bytes));
 //   HETPAR_RETURN_IF_ERROR(file->Commit());
-#ifndef HETPAR_COMMON_NN_ATOMIC_FILE_H_
-#define HETPAR_COMMON_NN_ATOMIC_FILE_H_
+#ifndef HETPAR_COMMON_ATOMIC_FILE_H_
+#define HETPAR_COMMON_ATOMIC_FILE_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace hetpar::nn {
+namespace hetpar {
 
 // The size and zlib CRC-32 of a file, summed while it was written.
 struct WrittenFile {
@@ -56,6 +56,6 @@ class AtomicFileWriter {
 // `contents` as the whole of `path`, through an AtomicFileWriter.
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents);
 
-}  // namespace hetpar::nn
+}  // namespace hetpar
 
-#endif  // HETPAR_COMMON_NN_ATOMIC_FILE_H_
+#endif  // HETPAR_COMMON_ATOMIC_FILE_H_
