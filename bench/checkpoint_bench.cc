@@ -22,14 +22,15 @@
 // 2. In-process, the library on its own at a size a real model shard has: a ParameterSet of
 //    --mib MiB of float32 parameters (four [16 x mib, 4096] tensors, tp 1) after one AdamW step,
 //    so the shard holds 3 x --mib MiB (values and both moments). Each of --reps repetitions times
-//    SnapshotShard (copy), WriteShardSnapshot (write: the .hpar with its fsync, the read-back
-//    CRC-32 and the sidecar), CompleteIfAllWritten for the one shard (complete: the manifest)
-//    and LoadModuleState into a fresh ParameterSet and optimizer (load: the resume, checked
-//    element for element against what was saved). The baselines, in the same directory and run:
-//    a plain sequential write of the same bytes (open, 8 MiB writes, fsync, close), and a plain
-//    sequential read of that file. Before the load and the plain read their files are dropped
-//    from the page cache (posix_fadvise DONTNEED after the fsync), so both read the device as a
-//    resume on a fresh machine does. The reps alternate which write goes first.
+//    SnapshotShard (copy), WriteShardSnapshot (write: the .hpar with its fsync, its CRC-32
+//    summed as it is written, and the sidecar), CompleteIfAllWritten for the one shard
+//    (complete: the manifest) and LoadModuleState into a fresh ParameterSet and optimizer (load:
+//    the resume, which at tp 1 reads every entry of the shard once, each checked by its own
+//    CRC-32; then checked element for element against what was saved). The baselines, in the same
+//    directory and run: a plain sequential write of the same bytes (open, 8 MiB writes, fsync,
+//    close), and a plain sequential read of that file. Before the load and the plain read their
+//    files are dropped from the page cache (posix_fadvise DONTNEED after the fsync), so both read
+//    the device as a resume on a fresh machine does. The reps alternate which write goes first.
 //
 //    {"bench":"checkpoint_write","mib","bytes","reps","copy_s","copy_gbps","write_s",
 //     "write_gbps","plain_write_s","plain_write_gbps","ratio" (write_gbps / plain_write_gbps),

@@ -16,8 +16,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "common/errno_status.h"
 #include "common/atomic_file.h"
+#include "common/errno_status.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 
@@ -365,7 +365,7 @@ absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string&
 }
 
 absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path,
-                                 WrittenFile* written) {
+                                 WrittenFile* written, std::vector<EntryRange>* entries) {
   std::set<std::string> names;
   for (const FullParameter& p : params) {
     if (p.name.empty() || p.name.size() > kMaxNameBytes || !names.insert(p.name).second) {
@@ -382,14 +382,18 @@ absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const
   Put<uint32_t>(&header, Crc(0, header.data(), header.size()));
   Put<uint32_t>(&header, 0);
   HETPAR_RETURN_IF_ERROR(file->Append(header.data(), header.size()));
+  std::vector<EntryRange> ranges;
   for (const FullParameter& p : params) {
     HETPAR_ASSIGN_OR_RETURN(at::Tensor contiguous,
                             RunTorchOr(absl::StrCat("exporting parameter ", p.name),
                                        [&] { return p.tensor.contiguous(); }));
+    const int64_t begin = static_cast<int64_t>(file->written().bytes);
     HETPAR_RETURN_IF_ERROR(WriteEntry(*file, p.name, contiguous));
+    ranges.push_back({begin, static_cast<int64_t>(file->written().bytes) - begin});
   }
   HETPAR_RETURN_IF_ERROR(Annotate(file->Commit(), absl::StrCat("saving parameters to ", path)));
   if (written != nullptr) *written = file->written();
+  if (entries != nullptr) *entries = std::move(ranges);
   return absl::OkStatus();
 }
 

@@ -88,12 +88,22 @@ struct FullParameter {
 // Every entry of `path`, in file order; the same errors as LoadFullParameters for the file.
 absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string& path);
 
+// Where one entry lies in a parameter file: the byte offset of its name-length field and its
+// size through its trailing CRC-32, so [offset, offset + bytes) is the whole entry.
+struct EntryRange {
+  int64_t offset = 0;
+  int64_t bytes = 0;
+};
+
 // Writes `params` (full tensors, in this order) to `path` as SaveFullParameters does, from one
 // process: how the pipeline stages' files of a model are joined into one. InvalidArgument for an
 // empty, overlong or repeated name; write errors name the path.
-// `written`, when given, receives the file's size and zlib CRC-32, summed while it was written.
+// `written`, when given, receives the file's size and zlib CRC-32, summed while it was written;
+// `entries`, when given, where each of `params` lies in the file (in the order of `params`). Both
+// are set only when the file is committed.
 absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const std::string& path,
-                                 WrittenFile* written = nullptr);
+                                 WrittenFile* written = nullptr,
+                                 std::vector<EntryRange>* entries = nullptr);
 
 }  // namespace hetpar::nn
 

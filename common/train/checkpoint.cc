@@ -20,8 +20,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/errno_status.h"
 #include "common/atomic_file.h"
+#include "common/errno_status.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -33,10 +33,14 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 constexpr int kFormat = 1;
+// A shard file's header (common/nn/export.h): its entries start after it.
+constexpr int64_t kShardHeaderBytes = 32;
 constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
 // Checksums read files this many bytes at a time.
 constexpr size_t kChunkBytes = size_t{1} << 20;
+// The most one pread of an entry asks for (Linux moves at most about 2 GiB per call).
+constexpr int64_t kMaxReadBytes = int64_t{1} << 30;
 
 std::string JoinPath(const std::string& dir, const std::string& file) {
   return (fs::path(dir) / file).string();
@@ -121,6 +125,13 @@ bool IsPlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
+// Where a parameter's entries lie in its shard file (the sidecar's "entries").
+struct SavedEntries {
+  nn::EntryRange value;
+  std::optional<nn::EntryRange> exp_avg;  // with "adam_step" only
+  std::optional<nn::EntryRange> exp_avg_sq;
+};
+
 // What a sidecar says of one parameter's slice.
 struct SavedParam {
   std::string name;
@@ -129,6 +140,7 @@ struct SavedParam {
   int64_t offset = 0;
   int64_t length = 0;
   std::optional<int64_t> adam_step;
+  std::optional<SavedEntries> entries;  // absent in sidecars written before they were recorded
 };
 
 struct Sidecar {
@@ -138,7 +150,34 @@ struct Sidecar {
   int64_t bytes = 0;
   uint32_t crc32 = 0;
   std::vector<SavedParam> params;
+  // Every parameter's "entries" is recorded, so a load reads just the entries it needs; else
+  // (an older sidecar) a load reads the shard whole.
+  bool has_entries = false;
 };
+
+// The dtype of an entry's dtype code (common/nn/export.h); false for an unknown code.
+bool DtypeOfCode(uint8_t code, at::ScalarType* dtype) {
+  switch (code) {
+    case 1:
+      *dtype = at::kFloat;
+      return true;
+    case 2:
+      *dtype = at::kDouble;
+      return true;
+    case 3:
+      *dtype = at::kBFloat16;
+      return true;
+    case 4:
+      *dtype = at::kHalf;
+      return true;
+    default:
+      return false;
+  }
+}
+
+json EntryRangeJson(const nn::EntryRange& range) {
+  return json{{"offset", range.offset}, {"bytes", range.bytes}};
+}
 
 json SidecarJson(const ShardId& id, int64_t step, const std::string& file, const FileSum& sum,
                  json params) {
@@ -189,6 +228,19 @@ absl::StatusOr<Sidecar> ReadSidecar(const std::string& path) {
     sidecar.file = j.at("file").get<std::string>();
     sidecar.bytes = j.at("bytes").get<int64_t>();
     sidecar.crc32 = j.at("crc32").get<uint32_t>();
+    // An entry lies after the file's 32-byte header (common/nn/export.h) and within the file.
+    const auto range = [&](const json& r,
+                           const std::string& entry) -> absl::StatusOr<nn::EntryRange> {
+      const nn::EntryRange got{r.at("offset").get<int64_t>(), r.at("bytes").get<int64_t>()};
+      if (got.offset < kShardHeaderBytes || got.bytes <= 0 || got.offset > sidecar.bytes ||
+          got.bytes > sidecar.bytes - got.offset) {
+        return absl::DataLossError(absl::StrCat(
+            what, " ", path, " places entry '", entry, "' at bytes [", got.offset, ", ",
+            got.offset + got.bytes, ") of a ", sidecar.bytes, "-byte shard file"));
+      }
+      return got;
+    };
+    size_t with_entries = 0;
     for (const json& p : j.at("params")) {
       SavedParam saved;
       saved.name = p.at("name").get<std::string>();
@@ -197,8 +249,26 @@ absl::StatusOr<Sidecar> ReadSidecar(const std::string& path) {
       saved.offset = p.at("offset").get<int64_t>();
       saved.length = p.at("length").get<int64_t>();
       if (p.contains("adam_step")) saved.adam_step = p.at("adam_step").get<int64_t>();
+      if (p.contains("entries")) {
+        const json& e = p.at("entries");
+        SavedEntries entries;
+        HETPAR_ASSIGN_OR_RETURN(entries.value, range(e.at("value"), saved.name));
+        if (saved.adam_step.has_value()) {
+          HETPAR_ASSIGN_OR_RETURN(entries.exp_avg, range(e.at("exp_avg"), saved.name + "@exp_avg"));
+          HETPAR_ASSIGN_OR_RETURN(entries.exp_avg_sq,
+                                  range(e.at("exp_avg_sq"), saved.name + "@exp_avg_sq"));
+        }
+        saved.entries = std::move(entries);
+        ++with_entries;
+      }
       sidecar.params.push_back(std::move(saved));
     }
+    if (with_entries != 0 && with_entries != sidecar.params.size()) {
+      return absl::DataLossError(absl::StrCat(what, " ", path, " says where the entries of ",
+                                              with_entries, " of its ", sidecar.params.size(),
+                                              " parameters lie, not of all"));
+    }
+    sidecar.has_entries = with_entries == sidecar.params.size();
     return absl::OkStatus();
   }));
   if (!IsPlainFileName(sidecar.file)) {
@@ -275,126 +345,28 @@ std::string SidecarPath(const std::string& dir, const ShardId& id) {
   return JoinPath(dir, ShardName(id) + ".json");
 }
 
-// One shard's slice of a parameter, read and verified.
-struct Piece {
-  SavedParam saved;
-  at::Tensor value;
-  at::Tensor exp_avg;     // undefined without state
-  at::Tensor exp_avg_sq;  // undefined without state
+// Loading reads a shard by the byte ranges its sidecar records ("entries"): a rank reads only the
+// entries of the saved slices that overlap its own, each once and whole (entry granularity: a
+// saved slice of which the rank keeps a part is still read whole, so a tp1 -> tp2 resume reads
+// each saved tensor once per rank), and verifies each by its own CRC-32. The shard's whole-file
+// CRC-32 in the manifest is not recomputed (that would read every byte); only the file's size is
+// checked, by a stat. A shard whose sidecar has no "entries" (written before they were recorded)
+// is read whole the old way: summed against the manifest, then every entry parsed.
+
+// The shards of the module being loaded: each file as the manifest lists it, with its sidecar.
+struct ModuleShard {
+  std::string path;
+  int64_t bytes = 0;   // the manifest's
+  uint32_t crc32 = 0;  // the manifest's
+  Sidecar sidecar;
 };
 
-// A parameter's full tensor and, when saved, its full moments.
-struct Assembled {
-  at::Tensor value;
-  std::optional<int64_t> adam_step;
-  at::Tensor exp_avg;
-  at::Tensor exp_avg_sq;
-};
-
-// Joins the pieces of parameter `name` from the shards of a module (in manifest order) into its
-// full tensors. A replicated piece is the whole tensor; split pieces must tile split_dim.
-absl::StatusOr<Assembled> Assemble(const std::string& name, const std::vector<Piece>& pieces,
-                                   const std::string& dir) {
-  const auto corrupt = [&](const std::string& why) {
-    return absl::DataLossError(
-        absl::StrCat("checkpoint ", dir, ": the shards of parameter '", name, "' ", why));
-  };
-  const SavedParam& first = pieces.front().saved;
-  for (const Piece& piece : pieces) {
-    if (piece.saved.full_shape != first.full_shape) {
-      return corrupt(absl::StrCat("disagree on its full shape: ", ShapeString(first.full_shape),
-                                  " and ", ShapeString(piece.saved.full_shape)));
-    }
-    if (piece.saved.adam_step != first.adam_step) {
-      return corrupt("disagree on its AdamW step (or only some hold its state)");
-    }
-  }
-  const std::vector<int64_t>& full_shape = first.full_shape;
-  std::vector<const Piece*> used;
-  auto replicated = std::find_if(pieces.begin(), pieces.end(),
-                                 [](const Piece& piece) { return piece.saved.split_dim < 0; });
-  int split_dim = -1;
-  if (replicated != pieces.end()) {
-    used.push_back(&*replicated);
-  } else {
-    split_dim = first.split_dim;
-    if (split_dim >= static_cast<int>(full_shape.size())) {
-      return corrupt(
-          absl::StrCat("split dim ", split_dim, " of a ", full_shape.size(), "-dim tensor"));
-    }
-    for (const Piece& piece : pieces) {
-      if (piece.saved.split_dim != split_dim) {
-        return corrupt(
-            absl::StrCat("disagree on its split dim: ", split_dim, " and ", piece.saved.split_dim));
-      }
-      used.push_back(&piece);
-    }
-    std::stable_sort(used.begin(), used.end(), [](const Piece* a, const Piece* b) {
-      return a->saved.offset < b->saved.offset;
-    });
-    // The same slice saved twice (it should not be) is taken once.
-    used.erase(std::unique(used.begin(), used.end(),
-                           [](const Piece* a, const Piece* b) {
-                             return a->saved.offset == b->saved.offset &&
-                                    a->saved.length == b->saved.length;
-                           }),
-               used.end());
-    int64_t next = 0;
-    for (const Piece* piece : used) {
-      if (piece->saved.offset != next || piece->saved.length <= 0) {
-        return corrupt(absl::StrCat("do not tile dim ", split_dim, ": a slice at offset ",
-                                    piece->saved.offset, " of length ", piece->saved.length,
-                                    " where offset ", next, " was expected"));
-      }
-      next += piece->saved.length;
-    }
-    if (next != full_shape[split_dim]) {
-      return corrupt(absl::StrCat("cover ", next, " of the ", full_shape[split_dim],
-                                  " entries of dim ", split_dim));
-    }
-  }
-  for (const Piece* piece : used) {
-    std::vector<int64_t> expected = full_shape;
-    if (split_dim >= 0) expected[split_dim] = piece->saved.length;
-    for (const at::Tensor* t : {&piece->value, &piece->exp_avg, &piece->exp_avg_sq}) {
-      if (t->defined() && t->sizes().vec() != expected) {
-        return corrupt(absl::StrCat("hold a slice of shape ", ShapeString(t->sizes().vec()),
-                                    " where the sidecar says ", ShapeString(expected)));
-      }
-    }
-  }
-  return nn::RunTorchOr(absl::StrCat("assembling parameter ", name), [&] {
-    const auto join = [&](at::Tensor Piece::*member) {
-      if (used.size() == 1) return used.front()->*member;
-      std::vector<at::Tensor> parts;
-      for (const Piece* piece : used) parts.push_back(piece->*member);
-      return at::cat(parts, split_dim);
-    };
-    Assembled full;
-    full.value = join(&Piece::value);
-    full.adam_step = first.adam_step;
-    if (first.adam_step.has_value()) {
-      full.exp_avg = join(&Piece::exp_avg);
-      full.exp_avg_sq = join(&Piece::exp_avg_sq);
-    }
-    return full;
-  });
-}
-
-at::Tensor LocalSlice(const at::Tensor& full, const nn::NamedParameter& p) {
-  const at::Tensor slice =
-      p.slice.split_dim < 0 ? full : full.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
-  return slice.to(p.tensor.scalar_type()).contiguous();
-}
-
-// Every piece held by the shards of `module` listed in `manifest`, by parameter name. Each shard
-// is checked against the manifest before it is parsed.
-//
-// A rank reads every shard of its module whole (ReadFullParameters), however little of it it
-// keeps: reading only the byte ranges of its slices is not implemented.
-absl::StatusOr<std::map<std::string, std::vector<Piece>>> ReadModulePieces(
-    const std::string& dir, const Manifest& manifest, const std::string& module) {
-  std::map<std::string, std::vector<Piece>> pieces;
+// The sidecars of the shards of `module` listed in `manifest`, in manifest order. No shard file
+// is opened.
+absl::StatusOr<std::vector<ModuleShard>> ReadModuleSidecars(const std::string& dir,
+                                                            const Manifest& manifest,
+                                                            const std::string& module) {
+  std::vector<ModuleShard> shards;
   for (const ManifestShard& shard : manifest.shards) {
     const std::string sidecar_path = JoinPath(dir, shard.name + ".json");
     absl::StatusOr<Sidecar> sidecar = ReadSidecar(sidecar_path);
@@ -405,42 +377,337 @@ absl::StatusOr<std::map<std::string, std::vector<Piece>>> ReadModulePieces(
     }
     if (!sidecar.ok()) return sidecar.status();
     if (sidecar->id.module != module) continue;
-    const std::string path = JoinPath(dir, shard.file);
-    absl::StatusOr<FileSum> sum = SumFile(path);
-    if (absl::IsNotFound(sum.status())) {
-      return absl::DataLossError(
-          absl::StrCat("checkpoint shard ", path, " is missing; the manifest lists it"));
+    shards.push_back({JoinPath(dir, shard.file), shard.bytes, shard.crc32, *std::move(sidecar)});
+  }
+  return shards;
+}
+
+// One saved slice of a parameter: the shard (an index into the ModuleShards) and what its
+// sidecar says of it; its tensors once read (undefined when not needed).
+struct Piece {
+  size_t shard = 0;
+  const SavedParam* saved = nullptr;
+  at::Tensor value;
+  at::Tensor exp_avg;
+  at::Tensor exp_avg_sq;
+};
+
+// How one parameter of the loading rank is loaded: the saved slices it reads, decided from the
+// sidecars alone.
+struct ParamLoad {
+  const nn::NamedParameter* param = nullptr;
+  // The saved slices that overlap this rank's slice, in offset order and tiling a range of
+  // split_dim; one replicated copy when split_dim < 0.
+  std::vector<Piece> used;
+  int split_dim = -1;
+  std::optional<int64_t> adam_step;
+  bool with_state = false;  // the moments are read and set
+};
+
+// Decides which of the saved slices `pieces` (every one of parameter p.name in the module, in
+// manifest order) p's slice needs, checking that the sidecars agree with one another (DataLoss)
+// and with the model (InvalidArgument). A replicated copy is the whole tensor: the first is
+// taken. Split slices must tile split_dim; of those, the ones overlapping the rank's part of
+// split_dim are taken (all of them when the rank keeps the whole tensor, or splits another dim).
+absl::StatusOr<ParamLoad> PlanParam(const nn::NamedParameter& p, const std::vector<Piece>& pieces,
+                                    const std::string& dir, bool with_optimizer) {
+  const auto corrupt = [&](const std::string& why) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", dir, ": the shards of parameter '", p.name, "' ", why));
+  };
+  const SavedParam& first = *pieces.front().saved;
+  for (const Piece& piece : pieces) {
+    if (piece.saved->full_shape != first.full_shape) {
+      return corrupt(absl::StrCat("disagree on its full shape: ", ShapeString(first.full_shape),
+                                  " and ", ShapeString(piece.saved->full_shape)));
     }
-    if (!sum.ok()) return sum.status();
-    if (sum->bytes != shard.bytes || sum->crc32 != shard.crc32) {
-      return absl::DataLossError(
-          absl::StrCat("checkpoint shard ", path, " does not match the manifest: ", sum->bytes,
-                       " bytes with CRC-32 ", sum->crc32, ", the manifest says ", shard.bytes,
-                       " bytes with CRC-32 ", shard.crc32, "; the file is corrupt"));
-    }
-    HETPAR_ASSIGN_OR_RETURN(std::vector<nn::FullParameter> entries, nn::ReadFullParameters(path));
-    std::map<std::string, at::Tensor> by_name;
-    for (nn::FullParameter& entry : entries) by_name[entry.name] = std::move(entry.tensor);
-    const auto entry = [&](const std::string& name) -> absl::StatusOr<at::Tensor> {
-      auto it = by_name.find(name);
-      if (it == by_name.end()) {
-        return absl::DataLossError(absl::StrCat("checkpoint shard ", path, " has no entry '", name,
-                                                "'; its sidecar lists it"));
-      }
-      return it->second;
-    };
-    for (const SavedParam& saved : sidecar->params) {
-      Piece piece;
-      piece.saved = saved;
-      HETPAR_ASSIGN_OR_RETURN(piece.value, entry(saved.name));
-      if (saved.adam_step.has_value()) {
-        HETPAR_ASSIGN_OR_RETURN(piece.exp_avg, entry(saved.name + "@exp_avg"));
-        HETPAR_ASSIGN_OR_RETURN(piece.exp_avg_sq, entry(saved.name + "@exp_avg_sq"));
-      }
-      pieces[saved.name].push_back(std::move(piece));
+    if (piece.saved->adam_step != first.adam_step) {
+      return corrupt("disagree on its AdamW step (or only some hold its state)");
     }
   }
-  return pieces;
+  const std::vector<int64_t>& full_shape = first.full_shape;
+  if (full_shape != p.full_shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter '", p.name, "' has shape ", ShapeString(full_shape),
+                     " in checkpoint ", dir, "; the model expects ", ShapeString(p.full_shape)));
+  }
+  ParamLoad load;
+  load.param = &p;
+  load.adam_step = first.adam_step;
+  load.with_state = with_optimizer && p.trainable && first.adam_step.has_value();
+  auto replicated = std::find_if(pieces.begin(), pieces.end(),
+                                 [](const Piece& piece) { return piece.saved->split_dim < 0; });
+  if (replicated != pieces.end()) {
+    load.used.push_back(*replicated);
+    return load;
+  }
+  const int split_dim = first.split_dim;
+  if (split_dim >= static_cast<int>(full_shape.size())) {
+    return corrupt(
+        absl::StrCat("split dim ", split_dim, " of a ", full_shape.size(), "-dim tensor"));
+  }
+  std::vector<const Piece*> sorted;
+  for (const Piece& piece : pieces) {
+    if (piece.saved->split_dim != split_dim) {
+      return corrupt(
+          absl::StrCat("disagree on its split dim: ", split_dim, " and ", piece.saved->split_dim));
+    }
+    sorted.push_back(&piece);
+  }
+  std::stable_sort(sorted.begin(), sorted.end(), [](const Piece* a, const Piece* b) {
+    return a->saved->offset < b->saved->offset;
+  });
+  // The same slice saved twice (it should not be) is taken once.
+  sorted.erase(std::unique(sorted.begin(), sorted.end(),
+                           [](const Piece* a, const Piece* b) {
+                             return a->saved->offset == b->saved->offset &&
+                                    a->saved->length == b->saved->length;
+                           }),
+               sorted.end());
+  int64_t next = 0;
+  for (const Piece* piece : sorted) {
+    if (piece->saved->offset != next || piece->saved->length <= 0) {
+      return corrupt(absl::StrCat("do not tile dim ", split_dim, ": a slice at offset ",
+                                  piece->saved->offset, " of length ", piece->saved->length,
+                                  " where offset ", next, " was expected"));
+    }
+    next += piece->saved->length;
+  }
+  if (next != full_shape[split_dim]) {
+    return corrupt(absl::StrCat("cover ", next, " of the ", full_shape[split_dim],
+                                " entries of dim ", split_dim));
+  }
+  // The part of split_dim this rank keeps.
+  int64_t need_begin = 0;
+  int64_t need_end = full_shape[split_dim];
+  if (p.slice.split_dim == split_dim) {
+    need_begin = p.slice.offset;
+    need_end = p.slice.offset + p.slice.length;
+  }
+  for (const Piece* piece : sorted) {
+    const int64_t begin = piece->saved->offset;
+    const int64_t end = begin + piece->saved->length;
+    if (begin < need_end && end > need_begin) load.used.push_back(*piece);
+  }
+  // An empty or out-of-range slice overlaps nothing: the narrowing in LocalPart says why.
+  if (load.used.empty()) load.used.push_back(*sorted.front());
+  load.split_dim = split_dim;
+  return load;
+}
+
+// One entry a load reads from a shard: its name, where it lies (absent for a sidecar without
+// entry ranges), the shape its sidecar says it has, and where the tensor goes.
+struct EntryRead {
+  std::string name;
+  std::optional<nn::EntryRange> range;
+  std::vector<int64_t> shape;
+  at::Tensor* out = nullptr;
+};
+
+// Reads [offset, offset + bytes) of `fd` (the file `path`) into `dst`.
+absl::Status ReadRange(int fd, const std::string& path, int64_t offset, int64_t bytes, char* dst) {
+  while (bytes > 0) {
+    const ssize_t n =
+        ::pread(fd, dst, static_cast<size_t>(std::min<int64_t>(bytes, kMaxReadBytes)), offset);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(errno, absl::StrCat("reading ", path));
+    }
+    if (n == 0) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint shard ", path, " ended at byte ", offset, " while being read"));
+    }
+    dst += n;
+    offset += n;
+    bytes -= n;
+  }
+  return absl::OkStatus();
+}
+
+// The entry's tensor in its saved dtype, read from `fd` (the file `path`) with one pread of its
+// byte range into the tensor's own memory (no copy), its CRC-32 verified, then checked to be
+// what the sidecar says: its name and its shape. The entry is laid out as common/nn/export.h
+// says: u32 name length, name, u8 dtype, u8 dims, u16 zero, i64 dims, u64 data bytes, data, u32
+// CRC-32 of every byte before it.
+absl::StatusOr<at::Tensor> ReadEntry(int fd, const std::string& path, const EntryRead& read) {
+  const nn::EntryRange& range = *read.range;
+  const std::string what =
+      absl::StrCat("checkpoint shard ", path, ": entry '", read.name, "' (bytes [", range.offset,
+                   ", ", range.offset + range.bytes, "))");
+  const int64_t dims = static_cast<int64_t>(read.shape.size());
+  // The bytes before the tensor's, when the entry is the one the sidecar says.
+  const int64_t prefix = 4 + static_cast<int64_t>(read.name.size()) + 4 + 8 * dims + 8;
+  if (range.bytes < prefix + 4) {
+    return absl::DataLossError(absl::StrCat(what, ": ", range.bytes,
+                                            " bytes are too few for its name and ", dims,
+                                            " dims; the sidecar is corrupt"));
+  }
+  // A byte buffer over-allocated so that the tensor's bytes inside it are 64-byte aligned; the
+  // tensor returned is a view of it.
+  constexpr int64_t kAlign = 64;
+  HETPAR_ASSIGN_OR_RETURN(at::Tensor buffer, nn::RunTorchOr(absl::StrCat("allocating ", what), [&] {
+                            return at::empty({range.bytes + kAlign}, at::kByte);
+                          }));
+  char* const base = static_cast<char*>(buffer.data_ptr());
+  const int64_t pad =
+      (kAlign - static_cast<int64_t>((reinterpret_cast<uintptr_t>(base) + prefix) % kAlign)) %
+      kAlign;
+  char* const entry = base + pad;
+  HETPAR_RETURN_IF_ERROR(ReadRange(fd, path, range.offset, range.bytes, entry));
+  const int64_t summed = range.bytes - 4;
+  const uint32_t computed = static_cast<uint32_t>(
+      crc32_z(0, reinterpret_cast<const Bytef*>(entry), static_cast<size_t>(summed)));
+  uint32_t stored = 0;
+  std::memcpy(&stored, entry + summed, sizeof(stored));
+  if (computed != stored) {
+    return absl::DataLossError(absl::StrCat(what, " fails its CRC-32: computed ", computed,
+                                            ", stored ", stored, "; the file is corrupt"));
+  }
+  // The bytes are what was written; they must also be the entry the sidecar says.
+  uint32_t name_bytes = 0;
+  std::memcpy(&name_bytes, entry, sizeof(name_bytes));
+  if (name_bytes != read.name.size() ||
+      std::memcmp(entry + 4, read.name.data(), read.name.size()) != 0) {
+    const std::string name = name_bytes <= static_cast<uint64_t>(summed - 4)
+                                 ? absl::StrCat("'", std::string(entry + 4, name_bytes), "'")
+                                 : absl::StrCat("a name of ", name_bytes, " bytes");
+    return absl::DataLossError(
+        absl::StrCat(what, " holds entry ", name, " instead; the sidecar does not match the file"));
+  }
+  const char* const meta = entry + 4 + read.name.size();
+  const uint8_t code = static_cast<uint8_t>(meta[0]);
+  at::ScalarType dtype = at::kFloat;
+  if (!DtypeOfCode(code, &dtype)) {
+    return absl::DataLossError(
+        absl::StrCat(what, " has dtype code ", static_cast<int>(code), ", expected 1..4"));
+  }
+  std::vector<int64_t> shape(static_cast<size_t>(static_cast<uint8_t>(meta[1])));
+  if (static_cast<int64_t>(shape.size()) == dims) {
+    std::memcpy(shape.data(), meta + 4, static_cast<size_t>(8 * dims));
+  }
+  if (shape != read.shape) {
+    return absl::DataLossError(absl::StrCat(
+        what, " holds a ", shape.size(), "-dim tensor",
+        shape.size() == read.shape.size() ? absl::StrCat(" of shape ", ShapeString(shape)) : "",
+        " where the sidecar says ", ShapeString(read.shape)));
+  }
+  uint64_t data_bytes = 0;
+  std::memcpy(&data_bytes, meta + 4 + 8 * dims, sizeof(data_bytes));
+  int64_t expected = static_cast<int64_t>(c10::elementSize(dtype));
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(expected, d, &expected)) expected = -1;
+    if (expected < 0) break;
+  }
+  if (expected < 0 || data_bytes != static_cast<uint64_t>(expected) ||
+      expected != range.bytes - prefix - 4) {
+    return absl::DataLossError(absl::StrCat(
+        what, " is malformed: ", data_bytes, " data bytes for shape ", ShapeString(shape), " of ",
+        nn::DtypeName(dtype), " in an entry of ", range.bytes, " bytes"));
+  }
+  return nn::RunTorchOr(absl::StrCat("reading ", what), [&] {
+    return buffer.narrow(0, pad + prefix, expected).view(dtype).view(shape);
+  });
+}
+
+// The whole of a shard whose sidecar does not say where its entries lie: summed against the
+// manifest's size and CRC-32, then every entry parsed (each with its own CRC-32).
+absl::StatusOr<std::map<std::string, at::Tensor>> ReadWholeShard(const ModuleShard& shard) {
+  absl::StatusOr<FileSum> sum = SumFile(shard.path);
+  if (absl::IsNotFound(sum.status())) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint shard ", shard.path, " is missing; the manifest lists it"));
+  }
+  if (!sum.ok()) return sum.status();
+  if (sum->bytes != shard.bytes || sum->crc32 != shard.crc32) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint shard ", shard.path, " does not match the manifest: ", sum->bytes,
+                     " bytes with CRC-32 ", sum->crc32, ", the manifest says ", shard.bytes,
+                     " bytes with CRC-32 ", shard.crc32, "; the file is corrupt"));
+  }
+  HETPAR_ASSIGN_OR_RETURN(std::vector<nn::FullParameter> entries,
+                          nn::ReadFullParameters(shard.path));
+  std::map<std::string, at::Tensor> by_name;
+  for (nn::FullParameter& entry : entries) by_name[entry.name] = std::move(entry.tensor);
+  return by_name;
+}
+
+// Reads `reads`, entries of `shard`, into their tensors. With entry ranges, each entry is read
+// once, with one pread of its byte range, in file order; the file's size must be the
+// manifest's. Without them (an older sidecar), the shard is read whole.
+absl::Status ReadShardEntries(const ModuleShard& shard, std::vector<EntryRead>& reads) {
+  const auto check_shape = [&](const EntryRead& read, const at::Tensor& t) {
+    if (t.sizes().vec() == read.shape) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint shard ", shard.path, ": entry '", read.name, "' holds a tensor of shape ",
+        ShapeString(t.sizes().vec()), " where the sidecar says ", ShapeString(read.shape)));
+  };
+  if (!shard.sidecar.has_entries) {
+    HETPAR_ASSIGN_OR_RETURN(auto by_name, ReadWholeShard(shard));
+    for (EntryRead& read : reads) {
+      auto it = by_name.find(read.name);
+      if (it == by_name.end()) {
+        return absl::DataLossError(absl::StrCat("checkpoint shard ", shard.path, " has no entry '",
+                                                read.name, "'; its sidecar lists it"));
+      }
+      HETPAR_RETURN_IF_ERROR(check_shape(read, it->second));
+      *read.out = it->second;
+    }
+    return absl::OkStatus();
+  }
+  const int fd = ::open(shard.path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 && errno == ENOENT) {
+    return absl::DataLossError(
+        absl::StrCat("checkpoint shard ", shard.path, " is missing; the manifest lists it"));
+  }
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("opening ", shard.path));
+  FdCloser closer(fd);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("reading the size of ", shard.path));
+  }
+  if (static_cast<int64_t>(st.st_size) != shard.bytes) {
+    return absl::DataLossError(absl::StrCat(
+        "checkpoint shard ", shard.path, " has ", static_cast<int64_t>(st.st_size),
+        " bytes, the manifest says ", shard.bytes, "; the file is truncated or corrupt"));
+  }
+  std::sort(reads.begin(), reads.end(), [](const EntryRead& a, const EntryRead& b) {
+    return a.range->offset < b.range->offset;
+  });
+  for (EntryRead& read : reads) {
+    if (read.range->offset + read.range->bytes > shard.bytes) {
+      return absl::DataLossError(absl::StrCat(
+          "checkpoint shard ", shard.path, ": its sidecar places entry '", read.name,
+          "' at bytes [", read.range->offset, ", ", read.range->offset + read.range->bytes,
+          "), past the end of the file (", shard.bytes, " bytes)"));
+    }
+    HETPAR_ASSIGN_OR_RETURN(*read.out, ReadEntry(fd, shard.path, read));
+  }
+  return absl::OkStatus();
+}
+
+// This rank's part of a parameter's tensor (the value, or a moment: `member`), joined from the
+// pieces `load` read and converted to the parameter's dtype.
+at::Tensor LocalPart(const ParamLoad& load, at::Tensor Piece::*member) {
+  const nn::NamedParameter& p = *load.param;
+  at::Tensor joined;
+  if (load.used.size() == 1) {
+    joined = load.used.front().*member;
+  } else {
+    std::vector<at::Tensor> parts;
+    for (const Piece& piece : load.used) parts.push_back(piece.*member);
+    joined = at::cat(parts, load.split_dim);
+  }
+  at::Tensor part;
+  if (load.split_dim >= 0 && p.slice.split_dim == load.split_dim) {
+    // `joined` starts at the first piece's offset of split_dim.
+    part = joined.narrow(load.split_dim, p.slice.offset - load.used.front().saved->offset,
+                         p.slice.length);
+  } else {
+    // `joined` is the full tensor.
+    part = p.slice.split_dim < 0 ? joined
+                                 : joined.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
+  }
+  return part.to(p.tensor.scalar_type()).contiguous();
 }
 
 // A step directory of a checkpoint parent.
@@ -519,9 +786,36 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
   if (error) return ErrnoStatus(error.value(), absl::StrCat("removing stale ", sidecar_path));
   // The file's checksum is summed while it is written: no second pass over the bytes.
   WrittenFile written;
-  HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(snapshot.entries, shard_path, &written));
+  std::vector<nn::EntryRange> ranges;
+  HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(snapshot.entries, shard_path, &written, &ranges));
   const FileSum sum{static_cast<int64_t>(written.bytes), written.crc32};
-  const json sidecar = SidecarJson(id, snapshot.step, file, sum, snapshot.params);
+  // Where each parameter's entries lie, so that a load reads just the ones it needs.
+  std::map<std::string, nn::EntryRange> where;
+  for (size_t i = 0; i < ranges.size(); ++i) where[snapshot.entries[i].name] = ranges[i];
+  json params = snapshot.params;
+  for (json& p : params) {
+    const auto range = [&](const std::string& suffix) -> absl::StatusOr<json> {
+      const auto name = p.find("name");
+      auto it = where.end();
+      if (name != p.end() && name->is_string()) {
+        it = where.find(name->get<std::string>() + suffix);
+      }
+      if (it == where.end()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("checkpoint shard ", shard_path, ": the snapshot's parameter ", p.dump(),
+                         " has no entry", suffix.empty() ? "" : " ", suffix));
+      }
+      return EntryRangeJson(it->second);
+    };
+    json entries;
+    HETPAR_ASSIGN_OR_RETURN(entries["value"], range(""));
+    if (p.contains("adam_step")) {
+      HETPAR_ASSIGN_OR_RETURN(entries["exp_avg"], range("@exp_avg"));
+      HETPAR_ASSIGN_OR_RETURN(entries["exp_avg_sq"], range("@exp_avg_sq"));
+    }
+    p["entries"] = std::move(entries);
+  }
+  const json sidecar = SidecarJson(id, snapshot.step, file, sum, std::move(params));
   return Annotate(WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
                   absl::StrCat("writing checkpoint sidecar ", sidecar_path));
 }
@@ -599,46 +893,81 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir) {
 absl::Status LoadModuleState(const std::string& dir, const std::string& module,
                              nn::ParameterSet& params, ModuleOptimizer* optimizer) {
   HETPAR_ASSIGN_OR_RETURN(Manifest manifest, ReadManifest(dir));
-  HETPAR_ASSIGN_OR_RETURN(auto pieces, ReadModulePieces(dir, manifest, module));
+  HETPAR_ASSIGN_OR_RETURN(std::vector<ModuleShard> shards,
+                          ReadModuleSidecars(dir, manifest, module));
 
-  // Everything is read, assembled and checked before the first parameter changes.
+  // From the sidecars alone: which saved slices each parameter needs.
+  std::map<std::string, std::vector<Piece>> saved;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    for (const SavedParam& param : shards[i].sidecar.params) {
+      saved[param.name].push_back(Piece{i, &param, {}, {}, {}});
+    }
+  }
+  std::vector<ParamLoad> loads;
+  for (const nn::NamedParameter& p : params.parameters()) {
+    auto it = saved.find(p.name);
+    if (it == saved.end()) {
+      return absl::NotFoundError(absl::StrCat("parameter '", p.name, "' is in no shard of module '",
+                                              module, "' in checkpoint ", dir));
+    }
+    HETPAR_ASSIGN_OR_RETURN(ParamLoad load, PlanParam(p, it->second, dir, optimizer != nullptr));
+    loads.push_back(std::move(load));
+  }
+
+  // Then the entries those slices lie in, each read once, shard by shard; nothing else of the
+  // shard files is read.
+  std::vector<std::vector<EntryRead>> reads(shards.size());
+  for (ParamLoad& load : loads) {
+    for (Piece& piece : load.used) {
+      const SavedParam& s = *piece.saved;
+      std::vector<int64_t> shape = s.full_shape;
+      if (s.split_dim >= 0) shape[s.split_dim] = s.length;
+      const auto read = [&](const std::string& name, const std::optional<nn::EntryRange>& range,
+                            at::Tensor* out) {
+        reads[piece.shard].push_back(EntryRead{name, range, shape, out});
+      };
+      read(s.name, s.entries.has_value() ? std::optional(s.entries->value) : std::nullopt,
+           &piece.value);
+      if (load.with_state) {
+        read(s.name + "@exp_avg", s.entries.has_value() ? s.entries->exp_avg : std::nullopt,
+             &piece.exp_avg);
+        read(s.name + "@exp_avg_sq", s.entries.has_value() ? s.entries->exp_avg_sq : std::nullopt,
+             &piece.exp_avg_sq);
+      }
+    }
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (!reads[i].empty()) HETPAR_RETURN_IF_ERROR(ReadShardEntries(shards[i], reads[i]));
+  }
+
+  // Everything is read, sliced and checked before the first parameter changes.
   struct Planned {
     const nn::NamedParameter* param;
     at::Tensor value;
     std::optional<ModuleOptimizer::ParamState> state;
   };
   std::vector<Planned> plan;
-  for (const nn::NamedParameter& p : params.parameters()) {
-    auto it = pieces.find(p.name);
-    if (it == pieces.end()) {
-      return absl::NotFoundError(absl::StrCat("parameter '", p.name, "' is in no shard of module '",
-                                              module, "' in checkpoint ", dir));
-    }
-    HETPAR_ASSIGN_OR_RETURN(Assembled full, Assemble(p.name, it->second, dir));
-    if (full.value.sizes().vec() != p.full_shape) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("parameter '", p.name, "' has shape ", ShapeString(full.value.sizes().vec()),
-                       " in checkpoint ", dir, "; the model expects ", ShapeString(p.full_shape)));
-    }
+  for (const ParamLoad& load : loads) {
+    const nn::NamedParameter& p = *load.param;
     Planned planned{&p, {}, std::nullopt};
     HETPAR_ASSIGN_OR_RETURN(planned.value,
                             nn::RunTorchOr(absl::StrCat("slicing parameter ", p.name),
-                                           [&] { return LocalSlice(full.value, p); }));
+                                           [&] { return LocalPart(load, &Piece::value); }));
     if (planned.value.sizes() != p.tensor.sizes()) {
       return absl::InvalidArgumentError(
           absl::StrCat("parameter '", p.name, "': its slice of checkpoint ", dir, " has shape ",
                        ShapeString(planned.value.sizes().vec()), ", this rank's tensor ",
                        ShapeString(p.tensor.sizes().vec())));
     }
-    if (optimizer != nullptr && p.trainable && full.adam_step.has_value()) {
+    if (load.with_state) {
       ModuleOptimizer::ParamState state;
-      state.step = *full.adam_step;
+      state.step = *load.adam_step;
       HETPAR_ASSIGN_OR_RETURN(state.exp_avg,
                               nn::RunTorchOr(absl::StrCat("slicing the moments of ", p.name),
-                                             [&] { return LocalSlice(full.exp_avg, p); }));
+                                             [&] { return LocalPart(load, &Piece::exp_avg); }));
       HETPAR_ASSIGN_OR_RETURN(state.exp_avg_sq,
                               nn::RunTorchOr(absl::StrCat("slicing the moments of ", p.name),
-                                             [&] { return LocalSlice(full.exp_avg_sq, p); }));
+                                             [&] { return LocalPart(load, &Piece::exp_avg_sq); }));
       HETPAR_RETURN_IF_ERROR(
           Annotate(optimizer->CheckState(p.name, state), absl::StrCat("loading checkpoint ", dir)));
       planned.state = std::move(state);

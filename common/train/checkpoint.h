@@ -6,8 +6,8 @@
 //   llm-pp0-tp0.hpar    one shard per writing rank: the rank's parameter slices, each under its
 //   llm-pp0-tp0.json    name, and their AdamW moments under "<name>@exp_avg" and
 //   llm-pp1-tp0.hpar    "<name>@exp_avg_sq" (the .hpar format of common/nn/export.h); and its
-//   ...                 sidecar, saying what the shard holds and how each slice lies in the
-//   encoder-pp0-tp0.*   full tensor
+//   ...                 sidecar, saying what the shard holds, how each slice lies in the
+//   encoder-pp0-tp0.*   full tensor and where each entry lies in the shard file
 //   manifest.json       written last, once every shard's sidecar is there: the checkpoint is
 //                       complete when, and only when, it exists
 //
@@ -64,9 +64,13 @@ std::string CheckpointDirName(int64_t step);
 // "<name>@exp_avg" and "<name>@exp_avg_sq"; then <name>.json, the sidecar: {"format": 1,
 // "module", "step", "tp", "tp_size", "pp", "pp_size", "file": "<name>.hpar", "bytes", "crc32"
 // (zlib CRC-32 of the whole .hpar file), "params": [{"name", "full_shape", "split_dim",
-// "offset", "length", "adam_step" (absent without state)}]}. A stale sidecar of the same shard
-// is removed first. InvalidArgument for an id out of range or not matching the ParameterSet's TP
-// rank and size; I/O errors name the file.
+// "offset", "length", "adam_step" (absent without state), "entries": {"value", "exp_avg",
+// "exp_avg_sq" (the last two with "adam_step" only): {"offset", "bytes"}}}]}. "entries" says
+// where the parameter's entries lie in the .hpar file: each whole entry, from its name-length
+// field through its own trailing CRC-32, is bytes [offset, offset + bytes) (sidecars written
+// before it was added lack it; LoadModuleState still reads them). A stale sidecar of the same
+// shard is removed first. InvalidArgument for an id out of range or not matching the ParameterSet's
+// TP rank and size; I/O errors name the file.
 absl::Status WriteShard(const std::string& dir, const ShardId& id, int64_t step,
                         const nn::ParameterSet& params, const ModuleOptimizer* optimizer);
 
@@ -109,16 +113,33 @@ struct CheckpointInfo {
 absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir);
 
 // Loads this rank's slices of module `module`'s parameters, and with optimizer != nullptr their
-// AdamW state, from the complete checkpoint `dir`, whatever TP and PP layout wrote it: each
-// parameter's full tensor is assembled from the shards of `module` that hold it (the TP slices
-// concatenated along split_dim in offset order; a replicated one taken from any shard), then
-// sliced to this rank's `slice` and converted to the parameter's dtype. Every shard file of the
-// module is checked against the manifest's bytes and crc32 first: a mismatch is DataLoss naming
-// the file and both values. A parameter of `params` that no shard holds is NotFound naming it and
-// the directory; InvalidArgument for one whose full shape differs from the checkpoint's. A
-// trainable parameter with saved state gets it (SetState); one without saved state (e.g. it was
-// frozen, or the run was at step 0) gets none; a frozen one never gets any. On any error nothing
-// of `params` or the optimizer changes. Gradients are untouched.
+// AdamW state, from the complete checkpoint `dir`, whatever TP and PP layout wrote it.
+//
+// What is read: from the sidecars alone (no tensor data), each parameter's saved slices that
+// overlap this rank's `slice` are chosen: of a replicated parameter the first shard's copy; of a
+// split one the saved TP slices whose range of split_dim overlaps the rank's (all of them when the
+// rank keeps the whole tensor). Only those entries are read, each once, with one read of its byte
+// range, its own CRC-32 (the .hpar format's per-entry checksum) verified as it is parsed; the
+// moments only when they are set (optimizer != nullptr, a trainable parameter with saved state).
+// A pipeline stage so reads only its own parameters' entries, and a TP rank only the saved slices
+// overlapping its own. The granularity is the entry: a saved slice is read whole even when the
+// rank keeps part of it (a tp1 -> tp2 resume reads each whole saved tensor once per rank). The
+// chosen slices are concatenated along split_dim in offset order, narrowed to this rank's slice
+// and converted to the parameter's dtype.
+//
+// Errors: an entry that fails its CRC-32 is DataLoss naming the shard file, the entry, the
+// computed and the stored CRC-32; a shard file read from that is missing, or whose size is not
+// the manifest's "bytes" (a stat, no read), is DataLoss naming the file; so is an entry whose
+// name, dtype or shape is not what the sidecar says. The manifest's whole-file "crc32" is still
+// written (other tools use it) but not recomputed on load: the entries' own CRC-32s cover every
+// byte read, and the bytes not read cannot harm the load. (A shard whose sidecar predates
+// "entries" is read whole instead, its size and whole-file CRC-32 checked against the manifest.)
+// A parameter of `params` that no shard holds is NotFound naming it and the directory;
+// InvalidArgument for one whose full shape differs from the checkpoint's. A trainable parameter
+// with saved state gets it (SetState); one without saved state (e.g. it was frozen, or the run
+// was at step 0) gets none; a frozen one never gets any. Everything is read and checked before
+// the first change: on any error nothing of `params` or the optimizer changes. Gradients are
+// untouched.
 absl::Status LoadModuleState(const std::string& dir, const std::string& module,
                              nn::ParameterSet& params, ModuleOptimizer* optimizer);
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -181,6 +182,74 @@ uint32_t FileCrc(const std::string& path) {
 json ReadJson(const std::string& path) {
   std::ifstream in(path);
   return json::parse(in);
+}
+
+std::string ReadBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// Where one entry of a .hpar file lies.
+struct EntryBytes {
+  int64_t offset = 0;  // its first byte (the name length)
+  int64_t bytes = 0;   // through its trailing CRC-32
+  int64_t data_offset = 0;
+  int64_t data_bytes = 0;
+};
+
+// Every entry of the .hpar file `path` by name, found by walking the layout common/nn/export.h
+// gives (a 32-byte header; per entry u32 name length, the name, u8 dtype, u8 dims, u16, i64 per
+// dim, u64 data bytes, the data, u32 CRC-32), not with the code under test.
+std::map<std::string, EntryBytes> EntriesOf(const std::string& path) {
+  const std::string file = ReadBytes(path);
+  const auto get = [&](int64_t at, auto value) {
+    std::memcpy(&value, file.data() + at, sizeof(value));
+    return value;
+  };
+  std::map<std::string, EntryBytes> entries;
+  const uint64_t count = get(16, uint64_t{0});
+  int64_t at = 32;
+  for (uint64_t i = 0; i < count; ++i) {
+    EntryBytes e;
+    e.offset = at;
+    const uint32_t name_bytes = get(at, uint32_t{0});
+    const std::string name = file.substr(at + 4, name_bytes);
+    at += 4 + name_bytes;
+    const uint8_t dims = static_cast<uint8_t>(file[at + 1]);
+    at += 4 + 8 * dims;
+    e.data_bytes = static_cast<int64_t>(get(at, uint64_t{0}));
+    e.data_offset = at + 8;
+    at = e.data_offset + e.data_bytes + 4;
+    e.bytes = at - e.offset;
+    entries[name] = e;
+  }
+  EXPECT_EQ(at, static_cast<int64_t>(file.size())) << path;
+  return entries;
+}
+
+void FlipByte(const std::string& path, int64_t offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(offset);
+  char byte = 0;
+  file.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x10);
+  file.seekp(offset);
+  file.write(&byte, 1);
+}
+
+// The CRC-32 an entry stores and the one of its bytes as they are now.
+struct EntryCrcs {
+  uint32_t stored = 0;
+  uint32_t computed = 0;
+};
+
+EntryCrcs CrcsOf(const std::string& path, const EntryBytes& e) {
+  const std::string file = ReadBytes(path);
+  EntryCrcs crcs;
+  std::memcpy(&crcs.stored, file.data() + e.offset + e.bytes - 4, 4);
+  crcs.computed = static_cast<uint32_t>(crc32_z(
+      0, reinterpret_cast<const Bytef*>(file.data() + e.offset), static_cast<size_t>(e.bytes - 4)));
+  return crcs;
 }
 
 class CheckpointTest : public ::testing::Test {
@@ -389,6 +458,20 @@ TEST_F(CheckpointTest, CompleteOnlyOnceEverySidecarIsWritten) {
     if (s.name != kFrozen) {
       EXPECT_EQ(p["adam_step"], 1);
     }
+    // Where each of its entries lies in the shard file, as the file's own layout says.
+    const std::map<std::string, EntryBytes> layout = EntriesOf(dir + "/llm-pp0-tp1.hpar");
+    const json& where = p["entries"];
+    ASSERT_TRUE(where.is_object()) << p.dump();
+    std::vector<std::pair<std::string, std::string>> kinds = {{"value", ""}};
+    if (s.name != kFrozen) {
+      kinds.push_back({"exp_avg", "@exp_avg"});
+      kinds.push_back({"exp_avg_sq", "@exp_avg_sq"});
+    }
+    EXPECT_EQ(where.size(), kinds.size()) << where.dump();
+    for (const auto& [kind, suffix] : kinds) {
+      const EntryBytes& e = layout.at(s.name + suffix);
+      EXPECT_EQ(where[kind], json({{"offset", e.offset}, {"bytes", e.bytes}})) << kind;
+    }
   }
   auto entries = nn::ReadFullParameters(dir + "/llm-pp0-tp1.hpar");
   ASSERT_TRUE(entries.ok()) << entries.status();
@@ -419,29 +502,184 @@ TEST_F(CheckpointTest, CorruptShardIsDataLossAndChangesNothing) {
   ASSERT_TRUE(TrainStep(saved, 0).ok());
   Save(dir_, {{"llm", 0, 1, 0, 1}}, {&saved}, 1);
   const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
-  const uint32_t good_crc = FileCrc(shard);
-  {
-    std::fstream file(shard, std::ios::in | std::ios::out | std::ios::binary);
-    const std::streamoff middle = static_cast<std::streamoff>(fs::file_size(shard) / 2);
-    file.seekg(middle);
-    char byte = 0;
-    file.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x10);
-    file.seekp(middle);
-    file.write(&byte, 1);
-  }
-  const uint32_t bad_crc = FileCrc(shard);
-  ASSERT_NE(bad_crc, good_crc);
+  // A flipped byte in the tensor of an entry every loading rank with an optimizer reads.
+  const EntryBytes e = EntriesOf(shard).at("a.weight@exp_avg");
+  const EntryCrcs good = CrcsOf(shard, e);
+  ASSERT_EQ(good.stored, good.computed);
+  FlipByte(shard, e.data_offset + e.data_bytes / 2);
+  const EntryCrcs bad = CrcsOf(shard, e);
+  ASSERT_EQ(bad.stored, good.stored);
+  ASSERT_NE(bad.computed, good.computed);
 
   Trainee t = MakeTrainee(Specs(), 0, 2, 6);
   const at::Tensor before = t.set->Find("a.weight")->tensor.detach().clone();
+  const at::Tensor norm_before = t.set->Find("c.norm")->tensor.detach().clone();
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr("'a.weight@exp_avg'"));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("computed ", bad.computed)));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("stored ", good.stored)));
+  EXPECT_THAT(status.message(), HasSubstr("the file is corrupt"));
+  ExpectIdentical(t.set->Find("a.weight")->tensor, before, "a.weight after a failed load");
+  ExpectIdentical(t.set->Find("c.norm")->tensor, norm_before, "c.norm after a failed load");
+  for (const Spec& s : Specs()) EXPECT_FALSE(t.opt->StateOf(s.name).has_value()) << s.name;
+
+  // Without an optimizer the moments are not read: the parameters load.
+  status = LoadModuleState(dir_, "llm", *t.set, nullptr);
+  ASSERT_TRUE(status.ok()) << status;
+  std::vector<Trainee> group;
+  group.push_back(std::move(saved));
+  const FullState full = Join(group);
+  for (const Spec& s : Specs()) {
+    const nn::NamedParameter& p = *t.set->Find(s.name);
+    ExpectIdentical(p.tensor, SliceOf(full.value.at(s.name), p), s.name);
+  }
+}
+
+TEST_F(CheckpointTest, TruncatedOrMissingShardIsDataLoss) {
+  Trainee saved = MakeTrainee(Specs(), 0, 1, 5);
+  ASSERT_TRUE(TrainStep(saved, 0).ok());
+  Save(dir_, {{"llm", 0, 1, 0, 1}}, {&saved}, 1);
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const uintmax_t bytes = fs::file_size(shard);
+  fs::resize_file(shard, bytes - 1);
+
+  Trainee t = MakeTrainee(Specs(), 0, 1, 6);
+  const at::Tensor before = t.set->Find("d.bias")->tensor.detach().clone();
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(bytes - 1, " bytes")));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("manifest says ", bytes)));
+  ExpectIdentical(t.set->Find("d.bias")->tensor, before, "d.bias after a failed load");
+
+  fs::remove(shard);
+  status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr("missing"));
+  ExpectIdentical(t.set->Find("d.bias")->tensor, before, "d.bias after a failed load");
+}
+
+TEST_F(CheckpointTest, ReadsOnlyTheEntriesOverlappingItsSlice) {
+  std::vector<Trainee> tp2;
+  for (int rank = 0; rank < 2; ++rank) {
+    tp2.push_back(MakeTrainee(Specs(), rank, 2, 5));
+    ASSERT_TRUE(TrainStep(tp2.back(), 0).ok());
+  }
+  Save(dir_, {{"llm", 0, 2, 0, 1}, {"llm", 1, 2, 0, 1}}, {&tp2[0], &tp2[1]}, 1);
+  const FullState saved = Join(tp2);
+  // A flipped byte in the tensor of every entry of the tp1 shard, and none in the tp0 shard.
+  const std::string tp1_shard = dir_ + "/llm-pp0-tp1.hpar";
+  const std::map<std::string, EntryBytes> tp1_entries = EntriesOf(tp1_shard);
+  ASSERT_EQ(tp1_entries.size(), 3 * Specs().size() - 2);
+  for (const auto& [name, e] : tp1_entries) {
+    ASSERT_GT(e.data_bytes, 0) << name;
+    FlipByte(tp1_shard, e.data_offset + e.data_bytes / 2);
+    const EntryCrcs crcs = CrcsOf(tp1_shard, e);
+    ASSERT_NE(crcs.stored, crcs.computed) << name;
+  }
+
+  for (int rank = 0; rank < 4; ++rank) {
+    SCOPED_TRACE(absl::StrCat("tp=4 rank ", rank));
+    Trainee t = MakeTrainee(Specs(), rank, 4, 6);
+    // Does every split slice of this rank lie inside the one the tp0 shard saved?
+    bool inside_tp0 = true;
+    for (const Spec& s : Specs()) {
+      const nn::NamedParameter& p = *t.set->Find(s.name);
+      const nn::NamedParameter& saved_tp0 = *tp2[0].set->Find(s.name);
+      if (s.split_dim < 0) continue;
+      ASSERT_EQ(p.slice.split_dim, s.split_dim);
+      inside_tp0 =
+          inside_tp0 && p.slice.offset >= saved_tp0.slice.offset &&
+          p.slice.offset + p.slice.length <= saved_tp0.slice.offset + saved_tp0.slice.length;
+    }
+    EXPECT_EQ(inside_tp0, rank < 2);  // each tp0 half holds the quarters of ranks 0 and 1
+    const at::Tensor before = t.set->Find("b.weight")->tensor.detach().clone();
+    absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+    if (inside_tp0) {
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectHolds(t, saved, "from the tp0 shard alone");
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+      EXPECT_THAT(status.message(), HasSubstr(tp1_shard));
+      EXPECT_THAT(status.message(), HasSubstr("CRC-32"));
+      ExpectIdentical(t.set->Find("b.weight")->tensor, before, "b.weight after a failed load");
+      EXPECT_FALSE(t.opt->StateOf("b.weight").has_value());
+    }
+  }
+}
+
+TEST_F(CheckpointTest, AStageLoadsWhenTheOtherStagesShardIsDamaged) {
+  const std::vector<Spec> stage0_specs = Pick({"a.weight", "b.weight", kFrozen});
+  const std::vector<Spec> stage1_specs = Pick({"c.norm", "d.bias", "e.table"});
+  std::vector<Trainee> stage0;
+  stage0.push_back(MakeTrainee(stage0_specs, 0, 1, 5));
+  Trainee stage1 = MakeTrainee(stage1_specs, 0, 1, 5);
+  ASSERT_TRUE(TrainStep(stage0[0], 0).ok());
+  ASSERT_TRUE(TrainStep(stage1, 0).ok());
+  Save(dir_, {{"llm", 0, 1, 0, 2}, {"llm", 0, 1, 1, 2}}, {&stage0[0], &stage1}, 1);
+  // Stage 1's shard: a flipped byte in its first entry and its last bytes cut off.
+  const std::string pp1_shard = dir_ + "/llm-pp1-tp0.hpar";
+  const EntryBytes first = EntriesOf(pp1_shard).at("c.norm");
+  FlipByte(pp1_shard, first.data_offset);
+  fs::resize_file(pp1_shard, fs::file_size(pp1_shard) - 3);
+
+  // Stage 0 (at tp 2 too) needs none of it.
+  for (int tp : {1, 2}) {
+    for (int rank = 0; rank < tp; ++rank) {
+      Trainee t = MakeTrainee(stage0_specs, rank, tp, 6);
+      absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectHolds(t, Join(stage0), absl::StrCat("stage 0 at tp=", tp, " rank ", rank));
+    }
+  }
+  // Stage 1, or the whole model, does.
+  for (const std::vector<Spec>& specs : {stage1_specs, Specs()}) {
+    Trainee t = MakeTrainee(specs, 0, 1, 6);
+    const at::Tensor before = t.set->Find("d.bias")->tensor.detach().clone();
+    absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    EXPECT_THAT(status.message(), HasSubstr(pp1_shard));
+    ExpectIdentical(t.set->Find("d.bias")->tensor, before, "d.bias after a failed load");
+  }
+}
+
+TEST_F(CheckpointTest, SidecarWithoutEntriesReadsTheWholeShard) {
+  // Sidecars as written before they said where the entries lie.
+  std::vector<Trainee> tp2;
+  for (int rank = 0; rank < 2; ++rank) {
+    tp2.push_back(MakeTrainee(Specs(), rank, 2, 5));
+    ASSERT_TRUE(TrainStep(tp2.back(), 0).ok());
+  }
+  Save(dir_, {{"llm", 0, 2, 0, 1}, {"llm", 1, 2, 0, 1}}, {&tp2[0], &tp2[1]}, 1);
+  for (const char* name : {"llm-pp0-tp0.json", "llm-pp0-tp1.json"}) {
+    json sidecar = ReadJson(dir_ + "/" + name);
+    for (json& p : sidecar["params"]) ASSERT_EQ(p.erase("entries"), 1u);
+    std::ofstream(dir_ + "/" + name) << sidecar.dump(2);
+  }
+  const FullState saved = Join(tp2);
+  for (int rank = 0; rank < 4; ++rank) {
+    Trainee t = MakeTrainee(Specs(), rank, 4, 6);
+    absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+    ASSERT_TRUE(status.ok()) << status;
+    ExpectHolds(t, saved, absl::StrCat("old sidecars, tp=4 rank ", rank));
+  }
+
+  // Read whole, the shard is checked whole against the manifest: a flipped byte of its header,
+  // which no entry covers, is found.
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const uint32_t good_crc = FileCrc(shard);
+  FlipByte(shard, 13);  // the flags
+  const uint32_t bad_crc = FileCrc(shard);
+  ASSERT_NE(bad_crc, good_crc);
+  Trainee t = MakeTrainee(Specs(), 0, 4, 6);
   absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
   EXPECT_THAT(status.message(), HasSubstr(shard));
   EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(good_crc)));
   EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(bad_crc)));
-  ExpectIdentical(t.set->Find("a.weight")->tensor, before, "a.weight after a failed load");
-  EXPECT_FALSE(t.opt->StateOf("a.weight").has_value());
 }
 
 TEST_F(CheckpointTest, MissingOrMalformedManifest) {
