@@ -6,29 +6,62 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "nlohmann/json.hpp"
 
 namespace hetpar {
 
-absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
-    const std::string& path, const hetpar::v1::RunSpec& spec) {
+namespace {
+
+absl::Status Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path) / "log", ec);
   if (ec) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create run directory '", path, "': ", ec.message()));
   }
-  {
-    std::ofstream config(path + "/config.yaml");
-    config << config::RunSpecToYaml(spec);
-    if (!config) {
-      return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "/config.yaml'"));
-    }
+  std::ofstream config(path + "/config.yaml");
+  config << config::RunSpecToYaml(spec);
+  if (!config) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "/config.yaml'"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
+    const std::string& path, const hetpar::v1::RunSpec& spec) {
+  if (absl::Status s = Prepare(path, spec); !s.ok()) return s;
   std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "w");
   if (metrics == nullptr) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(errno)));
+  }
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
+}
+
+absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
+    const std::string& path, const hetpar::v1::RunSpec& spec, int64_t first_step) {
+  if (absl::Status s = Prepare(path, spec); !s.ok()) return s;
+  std::string kept;
+  {
+    std::ifstream in(path + "/metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+          j["step"].get<int64_t>() < first_step) {
+        kept += line + "\n";
+      }
+    }
+  }
+  // Replaced whole (a crash here leaves the old file), then appended to.
+  if (absl::Status s = WriteFileAtomically(path + "/metrics.jsonl", kept); !s.ok()) return s;
+  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "a");
+  if (metrics == nullptr) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot append to '", path, "/metrics.jsonl': ", std::strerror(errno)));
   }
   return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
 }

@@ -11,6 +11,7 @@
 #ifndef HETPAR_COMMON_RUN_DIRECTORY_H_
 #define HETPAR_COMMON_RUN_DIRECTORY_H_
 
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -26,6 +27,13 @@ class RunDirectory {
   // Creates `path` (and log/) when absent, writes config.yaml and truncates metrics.jsonl.
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Create(const std::string& path,
                                                               const hetpar::v1::RunSpec& spec);
+  // A run continued from step `first_step` (a coordinator restarted on its journal): writes
+  // config.yaml and keeps the lines of metrics.jsonl of the steps before `first_step` (later
+  // ones are trained again and their lines written again; the end-of-run lines go), then
+  // appends.
+  static absl::StatusOr<std::unique_ptr<RunDirectory>> Continue(const std::string& path,
+                                                                const hetpar::v1::RunSpec& spec,
+                                                                int64_t first_step);
   ~RunDirectory();
   RunDirectory(const RunDirectory&) = delete;
   RunDirectory& operator=(const RunDirectory&) = delete;

@@ -88,6 +88,7 @@ RunController::RunController(const v1::RunSpec& spec, Membership membership,
       orchestrator_(membership_,
                     StepOrchestrator::Options{spec.run().grad_clip(), options_.step_timeout, 32}),
       created_(now),
+      generation_(std::max<int64_t>(1, options_.initial_generation)),
       incomplete_since_(now),
       planner_prepared_(planner_ == nullptr || !planner_->NeedsPreparation()) {}
 

@@ -47,6 +47,9 @@ struct ControllerOptions {
   absl::Duration step_timeout = absl::Minutes(10);
   int max_step_attempts = 3;
   std::string listen_address;  // shown in Status
+  // The first generation (a coordinator restarted on its journal continues past the lost one's,
+  // so nothing addressed to the old generation is taken for the new).
+  int64_t initial_generation = 1;
 };
 
 // What the server must do after a call, in order: send messages, then end sessions.
@@ -128,7 +131,7 @@ class RunController {
 
   v1::RunState state_ = v1::RUN_STATE_WAITING;
   std::string state_message_;
-  int64_t generation_ = 1;
+  int64_t generation_;
   // When ranks became missing (creation, or a loss while running); InfiniteFuture when complete.
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();

@@ -588,9 +588,19 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
 }
 
 void WorkerSession::OnStreamDone(const absl::Status& status) {
-  absl::MutexLock lock(&mu_);
-  ended_ = true;
-  final_status_ = local_failure_.ok() ? status : local_failure_;
+  absl::Status lost;
+  {
+    absl::MutexLock lock(&mu_);
+    ended_ = true;
+    final_status_ = local_failure_.ok() ? status : local_failure_;
+    // Not while this side closes: the coordinator broke the stream off (it died, or its machine
+    // or the network went away) or stopped answering.
+    if (!stop_heartbeats_ &&
+        (absl::IsUnavailable(final_status_) || absl::IsDeadlineExceeded(local_failure_))) {
+      lost = final_status_;
+    }
+  }
+  if (!lost.ok() && options_.on_lost) options_.on_lost(lost);
 }
 
 }  // namespace hetpar::coordinator

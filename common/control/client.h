@@ -142,6 +142,10 @@ class WorkerSession {
     std::function<void(const v1::CoordinatorMessage&)> on_message;
     bool heartbeats = true;
     int ack_every = 5;  // ask for an ack every this many heartbeats; 0: never
+    // When set, called once, on a gRPC thread, when the coordinator is lost: the stream broke off
+    // (UNAVAILABLE) or the coordinator stopped answering heartbeats, and this side was not
+    // closing. Gets the session's final status. Must not block for long.
+    std::function<void(const absl::Status&)> on_lost;
   };
 
   // Registers, opens the session stream and starts heartbeats.

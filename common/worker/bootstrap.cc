@@ -55,6 +55,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   request.add_capabilities("cpu");
   request.add_capabilities("ucx");
   if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
+  session_options.on_lost = options.on_coordinator_lost;
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
   ctx->spec_ = ctx->session_->registration().spec();

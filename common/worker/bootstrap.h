@@ -15,6 +15,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -48,6 +49,10 @@ struct WorkerOptions {
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
   int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
+  // Called (on a gRPC thread) when the session loses the coordinator
+  // (coordinator::WorkerSession::Options::on_lost); unset: the worker fails as the session
+  // ends.
+  std::function<void(const absl::Status&)> on_coordinator_lost;
 };
 
 class WorkerContext {

@@ -1,13 +1,17 @@
 #include "common/worker/worker_main.h"
 
 #include <ATen/Parallel.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <iostream>
 #include <thread>
@@ -28,6 +32,48 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitInvalidInput = 2;
+
+// A worker that lost its coordinator replaces itself with a fresh copy of its program (execv of
+// its own binary, the same arguments), so nothing of the interrupted run survives (process
+// groups, data-plane endpoints, a half-done step): the copy registers anew with the restarted
+// coordinator, which resumes the run from its newest checkpoint. The copy inherits the deadline
+// for the coordinator to come back in this variable (Unix seconds).
+constexpr char kReconnectDeadlineEnv[] = "HETPAR_RECONNECT_DEADLINE";
+
+// Marks every descriptor above stderr close-on-exec: the copy must not keep the sockets of the
+// lost run's process groups open, or its peers would not see them close.
+void CloseOnExecAboveStderr() {
+  std::vector<int> fds;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (const dirent* entry = ::readdir(dir)) {
+      const int fd = std::atoi(entry->d_name);
+      if (fd > 2 && fd != ::dirfd(dir)) fds.push_back(fd);
+    }
+    ::closedir(dir);
+  }
+  for (int fd : fds) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
+}
+
+[[noreturn]] void RestartToReRegister(char** argv, absl::Duration reconnect_timeout,
+                                      const absl::Status& why) {
+  const absl::Time deadline = absl::Now() + reconnect_timeout;
+  HETPAR_LOG(WARNING) << "lost the coordinator (" << why.message()
+                      << "); restarting this worker to register again with it when it is back "
+                         "(waiting up to "
+                      << absl::FormatDuration(reconnect_timeout) << ", --reconnect-timeout)";
+  std::cerr.flush();
+  std::clog.flush();
+  std::fflush(nullptr);
+  ::setenv(kReconnectDeadlineEnv, std::to_string(absl::ToUnixSeconds(deadline)).c_str(), 1);
+  CloseOnExecAboveStderr();
+  sigset_t none;
+  sigemptyset(&none);
+  pthread_sigmask(SIG_SETMASK, &none, nullptr);
+  ::execv("/proc/self/exe", argv);
+  HETPAR_LOG(ERROR) << "cannot restart this worker: execv: " << std::strerror(errno);
+  std::fflush(nullptr);
+  std::_Exit(kExitFailure);
+}
 
 absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<WorkerContext> context,
@@ -102,6 +148,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   double connect_timeout_s = absl::ToDoubleSeconds(options.connect_timeout);
   bool colocated = false;
   bool linger = false;
+  double reconnect_timeout_s = 600;
   std::string trace_steps;
   app.add_option("--coordinator", options.coordinator, "Coordinator address (host:port)")
       ->envname("HETPAR_COORDINATOR")
@@ -158,6 +205,12 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->envname("HETPAR_CONNECT_TIMEOUT")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--reconnect-timeout", reconnect_timeout_s,
+                 "Seconds a worker that lost its coordinator waits for a restarted one to "
+                 "register with again, instead of exiting (0: exit at once)")
+      ->envname("HETPAR_RECONNECT_TIMEOUT")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--out", options.out_dir,
                  "Directory for this worker's step timings and timeline (default: none); its "
                  "parameter sums and model files go to the coordinator's run directory")
@@ -206,6 +259,26 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     options.host = *address;
   }
   options.connect_timeout = absl::Seconds(connect_timeout_s);
+  if (const char* inherited = std::getenv(kReconnectDeadlineEnv); inherited != nullptr) {
+    // A copy restarted after its coordinator was lost: wait for the coordinator until the
+    // deadline the lost run's worker set.
+    const absl::Duration left = absl::FromUnixSeconds(std::atoll(inherited)) - absl::Now();
+    ::unsetenv(kReconnectDeadlineEnv);
+    if (left <= absl::ZeroDuration()) {
+      std::cerr << binary.name << ": the coordinator did not come back within --reconnect-timeout "
+                << reconnect_timeout_s << " s\n";
+      return kExitFailure;
+    }
+    options.connect_timeout = left;
+    std::cerr << binary.name << ": registering again after the coordinator was lost (waiting up to "
+              << absl::FormatDuration(absl::Trunc(left, absl::Seconds(1))) << ")\n";
+  }
+  if (reconnect_timeout_s > 0) {
+    const absl::Duration reconnect = absl::Seconds(reconnect_timeout_s);
+    options.on_coordinator_lost = [argv, reconnect](const absl::Status& why) {
+      RestartToReRegister(argv, reconnect, why);
+    };
+  }
   if (!trace_steps.empty()) {
     absl::StatusOr<std::pair<int64_t, int64_t>> range = trace::ParseStepRange(trace_steps);
     if (!range.ok()) {

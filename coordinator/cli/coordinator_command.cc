@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "common/trace/recorder.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/step_metrics.h"
+#include "coordinator/journal.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics_exporter.h"
 #include "coordinator/run_controller.h"
@@ -44,6 +46,38 @@ struct CoordinatorFlags {
   std::string metrics_listen;
   int eval_threads = 0;
 };
+
+// A coordinator restarted on a run directory continues the run journaled there only with the
+// same config (the coordinator's own section aside: its addresses may change).
+absl::Status SameRun(const coordinator::Journal& lost, const v1::RunSpec& spec,
+                     const std::string& out_dir) {
+  const std::string restart_hint =
+      absl::StrCat("use another --out, or remove ", coordinator::JournalPath(out_dir),
+                   " to start a new run there");
+  if (lost.run != spec.run().name()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("run directory ", out_dir, " holds the journal of the unfinished run '",
+                     lost.run, "'; this config trains '", spec.run().name(), "': ", restart_hint));
+  }
+  absl::StatusOr<config::LoadedRunSpec> recorded =
+      config::LoadRunSpecFile(out_dir + "/config.yaml", config::LoadOptions{});
+  if (!recorded.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot continue run '", lost.run, "': its recorded config ", out_dir,
+                     "/config.yaml does not load: ", recorded.status().message()));
+  }
+  v1::RunSpec a = recorded->spec;
+  v1::RunSpec b = spec;
+  a.clear_coordinator();
+  b.clear_coordinator();
+  if (config::RunSpecToYaml(a) != config::RunSpecToYaml(b)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot continue run '", lost.run,
+                     "': this config differs from the one it was started with (", out_dir,
+                     "/config.yaml) outside the coordinator section; ", restart_hint));
+  }
+  return absl::OkStatus();
+}
 
 // Who-expects-what line: "4 workers (2 encoder, 2 llm)".
 std::string ExpectedWorkers(const v1::RunSpec& spec) {
@@ -75,22 +109,84 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     return kExitInvalidInput;
   }
   const v1::RunSpec& spec = loaded->spec;
+  const std::string out_dir = spec.run().out_dir();
+
+  // A journal of an unfinished run in the run directory: its coordinator was lost; continue the
+  // run from the newest complete checkpoint (coordinator/journal.h).
+  absl::StatusOr<std::optional<coordinator::Journal>> previous = coordinator::ReadJournal(out_dir);
+  if (!previous.ok()) {
+    std::cerr << "hetpar: " << previous.status().message()
+              << " (remove it to start the run over)\n";
+    return kExitFailure;
+  }
+  coordinator::Journal journal;
+  journal.run = spec.run().name();
+  journal.total_steps = spec.run().steps();
+  journal.checkpoint_dir = spec.checkpoint().dir();
+  v1::RunSpec run_spec = spec;  // what the coordinator trains: `spec`, or its continuation
+  int64_t first_step = 0;
+  if (!spec.checkpoint().resume_from().empty()) {
+    absl::StatusOr<config::CheckpointSummary> resume =
+        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+    if (resume.ok()) first_step = resume->step;
+  }
+  const bool restarted = previous->has_value() && (*previous)->Unfinished();
+  if (restarted) {
+    const coordinator::Journal& lost = **previous;
+    if (absl::Status same = SameRun(lost, spec, out_dir); !same.ok()) {
+      std::cerr << "hetpar: " << same.message() << "\n";
+      return kExitInvalidInput;
+    }
+    journal.generation = lost.generation + 1;
+    journal.restarts = lost.restarts + 1;
+    const std::optional<coordinator::FoundCheckpoint> newest =
+        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir());
+    if (newest.has_value() && newest->step > first_step) {
+      config::LoadOptions resume = load;
+      resume.overrides.push_back(absl::StrCat("checkpoint.resume_from=", newest->path));
+      absl::StatusOr<config::LoadedRunSpec> continued =
+          config::LoadRunSpecFile(flags.config, resume);
+      if (!continued.ok()) {
+        std::cerr << "hetpar: cannot continue run " << spec.run().name() << " from " << newest->path
+                  << ":\n"
+                  << continued.status().message() << "\n";
+        return kExitInvalidInput;
+      }
+      run_spec = continued->spec;
+      first_step = newest->step;
+    }
+    std::cout << "hetpar coordinator: continuing run " << spec.run().name() << " from its journal ("
+              << lost.committed_steps << " of " << lost.total_steps
+              << " steps were committed when its coordinator was lost, generation "
+              << lost.generation << "): "
+              << (first_step > 0 ? absl::StrCat("resuming at step ", first_step, " from ",
+                                                run_spec.checkpoint().resume_from())
+                                 : std::string("no checkpoint to resume from; starting over"))
+              << std::endl;
+  }
+  journal.committed_steps = first_step;
 
   // The run directory: the normalised config and one metrics.jsonl line per committed step, and
   // at the end the workers' outputs, the final parameter line and the evaluation.
   absl::StatusOr<std::unique_ptr<RunDirectory>> run_dir =
-      RunDirectory::Create(spec.run().out_dir(), spec);
+      restarted ? RunDirectory::Continue(out_dir, spec, first_step)
+                : RunDirectory::Create(out_dir, spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar: " << run_dir.status().message() << "\n";
     return kExitFailure;
   }
-  ClearRunOutputs(spec.run().out_dir());
+  ClearRunOutputs(out_dir);
+  if (absl::Status s = coordinator::WriteJournal(out_dir, journal); !s.ok()) {
+    std::cerr << "hetpar: " << s.message() << "\n";
+    return kExitFailure;
+  }
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
   options.tls = flags.tls;
   options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
   options.controller.stop_timeout = absl::Seconds(flags.stop_timeout_s);
+  options.controller.initial_generation = journal.generation;
   bool generated_token = false;
   absl::StatusOr<coordinator::RunToken> token =
       coordinator::ResolveToken(flags.token_file, spec.coordinator().token_file());
@@ -110,7 +206,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   options.token = token->value;
 
   absl::StatusOr<std::unique_ptr<coordinator::StepPlanner>> planner =
-      coordinator::MakeStepPlanner(spec, flags.synthetic_batches);
+      coordinator::MakeStepPlanner(run_spec, flags.synthetic_batches);
   if (!planner.ok()) {
     std::cerr << "hetpar: cannot plan steps for " << flags.config << ": "
               << planner.status().message() << "\n";
@@ -127,7 +223,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   absl::StatusOr<std::unique_ptr<coordinator::CoordinatorServer>> server =
-      coordinator::CoordinatorServer::Create(spec, options, *std::move(planner));
+      coordinator::CoordinatorServer::Create(run_spec, options, *std::move(planner));
   if (!server.ok()) {
     std::cerr << "hetpar: cannot start the coordinator: " << server.status().message() << "\n";
     return kExitFailure;
@@ -173,16 +269,43 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     raw->Stop(signal == SIGINT ? "interrupted" : "terminated", /*checkpoint=*/signal == SIGTERM);
   });
 
-  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops());
+  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops(), nullptr, first_step);
   std::string outputs_failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool metrics_failed = false;
+  bool journal_failed = false;
+  // The journal follows the run: rewritten when a step commits or the generation or state
+  // changes.
+  auto follow_journal = [&](const v1::StatusResponse& status, v1::RunState run_state) {
+    coordinator::Journal next = journal;
+    next.state = run_state;
+    next.generation = status.generation();
+    next.committed_steps = status.committed_steps();
+    if (next.committed_steps != journal.committed_steps || run_state != journal.state) {
+      if (std::optional<coordinator::FoundCheckpoint> newest =
+              coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir())) {
+        next.last_checkpoint = newest->path;
+        next.last_checkpoint_step = newest->step;
+      }
+    }
+    if (next == journal) return;
+    if (absl::Status s = coordinator::WriteJournal(out_dir, next); !s.ok()) {
+      if (!journal_failed) HETPAR_LOG(ERROR) << "journal: " << s.message();
+      journal_failed = true;
+      return;
+    }
+    journal = next;
+  };
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(200));
-    if (absl::Status s = metrics.Follow((*server)->Status()); !s.ok() && !metrics_failed) {
+    const v1::StatusResponse status = (*server)->Status();
+    if (absl::Status s = metrics.Follow(status); !s.ok() && !metrics_failed) {
       HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
       metrics_failed = true;
     }
+    // Done only once the run directory is complete (below): a coordinator lost before then
+    // continues the run.
+    follow_journal(status, state == v1::RUN_STATE_DONE ? v1::RUN_STATE_STOPPING : status.state());
   }
   const v1::StatusResponse final_status = (*server)->Status();
   // The workers sent their parameter sums and model files before closing their sessions.
@@ -197,6 +320,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       outputs_failure = std::string(s.message());
     }
   }
+  // Done with every step committed and the run directory complete: a coordinator started on it
+  // later starts a new run. Stopped early or failed: it continues this one.
+  follow_journal(final_status, state);
   if (flags.linger) {
     // Under a Deployment an exit would restart the coordinator into a new run: keep answering
     // `hetpar status` with the final state until the pod is deleted.

@@ -228,15 +228,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     const std::string role = colocated ? "colocated" : encoder ? "encoder" : "llm";
     const std::string name = absl::StrCat(role, "-", rank);
     std::vector<std::string> argv = {
-        WorkerBinary(encoder && !colocated ? "hetpar-encoder" : "hetpar-llm"),
-        "--coordinator",
-        (*server)->address(),
-        "--rank",
-        std::to_string(rank),
-        "--out",
-        out_dir,
-        "--threads",
-        std::to_string(threads)};
+        WorkerBinary(encoder && !colocated ? "hetpar-encoder" : "hetpar-llm"), "--coordinator",
+        (*server)->address(), "--rank", std::to_string(rank), "--out", out_dir, "--threads",
+        std::to_string(threads),
+        // The coordinator lives in this process: a worker that lost it has nothing to wait for.
+        "--reconnect-timeout", "0"};
     if (colocated) argv.push_back("--colocated");
     if (!flags.trace.empty()) argv.insert(argv.end(), {"--trace", flags.trace});
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
@@ -268,35 +264,45 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   };
   std::deque<Commit> commits;
   absl::Time last_line = start;
-  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops(), [&](const v1::StepTiming& t) {
-    last_loss = t.loss();
-    const absl::Time now = absl::Now();
-    double step_flops = 0;
-    for (const auto& [module, split] : t.modules()) step_flops += split.model_flops();
-    commits.push_back({now, t.tokens(), step_flops});
-    if (commits.size() > kRateWindow + 1) commits.pop_front();
-    const bool full = commits.size() == kRateWindow + 1;
-    int64_t window_tokens = 0;
-    double window_flops = 0;
-    for (size_t i = full ? 1 : 0; i < commits.size(); ++i) {
-      window_tokens += commits[i].tokens;
-      window_flops += commits[i].model_flops;
-    }
-    const double window_s =
-        std::max(absl::ToDoubleSeconds(now - (full ? commits.front().when : start)), 1e-9);
-    const int64_t done = t.step() + 1;
-    const int64_t total = spec.run().steps();
-    // On a terminal the line redraws every step; in a log, one line every run.log_every steps,
-    // or once --log-every-seconds have passed since the last line, and at the last step.
-    if (!tty && done != total && done % spec.run().log_every() != 0 &&
-        !(flags.log_every_s > 0 && absl::ToDoubleSeconds(now - last_line) >= flags.log_every_s)) {
-      return;
-    }
-    last_line = now;
-    const double elapsed = absl::ToDoubleSeconds(now - start);
-    ShowProgress(done, total, last_loss, window_tokens / window_s, window_flops / window_s,
-                 elapsed / done * (total - done), tty);
-  });
+  int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
+  if (!spec.checkpoint().resume_from().empty()) {
+    absl::StatusOr<config::CheckpointSummary> resume =
+        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+    if (resume.ok()) first_step = resume->step;
+  }
+  StepMetricsWriter metrics(
+      run_dir->get(), spec.run().peak_tflops(),
+      [&](const v1::StepTiming& t) {
+        last_loss = t.loss();
+        const absl::Time now = absl::Now();
+        double step_flops = 0;
+        for (const auto& [module, split] : t.modules()) step_flops += split.model_flops();
+        commits.push_back({now, t.tokens(), step_flops});
+        if (commits.size() > kRateWindow + 1) commits.pop_front();
+        const bool full = commits.size() == kRateWindow + 1;
+        int64_t window_tokens = 0;
+        double window_flops = 0;
+        for (size_t i = full ? 1 : 0; i < commits.size(); ++i) {
+          window_tokens += commits[i].tokens;
+          window_flops += commits[i].model_flops;
+        }
+        const double window_s =
+            std::max(absl::ToDoubleSeconds(now - (full ? commits.front().when : start)), 1e-9);
+        const int64_t done = t.step() + 1;
+        const int64_t total = spec.run().steps();
+        // On a terminal the line redraws every step; in a log, one line every run.log_every steps,
+        // or once --log-every-seconds have passed since the last line, and at the last step.
+        if (!tty && done != total && done % spec.run().log_every() != 0 &&
+            !(flags.log_every_s > 0 &&
+              absl::ToDoubleSeconds(now - last_line) >= flags.log_every_s)) {
+          return;
+        }
+        last_line = now;
+        const double elapsed = absl::ToDoubleSeconds(now - start);
+        ShowProgress(done, total, last_loss, window_tokens / window_s, window_flops / window_s,
+                     elapsed / done * (total - done), tty);
+      },
+      first_step);
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool stop_sent = false;

@@ -29,10 +29,12 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& step, double peak_tflops = 
 // reported in the log and their lines are missing.
 class StepMetricsWriter {
  public:
-  // `on_step` (optional) sees each step written.
+  // `on_step` (optional) sees each step written. `first_step`: the first step the run trains
+  // (a resumed run starts at its checkpoint's step).
   explicit StepMetricsWriter(RunDirectory* dir, double peak_tflops = 0,
-                             std::function<void(const v1::StepTiming&)> on_step = nullptr)
-      : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)) {}
+                             std::function<void(const v1::StepTiming&)> on_step = nullptr,
+                             int64_t first_step = 0)
+      : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)), written_(first_step) {}
 
   absl::Status Follow(const v1::StatusResponse& status);
   int64_t written() const { return written_; }  // the next step expected
@@ -41,7 +43,7 @@ class StepMetricsWriter {
   RunDirectory* dir_;
   double peak_tflops_;
   std::function<void(const v1::StepTiming&)> on_step_;
-  int64_t written_ = 0;
+  int64_t written_;
 };
 
 // The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the

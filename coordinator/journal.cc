@@ -1,0 +1,152 @@
+#include "coordinator/journal.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/config/config.h"
+#include "nlohmann/json.hpp"
+
+namespace hetpar::coordinator {
+namespace {
+
+constexpr int kFormat = 1;
+constexpr char kStepPrefix[] = "step-";
+
+const char* StateName(v1::RunState state) {
+  switch (state) {
+    case v1::RUN_STATE_WAITING:
+      return "waiting";
+    case v1::RUN_STATE_RUNNING:
+      return "running";
+    case v1::RUN_STATE_STOPPING:
+      return "stopping";
+    case v1::RUN_STATE_DONE:
+      return "done";
+    case v1::RUN_STATE_FAILED:
+      return "failed";
+    default:
+      return "unknown";
+  }
+}
+
+std::optional<v1::RunState> StateFromName(const std::string& name) {
+  for (v1::RunState state : {v1::RUN_STATE_WAITING, v1::RUN_STATE_RUNNING, v1::RUN_STATE_STOPPING,
+                             v1::RUN_STATE_DONE, v1::RUN_STATE_FAILED}) {
+    if (name == StateName(state)) return state;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+bool Journal::operator==(const Journal& o) const {
+  return run == o.run && state == o.state && generation == o.generation &&
+         committed_steps == o.committed_steps && total_steps == o.total_steps &&
+         checkpoint_dir == o.checkpoint_dir && last_checkpoint == o.last_checkpoint &&
+         last_checkpoint_step == o.last_checkpoint_step && restarts == o.restarts;
+}
+
+std::string JournalPath(const std::string& run_dir) { return run_dir + "/journal.json"; }
+
+absl::Status WriteJournal(const std::string& run_dir, const Journal& journal) {
+  const nlohmann::json j = {{"format", kFormat},
+                            {"run", journal.run},
+                            {"state", StateName(journal.state)},
+                            {"generation", journal.generation},
+                            {"committed_steps", journal.committed_steps},
+                            {"total_steps", journal.total_steps},
+                            {"checkpoint_dir", journal.checkpoint_dir},
+                            {"last_checkpoint", journal.last_checkpoint},
+                            {"last_checkpoint_step", journal.last_checkpoint_step},
+                            {"restarts", journal.restarts}};
+  return WriteFileAtomically(JournalPath(run_dir), j.dump(2) + "\n");
+}
+
+absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
+  const std::string path = JournalPath(run_dir);
+  std::ifstream in(path);
+  if (!in) {
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec)) return std::optional<Journal>();
+    return absl::PermissionDeniedError(absl::StrCat("cannot read the journal ", path));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::DataLossError(absl::StrCat("the journal ", path, " is not a JSON object"));
+  }
+  Journal journal;
+  std::string bad;  // the first malformed field
+  auto integer = [&](const char* field, int64_t min, int64_t* out) {
+    if (!bad.empty()) return;
+    if (!j.contains(field) || !j[field].is_number_integer() || j[field].get<int64_t>() < min ||
+        (j[field].is_number_unsigned() && j[field].get<uint64_t>() > INT64_MAX)) {
+      bad = field;
+      return;
+    }
+    *out = j[field].get<int64_t>();
+  };
+  auto string = [&](const char* field, std::string* out) {
+    if (!bad.empty()) return;
+    if (!j.contains(field) || !j[field].is_string()) {
+      bad = field;
+      return;
+    }
+    *out = j[field].get<std::string>();
+  };
+  int64_t format = 0;
+  integer("format", 0, &format);
+  if (bad.empty() && format != kFormat) {
+    return absl::DataLossError(
+        absl::StrCat("the journal ", path, " has format ", format, "; this build reads ", kFormat));
+  }
+  string("run", &journal.run);
+  std::string state;
+  string("state", &state);
+  if (bad.empty()) {
+    std::optional<v1::RunState> parsed = StateFromName(state);
+    if (parsed.has_value()) {
+      journal.state = *parsed;
+    } else {
+      bad = "state";
+    }
+  }
+  integer("generation", 1, &journal.generation);
+  integer("committed_steps", 0, &journal.committed_steps);
+  integer("total_steps", 0, &journal.total_steps);
+  string("checkpoint_dir", &journal.checkpoint_dir);
+  string("last_checkpoint", &journal.last_checkpoint);
+  integer("last_checkpoint_step", -1, &journal.last_checkpoint_step);
+  integer("restarts", 0, &journal.restarts);
+  if (!bad.empty()) {
+    return absl::DataLossError(absl::StrCat("the journal ", path, " has a missing or malformed \"",
+                                            bad, "\"",
+                                            j.contains(bad) ? ": " + j[bad].dump() : ""));
+  }
+  return std::optional<Journal>(std::move(journal));
+}
+
+std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir) {
+  std::optional<FoundCheckpoint> newest;
+  std::error_code ec;
+  if (checkpoint_dir.empty()) return newest;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kStepPrefix, 0) != 0) continue;
+    absl::StatusOr<config::CheckpointSummary> summary =
+        config::ReadCheckpointSummary(entry.path().string());
+    if (!summary.ok()) continue;  // incomplete, or not a checkpoint
+    if (!newest.has_value() || summary->step > newest->step) {
+      newest = FoundCheckpoint{entry.path().string(), summary->step};
+    }
+  }
+  return newest;
+}
+
+}  // namespace hetpar::coordinator

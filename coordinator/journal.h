@@ -1,0 +1,70 @@
+// The coordinator's journal: <run dir>/journal.json, rewritten atomically whenever the run moves
+// on (a step commits, the generation or the state changes), so that a coordinator restarted on
+// the same run directory continues the run instead of starting it over:
+//
+//   {"format": 1, "run": "tiny", "state": "running", "generation": 3, "committed_steps": 7,
+//    "total_steps": 10, "checkpoint_dir": "/shared/ckpt",
+//    "last_checkpoint": "/shared/ckpt/step-000006", "last_checkpoint_step": 6, "restarts": 0}
+//
+//   HETPAR_ASSIGN_OR_RETURN(std::optional<Journal> journal, ReadJournal(run_dir));
+//   if (journal.has_value() && journal->Unfinished()) { ... resume from the newest checkpoint ... }
+//   HETPAR_RETURN_IF_ERROR(WriteJournal(run_dir, journal));
+//
+// The run is "done" in the journal only once every step committed and the run directory is
+// complete (outputs, evaluation); until then (and after a failure or an early stop) a coordinator
+// started on the run directory continues the run. The journal records where the run was; the
+// checkpoints hold what it had learned. A restarted coordinator resumes from the newest complete
+// checkpoint under checkpoint.dir (it may be newer than the journal's, written while the
+// coordinator was down), at a generation past the journal's.
+#ifndef HETPAR_COORDINATOR_JOURNAL_H_
+#define HETPAR_COORDINATOR_JOURNAL_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "hetpar/v1/coordinator.pb.h"
+
+namespace hetpar::coordinator {
+
+struct Journal {
+  std::string run;  // run.name
+  v1::RunState state = v1::RUN_STATE_WAITING;
+  int64_t generation = 1;
+  int64_t committed_steps = 0;
+  int64_t total_steps = 0;
+  std::string checkpoint_dir;   // checkpoint.dir; empty: the run writes none
+  std::string last_checkpoint;  // the newest complete checkpoint; empty: none yet
+  int64_t last_checkpoint_step = -1;
+  int64_t restarts = 0;  // times a coordinator continued this run from the journal
+
+  // The run has not trained all its steps and written its outputs: it was lost, stopped early
+  // or failed. A coordinator that starts on its run directory continues it.
+  bool Unfinished() const { return state != v1::RUN_STATE_DONE || committed_steps < total_steps; }
+  bool operator==(const Journal& other) const;
+};
+
+// <run_dir>/journal.json
+std::string JournalPath(const std::string& run_dir);
+
+// Writes the journal atomically (common/atomic_file.h). Errors name the file.
+absl::Status WriteJournal(const std::string& run_dir, const Journal& journal);
+
+// The journal of `run_dir`; nullopt when there is none. DataLoss naming the file and the field for
+// a malformed one.
+absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir);
+
+// The newest complete checkpoint (a step-NNNNNN directory with a manifest, train/checkpoint.h)
+// under `checkpoint_dir`: its path and step; nullopt when there is none (or no such directory).
+// Incomplete ones (no manifest yet) are passed over.
+struct FoundCheckpoint {
+  std::string path;
+  int64_t step = 0;
+};
+std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir);
+
+}  // namespace hetpar::coordinator
+
+#endif  // HETPAR_COORDINATOR_JOURNAL_H_

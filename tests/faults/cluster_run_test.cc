@@ -1,0 +1,294 @@
+// A run as a cluster runs it: `hetpar coordinator` and each worker binary started as separate
+// processes, each in a working directory of its own, sharing no run directory. The coordinator's
+// run directory must come out as `hetpar run` writes it (the workers send their outputs through
+// the control plane), and a coordinator killed mid-run and restarted on its run directory must
+// finish the run with the same numbers as a run that was never interrupted.
+#include <signal.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/util/subprocess.h"
+
+namespace hetpar {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ChildProcess;
+using ::testing::HasSubstr;
+using testing::RunCommand;
+
+const std::string kBin = HETPAR_BIN;
+const std::string kEncoder = HETPAR_ENCODER_BIN;
+const std::string kLlm = HETPAR_LLM_BIN;
+const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
+constexpr int kSteps = 8;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+int CountLines(const std::string& path) {
+  const std::string text = ReadFile(path);
+  return static_cast<int>(std::count(text.begin(), text.end(), '\n'));
+}
+
+// Polls until `done()` holds, at most `timeout_s`; returns whether it did.
+template <typename Fn>
+bool WaitFor(Fn done, double timeout_s) {
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(int(timeout_s * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return done();
+}
+
+// The lines of a run's metrics.jsonl by step (-1: final_params, -2: eval).
+std::map<int64_t, nlohmann::json> MetricsByStep(const std::string& run_dir) {
+  std::map<int64_t, nlohmann::json> by_step;
+  std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    const int64_t key = j.contains("final_params") ? -1
+                        : j.contains("eval")       ? -2
+                                                   : j.at("step").get<int64_t>();
+    EXPECT_EQ(by_step.count(key), 0u) << "two lines for " << key << " in " << run_dir;
+    by_step[key] = j;
+  }
+  return by_step;
+}
+
+class ClusterRunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() /
+            ("hetpar_cluster_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name()))
+               .string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ + "/token") << "cluster-run-test-token-4b9d2e7a1c\n";
+    fs::permissions(dir_ + "/token", fs::perms::owner_read | fs::perms::owner_write);
+  }
+  void TearDown() override {
+    for (ChildProcess& p : processes_) p.Signal(SIGKILL);
+    processes_.clear();
+    fs::remove_all(dir_);
+  }
+
+  // The run's settings, the same for every process: 8 float64 steps of the tiny config on a
+  // small synthetic data set in the test's directory.
+  std::vector<std::string> Settings(const std::vector<std::string>& extra = {}) const {
+    std::vector<std::string> sets = {"run.dtype=float64",
+                                     "run.steps=" + std::to_string(kSteps),
+                                     "data.manifest=" + dir_ + "/data/train.jsonl",
+                                     "data.val_manifest=" + dir_ + "/data/val.jsonl",
+                                     "data.tokenizer=" + dir_ + "/data/tokenizer.model",
+                                     "data.synth.samples=128",
+                                     "data.synth.val_samples=8"};
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    std::vector<std::string> flags;
+    for (const std::string& s : sets) flags.insert(flags.end(), {"--set", s});
+    return flags;
+  }
+
+  // Starts `argv` with `cwd` as its working directory (created), its output in <cwd>.log.
+  ChildProcess* StartIn(const std::string& cwd, const std::vector<std::string>& argv) {
+    fs::create_directories(cwd);
+    std::vector<std::string> shell = {"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", cwd};
+    shell.insert(shell.end(), argv.begin(), argv.end());
+    auto child = ChildProcess::Start(shell, cwd + ".log");
+    EXPECT_TRUE(child.ok()) << child.status();
+    if (!child.ok()) return nullptr;
+    processes_.push_back(*std::move(child));
+    return &processes_.back();
+  }
+
+  // `hetpar coordinator` in <dir>/coordinator, its run directory <dir>/coordinator/run (given
+  // relative to its working directory). Returns its port.
+  ChildProcess* StartCoordinator(const std::string& listen, const std::vector<std::string>& extra,
+                                 const std::string& log_name) {
+    std::vector<std::string> argv = {kBin,       "coordinator", "--config",       kTiny,
+                                     "--listen", listen,        "--token-file",   dir_ + "/token",
+                                     "--out",    "run",         "--eval-threads", "1"};
+    for (const std::string& f : Settings(extra)) argv.push_back(f);
+    fs::create_directories(dir_ + "/coordinator");
+    std::vector<std::string> shell = {"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"",
+                                      dir_ + "/coordinator"};
+    shell.insert(shell.end(), argv.begin(), argv.end());
+    auto child = ChildProcess::Start(shell, dir_ + "/" + log_name);
+    EXPECT_TRUE(child.ok()) << child.status();
+    if (!child.ok()) return nullptr;
+    processes_.push_back(*std::move(child));
+    return &processes_.back();
+  }
+
+  // The coordinator's chosen port, from its log.
+  std::string AwaitPort(const std::string& log_name) {
+    std::string port;
+    WaitFor(
+        [&] {
+          const std::string text = ReadFile(dir_ + "/" + log_name);
+          const size_t at = text.find("listening on 127.0.0.1:");
+          if (at == std::string::npos) return false;
+          port = text.substr(at + 23, text.find_first_not_of("0123456789", at + 23) - at - 23);
+          return !port.empty();
+        },
+        60);
+    return port;
+  }
+
+  // Two encoder ranks and two LLM ranks (the tiny layout), each in <dir>/worker-<i>, with no
+  // --out: they keep nothing of the run's outputs.
+  std::vector<ChildProcess*> StartWorkers(const std::string& address) {
+    std::vector<ChildProcess*> workers;
+    for (int i = 0; i < 4; ++i) {
+      const bool encoder = i < 2;
+      workers.push_back(StartIn(
+          absl::StrCat(dir_, "/worker-", i),
+          {encoder ? kEncoder : kLlm, "--coordinator", address, "--token-file", dir_ + "/token",
+           "--rank", std::to_string(encoder ? i : i - 2), "--threads", "1", "--timeout", "120"}));
+    }
+    return workers;
+  }
+
+  // `hetpar run --reference` of the same settings: the numbers to compare with.
+  std::string ReferenceRun() {
+    std::vector<std::string> argv = {
+        kBin,        "run", "--config", kTiny, "--reference", "--out", dir_ + "/reference",
+        "--threads", "1"};
+    for (const std::string& f : Settings()) argv.push_back(f);
+    auto r = RunCommand(argv, 300);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (r.ok()) {
+      EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+    }
+    return dir_ + "/reference";
+  }
+
+  // The coordinator's run directory holds what `hetpar run` writes, and its numbers agree with
+  // the reference's.
+  void ExpectTheRunDirectoryOfHetparRun(const std::string& run) {
+    for (const char* file :
+         {"config.yaml", "metrics.jsonl", "eval.json", "model/encoder.hpar", "model/llm.hpar"}) {
+      EXPECT_TRUE(fs::exists(run + "/" + file)) << file << " missing from " << run;
+    }
+    EXPECT_FALSE(fs::exists(run + "/model/llm.hpar.stage-0"));
+    const std::string reference = ReferenceRun();
+    const auto a = MetricsByStep(run);
+    const auto b = MetricsByStep(reference);
+    for (int64_t step = 0; step < kSteps; ++step) EXPECT_EQ(a.count(step), 1u) << step;
+    ASSERT_EQ(a.count(-1), 1u) << "no final_params line";
+    ASSERT_EQ(a.count(-2), 1u) << "no eval line";
+    ASSERT_EQ(b.count(-2), 1u);
+    const auto accuracy = [](const nlohmann::json& line) {
+      return line["eval"]["with_images"]["caption_token_accuracy"].get<double>();
+    };
+    EXPECT_NEAR(accuracy(a.at(-2)), accuracy(b.at(-2)), 1e-9);
+    auto compare = RunCommand({kBin, "compare", run, reference});
+    ASSERT_TRUE(compare.ok()) << compare.status();
+    EXPECT_EQ(compare->exit_code, 0) << compare->stdout_text << compare->stderr_text;
+    EXPECT_THAT(compare->stdout_text, HasSubstr("runs agree"));
+  }
+
+  std::string dir_;
+  std::deque<ChildProcess> processes_;  // stable addresses: tests hold pointers
+};
+
+TEST_F(ClusterRunTest, SeparateProcessesInSeparateDirectoriesWriteTheRunDirectoryOfHetparRun) {
+  ChildProcess* coordinator = StartCoordinator("127.0.0.1:0", {}, "coordinator.log");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
+  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  auto code = coordinator->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/coordinator.log");
+  for (int i = 0; i < 4; ++i) {
+    auto worker_code = workers[i]->Wait(60);
+    ASSERT_TRUE(worker_code.ok()) << worker_code.status();
+    EXPECT_EQ(*worker_code, 0) << ReadFile(absl::StrCat(dir_, "/worker-", i, ".log"));
+    // A worker's working directory holds nothing of the run's outputs.
+    EXPECT_TRUE(fs::is_empty(absl::StrCat(dir_, "/worker-", i)));
+  }
+  ExpectTheRunDirectoryOfHetparRun(dir_ + "/coordinator/run");
+}
+
+TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFinishesTheRun) {
+  const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
+                                                "checkpoint.every=2"};
+  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
+  ASSERT_NE(first, nullptr);
+  const std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
+  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  std::vector<pid_t> pids;
+  for (ChildProcess* w : workers) pids.push_back(w->pid());
+  // Killed once a checkpoint is complete and a step after it committed.
+  const std::string run = dir_ + "/coordinator/run";
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return fs::exists(dir_ + "/checkpoints/step-000004/manifest.json") &&
+               CountLines(run + "/metrics.jsonl") >= 5;
+      },
+      120))
+      << ReadFile(dir_ + "/coordinator.log");
+  ASSERT_TRUE(first->Signal(SIGKILL));
+  ASSERT_TRUE(first->Wait(30).ok());
+  const nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  EXPECT_EQ(journal["state"], "running");
+  EXPECT_GE(journal["committed_steps"].get<int64_t>(), 4);
+  EXPECT_EQ(journal["generation"].get<int64_t>(), 1);
+
+  // The same command on the same port and run directory; the workers, still alive, register
+  // with it again.
+  ChildProcess* second = StartCoordinator("127.0.0.1:" + port, checkpoints, "restarted.log");
+  ASSERT_NE(second, nullptr);
+  auto code = second->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/restarted.log");
+  // It continued from a checkpoint (not from step 0), at a step the first coordinator had passed.
+  const std::string restarted = ReadFile(dir_ + "/restarted.log");
+  EXPECT_THAT(restarted, HasSubstr("continuing run tiny from its journal"));
+  EXPECT_THAT(restarted, HasSubstr("resuming at step "));
+  EXPECT_THAT(restarted, HasSubstr("from " + dir_ + "/checkpoints/step-00000"));
+  for (int i = 0; i < 4; ++i) {
+    auto worker_code = workers[i]->Wait(60);
+    ASSERT_TRUE(worker_code.ok()) << worker_code.status();
+    const std::string log = ReadFile(absl::StrCat(dir_, "/worker-", i, ".log"));
+    EXPECT_EQ(*worker_code, 0) << log;
+    // The same process (same pid) registered again.
+    EXPECT_THAT(log, HasSubstr("lost the coordinator")) << i;
+    EXPECT_THAT(log, HasSubstr("registering again after the coordinator was lost")) << i;
+    EXPECT_EQ(workers[i]->pid(), pids[i]);
+    EXPECT_THAT(log, HasSubstr("AdamW state from " + dir_ + "/checkpoints/step-00000")) << i;
+  }
+  const nlohmann::json after = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  EXPECT_EQ(after["state"], "done");
+  EXPECT_EQ(after["committed_steps"].get<int64_t>(), kSteps);
+  EXPECT_EQ(after["restarts"].get<int64_t>(), 1);
+  EXPECT_GE(after["generation"].get<int64_t>(), 2);
+  ExpectTheRunDirectoryOfHetparRun(run);
+}
+
+}  // namespace
+}  // namespace hetpar
