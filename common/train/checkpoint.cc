@@ -41,6 +41,11 @@ constexpr char kStepPrefix[] = "step-";
 constexpr size_t kChunkBytes = size_t{1} << 20;
 // The most one pread of an entry asks for (Linux moves at most about 2 GiB per call).
 constexpr int64_t kMaxReadBytes = int64_t{1} << 30;
+// The tensor data of each entry is checksummed in blocks of this many bytes (the last one
+// possibly short), recorded in the sidecar, so a load can read and check part of an entry.
+constexpr int64_t kBlockBytes = int64_t{1} << 20;
+// Read buffers place the first tensor byte they hold at this alignment.
+constexpr int64_t kAlign = 64;
 
 std::string JoinPath(const std::string& dir, const std::string& file) {
   return (fs::path(dir) / file).string();
@@ -125,11 +130,30 @@ bool IsPlainFileName(const std::string& name) {
   return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos;
 }
 
+// The CRC-32s of an entry's tensor data in fixed blocks (an entry range's "data_offset",
+// "block_bytes", "block_crc32" and "dtype" in the sidecar): block i covers data bytes
+// [i * block_bytes, min((i + 1) * block_bytes, data_bytes)), i.e. file bytes from data_offset on.
+struct DataBlocks {
+  int64_t data_offset = 0;  // the file offset of the entry's first data byte
+  int64_t data_bytes = 0;   // from data_offset to the entry's trailing CRC-32
+  int64_t block_bytes = 0;
+  std::vector<uint32_t> crc32;
+  // The entry's; Undefined when the sidecar does not say (the entry is then read whole).
+  at::ScalarType dtype = at::ScalarType::Undefined;
+};
+
+// Where one entry lies in its shard file, and its data's block checksums (absent in sidecars
+// written before they were recorded).
+struct SavedEntry {
+  nn::EntryRange range;
+  std::optional<DataBlocks> blocks;
+};
+
 // Where a parameter's entries lie in its shard file (the sidecar's "entries").
 struct SavedEntries {
-  nn::EntryRange value;
-  std::optional<nn::EntryRange> exp_avg;  // with "adam_step" only
-  std::optional<nn::EntryRange> exp_avg_sq;
+  SavedEntry value;
+  std::optional<SavedEntry> exp_avg;  // with "adam_step" only
+  std::optional<SavedEntry> exp_avg_sq;
 };
 
 // What a sidecar says of one parameter's slice.
@@ -175,8 +199,37 @@ bool DtypeOfCode(uint8_t code, at::ScalarType* dtype) {
   }
 }
 
-json EntryRangeJson(const nn::EntryRange& range) {
-  return json{{"offset", range.offset}, {"bytes", range.bytes}};
+// The dtype a sidecar names ("float64", as nn::DtypeName writes it); false for another name.
+bool DtypeOfName(const std::string& name, at::ScalarType* dtype) {
+  for (uint8_t code = 1; code <= 4; ++code) {
+    at::ScalarType candidate = at::kFloat;
+    if (DtypeOfCode(code, &candidate) && nn::DtypeName(candidate) == name) {
+      *dtype = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
+// An entry range of the sidecar: where the entry of `tensor` lies in the shard file (`range`),
+// where its tensor data starts, its dtype, and the CRC-32 of each kBlockBytes block of the data,
+// summed from the snapshot's bytes (the same bytes the file holds: the data is written as the
+// row-major contiguous tensor, just before the entry's trailing CRC-32).
+json EntryRangeJson(const nn::EntryRange& range, const at::Tensor& tensor) {
+  const at::Tensor contiguous = tensor.contiguous();
+  const int64_t data_bytes = contiguous.numel() * static_cast<int64_t>(contiguous.element_size());
+  const auto* data = static_cast<const Bytef*>(contiguous.data_ptr());
+  json crcs = json::array();
+  for (int64_t begin = 0; begin < data_bytes; begin += kBlockBytes) {
+    const size_t bytes = static_cast<size_t>(std::min(kBlockBytes, data_bytes - begin));
+    crcs.push_back(static_cast<uint32_t>(crc32_z(0, data + begin, bytes)));
+  }
+  return json{{"offset", range.offset},
+              {"bytes", range.bytes},
+              {"data_offset", range.offset + range.bytes - 4 - data_bytes},
+              {"dtype", nn::DtypeName(contiguous.scalar_type())},
+              {"block_bytes", kBlockBytes},
+              {"block_crc32", std::move(crcs)}};
 }
 
 json SidecarJson(const ShardId& id, int64_t step, const std::string& file, const FileSum& sum,
@@ -228,16 +281,47 @@ absl::StatusOr<Sidecar> ReadSidecar(const std::string& path) {
     sidecar.file = j.at("file").get<std::string>();
     sidecar.bytes = j.at("bytes").get<int64_t>();
     sidecar.crc32 = j.at("crc32").get<uint32_t>();
-    // An entry lies after the file's 32-byte header (common/nn/export.h) and within the file.
-    const auto range = [&](const json& r,
-                           const std::string& entry) -> absl::StatusOr<nn::EntryRange> {
-      const nn::EntryRange got{r.at("offset").get<int64_t>(), r.at("bytes").get<int64_t>()};
-      if (got.offset < kShardHeaderBytes || got.bytes <= 0 || got.offset > sidecar.bytes ||
-          got.bytes > sidecar.bytes - got.offset) {
-        return absl::DataLossError(absl::StrCat(
-            what, " ", path, " places entry '", entry, "' at bytes [", got.offset, ", ",
-            got.offset + got.bytes, ") of a ", sidecar.bytes, "-byte shard file"));
+    // An entry lies after the file's 32-byte header (common/nn/export.h) and within the file;
+    // its data, when the block checksums say where, inside it, before its trailing CRC-32.
+    const auto range = [&](const json& r, const std::string& entry) -> absl::StatusOr<SavedEntry> {
+      SavedEntry got;
+      got.range = {r.at("offset").get<int64_t>(), r.at("bytes").get<int64_t>()};
+      const nn::EntryRange& e = got.range;
+      if (e.offset < kShardHeaderBytes || e.bytes <= 0 || e.offset > sidecar.bytes ||
+          e.bytes > sidecar.bytes - e.offset) {
+        return absl::DataLossError(absl::StrCat(what, " ", path, " places entry '", entry,
+                                                "' at bytes [", e.offset, ", ", e.offset + e.bytes,
+                                                ") of a ", sidecar.bytes, "-byte shard file"));
       }
+      if (!r.contains("block_crc32")) return got;
+      DataBlocks blocks;
+      blocks.data_offset = r.at("data_offset").get<int64_t>();
+      blocks.block_bytes = r.at("block_bytes").get<int64_t>();
+      blocks.crc32 = r.at("block_crc32").get<std::vector<uint32_t>>();
+      const int64_t data_end = e.offset + e.bytes - 4;
+      blocks.data_bytes = data_end - blocks.data_offset;
+      const bool fits = blocks.block_bytes > 0 && blocks.data_offset >= e.offset &&
+                        blocks.data_offset <= data_end &&
+                        static_cast<int64_t>(blocks.crc32.size()) ==
+                            blocks.data_bytes / blocks.block_bytes +
+                                (blocks.data_bytes % blocks.block_bytes != 0 ? 1 : 0);
+      if (!fits) {
+        return absl::DataLossError(absl::StrCat(what, " ", path, " gives entry '", entry,
+                                                "' (bytes [", e.offset, ", ", e.offset + e.bytes,
+                                                ")) ", blocks.crc32.size(), " block CRC-32s of ",
+                                                blocks.block_bytes, " bytes for data from byte ",
+                                                blocks.data_offset, "; they do not fit the entry"));
+      }
+      if (r.contains("dtype")) {
+        const std::string name = r.at("dtype").get<std::string>();
+        at::ScalarType dtype = at::kFloat;
+        if (!DtypeOfName(name, &dtype)) {
+          return absl::DataLossError(
+              absl::StrCat(what, " ", path, " gives entry '", entry, "' dtype '", name, "'"));
+        }
+        blocks.dtype = dtype;
+      }
+      got.blocks = std::move(blocks);
       return got;
     };
     size_t with_entries = 0;
@@ -346,12 +430,15 @@ std::string SidecarPath(const std::string& dir, const ShardId& id) {
 }
 
 // Loading reads a shard by the byte ranges its sidecar records ("entries"): a rank reads only the
-// entries of the saved slices that overlap its own, each once and whole (entry granularity: a
-// saved slice of which the rank keeps a part is still read whole, so a tp1 -> tp2 resume reads
-// each saved tensor once per rank), and verifies each by its own CRC-32. The shard's whole-file
-// CRC-32 in the manifest is not recomputed (that would read every byte); only the file's size is
-// checked, by a stat. A shard whose sidecar has no "entries" (written before they were recorded)
-// is read whole the old way: summed against the manifest, then every entry parsed.
+// entries of the saved slices that overlap its own, each once. Of a saved slice it keeps only
+// part of (along the split dim), it reads just the blocks of the entry's data that hold that part
+// and verifies each by its block CRC-32 from the sidecar; an entry it needs all of, or all of
+// whose blocks it needs, it reads whole and verifies by the entry's own CRC-32. The shard's
+// whole-file CRC-32 in the manifest is not recomputed (that would read every byte); only the
+// file's size is checked, by a stat. A shard whose sidecar has no "entries" (written before they
+// were recorded) is read whole the old way: summed against the manifest, then every entry parsed;
+// an entry whose range has no block CRC-32s or dtype (written before they were recorded) is read
+// whole.
 
 // The shards of the module being loaded: each file as the manifest lists it, with its sidecar.
 struct ModuleShard {
@@ -383,10 +470,13 @@ absl::StatusOr<std::vector<ModuleShard>> ReadModuleSidecars(const std::string& d
 }
 
 // One saved slice of a parameter: the shard (an index into the ModuleShards) and what its
-// sidecar says of it; its tensors once read (undefined when not needed).
+// sidecar says of it; its tensors once read (undefined when not needed): the part of the saved
+// slice the rank needs along the split dim, which starts at index `begin` of the full tensor's
+// split dim (the saved slice's offset when it is needed whole).
 struct Piece {
   size_t shard = 0;
   const SavedParam* saved = nullptr;
+  int64_t begin = 0;
   at::Tensor value;
   at::Tensor exp_avg;
   at::Tensor exp_avg_sq;
@@ -495,14 +585,79 @@ absl::StatusOr<ParamLoad> PlanParam(const nn::NamedParameter& p, const std::vect
   return load;
 }
 
-// One entry a load reads from a shard: its name, where it lies (absent for a sidecar without
-// entry ranges), the shape its sidecar says it has, and where the tensor goes.
+// One entry a load reads from a shard: its name, where it lies (null for a sidecar without
+// entry ranges), the shape its sidecar says it has, the part of it the rank needs (indices
+// [need_begin, need_end) of dim need_dim; need_dim -1: all of it) and where that part goes.
 struct EntryRead {
   std::string name;
-  std::optional<nn::EntryRange> range;
+  const SavedEntry* entry = nullptr;
   std::vector<int64_t> shape;
+  int need_dim = -1;
+  int64_t need_begin = 0;
+  int64_t need_end = 0;
   at::Tensor* out = nullptr;
 };
+
+// The part of an entry's data a partial read takes: data bytes [begin, end) hold every needed
+// element (with the other rows of split_dim between them when dims before it have sizes above 1),
+// and lie in blocks [first_block, end_block).
+struct DataSpan {
+  at::ScalarType dtype = at::kFloat;
+  int64_t outer = 1;        // the product of the sizes of the dims before need_dim
+  int64_t inner_bytes = 0;  // the bytes of one index of need_dim (the dims after it)
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t first_block = 0;
+  int64_t end_block = 0;
+};
+
+// `a` * `b` into `out`; false on overflow or a negative factor.
+bool MulChecked(int64_t a, int64_t b, int64_t* out) {
+  return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, out);
+}
+
+// The span of `read`'s data to read block by block, or nullopt to read the entry whole: when
+// the rank needs all of it, when the sidecar has no block CRC-32s or dtype for it, when what the
+// sidecar says of it does not add up (the whole read then checks the entry's header against the
+// sidecar and says what is wrong), or when every block would be read anyway.
+std::optional<DataSpan> PartialSpan(const EntryRead& read) {
+  if (read.entry == nullptr || !read.entry->blocks.has_value() || read.need_dim < 0) {
+    return std::nullopt;
+  }
+  const DataBlocks& blocks = *read.entry->blocks;
+  const int dims = static_cast<int>(read.shape.size());
+  if (blocks.dtype == at::ScalarType::Undefined || read.need_dim >= dims) return std::nullopt;
+  DataSpan span;
+  span.dtype = blocks.dtype;
+  const int64_t length = read.shape[read.need_dim];
+  if (read.need_begin < 0 || read.need_begin >= read.need_end || read.need_end > length) {
+    return std::nullopt;
+  }
+  span.inner_bytes = static_cast<int64_t>(c10::elementSize(span.dtype));
+  for (int d = 0; d < dims; ++d) {
+    if (d == read.need_dim) continue;
+    int64_t* product = d < read.need_dim ? &span.outer : &span.inner_bytes;
+    if (!MulChecked(*product, read.shape[d], product)) return std::nullopt;
+  }
+  int64_t stride = 0;  // the bytes from one index of the outer dims to the next
+  int64_t data_bytes = 0;
+  if (!MulChecked(length, span.inner_bytes, &stride) ||
+      !MulChecked(span.outer, stride, &data_bytes) || data_bytes != blocks.data_bytes ||
+      data_bytes == 0) {
+    return std::nullopt;
+  }
+  // The data follows the entry's name-length field, name, dtype, dims and data-bytes fields.
+  const int64_t prefix = 4 + static_cast<int64_t>(read.name.size()) + 4 + 8 * dims + 8;
+  if (blocks.data_offset != read.entry->range.offset + prefix) return std::nullopt;
+  span.begin = read.need_begin * span.inner_bytes;
+  span.end = (span.outer - 1) * stride + read.need_end * span.inner_bytes;
+  span.first_block = span.begin / blocks.block_bytes;
+  span.end_block = span.end / blocks.block_bytes + (span.end % blocks.block_bytes != 0 ? 1 : 0);
+  if (span.first_block == 0 && span.end_block == static_cast<int64_t>(blocks.crc32.size())) {
+    return std::nullopt;
+  }
+  return span;
+}
 
 // Reads [offset, offset + bytes) of `fd` (the file `path`) into `dst`.
 absl::Status ReadRange(int fd, const std::string& path, int64_t offset, int64_t bytes, char* dst) {
@@ -530,7 +685,7 @@ absl::Status ReadRange(int fd, const std::string& path, int64_t offset, int64_t 
 // says: u32 name length, name, u8 dtype, u8 dims, u16 zero, i64 dims, u64 data bytes, data, u32
 // CRC-32 of every byte before it.
 absl::StatusOr<at::Tensor> ReadEntry(int fd, const std::string& path, const EntryRead& read) {
-  const nn::EntryRange& range = *read.range;
+  const nn::EntryRange& range = read.entry->range;
   const std::string what =
       absl::StrCat("checkpoint shard ", path, ": entry '", read.name, "' (bytes [", range.offset,
                    ", ", range.offset + range.bytes, "))");
@@ -544,7 +699,6 @@ absl::StatusOr<at::Tensor> ReadEntry(int fd, const std::string& path, const Entr
   }
   // A byte buffer over-allocated so that the tensor's bytes inside it are 64-byte aligned; the
   // tensor returned is a view of it.
-  constexpr int64_t kAlign = 64;
   HETPAR_ASSIGN_OR_RETURN(at::Tensor buffer, nn::RunTorchOr(absl::StrCat("allocating ", what), [&] {
                             return at::empty({range.bytes + kAlign}, at::kByte);
                           }));
@@ -609,6 +763,64 @@ absl::StatusOr<at::Tensor> ReadEntry(int fd, const std::string& path, const Entr
   });
 }
 
+// The part of the entry's tensor `read` needs, in its saved dtype, read as the blocks of `span`
+// with one pread (into a buffer that places the first needed byte 64-byte aligned), each block
+// verified by its CRC-32 from the sidecar. The entry's name, dtype and shape are the sidecar's:
+// its header fields are not read. With split_dim 0 (or only size-1 dims before it) the needed
+// bytes are contiguous and the tensor is a view of the buffer; else they are copied out of it.
+absl::StatusOr<at::Tensor> ReadEntryPart(int fd, const std::string& path, const EntryRead& read,
+                                         const DataSpan& span) {
+  const DataBlocks& blocks = *read.entry->blocks;
+  const int64_t read_begin = span.first_block * blocks.block_bytes;
+  const int64_t read_end = std::min(span.end_block * blocks.block_bytes, blocks.data_bytes);
+  const int64_t bytes = read_end - read_begin;
+  const std::string what = absl::StrCat("checkpoint shard ", path, ": entry '", read.name,
+                                        "' (bytes [", read.entry->range.offset, ", ",
+                                        read.entry->range.offset + read.entry->range.bytes, "))");
+  HETPAR_ASSIGN_OR_RETURN(at::Tensor buffer, nn::RunTorchOr(absl::StrCat("allocating ", what), [&] {
+                            return at::empty({bytes + kAlign}, at::kByte);
+                          }));
+  char* const base = static_cast<char*>(buffer.data_ptr());
+  const int64_t first = span.begin - read_begin;  // the first needed byte, in what is read
+  const int64_t pad =
+      (kAlign - static_cast<int64_t>((reinterpret_cast<uintptr_t>(base) + first) % kAlign)) %
+      kAlign;
+  char* const data = base + pad;
+  HETPAR_RETURN_IF_ERROR(ReadRange(fd, path, blocks.data_offset + read_begin, bytes, data));
+  for (int64_t block = span.first_block; block < span.end_block; ++block) {
+    const int64_t begin = block * blocks.block_bytes;
+    const int64_t end = std::min(begin + blocks.block_bytes, blocks.data_bytes);
+    const uint32_t computed = static_cast<uint32_t>(
+        crc32_z(0, reinterpret_cast<const Bytef*>(data + (begin - read_begin)),
+                static_cast<size_t>(end - begin)));
+    const uint32_t stored = blocks.crc32[static_cast<size_t>(block)];
+    if (computed != stored) {
+      return absl::DataLossError(absl::StrCat(
+          what, ": block ", block, " of its data (file bytes [", blocks.data_offset + begin, ", ",
+          blocks.data_offset + end, ")) fails its CRC-32: computed ", computed, ", stored ", stored,
+          "; the file is corrupt"));
+    }
+  }
+  std::vector<int64_t> shape = read.shape;
+  const int64_t needed = read.need_end - read.need_begin;
+  shape[read.need_dim] = needed;
+  return nn::RunTorchOr(absl::StrCat("reading ", what), [&] {
+    const int64_t stride = read.shape[read.need_dim] * span.inner_bytes;
+    at::Tensor rows = buffer.as_strided({span.outer, needed, span.inner_bytes},
+                                        {stride, span.inner_bytes, 1}, pad + first);
+    // Size-1 dims aside, a view is contiguous only when outer is 1.
+    return rows.contiguous().view(span.dtype).view(shape);
+  });
+}
+
+// The part of a whole entry's tensor `t` that `read` needs (a view).
+absl::StatusOr<at::Tensor> NeededPart(const at::Tensor& t, const EntryRead& read) {
+  if (read.need_dim < 0) return t;
+  return nn::RunTorchOr(absl::StrCat("slicing entry ", read.name), [&] {
+    return t.narrow(read.need_dim, read.need_begin, read.need_end - read.need_begin);
+  });
+}
+
 // The whole of a shard whose sidecar does not say where its entries lie: summed against the
 // manifest's size and CRC-32, then every entry parsed (each with its own CRC-32).
 absl::StatusOr<std::map<std::string, at::Tensor>> ReadWholeShard(const ModuleShard& shard) {
@@ -631,9 +843,11 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadWholeShard(const ModuleSha
   return by_name;
 }
 
-// Reads `reads`, entries of `shard`, into their tensors. With entry ranges, each entry is read
-// once, with one pread of its byte range, in file order; the file's size must be the
-// manifest's. Without them (an older sidecar), the shard is read whole.
+// Reads the parts of `reads`, entries of `shard`, that they need into their tensors. With entry
+// ranges, in file order, each entry once: only the blocks of its data that hold the part needed
+// when that is less than all of them (PartialSpan), else the whole entry, with one pread each;
+// the file's size must be the manifest's. Without them (an older sidecar), the shard is read
+// whole.
 absl::Status ReadShardEntries(const ModuleShard& shard, std::vector<EntryRead>& reads) {
   const auto check_shape = [&](const EntryRead& read, const at::Tensor& t) {
     if (t.sizes().vec() == read.shape) return absl::OkStatus();
@@ -650,7 +864,7 @@ absl::Status ReadShardEntries(const ModuleShard& shard, std::vector<EntryRead>& 
                                                 read.name, "'; its sidecar lists it"));
       }
       HETPAR_RETURN_IF_ERROR(check_shape(read, it->second));
-      *read.out = it->second;
+      HETPAR_ASSIGN_OR_RETURN(*read.out, NeededPart(it->second, read));
     }
     return absl::OkStatus();
   }
@@ -670,17 +884,30 @@ absl::Status ReadShardEntries(const ModuleShard& shard, std::vector<EntryRead>& 
         "checkpoint shard ", shard.path, " has ", static_cast<int64_t>(st.st_size),
         " bytes, the manifest says ", shard.bytes, "; the file is truncated or corrupt"));
   }
+  for (const EntryRead& read : reads) {
+    if (read.entry == nullptr) {
+      return absl::DataLossError(absl::StrCat("checkpoint shard ", shard.path,
+                                              ": its sidecar does not say where entry '", read.name,
+                                              "' lies"));
+    }
+  }
   std::sort(reads.begin(), reads.end(), [](const EntryRead& a, const EntryRead& b) {
-    return a.range->offset < b.range->offset;
+    return a.entry->range.offset < b.entry->range.offset;
   });
   for (EntryRead& read : reads) {
-    if (read.range->offset + read.range->bytes > shard.bytes) {
-      return absl::DataLossError(absl::StrCat(
-          "checkpoint shard ", shard.path, ": its sidecar places entry '", read.name,
-          "' at bytes [", read.range->offset, ", ", read.range->offset + read.range->bytes,
-          "), past the end of the file (", shard.bytes, " bytes)"));
+    const nn::EntryRange& range = read.entry->range;
+    if (range.offset + range.bytes > shard.bytes) {
+      return absl::DataLossError(
+          absl::StrCat("checkpoint shard ", shard.path, ": its sidecar places entry '", read.name,
+                       "' at bytes [", range.offset, ", ", range.offset + range.bytes,
+                       "), past the end of the file (", shard.bytes, " bytes)"));
     }
-    HETPAR_ASSIGN_OR_RETURN(*read.out, ReadEntry(fd, shard.path, read));
+    if (const std::optional<DataSpan> span = PartialSpan(read); span.has_value()) {
+      HETPAR_ASSIGN_OR_RETURN(*read.out, ReadEntryPart(fd, shard.path, read, *span));
+    } else {
+      HETPAR_ASSIGN_OR_RETURN(at::Tensor whole, ReadEntry(fd, shard.path, read));
+      HETPAR_ASSIGN_OR_RETURN(*read.out, NeededPart(whole, read));
+    }
   }
   return absl::OkStatus();
 }
@@ -699,9 +926,8 @@ at::Tensor LocalPart(const ParamLoad& load, at::Tensor Piece::*member) {
   }
   at::Tensor part;
   if (load.split_dim >= 0 && p.slice.split_dim == load.split_dim) {
-    // `joined` starts at the first piece's offset of split_dim.
-    part = joined.narrow(load.split_dim, p.slice.offset - load.used.front().saved->offset,
-                         p.slice.length);
+    // `joined` starts at the first piece's `begin` of split_dim.
+    part = joined.narrow(load.split_dim, p.slice.offset - load.used.front().begin, p.slice.length);
   } else {
     // `joined` is the full tensor.
     part = p.slice.split_dim < 0 ? joined
@@ -789,9 +1015,10 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
   std::vector<nn::EntryRange> ranges;
   HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(snapshot.entries, shard_path, &written, &ranges));
   const FileSum sum{static_cast<int64_t>(written.bytes), written.crc32};
-  // Where each parameter's entries lie, so that a load reads just the ones it needs.
-  std::map<std::string, nn::EntryRange> where;
-  for (size_t i = 0; i < ranges.size(); ++i) where[snapshot.entries[i].name] = ranges[i];
+  // Where each parameter's entries lie, so that a load reads just the ones it needs, and the
+  // block checksums of their data, so that it can read just the part of an entry it needs.
+  std::map<std::string, size_t> where;
+  for (size_t i = 0; i < ranges.size(); ++i) where[snapshot.entries[i].name] = i;
   json params = snapshot.params;
   for (json& p : params) {
     const auto range = [&](const std::string& suffix) -> absl::StatusOr<json> {
@@ -805,7 +1032,11 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
             absl::StrCat("checkpoint shard ", shard_path, ": the snapshot's parameter ", p.dump(),
                          " has no entry", suffix.empty() ? "" : " ", suffix));
       }
-      return EntryRangeJson(it->second);
+      const nn::FullParameter& entry = snapshot.entries[it->second];
+      return nn::RunTorchOr(absl::StrCat("checksumming checkpoint entry ", entry.name),
+                            [&]() -> absl::StatusOr<json> {
+                              return EntryRangeJson(ranges[it->second], entry.tensor);
+                            });
     };
     json entries;
     HETPAR_ASSIGN_OR_RETURN(entries["value"], range(""));
@@ -900,7 +1131,11 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
   std::map<std::string, std::vector<Piece>> saved;
   for (size_t i = 0; i < shards.size(); ++i) {
     for (const SavedParam& param : shards[i].sidecar.params) {
-      saved[param.name].push_back(Piece{i, &param, {}, {}, {}});
+      Piece piece;
+      piece.shard = i;
+      piece.saved = &param;
+      piece.begin = param.offset;
+      saved[param.name].push_back(std::move(piece));
     }
   }
   std::vector<ParamLoad> loads;
@@ -914,25 +1149,41 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
     loads.push_back(std::move(load));
   }
 
-  // Then the entries those slices lie in, each read once, shard by shard; nothing else of the
-  // shard files is read.
+  // Then the entries those slices lie in, each read once, shard by shard, and of each only the
+  // blocks holding the part of split_dim this rank keeps when that is less than the whole;
+  // nothing else of the shard files is read.
   std::vector<std::vector<EntryRead>> reads(shards.size());
   for (ParamLoad& load : loads) {
+    const nn::NamedParameter& p = *load.param;
     for (Piece& piece : load.used) {
       const SavedParam& s = *piece.saved;
       std::vector<int64_t> shape = s.full_shape;
       if (s.split_dim >= 0) shape[s.split_dim] = s.length;
-      const auto read = [&](const std::string& name, const std::optional<nn::EntryRange>& range,
-                            at::Tensor* out) {
-        reads[piece.shard].push_back(EntryRead{name, range, shape, out});
+      // The part of the saved slice's split_dim this rank keeps, when it is less than all of it.
+      int need_dim = -1;
+      int64_t need_begin = 0;
+      int64_t need_end = 0;
+      if (load.split_dim >= 0 && p.slice.split_dim == load.split_dim) {
+        need_begin = std::clamp<int64_t>(p.slice.offset - s.offset, 0, s.length);
+        need_end = std::clamp<int64_t>(p.slice.offset + p.slice.length - s.offset, 0, s.length);
+        if (need_begin < need_end && (need_begin > 0 || need_end < s.length)) {
+          need_dim = load.split_dim;
+          piece.begin = s.offset + need_begin;
+        }
+      }
+      // `entry` points into the sidecar (null without entry ranges), which outlives the reads.
+      const auto read = [&](const std::string& name, const SavedEntry* entry, at::Tensor* out) {
+        reads[piece.shard].push_back(
+            EntryRead{name, entry, shape, need_dim, need_begin, need_end, out});
       };
-      read(s.name, s.entries.has_value() ? std::optional(s.entries->value) : std::nullopt,
-           &piece.value);
+      const auto moment = [&](const std::optional<SavedEntry> SavedEntries::*member) {
+        return s.entries.has_value() && (*s.entries.*member).has_value() ? &*(*s.entries.*member)
+                                                                         : nullptr;
+      };
+      read(s.name, s.entries.has_value() ? &s.entries->value : nullptr, &piece.value);
       if (load.with_state) {
-        read(s.name + "@exp_avg", s.entries.has_value() ? s.entries->exp_avg : std::nullopt,
-             &piece.exp_avg);
-        read(s.name + "@exp_avg_sq", s.entries.has_value() ? s.entries->exp_avg_sq : std::nullopt,
-             &piece.exp_avg_sq);
+        read(s.name + "@exp_avg", moment(&SavedEntries::exp_avg), &piece.exp_avg);
+        read(s.name + "@exp_avg_sq", moment(&SavedEntries::exp_avg_sq), &piece.exp_avg_sq);
       }
     }
   }

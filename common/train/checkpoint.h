@@ -7,7 +7,8 @@
 //   llm-pp0-tp0.json    name, and their AdamW moments under "<name>@exp_avg" and
 //   llm-pp1-tp0.hpar    "<name>@exp_avg_sq" (the .hpar format of common/nn/export.h); and its
 //   ...                 sidecar, saying what the shard holds, how each slice lies in the
-//   encoder-pp0-tp0.*   full tensor and where each entry lies in the shard file
+//   encoder-pp0-tp0.*   full tensor, where each entry lies in the shard file and the CRC-32s
+//                       of its tensor data in 1 MiB blocks
 //   manifest.json       written last, once every shard's sidecar is there: the checkpoint is
 //                       complete when, and only when, it exists
 //
@@ -65,11 +66,16 @@ std::string CheckpointDirName(int64_t step);
 // "module", "step", "tp", "tp_size", "pp", "pp_size", "file": "<name>.hpar", "bytes", "crc32"
 // (zlib CRC-32 of the whole .hpar file), "params": [{"name", "full_shape", "split_dim",
 // "offset", "length", "adam_step" (absent without state), "entries": {"value", "exp_avg",
-// "exp_avg_sq" (the last two with "adam_step" only): {"offset", "bytes"}}}]}. "entries" says
-// where the parameter's entries lie in the .hpar file: each whole entry, from its name-length
-// field through its own trailing CRC-32, is bytes [offset, offset + bytes) (sidecars written
-// before it was added lack it; LoadModuleState still reads them). A stale sidecar of the same
-// shard is removed first. InvalidArgument for an id out of range or not matching the ParameterSet's
+// "exp_avg_sq" (the last two with "adam_step" only): {"offset", "bytes", "data_offset", "dtype",
+// "block_bytes", "block_crc32"}}}]}. "entries" says where the parameter's entries lie in the
+// .hpar file: each whole entry, from its name-length field through its own trailing CRC-32, is
+// bytes [offset, offset + bytes); its tensor data (row-major) starts at file byte "data_offset"
+// and ends at the entry's CRC-32, its dtype is "dtype" ("float64", as nn::DtypeName names it),
+// and "block_crc32" holds the zlib CRC-32 of each "block_bytes" (1 MiB) block of the data in
+// order, the last block possibly short (none for empty data), summed from the snapshot's tensors
+// (the file is not read back). Sidecars written before "entries", or before the block fields,
+// lack them; LoadModuleState still reads them. A stale sidecar of the same shard is removed
+// first. InvalidArgument for an id out of range or not matching the ParameterSet's
 // TP rank and size; I/O errors name the file.
 absl::Status WriteShard(const std::string& dir, const ShardId& id, int64_t step,
                         const nn::ParameterSet& params, const ModuleOptimizer* optimizer);
@@ -118,22 +124,30 @@ absl::StatusOr<CheckpointInfo> ReadCheckpointInfo(const std::string& dir);
 // What is read: from the sidecars alone (no tensor data), each parameter's saved slices that
 // overlap this rank's `slice` are chosen: of a replicated parameter the first shard's copy; of a
 // split one the saved TP slices whose range of split_dim overlaps the rank's (all of them when the
-// rank keeps the whole tensor). Only those entries are read, each once, with one read of its byte
-// range, its own CRC-32 (the .hpar format's per-entry checksum) verified as it is parsed; the
-// moments only when they are set (optimizer != nullptr, a trainable parameter with saved state).
-// A pipeline stage so reads only its own parameters' entries, and a TP rank only the saved slices
-// overlapping its own. The granularity is the entry: a saved slice is read whole even when the
-// rank keeps part of it (a tp1 -> tp2 resume reads each whole saved tensor once per rank). The
-// chosen slices are concatenated along split_dim in offset order, narrowed to this rank's slice
-// and converted to the parameter's dtype.
+// rank keeps the whole tensor). Only those entries are read, each once, and the moments only when
+// they are set (optimizer != nullptr, a trainable parameter with saved state). Of a saved slice
+// the rank keeps only part of along split_dim (a tp1 -> tp2 resume: half of each saved tensor),
+// only the 1 MiB blocks of the entry's data that hold that part are read, with one read, each
+// verified by its CRC-32 from the sidecar; the entry's name, dtype and shape then come from the
+// sidecar, not the file. The part is contiguous in the data when split_dim is 0 (or the dims
+// before it have size 1); otherwise the blocks from its first to its last element are read, the
+// other ranks' elements between them included. An entry the rank needs all of, or all of whose
+// blocks it would read, or whose sidecar lacks the block CRC-32s or the dtype (older sidecars), is
+// read whole with one read of its byte range, its own CRC-32 (the .hpar format's per-entry
+// checksum) verified as it is parsed. A pipeline stage so reads only its own parameters' entries,
+// and a TP rank only the blocks of the saved slices that hold its own. The parts read are
+// concatenated along split_dim in offset order, narrowed to this rank's slice and converted to
+// the parameter's dtype.
 //
 // Errors: an entry that fails its CRC-32 is DataLoss naming the shard file, the entry, the
-// computed and the stored CRC-32; a shard file read from that is missing, or whose size is not
-// the manifest's "bytes" (a stat, no read), is DataLoss naming the file; so is an entry whose
-// name, dtype or shape is not what the sidecar says. The manifest's whole-file "crc32" is still
-// written (other tools use it) but not recomputed on load: the entries' own CRC-32s cover every
-// byte read, and the bytes not read cannot harm the load. (A shard whose sidecar predates
-// "entries" is read whole instead, its size and whole-file CRC-32 checked against the manifest.)
+// computed and the stored CRC-32, and so is a block that fails its CRC-32 (naming also the block
+// index and its file byte range); a shard file read from that is missing, or whose size is not
+// the manifest's "bytes" (a stat, no read), is DataLoss naming the file; so is an entry read whole
+// whose name, dtype or shape is not what the sidecar says, and a sidecar whose block CRC-32s do
+// not fit their entry. The manifest's whole-file "crc32" is still written (other tools use it)
+// but not recomputed on load: the entries' and blocks' CRC-32s cover every byte read, and the
+// bytes not read cannot harm the load. (A shard whose sidecar predates "entries" is read whole
+// instead, its size and whole-file CRC-32 checked against the manifest.)
 // A parameter of `params` that no shard holds is NotFound naming it and the directory;
 // InvalidArgument for one whose full shape differs from the checkpoint's. A trainable parameter
 // with saved state gets it (SetState); one without saved state (e.g. it was frozen, or the run

@@ -111,7 +111,7 @@ absl::Status TrainStep(Trainee& t, int step) {
   return t.opt->Step(step, 1.0);
 }
 
-// Exact equality of every element, with the first mismatch reported.
+// Exact equality of every element (bit for bit), with the first mismatch reported.
 void ExpectIdentical(const at::Tensor& actual, const at::Tensor& expected,
                      const std::string& what) {
   ASSERT_TRUE(actual.defined()) << what;
@@ -119,6 +119,7 @@ void ExpectIdentical(const at::Tensor& actual, const at::Tensor& expected,
   ASSERT_EQ(actual.scalar_type(), expected.scalar_type()) << what;
   const at::Tensor a = actual.detach().contiguous().view(-1);
   const at::Tensor e = expected.detach().contiguous().view(-1);
+  if (std::memcmp(a.data_ptr(), e.data_ptr(), a.numel() * a.element_size()) == 0) return;
   for (int64_t i = 0; i < a.numel(); ++i) {
     ASSERT_EQ(a[i].item<double>(), e[i].item<double>()) << what << ": mismatch at index " << i;
   }
@@ -250,6 +251,29 @@ EntryCrcs CrcsOf(const std::string& path, const EntryBytes& e) {
   crcs.computed = static_cast<uint32_t>(crc32_z(
       0, reinterpret_cast<const Bytef*>(file.data() + e.offset), static_cast<size_t>(e.bytes - 4)));
   return crcs;
+}
+
+// The sidecar's block size for the CRC-32s of entry data.
+constexpr int64_t kBlockBytes = int64_t{1} << 20;
+
+// The CRC-32 of each kBlockBytes block of an entry's data as the file holds it now.
+std::vector<uint32_t> BlockCrcsOf(const std::string& path, const EntryBytes& e) {
+  const std::string file = ReadBytes(path);
+  std::vector<uint32_t> crcs;
+  for (int64_t begin = 0; begin < e.data_bytes; begin += kBlockBytes) {
+    const int64_t bytes = std::min(kBlockBytes, e.data_bytes - begin);
+    crcs.push_back(static_cast<uint32_t>(
+        crc32_z(0, reinterpret_cast<const Bytef*>(file.data() + e.data_offset + begin),
+                static_cast<size_t>(bytes))));
+  }
+  return crcs;
+}
+
+// Parameters whose entries span several blocks: float64 [512, 1024] split along dim 0 (4 MiB,
+// 512 rows of 8 KiB: each TP 2 half is two whole blocks) and float64 [2, 262144] split along
+// dim 1 (4 MiB, two rows of 2 MiB: a TP 2 rank needs half of each row, 1 MiB apart).
+std::vector<Spec> BigSpecs() {
+  return {{"big.rows", {512, 1024}, 0}, {"big.cols", {2, 262144}, 1}};
 }
 
 class CheckpointTest : public ::testing::Test {
@@ -469,8 +493,18 @@ TEST_F(CheckpointTest, CompleteOnlyOnceEverySidecarIsWritten) {
     }
     EXPECT_EQ(where.size(), kinds.size()) << where.dump();
     for (const auto& [kind, suffix] : kinds) {
+      SCOPED_TRACE(kind);
       const EntryBytes& e = layout.at(s.name + suffix);
-      EXPECT_EQ(where[kind], json({{"offset", e.offset}, {"bytes", e.bytes}})) << kind;
+      const json& range = where[kind];
+      EXPECT_EQ(range["offset"], e.offset);
+      EXPECT_EQ(range["bytes"], e.bytes);
+      // And the CRC-32 of its data (small: one block, shorter than block_bytes).
+      EXPECT_EQ(range["data_offset"], e.data_offset);
+      EXPECT_EQ(range["dtype"], "float64");
+      EXPECT_EQ(range["block_bytes"], kBlockBytes);
+      EXPECT_EQ(range["block_crc32"].get<std::vector<uint32_t>>(),
+                BlockCrcsOf(dir + "/llm-pp0-tp1.hpar", e));
+      EXPECT_EQ(range.size(), 6u) << range.dump();
     }
   }
   auto entries = nn::ReadFullParameters(dir + "/llm-pp0-tp1.hpar");
@@ -680,6 +714,193 @@ TEST_F(CheckpointTest, SidecarWithoutEntriesReadsTheWholeShard) {
   EXPECT_THAT(status.message(), HasSubstr(shard));
   EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(good_crc)));
   EXPECT_THAT(status.message(), HasSubstr(absl::StrCat(bad_crc)));
+}
+
+// Saves a tp 1 checkpoint of BigSpecs() after one step into `dir` and returns its full state.
+FullState SaveBig(const std::string& dir) {
+  Trainee saved = MakeTrainee(BigSpecs(), 0, 1, 5);
+  EXPECT_TRUE(TrainStep(saved, 0).ok());
+  const ShardId id{"llm", 0, 1, 0, 1};
+  absl::Status written = WriteShard(dir, id, 1, *saved.set, saved.opt.get());
+  EXPECT_TRUE(written.ok()) << written;
+  absl::StatusOr<bool> complete = CompleteIfAllWritten(dir, {id}, 1, json::object());
+  EXPECT_TRUE(complete.ok() && *complete) << complete.status();
+  std::vector<Trainee> group;
+  group.push_back(std::move(saved));
+  return Join(group);
+}
+
+TEST_F(CheckpointTest, ARankReadsOnlyTheBlocksOfTheSavedSliceItKeeps) {
+  const FullState full = SaveBig(dir_);
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const std::map<std::string, EntryBytes> layout = EntriesOf(shard);
+  // The sidecar holds the CRC-32s of the four 1 MiB blocks of each entry's 4 MiB of data.
+  const json sidecar = ReadJson(dir_ + "/llm-pp0-tp0.json");
+  ASSERT_EQ(sidecar["params"].size(), 2u);
+  for (const json& p : sidecar["params"]) {
+    for (const auto& [kind, suffix] : std::vector<std::pair<std::string, std::string>>{
+             {"value", ""}, {"exp_avg", "@exp_avg"}, {"exp_avg_sq", "@exp_avg_sq"}}) {
+      const std::string name = p["name"].get<std::string>() + suffix;
+      SCOPED_TRACE(name);
+      const EntryBytes& e = layout.at(name);
+      ASSERT_EQ(e.data_bytes, 4 * kBlockBytes);
+      const json& range = p["entries"][kind];
+      EXPECT_EQ(range["offset"], e.offset);
+      EXPECT_EQ(range["bytes"], e.bytes);
+      EXPECT_EQ(range["data_offset"], e.data_offset);
+      EXPECT_EQ(range["dtype"], "float64");
+      EXPECT_EQ(range["block_bytes"], kBlockBytes);
+      const std::vector<uint32_t> crcs = BlockCrcsOf(shard, e);
+      ASSERT_EQ(crcs.size(), 4u);
+      EXPECT_EQ(range["block_crc32"].get<std::vector<uint32_t>>(), crcs);
+    }
+  }
+  // Every rank of TP 2 and TP 4 gets its part of the values and moments, bit for bit.
+  for (int tp : {2, 4}) {
+    for (int rank = 0; rank < tp; ++rank) {
+      Trainee t = MakeTrainee(BigSpecs(), rank, tp, 6);
+      absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectHolds(t, full, absl::StrCat("tp=", tp, " rank ", rank));
+    }
+  }
+
+  // A flipped byte in the last block of big.rows' value, which the whole entry's CRC-32 would
+  // catch: TP 2 rank 0 (rows 0..255: blocks 0 and 1) does not read it and loads; rank 1 (rows
+  // 256..511: blocks 2 and 3) is refused.
+  const EntryBytes rows = layout.at("big.rows");
+  const uint32_t stored = BlockCrcsOf(shard, rows)[3];
+  FlipByte(shard, rows.data_offset + 3 * kBlockBytes + 12345);
+  const uint32_t computed = BlockCrcsOf(shard, rows)[3];
+  ASSERT_NE(computed, stored);
+  const EntryCrcs whole = CrcsOf(shard, rows);
+  ASSERT_NE(whole.computed, whole.stored);
+  Trainee rank0 = MakeTrainee(BigSpecs(), 0, 2, 6);
+  absl::Status status = LoadModuleState(dir_, "llm", *rank0.set, rank0.opt.get());
+  ASSERT_TRUE(status.ok()) << status;
+  ExpectHolds(rank0, full, "tp=2 rank 0 beside a corrupt block it does not need");
+
+  Trainee rank1 = MakeTrainee(BigSpecs(), 1, 2, 6);
+  const at::Tensor rows_before = rank1.set->Find("big.rows")->tensor.detach().clone();
+  const at::Tensor cols_before = rank1.set->Find("big.cols")->tensor.detach().clone();
+  status = LoadModuleState(dir_, "llm", *rank1.set, rank1.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr("entry 'big.rows'"));
+  EXPECT_THAT(status.message(), HasSubstr("block 3"));
+  EXPECT_THAT(status.message(),
+              HasSubstr(absl::StrCat("[", rows.data_offset + 3 * kBlockBytes, ", ",
+                                     rows.data_offset + 4 * kBlockBytes, ")")));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("computed ", computed)));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("stored ", stored)));
+  EXPECT_THAT(status.message(), HasSubstr("the file is corrupt"));
+  ExpectIdentical(rank1.set->Find("big.rows")->tensor, rows_before, "big.rows after a failed load");
+  ExpectIdentical(rank1.set->Find("big.cols")->tensor, cols_before, "big.cols after a failed load");
+  for (const Spec& s : BigSpecs()) EXPECT_FALSE(rank1.opt->StateOf(s.name).has_value()) << s.name;
+}
+
+TEST_F(CheckpointTest, ACorruptBlockARankNeedsIsDataLoss) {
+  const FullState full = SaveBig(dir_);
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const std::map<std::string, EntryBytes> layout = EntriesOf(shard);
+  // big.cols split along dim 1: TP 2 rank 0 needs data bytes [0, 1 MiB) and [2, 3 MiB), so
+  // reads blocks 0 to 2 (the gap too); TP 4 rank 0 needs [0, 0.5 MiB) and [2, 2.5 MiB). A
+  // flipped byte in block 3 touches neither.
+  const EntryBytes cols = layout.at("big.cols");
+  FlipByte(shard, cols.data_offset + 3 * kBlockBytes + 7);
+  for (int tp : {2, 4}) {
+    Trainee t = MakeTrainee(BigSpecs(), 0, tp, 6);
+    absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+    ASSERT_TRUE(status.ok()) << status;
+    ExpectHolds(t, full, absl::StrCat("tp=", tp, " rank 0 beside a corrupt block of big.cols"));
+  }
+
+  // A flipped byte in block 1 of big.rows' first moment, which TP 2 rank 0 needs.
+  const EntryBytes exp_avg = layout.at("big.rows@exp_avg");
+  const uint32_t stored = BlockCrcsOf(shard, exp_avg)[1];
+  FlipByte(shard, exp_avg.data_offset + kBlockBytes + 100);
+  const uint32_t computed = BlockCrcsOf(shard, exp_avg)[1];
+  ASSERT_NE(computed, stored);
+  Trainee t = MakeTrainee(BigSpecs(), 0, 2, 6);
+  const at::Tensor before = t.set->Find("big.rows")->tensor.detach().clone();
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(shard));
+  EXPECT_THAT(status.message(), HasSubstr("entry 'big.rows@exp_avg'"));
+  EXPECT_THAT(status.message(), HasSubstr("block 1"));
+  EXPECT_THAT(status.message(),
+              HasSubstr(absl::StrCat("[", exp_avg.data_offset + kBlockBytes, ", ",
+                                     exp_avg.data_offset + 2 * kBlockBytes, ")")));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("computed ", computed)));
+  EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("stored ", stored)));
+  ExpectIdentical(t.set->Find("big.rows")->tensor, before, "big.rows after a failed load");
+  for (const Spec& s : BigSpecs()) EXPECT_FALSE(t.opt->StateOf(s.name).has_value()) << s.name;
+  // Without an optimizer the moments are not read: the values load.
+  status = LoadModuleState(dir_, "llm", *t.set, nullptr);
+  ASSERT_TRUE(status.ok()) << status;
+  for (const Spec& s : BigSpecs()) {
+    const nn::NamedParameter& p = *t.set->Find(s.name);
+    ExpectIdentical(p.tensor, SliceOf(full.value.at(s.name), p), s.name);
+  }
+}
+
+TEST_F(CheckpointTest, SidecarWithoutBlockChecksumsReadsWholeEntries) {
+  const FullState full = SaveBig(dir_);
+  const std::string shard = dir_ + "/llm-pp0-tp0.hpar";
+  const std::string sidecar_path = dir_ + "/llm-pp0-tp0.json";
+  const json sidecar = ReadJson(sidecar_path);
+  const EntryBytes rows = EntriesOf(shard).at("big.rows");
+  const int64_t flipped = rows.data_offset + 3 * kBlockBytes + 12345;
+  FlipByte(shard, flipped);  // in a block TP 2 rank 0 does not need
+  const EntryCrcs crcs = CrcsOf(shard, rows);
+  ASSERT_NE(crcs.computed, crcs.stored);
+  // The sidecar with `fields` taken out of every entry range.
+  const auto write_without = [&](const std::vector<std::string>& fields) {
+    json old = sidecar;
+    for (json& p : old["params"]) {
+      for (auto& [kind, range] : p["entries"].items()) {
+        for (const std::string& field : fields) ASSERT_EQ(range.erase(field), 1u) << kind;
+      }
+    }
+    std::ofstream(sidecar_path) << old.dump(2);
+  };
+  // Without the block CRC-32s (as written before they were recorded), or without the dtype
+  // that a partial read takes from the sidecar, TP 2 rank 0 reads big.rows whole, so its
+  // entry's CRC-32 finds the flipped byte.
+  for (const std::vector<std::string>& fields :
+       {std::vector<std::string>{"dtype"},
+        std::vector<std::string>{"data_offset", "dtype", "block_bytes", "block_crc32"}}) {
+    SCOPED_TRACE(absl::StrCat("without ", fields.size(), " fields"));
+    write_without(fields);
+    Trainee t = MakeTrainee(BigSpecs(), 0, 2, 6);
+    const at::Tensor before = t.set->Find("big.rows")->tensor.detach().clone();
+    absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+    EXPECT_THAT(status.message(), HasSubstr(shard));
+    EXPECT_THAT(status.message(), HasSubstr("entry 'big.rows'"));
+    EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("computed ", crcs.computed)));
+    EXPECT_THAT(status.message(), HasSubstr(absl::StrCat("stored ", crcs.stored)));
+    ExpectIdentical(t.set->Find("big.rows")->tensor, before, "big.rows after a failed load");
+  }
+  // Undamaged, the old sidecars load at TP 2 and 4.
+  FlipByte(shard, flipped);  // back
+  for (int tp : {2, 4}) {
+    for (int rank = 0; rank < tp; ++rank) {
+      Trainee t = MakeTrainee(BigSpecs(), rank, tp, 6);
+      absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+      ASSERT_TRUE(status.ok()) << status;
+      ExpectHolds(t, full, absl::StrCat("old sidecar, tp=", tp, " rank ", rank));
+    }
+  }
+  // Block CRC-32s that do not fit their entry make a corrupt sidecar.
+  json damaged = sidecar;
+  damaged["params"][0]["entries"]["value"]["block_crc32"].erase(0);
+  std::ofstream(sidecar_path) << damaged.dump(2);
+  Trainee t = MakeTrainee(BigSpecs(), 0, 2, 6);
+  absl::Status status = LoadModuleState(dir_, "llm", *t.set, t.opt.get());
+  EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
+  EXPECT_THAT(status.message(), HasSubstr(sidecar_path));
+  EXPECT_THAT(status.message(), HasSubstr("3 block CRC-32s"));
 }
 
 TEST_F(CheckpointTest, MissingOrMalformedManifest) {
