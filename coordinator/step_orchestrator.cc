@@ -27,6 +27,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
                              const std::vector<const WorkerRecord*>& participants, absl::Time now,
                              Outbox* out) {
   in_flight_ = true;
+  ++attempt_;
   checkpoint_at_commit_ = false;
   step_ = step;
   generation_ = generation;
@@ -66,7 +67,10 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
     step_plan->set_global_loss_tokens(plan.global_loss_tokens);
     step_plan->set_grad_norm_contributors(static_cast<int64_t>(expected_contributors_.size()));
     auto it = plan.worker_plans.find(worker->worker_id);
-    if (it != plan.worker_plans.end()) *step_plan->mutable_rank_plan() = std::move(it->second);
+    if (it != plan.worker_plans.end()) {
+      *step_plan->mutable_rank_plan() = std::move(it->second);
+      step_plan->mutable_rank_plan()->set_attempt(attempt_);
+    }
     out->emplace_back(worker->worker_id, std::move(message));
   }
 }

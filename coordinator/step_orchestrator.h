@@ -169,6 +169,7 @@ class StepOrchestrator {
   std::deque<v1::StepTiming> recent_;
   int64_t skipped_steps_ = 0;
   int64_t aborted_steps_ = 0;
+  int64_t attempt_ = 0;  // the id of the latest attempt (1, 2, ... in the order begun)
   int64_t tokens_total_ = 0;
   int64_t images_total_ = 0;
 };

@@ -225,6 +225,26 @@ TEST_F(StepOrchestratorTest, FailureReportAbortsEverywhere) {
   EXPECT_TRUE(out_.empty());
 }
 
+TEST_F(StepOrchestratorTest, EveryAttemptOfAStepHasItsOwnAttemptIdInTheRankPlans) {
+  Begin(3);
+  const auto first = Sent(v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(first.size(), 4u);
+  const int64_t attempt = first[0].second.step_plan().rank_plan().attempt();
+  EXPECT_GT(attempt, 0);
+  EXPECT_EQ(first[3].second.step_plan().rank_plan().attempt(), attempt);
+  out_.clear();
+  EXPECT_EQ(Report(e1_, false, 0, 0, 3), Outcome::kAborted);
+  // The same step, the same generation, planned again: a new attempt.
+  out_.clear();
+  Begin(3);
+  const auto retry = Sent(v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(retry.size(), 4u);
+  EXPECT_EQ(retry[0].second.step_plan().step(), 3);
+  EXPECT_EQ(retry[0].second.step_plan().generation(), first[0].second.step_plan().generation());
+  EXPECT_EQ(retry[0].second.step_plan().rank_plan().attempt(), attempt + 1);
+  EXPECT_EQ(retry[3].second.step_plan().rank_plan().attempt(), attempt + 1);
+}
+
 TEST_F(StepOrchestratorTest, LostWorkerAbortsAndIsNotMessaged) {
   Begin(0);
   out_.clear();

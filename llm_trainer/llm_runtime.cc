@@ -85,7 +85,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t bytes_sent0 = boundary_->bytes_sent();
   const int64_t bytes_received0 = boundary_->bytes_received();
   const int64_t stage_bytes0 = pipeline_.link != nullptr ? pipeline_.link->bytes_sent() : 0;
-  if (pipeline_.link != nullptr) pipeline_.link->Reset();
+  if (pipeline_.link != nullptr) pipeline_.link->BeginAttempt(plan.attempt);
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
   // Later waves' image rows land in their buffers while earlier waves compute (receives posted

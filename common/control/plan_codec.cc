@@ -130,6 +130,7 @@ v1::RankStepPlan RankStepPlanToProto(const plan::RankStepPlan& plan) {
   p.set_rank(plan.rank);
   p.set_step(plan.step);
   p.set_generation(plan.generation);
+  p.set_attempt(plan.attempt);
   p.set_waves(plan.waves);
   p.set_n_global(plan.n_global);
   p.set_seq_len(plan.seq_len);
@@ -173,6 +174,7 @@ absl::StatusOr<plan::RankStepPlan> RankStepPlanFromProto(const v1::RankStepPlan&
   plan.rank = p.rank();
   plan.step = p.step();
   plan.generation = p.generation();
+  plan.attempt = p.attempt();
   plan.waves = p.waves();
   plan.n_global = p.n_global();
   plan.seq_len = p.seq_len();

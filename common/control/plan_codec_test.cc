@@ -13,6 +13,7 @@ void ExpectSame(const plan::RankStepPlan& a, const plan::RankStepPlan& b) {
   EXPECT_EQ(a.rank, b.rank);
   EXPECT_EQ(a.step, b.step);
   EXPECT_EQ(a.generation, b.generation);
+  EXPECT_EQ(a.attempt, b.attempt);
   EXPECT_EQ(a.waves, b.waves);
   EXPECT_EQ(a.n_global, b.n_global);
   EXPECT_EQ(a.seq_len, b.seq_len);
@@ -76,7 +77,9 @@ TEST(PlanCodecTest, EveryRankRoundTripsThroughTheWire) {
     for (int64_t rank = 0; rank < step_plan.placement.world_size; ++rank) {
       auto original = plan::ExtractRankPlan(step_plan, rank);
       ASSERT_TRUE(original.ok()) << original.status();
+      original->attempt = 17 + rank;  // as the coordinator sets it
       const v1::RankStepPlan proto = RankStepPlanToProto(*original);
+      EXPECT_EQ(proto.attempt(), 17 + rank);
       v1::RankStepPlan parsed;
       ASSERT_TRUE(parsed.ParseFromString(proto.SerializeAsString()));
       auto decoded = RankStepPlanFromProto(parsed);

@@ -7,7 +7,7 @@
 namespace hetpar::plan {
 namespace {
 
-constexpr int64_t kFixedBytes = 4 + 2 + 1 + 1 + 6 * 8 + 4;
+constexpr int64_t kFixedBytes = 4 + 2 + 1 + 1 + 7 * 8 + 4;
 constexpr int64_t kBlockBytes = 5 * 8;
 
 void PutUnsigned(std::string* out, uint64_t value, int bytes) {
@@ -72,8 +72,9 @@ bool operator==(const HeaderBlock& a, const HeaderBlock& b) {
 
 bool operator==(const MessageHeader& a, const MessageHeader& b) {
   return a.version == b.version && a.direction == b.direction && a.step == b.step &&
-         a.generation == b.generation && a.wave == b.wave && a.src_rank == b.src_rank &&
-         a.dst_rank == b.dst_rank && a.row_bytes == b.row_bytes && a.blocks == b.blocks;
+         a.generation == b.generation && a.attempt == b.attempt && a.wave == b.wave &&
+         a.src_rank == b.src_rank && a.dst_rank == b.dst_rank && a.row_bytes == b.row_bytes &&
+         a.blocks == b.blocks;
 }
 
 int64_t MessageHeader::payload_rows() const {
@@ -91,7 +92,7 @@ std::string EncodeHeader(const MessageHeader& h) {
   PutUnsigned(&out, h.version, 2);
   PutUnsigned(&out, static_cast<uint8_t>(h.direction), 1);
   PutUnsigned(&out, 0, 1);
-  for (int64_t v : {h.step, h.generation, h.wave, h.src_rank, h.dst_rank, h.row_bytes}) {
+  for (int64_t v : {h.step, h.generation, h.attempt, h.wave, h.src_rank, h.dst_rank, h.row_bytes}) {
     PutUnsigned(&out, static_cast<uint64_t>(v), 8);
   }
   PutUnsigned(&out, h.blocks.size(), 4);
@@ -133,6 +134,7 @@ absl::StatusOr<MessageHeader> DecodeHeader(std::string_view bytes) {
   h.direction = static_cast<Direction>(direction);
   for (auto [field, name] : {std::pair<int64_t*, const char*>{&h.step, "the step"},
                              {&h.generation, "the generation"},
+                             {&h.attempt, "the attempt"},
                              {&h.wave, "the wave"},
                              {&h.src_rank, "the source rank"},
                              {&h.dst_rank, "the destination rank"},
@@ -159,19 +161,21 @@ absl::StatusOr<MessageHeader> DecodeHeader(std::string_view bytes) {
                        "and rows >= 1"));
     }
   }
-  if (h.row_bytes < 1 || h.wave < 0 || h.step < 0 || h.src_rank < 0 || h.dst_rank < 0) {
+  if (h.row_bytes < 1 || h.wave < 0 || h.step < 0 || h.attempt < 0 || h.src_rank < 0 ||
+      h.dst_rank < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "boundary message header: ", DescribeHeader(h),
-        " has a negative step, wave or rank or row_bytes < 1 (row_bytes=", h.row_bytes, ")"));
+        " has a negative step, attempt, wave or rank or row_bytes < 1 (row_bytes=", h.row_bytes,
+        ")"));
   }
   return h;
 }
 
 std::string DescribeHeader(const MessageHeader& h) {
   return absl::StrCat(std::string(DirectionName(h.direction)), " step ", h.step, " generation ",
-                      h.generation, " wave ", h.wave, " rank ", h.src_rank, " -> ", h.dst_rank,
-                      ", ", h.blocks.size(), " blocks, ", h.payload_rows(), " rows of ",
-                      h.row_bytes, " bytes");
+                      h.generation, " attempt ", h.attempt, " wave ", h.wave, " rank ", h.src_rank,
+                      " -> ", h.dst_rank, ", ", h.blocks.size(), " blocks, ", h.payload_rows(),
+                      " rows of ", h.row_bytes, " bytes");
 }
 
 absl::Status ValidateHeader(const MessageHeader& received, const MessageHeader& expected) {
@@ -187,6 +191,7 @@ absl::Status ValidateHeader(const MessageHeader& received, const MessageHeader& 
         static_cast<int64_t>(expected.direction));
   field("step", received.step, expected.step);
   field("generation", received.generation, expected.generation);
+  field("attempt", received.attempt, expected.attempt);
   field("wave", received.wave, expected.wave);
   field("source rank", received.src_rank, expected.src_rank);
   field("destination rank", received.dst_rank, expected.dst_rank);

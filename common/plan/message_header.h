@@ -4,11 +4,12 @@
 // payload, the pieces' rows back to back (rows x row_bytes bytes). A receiver decodes the
 // header, builds the header its own plan expects for (direction, wave, source) and validates one
 // against the other before it touches the payload, so a message from another step, generation,
-// wave or plan is rejected loudly instead of being spliced into the wrong rows.
+// attempt, wave or plan is rejected loudly instead of being spliced into the wrong rows.
 //
-// Wire format, version 1, all integers little-endian:
+// Wire format, version 2, all integers little-endian:
 //   u32 magic "HPBH" (0x48425048) | u16 version | u8 direction (0 forward, 1 backward) | u8 0
-//   i64 step | i64 generation | i64 wave | i64 src_rank | i64 dst_rank | i64 row_bytes
+//   i64 step | i64 generation | i64 attempt | i64 wave | i64 src_rank | i64 dst_rank |
+//   i64 row_bytes
 //   u32 block count, then per block: i64 sample_id | i64 image | i64 row_begin | i64 rows |
 //   i64 offset (the first row in the receiver's buffer)
 #ifndef HETPAR_COMMON_PLAN_MESSAGE_HEADER_H_
@@ -25,7 +26,7 @@
 namespace hetpar::plan {
 
 inline constexpr uint32_t kBoundaryHeaderMagic = 0x48425048;  // "HPBH" in little-endian bytes
-inline constexpr uint16_t kBoundaryHeaderVersion = 1;
+inline constexpr uint16_t kBoundaryHeaderVersion = 2;
 
 enum class Direction : uint8_t { kForward = 0, kBackward = 1 };
 
@@ -47,6 +48,9 @@ struct MessageHeader {
   Direction direction = Direction::kForward;
   int64_t step = 0;
   int64_t generation = 0;
+  // The coordinator's id of the step attempt (StepPlan): a step aborted and planned again is a
+  // new attempt, so a late message of the aborted one never passes for the retry's.
+  int64_t attempt = 0;
   int64_t wave = 0;
   int64_t src_rank = 0;
   int64_t dst_rank = 0;

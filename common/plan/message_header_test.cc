@@ -15,6 +15,7 @@ MessageHeader Example() {
   h.direction = Direction::kBackward;
   h.step = 12;
   h.generation = 3;
+  h.attempt = 9;
   h.wave = 5;
   h.src_rank = 40;
   h.dst_rank = 7;
@@ -27,11 +28,14 @@ TEST(MessageHeaderTest, RoundTripsEveryField) {
   const MessageHeader h = Example();
   const std::string bytes = EncodeHeader(h);
   EXPECT_EQ(static_cast<int64_t>(bytes.size()), EncodedHeaderSize(3));
-  // Magic "HPBH", version 1, direction 1.
+  // Magic "HPBH", version 2, direction 1, then step 12, generation 3 and attempt 9.
   EXPECT_EQ(bytes.substr(0, 4), "HPBH");
-  EXPECT_EQ(bytes[4], 1);
+  EXPECT_EQ(bytes[4], 2);
   EXPECT_EQ(bytes[5], 0);
   EXPECT_EQ(bytes[6], 1);
+  EXPECT_EQ(bytes[8], 12);
+  EXPECT_EQ(bytes[16], 3);
+  EXPECT_EQ(bytes[24], 9);
   auto back = DecodeHeader(bytes);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_TRUE(*back == h);
@@ -49,6 +53,7 @@ TEST(MessageHeaderTest, RandomHeadersRoundTrip) {
     h.direction = rng() % 2 ? Direction::kForward : Direction::kBackward;
     h.step = rng() % 100000;
     h.generation = rng() % 50;
+    h.attempt = rng() % 1000;
     h.wave = rng() % 1000;
     h.src_rank = rng() % 4096;
     h.dst_rank = rng() % 4096;
@@ -75,14 +80,14 @@ TEST(MessageHeaderTest, RejectsDamagedBytes) {
   EXPECT_THAT(std::string(DecodeHeader(good.substr(0, 10)).status().message()),
               HasSubstr("truncated"));
   std::string extra = good + "x";
-  EXPECT_THAT(std::string(DecodeHeader(extra).status().message()), HasSubstr("expected 180"));
+  EXPECT_THAT(std::string(DecodeHeader(extra).status().message()), HasSubstr("expected 188"));
   std::string magic = good;
   magic[0] = 'X';
   EXPECT_THAT(std::string(DecodeHeader(magic).status().message()), HasSubstr("magic"));
   std::string version = good;
-  version[4] = 2;
+  version[4] = 1;
   EXPECT_THAT(std::string(DecodeHeader(version).status().message()),
-              HasSubstr("version 2 at byte 4; this build reads version 1"));
+              HasSubstr("version 1 at byte 4; this build reads version 2"));
   std::string direction = good;
   direction[6] = 9;
   EXPECT_THAT(std::string(DecodeHeader(direction).status().message()), HasSubstr("direction 9"));
@@ -104,6 +109,13 @@ TEST(MessageHeaderTest, ValidationNamesTheFieldAndBothMessages) {
               HasSubstr("generation is 2 in the header but 3 in the plan"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("header: backward step 12 generation 2"));
   EXPECT_THAT(std::string(s.message()), HasSubstr("plan: backward step 12 generation 3"));
+
+  // A message of an aborted attempt of the same step and generation.
+  MessageHeader late = plan;
+  late.attempt = 8;
+  s = ValidateHeader(late, plan);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("attempt is 8 in the header but 9 in the plan"));
 
   MessageHeader moved = plan;
   moved.blocks[1].offset = 17;

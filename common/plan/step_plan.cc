@@ -23,13 +23,14 @@ double MaxOverMean(const std::vector<double>& values) {
   return max / (total / static_cast<double>(values.size()));
 }
 
-MessageHeader MakeHeader(int64_t step, int64_t generation, int64_t row_bytes, Direction direction,
-                         const Transfer& transfer,
+MessageHeader MakeHeader(int64_t step, int64_t generation, int64_t attempt, int64_t row_bytes,
+                         Direction direction, const Transfer& transfer,
                          const std::function<int64_t(int64_t)>& sample_id) {
   MessageHeader h;
   h.direction = direction;
   h.step = step;
   h.generation = generation;
+  h.attempt = attempt;
   h.wave = transfer.wave;
   h.src_rank = transfer.src_rank;
   h.dst_rank = transfer.dst_rank;
@@ -143,6 +144,7 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
   out.rank = rank;
   out.step = plan.step;
   out.generation = plan.generation;
+  out.attempt = plan.attempt;
   out.waves = plan.llm.waves;
   out.n_global = plan.n_global;
   out.seq_len = plan.options.seq_len;
@@ -188,12 +190,12 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
 }
 
 MessageHeader HeaderFor(const StepPlan& plan, Direction direction, const Transfer& transfer) {
-  return MakeHeader(plan.step, plan.generation, plan.options.row_bytes, direction, transfer,
-                    [&](int64_t s) { return plan.samples[s].id; });
+  return MakeHeader(plan.step, plan.generation, plan.attempt, plan.options.row_bytes, direction,
+                    transfer, [&](int64_t s) { return plan.samples[s].id; });
 }
 
 MessageHeader HeaderFor(const RankStepPlan& plan, Direction direction, const Transfer& transfer) {
-  return MakeHeader(plan.step, plan.generation, plan.row_bytes, direction, transfer,
+  return MakeHeader(plan.step, plan.generation, plan.attempt, plan.row_bytes, direction, transfer,
                     [&](int64_t s) {
                       const SampleDescriptor* sample = plan.Sample(s);
                       return sample != nullptr ? sample->id : -1;

@@ -56,6 +56,7 @@ absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::Run
 struct StepPlan {
   int64_t step = 0;
   int64_t generation = 0;
+  int64_t attempt = 0;  // the coordinator's step attempt id (MessageHeader::attempt)
   Placement placement;
   StepPlanOptions options;
   std::vector<SampleDescriptor> samples;  // the global batch; positions are batch indices
@@ -78,6 +79,7 @@ struct RankStepPlan {
   int64_t rank = 0;
   int64_t step = 0;
   int64_t generation = 0;
+  int64_t attempt = 0;  // set by the coordinator when it sends the plan
   int64_t waves = 0;
   int64_t n_global = 0;
   int64_t seq_len = 0;

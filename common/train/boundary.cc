@@ -64,10 +64,11 @@ absl::Status CheckRows(const at::Tensor& rows, int64_t row_bytes, std::string_vi
 
 }  // namespace
 
-transport::Tag BoundaryTag(int64_t step, plan::Direction direction, int64_t wave) {
-  const uint64_t s = static_cast<uint64_t>(step) & ((uint64_t{1} << 20) - 1);
+transport::Tag BoundaryTag(int64_t step, int64_t attempt, plan::Direction direction, int64_t wave) {
+  const uint64_t a = static_cast<uint64_t>(attempt) & ((uint64_t{1} << 4) - 1);
+  const uint64_t s = static_cast<uint64_t>(step) & ((uint64_t{1} << 16) - 1);
   const uint64_t w = static_cast<uint64_t>(wave) & ((uint64_t{1} << 19) - 1);
-  return (s << 20) | (w << 1) | (direction == plan::Direction::kBackward ? 1 : 0);
+  return (a << 36) | (s << 20) | (w << 1) | (direction == plan::Direction::kBackward ? 1 : 0);
 }
 
 void PendingSends::Add(std::unique_ptr<std::string> buffer,
@@ -134,7 +135,7 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     if (transfer.dst_rank == plan.rank) {
       // Rows that stay on this rank: the receiver copies them straight from `rows` (which the
       // caller leaves untouched until the step's receives are done); nothing is packed.
-      local_[{BoundaryTag(plan.step, direction, wave), plan.rank}] = rows;
+      local_[{BoundaryTag(plan.step, plan.attempt, direction, wave), plan.rank}] = rows;
       bytes_sent_ += transfer.rows * row_bytes;
       continue;
     }
@@ -154,7 +155,8 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     const transport::ConstBuffer buffer =
         transport::ConstBuffer::Host(message->data(), message->size());
     HETPAR_ASSIGN_OR_RETURN(
-        auto op, transport_->Send(peer, BoundaryTag(plan.step, direction, wave), buffer));
+        auto op,
+        transport_->Send(peer, BoundaryTag(plan.step, plan.attempt, direction, wave), buffer));
     bytes_sent_ += transfer.rows * row_bytes;
     if (trace::Recorder::Process().on()) {
       const double now_us = trace::NowMicros();
@@ -185,7 +187,7 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
     r.src_rank = transfer.src_rank;
     if (transfer.src_rank == plan.rank) continue;  // handed over in memory by Receive
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
-    const transport::Tag tag = BoundaryTag(plan.step, direction, wave);
+    const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
     if (!straight.defined()) {
       const size_t size = MessageSize(transfer, row_bytes);
       r.buffer.assign(size, 0);
@@ -216,7 +218,7 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
 absl::Status BoundaryCommunicator::PostAhead(const plan::RankStepPlan& plan,
                                              plan::Direction direction, int64_t wave,
                                              const at::Tensor& straight) {
-  const transport::Tag tag = BoundaryTag(plan.step, direction, wave);
+  const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
   if (posted_.count(tag) != 0) return absl::OkStatus();
   HETPAR_ASSIGN_OR_RETURN(
       std::vector<PostedReceive> posted,
@@ -271,7 +273,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
   // Forward rows go straight into `rows`; gradients are added, so they are staged.
   const at::Tensor straight = add ? at::Tensor() : rows;
   std::vector<PostedReceive> posted;
-  auto ahead = posted_.find(BoundaryTag(plan.step, direction, wave));
+  auto ahead = posted_.find(BoundaryTag(plan.step, plan.attempt, direction, wave));
   if (ahead != posted_.end()) {
     posted = std::move(ahead->second);
     posted_.erase(ahead);
@@ -295,7 +297,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     const plan::Transfer& transfer = *expected[i];
     PostedReceive& receive = posted[i];
     if (transfer.src_rank == plan.rank) {
-      auto local = local_.find({BoundaryTag(plan.step, direction, wave), plan.rank});
+      auto local = local_.find({BoundaryTag(plan.step, plan.attempt, direction, wave), plan.rank});
       if (local == local_.end()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "rank ", plan.rank, " expects its own ", std::string(plan::DirectionName(direction)),

@@ -24,8 +24,10 @@
 // per direction. Between hosts the sender's time comes from its own clock, so the start is only
 // as exact as the hosts' clock sync (an interval is never allowed to end before it starts).
 //
-// Tags: one per (step, direction, wave), so messages of different waves and directions between
-// the same two ranks never match each other.
+// Tags: one per (step, attempt, direction, wave), so messages of different waves and directions
+// between the same two ranks never match each other, nor a late message of an aborted attempt
+// the retry's (the attempt is the coordinator's id of the step attempt, in the plan and in the
+// header).
 //
 // A transfer whose source and destination are the same rank (colocated placement: a process is a
 // rank of both modules) does not touch the transport and is not packed: the receiver copies the
@@ -55,8 +57,10 @@
 
 namespace hetpar::train {
 
-// The tag of the messages of (step, direction, wave): 20 bits of step, 19 of wave, 1 of direction.
-transport::Tag BoundaryTag(int64_t step, plan::Direction direction, int64_t wave);
+// The tag of the messages of (step, attempt, direction, wave), in the transport's 40 bits: 4 bits
+// of the attempt, 16 of the step, 19 of the wave, 1 of the direction. Neighbouring attempts and
+// steps never share a tag; the header (which carries them whole) catches any wrap-around.
+transport::Tag BoundaryTag(int64_t step, int64_t attempt, plan::Direction direction, int64_t wave);
 
 // What the transport delivered to one rank in one direction since BeginStep. Same-rank handovers
 // are not counted.

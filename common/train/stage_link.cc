@@ -14,19 +14,27 @@ namespace hetpar::train {
 namespace {
 
 constexpr uint64_t kMagic = 0x31454741545350ULL;  // "PSTAGE1" (little-endian)
-constexpr size_t kHeaderWords = 5;                // magic, step, direction, microbatch, rows
+constexpr size_t kHeaderWords = 6;  // magic, step, attempt, direction, microbatch, rows
 constexpr size_t kHeaderBytes = kHeaderWords * 8;
 constexpr int64_t kStageWaveBit = int64_t{1} << 18;
 
-std::string Describe(int64_t step, plan::Direction direction, int64_t microbatch, int64_t rows) {
+std::string Describe(int64_t step, int64_t attempt, plan::Direction direction, int64_t microbatch,
+                     int64_t rows) {
   return absl::StrCat(direction == plan::Direction::kForward ? "activations" : "gradients",
-                      " of step ", step, " microbatch ", microbatch, " (", rows, " rows)");
+                      " of step ", step, " (attempt ", attempt, ") microbatch ", microbatch, " (",
+                      rows, " rows)");
 }
 
 }  // namespace
 
-transport::Tag StageTag(int64_t step, plan::Direction direction, int64_t microbatch) {
-  return BoundaryTag(step, direction, microbatch | kStageWaveBit);
+transport::Tag StageTag(int64_t step, int64_t attempt, plan::Direction direction,
+                        int64_t microbatch) {
+  return BoundaryTag(step, attempt, direction, microbatch | kStageWaveBit);
+}
+
+void StageLink::BeginAttempt(int64_t attempt) {
+  Reset();
+  attempt_ = attempt;
 }
 
 absl::StatusOr<transport::PeerId> StageLink::Peer(int64_t rank) const {
@@ -48,13 +56,16 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
   const at::Tensor data = rows.detach().contiguous();
   const size_t data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
   auto message = std::make_unique<std::string>(kHeaderBytes + data_bytes, '\0');
-  const uint64_t header[kHeaderWords] = {
-      kMagic, static_cast<uint64_t>(step), static_cast<uint64_t>(direction),
-      static_cast<uint64_t>(microbatch), static_cast<uint64_t>(data.size(0))};
+  const uint64_t header[kHeaderWords] = {kMagic,
+                                         static_cast<uint64_t>(step),
+                                         static_cast<uint64_t>(attempt_),
+                                         static_cast<uint64_t>(direction),
+                                         static_cast<uint64_t>(microbatch),
+                                         static_cast<uint64_t>(data.size(0))};
   for (size_t i = 0; i < kHeaderWords; ++i) StoreU64(message->data() + 8 * i, header[i]);
   if (data_bytes > 0) std::memcpy(message->data() + kHeaderBytes, data.data_ptr(), data_bytes);
   HETPAR_ASSIGN_OR_RETURN(
-      auto op, transport_->Send(peer, StageTag(step, direction, microbatch),
+      auto op, transport_->Send(peer, StageTag(step, attempt_, direction, microbatch),
                                 transport::ConstBuffer::Host(message->data(), message->size())));
   bytes_sent_ += static_cast<int64_t>(data_bytes);
   sends_.push_back({std::move(message), std::move(op)});
@@ -77,7 +88,7 @@ absl::Status StageLink::Reap() {
 
 absl::Status StageLink::Post(int64_t src, int64_t step, plan::Direction direction,
                              int64_t microbatch, const at::Tensor& rows) {
-  const Key key{src, StageTag(step, direction, microbatch)};
+  const Key key{src, StageTag(step, attempt_, direction, microbatch)};
   if (posted_.count(key) != 0) return absl::OkStatus();
   if (!rows.defined() || rows.dim() != 2 || !rows.is_contiguous() || !rows.device().is_cpu()) {
     return absl::InvalidArgumentError(
@@ -100,16 +111,16 @@ absl::Status StageLink::Post(int64_t src, int64_t step, plan::Direction directio
 
 absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::Direction direction,
                                               int64_t microbatch) {
-  auto it = posted_.find(Key{src, StageTag(step, direction, microbatch)});
+  auto it = posted_.find(Key{src, StageTag(step, attempt_, direction, microbatch)});
   if (it == posted_.end()) {
-    return absl::FailedPreconditionError(absl::StrCat("stage receive of the ",
-                                                      Describe(step, direction, microbatch, 0),
-                                                      " from rank ", src, " was not posted"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("stage receive of the ", Describe(step, attempt_, direction, microbatch, 0),
+                     " from rank ", src, " was not posted"));
   }
   Posted posted = std::move(it->second);
   posted_.erase(it);
   const int64_t rows = posted.rows.size(0);
-  const std::string expected = Describe(step, direction, microbatch, rows);
+  const std::string expected = Describe(step, attempt_, direction, microbatch, rows);
   absl::Status status = posted.op->Wait(absl::Now() + timeout_);
   if (!status.ok()) {
     return Annotate(status, absl::StrCat("receiving the ", expected, " from pipeline rank ", src));
@@ -118,18 +129,20 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
   const char* h = posted.header.data();
   const bool matches = posted.op->bytes() == kHeaderBytes + data_bytes && GetU64(h) == kMagic &&
                        GetU64(h + 8) == static_cast<uint64_t>(step) &&
-                       GetU64(h + 16) == static_cast<uint64_t>(direction) &&
-                       GetU64(h + 24) == static_cast<uint64_t>(microbatch) &&
-                       GetU64(h + 32) == static_cast<uint64_t>(rows);
+                       GetU64(h + 16) == static_cast<uint64_t>(attempt_) &&
+                       GetU64(h + 24) == static_cast<uint64_t>(direction) &&
+                       GetU64(h + 32) == static_cast<uint64_t>(microbatch) &&
+                       GetU64(h + 40) == static_cast<uint64_t>(rows);
   if (!matches) {
     const plan::Direction got_direction =
-        GetU64(h + 16) == 0 ? plan::Direction::kForward : plan::Direction::kBackward;
+        GetU64(h + 24) == 0 ? plan::Direction::kForward : plan::Direction::kBackward;
     return absl::DataLossError(absl::StrCat(
         "pipeline rank ", src, " sent ", posted.op->bytes(), " bytes",
         GetU64(h) == kMagic
-            ? absl::StrCat(" of the ", Describe(static_cast<int64_t>(GetU64(h + 8)), got_direction,
-                                                static_cast<int64_t>(GetU64(h + 24)),
-                                                static_cast<int64_t>(GetU64(h + 32))))
+            ? absl::StrCat(" of the ", Describe(static_cast<int64_t>(GetU64(h + 8)),
+                                                static_cast<int64_t>(GetU64(h + 16)), got_direction,
+                                                static_cast<int64_t>(GetU64(h + 32)),
+                                                static_cast<int64_t>(GetU64(h + 40))))
             : std::string(" without a stage header"),
         "; expected the ", expected, ", ", kHeaderBytes + data_bytes, " bytes"));
   }

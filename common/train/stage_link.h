@@ -4,14 +4,16 @@
 // worker's peers).
 //
 // One message per (step, direction, microbatch) and pair of ranks: an 8-byte little-endian
-// magic, then step, direction, microbatch and rows (8 bytes each, little-endian), then the rows.
+// magic, then step, attempt, direction, microbatch and rows (8 bytes each, little-endian), then
+// the rows. The attempt is the coordinator's id of the step attempt (BeginAttempt), so a late
+// message of an aborted attempt is never taken for the retry's.
 // The receiver knows the exact size from its own microbatch (the rows of its sequence shard),
 // posts the receive straight into its tensor (header into a small buffer, rows in place) and
 // checks the header once the message is in: a message of another step, microbatch, direction or
 // size fails the receive with both descriptions instead of being used as the wrong rows.
 //
-// Tags: BoundaryTag(step, direction, microbatch | 2^18), so they never match the boundary's
-// messages between the same two ranks (a wave is below 2^18).
+// Tags: BoundaryTag(step, attempt, direction, microbatch | 2^18), so they never match the
+// boundary's messages between the same two ranks (a wave is below 2^18), nor another attempt's.
 //
 // Sends are posted and their messages held until they complete: each Send first drops the
 // messages of completed sends (and fails with the error of a failed one), WaitSends waits for
@@ -40,7 +42,8 @@
 namespace hetpar::train {
 
 // The tag of a stage message of (step, direction, microbatch).
-transport::Tag StageTag(int64_t step, plan::Direction direction, int64_t microbatch);
+transport::Tag StageTag(int64_t step, int64_t attempt, plan::Direction direction,
+                        int64_t microbatch);
 
 class StageLink {
  public:
@@ -65,6 +68,9 @@ class StageLink {
   absl::Status WaitSends();
   // Withdraws receives still posted and sends still held (a step that ended early).
   void Reset();
+  // Reset, then carry step attempt `attempt` (the plan's) in every later message's tag and
+  // header, and expect it in every message received.
+  void BeginAttempt(int64_t attempt);
 
   // Sends whose messages are still held (not yet dropped by a Send or WaitSends).
   int64_t held_sends() const { return static_cast<int64_t>(sends_.size()); }
@@ -78,6 +84,7 @@ class StageLink {
     std::unique_ptr<transport::Operation> op;
   };
   using Key = std::tuple<int64_t, transport::Tag>;  // (peer rank, tag)
+  int64_t attempt_ = 0;
 
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
 

@@ -86,8 +86,8 @@ TEST_F(StageLinkTest, AMessageOfAnotherSizeIsRefused) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_THAT(got.status().message(),
-              HasSubstr("activations of step 2 microbatch 5 (2 rows); expected the activations "
-                        "of step 2 microbatch 5 (3 rows)"));
+              HasSubstr("activations of step 2 (attempt 0) microbatch 5 (2 rows); expected the "
+                        "activations of step 2 (attempt 0) microbatch 5 (3 rows)"));
 }
 
 TEST_F(StageLinkTest, UnknownPeersAndUnpostedReceivesAreErrors) {
@@ -96,8 +96,31 @@ TEST_F(StageLinkTest, UnknownPeersAndUnpostedReceivesAreErrors) {
   EXPECT_EQ(second_->Receive(4, 0, plan::Direction::kForward, 3).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Distinct from the boundary's tag of the same step, direction and wave.
-  EXPECT_NE(StageTag(3, plan::Direction::kForward, 1),
-            BoundaryTag(3, plan::Direction::kForward, 1));
+  EXPECT_NE(StageTag(3, 0, plan::Direction::kForward, 1),
+            BoundaryTag(3, 0, plan::Direction::kForward, 1));
+  // And from another attempt's.
+  EXPECT_NE(StageTag(3, 1, plan::Direction::kForward, 1),
+            StageTag(3, 2, plan::Direction::kForward, 1));
+}
+
+TEST_F(StageLinkTest, ALateMessageOfAnAbortedAttemptIsNotTakenForTheRetrys) {
+  // Attempt 1 of step 4: stage 0 sends microbatch 0, but stage 1 never receives it (the
+  // coordinator aborted the attempt).
+  first_->BeginAttempt(1);
+  second_->BeginAttempt(1);
+  const absl::Status late = first_->Send(6, 4, plan::Direction::kForward, 0, at::full({3, 4}, -1.0));
+  ASSERT_TRUE(late.ok()) << late;
+  // Attempt 2 of the same step: the receiver posts first, so the old message (already there)
+  // would be matched if it could.
+  first_->BeginAttempt(2);
+  second_->BeginAttempt(2);
+  at::Tensor in = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 4, plan::Direction::kForward, 0, in).ok());
+  const at::Tensor fresh = at::arange(12, at::kDouble).reshape({3, 4});
+  ASSERT_TRUE(first_->Send(6, 4, plan::Direction::kForward, 0, fresh).ok());
+  auto got = second_->Receive(4, 4, plan::Direction::kForward, 0);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(at::equal(in, fresh));
 }
 
 }  // namespace

@@ -367,6 +367,27 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, fresh).ok());
   at::Tensor other = at::zeros_like(fresh);
   EXPECT_EQ(llm.ReceiveForward(*llm_plan, wave, other).code(), absl::StatusCode::kInvalidArgument);
+
+  // A step attempt the coordinator aborts after the encoder sent its rows, then the retry of the
+  // same step and generation: the late message of the aborted attempt is already at the LLM rank
+  // when the retry posts its receive, and must not be taken for the retry's.
+  llm.BeginStep();
+  enc.BeginStep();
+  plan::RankStepPlan aborted_enc = *enc_plan;
+  aborted_enc.attempt = 1;
+  plan::RankStepPlan retry_enc = *enc_plan;
+  retry_enc.attempt = 2;
+  plan::RankStepPlan retry_llm = *llm_plan;
+  retry_llm.attempt = 2;
+  auto late = enc.SendForward(aborted_enc, wave, at::full_like(job_rows, 5.0));
+  ASSERT_TRUE(late.ok()) << late.status();
+  at::Tensor retried = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  ASSERT_TRUE(llm.PostForwardReceives(retry_llm, wave, retried).ok());
+  auto sent3 = enc.SendForward(retry_enc, wave, job_rows);
+  ASSERT_TRUE(sent3.ok()) << sent3.status();
+  ASSERT_TRUE(llm.ReceiveForward(retry_llm, wave, retried).ok());
+  EXPECT_TRUE(at::equal(retried, expected));
+  ASSERT_TRUE(sent3->Wait(absl::Now() + absl::Seconds(10)).ok());
 }
 
 }  // namespace
