@@ -274,7 +274,10 @@ absl::StatusOr<at::Tensor> ReadTensor(const FileReader& file, const Entry& e) {
 }
 
 // One entry: the bytes before the tensor, the tensor's bytes, the checksum.
-absl::Status WriteEntry(AtomicFileWriter& file, const std::string& name, const at::Tensor& full) {
+// `blocks`, when given, receives the CRC-32 of each kDataBlockBytes block of the tensor data, from
+// the same pass that sums the entry's CRC-32 (combined with crc32_combine).
+absl::Status WriteEntry(AtomicFileWriter& file, const std::string& name, const at::Tensor& full,
+                        std::vector<uint32_t>* blocks = nullptr) {
   HETPAR_ASSIGN_OR_RETURN(uint8_t code, DtypeCode(full.scalar_type(), name));
   std::string meta;
   Put<uint32_t>(&meta, static_cast<uint32_t>(name.size()));
@@ -286,7 +289,18 @@ absl::Status WriteEntry(AtomicFileWriter& file, const std::string& name, const a
   const size_t data_bytes = full.numel() * full.element_size();
   Put<uint64_t>(&meta, data_bytes);
   uint32_t crc = Crc(0, meta.data(), meta.size());
-  crc = Crc(crc, full.data_ptr(), data_bytes);
+  if (blocks == nullptr) {
+    crc = Crc(crc, full.data_ptr(), data_bytes);
+  } else {
+    blocks->clear();
+    const auto* data = static_cast<const char*>(full.data_ptr());
+    for (size_t begin = 0; begin < data_bytes; begin += kDataBlockBytes) {
+      const size_t n = std::min<size_t>(kDataBlockBytes, data_bytes - begin);
+      const uint32_t block = Crc(0, data + begin, n);
+      blocks->push_back(block);
+      crc = static_cast<uint32_t>(crc32_combine(crc, block, static_cast<z_off_t>(n)));
+    }
+  }
   HETPAR_RETURN_IF_ERROR(file.Append(meta.data(), meta.size()));
   HETPAR_RETURN_IF_ERROR(file.Append(full.data_ptr(), data_bytes));
   return file.Append(&crc, sizeof(crc));
@@ -388,8 +402,12 @@ absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const
                             RunTorchOr(absl::StrCat("exporting parameter ", p.name),
                                        [&] { return p.tensor.contiguous(); }));
     const int64_t begin = static_cast<int64_t>(file->written().bytes);
-    HETPAR_RETURN_IF_ERROR(WriteEntry(*file, p.name, contiguous));
-    ranges.push_back({begin, static_cast<int64_t>(file->written().bytes) - begin});
+    EntryRange range;
+    HETPAR_RETURN_IF_ERROR(
+        WriteEntry(*file, p.name, contiguous, entries != nullptr ? &range.block_crc32 : nullptr));
+    range.offset = begin;
+    range.bytes = static_cast<int64_t>(file->written().bytes) - begin;
+    ranges.push_back(std::move(range));
   }
   HETPAR_RETURN_IF_ERROR(Annotate(file->Commit(), absl::StrCat("saving parameters to ", path)));
   if (written != nullptr) *written = file->written();

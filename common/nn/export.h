@@ -89,10 +89,14 @@ struct FullParameter {
 absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string& path);
 
 // Where one entry lies in a parameter file: the byte offset of its name-length field and its
-// size through its trailing CRC-32, so [offset, offset + bytes) is the whole entry.
+// size through its trailing CRC-32, so [offset, offset + bytes) is the whole entry; and the
+// CRC-32 of each kDataBlockBytes block of its tensor data (the last one possibly short), summed
+// in the pass that sums the entry's own CRC-32.
+inline constexpr int64_t kDataBlockBytes = int64_t{1} << 20;
 struct EntryRange {
   int64_t offset = 0;
   int64_t bytes = 0;
+  std::vector<uint32_t> block_crc32;
 };
 
 // Writes `params` (full tensors, in this order) to `path` as SaveFullParameters does, from one

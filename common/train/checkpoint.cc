@@ -43,7 +43,7 @@ constexpr size_t kChunkBytes = size_t{1} << 20;
 constexpr int64_t kMaxReadBytes = int64_t{1} << 30;
 // The tensor data of each entry is checksummed in blocks of this many bytes (the last one
 // possibly short), recorded in the sidecar, so a load can read and check part of an entry.
-constexpr int64_t kBlockBytes = int64_t{1} << 20;
+constexpr int64_t kBlockBytes = nn::kDataBlockBytes;
 // Read buffers place the first tensor byte they hold at this alignment.
 constexpr int64_t kAlign = 64;
 
@@ -213,21 +213,15 @@ bool DtypeOfName(const std::string& name, at::ScalarType* dtype) {
 
 // An entry range of the sidecar: where the entry of `tensor` lies in the shard file (`range`),
 // where its tensor data starts, its dtype, and the CRC-32 of each kBlockBytes block of the data,
-// summed from the snapshot's bytes (the same bytes the file holds: the data is written as the
+// which the writer summed as it wrote the entry (nn::EntryRange::block_crc32; the data is the
 // row-major contiguous tensor, just before the entry's trailing CRC-32).
 json EntryRangeJson(const nn::EntryRange& range, const at::Tensor& tensor) {
-  const at::Tensor contiguous = tensor.contiguous();
-  const int64_t data_bytes = contiguous.numel() * static_cast<int64_t>(contiguous.element_size());
-  const auto* data = static_cast<const Bytef*>(contiguous.data_ptr());
-  json crcs = json::array();
-  for (int64_t begin = 0; begin < data_bytes; begin += kBlockBytes) {
-    const size_t bytes = static_cast<size_t>(std::min(kBlockBytes, data_bytes - begin));
-    crcs.push_back(static_cast<uint32_t>(crc32_z(0, data + begin, bytes)));
-  }
+  const int64_t data_bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
+  json crcs = range.block_crc32;
   return json{{"offset", range.offset},
               {"bytes", range.bytes},
               {"data_offset", range.offset + range.bytes - 4 - data_bytes},
-              {"dtype", nn::DtypeName(contiguous.scalar_type())},
+              {"dtype", nn::DtypeName(tensor.scalar_type())},
               {"block_bytes", kBlockBytes},
               {"block_crc32", std::move(crcs)}};
 }
@@ -285,7 +279,8 @@ absl::StatusOr<Sidecar> ReadSidecar(const std::string& path) {
     // its data, when the block checksums say where, inside it, before its trailing CRC-32.
     const auto range = [&](const json& r, const std::string& entry) -> absl::StatusOr<SavedEntry> {
       SavedEntry got;
-      got.range = {r.at("offset").get<int64_t>(), r.at("bytes").get<int64_t>()};
+      got.range.offset = r.at("offset").get<int64_t>();
+      got.range.bytes = r.at("bytes").get<int64_t>();
       const nn::EntryRange& e = got.range;
       if (e.offset < kShardHeaderBytes || e.bytes <= 0 || e.offset > sidecar.bytes ||
           e.bytes > sidecar.bytes - e.offset) {
