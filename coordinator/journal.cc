@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "coordinator/run_controller.h"
 #include "nlohmann/json.hpp"
 
 namespace hetpar::coordinator {
@@ -17,27 +18,10 @@ namespace {
 constexpr int kFormat = 1;
 constexpr char kStepPrefix[] = "step-";
 
-const char* StateName(v1::RunState state) {
-  switch (state) {
-    case v1::RUN_STATE_WAITING:
-      return "waiting";
-    case v1::RUN_STATE_RUNNING:
-      return "running";
-    case v1::RUN_STATE_STOPPING:
-      return "stopping";
-    case v1::RUN_STATE_DONE:
-      return "done";
-    case v1::RUN_STATE_FAILED:
-      return "failed";
-    default:
-      return "unknown";
-  }
-}
-
 std::optional<v1::RunState> StateFromName(const std::string& name) {
   for (v1::RunState state : {v1::RUN_STATE_WAITING, v1::RUN_STATE_RUNNING, v1::RUN_STATE_STOPPING,
                              v1::RUN_STATE_DONE, v1::RUN_STATE_FAILED}) {
-    if (name == StateName(state)) return state;
+    if (name == RunStateName(state)) return state;
   }
   return std::nullopt;
 }
@@ -56,7 +40,7 @@ std::string JournalPath(const std::string& run_dir) { return run_dir + "/journal
 absl::Status WriteJournal(const std::string& run_dir, const Journal& journal) {
   const nlohmann::json j = {{"format", kFormat},
                             {"run", journal.run},
-                            {"state", StateName(journal.state)},
+                            {"state", RunStateName(journal.state)},
                             {"generation", journal.generation},
                             {"committed_steps", journal.committed_steps},
                             {"total_steps", journal.total_steps},

@@ -56,25 +56,6 @@ absl::StatusOr<uint8_t> DtypeCode(at::ScalarType dtype, const std::string& name)
   }
 }
 
-bool DtypeOfCode(uint8_t code, at::ScalarType* dtype) {
-  switch (code) {
-    case 1:
-      *dtype = at::kFloat;
-      return true;
-    case 2:
-      *dtype = at::kDouble;
-      return true;
-    case 3:
-      *dtype = at::kBFloat16;
-      return true;
-    case 4:
-      *dtype = at::kHalf;
-      return true;
-    default:
-      return false;
-  }
-}
-
 template <typename T>
 void Put(std::string* out, T value) {
   out->append(reinterpret_cast<const char*>(&value), sizeof(value));
@@ -413,6 +394,25 @@ absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const
   if (written != nullptr) *written = file->written();
   if (entries != nullptr) *entries = std::move(ranges);
   return absl::OkStatus();
+}
+
+bool DtypeOfCode(uint8_t code, at::ScalarType* dtype) {
+  switch (code) {
+    case 1:
+      *dtype = at::kFloat;
+      return true;
+    case 2:
+      *dtype = at::kDouble;
+      return true;
+    case 3:
+      *dtype = at::kBFloat16;
+      return true;
+    case 4:
+      *dtype = at::kHalf;
+      return true;
+    default:
+      return false;
+  }
 }
 
 absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {

@@ -88,6 +88,10 @@ struct FullParameter {
 // Every entry of `path`, in file order; the same errors as LoadFullParameters for the file.
 absl::StatusOr<std::vector<FullParameter>> ReadFullParameters(const std::string& path);
 
+// The dtype of an entry's dtype code (1 float32, 2 float64, 3 bfloat16, 4 float16); false for
+// an unknown code.
+bool DtypeOfCode(uint8_t code, at::ScalarType* dtype);
+
 // Where one entry lies in a parameter file: the byte offset of its name-length field and its
 // size through its trailing CRC-32, so [offset, offset + bytes) is the whole entry; and the
 // CRC-32 of each kDataBlockBytes block of its tensor data (the last one possibly short), summed

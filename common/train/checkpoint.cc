@@ -179,31 +179,11 @@ struct Sidecar {
   bool has_entries = false;
 };
 
-// The dtype of an entry's dtype code (common/nn/export.h); false for an unknown code.
-bool DtypeOfCode(uint8_t code, at::ScalarType* dtype) {
-  switch (code) {
-    case 1:
-      *dtype = at::kFloat;
-      return true;
-    case 2:
-      *dtype = at::kDouble;
-      return true;
-    case 3:
-      *dtype = at::kBFloat16;
-      return true;
-    case 4:
-      *dtype = at::kHalf;
-      return true;
-    default:
-      return false;
-  }
-}
-
 // The dtype a sidecar names ("float64", as nn::DtypeName writes it); false for another name.
 bool DtypeOfName(const std::string& name, at::ScalarType* dtype) {
   for (uint8_t code = 1; code <= 4; ++code) {
     at::ScalarType candidate = at::kFloat;
-    if (DtypeOfCode(code, &candidate) && nn::DtypeName(candidate) == name) {
+    if (nn::DtypeOfCode(code, &candidate) && nn::DtypeName(candidate) == name) {
       *dtype = candidate;
       return true;
     }
@@ -726,7 +706,7 @@ absl::StatusOr<at::Tensor> ReadEntry(int fd, const std::string& path, const Entr
   const char* const meta = entry + 4 + read.name.size();
   const uint8_t code = static_cast<uint8_t>(meta[0]);
   at::ScalarType dtype = at::kFloat;
-  if (!DtypeOfCode(code, &dtype)) {
+  if (!nn::DtypeOfCode(code, &dtype)) {
     return absl::DataLossError(
         absl::StrCat(what, " has dtype code ", static_cast<int>(code), ", expected 1..4"));
   }
