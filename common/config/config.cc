@@ -975,6 +975,7 @@ namespace {
 
 // Defaults and validation over a parsed spec; all problems become one InvalidArgument.
 absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& options) {
+  if (!options.resume) loaded.spec.mutable_checkpoint()->clear_resume_from();
   ApplyDefaults(&loaded);
   std::vector<ConfigIssue> issues = Validate(loaded, options.check_files, options.require_runnable);
   if (issues.empty()) return loaded;

@@ -59,6 +59,10 @@ struct LoadOptions {
   std::vector<std::string> overrides;
   // Check that input files (manifest, tokenizer, token file) exist.
   bool check_files = true;
+  // Keep (and check) checkpoint.resume_from. Off where the spec is that of a run already under
+  // way or done (its evaluation, a restarted coordinator's check of its config.yaml): the field is
+  // then cleared, since the checkpoint the run started from may have been pruned since.
+  bool resume = true;
   // Refuse what a run cannot do yet (the in-process transport, fewer encoder jobs in flight
   // than LLM pipeline stages), so that a config that validates is one that runs. `hetpar plan`
   // turns this off: the plan library already routes those layouts.

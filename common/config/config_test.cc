@@ -310,6 +310,14 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   ExpectIssue(with_files(step4, 4), "checkpoint.resume_from", 0,
               "is at step 4, which is not before run.steps=4");
   fs::remove_all(dir);
+  // The spec of a run already under way (its evaluation reads its config.yaml): the checkpoint
+  // it started from may be pruned by now; the field is dropped, not checked.
+  LoadOptions finished;
+  finished.overrides = {"checkpoint.resume_from=" + step4, "data.synth.samples=64"};
+  finished.resume = false;
+  auto evaluated = LoadRunSpecFromString(kValid, "run.yaml", finished);
+  ASSERT_TRUE(evaluated.ok()) << evaluated.status();
+  EXPECT_EQ(evaluated->spec.checkpoint().resume_from(), "");
 }
 
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {

@@ -59,8 +59,10 @@ absl::Status SameRun(const coordinator::Journal& lost, const v1::RunSpec& spec,
         absl::StrCat("run directory ", out_dir, " holds the journal of the unfinished run '",
                      lost.run, "'; this config trains '", spec.run().name(), "': ", restart_hint));
   }
+  config::LoadOptions recorded_options;
+  recorded_options.resume = false;
   absl::StatusOr<config::LoadedRunSpec> recorded =
-      config::LoadRunSpecFile(out_dir + "/config.yaml", config::LoadOptions{});
+      config::LoadRunSpecFile(out_dir + "/config.yaml", recorded_options);
   if (!recorded.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot continue run '", lost.run, "': its recorded config ", out_dir,
@@ -70,6 +72,7 @@ absl::Status SameRun(const coordinator::Journal& lost, const v1::RunSpec& spec,
   v1::RunSpec b = spec;
   a.clear_coordinator();
   b.clear_coordinator();
+  b.mutable_checkpoint()->clear_resume_from();
   if (config::RunSpecToYaml(a) != config::RunSpecToYaml(b)) {
     return absl::FailedPreconditionError(
         absl::StrCat("cannot continue run '", lost.run,

@@ -78,7 +78,11 @@ int main(int argc, char** argv) {
   }
 
   if (flags.steps > 0) flags.overrides.push_back("run.steps=" + std::to_string(flags.steps));
-  auto loaded = hetpar::config::LoadRunSpecFile(flags.config_path, {flags.overrides, true});
+  hetpar::config::LoadOptions load;
+  load.overrides = flags.overrides;
+  // The evaluation of a finished run needs no checkpoint it may have started from.
+  load.resume = !evaluate->parsed();
+  auto loaded = hetpar::config::LoadRunSpecFile(flags.config_path, load);
   if (!loaded.ok()) {
     std::cerr << "hetpar-reference: invalid config " << flags.config_path << ":\n"
               << loaded.status().message() << "\n";

@@ -238,10 +238,15 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   const int steps = static_cast<int>(newest) + 2;
   std::vector<std::string> resume = RunArgs(steps);
   resume[5] = dir_ + "/resumed";  // the value of --out
-  resume.insert(resume.end(), {"--set", "run.dtype=float64", "--resume", checkpoints + "/" + name});
+  // Into the same checkpoint directory, keeping one: the checkpoint it resumes from is pruned
+  // while it trains, and its evaluation at the end (which reads its config.yaml) must not need it.
+  resume.insert(resume.end(), {"--set", "run.dtype=float64", "--set",
+                               "checkpoint.dir=" + checkpoints, "--set", "checkpoint.every=1",
+                               "--set", "checkpoint.keep=1", "--resume", checkpoints + "/" + name});
   auto resumed = RunCommand(resume, 120);
   ASSERT_TRUE(resumed.ok()) << resumed.status();
   ASSERT_EQ(resumed->exit_code, 0) << resumed->stderr_text;
+  EXPECT_FALSE(fs::exists(checkpoints + "/" + name));
   std::vector<std::string> straight = RunArgs(steps);
   straight[5] = dir_ + "/straight";
   straight.insert(straight.end(), {"--set", "run.dtype=float64"});
