@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/config/config.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "common/train/checkpoint.h"
@@ -113,8 +114,10 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
       for (int64_t t = 0; t < tp; ++t) expected.push_back({module, t, tp, s, pp});
     }
   }
+  // The manifest also records the RunSpec the checkpoint was written under (normalised YAML).
   nlohmann::json extra = {{"run", spec_.run().name()},
-                          {"samples_trained", committed * spec_.run().global_batch()}};
+                          {"samples_trained", committed * spec_.run().global_batch()},
+                          {"runspec", config::RunSpecToYaml(spec_)}};
   pending_checkpoint_ = std::async(
       std::launch::async,
       [dir, snapshot = std::move(snapshot), expected = std::move(expected),

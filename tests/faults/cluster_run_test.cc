@@ -252,6 +252,11 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
       },
       120))
       << ReadFile(dir_ + "/coordinator.log");
+  // The checkpoint records the RunSpec it was written under.
+  const nlohmann::json manifest =
+      nlohmann::json::parse(ReadFile(dir_ + "/checkpoints/step-000004/manifest.json"));
+  EXPECT_THAT(manifest["extra"]["runspec"].get<std::string>(), HasSubstr("name: \"tiny\""));
+  EXPECT_THAT(manifest["extra"]["runspec"].get<std::string>(), HasSubstr("every: 2"));
   ASSERT_TRUE(first->Signal(SIGKILL));
   ASSERT_TRUE(first->Wait(30).ok());
   const nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
