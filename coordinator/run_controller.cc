@@ -65,7 +65,17 @@ absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
   if (options.heartbeat_interval <= absl::ZeroDuration()) {
     options.heartbeat_interval = std::min(absl::Seconds(1), options.heartbeat_timeout / 5);
   }
-  if (options.max_step_attempts < 1) options.max_step_attempts = 1;
+  if (options.step_timeout <= absl::ZeroDuration()) {
+    options.step_timeout = spec.failure().step_timeout_s() > 0
+                               ? absl::Seconds(spec.failure().step_timeout_s())
+                               : absl::Minutes(10);
+  }
+  if (options.max_step_attempts < 1) {
+    options.max_step_attempts =
+        spec.failure().max_step_attempts() > 0
+            ? static_cast<int>(std::min<int64_t>(spec.failure().max_step_attempts(), 1 << 30))
+            : 3;
+  }
   auto controller = std::unique_ptr<RunController>(
       new RunController(spec, *std::move(membership), std::move(options), std::move(planner), now));
   // A resumed run goes on from its checkpoint's step.

@@ -44,8 +44,10 @@ struct ControllerOptions {
   // Zero: heartbeat_timeout / 5, at most 1 s.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   absl::Duration stop_timeout = absl::Seconds(10);
-  absl::Duration step_timeout = absl::Minutes(10);
-  int max_step_attempts = 3;
+  // Zero: from the RunSpec (failure.step_timeout_s, failure.max_step_attempts); 10 minutes and 3
+  // attempts where it has none.
+  absl::Duration step_timeout = absl::ZeroDuration();
+  int max_step_attempts = 0;
   std::string listen_address;  // shown in Status
   // The first generation (a coordinator restarted on its journal continues past the lost one's,
   // so nothing addressed to the old generation is taken for the new).

@@ -135,6 +135,29 @@ class RunControllerTest : public ::testing::Test {
   std::vector<std::string> ids_;
 };
 
+TEST(RunControllerOptionsTest, StepDeadlineAndAttemptsComeFromTheFailureSectionUnlessGiven) {
+  v1::RunSpec spec = TinySpec();
+  spec.mutable_failure()->set_step_timeout_s(42);
+  spec.mutable_failure()->set_max_step_attempts(5);
+  auto from_spec = RunController::Create(spec, ControllerOptions{}, nullptr, kT0);
+  ASSERT_TRUE(from_spec.ok()) << from_spec.status();
+  EXPECT_EQ((*from_spec)->options().step_timeout, absl::Seconds(42));
+  EXPECT_EQ((*from_spec)->options().max_step_attempts, 5);
+  // A flag (`--step-timeout`) wins over the spec.
+  ControllerOptions given;
+  given.step_timeout = absl::Seconds(7);
+  given.max_step_attempts = 2;
+  auto overridden = RunController::Create(spec, given, nullptr, kT0);
+  ASSERT_TRUE(overridden.ok()) << overridden.status();
+  EXPECT_EQ((*overridden)->options().step_timeout, absl::Seconds(7));
+  EXPECT_EQ((*overridden)->options().max_step_attempts, 2);
+  // A spec without the section (not normalised): 10 minutes, 3 attempts.
+  auto bare = RunController::Create(TinySpec(), ControllerOptions{}, nullptr, kT0);
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ((*bare)->options().step_timeout, absl::Minutes(10));
+  EXPECT_EQ((*bare)->options().max_step_attempts, 3);
+}
+
 TEST_F(RunControllerTest, RunStartsWhenEveryRankHasRegistered) {
   Create();
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_WAITING);

@@ -35,7 +35,7 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
       m->pipeline_.next_rank = placement.llm.RankOf(neighbour);
     }
     m->stage_link_ = std::make_unique<train::StageLink>(&context.transport(), context.peers(),
-                                                        context.options().timeout);
+                                                        context.peer_timeout());
     m->pipeline_.link = m->stage_link_.get();
     const auto [begin, end] = plan::PipelineStageLayers(spec.llm().model().layers(),
                                                         model_options.pp_stages, coords.pp());
@@ -65,7 +65,7 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
   if (!runtime_.has_value()) {
     HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
     runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
-                     LlmRuntimeOptions{context_->options().timeout, colocated_,
+                     LlmRuntimeOptions{context_->peer_timeout(), colocated_,
                                        colocated_ ? 0 : context_->spec().run().max_inflight(),
                                        plan::ImageGradientsCross(context_->spec())},
                      pipeline_);

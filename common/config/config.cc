@@ -672,6 +672,10 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.String("coordinator.listen", "127.0.0.1:50051");
   d.Double("coordinator.heartbeat_timeout_s", 10.0);
   d.Double("coordinator.register_timeout_s", 120.0);
+  d.Int("failure.max_step_attempts", 3);
+  d.Double("failure.step_timeout_s", 600.0);
+  d.Double("failure.peer_timeout_s", 300.0);
+  d.Double("failure.coordinator_timeout_s", 300.0);
 
   for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
                            "coordinator.token_file", "checkpoint.dir", "checkpoint.resume_from",
@@ -964,6 +968,13 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
   }
   if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
     c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
+  }
+  c.AtLeast("failure.max_step_attempts", s.failure().max_step_attempts(), 1);
+  for (const auto& [field, value] :
+       {std::pair<const char*, double>{"failure.step_timeout_s", s.failure().step_timeout_s()},
+        {"failure.peer_timeout_s", s.failure().peer_timeout_s()},
+        {"failure.coordinator_timeout_s", s.failure().coordinator_timeout_s()}}) {
+    if (!(value > 0)) c.Fail(field, absl::StrCat("=", value, " must be > 0 seconds"));
   }
   if (!(s.coordinator().register_timeout_s() > 0)) {
     c.Fail("coordinator.register_timeout_s", "must be > 0 seconds");

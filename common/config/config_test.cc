@@ -320,6 +320,25 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   EXPECT_EQ(evaluated->spec.checkpoint().resume_from(), "");
 }
 
+TEST(ConfigTest, FailureDeadlinesHaveDefaultsAndMustBePositive) {
+  auto defaults = Load(kValid);
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->spec.failure().max_step_attempts(), 3);
+  EXPECT_EQ(defaults->spec.failure().step_timeout_s(), 600.0);
+  EXPECT_EQ(defaults->spec.failure().peer_timeout_s(), 300.0);
+  EXPECT_EQ(defaults->spec.failure().coordinator_timeout_s(), 300.0);
+  ExpectIssue(Load(kValid, {"failure.max_step_attempts=0"}), "failure.max_step_attempts", 0,
+              "=0 must be >= 1");
+  ExpectIssue(Load(kValid, {"failure.peer_timeout_s=-1"}), "failure.peer_timeout_s", 0,
+              "=-1 must be > 0 seconds");
+  ExpectIssue(Load(kValid, {"failure.step_timeout_s=0"}), "failure.step_timeout_s", 0,
+              "=0 must be > 0 seconds");
+  auto set = Load(kValid, {"failure.coordinator_timeout_s=45.5", "failure.max_step_attempts=5"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->spec.failure().coordinator_timeout_s(), 45.5);
+  EXPECT_EQ(set->spec.failure().max_step_attempts(), 5);
+}
+
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {
   ExpectIssue(Load(kValid, {"llm.layout.pp=2", "run.max_inflight=1"}), "run.max_inflight", 0,
               "=1 is less than llm.layout.pp=2: the LLM's first stage runs 2 forwards");

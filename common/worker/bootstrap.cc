@@ -59,9 +59,18 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
   ctx->spec_ = ctx->session_->registration().spec();
+  // Each kind of wait has its deadline: the RunSpec's failure section, unless --timeout
+  // overrides both (300 s where the spec has none).
+  const auto deadline = [&](double spec_s) {
+    if (options.timeout > absl::ZeroDuration()) return options.timeout;
+    return spec_s > 0 ? absl::Seconds(spec_s) : absl::Seconds(300);
+  };
+  ctx->peer_timeout_ = deadline(ctx->spec_.failure().peer_timeout_s());
+  ctx->coordinator_timeout_ = deadline(ctx->spec_.failure().coordinator_timeout_s());
 
   // 2. Everyone is here: peers and the rendezvous store.
-  HETPAR_ASSIGN_OR_RETURN(ctx->assignment_, ctx->session_->WaitForRunStart(options.timeout));
+  HETPAR_ASSIGN_OR_RETURN(ctx->assignment_,
+                          ctx->session_->WaitForRunStart(ctx->coordinator_timeout_));
   const int expected_ranks = options.role == Role::kColocated ? 2 : 1;
   if (ctx->assignment_.ranks_size() != expected_ranks) {
     return absl::FailedPreconditionError(
@@ -89,14 +98,14 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   for (const v1::PeerInfo& peer : ctx->assignment_.peers()) {
     HETPAR_ASSIGN_OR_RETURN(
         transport::PeerId id,
-        ctx->transport_->Connect(peer.data_address(), absl::Now() + options.timeout));
+        ctx->transport_->Connect(peer.data_address(), absl::Now() + ctx->peer_timeout_));
     ctx->peers_[peer.world_rank()] = id;
   }
   ctx->boundary_ = std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), ctx->peers_,
-                                                                 options.timeout);
+                                                                 ctx->peer_timeout_);
   auto key_value = std::make_shared<coordinator::KeyValueClient>(ctx->connection_,
                                                                  ctx->assignment_.generation());
-  HETPAR_ASSIGN_OR_RETURN(ctx->store_, rendezvous::OpenC10dStore(key_value, options.timeout));
+  HETPAR_ASSIGN_OR_RETURN(ctx->store_, rendezvous::OpenC10dStore(key_value, ctx->peer_timeout_));
   return ctx;
 }
 
@@ -115,7 +124,7 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   options.prefix = prefix;
   options.rank = static_cast<int>(rank);
   options.size = static_cast<int>(size);
-  options.timeout = options_.timeout;
+  options.timeout = peer_timeout_;
   options.hostname = options_.host;
   return nn::Communicator::Create(store_, options);
 }
@@ -129,7 +138,7 @@ absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
 
 absl::Status WorkerContext::PutOutput(const std::string& name, const std::string& local_path) {
   return coordinator::PutOutputFile(*connection_, session_->worker_id(), name, local_path,
-                                    options_.timeout);
+                                    coordinator_timeout_);
 }
 
 absl::Status WorkerContext::Close(absl::Duration timeout) { return session_->Close(timeout); }

@@ -45,7 +45,9 @@ struct WorkerOptions {
   int64_t requested_rank = -1;  // -1: the coordinator picks
   std::string out_dir;          // run directory for the worker's files ("" = none)
   std::string host = "127.0.0.1";
-  absl::Duration timeout = absl::Seconds(300);  // bound of every wait for peers and messages
+  // Overrides the RunSpec's failure.peer_timeout_s and failure.coordinator_timeout_s (the bounds
+  // of each wait for peers and for the coordinator); zero: the spec's.
+  absl::Duration timeout = absl::ZeroDuration();
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
   int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
@@ -66,6 +68,10 @@ class WorkerContext {
 
   const WorkerOptions& options() const { return options_; }
   const v1::RunSpec& spec() const { return spec_; }
+  // The bound of each wait for peers (connections, the rendezvous, groups, boundary and pipeline
+  // messages, collectives) and for the coordinator (its next message, an output written).
+  absl::Duration peer_timeout() const { return peer_timeout_; }
+  absl::Duration coordinator_timeout() const { return coordinator_timeout_; }
   const v1::Assignment& assignment() const { return assignment_; }
   int64_t world_rank() const { return assignment_.world_rank(); }
   // This worker's coordinates in `module`'s grid; nullptr when it holds no rank of it.
@@ -104,6 +110,8 @@ class WorkerContext {
   std::shared_ptr<coordinator::CoordinatorConnection> connection_;
   std::unique_ptr<coordinator::WorkerSession> session_;
   v1::RunSpec spec_;
+  absl::Duration peer_timeout_ = absl::Seconds(300);
+  absl::Duration coordinator_timeout_ = absl::Seconds(300);
   v1::Assignment assignment_;
   std::map<int64_t, transport::PeerId> peers_;
   std::unique_ptr<train::BoundaryCommunicator> boundary_;

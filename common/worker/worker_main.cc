@@ -81,7 +81,7 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<ModuleRuntime> modules, factory(*context));
   SessionChannel channel(&context->session());
   StepDriverOptions driver_options;
-  driver_options.timeout = options.timeout;
+  driver_options.timeout = context->coordinator_timeout();
   const int64_t world_rank = context->world_rank();
   // Trace events of the traced steps go to <out>/trace/rank-<r>.jsonl after each step, the
   // process's name first.
@@ -194,10 +194,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
                  "(e.g. eth0, ib0)")
       ->envname("HETPAR_INTERFACE")
       ->excludes(host);
-  app.add_option("--timeout", timeout_s,
-                 "Seconds any wait for peers or the coordinator may last before the worker fails")
+  app.add_option(
+         "--timeout", timeout_s,
+         "Seconds any wait for peers or the coordinator may last before the worker fails "
+         "(default: the RunSpec's failure.peer_timeout_s and failure.coordinator_timeout_s)")
       ->envname("HETPAR_TIMEOUT")
-      ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--connect-timeout", connect_timeout_s,
                  "Seconds to wait for the coordinator to answer at start (a worker may start "

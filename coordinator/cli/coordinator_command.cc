@@ -38,7 +38,7 @@ struct CoordinatorFlags {
   std::string listen;
   std::string token_file;
   coordinator::ServerTlsOptions tls;
-  double step_timeout_s = 600;
+  double step_timeout_s = 0;  // 0: failure.step_timeout_s
   double stop_timeout_s = 10;
   bool synthetic_batches = false;
   std::string out;
@@ -393,7 +393,8 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->envname("HETPAR_TLS_CLIENT_CA");
   command
       ->add_option("--step-timeout", flags->step_timeout_s,
-                   "Seconds a step may take before it is aborted")
+                   "Seconds a step attempt may take before it is aborted (default: "
+                   "failure.step_timeout_s)")
       ->check(CLI::PositiveNumber);
   command
       ->add_option("--stop-timeout", flags->stop_timeout_s,

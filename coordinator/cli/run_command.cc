@@ -50,9 +50,9 @@ struct RunFlags {
   bool reference = false;
   int threads = 0;
   std::string listen = "127.0.0.1:0";
-  double step_timeout_s = 600;
-  std::string trace;       // FIRST:LAST of steps to record a timeline of
-  double log_every_s = 0;  // in a log, also a progress line once this many seconds passed
+  double step_timeout_s = 0;  // 0: failure.step_timeout_s
+  std::string trace;          // FIRST:LAST of steps to record a timeline of
+  double log_every_s = 0;     // in a log, also a progress line once this many seconds passed
 };
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -428,8 +428,8 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   command
       ->add_option("--step-timeout", flags->step_timeout_s,
-                   "Seconds a step may take before it is aborted")
-      ->capture_default_str()
+                   "Seconds a step attempt may take before it is aborted (default: "
+                   "failure.step_timeout_s)")
       ->check(CLI::PositiveNumber);
   command->callback([flags, exit_code] { *exit_code = Run(*flags); });
 }

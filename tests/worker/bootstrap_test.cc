@@ -38,6 +38,8 @@ v1::RunSpec Spec(v1::Placement placement) {
   spec.mutable_encoder()->mutable_layout()->set_tp(2);
   spec.mutable_coordinator()->set_heartbeat_timeout_s(30);
   spec.mutable_coordinator()->set_register_timeout_s(120);
+  spec.mutable_failure()->set_peer_timeout_s(77);
+  spec.mutable_failure()->set_coordinator_timeout_s(88);
   return spec;
 }
 
@@ -71,11 +73,20 @@ TEST_F(BootstrapTest, EveryWorkerGetsItsRankPeersAndGroups) {
   {
     std::vector<std::thread> threads;
     for (size_t i = 0; i < roles.size(); ++i) {
-      threads.emplace_back([&, i] { contexts[i] = WorkerContext::Bootstrap(Options(roles[i])); });
+      threads.emplace_back([&, i] {
+        WorkerOptions options = Options(roles[i]);
+        // The LLM worker has no --timeout: its deadlines come from the spec's failure section.
+        if (i == 2) options.timeout = absl::ZeroDuration();
+        contexts[i] = WorkerContext::Bootstrap(options);
+      });
     }
     for (auto& t : threads) t.join();
   }
   for (const auto& c : contexts) ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ((*contexts[0])->peer_timeout(), absl::Seconds(60));
+  EXPECT_EQ((*contexts[0])->coordinator_timeout(), absl::Seconds(60));
+  EXPECT_EQ((*contexts[2])->peer_timeout(), absl::Seconds(77));
+  EXPECT_EQ((*contexts[2])->coordinator_timeout(), absl::Seconds(88));
   std::vector<int64_t> world_ranks;
   for (const auto& c : contexts) world_ranks.push_back((*c)->world_rank());
   // Encoder ranks come first in the world (encoder world 2, then the LLM).
