@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/plan/flops.h"
 
 namespace hetpar::plan {
@@ -187,6 +188,74 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
   for (int64_t s : referenced) out.samples.push_back(plan.samples[s]);
   out.sample_indices = std::move(referenced);
   return out;
+}
+
+absl::StatusOr<ReplicaSubset> ReplicaSubset::Create(const Placement& full,
+                                                    std::vector<int64_t> replicas) {
+  if (full.kind != PlacementKind::kNonColocated) {
+    return absl::InvalidArgumentError(
+        "a step over some encoder replicas needs a non_colocated placement");
+  }
+  if (replicas.empty()) {
+    return absl::InvalidArgumentError("a step needs at least one encoder replica");
+  }
+  for (size_t i = 0; i < replicas.size(); ++i) {
+    if (replicas[i] < 0 || replicas[i] >= full.encoder.dp ||
+        (i > 0 && replicas[i] <= replicas[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "encoder replicas [", absl::StrJoin(replicas, ", "),
+          "]: expected distinct replicas in increasing order, each in [0, ", full.encoder.dp, ")"));
+    }
+  }
+  Layout encoder = full.encoder;
+  encoder.dp = static_cast<int64_t>(replicas.size());
+  absl::StatusOr<Placement> planned = MakePlacement(full.kind, encoder, full.llm);
+  if (!planned.ok()) return planned.status();
+  ReplicaSubset subset;
+  subset.full_ = full;
+  subset.planned_ = *std::move(planned);
+  subset.replicas_ = std::move(replicas);
+  return subset;
+}
+
+int64_t ReplicaSubset::PlannedRank(int64_t rank) const {
+  if (!full_.encoder.Contains(rank)) return rank - full_.llm.rank_offset + planned_.llm.rank_offset;
+  const RankCoords coords = full_.encoder.CoordsOf(rank);
+  auto it = std::find(replicas_.begin(), replicas_.end(), coords.dp);
+  if (it == replicas_.end()) return -1;
+  RankCoords planned = coords;
+  planned.dp = it - replicas_.begin();
+  return planned_.encoder.RankOf(planned);
+}
+
+int64_t ReplicaSubset::FullRank(int64_t planned_rank) const {
+  if (!planned_.encoder.Contains(planned_rank)) {
+    return planned_rank - planned_.llm.rank_offset + full_.llm.rank_offset;
+  }
+  RankCoords coords = planned_.encoder.CoordsOf(planned_rank);
+  coords.dp = replicas_[coords.dp];
+  return full_.encoder.RankOf(coords);
+}
+
+void ReplicaSubset::ToFullRanks(RankStepPlan* plan) const {
+  plan->rank = FullRank(plan->rank);
+  if (plan->encoder_role) plan->encoder_coords.dp = replicas_[plan->encoder_coords.dp];
+  for (EncoderJob& job : plan->encoder_jobs) job.replica = replicas_[job.replica];
+  for (auto* transfers : {&plan->forward_sends, &plan->backward_receives, &plan->forward_receives,
+                          &plan->backward_sends}) {
+    for (Transfer& t : *transfers) {
+      t.src_rank = FullRank(t.src_rank);
+      t.dst_rank = FullRank(t.dst_rank);
+    }
+  }
+  for (auto* shares : {&plan->encoder_shares, &plan->llm_shares}) {
+    for (ShareStep& share : *shares) {
+      if (share.module == Module::kEncoder) share.replica = replicas_[share.replica];
+      for (int64_t& r : share.ranks) r = FullRank(r);
+      for (ShareSegment& segment : share.segments)
+        segment.holder_rank = FullRank(segment.holder_rank);
+    }
+  }
 }
 
 MessageHeader HeaderFor(const StepPlan& plan, Direction direction, const Transfer& transfer) {

@@ -110,6 +110,35 @@ struct RankStepPlan {
 // InvalidArgument when the rank is outside the world.
 absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank);
 
+// A step over some of the encoder's DP replicas (the others left the run) is planned on a
+// placement whose encoder layout has only those replicas; each worker keeps its world rank and
+// its coordinates in the full layout. Maps one to the other: `full` is the RunSpec's
+// (non-colocated) placement, `replicas` the encoder replicas taking part, increasing.
+class ReplicaSubset {
+ public:
+  // InvalidArgument for a colocated placement, an empty or unsorted subset, or a replica out of
+  // range.
+  static absl::StatusOr<ReplicaSubset> Create(const Placement& full, std::vector<int64_t> replicas);
+
+  // The placement the step is planned on: the encoder layout with replicas.size() replicas.
+  const Placement& planned() const { return planned_; }
+  const std::vector<int64_t>& replicas() const { return replicas_; }
+  // World rank in planned() of the full placement's `rank`; -1 for a rank of a replica that is
+  // not taking part.
+  int64_t PlannedRank(int64_t rank) const;
+  // The full placement's world rank of planned()'s `rank`.
+  int64_t FullRank(int64_t planned_rank) const;
+  // Rewrites a rank plan extracted from a plan over planned(): its rank, every transfer's and
+  // share step's ranks and the encoder replica numbers become the full placement's, so that the
+  // worker addresses its peers (and checks headers) by their own world ranks.
+  void ToFullRanks(RankStepPlan* plan) const;
+
+ private:
+  Placement full_;
+  Placement planned_;
+  std::vector<int64_t> replicas_;
+};
+
 // The header of `transfer` travelling in `direction` (forward transfers from plan.boundary
 // .forward, backward ones from .backward).
 MessageHeader HeaderFor(const StepPlan& plan, Direction direction, const Transfer& transfer);

@@ -388,3 +388,112 @@ TEST(StepPlanTest, SyntheticBatchIsSeededAndFits) {
 
 }  // namespace
 }  // namespace hetpar::plan
+
+namespace hetpar::plan {
+namespace {
+
+// Encoder replica 1 of three left the run: the step is planned over replicas 0 and 2, and each
+// worker's part comes back in its own world rank, so that senders and receivers still agree.
+TEST(ReplicaSubsetTest, PartsOfAStepOverSomeReplicasAddressEveryRankByItsOwnWorldRank) {
+  hetpar::v1::RunSpec spec = TinySpec();
+  spec.mutable_encoder()->mutable_layout()->set_dp(3);  // encoder ranks [0, 6), tp 2
+  auto full = PlacementFromRunSpec(spec);
+  ASSERT_TRUE(full.ok()) << full.status();
+  ASSERT_EQ(full->llm.rank_offset, 6);
+  auto subset = ReplicaSubset::Create(*full, {0, 2});
+  ASSERT_TRUE(subset.ok()) << subset.status();
+  EXPECT_EQ(subset->planned().encoder.dp, 2);
+  EXPECT_EQ(subset->planned().llm.rank_offset, 4);
+  // Replica 0 keeps ranks 0 and 1; replica 2 (world ranks 4, 5) is planned as 2, 3; the LLM
+  // moves down by one replica.
+  const std::vector<int64_t> expected_planned = {0, 1, -1, -1, 2, 3, 4, 5};
+  for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(subset->PlannedRank(r), expected_planned[r]) << r;
+  EXPECT_EQ(subset->PlannedRank(21), 19);
+  for (int64_t r : {0, 1, 4, 5, 6, 21}) EXPECT_EQ(subset->FullRank(subset->PlannedRank(r)), r);
+
+  auto options = StepPlanOptionsFromRunSpec(spec, 3, 7);
+  ASSERT_TRUE(options.ok());
+  SyntheticBatchOptions batch;
+  batch.samples = spec.run().global_batch();
+  batch.min_images = 1;
+  batch.max_images = 3;
+  batch.tokens_per_image = 16;
+  batch.seq_len = 128;
+  batch.min_text_tokens = 8;
+  batch.max_text_tokens = 60;
+  auto samples = SyntheticBatch(batch);
+  ASSERT_TRUE(samples.ok());
+  auto plan = BuildStepPlan(subset->planned(), *samples, *options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+
+  std::map<int64_t, RankStepPlan> parts;  // by full world rank
+  for (int64_t r = 0; r < full->world_size; ++r) {
+    const int64_t planned = subset->PlannedRank(r);
+    if (planned < 0) continue;
+    auto part = ExtractRankPlan(*plan, planned);
+    ASSERT_TRUE(part.ok()) << part.status();
+    subset->ToFullRanks(&*part);
+    EXPECT_EQ(part->rank, r);
+    parts[r] = *std::move(part);
+  }
+  ASSERT_EQ(parts.size(), 20u);  // 4 encoder ranks + 16 LLM ranks
+  int64_t images = 0;
+  int64_t forward = 0;
+  for (const auto& [r, part] : parts) {
+    if (part.encoder_role) {
+      // Its coordinates and jobs are those of its own replica.
+      EXPECT_EQ(part.encoder_coords.dp, full->encoder.CoordsOf(r).dp) << r;
+      EXPECT_EQ(part.encoder_coords.tp, full->encoder.CoordsOf(r).tp) << r;
+      for (const EncoderJob& job : part.encoder_jobs) {
+        EXPECT_EQ(job.replica, part.encoder_coords.dp);
+        if (part.encoder_coords.tp == 0) images += static_cast<int64_t>(job.images.size());
+      }
+      for (const ShareStep& share : part.encoder_shares) {
+        EXPECT_EQ(share.replica, part.encoder_coords.dp);
+        EXPECT_EQ(share.ranks, full->encoder.TpGroup(r));
+      }
+    }
+    for (const Transfer& t : part.forward_sends) {
+      EXPECT_EQ(t.src_rank, r);
+      ASSERT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
+      ++forward;
+      // The receiver expects exactly this message: the headers check out.
+      const RankStepPlan& receiver = parts.at(t.dst_rank);
+      EXPECT_TRUE(CheckReceivedHeader(receiver, HeaderFor(part, Direction::kForward, t)).ok())
+          << r << " -> " << t.dst_rank;
+    }
+    for (const Transfer& t : part.forward_receives) {
+      EXPECT_TRUE(t.src_rank == 0 || t.src_rank == 1 || t.src_rank == 4 || t.src_rank == 5)
+          << "a receive from rank " << t.src_rank << ", which is not taking part";
+    }
+    for (const Transfer& t : part.backward_sends) {
+      ASSERT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
+      EXPECT_TRUE(
+          CheckReceivedHeader(parts.at(t.dst_rank), HeaderFor(part, Direction::kBackward, t)).ok());
+    }
+  }
+  // Every image of the batch is encoded once, by the replicas taking part.
+  int64_t batch_images = 0;
+  for (const SampleDescriptor& s : *samples) batch_images += s.image_count();
+  EXPECT_EQ(images, batch_images);
+  EXPECT_GT(forward, 0);
+}
+
+TEST(ReplicaSubsetTest, RefusesWhatItCannotPlan) {
+  hetpar::v1::RunSpec spec = TinySpec();
+  auto full = PlacementFromRunSpec(spec);
+  ASSERT_TRUE(full.ok());
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {}).status().message()),
+              HasSubstr("at least one encoder replica"));
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {1, 0}).status().message()),
+              HasSubstr("increasing order"));
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {2}).status().message()),
+              HasSubstr("[0, 2)"));
+  Placement colocated = *full;
+  colocated.kind = PlacementKind::kColocated;
+  EXPECT_THAT(std::string(ReplicaSubset::Create(colocated, {0}).status().message()),
+              HasSubstr("non_colocated"));
+}
+
+}  // namespace
+}  // namespace hetpar::plan
