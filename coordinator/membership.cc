@@ -104,6 +104,7 @@ absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
     m.expected_workers_ = m.llm_grid_.size();
   } else {
     m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), nullptr);
+    m.retired_encoder_replicas_.assign(m.encoder_grid_.dp, false);
     m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
   }
@@ -147,6 +148,13 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
           absl::StrCat("requested_rank=", wanted, " is out of range for role ",
                        RoleName(request.role()), ": expected 0..", slots.size() - 1));
     }
+    if (Retired(request.role(), wanted)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          RoleName(request.role()), " rank ", wanted, " belongs to encoder replica ",
+          wanted / encoder_grid_.tp,
+          ", which left the run after one of its workers was lost; a worker cannot join a "
+          "running run yet (resume the run from a checkpoint to train on a full pool again)"));
+    }
     if (slots[wanted] != nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
                                                        " is already held by worker ",
@@ -154,16 +162,23 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
     }
     slot = wanted;
   } else {
+    bool retired = false;
     for (size_t i = 0; i < slots.size(); ++i) {
+      if (Retired(request.role(), static_cast<int64_t>(i))) {
+        retired = retired || slots[i] == nullptr;
+        continue;
+      }
       if (slots[i] == nullptr) {
         slot = static_cast<int64_t>(i);
         break;
       }
     }
     if (slot < 0) {
-      return absl::ResourceExhaustedError(absl::StrCat("every ", RoleName(request.role()),
-                                                       " rank is taken (", slots.size(),
-                                                       " ranks, all registered and alive)"));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "every ", RoleName(request.role()), " rank is taken (", slots.size(),
+          retired ? " ranks: the others are alive, and those of encoder replicas that left the "
+                    "run after a lost worker take no one until the run is resumed)"
+                  : " ranks, all registered and alive)"));
     }
   }
   const char* prefix = request.role() == v1::WORKER_ROLE_ENCODER ? "enc"
@@ -212,10 +227,40 @@ void Membership::MarkDead(const std::string& worker_id, const std::string& reaso
   }
 }
 
+void Membership::RetireEncoderReplica(int64_t dp) {
+  if (dp < 0 || dp >= static_cast<int64_t>(retired_encoder_replicas_.size())) return;
+  retired_encoder_replicas_[dp] = true;
+}
+
+std::vector<int64_t> Membership::EncoderReplicas() const {
+  std::vector<int64_t> replicas;
+  for (int64_t dp = 0; dp < encoder_grid_.dp; ++dp) {
+    if (dp >= static_cast<int64_t>(retired_encoder_replicas_.size()) ||
+        !retired_encoder_replicas_[dp]) {
+      replicas.push_back(dp);
+    }
+  }
+  return replicas;
+}
+
+int64_t Membership::EncoderReplicaOf(const WorkerRecord& worker) {
+  for (const v1::RankCoordinates& rank : worker.ranks) {
+    if (rank.module() == v1::MODULE_ENCODER) return rank.dp();
+  }
+  return -1;
+}
+
+bool Membership::Retired(v1::WorkerRole role, int64_t slot) const {
+  if (role != v1::WORKER_ROLE_ENCODER) return false;
+  const int64_t dp = slot / std::max<int64_t>(1, encoder_grid_.tp);
+  return dp < static_cast<int64_t>(retired_encoder_replicas_.size()) &&
+         retired_encoder_replicas_[dp];
+}
+
 bool Membership::Complete() const {
   for (const auto& [role, slots] : slots_) {
-    for (const WorkerRecord* worker : slots) {
-      if (worker == nullptr) return false;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i] == nullptr && !Retired(role, static_cast<int64_t>(i))) return false;
     }
   }
   return true;
@@ -233,7 +278,7 @@ std::vector<std::string> Membership::Missing() const {
   std::vector<std::string> missing;
   for (const auto& [role, slots] : slots_) {
     for (size_t i = 0; i < slots.size(); ++i) {
-      if (slots[i] != nullptr) continue;
+      if (slots[i] != nullptr || Retired(role, static_cast<int64_t>(i))) continue;
       std::vector<std::string> rank_text;
       for (const auto& rank : RanksOfSlot(role, static_cast<int64_t>(i))) {
         rank_text.push_back(DescribeRank(rank));

@@ -210,3 +210,44 @@ TEST(MembershipTest, ColocatedNeedsEqualWorlds) {
 
 }  // namespace
 }  // namespace hetpar::coordinator
+
+namespace hetpar::coordinator {
+namespace {
+
+TEST(MembershipTest, ARetiredEncoderReplicaIsNeitherMissingNorTakenAgain) {
+  auto m = Membership::Create(Spec(v1::PLACEMENT_NON_COLOCATED, 3, 2, 1, 1));
+  ASSERT_TRUE(m.ok());
+  std::vector<WorkerRecord*> encoders;
+  for (int i = 0; i < 6; ++i) {
+    auto w = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 1, absl::UnixEpoch());
+    ASSERT_TRUE(w.ok());
+    encoders.push_back(*w);
+  }
+  ASSERT_TRUE(m->Admit(Request(v1::WORKER_ROLE_LLM), 1, absl::UnixEpoch()).ok());
+  EXPECT_THAT(m->EncoderReplicas(), ElementsAre(0, 1, 2));
+  EXPECT_EQ(Membership::EncoderReplicaOf(*encoders[3]), 1);  // rank 3: dp 1, tp 1
+  // Replica 1 (ranks 2 and 3) leaves.
+  m->MarkDead(encoders[3]->worker_id, "killed");
+  m->MarkDead(encoders[2]->worker_id, "its replica left");
+  EXPECT_FALSE(m->Complete());
+  m->RetireEncoderReplica(1);
+  EXPECT_TRUE(m->Complete());
+  EXPECT_TRUE(m->Missing().empty());
+  EXPECT_THAT(m->EncoderReplicas(), ElementsAre(0, 2));
+  auto again = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 2, absl::UnixEpoch());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("left the run"));
+  v1::RegisterRequest asked = Request(v1::WORKER_ROLE_ENCODER);
+  asked.set_requested_rank(2);
+  again = m->Admit(asked, 2, absl::UnixEpoch());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("encoder replica 1"));
+  // Another replica's free rank is still taken.
+  m->MarkDead(encoders[5]->worker_id, "killed");
+  auto replacement = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 2, absl::UnixEpoch());
+  ASSERT_TRUE(replacement.ok()) << replacement.status();
+  EXPECT_EQ((*replacement)->slot, 5);
+}
+
+}  // namespace
+}  // namespace hetpar::coordinator

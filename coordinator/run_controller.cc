@@ -271,21 +271,78 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
         absl::UnavailableError(absl::StrCat("declared dead by the coordinator: ", reason)));
   }
   if (state_ != v1::RUN_STATE_RUNNING) return;
+  const std::string cause = absl::StrCat("worker ", worker->Describe(), " lost: ", reason);
+  // An encoder replica's state (parameters, AdamW moments) is the same on every replica: the run
+  // goes on without it, as long as enough replicas remain. Any other rank's state exists
+  // nowhere else.
+  const int64_t replica = Membership::EncoderReplicaOf(*worker);
+  const std::vector<int64_t> replicas = membership_.EncoderReplicas();
+  const bool encoder_only = worker->role == v1::WORKER_ROLE_ENCODER;
+  const bool in_pool =
+      encoder_only && std::find(replicas.begin(), replicas.end(), replica) != replicas.end();
+  if (encoder_only && !in_pool) return;  // its replica had already left the run
+  const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
+  if (!encoder_only || static_cast<int64_t>(replicas.size()) - 1 < minimum) {
+    const std::string held =
+        encoder_only
+            ? absl::StrCat("the encoder pool would shrink to ", replicas.size() - 1,
+                           " replicas, below failure.min_encoder_replicas=", minimum)
+            : absl::StrCat("its ", worker->role == v1::WORKER_ROLE_LLM ? "LLM" : "colocated",
+                           " shard (parameters and optimizer state) is held by no other worker");
+    const std::string resume =
+        spec_.checkpoint().dir().empty()
+            ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
+            : absl::StrCat("resume it from its newest checkpoint under ", spec_.checkpoint().dir(),
+                           " (start `hetpar coordinator` again on the run directory, or set "
+                           "checkpoint.resume_from)");
+    Fail(absl::StrCat(cause, "; the run cannot go on: ", held, "; ", resume), now, actions);
+    return;
+  }
+  membership_.RetireEncoderReplica(replica);
   ++generation_;
-  if (incomplete_since_ == absl::InfiniteFuture()) incomplete_since_ = now;
   v1::CoordinatorMessage change;
   v1::MembershipChange* c = change.mutable_membership_change();
   c->set_generation(generation_);
   *c->add_lost() = membership_.PeerInfoOf(*worker);
-  c->set_reason(absl::StrCat("worker ", worker->Describe(), " lost: ", reason));
-  // Abort first, so the workers see the abort of the old generation before the change.
-  HandleOutcome(orchestrator_.OnWorkerLost(*worker, now, &actions->messages), now, actions);
+  // The other ranks of the replica (its TP peers) have nothing left to do.
+  for (WorkerRecord* live : membership_.LiveWorkers()) {
+    if (live->role != v1::WORKER_ROLE_ENCODER || Membership::EncoderReplicaOf(*live) != replica) {
+      continue;
+    }
+    const bool open = live->session_open;
+    *c->add_lost() = membership_.PeerInfoOf(*live);
+    membership_.MarkDead(live->worker_id,
+                         absl::StrCat("encoder replica ", replica, " left the run"));
+    if (open) {
+      actions->end_sessions.emplace_back(
+          live->worker_id,
+          absl::AbortedError(absl::StrCat("encoder replica ", replica, " left the run: ", cause)));
+    }
+  }
+  c->set_reason(cause);
+  const std::vector<int64_t> left = membership_.EncoderReplicas();
+  v1::PoolChange record;
+  record.set_step(committed_steps_);
+  record.set_generation(generation_);
+  record.set_replica(replica);
+  record.set_cause(cause);
+  record.set_replicas_after(static_cast<int64_t>(left.size()));
+  record.set_unix_time(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+  record.set_recovery_s(-1);
+  pool_changes_.push_back(record);
+  HETPAR_LOG(WARNING) << "generation " << generation_ << ": encoder replica " << replica
+                      << " left the run; training on " << left.size() << " of "
+                      << membership_.encoder_grid().dp << " encoder replicas ["
+                      << absl::StrJoin(left, ", ") << "] from step " << committed_steps_;
+  // Abort first, so the workers see the abort of the old attempt before the change; then the
+  // step is planned again over the replicas that are left.
+  const StepOrchestrator::Outcome outcome =
+      orchestrator_.OnWorkerLost(*worker, now, &actions->messages);
   for (WorkerRecord* live : membership_.LiveWorkers()) {
     if (live->session_open) actions->messages.emplace_back(live->worker_id, change);
   }
-  HETPAR_LOG(WARNING) << "generation " << generation_ << ": waiting up to "
-                      << absl::FormatDuration(options_.register_timeout)
-                      << " for a worker to take the lost rank";
+  HandleOutcome(outcome, now, actions);
+  MaybeStartStep(now, actions);
 }
 
 void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now,
@@ -296,6 +353,12 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
       ++committed_steps_;
+      for (v1::PoolChange& change : pool_changes_) {
+        if (change.recovery_s() < 0) {
+          change.set_recovery_s(absl::ToDoubleSeconds(now - absl::UnixEpoch()) -
+                                change.unix_time());
+        }
+      }
       step_attempts_ = 0;
       if (committed_steps_ >= spec_.run().steps()) {
         BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
@@ -311,6 +374,9 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
       return;
     case StepOrchestrator::Outcome::kAborted:
       ++step_attempts_;
+      // Every attempt runs in a generation of its own: the workers form their process groups
+      // anew for it, so nothing half done in the aborted one (a collective a peer left) lingers.
+      ++generation_;
       HETPAR_LOG(WARNING) << "step " << orchestrator_.step() << " aborted (attempt "
                           << step_attempts_ << " of " << options_.max_step_attempts
                           << "): " << orchestrator_.last_abort_reason();
@@ -534,6 +600,11 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   status.set_aborted_steps(orchestrator_.aborted_steps());
   status.set_tokens_total(orchestrator_.tokens_total());
   status.set_images_total(orchestrator_.images_total());
+  if (membership_.placement() != v1::PLACEMENT_COLOCATED) {
+    status.set_encoder_replicas(static_cast<int64_t>(membership_.EncoderReplicas().size()));
+    status.set_encoder_replicas_configured(membership_.encoder_grid().dp);
+  }
+  for (const v1::PoolChange& change : pool_changes_) *status.add_pool_changes() = change;
   return status;
 }
 

@@ -25,6 +25,7 @@ class CountingPlanner : public StepPlanner {
       rank_plan.set_step(step);
       rank_plan.set_generation(generation);
     }
+    plan.encoder_replicas = membership.EncoderReplicas();
     return plan;
   }
   absl::Status Prepare() override {
@@ -40,8 +41,10 @@ class CountingPlanner : public StepPlanner {
   absl::Status prepare_status;
 };
 
-v1::RunSpec TinySpec(int64_t steps = 2, const std::string& checkpoint_dir = "") {
+v1::RunSpec TinySpec(int64_t steps = 2, const std::string& checkpoint_dir = "",
+                     int64_t min_encoder_replicas = 1) {
   v1::RunSpec spec;
+  spec.mutable_failure()->set_min_encoder_replicas(min_encoder_replicas);
   spec.mutable_checkpoint()->set_dir(checkpoint_dir);
   spec.mutable_run()->set_name("tiny");
   spec.mutable_run()->set_steps(steps);
@@ -59,13 +62,13 @@ v1::RunSpec TinySpec(int64_t steps = 2, const std::string& checkpoint_dir = "") 
 class RunControllerTest : public ::testing::Test {
  protected:
   void Create(int64_t steps = 2, bool with_planner = true, bool needs_preparation = false,
-              const std::string& checkpoint_dir = "") {
+              const std::string& checkpoint_dir = "", int64_t min_encoder_replicas = 1) {
     auto planner = std::make_unique<CountingPlanner>();
     planner->needs_preparation = needs_preparation;
     planner_ = planner.get();
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
-    auto c = RunController::Create(TinySpec(steps, checkpoint_dir), options,
+    auto c = RunController::Create(TinySpec(steps, checkpoint_dir, min_encoder_replicas), options,
                                    with_planner ? std::move(planner) : nullptr, kT0);
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = *std::move(c);
@@ -103,19 +106,22 @@ class RunControllerTest : public ::testing::Test {
     ASSERT_TRUE(controller_->HandleMessage(id, m, now, &actions_).ok());
   }
 
-  // Every worker completes step `step`: the dp-0 ranks send partials, all report.
-  void CompleteStep(int64_t step) {
+  // Every worker completes step `step`: the ranks of the first replica taking part send
+  // partials (encoder rank `encoder_contributor`), every worker in `reporting` (default: all)
+  // reports.
+  void CompleteStep(int64_t step, size_t encoder_contributor = 0,
+                    std::vector<size_t> reporting = {0, 1, 2, 3}, absl::Time now = kT0) {
     const int64_t generation = controller_->generation();
-    for (size_t i : {0u, 2u, 3u}) {  // enc rank 0, llm ranks 0 and 1
+    for (size_t i : {encoder_contributor, size_t{2}, size_t{3}}) {  // llm ranks 0 and 1
       v1::WorkerMessage m;
       auto* p = m.mutable_grad_norm_partial();
       p->set_step(step);
       p->set_generation(generation);
-      p->set_module(i == 0 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+      p->set_module(i < 2 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
       p->set_sum_squares(1.0);
-      Send(ids_[i], m);
+      Send(ids_[i], m, now);
     }
-    for (size_t i = 0; i < ids_.size(); ++i) {
+    for (size_t i : reporting) {
       v1::WorkerMessage m;
       auto* r = m.mutable_report();
       r->set_step(step);
@@ -125,7 +131,7 @@ class RunControllerTest : public ::testing::Test {
         r->set_loss_sum(30.0);
         r->set_loss_tokens(10);
       }
-      Send(ids_[i], m);
+      Send(ids_[i], m, now);
     }
   }
 
@@ -244,34 +250,88 @@ TEST_F(RunControllerTest, SilentWorkerIsDeclaredDeadAndOthersAreTold) {
   // Its messages are refused from now on.
   EXPECT_EQ(controller_->HandleMessage(ids_[1], heartbeat, kT0, &actions_).code(),
             absl::StatusCode::kFailedPrecondition);
+  // Encoder replica 1 left the run: nothing is missing, the pool has one replica.
   v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(11));
-  EXPECT_EQ(status.missing_size(), 1);
+  EXPECT_EQ(status.missing_size(), 0);
+  EXPECT_EQ(status.encoder_replicas(), 1);
+  EXPECT_EQ(status.encoder_replicas_configured(), 2);
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).replica(), 1);
+  EXPECT_EQ(status.pool_changes(0).generation(), 2);
+  EXPECT_THAT(status.pool_changes(0).cause(), HasSubstr("no heartbeat"));
   ASSERT_EQ(status.workers_size(), 4);
   EXPECT_FALSE(status.workers(3).alive());
   EXPECT_THAT(status.workers(3).dead_reason(), HasSubstr("no heartbeat"));
 
-  // A replacement takes the rank: generation 3, everyone gets a new assignment.
-  actions_ = {};
-  const std::string replacement = Register(v1::WORKER_ROLE_ENCODER, kT0 + absl::Seconds(11));
-  EXPECT_EQ(controller_->generation(), 3);
-  auto assignments = SentTo(ids_[0], v1::CoordinatorMessage::kAssignment);
-  ASSERT_EQ(assignments.size(), 1u);
-  EXPECT_EQ(assignments[0].assignment().generation(), 3);
-  EXPECT_EQ(controller_->Status(kT0 + absl::Seconds(11)).missing_size(), 0);
+  // Its rank takes no one while the run trains.
+  v1::RegisterRequest request;
+  request.set_role(v1::WORKER_ROLE_ENCODER);
+  request.set_host("host");
+  auto refused = controller_->Register(request, kT0 + absl::Seconds(11), &actions_);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("left the run"));
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
 }
 
-TEST_F(RunControllerTest, LostRankNotReplacedFailsTheRun) {
+TEST_F(RunControllerTest, ALostEncoderReplicaLeavesAndTheStepIsPlannedAgainOverTheOthers) {
+  Create(/*steps=*/2);
+  StartAll();
+  ASSERT_EQ(SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+  actions_ = {};
+  // Encoder replica 0 dies in step 0.
+  controller_->SessionEnded(ids_[0], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  // The abort of the old attempt, the change, then the new plan, in that order.
+  std::vector<v1::CoordinatorMessage::KindCase> kinds;
+  for (const auto& [to, m] : actions_.messages) {
+    if (to == ids_[2]) kinds.push_back(m.kind_case());
+  }
+  EXPECT_THAT(kinds, ::testing::ElementsAre(v1::CoordinatorMessage::kAbort,
+                                            v1::CoordinatorMessage::kMembershipChange,
+                                            v1::CoordinatorMessage::kStepPlan));
+  // One generation for the loss, one for the new attempt.
+  EXPECT_EQ(controller_->generation(), 3);
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 0);
+  EXPECT_EQ(plans[0].step_plan().generation(), 3);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(1));
+  // Replica 1 now sends the encoder's partial: 3 contributors, as before.
+  EXPECT_EQ(plans[0].step_plan().grad_norm_contributors(), 3);
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).empty());
+  CompleteStep(0, /*encoder_contributor=*/1, /*reporting=*/{1, 2, 3}, kT0 + absl::Seconds(3));
+  EXPECT_EQ(controller_->committed_steps(), 1);
+  v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(2));
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).replica(), 0);
+  EXPECT_EQ(status.pool_changes(0).step(), 0);
+  EXPECT_EQ(status.pool_changes(0).replicas_after(), 1);
+  EXPECT_DOUBLE_EQ(status.pool_changes(0).recovery_s(), 2.0);  // lost at 1 s, committed at 3 s
+  CompleteStep(1, 1, {1, 2, 3});
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+}
+
+TEST_F(RunControllerTest, AnEncoderLossBelowTheMinimumPoolFailsTheRunSayingHowToResume) {
+  Create(/*steps=*/5, /*with_planner=*/true, false, "/runs/ckpt", /*min_encoder_replicas=*/2);
+  StartAll();
+  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("below failure.min_encoder_replicas=2"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("resume it from its newest checkpoint under "
+                                                      "/runs/ckpt"));
+}
+
+TEST_F(RunControllerTest, ALostLlmRankFailsTheRunAtOnceSayingItMustStartOver) {
   Create(5, false);
   StartAll();
+  actions_ = {};
   controller_->SessionEnded(ids_[2], "cancelled", kT0 + absl::Seconds(1), &actions_);
-  EXPECT_EQ(controller_->generation(), 2);
-  for (auto* w : controller_->membership().LiveWorkers())
-    w->last_heartbeat = kT0 + absl::Seconds(60);
-  controller_->Tick(kT0 + absl::Seconds(60), &actions_);
-  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
-  controller_->Tick(kT0 + absl::Seconds(62), &actions_);
+  // Its shard is held by no other worker: a replacement would start from nothing.
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 0"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("held by no other worker"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("no checkpoints (checkpoint.dir)"));
+  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop).size(), 1u);
 }
 
 TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
@@ -331,7 +391,9 @@ TEST_F(RunControllerTest, RepeatedAbortsFailTheRun) {
   for (int attempt = 0; attempt < 3; ++attempt) {
     v1::WorkerMessage m;
     m.mutable_report()->set_step(0);
-    m.mutable_report()->set_generation(1);
+    // Every attempt has a generation of its own.
+    EXPECT_EQ(controller_->generation(), 1 + attempt);
+    m.mutable_report()->set_generation(controller_->generation());
     m.mutable_report()->set_ok(false);
     m.mutable_report()->set_error("nan loss");
     Send(ids_[0], m);

@@ -321,8 +321,11 @@ TEST_F(ServerTest, SilentWorkerIsDeclaredDeadAfterTheTimeout) {
   auto status = AdminClient(Connect()).Status();
   ASSERT_TRUE(status.ok());
   EXPECT_EQ(status->generation(), 2);
-  ASSERT_EQ(status->missing_size(), 1);
-  EXPECT_EQ(status->missing(0), "encoder rank 1 (dp 1, tp 0)");
+  // Its encoder replica left the run: nothing is missing, the pool is one replica smaller.
+  EXPECT_EQ(status->missing_size(), 0);
+  EXPECT_EQ(status->encoder_replicas(), 1);
+  ASSERT_EQ(status->pool_changes_size(), 1);
+  EXPECT_EQ(status->pool_changes(0).replica(), 1);
   // The heartbeating workers, registered before the silent one went quiet, have by now been up
   // longer than the timeout (the loss came no earlier than a timeout after its last message), and
   // they are alive and recently heard from.
@@ -357,12 +360,24 @@ TEST_F(ServerTest, CrashedWorkerIsLostAtOnce) {
   StartServer(TinySpec(/*heartbeat_timeout_s=*/30));
   auto workers = StartFourWorkers();
   const absl::Time crashed = absl::Now();
-  workers[2]->Cancel();
+  workers[1]->Cancel();  // encoder rank 1
   auto change = NextOf(*workers[0], v1::CoordinatorMessage::kMembershipChange);
   ASSERT_TRUE(change.ok()) << change.status();
   EXPECT_LT(absl::Now() - crashed, absl::Seconds(10));
-  EXPECT_EQ(change->membership_change().lost(0).worker_id(), workers[2]->worker_id());
+  EXPECT_EQ(change->membership_change().lost(0).worker_id(), workers[1]->worker_id());
   EXPECT_THAT(change->membership_change().reason(), HasSubstr("session ended"));
+  for (auto& w : workers) (void)w->Close(absl::Seconds(5));
+}
+
+TEST_F(ServerTest, ACrashedLlmWorkerFailsTheRunAndEndsTheOthersSessions) {
+  StartServer(TinySpec(/*heartbeat_timeout_s=*/30));
+  auto workers = StartFourWorkers();
+  workers[2]->Cancel();  // llm rank 0
+  auto stop = NextOf(*workers[0], v1::CoordinatorMessage::kStop);
+  ASSERT_TRUE(stop.ok()) << stop.status();
+  EXPECT_THAT(stop->stop().reason(), HasSubstr(workers[2]->worker_id()));
+  EXPECT_THAT(stop->stop().reason(), HasSubstr("held by no other worker"));
+  EXPECT_EQ(server_->Status().state(), v1::RUN_STATE_FAILED);
   for (auto& w : workers) (void)w->Close(absl::Seconds(5));
 }
 

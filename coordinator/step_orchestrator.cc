@@ -50,11 +50,14 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   loss_tokens_ = 0;
   any_loss_reported_ = false;
   last_abort_reason_.clear();
+  // The first encoder replica taking part sends the encoder's partials.
+  first_encoder_replica_ = plan.encoder_replicas.empty() ? 0 : plan.encoder_replicas.front();
   for (const WorkerRecord* worker : participants) {
     participants_.push_back(worker->worker_id);
     for (const auto& rank : worker->ranks) {
       // One DP replica (CP rank 0) of each module holds its gradients whole (worker::ModuleState).
-      if (rank.dp() == 0 && rank.cp() == 0) {
+      const int64_t first = rank.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : 0;
+      if (rank.dp() == first && rank.cp() == 0) {
         expected_contributors_.insert({rank.module(), rank.rank()});
       }
     }
@@ -66,6 +69,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
     step_plan->set_generation(generation);
     step_plan->set_global_loss_tokens(plan.global_loss_tokens);
     step_plan->set_grad_norm_contributors(static_cast<int64_t>(expected_contributors_.size()));
+    for (int64_t replica : plan.encoder_replicas) step_plan->add_encoder_replicas(replica);
     auto it = plan.worker_plans.find(worker->worker_id);
     if (it != plan.worker_plans.end()) {
       *step_plan->mutable_rank_plan() = std::move(it->second);
@@ -85,14 +89,15 @@ StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord
   for (const auto& r : worker.ranks) {
     if (r.module() == partial.module()) rank = &r;
   }
-  if (rank == nullptr || rank->dp() != 0 || rank->cp() != 0) {
+  const int64_t first = partial.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : 0;
+  if (rank == nullptr || rank->dp() != first || rank->cp() != 0) {
     return DoAbort(
         absl::StrCat("worker ", worker.Describe(), " sent a grad-norm partial for module ",
                      ModuleName(partial.module()),
                      rank == nullptr
                          ? " it has no rank in"
                          : absl::StrCat(" from dp replica ", rank->dp(), ", cp rank ", rank->cp()),
-                     "; expected partials only from ranks of dp replica 0, cp rank 0"),
+                     "; expected partials only from ranks of dp replica ", first, ", cp rank 0"),
         now, out);
   }
   const ContributorKey key{rank->module(), rank->rank()};

@@ -10,9 +10,9 @@
 //   point before it, StepAbort(s, g), on which they drop the step's gradients. Workers change no
 //   state before the commit, so an aborted step can be planned again.
 // Grad-norm contributions are counted per (module, rank): every rank of DP replica 0 of each
-// module sends one (a colocated worker sends one per module). The loss is counted from the LLM
-// ranks with tp 0 on the last pipeline stage; their loss_tokens must add up to the plan's
-// global_loss_tokens.
+// module (for the encoder, the first of the step's encoder replicas) sends one (a colocated worker
+// sends one per module). The loss is counted from the LLM ranks with tp 0 on the last pipeline
+// stage; their loss_tokens must add up to the plan's global_loss_tokens.
 //
 // Pure state machine: no clock, no I/O, no locking (RunController owns one and locks around it).
 #ifndef HETPAR_COORDINATOR_STEP_ORCHESTRATOR_H_
@@ -51,6 +51,8 @@ struct PlannedStep {
   // Each live worker's part of the plan, by worker id. Every live worker gets a StepPlan; a
   // worker missing here gets one without a rank_plan.
   std::map<std::string, v1::RankStepPlan> worker_plans;
+  // The encoder DP replicas taking part (StepPlan.encoder_replicas); empty: every replica.
+  std::vector<int64_t> encoder_replicas;
 };
 
 // Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock
@@ -145,6 +147,7 @@ class StepOrchestrator {
   bool in_flight_ = false;
   bool checkpoint_at_commit_ = false;
   int64_t step_ = -1;
+  int64_t first_encoder_replica_ = 0;  // the step's first encoder replica: it sends the partials
   int64_t generation_ = 0;
   absl::Time started_;
   int64_t global_loss_tokens_ = 0;

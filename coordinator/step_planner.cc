@@ -1,5 +1,6 @@
 #include "coordinator/step_planner.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -83,8 +84,18 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
       batches_->Next(spec_.run().global_batch());
   if (!samples.ok()) return samples.status();
+  // Encoder replicas that left the run: the step is planned over the others, and each worker's
+  // part is given back in its own world rank (plan::ReplicaSubset).
+  std::optional<plan::ReplicaSubset> subset;
+  const std::vector<int64_t> replicas = membership.EncoderReplicas();
+  if (placement_.kind == plan::PlacementKind::kNonColocated &&
+      static_cast<int64_t>(replicas.size()) < placement_.encoder.dp) {
+    absl::StatusOr<plan::ReplicaSubset> made = plan::ReplicaSubset::Create(placement_, replicas);
+    if (!made.ok()) return made.status();
+    subset = *std::move(made);
+  }
   absl::StatusOr<plan::StepPlan> step_plan =
-      plan::BuildStepPlan(placement_, *std::move(samples), *options);
+      plan::BuildStepPlan(subset ? subset->planned() : placement_, *std::move(samples), *options);
   if (!step_plan.ok()) return step_plan.status();
   PlannedStep planned;
   planned.global_loss_tokens = step_plan->n_global;
@@ -94,10 +105,13 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   }
   const plan::StepFlops flops = plan::BatchFlops(spec_, step_plan->samples);
   planned.model_flops = {{"encoder", flops.encoder.total()}, {"llm", flops.llm.total()}};
+  if (subset) planned.encoder_replicas = subset->replicas();
   for (const WorkerRecord* worker : membership.LiveWorkers()) {
-    absl::StatusOr<plan::RankStepPlan> rank_plan =
-        plan::ExtractRankPlan(*step_plan, worker->world_rank);
+    const int64_t rank = subset ? subset->PlannedRank(worker->world_rank) : worker->world_rank;
+    if (rank < 0) continue;  // a worker of a replica that left (about to be ended): no part
+    absl::StatusOr<plan::RankStepPlan> rank_plan = plan::ExtractRankPlan(*step_plan, rank);
     if (!rank_plan.ok()) return rank_plan.status();
+    if (subset) subset->ToFullRanks(&*rank_plan);
     planned.worker_plans[worker->worker_id] = RankStepPlanToProto(*rank_plan);
   }
   return planned;

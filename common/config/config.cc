@@ -676,6 +676,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Double("failure.step_timeout_s", 600.0);
   d.Double("failure.peer_timeout_s", 300.0);
   d.Double("failure.coordinator_timeout_s", 300.0);
+  d.Int("failure.min_encoder_replicas", 1);
 
   for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
                            "coordinator.token_file", "checkpoint.dir", "checkpoint.resume_from",
@@ -978,6 +979,19 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
   }
   if (!(s.coordinator().register_timeout_s() > 0)) {
     c.Fail("coordinator.register_timeout_s", "must be > 0 seconds");
+  }
+  const int64_t min_replicas = s.failure().min_encoder_replicas();
+  if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
+    if (min_replicas != 1) {
+      c.Fail("failure.min_encoder_replicas",
+             absl::StrCat("=", min_replicas,
+                          ": a colocated run cannot lose an encoder rank without its LLM rank, so "
+                          "it never shrinks its encoder pool; leave it at 1"));
+    }
+  } else if (min_replicas < 1 || min_replicas > std::max<int64_t>(1, s.encoder().layout().dp())) {
+    c.Fail("failure.min_encoder_replicas",
+           absl::StrCat("=", min_replicas, " must be in [1, encoder.layout.dp=",
+                        std::max<int64_t>(1, s.encoder().layout().dp()), "]"));
   }
   return issues;
 }

@@ -339,6 +339,17 @@ TEST(ConfigTest, FailureDeadlinesHaveDefaultsAndMustBePositive) {
   EXPECT_EQ(set->spec.failure().max_step_attempts(), 5);
 }
 
+TEST(ConfigTest, TheMinimumEncoderPoolIsBetweenOneAndTheLayoutsReplicas) {
+  auto defaults = Load(kValid);
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->spec.failure().min_encoder_replicas(), 1);
+  EXPECT_TRUE(Load(kValid, {"failure.min_encoder_replicas=2"}).ok());
+  ExpectIssue(Load(kValid, {"failure.min_encoder_replicas=3"}), "failure.min_encoder_replicas", 0,
+              "=3 must be in [1, encoder.layout.dp=2]");
+  ExpectIssue(Load(kValid, {"failure.min_encoder_replicas=0"}), "failure.min_encoder_replicas", 0,
+              "=0 must be in [1, encoder.layout.dp=2]");
+}
+
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {
   ExpectIssue(Load(kValid, {"llm.layout.pp=2", "run.max_inflight=1"}), "run.max_inflight", 0,
               "=1 is less than llm.layout.pp=2: the LLM's first stage runs 2 forwards");

@@ -74,7 +74,12 @@ int Run(const std::string& address, const std::string& role_name, const std::str
         progress.set_phase("backward");
         (void)s.SendProgress(progress);
         for (const auto& rank : assignment.ranks()) {
-          if (rank.dp() != 0) continue;
+          // The first replica taking part sends the partials (StepPlan.encoder_replicas).
+          const int64_t first =
+              rank.module() == v1::MODULE_ENCODER && step.encoder_replicas_size() > 0
+                  ? step.encoder_replicas(0)
+                  : 0;
+          if (rank.dp() != first) continue;
           v1::GradNormPartial partial;
           partial.set_step(step.step());
           partial.set_generation(step.generation());
