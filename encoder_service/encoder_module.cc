@@ -56,7 +56,12 @@ absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
 
 absl::StatusOr<worker::StepOutcome> EncoderModule::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
-  HETPAR_ASSIGN_OR_RETURN(worker::ModuleTimings timings, RunPart(plan, nullptr));
+  absl::StatusOr<worker::ModuleTimings> part = RunPart(plan, nullptr);
+  if (!part.ok()) {
+    context_->boundary().Abandon(plan);
+    return part.status();
+  }
+  worker::ModuleTimings timings = *std::move(part);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &timings);
   worker::StepOutcome outcome;
   outcome.modules.push_back(std::move(timings));

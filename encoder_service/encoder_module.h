@@ -35,9 +35,8 @@ class EncoderModule : public worker::SingleModuleRuntime {
 
  private:
   EncoderModule(worker::WorkerContext* context, worker::ModuleState state)
-      : SingleModuleRuntime(std::move(state)), context_(context) {}
+      : SingleModuleRuntime(context, std::move(state)) {}
 
-  worker::WorkerContext* context_;
   std::unique_ptr<VisionEncoder> model_;
   std::optional<EncoderRuntime> runtime_;  // from the first step on (the data set opens then)
 };

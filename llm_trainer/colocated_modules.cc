@@ -19,12 +19,17 @@ absl::StatusOr<std::unique_ptr<ColocatedModules>> ColocatedModules::Create(
 absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
   worker::StepOutcome llm_outcome;
-  HETPAR_ASSIGN_OR_RETURN(worker::ModuleTimings encoder_timings,
-                          encoder_->RunPart(plan, [&]() -> absl::Status {
-                            HETPAR_ASSIGN_OR_RETURN(llm_outcome, llm_->RunPart(plan));
-                            return absl::OkStatus();
-                          }));
-  HETPAR_RETURN_IF_ERROR(llm_->WaitForSends());
+  absl::StatusOr<worker::ModuleTimings> encoder_part =
+      encoder_->RunPart(plan, [&]() -> absl::Status {
+        HETPAR_ASSIGN_OR_RETURN(llm_outcome, llm_->RunPart(plan));
+        return absl::OkStatus();
+      });
+  absl::Status sent = encoder_part.ok() ? llm_->WaitForSends() : encoder_part.status();
+  if (!sent.ok()) {
+    context_->boundary().Abandon(plan);
+    return sent;
+  }
+  worker::ModuleTimings encoder_timings = *std::move(encoder_part);
   worker::StepOutcome outcome = std::move(llm_outcome);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &encoder_timings);
@@ -41,6 +46,13 @@ std::vector<worker::GradNormShare> ColocatedModules::GradNormShares() const {
 absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool checkpoint) {
   HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, checkpoint));
   return llm_->Apply(step, clip_coefficient, checkpoint);
+}
+
+absl::Status ColocatedModules::Regroup(int64_t generation,
+                                       const std::vector<int64_t>& encoder_replicas) {
+  // The encoder's groups first, as at the start.
+  HETPAR_RETURN_IF_ERROR(encoder_->Regroup(generation, encoder_replicas));
+  return llm_->Regroup(generation, encoder_replicas);
 }
 
 void ColocatedModules::Discard() {

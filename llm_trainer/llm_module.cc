@@ -36,6 +36,7 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
     }
     m->stage_link_ = std::make_unique<train::StageLink>(&context.transport(), context.peers(),
                                                         context.peer_timeout());
+    m->stage_link_->SetInterrupt(&context.interrupt());
     m->pipeline_.link = m->stage_link_.get();
     const auto [begin, end] = plan::PipelineStageLayers(spec.llm().model().layers(),
                                                         model_options.pp_stages, coords.pp());
@@ -99,7 +100,12 @@ absl::Status LlmModule::WaitForSends() {
 
 absl::StatusOr<worker::StepOutcome> LlmModule::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
-  HETPAR_ASSIGN_OR_RETURN(worker::StepOutcome outcome, RunPart(plan));
+  absl::StatusOr<worker::StepOutcome> part = RunPart(plan);
+  if (!part.ok()) {
+    context_->boundary().Abandon(plan);
+    return part.status();
+  }
+  worker::StepOutcome outcome = *std::move(part);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);
   return outcome;
 }

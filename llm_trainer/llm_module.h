@@ -36,9 +36,8 @@ class LlmModule : public worker::SingleModuleRuntime {
 
  private:
   LlmModule(worker::WorkerContext* context, bool colocated, worker::ModuleState state)
-      : SingleModuleRuntime(std::move(state)), context_(context), colocated_(colocated) {}
+      : SingleModuleRuntime(context, std::move(state)), colocated_(colocated) {}
 
-  worker::WorkerContext* context_;
   bool colocated_;
   std::unique_ptr<LanguageModel> model_;
   std::unique_ptr<train::StageLink> stage_link_;  // with pipeline stages

@@ -558,6 +558,8 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
     for (const auto& inner : message.batch().messages()) OnMessage(inner);
     return;
   }
+  // Before it is queued: whoever waits on peers for the step it ends learns of it first.
+  if (options_.on_arrival) options_.on_arrival(message);
   {
     absl::MutexLock lock(&mu_);
     unanswered_since_ = absl::InfiniteFuture();

@@ -140,6 +140,9 @@ class WorkerSession {
     // When set, called for every coordinator message on a gRPC thread instead of queueing it
     // for Next(). Must not block.
     std::function<void(const v1::CoordinatorMessage&)> on_message;
+    // When set, called for every coordinator message on a gRPC thread before it is queued (or
+    // handed to on_message). Must not block.
+    std::function<void(const v1::CoordinatorMessage&)> on_arrival;
     bool heartbeats = true;
     int ack_every = 5;  // ask for an ack every this many heartbeats; 0: never
     // When set, called once, on a gRPC thread, when the coordinator is lost: the stream broke off

@@ -40,14 +40,53 @@ bool NeedsUpcast(const at::Tensor& tensor, Backend backend) {
   return backend == Backend::kGloo && tensor.scalar_type() == at::kBFloat16;
 }
 
-void Wait(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
-          const char* what) {
-  if (!work->wait(timeout)) {
-    TORCH_CHECK(false, what, " did not complete within ", timeout.count(), " ms");
+}  // namespace
+
+void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+  if (interrupt_ == nullptr) {
+    if (!work->wait(timeout_)) {
+      abandoned_.store(true);
+      TORCH_CHECK(false, what, " did not complete within ", timeout_.count(), " ms");
+    }
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const auto slice = std::chrono::milliseconds(absl::ToInt64Milliseconds(kInterruptSlice));
+  while (true) {
+    try {
+      // Work::wait with a timeout throws when it passes with the work still pending.
+      if (work->wait(slice)) return;
+    } catch (const std::exception&) {
+      if (work->isCompleted()) throw;  // the collective itself failed
+    }
+    if (interrupt_->raised()) {
+      abandoned_.store(true);
+      TORCH_CHECK(false, what, " interrupted: the coordinator aborted the step");
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      abandoned_.store(true);
+      TORCH_CHECK(false, what, " did not complete within ", timeout_.count(), " ms");
+    }
   }
 }
 
-}  // namespace
+void CommGroup::Release() {
+  // Leaked on purpose when abandoned: see Adopt.
+  if (abandoned_.load() && process_group_) (void)process_group_.release();
+  process_group_.reset();
+}
+
+void CommGroup::Adopt(CommGroup& fresh) {
+  Release();
+  process_group_ = std::move(fresh.process_group_);
+  rank_ = fresh.rank_;
+  size_ = fresh.size_;
+  backend_ = fresh.backend_;
+  timeout_ = fresh.timeout_;
+  interrupt_ = fresh.interrupt_;
+  abandoned_.store(false);
+  fresh.size_ = 1;
+}
 
 absl::StatusOr<c10::intrusive_ptr<c10d::Store>> OpenFileStore(const std::string& path,
                                                               int world_size) {
@@ -104,7 +143,7 @@ CommGroup::CommGroup(c10::intrusive_ptr<c10d::ProcessGroup> process_group, int r
       backend_(backend),
       timeout_(timeout) {}
 
-CommGroup::~CommGroup() = default;
+CommGroup::~CommGroup() { Release(); }
 
 void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   if (size_ == 1) return;
@@ -114,7 +153,7 @@ void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
-  Wait(process_group_->allreduce(buffers, options), timeout_, "all-reduce");
+  Wait(process_group_->allreduce(buffers, options), "all-reduce");
   if (upcast) tensor.copy_(buffers[0]);
 }
 
@@ -127,7 +166,7 @@ at::Tensor CommGroup::AllGatherRows(const at::Tensor& tensor) const {
   for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(input));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  Wait(process_group_->allgather(outputs, inputs, options), timeout_, "all-gather");
+  Wait(process_group_->allgather(outputs, inputs, options), "all-gather");
   at::Tensor gathered = at::cat(outputs[0], 0);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
@@ -147,7 +186,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     output = at::empty(shape, input.options());
     c10d::ReduceScatterOptions options;
     options.timeout = timeout_;
-    Wait(process_group_->_reduce_scatter_base(output, input, options), timeout_, "reduce-scatter");
+    Wait(process_group_->_reduce_scatter_base(output, input, options), "reduce-scatter");
   } else {
     // Gloo in this libtorch has no reduce-scatter: exchange the row blocks all-to-all (block r of
     // every rank lands on rank r) and sum them here, in rank order.
@@ -156,7 +195,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
     Wait(process_group_->alltoall_base(exchanged, input, equal_splits, equal_splits, options),
-         timeout_, "reduce-scatter (all-to-all)");
+         "reduce-scatter (all-to-all)");
     shape[0] = rows;
     shape.insert(shape.begin(), size_);
     output = exchanged.view(shape).sum(0);
@@ -174,7 +213,7 @@ void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
-  Wait(process_group_->broadcast(buffers, options), timeout_, "broadcast");
+  Wait(process_group_->broadcast(buffers, options), "broadcast");
   if (upcast) tensor.copy_(buffers[0]);
 }
 
@@ -182,7 +221,7 @@ void CommGroup::Barrier() const {
   if (size_ == 1) return;
   c10d::BarrierOptions options;
   options.timeout = timeout_;
-  Wait(process_group_->barrier(options), timeout_, "barrier");
+  Wait(process_group_->barrier(options), "barrier");
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
@@ -242,7 +281,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
   if (!process_group.ok()) return process_group.status();
   auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
                                               options.backend, timeout);
+  group->set_interrupt(options.interrupt);
   return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+}
+
+void Communicator::Adopt(Communicator& fresh) {
+  group_->Adopt(*fresh.group_);
+  prefix_ = fresh.prefix_;
 }
 
 std::unique_ptr<Communicator> Communicator::CreateSingle() {

@@ -32,6 +32,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -42,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/step_interrupt.h"
 
 namespace hetpar::nn {
 
@@ -75,6 +77,9 @@ struct CommunicatorOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Address Gloo binds and advertises to peers.
   std::string hostname = "127.0.0.1";
+  // When set, a collective waiting on its peers gives up once it is raised (the coordinator
+  // aborted the step); the group is then abandoned (see CommGroup::Adopt).
+  const StepInterrupt* interrupt = nullptr;
 };
 
 // The shared state of a group, reference-counted so that autograd nodes can hold it. Its methods
@@ -101,12 +106,29 @@ class CommGroup : public torch::CustomClassHolder {
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
 
+  void set_interrupt(const StepInterrupt* interrupt) { interrupt_ = interrupt; }
+  // Whether a collective of this group was given up (interrupted or past its deadline) while
+  // its backend may still be running it.
+  bool abandoned() const { return abandoned_.load(); }
+  // Takes over `fresh`'s process group, rank and size (a group formed anew for a new
+  // generation), so that everything holding this group (models, autograd nodes) uses the new
+  // one; `fresh` is left empty. Call between steps. An abandoned process group is never
+  // destroyed: its backend thread may still be blocked in the collective given up, and
+  // destroying it would wait for that thread.
+  void Adopt(CommGroup& fresh);
+
  private:
+  // Waits for `work` within timeout_, in slices when an interrupt is set.
+  void Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
+  void Release();
+
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null when size_ == 1
   int rank_;
   int size_;
   Backend backend_;
   std::chrono::milliseconds timeout_;
+  const StepInterrupt* interrupt_ = nullptr;
+  mutable std::atomic<bool> abandoned_{false};
 };
 
 using CommGroupPtr = c10::intrusive_ptr<CommGroup>;
@@ -133,6 +155,10 @@ class Communicator {
   absl::StatusOr<at::Tensor> ReduceScatterRows(const at::Tensor& tensor);
   absl::Status Broadcast(at::Tensor& tensor, int root);
   absl::Status Barrier();
+
+  // This communicator becomes `fresh` (CommGroup::Adopt), keeping its identity for those who
+  // hold it.
+  void Adopt(Communicator& fresh);
 
  private:
   Communicator(CommGroupPtr group, std::string prefix)

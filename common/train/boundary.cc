@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
 #include "common/train/little_endian.h"
@@ -79,7 +80,15 @@ void PendingSends::Add(std::unique_ptr<std::string> buffer,
 }
 
 absl::Status PendingSends::Wait(absl::Time deadline) {
-  absl::Status status = transport::WaitAll(ops_, deadline);
+  absl::Status status = WaitInSlices(
+      [&](absl::Time until) {
+        for (const auto& op : ops_) {
+          absl::Status pending = op->Wait(until);
+          if (absl::IsDeadlineExceeded(pending)) return pending;
+        }
+        return transport::WaitAll(ops_, until);  // every one done: the first failure
+      },
+      deadline, interrupt_);
   if (status.ok()) {
     ops_.clear();
     buffers_.clear();
@@ -124,6 +133,7 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
     const std::vector<plan::Transfer>& transfers, const at::Tensor& rows) {
   PendingSends pending;
+  pending.interrupt_ = interrupt_;
   const int64_t row_bytes = plan.row_bytes;
   bool checked = false;
   for (const plan::Transfer& transfer : transfers) {
@@ -239,8 +249,42 @@ absl::Status BoundaryCommunicator::PostBackwardReceives(const plan::RankStepPlan
   return PostAhead(plan, plan::Direction::kBackward, wave, at::Tensor());
 }
 
+void BoundaryCommunicator::Abandon(const plan::RankStepPlan& plan) {
+  for (const plan::Direction direction : {plan::Direction::kForward, plan::Direction::kBackward}) {
+    const std::vector<plan::Transfer>& transfers =
+        direction == plan::Direction::kForward ? plan.forward_receives : plan.backward_receives;
+    for (const plan::Transfer& transfer : transfers) {
+      const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, transfer.wave);
+      if (posted_.count(tag) != 0 || taken_.count(tag) != 0) continue;
+      // Into staging: the message is only absorbed.
+      if (absl::Status s = PostAhead(plan, direction, transfer.wave, at::Tensor()); !s.ok()) {
+        HETPAR_LOG(WARNING) << "step " << plan.step << ": cannot post the receives of wave "
+                            << transfer.wave << " to absorb them: " << s;
+      }
+    }
+  }
+}
+
 void BoundaryCommunicator::BeginStep() {
-  posted_.clear();  // destroying a pending receive withdraws it
+  ++steps_begun_;
+  taken_.clear();
+  // Receives left a step ago or more were withdrawn (destroying a pending receive withdraws
+  // it); the ones the last step left wait one more.
+  std::vector<std::pair<int64_t, PostedReceive>> keep;
+  for (auto& [left, receive] : stale_) {
+    if (receive.op != nullptr && !receive.op->Done() && left >= steps_begun_ - 1) {
+      keep.emplace_back(left, std::move(receive));
+    }
+  }
+  stale_ = std::move(keep);
+  for (auto& [tag, receives] : posted_) {
+    for (PostedReceive& receive : receives) {
+      if (receive.op != nullptr && !receive.op->Done()) {
+        stale_.emplace_back(steps_begun_, std::move(receive));
+      }
+    }
+  }
+  posted_.clear();
   local_.clear();
   for (auto& intervals : intervals_) intervals.clear();
 }
@@ -273,6 +317,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
   // Forward rows go straight into `rows`; gradients are added, so they are staged.
   const at::Tensor straight = add ? at::Tensor() : rows;
   std::vector<PostedReceive> posted;
+  taken_.insert(BoundaryTag(plan.step, plan.attempt, direction, wave));
   auto ahead = posted_.find(BoundaryTag(plan.step, plan.attempt, direction, wave));
   if (ahead != posted_.end()) {
     posted = std::move(ahead->second);
@@ -324,8 +369,15 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
           "boundary receive of wave ", wave, ": the receive posted for rank ", receive.src_rank,
           " does not match the transfer from rank ", transfer.src_rank));
     }
-    absl::Status status = receive.op->Wait(deadline);
+    absl::Status status = WaitInSlices([&](absl::Time until) { return receive.op->Wait(until); },
+                                       deadline, interrupt_);
     if (!status.ok()) {
+      // Interrupted: the receives not taken yet stay posted (BeginStep withdraws them later).
+      if (absl::IsAborted(status)) {
+        std::vector<PostedReceive>& left =
+            posted_[BoundaryTag(plan.step, plan.attempt, direction, wave)];
+        for (size_t j = i; j < posted.size(); ++j) left.push_back(std::move(posted[j]));
+      }
       return Annotate(status,
                       absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
                                    " rows of step ", plan.step, " wave ", wave, " from rank ",

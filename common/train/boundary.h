@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -53,6 +54,7 @@
 #include "absl/time/time.h"
 #include "common/plan/message_header.h"
 #include "common/plan/step_plan.h"
+#include "common/step_interrupt.h"
 #include "common/transport/transport.h"
 
 namespace hetpar::train {
@@ -79,7 +81,8 @@ class PendingSends {
   PendingSends& operator=(PendingSends&&) = default;
 
   void Add(std::unique_ptr<std::string> buffer, std::unique_ptr<transport::Operation> op);
-  // Waits for every send; the first failure (naming the peer) otherwise.
+  // Waits for every send; the first failure (naming the peer) otherwise; Aborted when the step
+  // is interrupted first.
   absl::Status Wait(absl::Time deadline);
   int64_t bytes() const { return bytes_; }
   bool empty() const { return ops_.empty(); }
@@ -88,6 +91,8 @@ class PendingSends {
   std::vector<std::unique_ptr<std::string>> buffers_;
   std::vector<std::unique_ptr<transport::Operation>> ops_;
   int64_t bytes_ = 0;
+  const StepInterrupt* interrupt_ = nullptr;
+  friend class BoundaryCommunicator;
 };
 
 class BoundaryCommunicator {
@@ -121,8 +126,19 @@ class BoundaryCommunicator {
                                    const at::Tensor& buffer);
   absl::Status PostBackwardReceives(const plan::RankStepPlan& plan, int64_t wave);
 
-  // Starts a step: withdraws receives still posted and rows still held for a step that ended
-  // early (an aborted step), and clears the transfer records.
+  // The step of `plan` ended early on this rank (a failure, an interrupt): posts the receives of
+  // its waves that were neither posted nor taken, so that what live peers still send in it finds
+  // a receive (BeginStep withdraws them a step later).
+  void Abandon(const plan::RankStepPlan& plan);
+
+  // Every wait of this communicator (and of the sends it returns) ends early, Aborted, once
+  // `interrupt` is raised (may be null: waits end at their deadline only).
+  void SetInterrupt(const StepInterrupt* interrupt) { interrupt_ = interrupt; }
+
+  // Starts a step: drops the rows still held for a step that ended early (an aborted step) and
+  // clears the transfer records. Receives still posted for such a step stay posted through one
+  // more step, so that a live peer's send of the aborted step finds its receive and completes
+  // (a send the receiver never takes would tie up the connection); then they are withdrawn.
   void BeginStep();
 
   // Transfer records of one direction since BeginStep.
@@ -167,6 +183,11 @@ class BoundaryCommunicator {
 
   // Receives posted ahead, by tag.
   std::map<transport::Tag, std::vector<PostedReceive>> posted_;
+  // Receives of steps that ended early, with the BeginStep count when they were left.
+  std::vector<std::pair<int64_t, PostedReceive>> stale_;
+  std::set<transport::Tag> taken_;  // (direction, wave) receives taken by this step
+  int64_t steps_begun_ = 0;
+  const StepInterrupt* interrupt_ = nullptr;
   std::vector<Interval> intervals_[2];  // by direction
 
   // Source buffers of transfers a rank sent to itself, by (tag, rank), waiting to be received.

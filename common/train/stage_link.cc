@@ -121,7 +121,8 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
   posted_.erase(it);
   const int64_t rows = posted.rows.size(0);
   const std::string expected = Describe(step, attempt_, direction, microbatch, rows);
-  absl::Status status = posted.op->Wait(absl::Now() + timeout_);
+  absl::Status status = WaitInSlices([&](absl::Time until) { return posted.op->Wait(until); },
+                                     absl::Now() + timeout_, interrupt_);
   if (!status.ok()) {
     return Annotate(status, absl::StrCat("receiving the ", expected, " from pipeline rank ", src));
   }

@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/plan/step_plan.h"
+#include "common/step_interrupt.h"
 #include "common/train/boundary.h"
 #include "common/transport/transport.h"
 
@@ -71,6 +72,8 @@ class StageLink {
   // Reset, then carry step attempt `attempt` (the plan's) in every later message's tag and
   // header, and expect it in every message received.
   void BeginAttempt(int64_t attempt);
+  // Receives end early, Aborted, once `interrupt` is raised (may be null).
+  void SetInterrupt(const StepInterrupt* interrupt) { interrupt_ = interrupt; }
 
   // Sends whose messages are still held (not yet dropped by a Send or WaitSends).
   int64_t held_sends() const { return static_cast<int64_t>(sends_.size()); }
@@ -91,6 +94,7 @@ class StageLink {
   transport::Transport* transport_;
   std::map<int64_t, transport::PeerId> peers_;
   absl::Duration timeout_;
+  const StepInterrupt* interrupt_ = nullptr;
   struct Sent {
     std::unique_ptr<std::string> message;
     std::unique_ptr<transport::Operation> op;

@@ -56,6 +56,9 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   request.add_capabilities("ucx");
   if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
   session_options.on_lost = options.on_coordinator_lost;
+  session_options.on_arrival = [interrupt = ctx->interrupt_](const v1::CoordinatorMessage& m) {
+    if (m.has_abort() || m.has_stop()) interrupt->Raise();
+  };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
   ctx->spec_ = ctx->session_->registration().spec();
@@ -103,10 +106,16 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   }
   ctx->boundary_ = std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), ctx->peers_,
                                                                  ctx->peer_timeout_);
-  auto key_value = std::make_shared<coordinator::KeyValueClient>(ctx->connection_,
-                                                                 ctx->assignment_.generation());
-  HETPAR_ASSIGN_OR_RETURN(ctx->store_, rendezvous::OpenC10dStore(key_value, ctx->peer_timeout_));
+  ctx->boundary_->SetInterrupt(ctx->interrupt_.get());
+  HETPAR_RETURN_IF_ERROR(ctx->OpenStore(ctx->assignment_.generation()));
   return ctx;
+}
+
+absl::Status WorkerContext::OpenStore(int64_t generation) {
+  auto key_value = std::make_shared<coordinator::KeyValueClient>(connection_, generation);
+  HETPAR_ASSIGN_OR_RETURN(store_, rendezvous::OpenC10dStore(key_value, peer_timeout_));
+  store_generation_ = generation;
+  return absl::OkStatus();
 }
 
 const v1::RankCoordinates* WorkerContext::Coordinates(v1::Module module) const {
@@ -126,6 +135,7 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   options.size = static_cast<int>(size);
   options.timeout = peer_timeout_;
   options.hostname = options_.host;
+  options.interrupt = interrupt_.get();
   return nn::Communicator::Create(store_, options);
 }
 

@@ -27,6 +27,7 @@
 #include "common/control/client.h"
 #include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
+#include "common/step_interrupt.h"
 #include "common/train/boundary.h"
 #include "common/transport/transport.h"
 #include "hetpar/v1/coordinator.pb.h"
@@ -84,6 +85,17 @@ class WorkerContext {
   transport::Transport& transport() { return *transport_; }
   const std::map<int64_t, transport::PeerId>& peers() const { return peers_; }
 
+  // Raised as the coordinator's abort of the step in flight (or its stop) arrives: every wait on
+  // peers of this worker (the boundary, the pipeline link, the groups from Group) gives up then.
+  // The step driver arms it at each step's start.
+  StepInterrupt& interrupt() { return *interrupt_; }
+
+  // The rendezvous store of `generation` (each generation has its own keyspace on the
+  // coordinator): the groups formed after it meet there. Before a step of a new generation.
+  absl::Status OpenStore(int64_t generation);
+  // The generation whose store Group uses.
+  int64_t store_generation() const { return store_generation_; }
+
   // The c10d group `prefix` in which this worker is `rank` of `size`, formed through the run's
   // rendezvous store (a group of one needs no store); waits at most options().timeout.
   absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(const std::string& prefix, int64_t rank,
@@ -116,6 +128,8 @@ class WorkerContext {
   std::map<int64_t, transport::PeerId> peers_;
   std::unique_ptr<train::BoundaryCommunicator> boundary_;
   c10::intrusive_ptr<c10d::Store> store_;
+  int64_t store_generation_ = 0;
+  std::shared_ptr<StepInterrupt> interrupt_ = std::make_shared<StepInterrupt>();
   std::unique_ptr<data::BatchSource> data_;
 };
 

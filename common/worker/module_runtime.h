@@ -65,6 +65,11 @@ class ModuleRuntime {
   virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
+  // Before the first step of generation `generation`: form the module groups anew in that
+  // generation's rendezvous (the old ones may hold a collective a peer gave up), the encoder's
+  // gradient group over `encoder_replicas` (the plan's; empty: every replica).
+  virtual absl::Status Regroup(int64_t generation,
+                               const std::vector<int64_t>& encoder_replicas) = 0;
 
   // After the last step (the worker's main calls it, not the driver): the final outputs of the
   // module(s), handed to `send` (common/worker/outputs.h).

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -27,29 +28,93 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
   }
   state.coords_ = *coords;
   state.spec_ = context.spec();
-  const v1::Layout& layout = module == v1::MODULE_ENCODER ? context.spec().encoder().layout()
-                                                          : context.spec().llm().layout();
+  HETPAR_RETURN_IF_ERROR(state.FormGroups(context, {}));
+  return state;
+}
+
+absl::Status ModuleState::FormGroups(WorkerContext& context,
+                                     const std::vector<int64_t>& encoder_replicas) {
+  const v1::Layout& layout =
+      module_ == v1::MODULE_ENCODER ? spec_.encoder().layout() : spec_.llm().layout();
+  const v1::RankCoordinates* coords = &coords_;
   const int64_t cp = std::max<int64_t>(1, layout.cp());
   const int64_t pp = std::max<int64_t>(1, layout.pp());
+  // The DP replicas taking part: the encoder's may be fewer than its layout's (some left the
+  // run); this rank's index among them is its DP rank.
+  int64_t dp_rank = coords->dp();
+  int64_t dp_size = std::max<int64_t>(1, layout.dp());
+  if (module_ == v1::MODULE_ENCODER && !encoder_replicas.empty()) {
+    auto it = std::find(encoder_replicas.begin(), encoder_replicas.end(), coords->dp());
+    if (it == encoder_replicas.end()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the step's encoder replicas [", absl::StrJoin(encoder_replicas, ", "),
+                       "] leave out this worker's replica ", coords->dp()));
+    }
+    dp_rank = it - encoder_replicas.begin();
+    dp_size = static_cast<int64_t>(encoder_replicas.size());
+  }
   const std::string cp_part = cp > 1 ? absl::StrCat("/cp", coords->cp()) : "";
   // Every pipeline stage has groups of its own.
   const std::string pp_part = pp > 1 ? absl::StrCat("/pp", coords->pp()) : "";
-  HETPAR_ASSIGN_OR_RETURN(state.tp_, context.Group(absl::StrCat(state.name_, pp_part, "/dp",
-                                                                coords->dp(), cp_part, "/tp"),
-                                                   coords->tp(), layout.tp()));
-  state.gradient_rank_ = coords->dp() * cp + coords->cp();
   HETPAR_ASSIGN_OR_RETURN(
-      state.dp_, context.Group(absl::StrCat(state.name_, pp_part, "/tp", coords->tp(), "/dp"),
-                               state.gradient_rank_, layout.dp() * cp));
+      std::unique_ptr<nn::Communicator> tp,
+      context.Group(absl::StrCat(name_, pp_part, "/dp", coords->dp(), cp_part, "/tp"), coords->tp(),
+                    layout.tp()));
+  const int64_t gradient_rank = dp_rank * cp + coords->cp();
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<nn::Communicator> dp,
+                          context.Group(absl::StrCat(name_, pp_part, "/tp", coords->tp(), "/dp"),
+                                        gradient_rank, dp_size * cp));
   HETPAR_ASSIGN_OR_RETURN(
-      state.cp_, context.Group(absl::StrCat(state.name_, pp_part, "/dp", coords->dp(), "/tp",
-                                            coords->tp(), "/cp"),
-                               coords->cp(), cp));
+      std::unique_ptr<nn::Communicator> cp_group,
+      context.Group(absl::StrCat(name_, pp_part, "/dp", coords->dp(), "/tp", coords->tp(), "/cp"),
+                    coords->cp(), cp));
   HETPAR_ASSIGN_OR_RETURN(
-      state.pp_, context.Group(absl::StrCat(state.name_, "/dp", coords->dp(), cp_part, "/tp",
-                                            coords->tp(), "/pp"),
-                               coords->pp(), pp));
-  return state;
+      std::unique_ptr<nn::Communicator> pp_group,
+      context.Group(absl::StrCat(name_, "/dp", coords->dp(), cp_part, "/tp", coords->tp(), "/pp"),
+                    coords->pp(), pp));
+  gradient_rank_ = gradient_rank;
+  // Groups formed again (a new generation) replace the old ones in place: the model and the
+  // runtimes hold them.
+  auto place = [](std::unique_ptr<nn::Communicator>& slot, std::unique_ptr<nn::Communicator> g) {
+    if (slot == nullptr) {
+      slot = std::move(g);
+    } else {
+      slot->Adopt(*g);
+    }
+  };
+  place(tp_, std::move(tp));
+  place(dp_, std::move(dp));
+  place(cp_, std::move(cp_group));
+  place(pp_, std::move(pp_group));
+  formed_generation_ = context.store_generation();
+  return absl::OkStatus();
+}
+
+absl::Status ModuleState::Regroup(WorkerContext& context,
+                                  const std::vector<int64_t>& encoder_replicas) {
+  HETPAR_RETURN_IF_ERROR(Annotate(
+      FormGroups(context, encoder_replicas),
+      absl::StrCat("forming the ", name_, " groups of generation ", context.store_generation())));
+  HETPAR_LOG(INFO) << name_ << " groups formed for generation " << context.store_generation()
+                   << (module_ == v1::MODULE_ENCODER && !encoder_replicas.empty()
+                           ? absl::StrCat(" over encoder replicas [",
+                                          absl::StrJoin(encoder_replicas, ", "), "]")
+                           : std::string());
+  return absl::OkStatus();
+}
+
+absl::Status RegroupStates(WorkerContext& context, int64_t generation,
+                           const std::vector<int64_t>& encoder_replicas,
+                           std::initializer_list<ModuleState*> states) {
+  if (context.store_generation() != generation) {
+    HETPAR_RETURN_IF_ERROR(
+        Annotate(context.OpenStore(generation),
+                 absl::StrCat("opening the rendezvous of generation ", generation)));
+  }
+  for (ModuleState* state : states) {
+    HETPAR_RETURN_IF_ERROR(state->Regroup(context, encoder_replicas));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ModuleState::Train(nn::ParameterSet* params, const v1::Optimizer& optimizer) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <future>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,6 +41,13 @@ class ModuleState {
   // "<module>/dp<d>[/cp<c>]/tp<t>/pp", the rank's pipeline (index: its stage). FailedPrecondition
   // when the worker holds no rank of `module`.
   static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
+
+  // Forms the groups again through the context's current store (a new generation: a step was
+  // aborted, or encoder replicas left the run), over `encoder_replicas` (the step's; empty:
+  // every replica) for the encoder's gradient group. The communicators keep their identity.
+  absl::Status Regroup(WorkerContext& context, const std::vector<int64_t>& encoder_replicas);
+  // The generation whose store the groups were last formed in.
+  int64_t formed_generation() const { return formed_generation_; }
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
   // A resumed run (checkpoint.resume_from) then loads this rank's slices of the parameters and
@@ -83,6 +91,8 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> cp_;
   std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
+  int64_t formed_generation_ = 0;
+  absl::Status FormGroups(WorkerContext& context, const std::vector<int64_t>& encoder_replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
   absl::Status WriteCheckpoint(int64_t committed);
@@ -95,6 +105,12 @@ class ModuleState {
   std::future<absl::Status> pending_checkpoint_;  // the save in progress
 };
 
+// ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
+// `generation` (once), then forms each state's groups in it.
+absl::Status RegroupStates(WorkerContext& context, int64_t generation,
+                           const std::vector<int64_t>& encoder_replicas,
+                           std::initializer_list<ModuleState*> states);
+
 // A ModuleRuntime of one module, whose step end is its ModuleState's; the subclass runs the step.
 class SingleModuleRuntime : public ModuleRuntime {
  public:
@@ -103,13 +119,18 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.Apply(step, clip_coefficient, checkpoint);
   }
   void Discard() override { state_.Discard(); }
+  absl::Status Regroup(int64_t generation, const std::vector<int64_t>& encoder_replicas) override {
+    return RegroupStates(*context_, generation, encoder_replicas, {&state_});
+  }
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank) override {
     return state_.WriteOutputs(send, world_rank);
   }
 
  protected:
-  explicit SingleModuleRuntime(ModuleState state) : state_(std::move(state)) {}
+  SingleModuleRuntime(WorkerContext* context, ModuleState state)
+      : context_(context), state_(std::move(state)) {}
 
+  WorkerContext* context_;
   ModuleState state_;
 };
 

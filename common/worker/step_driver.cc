@@ -21,11 +21,6 @@ std::string LostPeers(const v1::MembershipChange& change) {
   return lost.empty() ? "a peer" : lost;
 }
 
-absl::Status MembershipError(const v1::MembershipChange& change) {
-  return absl::UnavailableError(
-      absl::StrCat("the run lost ", LostPeers(change), ": ", change.reason()));
-}
-
 std::string Describe(const v1::CoordinatorMessage& message) {
   if (message.has_grad_norm()) return absl::StrCat("the norm of step ", message.grad_norm().step());
   if (message.has_commit()) return absl::StrCat("the commit of step ", message.commit().step());
@@ -82,7 +77,13 @@ absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
     }
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, channel_->Next(left));
     if (message.has_heartbeat_ack() || message.has_assignment()) continue;
-    if (message.has_membership_change()) return MembershipError(message.membership_change());
+    if (message.has_membership_change()) {
+      HETPAR_LOG(WARNING) << "generation " << message.membership_change().generation()
+                          << ": the run lost " << LostPeers(message.membership_change()) << " ("
+                          << message.membership_change().reason()
+                          << "); going on with the coordinator's next plan";
+      continue;
+    }
     return message;
   }
 }
@@ -124,19 +125,33 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   v1::StepReport report;
   report.set_step(step);
   report.set_generation(step_message.generation());
+  if (options_.interrupt != nullptr) options_.interrupt->Arm();
   const absl::Time start = absl::Now();
+  absl::Status grouped = absl::OkStatus();
+  if (step_message.generation() != formed_generation_) {
+    // A new generation (an attempt aborted, or encoder replicas left): groups formed anew.
+    const std::vector<int64_t> replicas(step_message.encoder_replicas().begin(),
+                                        step_message.encoder_replicas().end());
+    grouped = modules_->Regroup(step_message.generation(), replicas);
+    if (grouped.ok()) formed_generation_ = step_message.generation();
+  }
   absl::StatusOr<plan::RankStepPlan> rank_plan =
-      coordinator::RankStepPlanFromProto(step_message.rank_plan());
+      grouped.ok() ? coordinator::RankStepPlanFromProto(step_message.rank_plan())
+                   : absl::StatusOr<plan::RankStepPlan>(grouped);
   absl::StatusOr<StepOutcome> outcome = rank_plan.ok()
                                             ? modules_->RunStep(*rank_plan)
                                             : absl::StatusOr<StepOutcome>(rank_plan.status());
   trace::Record(trace::kStepLane, "compute", "step", step_start);
   if (!outcome.ok()) {
+    // The coordinator decides what follows (it aborts the step, and plans it again or stops).
+    HETPAR_LOG(WARNING) << "step " << step << " (generation " << step_message.generation()
+                        << ") failed on this rank: " << outcome.status();
     report.set_ok(false);
     report.set_error(std::string(outcome.status().message()));
-    (void)channel_->SendReport(report);
     modules_->Discard();
-    return Annotate(outcome.status(), absl::StrCat("step ", step));
+    ++steps_failed_;
+    state_ = State::kAwaitingPlan;
+    return channel_->SendReport(report);
   }
   for (const GradNormShare& share : modules_->GradNormShares()) {
     v1::GradNormPartial partial;

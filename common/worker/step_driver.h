@@ -3,9 +3,9 @@
 // ModuleRuntime (the module or modules this rank runs).
 //
 //   kAwaitingPlan --plan--> kComputing --RunStep ok, partials sent--> kAwaitingNorm
-//         ^                     | error: report !ok                        | grad norm:
-//         |                     v                                          v report sent
-//         |                  kFailed                                kAwaitingCommit
+//         ^  ^                  | error: report !ok, Discard               | grad norm:
+//         |  +------------------+                                          v report sent
+//         |                                                         kAwaitingCommit
 //         |                                                                | commit
 //         +------------------ kApplying (clip, optimizer) <---------------+
 //
@@ -18,8 +18,13 @@
 // rank exactly as before the step, so the coordinator can re-run it. The report's optimizer_s is
 // the optimizer step that applied the previous step (at the start of this one). A commit of a
 // step whose norm was not finite (GradNorm.skip) discards its gradients instead of applying them.
-// Every wait for the coordinator has a deadline. A membership change fails the worker (the run
-// cannot yet re-form its groups around a lost peer). One thread calls Run.
+// Every wait for the coordinator has a deadline. A step that fails on this rank (a peer lost, a
+// wait interrupted by the coordinator's abort) is reported and discarded; the coordinator then
+// aborts it and plans it again, or stops the run. Each plan carries its generation (every
+// attempt has its own): before the first step of a new generation the rank forms its groups
+// anew (ModuleRuntime::Regroup), over the encoder replicas the plan names. The interrupt, when
+// given, is armed as each step starts. A membership change is logged; the plans that follow
+// it say what changed. One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 #define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 
@@ -31,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/control/client.h"
+#include "common/step_interrupt.h"
 #include "common/worker/module_runtime.h"
 #include "hetpar/v1/coordinator.pb.h"
 
@@ -64,6 +70,10 @@ struct StepDriverOptions {
   // Called after each committed and applied step with the rank's per-module split (the
   // report's timings).
   std::function<void(int64_t step, const std::vector<ModuleTimings>& timings)> on_applied;
+  // The generation the rank's groups were formed in at its start (the Assignment's).
+  int64_t initial_generation = 0;
+  // Armed as each step starts (may be null; the session raises it on an abort).
+  StepInterrupt* interrupt = nullptr;
 };
 
 class StepDriver {
@@ -80,12 +90,16 @@ class StepDriver {
 
   // Borrows `channel` and `modules`.
   StepDriver(ControlChannel* channel, ModuleRuntime* modules, StepDriverOptions options)
-      : channel_(channel), modules_(modules), options_(std::move(options)) {}
+      : channel_(channel),
+        modules_(modules),
+        options_(std::move(options)),
+        formed_generation_(options_.initial_generation) {}
   StepDriver(const StepDriver&) = delete;
   StepDriver& operator=(const StepDriver&) = delete;
 
-  // Runs steps until the coordinator says stop (OK) or something fails (the error, naming the
-  // step). A step that fails in RunStep is reported to the coordinator before returning.
+  // Runs steps until the coordinator says stop (OK) or the session fails (the error). A step
+  // that fails in RunStep (or in forming its groups) is reported to the coordinator and
+  // discarded; the driver then waits for the coordinator's next word.
   absl::Status Run();
 
   State state() const { return state_; }
@@ -93,10 +107,12 @@ class StepDriver {
   int64_t steps_discarded() const { return steps_discarded_; }
   // Committed without an update: the coordinator's norm was not finite (GradNorm.skip).
   int64_t steps_skipped() const { return steps_skipped_; }
+  // Steps that failed on this rank (reported, discarded).
+  int64_t steps_failed() const { return steps_failed_; }
 
  private:
-  // Waits for the next message other than heartbeat acks and assignments; a membership change is
-  // an error.
+  // Waits for the next message other than heartbeat acks, assignments and membership changes
+  // (logged).
   absl::StatusOr<v1::CoordinatorMessage> NextRelevant();
   // kComputing through kApplying for one plan; returns with state_ set to what follows.
   absl::Status RunOneStep(const v1::StepPlan& step_plan);
@@ -111,6 +127,8 @@ class StepDriver {
   int64_t steps_applied_ = 0;
   int64_t steps_discarded_ = 0;
   int64_t steps_skipped_ = 0;
+  int64_t steps_failed_ = 0;
+  int64_t formed_generation_ = 0;
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
 };
 

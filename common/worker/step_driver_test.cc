@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/control/plan_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -77,29 +78,44 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
+  absl::Status Regroup(int64_t generation, const std::vector<int64_t>& replicas) override {
+    calls.push_back(absl::StrCat("regroup ", generation, " [", absl::StrJoin(replicas, ","), "]"));
+    return regroup_error;
+  }
   absl::Status WriteOutputs(const OutputSender&, int64_t) override { return absl::OkStatus(); }
 
   std::vector<std::string> calls;
   bool pending = false;
   int updates = 0;
   int64_t fail_at_step = -1;
+  absl::Status regroup_error;
 };
+
+// Options of a driver whose groups were formed in generation 1.
+StepDriverOptions Gen1() {
+  StepDriverOptions options;
+  options.initial_generation = 1;
+  return options;
+}
 
 // Options whose on_applied records each applied step in `steps`.
 StepDriverOptions RecordingApplied(std::vector<int64_t>* steps) {
-  StepDriverOptions options;
+  StepDriverOptions options = Gen1();
   options.on_applied = [steps](int64_t step, const std::vector<ModuleTimings>&) {
     steps->push_back(step);
   };
   return options;
 }
 
-v1::CoordinatorMessage Plan(int64_t step) {
+// A plan of generation 1 (the one the drivers below start in) unless given another.
+v1::CoordinatorMessage Plan(int64_t step, int64_t generation = 1,
+                            std::vector<int64_t> encoder_replicas = {}) {
   plan::RankStepPlan rank_plan;
   rank_plan.step = step;
   v1::CoordinatorMessage m;
   m.mutable_step_plan()->set_step(step);
-  m.mutable_step_plan()->set_generation(1);
+  m.mutable_step_plan()->set_generation(generation);
+  for (int64_t r : encoder_replicas) m.mutable_step_plan()->add_encoder_replicas(r);
   *m.mutable_step_plan()->mutable_rank_plan() = coordinator::RankStepPlanToProto(rank_plan);
   return m;
 }
@@ -145,7 +161,7 @@ TEST(StepDriverTest, CommittedStepsApplyTheCoordinatorsClipOnlyAtTheCommit) {
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
-  StepDriverOptions options;
+  StepDriverOptions options = Gen1();
   options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& t) {
     applied_steps.push_back(step);
     ASSERT_EQ(t.size(), 1u);
@@ -198,7 +214,7 @@ TEST(StepDriverTest, AStopAfterTheReportButBeforeTheCommitAppliesNothing) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m : {Plan(0), Norm(0, 1.0), Stop()}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
   EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
@@ -228,7 +244,7 @@ TEST(StepDriverTest, ACommitOfAnotherStepIsRefusedInsteadOfApplied) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m : {Plan(4), Norm(4, 1.0), Commit(3)}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   const absl::Status status = driver.Run();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(status.message()), HasSubstr("the commit of step 3"));
@@ -239,7 +255,7 @@ TEST(StepDriverTest, AnAbortAfterThePartialsDiscardsTheStepAndTheRetryApplies) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m : {Plan(3), Abort(3), Plan(3), Norm(3, 1.0), Commit(3), Stop()}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("run 3", "discard", "run 3", "apply 3 clip 1"));
   EXPECT_EQ(module.updates, 1);
@@ -253,41 +269,83 @@ TEST(StepDriverTest, AStopWhileAwaitingTheDecisionDiscardsWithoutApplying) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m : {Plan(0), Stop()}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
   EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
   EXPECT_EQ(module.updates, 0);
 }
 
-TEST(StepDriverTest, AFailedStepIsReportedAndEndsTheWorkerNamingTheStep) {
+TEST(StepDriverTest, AFailedStepIsReportedDiscardedAndTheCoordinatorsRetryRuns) {
   ScriptedChannel channel;
   RecordingModule module;
   module.fail_at_step = 2;
-  for (auto m : {Plan(2), Norm(2, 1.0)}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
-  const absl::Status status = driver.Run();
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("step 2"));
-  EXPECT_THAT(std::string(status.message()), HasSubstr("peer llm-1 died"));
-  EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
-  EXPECT_THAT(channel.sent, ElementsAre("report 2 failed"));
+  // The coordinator aborts the failed attempt and plans the step again in a new generation.
+  for (auto m : {Plan(2), Abort(2), Plan(3, 2), Norm(3, 1.0), Commit(3), Stop()}) {
+    channel.Push(m);
+  }
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(driver.steps_failed(), 1);
+  EXPECT_THAT(channel.sent, ElementsAre("report 2 failed", "partial 3", "report 3 ok"));
   EXPECT_THAT(channel.reports[0].error(), HasSubstr("peer llm-1 died"));
-  EXPECT_EQ(module.updates, 0);
+  EXPECT_THAT(module.calls, ElementsAre("run 2", "discard", "discard", "regroup 2 []", "run 3",
+                                        "apply 3 clip 1"));
+  EXPECT_EQ(module.updates, 1);
+}
+
+TEST(StepDriverTest, ANewGenerationFormsTheGroupsOverThePlansEncoderReplicasOnce) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(0, 4, {0, 2}), Norm(0, 1.0), Commit(0), Plan(1, 4, {0, 2}), Norm(1, 1.0),
+                 Commit(1), Stop()}) {
+    channel.Push(m);
+  }
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls,
+              ElementsAre("regroup 4 [0,2]", "run 0", "apply 0 clip 1", "run 1", "apply 1 clip 1"));
+}
+
+TEST(StepDriverTest, GroupsThatCannotBeFormedFailTheStepAndAreTriedAgainNextAttempt) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.regroup_error = absl::DeadlineExceededError("rendezvous of generation 2 timed out");
+  for (auto m : {Plan(0, 2), Abort(0), Stop()}) channel.Push(m);
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(channel.sent, ElementsAre("report 0 failed"));
+  EXPECT_THAT(channel.reports[0].error(), HasSubstr("rendezvous of generation 2"));
+  // The step never ran on groups that were not formed.
+  EXPECT_THAT(module.calls, ElementsAre("regroup 2 []", "discard", "discard"));
+}
+
+TEST(StepDriverTest, AnArmedInterruptIsClearedAsEachStepStarts) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  StepInterrupt interrupt;
+  interrupt.Raise();  // an abort of an earlier attempt
+  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Stop()}) channel.Push(m);
+  StepDriverOptions options = Gen1();
+  options.interrupt = &interrupt;
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_FALSE(interrupt.raised());
+  EXPECT_EQ(module.updates, 1);
 }
 
 TEST(StepDriverTest, ANormOfAnotherStepIsRefusedInsteadOfApplied) {
   ScriptedChannel channel;
   RecordingModule module;
   for (auto m : {Plan(4), Norm(3, 1.0)}) channel.Push(m);
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   const absl::Status status = driver.Run();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(status.message()), HasSubstr("the norm of step 3"));
   EXPECT_EQ(module.updates, 0);
 }
 
-TEST(StepDriverTest, AMembershipChangeEndsTheWorkerNamingTheLostPeer) {
+TEST(StepDriverTest, AMembershipChangeIsLoggedAndTheWorkerGoesOnWithTheNextPlan) {
   ScriptedChannel channel;
   RecordingModule module;
   v1::CoordinatorMessage change;
@@ -295,18 +353,16 @@ TEST(StepDriverTest, AMembershipChangeEndsTheWorkerNamingTheLostPeer) {
   lost->set_worker_id("encoder-1");
   lost->set_host("10.0.0.7");
   change.mutable_membership_change()->set_reason("heartbeat timeout");
-  channel.Push(change);
-  StepDriver driver(&channel, &module, {});
-  const absl::Status status = driver.Run();
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(status.message()), HasSubstr("encoder-1 (10.0.0.7)"));
-  EXPECT_THAT(std::string(status.message()), HasSubstr("heartbeat timeout"));
+  for (auto m : {change, Plan(0, 3, {1}), Norm(0, 1.0), Commit(0), Stop()}) channel.Push(m);
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls, ElementsAre("regroup 3 [1]", "run 0", "apply 0 clip 1"));
 }
 
 TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {
   ScriptedChannel channel;  // empty: Next fails with DeadlineExceeded
   RecordingModule module;
-  StepDriver driver(&channel, &module, {});
+  StepDriver driver(&channel, &module, Gen1());
   EXPECT_EQ(driver.Run().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(module.calls.empty());
 }

@@ -82,6 +82,8 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   SessionChannel channel(&context->session());
   StepDriverOptions driver_options;
   driver_options.timeout = context->coordinator_timeout();
+  driver_options.initial_generation = context->store_generation();
+  driver_options.interrupt = &context->interrupt();
   const int64_t world_rank = context->world_rank();
   // Trace events of the traced steps go to <out>/trace/rank-<r>.jsonl after each step, the
   // process's name first.
@@ -120,6 +122,8 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   const absl::Status run = driver.Run();
   flush_trace();
   HETPAR_RETURN_IF_ERROR(run);
+  // The stop raised the step interrupt; the outputs' gathers must not see it.
+  context->interrupt().Arm();
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
                    << " discarded";
   HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(

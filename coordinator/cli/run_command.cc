@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -306,6 +307,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool stop_sent = false;
+  // Processes that exited while the run trained, left to the coordinator's judgement.
+  std::set<const LocalProcess*> lost;
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(100));
     if (g_interrupted && !stop_sent) {
@@ -321,12 +324,22 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     }
     for (auto& process : processes) {
       const std::optional<int> code = process->Poll();
-      if (code.has_value() && *code != 0 && failure.empty()) {
-        failure = absl::StrCat(process->name(), " (pid ", process->pid(), ") exited with code ",
-                               *code, "; the end of its log:\n", process->LogTail(8));
-        (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
-        stop_sent = true;
+      if (!code.has_value() || *code == 0 || !failure.empty() || lost.count(process.get()) != 0) {
+        continue;
       }
+      if (state == v1::RUN_STATE_RUNNING) {
+        // While the run trains the coordinator decides: it goes on without an encoder replica
+        // (or fails the run, which ends this loop).
+        lost.insert(process.get());
+        std::cerr << "\nhetpar run: " << process->name() << " (pid " << process->pid()
+                  << ") exited with code " << *code
+                  << "; the coordinator decides whether the run goes on without it\n";
+        continue;
+      }
+      failure = absl::StrCat(process->name(), " (pid ", process->pid(), ") exited with code ",
+                             *code, "; the end of its log:\n", process->LogTail(8));
+      (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
+      stop_sent = true;
     }
     if (absl::Status s = metrics.Follow((*server)->Status()); !s.ok() && failure.empty()) {
       failure = std::string(s.message());
@@ -335,7 +348,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const v1::StatusResponse final_status = (*server)->Status();
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
-    if (code != 0 && failure.empty()) {
+    if (code != 0 && failure.empty() && lost.count(process.get()) == 0) {
       failure = absl::StrCat(process->name(), " exited with code ", code, "; the end of its log:\n",
                              process->LogTail(8));
     }

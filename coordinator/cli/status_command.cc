@@ -56,6 +56,19 @@ void PrintStatus(const v1::StatusResponse& s) {
   if (s.step_in_flight() >= 0) std::cout << ", step " << s.step_in_flight() << " in flight";
   if (!s.data_position().empty()) std::cout << ", data at " << s.data_position();
   std::cout << "\n";
+  if (s.encoder_replicas_configured() > 0) {
+    std::cout << "encoder pool: " << s.encoder_replicas() << " of "
+              << s.encoder_replicas_configured() << " replicas training\n";
+    for (const v1::PoolChange& change : s.pool_changes()) {
+      std::cout << "  step " << change.step() << ", generation " << change.generation()
+                << ": encoder replica " << change.replica() << " left (" << change.replicas_after()
+                << " left); "
+                << (change.recovery_s() >= 0 ? absl::StrCat("next step committed ",
+                                                            Seconds(change.recovery_s()), " later")
+                                             : std::string("recovering"))
+                << " - " << change.cause() << "\n";
+    }
+  }
   if (s.missing_size() > 0) {
     std::cout << "missing " << s.missing_size();
     if (s.missing_deadline_s() > 0) {

@@ -44,6 +44,7 @@ class StepMetricsWriter {
   double peak_tflops_;
   std::function<void(const v1::StepTiming&)> on_step_;
   int64_t written_;
+  int pool_changes_written_ = 0;
 };
 
 // The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the

@@ -1,5 +1,5 @@
-// Faults of whole runs, as a user meets them: each ends in a clear error within a bounded time
-// and leaves no process behind.
+// Faults of whole runs, as a user meets them: each is survived (an encoder replica lost) or ends
+// in a clear error within a bounded time, and leaves no process behind.
 #include <signal.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -170,34 +170,78 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"), HasSubstr("wrong run token"));
 }
 
-TEST_F(RunFaultsTest, KilledWorkerAbortsTheStepAndStopsEveryProcess) {
-  auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
+// An encoder worker killed (SIGKILL, at whatever point of a step it is) takes its replica out of
+// the run; the step is planned again over the other replica and the run goes on. Any layout of
+// the encoder is exact, so in float64 the losses and final parameters are an uninterrupted
+// run's (which the parity tests hold to the single-process reference).
+TEST_F(RunFaultsTest, AKilledEncoderReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
+  constexpr int kSteps = 10;
+  std::vector<std::string> argv = RunArgs(kSteps);
+  argv.insert(argv.end(), {"--set", "run.dtype=float64"});
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
-  // Wait for a few committed steps.
   const std::string metrics = dir_ + "/run/metrics.jsonl";
   WaitForLines(metrics, 3);
-  std::vector<pid_t> encoders = ProcessesWith("hetpar-encoder --coordinator");
   std::vector<pid_t> victims;
-  for (pid_t pid : encoders) {
+  for (pid_t pid : ProcessesWith("hetpar-encoder --coordinator")) {
     if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
       victims.push_back(pid);
     }
   }
   ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
-  const auto start = std::chrono::steady_clock::now();
   ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
-  auto code = run->Wait(90);
+  auto code = run->Wait(120);
   ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
-  EXPECT_EQ(*code, 1);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(60));
   const std::string log = ReadFile(dir_ + "/hetpar-run.log");
-  EXPECT_THAT(log, HasSubstr("failed after"));
-  EXPECT_THAT(log, HasSubstr("encoder-"));
-  EXPECT_THAT(log, HasSubstr("code 137"));
-  // Every committed step is whole in metrics.jsonl; nothing was committed after the kill's step.
-  const std::string text = ReadFile(metrics);
-  EXPECT_GE(std::count(text.begin(), text.end(), '\n'), 3);
-  EXPECT_THAT(text, ::testing::Not(HasSubstr("final_params")));
+  ASSERT_EQ(*code, 0) << log;
+  EXPECT_THAT(log, HasSubstr("exited with code 137; the coordinator decides"));
+
+  std::vector<std::string> straight = RunArgs(kSteps);
+  straight[5] = dir_ + "/straight";  // the value of --out
+  straight.insert(straight.end(), {"--set", "run.dtype=float64"});
+  auto whole = RunCommand(straight, 120);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  ASSERT_EQ(whole->exit_code, 0) << whole->stderr_text;
+
+  struct Lines {
+    std::map<int64_t, double> loss;
+    nlohmann::json final_params;
+    std::vector<nlohmann::json> pool_changes;
+  };
+  auto read = [&](const std::string& run_dir) {
+    Lines out;
+    std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
+    std::string line;
+    while (std::getline(in, line)) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("step")) out.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
+      if (j.contains("final_params")) out.final_params = j["final_params"];
+      if (j.contains("pool_change")) out.pool_changes.push_back(j["pool_change"]);
+    }
+    return out;
+  };
+  const Lines a = read(dir_ + "/run");
+  const Lines b = read(dir_ + "/straight");
+  ASSERT_EQ(a.loss.size(), static_cast<size_t>(kSteps)) << ReadFile(metrics);
+  ASSERT_EQ(b.loss.size(), static_cast<size_t>(kSteps));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    EXPECT_NEAR(a.loss.at(step), b.loss.at(step), 1e-9 * std::fabs(b.loss.at(step)))
+        << "step " << step;
+  }
+  for (const char* module : {"encoder", "llm"}) {
+    for (const char* what : {"sum", "l2"}) {
+      const double x = a.final_params[module][what].get<double>();
+      const double y = b.final_params[module][what].get<double>();
+      EXPECT_NEAR(x, y, 1e-9 * std::max(1.0, std::fabs(y))) << module << " " << what;
+    }
+  }
+  // The loss is on record, with the pool left and the time to the next committed step.
+  ASSERT_EQ(a.pool_changes.size(), 1u) << ReadFile(metrics);
+  EXPECT_EQ(a.pool_changes[0]["encoder_replicas"].get<int64_t>(), 1);
+  EXPECT_GE(a.pool_changes[0]["step"].get<int64_t>(), 2);
+  EXPECT_GE(a.pool_changes[0]["recovery_s"].get<double>(), 0);
+  EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr("encoder rank"));
+  EXPECT_TRUE(b.pool_changes.empty());
 }
 
 // A run killed while it writes a checkpoint every step (SIGKILL of an LLM worker, at whatever
@@ -225,6 +269,10 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   auto code = run->Wait(90);
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 1);
+  // An LLM rank's shard is held by no other worker: the run stops, saying how to resume.
+  const std::string log = ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_THAT(log, HasSubstr("held by no other worker"));
+  EXPECT_THAT(log, HasSubstr("resume it from its newest checkpoint under " + checkpoints));
   // The newest checkpoint with a manifest.
   int64_t newest = -1;
   for (const auto& entry : fs::directory_iterator(checkpoints)) {
