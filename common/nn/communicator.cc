@@ -57,7 +57,11 @@ void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* wha
       // Work::wait with a timeout throws when it passes with the work still pending.
       if (work->wait(slice)) return;
     } catch (const std::exception&) {
-      if (work->isCompleted()) throw;  // the collective itself failed
+      // Done meanwhile, or failed: its own outcome (its error, rethrown) instead of the slice's.
+      if (work->isCompleted()) {
+        work->wait();
+        return;
+      }
     }
     if (interrupt_->raised()) {
       abandoned_.store(true);
