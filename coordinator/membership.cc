@@ -105,6 +105,7 @@ absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
   } else {
     m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), nullptr);
     m.retired_encoder_replicas_.assign(m.encoder_grid_.dp, false);
+    m.retired_llm_replicas_.assign(m.llm_grid_.dp, false);
     m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
   }
@@ -149,9 +150,10 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
                        RoleName(request.role()), ": expected 0..", slots.size() - 1));
     }
     if (Retired(request.role(), wanted)) {
+      const std::vector<v1::RankCoordinates> ranks = RanksOfSlot(request.role(), wanted);
       return absl::FailedPreconditionError(absl::StrCat(
-          RoleName(request.role()), " rank ", wanted, " belongs to encoder replica ",
-          wanted / encoder_grid_.tp,
+          RoleName(request.role()), " rank ", wanted, " belongs to ",
+          ModuleName(ranks.back().module()), " replica ", ranks.back().dp(),
           ", which left the run after one of its workers was lost; a worker cannot join a "
           "running run yet (resume the run from a checkpoint to train on a full pool again)"));
     }
@@ -176,8 +178,8 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
     if (slot < 0) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "every ", RoleName(request.role()), " rank is taken (", slots.size(),
-          retired ? " ranks: the others are alive, and those of encoder replicas that left the "
-                    "run after a lost worker take no one until the run is resumed)"
+          retired ? " ranks: the others are alive, and those of replicas that left the run "
+                    "after a lost worker take no one until the run is resumed)"
                   : " ranks, all registered and alive)"));
     }
   }
@@ -227,34 +229,42 @@ void Membership::MarkDead(const std::string& worker_id, const std::string& reaso
   }
 }
 
-void Membership::RetireEncoderReplica(int64_t dp) {
-  if (dp < 0 || dp >= static_cast<int64_t>(retired_encoder_replicas_.size())) return;
-  retired_encoder_replicas_[dp] = true;
+void Membership::RetireReplica(v1::Module module, int64_t dp) {
+  std::vector<bool>& retired =
+      module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
+  if (dp < 0 || dp >= static_cast<int64_t>(retired.size())) return;
+  retired[dp] = true;
 }
 
-std::vector<int64_t> Membership::EncoderReplicas() const {
+std::vector<int64_t> Membership::Replicas(v1::Module module) const {
+  const std::vector<bool>& retired =
+      module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
+  const int64_t dp = module == v1::MODULE_ENCODER ? encoder_grid_.dp : llm_grid_.dp;
   std::vector<int64_t> replicas;
-  for (int64_t dp = 0; dp < encoder_grid_.dp; ++dp) {
-    if (dp >= static_cast<int64_t>(retired_encoder_replicas_.size()) ||
-        !retired_encoder_replicas_[dp]) {
-      replicas.push_back(dp);
-    }
+  for (int64_t d = 0; d < dp; ++d) {
+    if (d >= static_cast<int64_t>(retired.size()) || !retired[d]) replicas.push_back(d);
   }
   return replicas;
 }
 
-int64_t Membership::EncoderReplicaOf(const WorkerRecord& worker) {
+int64_t Membership::ReplicaOf(const WorkerRecord& worker, v1::Module module) {
   for (const v1::RankCoordinates& rank : worker.ranks) {
-    if (rank.module() == v1::MODULE_ENCODER) return rank.dp();
+    if (rank.module() == module) return rank.dp();
   }
   return -1;
 }
 
 bool Membership::Retired(v1::WorkerRole role, int64_t slot) const {
-  if (role != v1::WORKER_ROLE_ENCODER) return false;
-  const int64_t dp = slot / std::max<int64_t>(1, encoder_grid_.tp);
-  return dp < static_cast<int64_t>(retired_encoder_replicas_.size()) &&
-         retired_encoder_replicas_[dp];
+  if (role == v1::WORKER_ROLE_ENCODER) {
+    const int64_t dp = CoordinatesOf(v1::MODULE_ENCODER, encoder_grid_, slot).dp();
+    return dp < static_cast<int64_t>(retired_encoder_replicas_.size()) &&
+           retired_encoder_replicas_[dp];
+  }
+  if (role == v1::WORKER_ROLE_LLM) {
+    const int64_t dp = CoordinatesOf(v1::MODULE_LLM, llm_grid_, slot).dp();
+    return dp < static_cast<int64_t>(retired_llm_replicas_.size()) && retired_llm_replicas_[dp];
+  }
+  return false;
 }
 
 bool Membership::Complete() const {

@@ -88,16 +88,16 @@ class Membership {
   // Marks a worker dead and frees its slot. No-op for a dead or unknown worker.
   void MarkDead(const std::string& worker_id, const std::string& reason);
 
-  // The encoder DP replica `dp` leaves the run (non-colocated runs): its ranks are no longer
+  // DP replica `dp` of `module` leaves the run (non-colocated runs): its ranks are no longer
   // expected, and no worker is admitted into them. Its live workers, if any, stay until marked
   // dead. No-op for a replica out of range or already retired.
-  void RetireEncoderReplica(int64_t dp);
-  // The encoder DP replicas still in the run, increasing (every replica until one retires).
-  std::vector<int64_t> EncoderReplicas() const;
-  // The encoder replica of `worker` (its dp coordinate); -1 for a worker with no encoder rank.
-  static int64_t EncoderReplicaOf(const WorkerRecord& worker);
+  void RetireReplica(v1::Module module, int64_t dp);
+  // The DP replicas of `module` still in the run, increasing (every replica until one retires).
+  std::vector<int64_t> Replicas(v1::Module module) const;
+  // The DP replica of `worker` in `module` (its dp coordinate); -1 when it has no rank there.
+  static int64_t ReplicaOf(const WorkerRecord& worker, v1::Module module);
 
-  // Every slot of the run (those of retired encoder replicas aside) holds a live worker.
+  // Every slot of the run (those of retired replicas aside) holds a live worker.
   bool Complete() const;
   int64_t expected_workers() const { return expected_workers_; }
   int64_t alive_workers() const;
@@ -124,7 +124,7 @@ class Membership {
  private:
   Membership() = default;
   std::vector<v1::RankCoordinates> RanksOfSlot(v1::WorkerRole role, int64_t slot) const;
-  // Whether `slot` of `role` belongs to a retired encoder replica.
+  // Whether `slot` of `role` belongs to a retired replica.
   bool Retired(v1::WorkerRole role, int64_t slot) const;
 
   v1::Placement placement_ = v1::PLACEMENT_NON_COLOCATED;
@@ -136,7 +136,9 @@ class Membership {
   std::vector<std::unique_ptr<WorkerRecord>> workers_;
   absl::flat_hash_map<std::string, WorkerRecord*> by_id_;
   int64_t next_serial_ = 0;
-  std::vector<bool> retired_encoder_replicas_;  // by dp (non-colocated runs)
+  // By dp (non-colocated runs).
+  std::vector<bool> retired_encoder_replicas_;
+  std::vector<bool> retired_llm_replicas_;
 };
 
 }  // namespace hetpar::coordinator

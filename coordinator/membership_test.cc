@@ -224,16 +224,17 @@ TEST(MembershipTest, ARetiredEncoderReplicaIsNeitherMissingNorTakenAgain) {
     encoders.push_back(*w);
   }
   ASSERT_TRUE(m->Admit(Request(v1::WORKER_ROLE_LLM), 1, absl::UnixEpoch()).ok());
-  EXPECT_THAT(m->EncoderReplicas(), ElementsAre(0, 1, 2));
-  EXPECT_EQ(Membership::EncoderReplicaOf(*encoders[3]), 1);  // rank 3: dp 1, tp 1
+  EXPECT_THAT(m->Replicas(v1::MODULE_ENCODER), ElementsAre(0, 1, 2));
+  EXPECT_EQ(Membership::ReplicaOf(*encoders[3], v1::MODULE_ENCODER), 1);  // rank 3: dp 1, tp 1
   // Replica 1 (ranks 2 and 3) leaves.
   m->MarkDead(encoders[3]->worker_id, "killed");
   m->MarkDead(encoders[2]->worker_id, "its replica left");
   EXPECT_FALSE(m->Complete());
-  m->RetireEncoderReplica(1);
+  m->RetireReplica(v1::MODULE_ENCODER, 1);
   EXPECT_TRUE(m->Complete());
   EXPECT_TRUE(m->Missing().empty());
-  EXPECT_THAT(m->EncoderReplicas(), ElementsAre(0, 2));
+  EXPECT_THAT(m->Replicas(v1::MODULE_ENCODER), ElementsAre(0, 2));
+  EXPECT_THAT(m->Replicas(v1::MODULE_LLM), ElementsAre(0));
   auto again = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 2, absl::UnixEpoch());
   EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(again.status().message()), HasSubstr("left the run"));
@@ -247,6 +248,28 @@ TEST(MembershipTest, ARetiredEncoderReplicaIsNeitherMissingNorTakenAgain) {
   auto replacement = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 2, absl::UnixEpoch());
   ASSERT_TRUE(replacement.ok()) << replacement.status();
   EXPECT_EQ((*replacement)->slot, 5);
+}
+
+TEST(MembershipTest, ARetiredLlmReplicaTakesAllItsRanksOut) {
+  // llm dp 2 x tp 2 x pp 2: replica 1 holds slots 2, 3 (stage 0) and 6, 7 (stage 1).
+  auto m = Membership::Create(Spec(v1::PLACEMENT_NON_COLOCATED, 1, 1, 2, 2, 1, 2));
+  ASSERT_TRUE(m.ok());
+  ASSERT_TRUE(m->Admit(Request(v1::WORKER_ROLE_ENCODER), 1, absl::UnixEpoch()).ok());
+  std::vector<WorkerRecord*> llm;
+  for (int i = 0; i < 8; ++i) {
+    auto w = m->Admit(Request(v1::WORKER_ROLE_LLM), 1, absl::UnixEpoch());
+    ASSERT_TRUE(w.ok());
+    llm.push_back(*w);
+  }
+  EXPECT_EQ(Membership::ReplicaOf(*llm[6], v1::MODULE_LLM), 1);
+  EXPECT_EQ(Membership::ReplicaOf(*llm[5], v1::MODULE_LLM), 0);
+  for (int slot : {2, 3, 6, 7}) m->MarkDead(llm[slot]->worker_id, "gone");
+  EXPECT_FALSE(m->Complete());
+  m->RetireReplica(v1::MODULE_LLM, 1);
+  EXPECT_TRUE(m->Complete());
+  EXPECT_THAT(m->Replicas(v1::MODULE_LLM), ElementsAre(0));
+  auto again = m->Admit(Request(v1::WORKER_ROLE_LLM), 2, absl::UnixEpoch());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace

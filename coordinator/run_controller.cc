@@ -272,68 +272,84 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   }
   if (state_ != v1::RUN_STATE_RUNNING) return;
   const std::string cause = absl::StrCat("worker ", worker->Describe(), " lost: ", reason);
-  // An encoder replica's state (parameters, AdamW moments) is the same on every replica: the run
-  // goes on without it, as long as enough replicas remain. Any other rank's state exists
-  // nowhere else.
-  const int64_t replica = Membership::EncoderReplicaOf(*worker);
-  const std::vector<int64_t> replicas = membership_.EncoderReplicas();
-  const bool encoder_only = worker->role == v1::WORKER_ROLE_ENCODER;
-  const bool in_pool =
-      encoder_only && std::find(replicas.begin(), replicas.end(), replica) != replicas.end();
-  if (encoder_only && !in_pool) return;  // its replica had already left the run
-  const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
-  if (!encoder_only || static_cast<int64_t>(replicas.size()) - 1 < minimum) {
-    const std::string held =
-        encoder_only
-            ? absl::StrCat("the encoder pool would shrink to ", replicas.size() - 1,
-                           " replicas, below failure.min_encoder_replicas=", minimum)
-            : absl::StrCat("its ", worker->role == v1::WORKER_ROLE_LLM ? "LLM" : "colocated",
-                           " shard (parameters and optimizer state) is held by no other worker");
+  // A DP replica's state (parameters, AdamW moments) is the same on every replica of its module:
+  // the run goes on without the lost worker's replica, as long as enough replicas remain. A
+  // colocated rank's state, or that of an LLM without DP, exists nowhere else.
+  const v1::Module module = worker->role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
+                            : worker->role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
+                                                                    : v1::MODULE_UNSPECIFIED;
+  const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
+  const int64_t replica = Membership::ReplicaOf(*worker, module);
+  const std::vector<int64_t> replicas =
+      module == v1::MODULE_UNSPECIFIED ? std::vector<int64_t>() : membership_.Replicas(module);
+  if (module != v1::MODULE_UNSPECIFIED &&
+      std::find(replicas.begin(), replicas.end(), replica) == replicas.end()) {
+    return;  // its replica had already left the run
+  }
+  const int64_t left_after = static_cast<int64_t>(replicas.size()) - 1;
+  const int64_t minimum =
+      std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
+                                                        : spec_.failure().min_llm_replicas());
+  std::string cannot;
+  if (module == v1::MODULE_UNSPECIFIED || left_after < 1) {
+    cannot = absl::StrCat("its ", module == v1::MODULE_UNSPECIFIED ? "colocated" : name,
+                          " shard (parameters and optimizer state) is held by no other worker");
+  } else if (left_after < minimum) {
+    cannot = absl::StrCat("the ", name, " pool would shrink to ", left_after,
+                          " replicas, below failure.min_", name, "_replicas=", minimum);
+  } else if (module == v1::MODULE_LLM &&
+             spec_.run().global_batch() % (spec_.run().micro_batch() * left_after) != 0) {
+    cannot = absl::StrCat("run.global_batch=", spec_.run().global_batch(),
+                          " does not split into run.micro_batch=", spec_.run().micro_batch(),
+                          " x the ", left_after, " LLM replicas that would be left");
+  }
+  if (!cannot.empty()) {
     const std::string resume =
         spec_.checkpoint().dir().empty()
             ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
             : absl::StrCat("resume it from its newest checkpoint under ", spec_.checkpoint().dir(),
                            " (start `hetpar coordinator` again on the run directory, or set "
                            "checkpoint.resume_from)");
-    Fail(absl::StrCat(cause, "; the run cannot go on: ", held, "; ", resume), now, actions);
+    Fail(absl::StrCat(cause, "; the run cannot go on: ", cannot, "; ", resume), now, actions);
     return;
   }
-  membership_.RetireEncoderReplica(replica);
+  membership_.RetireReplica(module, replica);
   ++generation_;
   v1::CoordinatorMessage change;
   v1::MembershipChange* c = change.mutable_membership_change();
   c->set_generation(generation_);
   *c->add_lost() = membership_.PeerInfoOf(*worker);
-  // The other ranks of the replica (its TP peers) have nothing left to do.
+  // The other ranks of the replica (its TP, CP and pipeline peers) have nothing left to do.
   for (WorkerRecord* live : membership_.LiveWorkers()) {
-    if (live->role != v1::WORKER_ROLE_ENCODER || Membership::EncoderReplicaOf(*live) != replica) {
-      continue;
-    }
+    if (live->role != worker->role || Membership::ReplicaOf(*live, module) != replica) continue;
     const bool open = live->session_open;
     *c->add_lost() = membership_.PeerInfoOf(*live);
     membership_.MarkDead(live->worker_id,
-                         absl::StrCat("encoder replica ", replica, " left the run"));
+                         absl::StrCat(name, " replica ", replica, " left the run"));
     if (open) {
       actions->end_sessions.emplace_back(
           live->worker_id,
-          absl::AbortedError(absl::StrCat("encoder replica ", replica, " left the run: ", cause)));
+          absl::AbortedError(absl::StrCat(name, " replica ", replica, " left the run: ", cause)));
     }
   }
   c->set_reason(cause);
-  const std::vector<int64_t> left = membership_.EncoderReplicas();
+  const std::vector<int64_t> left = membership_.Replicas(module);
   v1::PoolChange record;
   record.set_step(committed_steps_);
   record.set_generation(generation_);
+  record.set_module(module);
   record.set_replica(replica);
   record.set_cause(cause);
   record.set_replicas_after(static_cast<int64_t>(left.size()));
   record.set_unix_time(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
   record.set_recovery_s(-1);
   pool_changes_.push_back(record);
-  HETPAR_LOG(WARNING) << "generation " << generation_ << ": encoder replica " << replica
+  HETPAR_LOG(WARNING) << "generation " << generation_ << ": " << name << " replica " << replica
                       << " left the run; training on " << left.size() << " of "
-                      << membership_.encoder_grid().dp << " encoder replicas ["
-                      << absl::StrJoin(left, ", ") << "] from step " << committed_steps_;
+                      << (module == v1::MODULE_ENCODER ? membership_.encoder_grid().dp
+                                                       : membership_.llm_grid().dp)
+                      << " " << name << " replicas [" << absl::StrJoin(left, ", ") << "] from step "
+                      << committed_steps_;
   // Abort first, so the workers see the abort of the old attempt before the change; then the
   // step is planned again over the replicas that are left.
   const StepOrchestrator::Outcome outcome =
@@ -601,8 +617,11 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   status.set_tokens_total(orchestrator_.tokens_total());
   status.set_images_total(orchestrator_.images_total());
   if (membership_.placement() != v1::PLACEMENT_COLOCATED) {
-    status.set_encoder_replicas(static_cast<int64_t>(membership_.EncoderReplicas().size()));
+    status.set_encoder_replicas(
+        static_cast<int64_t>(membership_.Replicas(v1::MODULE_ENCODER).size()));
     status.set_encoder_replicas_configured(membership_.encoder_grid().dp);
+    status.set_llm_replicas(static_cast<int64_t>(membership_.Replicas(v1::MODULE_LLM).size()));
+    status.set_llm_replicas_configured(membership_.llm_grid().dp);
   }
   for (const v1::PoolChange& change : pool_changes_) *status.add_pool_changes() = change;
   return status;

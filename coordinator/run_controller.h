@@ -7,13 +7,14 @@
 //    are still missing register_timeout after the coordinator started (or after a worker was
 //    lost while running), the run fails with a message listing them.
 //  * A worker whose heartbeats stop for heartbeat_timeout, or whose session ends while the run
-//    is running, is dead. An encoder worker of a non-colocated run takes its DP replica out of
-//    the run (its TP peers are ended too): the generation is bumped, the others are told
-//    (MembershipChange), the step in flight is aborted and planned again over the replicas left,
-//    as long as failure.min_encoder_replicas remain. Any other loss (an LLM or colocated rank,
-//    whose state no other worker holds, or the pool below its minimum) fails the run at once,
-//    with a message saying how to resume it from its newest checkpoint. Every aborted attempt
-//    bumps the generation. While waiting, a lost worker's rank is freed for another.
+//    is running, is dead. In a non-colocated run its DP replica leaves the run (its other ranks
+//    are ended too): the generation is bumped, the others are told (MembershipChange), the step
+//    in flight is aborted and planned again over the replicas left, as long as
+//    failure.min_encoder_replicas / min_llm_replicas remain (and, for the LLM, the global batch
+//    still splits over them). Any other loss (a colocated rank, an LLM without another replica,
+//    a pool below its minimum) fails the run at once, with a message saying how to resume it
+//    from its newest checkpoint. Every aborted attempt bumps the generation. While waiting, a
+//    lost worker's rank is freed for another.
 //  * Steps run while every rank is held and every worker's session is open: plan, StepPlan to
 //    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
 //    max_step_attempts times in a row fails the run. After run.steps commits the run stops.
@@ -145,7 +146,7 @@ class RunController {
   std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
-  std::vector<v1::PoolChange> pool_changes_;  // encoder replicas that left, oldest first
+  std::vector<v1::PoolChange> pool_changes_;  // replicas that left, oldest first
 };
 
 const char* RunStateName(v1::RunState state);

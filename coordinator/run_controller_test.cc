@@ -25,7 +25,8 @@ class CountingPlanner : public StepPlanner {
       rank_plan.set_step(step);
       rank_plan.set_generation(generation);
     }
-    plan.encoder_replicas = membership.EncoderReplicas();
+    plan.encoder_replicas = membership.Replicas(v1::MODULE_ENCODER);
+    plan.llm_replicas = membership.Replicas(v1::MODULE_LLM);
     return plan;
   }
   absl::Status Prepare() override {
@@ -70,6 +71,16 @@ class RunControllerTest : public ::testing::Test {
     options.step_timeout = absl::Seconds(100);
     auto c = RunController::Create(TinySpec(steps, checkpoint_dir, min_encoder_replicas), options,
                                    with_planner ? std::move(planner) : nullptr, kT0);
+    ASSERT_TRUE(c.ok()) << c.status();
+    controller_ = *std::move(c);
+  }
+
+  void CreateWith(const v1::RunSpec& spec) {
+    auto planner = std::make_unique<CountingPlanner>();
+    planner_ = planner.get();
+    ControllerOptions options;
+    options.step_timeout = absl::Seconds(100);
+    auto c = RunController::Create(spec, options, std::move(planner), kT0);
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = *std::move(c);
   }
@@ -319,6 +330,51 @@ TEST_F(RunControllerTest, AnEncoderLossBelowTheMinimumPoolFailsTheRunSayingHowTo
   EXPECT_THAT(controller_->state_message(), HasSubstr("below failure.min_encoder_replicas=2"));
   EXPECT_THAT(controller_->state_message(), HasSubstr("resume it from its newest checkpoint under "
                                                       "/runs/ckpt"));
+}
+
+TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_dp(2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  CreateWith(spec);
+  StartAll();  // enc 0, enc 1, llm replica 0, llm replica 1
+  actions_ = {};
+  controller_->SessionEnded(ids_[3], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  auto plans = SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0, 1));
+  // The encoder's replica 0 and the LLM's replica 0 send partials.
+  EXPECT_EQ(plans[0].step_plan().grad_norm_contributors(), 2);
+  v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(1));
+  EXPECT_EQ(status.llm_replicas(), 1);
+  EXPECT_EQ(status.llm_replicas_configured(), 2);
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_LLM);
+  EXPECT_EQ(status.pool_changes(0).replica(), 1);
+}
+
+TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2, "/runs/ckpt");
+  spec.mutable_llm()->mutable_layout()->set_dp(3);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_run()->set_global_batch(3);
+  spec.mutable_run()->set_micro_batch(1);
+  CreateWith(spec);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  controller_->SessionEnded(ids_[4], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("run.global_batch=3 does not split into run.micro_batch=1 x the 2 LLM "
+                        "replicas that would be left"));
+  EXPECT_THAT(controller_->state_message(), HasSubstr("under /runs/ckpt"));
 }
 
 TEST_F(RunControllerTest, ALostLlmRankFailsTheRunAtOnceSayingItMustStartOver) {

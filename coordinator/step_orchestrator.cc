@@ -52,11 +52,13 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   last_abort_reason_.clear();
   // The first encoder replica taking part sends the encoder's partials.
   first_encoder_replica_ = plan.encoder_replicas.empty() ? 0 : plan.encoder_replicas.front();
+  first_llm_replica_ = plan.llm_replicas.empty() ? 0 : plan.llm_replicas.front();
   for (const WorkerRecord* worker : participants) {
     participants_.push_back(worker->worker_id);
     for (const auto& rank : worker->ranks) {
       // One DP replica (CP rank 0) of each module holds its gradients whole (worker::ModuleState).
-      const int64_t first = rank.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : 0;
+      const int64_t first =
+          rank.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : first_llm_replica_;
       if (rank.dp() == first && rank.cp() == 0) {
         expected_contributors_.insert({rank.module(), rank.rank()});
       }
@@ -70,6 +72,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
     step_plan->set_global_loss_tokens(plan.global_loss_tokens);
     step_plan->set_grad_norm_contributors(static_cast<int64_t>(expected_contributors_.size()));
     for (int64_t replica : plan.encoder_replicas) step_plan->add_encoder_replicas(replica);
+    for (int64_t replica : plan.llm_replicas) step_plan->add_llm_replicas(replica);
     auto it = plan.worker_plans.find(worker->worker_id);
     if (it != plan.worker_plans.end()) {
       *step_plan->mutable_rank_plan() = std::move(it->second);
@@ -89,7 +92,8 @@ StepOrchestrator::Outcome StepOrchestrator::OnGradNormPartial(const WorkerRecord
   for (const auto& r : worker.ranks) {
     if (r.module() == partial.module()) rank = &r;
   }
-  const int64_t first = partial.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : 0;
+  const int64_t first =
+      partial.module() == v1::MODULE_ENCODER ? first_encoder_replica_ : first_llm_replica_;
   if (rank == nullptr || rank->dp() != first || rank->cp() != 0) {
     return DoAbort(
         absl::StrCat("worker ", worker.Describe(), " sent a grad-norm partial for module ",

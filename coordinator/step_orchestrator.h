@@ -10,7 +10,7 @@
 //   point before it, StepAbort(s, g), on which they drop the step's gradients. Workers change no
 //   state before the commit, so an aborted step can be planned again.
 // Grad-norm contributions are counted per (module, rank): every rank of DP replica 0 of each
-// module (for the encoder, the first of the step's encoder replicas) sends one (a colocated worker
+// module (the first of the step's replicas, when some left the run) sends one (a colocated worker
 // sends one per module). The loss is counted from the LLM ranks with tp 0 on the last pipeline
 // stage; their loss_tokens must add up to the plan's global_loss_tokens.
 //
@@ -51,8 +51,9 @@ struct PlannedStep {
   // Each live worker's part of the plan, by worker id. Every live worker gets a StepPlan; a
   // worker missing here gets one without a rank_plan.
   std::map<std::string, v1::RankStepPlan> worker_plans;
-  // The encoder DP replicas taking part (StepPlan.encoder_replicas); empty: every replica.
+  // The DP replicas taking part (StepPlan.encoder_replicas, llm_replicas); empty: every one.
   std::vector<int64_t> encoder_replicas;
+  std::vector<int64_t> llm_replicas;
 };
 
 // Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock
@@ -147,7 +148,9 @@ class StepOrchestrator {
   bool in_flight_ = false;
   bool checkpoint_at_commit_ = false;
   int64_t step_ = -1;
-  int64_t first_encoder_replica_ = 0;  // the step's first encoder replica: it sends the partials
+  // The step's first replica of each module: its ranks send the module's partials.
+  int64_t first_encoder_replica_ = 0;
+  int64_t first_llm_replica_ = 0;
   int64_t generation_ = 0;
   absl::Time started_;
   int64_t global_loss_tokens_ = 0;

@@ -84,15 +84,26 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
       batches_->Next(spec_.run().global_batch());
   if (!samples.ok()) return samples.status();
-  // Encoder replicas that left the run: the step is planned over the others, and each worker's
-  // part is given back in its own world rank (plan::ReplicaSubset).
+  // Replicas that left the run: the step is planned over the others, and each worker's part is
+  // given back in its own world rank (plan::ReplicaSubset).
   std::optional<plan::ReplicaSubset> subset;
-  const std::vector<int64_t> replicas = membership.EncoderReplicas();
+  std::vector<int64_t> encoder_replicas = membership.Replicas(v1::MODULE_ENCODER);
+  std::vector<int64_t> llm_replicas = membership.Replicas(v1::MODULE_LLM);
   if (placement_.kind == plan::PlacementKind::kNonColocated &&
-      static_cast<int64_t>(replicas.size()) < placement_.encoder.dp) {
-    absl::StatusOr<plan::ReplicaSubset> made = plan::ReplicaSubset::Create(placement_, replicas);
+      (static_cast<int64_t>(encoder_replicas.size()) < placement_.encoder.dp ||
+       static_cast<int64_t>(llm_replicas.size()) < placement_.llm.dp)) {
+    absl::StatusOr<plan::ReplicaSubset> made =
+        plan::ReplicaSubset::Create(placement_, encoder_replicas, llm_replicas);
     if (!made.ok()) return made.status();
     subset = *std::move(made);
+    // The global batch splits over the LLM replicas left: more waves each.
+    const int64_t per_wave = spec_.run().micro_batch() * subset->planned().llm.dp;
+    if (spec_.run().global_batch() % per_wave != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "run.global_batch=", spec_.run().global_batch(), " does not split into run.micro_batch=",
+          spec_.run().micro_batch(), " x ", subset->planned().llm.dp, " LLM replicas"));
+    }
+    options->waves = spec_.run().global_batch() / per_wave;
   }
   absl::StatusOr<plan::StepPlan> step_plan =
       plan::BuildStepPlan(subset ? subset->planned() : placement_, *std::move(samples), *options);
@@ -105,7 +116,10 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   }
   const plan::StepFlops flops = plan::BatchFlops(spec_, step_plan->samples);
   planned.model_flops = {{"encoder", flops.encoder.total()}, {"llm", flops.llm.total()}};
-  if (subset) planned.encoder_replicas = subset->replicas();
+  if (subset) {
+    planned.encoder_replicas = subset->encoder_replicas();
+    planned.llm_replicas = subset->llm_replicas();
+  }
   for (const WorkerRecord* worker : membership.LiveWorkers()) {
     const int64_t rank = subset ? subset->PlannedRank(worker->world_rank) : worker->world_rank;
     if (rank < 0) continue;  // a worker of a replica that left (about to be ended): no part

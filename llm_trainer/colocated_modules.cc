@@ -48,11 +48,10 @@ absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool
   return llm_->Apply(step, clip_coefficient, checkpoint);
 }
 
-absl::Status ColocatedModules::Regroup(int64_t generation,
-                                       const std::vector<int64_t>& encoder_replicas) {
+absl::Status ColocatedModules::Regroup(int64_t generation, const worker::StepReplicas& replicas) {
   // The encoder's groups first, as at the start.
-  HETPAR_RETURN_IF_ERROR(encoder_->Regroup(generation, encoder_replicas));
-  return llm_->Regroup(generation, encoder_replicas);
+  HETPAR_RETURN_IF_ERROR(encoder_->Regroup(generation, replicas));
+  return llm_->Regroup(generation, replicas);
 }
 
 void ColocatedModules::Discard() {

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -677,6 +678,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Double("failure.peer_timeout_s", 300.0);
   d.Double("failure.coordinator_timeout_s", 300.0);
   d.Int("failure.min_encoder_replicas", 1);
+  d.Int("failure.min_llm_replicas", 1);
 
   for (const char* path : {"data.manifest", "data.val_manifest", "data.tokenizer",
                            "coordinator.token_file", "checkpoint.dir", "checkpoint.resume_from",
@@ -980,18 +982,21 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
   if (!(s.coordinator().register_timeout_s() > 0)) {
     c.Fail("coordinator.register_timeout_s", "must be > 0 seconds");
   }
-  const int64_t min_replicas = s.failure().min_encoder_replicas();
-  if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
-    if (min_replicas != 1) {
-      c.Fail("failure.min_encoder_replicas",
-             absl::StrCat("=", min_replicas,
-                          ": a colocated run cannot lose an encoder rank without its LLM rank, so "
-                          "it never shrinks its encoder pool; leave it at 1"));
+  for (const auto& [field, value, module] :
+       {std::tuple<const char*, int64_t, const char*>{
+            "failure.min_encoder_replicas", s.failure().min_encoder_replicas(), "encoder"},
+        {"failure.min_llm_replicas", s.failure().min_llm_replicas(), "llm"}}) {
+    const int64_t dp = std::max<int64_t>(
+        1, std::string(module) == "encoder" ? s.encoder().layout().dp() : s.llm().layout().dp());
+    if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
+      if (value != 1) {
+        c.Fail(field, absl::StrCat("=", value,
+                                   ": a colocated run's ranks hold both modules, so a lost one "
+                                   "ends the run and no pool shrinks; leave it at 1"));
+      }
+    } else if (value < 1 || value > dp) {
+      c.Fail(field, absl::StrCat("=", value, " must be in [1, ", module, ".layout.dp=", dp, "]"));
     }
-  } else if (min_replicas < 1 || min_replicas > std::max<int64_t>(1, s.encoder().layout().dp())) {
-    c.Fail("failure.min_encoder_replicas",
-           absl::StrCat("=", min_replicas, " must be in [1, encoder.layout.dp=",
-                        std::max<int64_t>(1, s.encoder().layout().dp()), "]"));
   }
   return issues;
 }

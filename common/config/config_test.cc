@@ -339,7 +339,7 @@ TEST(ConfigTest, FailureDeadlinesHaveDefaultsAndMustBePositive) {
   EXPECT_EQ(set->spec.failure().max_step_attempts(), 5);
 }
 
-TEST(ConfigTest, TheMinimumEncoderPoolIsBetweenOneAndTheLayoutsReplicas) {
+TEST(ConfigTest, TheMinimumPoolsAreBetweenOneAndTheLayoutsReplicas) {
   auto defaults = Load(kValid);
   ASSERT_TRUE(defaults.ok()) << defaults.status();
   EXPECT_EQ(defaults->spec.failure().min_encoder_replicas(), 1);
@@ -348,6 +348,10 @@ TEST(ConfigTest, TheMinimumEncoderPoolIsBetweenOneAndTheLayoutsReplicas) {
               "=3 must be in [1, encoder.layout.dp=2]");
   ExpectIssue(Load(kValid, {"failure.min_encoder_replicas=0"}), "failure.min_encoder_replicas", 0,
               "=0 must be in [1, encoder.layout.dp=2]");
+  EXPECT_EQ(defaults->spec.failure().min_llm_replicas(), 1);
+  EXPECT_TRUE(Load(kValid, {"failure.min_llm_replicas=2"}).ok());
+  ExpectIssue(Load(kValid, {"failure.min_llm_replicas=3"}), "failure.min_llm_replicas", 0,
+              "=3 must be in [1, llm.layout.dp=2]");
 }
 
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {

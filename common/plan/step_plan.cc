@@ -190,57 +190,90 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
   return out;
 }
 
-absl::StatusOr<ReplicaSubset> ReplicaSubset::Create(const Placement& full,
-                                                    std::vector<int64_t> replicas) {
-  if (full.kind != PlacementKind::kNonColocated) {
-    return absl::InvalidArgumentError(
-        "a step over some encoder replicas needs a non_colocated placement");
-  }
+namespace {
+
+absl::Status CheckReplicas(const std::vector<int64_t>& replicas, int64_t dp, const char* module) {
   if (replicas.empty()) {
-    return absl::InvalidArgumentError("a step needs at least one encoder replica");
+    return absl::InvalidArgumentError(
+        absl::StrCat("a step needs at least one ", module, " replica"));
   }
   for (size_t i = 0; i < replicas.size(); ++i) {
-    if (replicas[i] < 0 || replicas[i] >= full.encoder.dp ||
-        (i > 0 && replicas[i] <= replicas[i - 1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "encoder replicas [", absl::StrJoin(replicas, ", "),
-          "]: expected distinct replicas in increasing order, each in [0, ", full.encoder.dp, ")"));
+    if (replicas[i] < 0 || replicas[i] >= dp || (i > 0 && replicas[i] <= replicas[i - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(module, " replicas [", absl::StrJoin(replicas, ", "),
+                       "]: expected distinct replicas in increasing order, each in [0, ", dp, ")"));
     }
   }
+  return absl::OkStatus();
+}
+
+// `rank` of `from` at the same coordinates in `to`, its DP replica mapped by `dp_of`; -1 when
+// `dp_of` gives -1.
+template <typename DpOf>
+int64_t MoveRank(const Layout& from, const Layout& to, int64_t rank, DpOf dp_of) {
+  RankCoords coords = from.CoordsOf(rank);
+  coords.dp = dp_of(coords.dp);
+  return coords.dp < 0 ? -1 : to.RankOf(coords);
+}
+
+int64_t IndexOf(const std::vector<int64_t>& values, int64_t value) {
+  auto it = std::find(values.begin(), values.end(), value);
+  return it == values.end() ? -1 : it - values.begin();
+}
+
+}  // namespace
+
+absl::StatusOr<ReplicaSubset> ReplicaSubset::Create(const Placement& full,
+                                                    std::vector<int64_t> encoder_replicas,
+                                                    std::vector<int64_t> llm_replicas) {
+  if (full.kind != PlacementKind::kNonColocated) {
+    return absl::InvalidArgumentError(
+        "a step over some DP replicas needs a non_colocated placement");
+  }
+  if (absl::Status s = CheckReplicas(encoder_replicas, full.encoder.dp, "encoder"); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckReplicas(llm_replicas, full.llm.dp, "llm"); !s.ok()) return s;
   Layout encoder = full.encoder;
-  encoder.dp = static_cast<int64_t>(replicas.size());
-  absl::StatusOr<Placement> planned = MakePlacement(full.kind, encoder, full.llm);
+  encoder.dp = static_cast<int64_t>(encoder_replicas.size());
+  Layout llm = full.llm;
+  llm.dp = static_cast<int64_t>(llm_replicas.size());
+  absl::StatusOr<Placement> planned = MakePlacement(full.kind, encoder, llm);
   if (!planned.ok()) return planned.status();
   ReplicaSubset subset;
   subset.full_ = full;
   subset.planned_ = *std::move(planned);
-  subset.replicas_ = std::move(replicas);
+  subset.encoder_replicas_ = std::move(encoder_replicas);
+  subset.llm_replicas_ = std::move(llm_replicas);
   return subset;
 }
 
 int64_t ReplicaSubset::PlannedRank(int64_t rank) const {
-  if (!full_.encoder.Contains(rank)) return rank - full_.llm.rank_offset + planned_.llm.rank_offset;
-  const RankCoords coords = full_.encoder.CoordsOf(rank);
-  auto it = std::find(replicas_.begin(), replicas_.end(), coords.dp);
-  if (it == replicas_.end()) return -1;
-  RankCoords planned = coords;
-  planned.dp = it - replicas_.begin();
-  return planned_.encoder.RankOf(planned);
+  if (full_.encoder.Contains(rank)) {
+    return MoveRank(full_.encoder, planned_.encoder, rank,
+                    [&](int64_t dp) { return IndexOf(encoder_replicas_, dp); });
+  }
+  return MoveRank(full_.llm, planned_.llm, rank,
+                  [&](int64_t dp) { return IndexOf(llm_replicas_, dp); });
 }
 
 int64_t ReplicaSubset::FullRank(int64_t planned_rank) const {
-  if (!planned_.encoder.Contains(planned_rank)) {
-    return planned_rank - planned_.llm.rank_offset + full_.llm.rank_offset;
+  if (planned_.encoder.Contains(planned_rank)) {
+    return MoveRank(planned_.encoder, full_.encoder, planned_rank,
+                    [&](int64_t dp) { return encoder_replicas_[dp]; });
   }
-  RankCoords coords = planned_.encoder.CoordsOf(planned_rank);
-  coords.dp = replicas_[coords.dp];
-  return full_.encoder.RankOf(coords);
+  return MoveRank(planned_.llm, full_.llm, planned_rank,
+                  [&](int64_t dp) { return llm_replicas_[dp]; });
 }
 
 void ReplicaSubset::ToFullRanks(RankStepPlan* plan) const {
   plan->rank = FullRank(plan->rank);
-  if (plan->encoder_role) plan->encoder_coords.dp = replicas_[plan->encoder_coords.dp];
-  for (EncoderJob& job : plan->encoder_jobs) job.replica = replicas_[job.replica];
+  if (plan->encoder_role) plan->encoder_coords.dp = encoder_replicas_[plan->encoder_coords.dp];
+  if (plan->llm_role) plan->llm_coords.dp = llm_replicas_[plan->llm_coords.dp];
+  for (EncoderJob& job : plan->encoder_jobs) job.replica = encoder_replicas_[job.replica];
+  for (LlmMicrobatch& microbatch : plan->microbatches) {
+    microbatch.replica = llm_replicas_[microbatch.replica];
+  }
   for (auto* transfers : {&plan->forward_sends, &plan->backward_receives, &plan->forward_receives,
                           &plan->backward_sends}) {
     for (Transfer& t : *transfers) {
@@ -250,10 +283,12 @@ void ReplicaSubset::ToFullRanks(RankStepPlan* plan) const {
   }
   for (auto* shares : {&plan->encoder_shares, &plan->llm_shares}) {
     for (ShareStep& share : *shares) {
-      if (share.module == Module::kEncoder) share.replica = replicas_[share.replica];
+      share.replica = share.module == Module::kEncoder ? encoder_replicas_[share.replica]
+                                                       : llm_replicas_[share.replica];
       for (int64_t& r : share.ranks) r = FullRank(r);
-      for (ShareSegment& segment : share.segments)
+      for (ShareSegment& segment : share.segments) {
         segment.holder_rank = FullRank(segment.holder_rank);
+      }
     }
   }
 }

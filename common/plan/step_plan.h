@@ -110,33 +110,38 @@ struct RankStepPlan {
 // InvalidArgument when the rank is outside the world.
 absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank);
 
-// A step over some of the encoder's DP replicas (the others left the run) is planned on a
-// placement whose encoder layout has only those replicas; each worker keeps its world rank and
-// its coordinates in the full layout. Maps one to the other: `full` is the RunSpec's
-// (non-colocated) placement, `replicas` the encoder replicas taking part, increasing.
+// A step over some of the modules' DP replicas (the others left the run) is planned on a
+// placement whose layouts have only those replicas; each worker keeps its world rank and its
+// coordinates in the full layouts. Maps one to the other: `full` is the RunSpec's
+// (non-colocated) placement, `encoder_replicas` and `llm_replicas` the DP replicas taking part,
+// increasing.
 class ReplicaSubset {
  public:
   // InvalidArgument for a colocated placement, an empty or unsorted subset, or a replica out of
   // range.
-  static absl::StatusOr<ReplicaSubset> Create(const Placement& full, std::vector<int64_t> replicas);
+  static absl::StatusOr<ReplicaSubset> Create(const Placement& full,
+                                              std::vector<int64_t> encoder_replicas,
+                                              std::vector<int64_t> llm_replicas);
 
-  // The placement the step is planned on: the encoder layout with replicas.size() replicas.
+  // The placement the step is planned on: each layout with only the replicas taking part.
   const Placement& planned() const { return planned_; }
-  const std::vector<int64_t>& replicas() const { return replicas_; }
+  const std::vector<int64_t>& encoder_replicas() const { return encoder_replicas_; }
+  const std::vector<int64_t>& llm_replicas() const { return llm_replicas_; }
   // World rank in planned() of the full placement's `rank`; -1 for a rank of a replica that is
   // not taking part.
   int64_t PlannedRank(int64_t rank) const;
   // The full placement's world rank of planned()'s `rank`.
   int64_t FullRank(int64_t planned_rank) const;
   // Rewrites a rank plan extracted from a plan over planned(): its rank, every transfer's and
-  // share step's ranks and the encoder replica numbers become the full placement's, so that the
-  // worker addresses its peers (and checks headers) by their own world ranks.
+  // share step's ranks and the replica numbers become the full placement's, so that the worker
+  // addresses its peers (and checks headers) by their own world ranks.
   void ToFullRanks(RankStepPlan* plan) const;
 
  private:
   Placement full_;
   Placement planned_;
-  std::vector<int64_t> replicas_;
+  std::vector<int64_t> encoder_replicas_;
+  std::vector<int64_t> llm_replicas_;
 };
 
 // The header of `transfer` travelling in `direction` (forward transfers from plan.boundary

@@ -392,27 +392,16 @@ TEST(StepPlanTest, SyntheticBatchIsSeededAndFits) {
 namespace hetpar::plan {
 namespace {
 
-// Encoder replica 1 of three left the run: the step is planned over replicas 0 and 2, and each
-// worker's part comes back in its own world rank, so that senders and receivers still agree.
-TEST(ReplicaSubsetTest, PartsOfAStepOverSomeReplicasAddressEveryRankByItsOwnWorldRank) {
-  hetpar::v1::RunSpec spec = TinySpec();
-  spec.mutable_encoder()->mutable_layout()->set_dp(3);  // encoder ranks [0, 6), tp 2
-  auto full = PlacementFromRunSpec(spec);
-  ASSERT_TRUE(full.ok()) << full.status();
-  ASSERT_EQ(full->llm.rank_offset, 6);
-  auto subset = ReplicaSubset::Create(*full, {0, 2});
-  ASSERT_TRUE(subset.ok()) << subset.status();
-  EXPECT_EQ(subset->planned().encoder.dp, 2);
-  EXPECT_EQ(subset->planned().llm.rank_offset, 4);
-  // Replica 0 keeps ranks 0 and 1; replica 2 (world ranks 4, 5) is planned as 2, 3; the LLM
-  // moves down by one replica.
-  const std::vector<int64_t> expected_planned = {0, 1, -1, -1, 2, 3, 4, 5};
-  for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(subset->PlannedRank(r), expected_planned[r]) << r;
-  EXPECT_EQ(subset->PlannedRank(21), 19);
-  for (int64_t r : {0, 1, 4, 5, 6, 21}) EXPECT_EQ(subset->FullRank(subset->PlannedRank(r)), r);
-
+// Builds a step over `subset` and checks every worker's part, given back in its own world rank:
+// its coordinates and replica numbers are its own, every message it sends is one its receiver
+// expects (the headers check out), it hears only from ranks taking part, and the batch's images
+// and loss tokens are covered once. Returns the parts by world rank.
+std::map<int64_t, RankStepPlan> CheckSubsetPlan(const hetpar::v1::RunSpec& spec,
+                                                const Placement& full,
+                                                const ReplicaSubset& subset) {
   auto options = StepPlanOptionsFromRunSpec(spec, 3, 7);
-  ASSERT_TRUE(options.ok());
+  EXPECT_TRUE(options.ok());
+  options->waves = spec.run().global_batch() / (spec.run().micro_batch() * subset.planned().llm.dp);
   SyntheticBatchOptions batch;
   batch.samples = spec.run().global_batch();
   batch.min_images = 1;
@@ -422,76 +411,124 @@ TEST(ReplicaSubsetTest, PartsOfAStepOverSomeReplicasAddressEveryRankByItsOwnWorl
   batch.min_text_tokens = 8;
   batch.max_text_tokens = 60;
   auto samples = SyntheticBatch(batch);
-  ASSERT_TRUE(samples.ok());
-  auto plan = BuildStepPlan(subset->planned(), *samples, *options);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-
-  std::map<int64_t, RankStepPlan> parts;  // by full world rank
-  for (int64_t r = 0; r < full->world_size; ++r) {
-    const int64_t planned = subset->PlannedRank(r);
+  EXPECT_TRUE(samples.ok());
+  auto plan = BuildStepPlan(subset.planned(), *samples, *options);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  std::map<int64_t, RankStepPlan> parts;
+  if (!plan.ok()) return parts;
+  for (int64_t r = 0; r < full.world_size; ++r) {
+    const int64_t planned = subset.PlannedRank(r);
     if (planned < 0) continue;
+    EXPECT_EQ(subset.FullRank(planned), r);
     auto part = ExtractRankPlan(*plan, planned);
-    ASSERT_TRUE(part.ok()) << part.status();
-    subset->ToFullRanks(&*part);
+    EXPECT_TRUE(part.ok()) << part.status();
+    subset.ToFullRanks(&*part);
     EXPECT_EQ(part->rank, r);
     parts[r] = *std::move(part);
   }
-  ASSERT_EQ(parts.size(), 20u);  // 4 encoder ranks + 16 LLM ranks
   int64_t images = 0;
-  int64_t forward = 0;
+  int64_t loss_tokens = 0;
   for (const auto& [r, part] : parts) {
     if (part.encoder_role) {
-      // Its coordinates and jobs are those of its own replica.
-      EXPECT_EQ(part.encoder_coords.dp, full->encoder.CoordsOf(r).dp) << r;
-      EXPECT_EQ(part.encoder_coords.tp, full->encoder.CoordsOf(r).tp) << r;
+      EXPECT_EQ(part.encoder_coords.dp, full.encoder.CoordsOf(r).dp) << r;
+      EXPECT_EQ(part.encoder_coords.tp, full.encoder.CoordsOf(r).tp) << r;
       for (const EncoderJob& job : part.encoder_jobs) {
         EXPECT_EQ(job.replica, part.encoder_coords.dp);
         if (part.encoder_coords.tp == 0) images += static_cast<int64_t>(job.images.size());
       }
       for (const ShareStep& share : part.encoder_shares) {
         EXPECT_EQ(share.replica, part.encoder_coords.dp);
-        EXPECT_EQ(share.ranks, full->encoder.TpGroup(r));
+        EXPECT_EQ(share.ranks, full.encoder.TpGroup(r));
       }
+    }
+    if (part.llm_role) {
+      const RankCoords own = full.llm.CoordsOf(r);
+      EXPECT_EQ(part.llm_coords.dp, own.dp) << r;
+      EXPECT_EQ(part.llm_coords.pp, own.pp) << r;
+      for (const LlmMicrobatch& mb : part.microbatches) {
+        EXPECT_EQ(mb.replica, own.dp);
+        if (own.tp == 0 && own.cp == 0 && own.pp == 0) loss_tokens += mb.loss_tokens;
+      }
+      for (const ShareStep& share : part.llm_shares) EXPECT_EQ(share.replica, own.dp);
     }
     for (const Transfer& t : part.forward_sends) {
       EXPECT_EQ(t.src_rank, r);
-      ASSERT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
-      ++forward;
-      // The receiver expects exactly this message: the headers check out.
-      const RankStepPlan& receiver = parts.at(t.dst_rank);
-      EXPECT_TRUE(CheckReceivedHeader(receiver, HeaderFor(part, Direction::kForward, t)).ok())
+      EXPECT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
+      if (!parts.count(t.dst_rank)) continue;
+      EXPECT_TRUE(
+          CheckReceivedHeader(parts.at(t.dst_rank), HeaderFor(part, Direction::kForward, t)).ok())
           << r << " -> " << t.dst_rank;
     }
-    for (const Transfer& t : part.forward_receives) {
-      EXPECT_TRUE(t.src_rank == 0 || t.src_rank == 1 || t.src_rank == 4 || t.src_rank == 5)
-          << "a receive from rank " << t.src_rank << ", which is not taking part";
-    }
     for (const Transfer& t : part.backward_sends) {
-      ASSERT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
+      EXPECT_TRUE(parts.count(t.dst_rank)) << t.dst_rank;
+      if (!parts.count(t.dst_rank)) continue;
       EXPECT_TRUE(
           CheckReceivedHeader(parts.at(t.dst_rank), HeaderFor(part, Direction::kBackward, t)).ok());
     }
+    for (const Transfer& t : part.forward_receives) {
+      EXPECT_TRUE(parts.count(t.src_rank))
+          << "a receive from rank " << t.src_rank << ", which is not taking part";
+    }
   }
-  // Every image of the batch is encoded once, by the replicas taking part.
   int64_t batch_images = 0;
   for (const SampleDescriptor& s : *samples) batch_images += s.image_count();
   EXPECT_EQ(images, batch_images);
-  EXPECT_GT(forward, 0);
+  EXPECT_EQ(loss_tokens, plan->n_global);
+  return parts;
+}
+
+// Encoder replica 1 of three left the run: the step is planned over replicas 0 and 2.
+TEST(ReplicaSubsetTest, AStepOverSomeEncoderReplicasAddressesEveryRankByItsOwnWorldRank) {
+  hetpar::v1::RunSpec spec = TinySpec();
+  spec.mutable_encoder()->mutable_layout()->set_dp(3);  // encoder ranks [0, 6), tp 2
+  auto full = PlacementFromRunSpec(spec);
+  ASSERT_TRUE(full.ok()) << full.status();
+  ASSERT_EQ(full->llm.rank_offset, 6);
+  auto subset = ReplicaSubset::Create(*full, {0, 2}, {0, 1});
+  ASSERT_TRUE(subset.ok()) << subset.status();
+  EXPECT_EQ(subset->planned().encoder.dp, 2);
+  EXPECT_EQ(subset->planned().llm.rank_offset, 4);
+  // Replica 0 keeps ranks 0 and 1; replica 2 (world ranks 4, 5) is planned as 2, 3; the LLM
+  // moves down by one replica.
+  const std::vector<int64_t> expected_planned = {0, 1, -1, -1, 2, 3, 4, 5};
+  for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(subset->PlannedRank(r), expected_planned[r]) << r;
+  EXPECT_EQ(subset->PlannedRank(21), 19);
+  EXPECT_EQ(CheckSubsetPlan(spec, *full, *subset).size(), 20u);  // 4 encoder + 16 LLM ranks
+}
+
+// LLM replica 0 of two left the run (dp 2 x tp 2 x cp 2 x pp 2): the step is planned over
+// replica 1 alone, which takes twice the waves.
+TEST(ReplicaSubsetTest, AStepOverSomeLlmReplicasAddressesEveryRankByItsOwnWorldRank) {
+  hetpar::v1::RunSpec spec = TinySpec();
+  auto full = PlacementFromRunSpec(spec);
+  ASSERT_TRUE(full.ok()) << full.status();
+  auto subset = ReplicaSubset::Create(*full, {0, 1}, {1});
+  ASSERT_TRUE(subset.ok()) << subset.status();
+  EXPECT_EQ(subset->planned().llm.dp, 1);
+  // LLM rank (dp 1, tp 1, cp 0, pp 1) of the full layout is (dp 0, tp 1, cp 0, pp 1) planned.
+  const int64_t rank = full->llm.RankOf(1, 1, 0, 1);
+  EXPECT_EQ(subset->PlannedRank(rank), subset->planned().llm.RankOf(0, 1, 0, 1));
+  EXPECT_EQ(subset->PlannedRank(full->llm.RankOf(0, 1, 0, 1)), -1);
+  const auto parts = CheckSubsetPlan(spec, *full, *subset);
+  EXPECT_EQ(parts.size(), 4u + 8u);                   // 4 encoder + the 8 ranks of LLM replica 1
+  EXPECT_EQ(parts.at(rank).microbatches.size(), 4u);  // 8 samples / (micro_batch 2 x 1 replica)
 }
 
 TEST(ReplicaSubsetTest, RefusesWhatItCannotPlan) {
   hetpar::v1::RunSpec spec = TinySpec();
   auto full = PlacementFromRunSpec(spec);
   ASSERT_TRUE(full.ok());
-  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {}).status().message()),
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {}, {0}).status().message()),
               HasSubstr("at least one encoder replica"));
-  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {1, 0}).status().message()),
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {1, 0}, {0}).status().message()),
               HasSubstr("increasing order"));
-  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {2}).status().message()),
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {2}, {0}).status().message()),
               HasSubstr("[0, 2)"));
+  EXPECT_THAT(std::string(ReplicaSubset::Create(*full, {0}, {}).status().message()),
+              HasSubstr("at least one llm replica"));
   Placement colocated = *full;
   colocated.kind = PlacementKind::kColocated;
-  EXPECT_THAT(std::string(ReplicaSubset::Create(colocated, {0}).status().message()),
+  EXPECT_THAT(std::string(ReplicaSubset::Create(colocated, {0}, {0}).status().message()),
               HasSubstr("non_colocated"));
 }
 

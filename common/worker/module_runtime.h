@@ -43,6 +43,13 @@ struct StepOutcome {
   int64_t loss_tokens = 0;
 };
 
+// The DP replicas of each module taking part in a step (StepPlan.encoder_replicas,
+// llm_replicas), increasing; empty: every replica of the layout.
+struct StepReplicas {
+  std::vector<int64_t> encoder;
+  std::vector<int64_t> llm;
+};
+
 // One module's part of the squared global gradient norm (the elements this rank owns).
 struct GradNormShare {
   v1::Module module = v1::MODULE_UNSPECIFIED;
@@ -66,10 +73,9 @@ class ModuleRuntime {
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
   // Before the first step of generation `generation`: form the module groups anew in that
-  // generation's rendezvous (the old ones may hold a collective a peer gave up), the encoder's
-  // gradient group over `encoder_replicas` (the plan's; empty: every replica).
-  virtual absl::Status Regroup(int64_t generation,
-                               const std::vector<int64_t>& encoder_replicas) = 0;
+  // generation's rendezvous (the old ones may hold a collective a peer gave up), each module's
+  // gradient group over the plan's replicas of it.
+  virtual absl::Status Regroup(int64_t generation, const StepReplicas& replicas) = 0;
 
   // After the last step (the worker's main calls it, not the driver): the final outputs of the
   // module(s), handed to `send` (common/worker/outputs.h).

@@ -28,30 +28,31 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
   }
   state.coords_ = *coords;
   state.spec_ = context.spec();
-  HETPAR_RETURN_IF_ERROR(state.FormGroups(context, {}));
+  HETPAR_RETURN_IF_ERROR(state.FormGroups(context, StepReplicas()));
   return state;
 }
 
-absl::Status ModuleState::FormGroups(WorkerContext& context,
-                                     const std::vector<int64_t>& encoder_replicas) {
+absl::Status ModuleState::FormGroups(WorkerContext& context, const StepReplicas& replicas) {
   const v1::Layout& layout =
       module_ == v1::MODULE_ENCODER ? spec_.encoder().layout() : spec_.llm().layout();
   const v1::RankCoordinates* coords = &coords_;
   const int64_t cp = std::max<int64_t>(1, layout.cp());
   const int64_t pp = std::max<int64_t>(1, layout.pp());
-  // The DP replicas taking part: the encoder's may be fewer than its layout's (some left the
+  // The DP replicas taking part may be fewer than the layout's (some left the
   // run); this rank's index among them is its DP rank.
   int64_t dp_rank = coords->dp();
   int64_t dp_size = std::max<int64_t>(1, layout.dp());
-  if (module_ == v1::MODULE_ENCODER && !encoder_replicas.empty()) {
-    auto it = std::find(encoder_replicas.begin(), encoder_replicas.end(), coords->dp());
-    if (it == encoder_replicas.end()) {
+  const std::vector<int64_t>& taking_part =
+      module_ == v1::MODULE_ENCODER ? replicas.encoder : replicas.llm;
+  if (!taking_part.empty()) {
+    auto it = std::find(taking_part.begin(), taking_part.end(), coords->dp());
+    if (it == taking_part.end()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("the step's encoder replicas [", absl::StrJoin(encoder_replicas, ", "),
+          absl::StrCat("the step's ", name_, " replicas [", absl::StrJoin(taking_part, ", "),
                        "] leave out this worker's replica ", coords->dp()));
     }
-    dp_rank = it - encoder_replicas.begin();
-    dp_size = static_cast<int64_t>(encoder_replicas.size());
+    dp_rank = it - taking_part.begin();
+    dp_size = static_cast<int64_t>(taking_part.size());
   }
   const std::string cp_part = cp > 1 ? absl::StrCat("/cp", coords->cp()) : "";
   // Every pipeline stage has groups of its own.
@@ -90,21 +91,20 @@ absl::Status ModuleState::FormGroups(WorkerContext& context,
   return absl::OkStatus();
 }
 
-absl::Status ModuleState::Regroup(WorkerContext& context,
-                                  const std::vector<int64_t>& encoder_replicas) {
+absl::Status ModuleState::Regroup(WorkerContext& context, const StepReplicas& replicas) {
   HETPAR_RETURN_IF_ERROR(Annotate(
-      FormGroups(context, encoder_replicas),
+      FormGroups(context, replicas),
       absl::StrCat("forming the ", name_, " groups of generation ", context.store_generation())));
+  const std::vector<int64_t>& taking_part =
+      module_ == v1::MODULE_ENCODER ? replicas.encoder : replicas.llm;
   HETPAR_LOG(INFO) << name_ << " groups formed for generation " << context.store_generation()
-                   << (module_ == v1::MODULE_ENCODER && !encoder_replicas.empty()
-                           ? absl::StrCat(" over encoder replicas [",
-                                          absl::StrJoin(encoder_replicas, ", "), "]")
-                           : std::string());
+                   << (taking_part.empty() ? std::string()
+                                           : absl::StrCat(" over ", name_, " replicas [",
+                                                          absl::StrJoin(taking_part, ", "), "]"));
   return absl::OkStatus();
 }
 
-absl::Status RegroupStates(WorkerContext& context, int64_t generation,
-                           const std::vector<int64_t>& encoder_replicas,
+absl::Status RegroupStates(WorkerContext& context, int64_t generation, const StepReplicas& replicas,
                            std::initializer_list<ModuleState*> states) {
   if (context.store_generation() != generation) {
     HETPAR_RETURN_IF_ERROR(
@@ -112,7 +112,7 @@ absl::Status RegroupStates(WorkerContext& context, int64_t generation,
                  absl::StrCat("opening the rendezvous of generation ", generation)));
   }
   for (ModuleState* state : states) {
-    HETPAR_RETURN_IF_ERROR(state->Regroup(context, encoder_replicas));
+    HETPAR_RETURN_IF_ERROR(state->Regroup(context, replicas));
   }
   return absl::OkStatus();
 }

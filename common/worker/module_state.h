@@ -43,9 +43,9 @@ class ModuleState {
   static absl::StatusOr<ModuleState> Form(WorkerContext& context, v1::Module module);
 
   // Forms the groups again through the context's current store (a new generation: a step was
-  // aborted, or encoder replicas left the run), over `encoder_replicas` (the step's; empty:
-  // every replica) for the encoder's gradient group. The communicators keep their identity.
-  absl::Status Regroup(WorkerContext& context, const std::vector<int64_t>& encoder_replicas);
+  // aborted, or replicas left the run), the gradient group over the step's replicas of this
+  // module. The communicators keep their identity.
+  absl::Status Regroup(WorkerContext& context, const StepReplicas& replicas);
   // The generation whose store the groups were last formed in.
   int64_t formed_generation() const { return formed_generation_; }
 
@@ -92,7 +92,7 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
   int64_t formed_generation_ = 0;
-  absl::Status FormGroups(WorkerContext& context, const std::vector<int64_t>& encoder_replicas);
+  absl::Status FormGroups(WorkerContext& context, const StepReplicas& replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
   absl::Status WriteCheckpoint(int64_t committed);
@@ -107,8 +107,7 @@ class ModuleState {
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
 // `generation` (once), then forms each state's groups in it.
-absl::Status RegroupStates(WorkerContext& context, int64_t generation,
-                           const std::vector<int64_t>& encoder_replicas,
+absl::Status RegroupStates(WorkerContext& context, int64_t generation, const StepReplicas& replicas,
                            std::initializer_list<ModuleState*> states);
 
 // A ModuleRuntime of one module, whose step end is its ModuleState's; the subclass runs the step.
@@ -119,8 +118,8 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.Apply(step, clip_coefficient, checkpoint);
   }
   void Discard() override { state_.Discard(); }
-  absl::Status Regroup(int64_t generation, const std::vector<int64_t>& encoder_replicas) override {
-    return RegroupStates(*context_, generation, encoder_replicas, {&state_});
+  absl::Status Regroup(int64_t generation, const StepReplicas& replicas) override {
+    return RegroupStates(*context_, generation, replicas, {&state_});
   }
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank) override {
     return state_.WriteOutputs(send, world_rank);

@@ -129,9 +129,11 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   const absl::Time start = absl::Now();
   absl::Status grouped = absl::OkStatus();
   if (step_message.generation() != formed_generation_) {
-    // A new generation (an attempt aborted, or encoder replicas left): groups formed anew.
-    const std::vector<int64_t> replicas(step_message.encoder_replicas().begin(),
-                                        step_message.encoder_replicas().end());
+    // A new generation (an attempt aborted, or replicas left): groups formed anew.
+    StepReplicas replicas;
+    replicas.encoder.assign(step_message.encoder_replicas().begin(),
+                            step_message.encoder_replicas().end());
+    replicas.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
     grouped = modules_->Regroup(step_message.generation(), replicas);
     if (grouped.ok()) formed_generation_ = step_message.generation();
   }

@@ -22,7 +22,7 @@
 // wait interrupted by the coordinator's abort) is reported and discarded; the coordinator then
 // aborts it and plans it again, or stops the run. Each plan carries its generation (every
 // attempt has its own): before the first step of a new generation the rank forms its groups
-// anew (ModuleRuntime::Regroup), over the encoder replicas the plan names. The interrupt, when
+// anew (ModuleRuntime::Regroup), over the replicas the plan names. The interrupt, when
 // given, is armed as each step starts. A membership change is logged; the plans that follow
 // it say what changed. One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_

@@ -78,8 +78,11 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
-  absl::Status Regroup(int64_t generation, const std::vector<int64_t>& replicas) override {
-    calls.push_back(absl::StrCat("regroup ", generation, " [", absl::StrJoin(replicas, ","), "]"));
+  absl::Status Regroup(int64_t generation, const StepReplicas& replicas) override {
+    calls.push_back(absl::StrCat("regroup ", generation, " [", absl::StrJoin(replicas.encoder, ","),
+                                 "]", replicas.llm.empty() ? "" : " llm [",
+                                 absl::StrJoin(replicas.llm, ","),
+                                 replicas.llm.empty() ? "" : "]"));
     return regroup_error;
   }
   absl::Status WriteOutputs(const OutputSender&, int64_t) override { return absl::OkStatus(); }

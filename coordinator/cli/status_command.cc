@@ -57,12 +57,13 @@ void PrintStatus(const v1::StatusResponse& s) {
   if (!s.data_position().empty()) std::cout << ", data at " << s.data_position();
   std::cout << "\n";
   if (s.encoder_replicas_configured() > 0) {
-    std::cout << "encoder pool: " << s.encoder_replicas() << " of "
-              << s.encoder_replicas_configured() << " replicas training\n";
+    std::cout << "pools: encoder " << s.encoder_replicas() << " of "
+              << s.encoder_replicas_configured() << " replicas, llm " << s.llm_replicas() << " of "
+              << s.llm_replicas_configured() << " replicas training\n";
     for (const v1::PoolChange& change : s.pool_changes()) {
-      std::cout << "  step " << change.step() << ", generation " << change.generation()
-                << ": encoder replica " << change.replica() << " left (" << change.replicas_after()
-                << " left); "
+      std::cout << "  step " << change.step() << ", generation " << change.generation() << ": "
+                << (change.module() == v1::MODULE_LLM ? "llm" : "encoder") << " replica "
+                << change.replica() << " left (" << change.replicas_after() << " left); "
                 << (change.recovery_s() >= 0 ? absl::StrCat("next step committed ",
                                                             Seconds(change.recovery_s()), " later")
                                              : std::string("recovering"))

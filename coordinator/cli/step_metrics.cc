@@ -71,16 +71,17 @@ absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status) {
     written_ = t.step() + 1;
     if (on_step_) on_step_(t);
   }
-  // An encoder replica that left the run: one line once the run has recovered from it (its next
-  // step committed), with the time that took.
+  // A replica that left the run: one line once the run has recovered from it (its next step
+  // committed), with the time that took.
   for (; pool_changes_written_ < status.pool_changes_size(); ++pool_changes_written_) {
     const v1::PoolChange& change = status.pool_changes(pool_changes_written_);
     if (change.recovery_s() < 0) break;
     nlohmann::json line = {{"pool_change",
                             {{"step", change.step()},
                              {"generation", change.generation()},
-                             {"encoder_replica_lost", change.replica()},
-                             {"encoder_replicas", change.replicas_after()},
+                             {"module", change.module() == v1::MODULE_LLM ? "llm" : "encoder"},
+                             {"replica_lost", change.replica()},
+                             {"replicas", change.replicas_after()},
                              {"cause", change.cause()},
                              {"unix_time", change.unix_time()},
                              {"recovery_s", change.recovery_s()}}}};

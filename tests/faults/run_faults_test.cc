@@ -170,78 +170,95 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"), HasSubstr("wrong run token"));
 }
 
-// An encoder worker killed (SIGKILL, at whatever point of a step it is) takes its replica out of
-// the run; the step is planned again over the other replica and the run goes on. Any layout of
-// the encoder is exact, so in float64 the losses and final parameters are an uninterrupted
-// run's (which the parity tests hold to the single-process reference).
-TEST_F(RunFaultsTest, AKilledEncoderReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
-  constexpr int kSteps = 10;
-  std::vector<std::string> argv = RunArgs(kSteps);
-  argv.insert(argv.end(), {"--set", "run.dtype=float64"});
-  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
-  ASSERT_TRUE(run.ok());
-  const std::string metrics = dir_ + "/run/metrics.jsonl";
-  WaitForLines(metrics, 3);
-  std::vector<pid_t> victims;
-  for (pid_t pid : ProcessesWith("hetpar-encoder --coordinator")) {
-    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
-      victims.push_back(pid);
+// A worker killed (SIGKILL, at whatever point of a step it is) in a module with two DP replicas
+// takes its replica out of the run; the step is planned again over the other replica and the run
+// goes on. Any layout is exact, so in float64 the losses and final parameters are an
+// uninterrupted run's (which the parity tests hold to the single-process reference).
+class ReplicaLossTest : public RunFaultsTest {
+ protected:
+  // Runs with `layout` flags, kills one process whose command line starts with `binary`, and
+  // compares with a straight run of the same layout; `module` names the pool that shrank.
+  void KillOneAndCompare(const std::string& binary, const std::vector<std::string>& layout,
+                         const std::string& module) {
+    constexpr int kSteps = 10;
+    std::vector<std::string> flags = {"--set", "run.dtype=float64"};
+    for (const std::string& f : layout) flags.insert(flags.end(), {"--set", f});
+    std::vector<std::string> argv = RunArgs(kSteps);
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+    ASSERT_TRUE(run.ok());
+    const std::string metrics = dir_ + "/run/metrics.jsonl";
+    WaitForLines(metrics, 3);
+    std::vector<pid_t> victims;
+    for (pid_t pid : ProcessesWith(binary + " --coordinator")) {
+      if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
+        victims.push_back(pid);
+      }
     }
-  }
-  ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
-  ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
-  auto code = run->Wait(120);
-  ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
-  const std::string log = ReadFile(dir_ + "/hetpar-run.log");
-  ASSERT_EQ(*code, 0) << log;
-  EXPECT_THAT(log, HasSubstr("exited with code 137; the coordinator decides"));
+    ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
+    ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
+    auto code = run->Wait(120);
+    ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
+    const std::string log = ReadFile(dir_ + "/hetpar-run.log");
+    ASSERT_EQ(*code, 0) << log;
+    EXPECT_THAT(log, HasSubstr("exited with code 137; the coordinator decides"));
 
-  std::vector<std::string> straight = RunArgs(kSteps);
-  straight[5] = dir_ + "/straight";  // the value of --out
-  straight.insert(straight.end(), {"--set", "run.dtype=float64"});
-  auto whole = RunCommand(straight, 120);
-  ASSERT_TRUE(whole.ok()) << whole.status();
-  ASSERT_EQ(whole->exit_code, 0) << whole->stderr_text;
+    std::vector<std::string> straight = RunArgs(kSteps);
+    straight[5] = dir_ + "/straight";  // the value of --out
+    straight.insert(straight.end(), flags.begin(), flags.end());
+    auto whole = RunCommand(straight, 120);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    ASSERT_EQ(whole->exit_code, 0) << whole->stderr_text;
 
-  struct Lines {
-    std::map<int64_t, double> loss;
-    nlohmann::json final_params;
-    std::vector<nlohmann::json> pool_changes;
-  };
-  auto read = [&](const std::string& run_dir) {
-    Lines out;
-    std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
-    std::string line;
-    while (std::getline(in, line)) {
-      const nlohmann::json j = nlohmann::json::parse(line);
-      if (j.contains("step")) out.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
-      if (j.contains("final_params")) out.final_params = j["final_params"];
-      if (j.contains("pool_change")) out.pool_changes.push_back(j["pool_change"]);
+    struct Lines {
+      std::map<int64_t, double> loss;
+      nlohmann::json final_params;
+      std::vector<nlohmann::json> pool_changes;
+    };
+    auto read = [&](const std::string& run_dir) {
+      Lines out;
+      std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
+      std::string line;
+      while (std::getline(in, line)) {
+        const nlohmann::json j = nlohmann::json::parse(line);
+        if (j.contains("step")) out.loss[j["step"].get<int64_t>()] = j["loss"].get<double>();
+        if (j.contains("final_params")) out.final_params = j["final_params"];
+        if (j.contains("pool_change")) out.pool_changes.push_back(j["pool_change"]);
+      }
+      return out;
+    };
+    const Lines a = read(dir_ + "/run");
+    const Lines b = read(dir_ + "/straight");
+    ASSERT_EQ(a.loss.size(), static_cast<size_t>(kSteps)) << ReadFile(metrics);
+    ASSERT_EQ(b.loss.size(), static_cast<size_t>(kSteps));
+    for (int64_t step = 0; step < kSteps; ++step) {
+      EXPECT_NEAR(a.loss.at(step), b.loss.at(step), 1e-9 * std::fabs(b.loss.at(step)))
+          << "step " << step;
     }
-    return out;
-  };
-  const Lines a = read(dir_ + "/run");
-  const Lines b = read(dir_ + "/straight");
-  ASSERT_EQ(a.loss.size(), static_cast<size_t>(kSteps)) << ReadFile(metrics);
-  ASSERT_EQ(b.loss.size(), static_cast<size_t>(kSteps));
-  for (int64_t step = 0; step < kSteps; ++step) {
-    EXPECT_NEAR(a.loss.at(step), b.loss.at(step), 1e-9 * std::fabs(b.loss.at(step)))
-        << "step " << step;
-  }
-  for (const char* module : {"encoder", "llm"}) {
-    for (const char* what : {"sum", "l2"}) {
-      const double x = a.final_params[module][what].get<double>();
-      const double y = b.final_params[module][what].get<double>();
-      EXPECT_NEAR(x, y, 1e-9 * std::max(1.0, std::fabs(y))) << module << " " << what;
+    for (const char* m : {"encoder", "llm"}) {
+      for (const char* what : {"sum", "l2"}) {
+        const double x = a.final_params[m][what].get<double>();
+        const double y = b.final_params[m][what].get<double>();
+        EXPECT_NEAR(x, y, 1e-9 * std::max(1.0, std::fabs(y))) << m << " " << what;
+      }
     }
+    // The loss is on record, with the pool left and the time to the next committed step.
+    ASSERT_EQ(a.pool_changes.size(), 1u) << ReadFile(metrics);
+    EXPECT_EQ(a.pool_changes[0]["module"].get<std::string>(), module);
+    EXPECT_EQ(a.pool_changes[0]["replicas"].get<int64_t>(), 1);
+    EXPECT_GE(a.pool_changes[0]["step"].get<int64_t>(), 2);
+    EXPECT_GE(a.pool_changes[0]["recovery_s"].get<double>(), 0);
+    EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr(module + " rank"));
+    EXPECT_TRUE(b.pool_changes.empty());
   }
-  // The loss is on record, with the pool left and the time to the next committed step.
-  ASSERT_EQ(a.pool_changes.size(), 1u) << ReadFile(metrics);
-  EXPECT_EQ(a.pool_changes[0]["encoder_replicas"].get<int64_t>(), 1);
-  EXPECT_GE(a.pool_changes[0]["step"].get<int64_t>(), 2);
-  EXPECT_GE(a.pool_changes[0]["recovery_s"].get<double>(), 0);
-  EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr("encoder rank"));
-  EXPECT_TRUE(b.pool_changes.empty());
+};
+
+TEST_F(ReplicaLossTest, AKilledEncoderReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
+  KillOneAndCompare("hetpar-encoder", {}, "encoder");  // tiny: encoder dp 2, llm dp 1 x tp 2
+}
+
+TEST_F(ReplicaLossTest, AKilledLlmReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
+  KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1"}, "llm");
 }
 
 // A run killed while it writes a checkpoint every step (SIGKILL of an LLM worker, at whatever
