@@ -291,7 +291,13 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
       std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
                                                         : spec_.failure().min_llm_replicas());
   std::string cannot;
-  if (module == v1::MODULE_UNSPECIFIED || left_after < 1) {
+  if (spec_.llm().layout().pp() > 1) {
+    // An attempt aborted mid-pipeline can leave a stage's send that its neighbour never takes.
+    cannot = absl::StrCat(
+        "going on without a replica is not supported with pipeline "
+        "parallelism yet (llm.layout.pp=",
+        spec_.llm().layout().pp(), ")");
+  } else if (module == v1::MODULE_UNSPECIFIED || left_after < 1) {
     cannot = absl::StrCat("its ", module == v1::MODULE_UNSPECIFIED ? "colocated" : name,
                           " shard (parameters and optimizer state) is held by no other worker");
   } else if (left_after < minimum) {

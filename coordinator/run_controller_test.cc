@@ -377,6 +377,18 @@ TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) 
   EXPECT_THAT(controller_->state_message(), HasSubstr("under /runs/ckpt"));
 }
 
+TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaFailsTheRunSayingWhy) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_llm()->mutable_layout()->set_pp(2);
+  CreateWith(spec);
+  StartAll();  // enc 0, enc 1, llm stage 0, llm stage 1
+  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("not supported with pipeline parallelism yet (llm.layout.pp=2)"));
+}
+
 TEST_F(RunControllerTest, ALostLlmRankFailsTheRunAtOnceSayingItMustStartOver) {
   Create(5, false);
   StartAll();
