@@ -48,15 +48,13 @@ hetpar::v1::RunSpec TinySpec() {
   return spec;
 }
 
-StepPlan TinyPlan(const hetpar::v1::RunSpec& spec, int64_t step, int64_t generation = 0) {
-  auto placement = PlacementFromRunSpec(spec);
-  EXPECT_TRUE(placement.ok()) << placement.status();
-  auto options = StepPlanOptionsFromRunSpec(spec, step, generation);
-  EXPECT_TRUE(options.ok()) << options.status();
+// The global batch of step `step`: samples of 0 to 3 images of 16 tokens, text up to 60 tokens.
+std::vector<SampleDescriptor> TinyBatch(const hetpar::v1::RunSpec& spec, int64_t step,
+                                        int64_t min_images) {
   SyntheticBatchOptions batch;
   batch.samples = spec.run().global_batch();
   batch.first_id = step * batch.samples;
-  batch.min_images = 0;
+  batch.min_images = min_images;
   batch.max_images = 3;
   batch.tokens_per_image = 16;
   batch.seq_len = 128;
@@ -64,7 +62,15 @@ StepPlan TinyPlan(const hetpar::v1::RunSpec& spec, int64_t step, int64_t generat
   batch.max_text_tokens = 60;
   auto samples = SyntheticBatch(batch);
   EXPECT_TRUE(samples.ok()) << samples.status();
-  auto plan = BuildStepPlan(*placement, *samples, *options);
+  return samples.ok() ? *samples : std::vector<SampleDescriptor>();
+}
+
+StepPlan TinyPlan(const hetpar::v1::RunSpec& spec, int64_t step, int64_t generation = 0) {
+  auto placement = PlacementFromRunSpec(spec);
+  EXPECT_TRUE(placement.ok()) << placement.status();
+  auto options = StepPlanOptionsFromRunSpec(spec, step, generation);
+  EXPECT_TRUE(options.ok()) << options.status();
+  auto plan = BuildStepPlan(*placement, TinyBatch(spec, step, /*min_images=*/0), *options);
   EXPECT_TRUE(plan.ok()) << plan.status();
   return *plan;
 }
@@ -402,17 +408,8 @@ std::map<int64_t, RankStepPlan> CheckSubsetPlan(const hetpar::v1::RunSpec& spec,
   auto options = StepPlanOptionsFromRunSpec(spec, 3, 7);
   EXPECT_TRUE(options.ok());
   options->waves = spec.run().global_batch() / (spec.run().micro_batch() * subset.planned().llm.dp);
-  SyntheticBatchOptions batch;
-  batch.samples = spec.run().global_batch();
-  batch.min_images = 1;
-  batch.max_images = 3;
-  batch.tokens_per_image = 16;
-  batch.seq_len = 128;
-  batch.min_text_tokens = 8;
-  batch.max_text_tokens = 60;
-  auto samples = SyntheticBatch(batch);
-  EXPECT_TRUE(samples.ok());
-  auto plan = BuildStepPlan(subset.planned(), *samples, *options);
+  const std::vector<SampleDescriptor> samples = TinyBatch(spec, 0, /*min_images=*/1);
+  auto plan = BuildStepPlan(subset.planned(), samples, *options);
   EXPECT_TRUE(plan.ok()) << plan.status();
   std::map<int64_t, RankStepPlan> parts;
   if (!plan.ok()) return parts;
@@ -471,7 +468,7 @@ std::map<int64_t, RankStepPlan> CheckSubsetPlan(const hetpar::v1::RunSpec& spec,
     }
   }
   int64_t batch_images = 0;
-  for (const SampleDescriptor& s : *samples) batch_images += s.image_count();
+  for (const SampleDescriptor& s : samples) batch_images += s.image_count();
   EXPECT_EQ(images, batch_images);
   EXPECT_EQ(loss_tokens, plan->n_global);
   return parts;

@@ -80,15 +80,7 @@ void PendingSends::Add(std::unique_ptr<std::string> buffer,
 }
 
 absl::Status PendingSends::Wait(absl::Time deadline) {
-  absl::Status status = WaitInSlices(
-      [&](absl::Time until) {
-        for (const auto& op : ops_) {
-          absl::Status pending = op->Wait(until);
-          if (absl::IsDeadlineExceeded(pending)) return pending;
-        }
-        return transport::WaitAll(ops_, until);  // every one done: the first failure
-      },
-      deadline, interrupt_);
+  absl::Status status = transport::WaitAll(ops_, deadline, interrupt_);
   if (status.ok()) {
     ops_.clear();
     buffers_.clear();

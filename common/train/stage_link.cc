@@ -154,15 +154,7 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
 absl::Status StageLink::WaitSends() {
   std::vector<std::unique_ptr<transport::Operation>> ops;
   for (Sent& sent : sends_) ops.push_back(std::move(sent.op));
-  absl::Status status = WaitInSlices(
-      [&](absl::Time until) {
-        for (const auto& op : ops) {
-          absl::Status pending = op->Wait(until);
-          if (absl::IsDeadlineExceeded(pending)) return pending;
-        }
-        return transport::WaitAll(ops, until);  // every one done: the first failure
-      },
-      absl::Now() + timeout_, interrupt_);
+  absl::Status status = transport::WaitAll(ops, absl::Now() + timeout_, interrupt_);
   if (!status.ok()) {
     for (size_t i = 0; i < ops.size(); ++i) sends_[i].op = std::move(ops[i]);
     return Annotate(status, "sending to the neighbouring pipeline stages");

@@ -26,6 +26,19 @@ absl::Status WaitAll(absl::Span<const std::unique_ptr<Operation>> ops, absl::Tim
   return first;
 }
 
+absl::Status WaitAll(absl::Span<const std::unique_ptr<Operation>> ops, absl::Time deadline,
+                     const StepInterrupt* interrupt) {
+  return WaitInSlices(
+      [&](absl::Time until) {
+        for (const auto& op : ops) {
+          absl::Status pending = op->Wait(until);
+          if (absl::IsDeadlineExceeded(pending)) return pending;
+        }
+        return WaitAll(ops, until);  // every one done: the first failure
+      },
+      deadline, interrupt);
+}
+
 absl::Status ValidateBuffer(const void* data, size_t size, MemoryKind kind, std::string_view what) {
   if (kind != MemoryKind::kHost && kind != MemoryKind::kCuda) {
     return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": memory kind ",

@@ -62,6 +62,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "common/step_interrupt.h"
 
 namespace hetpar::transport {
 
@@ -191,6 +192,9 @@ class Transport {
 // Waits for every operation with one shared deadline. Returns OK when all completed OK, else
 // the first non-OK status in `ops` order (kDeadlineExceeded if one is still pending).
 absl::Status WaitAll(absl::Span<const std::unique_ptr<Operation>> ops, absl::Time deadline);
+// The same, ending early (Aborted) once `interrupt` (may be null) is raised.
+absl::Status WaitAll(absl::Span<const std::unique_ptr<Operation>> ops, absl::Time deadline,
+                     const StepInterrupt* interrupt);
 
 // Checks a buffer against what every backend requires (non-null data when size > 0, a known
 // memory kind). `what` names the operation in the message ("send to peer 'b' tag 7").
