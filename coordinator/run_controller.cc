@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "common/config/config.h"
 #include "common/logging.h"
+#include "common/plan/step_plan.h"
 #include "common/status.h"
 #include "coordinator/limits.h"
 
@@ -21,6 +22,9 @@ v1::CoordinatorMessage StopMessage(const std::string& reason) {
   message.mutable_stop()->set_reason(reason);
   return message;
 }
+
+// Seconds since the Unix epoch (PoolChange.unix_time).
+double UnixSeconds(absl::Time t) { return static_cast<double>(absl::ToUnixMicros(t)) * 1e-6; }
 
 }  // namespace
 
@@ -144,22 +148,15 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
   HETPAR_LOG(INFO) << "registered " << worker->Describe() << " data-plane "
                    << DataAddressText(worker->data_address) << " (" << membership_.alive_workers()
                    << "/" << membership_.expected_workers() << ")";
+  // While running no rank is free (a loss retires its replica or fails the run), so Admit
+  // refuses every worker: the membership completes only while waiting.
   const bool complete = membership_.Complete();
-  if (state_ == v1::RUN_STATE_RUNNING) {
-    // A worker took a rank that was lost: membership changed.
-    ++generation_;
-    worker->generation = generation_;
-    HETPAR_LOG(INFO) << "generation " << generation_ << ": " << worker->worker_id
-                     << " replaces a lost rank";
-  }
   if (complete) {
     incomplete_since_ = absl::InfiniteFuture();
-    if (state_ == v1::RUN_STATE_WAITING) {
-      state_ = v1::RUN_STATE_RUNNING;
-      HETPAR_LOG(INFO) << "every rank registered (" << membership_.expected_workers()
-                       << " workers): run " << spec_.run().name() << " is running, generation "
-                       << generation_;
-    }
+    state_ = v1::RUN_STATE_RUNNING;
+    HETPAR_LOG(INFO) << "every rank registered (" << membership_.expected_workers()
+                     << " workers): run " << spec_.run().name() << " is running, generation "
+                     << generation_;
     SendAssignments(actions);
   }
   v1::RegisterResponse response;
@@ -303,11 +300,11 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   } else if (left_after < minimum) {
     cannot = absl::StrCat("the ", name, " pool would shrink to ", left_after,
                           " replicas, below failure.min_", name, "_replicas=", minimum);
-  } else if (module == v1::MODULE_LLM &&
-             spec_.run().global_batch() % (spec_.run().micro_batch() * left_after) != 0) {
-    cannot = absl::StrCat("run.global_batch=", spec_.run().global_batch(),
-                          " does not split into run.micro_batch=", spec_.run().micro_batch(),
-                          " x the ", left_after, " LLM replicas that would be left");
+  } else if (module == v1::MODULE_LLM) {
+    // The global batch must still split over the LLM replicas left.
+    if (absl::Status splits = plan::LlmWaves(spec_, left_after).status(); !splits.ok()) {
+      cannot = std::string(splits.message());
+    }
   }
   if (!cannot.empty()) {
     const std::string resume =
@@ -347,7 +344,7 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   record.set_replica(replica);
   record.set_cause(cause);
   record.set_replicas_after(static_cast<int64_t>(left.size()));
-  record.set_unix_time(absl::ToDoubleSeconds(now - absl::UnixEpoch()));
+  record.set_unix_time(UnixSeconds(now));
   record.set_recovery_s(-1);
   pool_changes_.push_back(record);
   HETPAR_LOG(WARNING) << "generation " << generation_ << ": " << name << " replica " << replica
@@ -377,8 +374,7 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
       ++committed_steps_;
       for (v1::PoolChange& change : pool_changes_) {
         if (change.recovery_s() < 0) {
-          change.set_recovery_s(absl::ToDoubleSeconds(now - absl::UnixEpoch()) -
-                                change.unix_time());
+          change.set_recovery_s(UnixSeconds(now) - change.unix_time());
         }
       }
       step_attempts_ = 0;

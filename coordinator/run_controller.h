@@ -4,8 +4,8 @@
 // States: waiting -> running -> stopping -> done | failed.
 //  * waiting: workers register into the ranks of the RunSpec layouts. When every rank is held
 //    the run starts (running) and every worker gets its Assignment with all its peers. If ranks
-//    are still missing register_timeout after the coordinator started (or after a worker was
-//    lost while running), the run fails with a message listing them.
+//    are still missing register_timeout after the coordinator started, the run fails with a
+//    message listing them.
 //  * A worker whose heartbeats stop for heartbeat_timeout, or whose session ends while the run
 //    is running, is dead. In a non-colocated run its DP replica leaves the run (its other ranks
 //    are ended too): the generation is bumped, the others are told (MembershipChange), the step
@@ -139,7 +139,7 @@ class RunController {
   v1::RunState state_ = v1::RUN_STATE_WAITING;
   std::string state_message_;
   int64_t generation_;
-  // When ranks became missing (creation, or a loss while running); InfiniteFuture when complete.
+  // When ranks became missing (creation); InfiniteFuture once complete.
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   int64_t committed_steps_ = 0;

@@ -372,8 +372,8 @@ TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) 
   controller_->SessionEnded(ids_[4], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(),
-              HasSubstr("run.global_batch=3 does not split into run.micro_batch=1 x the 2 LLM "
-                        "replicas that would be left"));
+              HasSubstr("run.global_batch=3 is not divisible into run.micro_batch=1 per LLM "
+                        "replica x 2 LLM replicas taking part"));
   EXPECT_THAT(controller_->state_message(), HasSubstr("under /runs/ckpt"));
 }
 

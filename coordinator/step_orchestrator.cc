@@ -50,7 +50,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   loss_tokens_ = 0;
   any_loss_reported_ = false;
   last_abort_reason_.clear();
-  // The first encoder replica taking part sends the encoder's partials.
+  // The first replica of each module taking part sends the module's partials.
   first_encoder_replica_ = plan.encoder_replicas.empty() ? 0 : plan.encoder_replicas.front();
   first_llm_replica_ = plan.llm_replicas.empty() ? 0 : plan.llm_replicas.front();
   for (const WorkerRecord* worker : participants) {

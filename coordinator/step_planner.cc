@@ -78,14 +78,9 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
 
 absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t generation,
                                                      const Membership& membership) {
-  absl::StatusOr<plan::StepPlanOptions> options =
-      plan::StepPlanOptionsFromRunSpec(spec_, step, generation);
-  if (!options.ok()) return options.status();
-  absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
-      batches_->Next(spec_.run().global_batch());
-  if (!samples.ok()) return samples.status();
-  // Replicas that left the run: the step is planned over the others, and each worker's part is
-  // given back in its own world rank (plan::ReplicaSubset).
+  // Replicas that left the run: the step is planned over the others (each LLM replica left
+  // takes more waves of the same global batch), and each worker's part is given back in its own
+  // world rank (plan::ReplicaSubset).
   std::optional<plan::ReplicaSubset> subset;
   std::vector<int64_t> encoder_replicas = membership.Replicas(v1::MODULE_ENCODER);
   std::vector<int64_t> llm_replicas = membership.Replicas(v1::MODULE_LLM);
@@ -96,15 +91,13 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
         plan::ReplicaSubset::Create(placement_, encoder_replicas, llm_replicas);
     if (!made.ok()) return made.status();
     subset = *std::move(made);
-    // The global batch splits over the LLM replicas left: more waves each.
-    const int64_t per_wave = spec_.run().micro_batch() * subset->planned().llm.dp;
-    if (spec_.run().global_batch() % per_wave != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "run.global_batch=", spec_.run().global_batch(), " does not split into run.micro_batch=",
-          spec_.run().micro_batch(), " x ", subset->planned().llm.dp, " LLM replicas"));
-    }
-    options->waves = spec_.run().global_batch() / per_wave;
   }
+  absl::StatusOr<plan::StepPlanOptions> options = plan::StepPlanOptionsFromRunSpec(
+      spec_, step, generation, subset ? subset->planned().llm.dp : 0);
+  if (!options.ok()) return options.status();
+  absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
+      batches_->Next(spec_.run().global_batch());
+  if (!samples.ok()) return samples.status();
   absl::StatusOr<plan::StepPlan> step_plan =
       plan::BuildStepPlan(subset ? subset->planned() : placement_, *std::move(samples), *options);
   if (!step_plan.ok()) return step_plan.status();

@@ -59,18 +59,27 @@ int64_t DtypeBytes(hetpar::v1::Dtype dtype) {
   return 0;
 }
 
-absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
-                                                           int64_t step, int64_t generation) {
+absl::StatusOr<int64_t> LlmWaves(const hetpar::v1::RunSpec& spec, int64_t llm_replicas) {
   const int64_t micro_batch = spec.run().micro_batch();
-  const int64_t llm_dp = spec.llm().layout().dp();
+  const int64_t llm_dp = llm_replicas > 0 ? llm_replicas : spec.llm().layout().dp();
   const int64_t global_batch = spec.run().global_batch();
   if (micro_batch < 1 || llm_dp < 1 || global_batch < 1 ||
       global_batch % (micro_batch * llm_dp) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "run.global_batch=", global_batch, " is not divisible into run.micro_batch=", micro_batch,
-        " per LLM replica x llm.layout.dp=", llm_dp, "; expected a positive multiple of ",
-        micro_batch * llm_dp));
+    return absl::InvalidArgumentError(
+        absl::StrCat("run.global_batch=", global_batch,
+                     " is not divisible into run.micro_batch=", micro_batch, " per LLM replica x ",
+                     llm_replicas > 0 ? absl::StrCat(llm_dp, " LLM replicas taking part")
+                                      : absl::StrCat("llm.layout.dp=", llm_dp),
+                     "; expected a positive multiple of ", micro_batch * llm_dp));
   }
+  return global_batch / (micro_batch * llm_dp);
+}
+
+absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
+                                                           int64_t step, int64_t generation,
+                                                           int64_t llm_replicas) {
+  absl::StatusOr<int64_t> waves = LlmWaves(spec, llm_replicas);
+  if (!waves.ok()) return waves.status();
   const int64_t dtype_bytes = DtypeBytes(spec.run().dtype());
   if (dtype_bytes == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -84,8 +93,8 @@ absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::Run
   o.step = step;
   o.generation = generation;
   o.seed = static_cast<uint64_t>(spec.run().seed());
-  o.waves = global_batch / (micro_batch * llm_dp);
-  o.micro_batch = micro_batch;
+  o.waves = *waves;
+  o.micro_batch = spec.run().micro_batch();
   o.seq_len = spec.llm().model().seq_len();
   o.row_bytes = spec.llm().model().hidden() * dtype_bytes;
   o.encoder_cost = EncoderCostModel(spec.encoder().model());

@@ -47,11 +47,18 @@ bool ImageGradientsCross(const hetpar::v1::RunSpec& spec);
 // Bytes per element: float32 4, float64 8, bfloat16 2; 0 for an unspecified dtype.
 int64_t DtypeBytes(hetpar::v1::Dtype dtype);
 
+// The waves of a step: run.global_batch / (run.micro_batch x the LLM DP replicas: llm.layout.dp,
+// or `llm_replicas` when > 0). InvalidArgument when the batch does not divide.
+absl::StatusOr<int64_t> LlmWaves(const hetpar::v1::RunSpec& spec, int64_t llm_replicas = 0);
+
 // Options from a RunSpec with defaults applied: seed = run.seed, waves = run.global_batch /
 // (run.micro_batch x llm.layout.dp), seq_len = llm.model.seq_len, row_bytes = llm.model.hidden
 // x dtype size, cost models from both models. InvalidArgument when the batch does not divide.
+// `llm_replicas` > 0: the LLM DP replicas taking part when fewer than llm.layout.dp (some left
+// the run); the waves and the divisibility check follow them.
 absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
-                                                           int64_t step, int64_t generation);
+                                                           int64_t step, int64_t generation,
+                                                           int64_t llm_replicas = 0);
 
 struct StepPlan {
   int64_t step = 0;

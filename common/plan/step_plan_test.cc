@@ -79,6 +79,13 @@ TEST(StepPlanTest, OptionsFromRunSpec) {
   auto options = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2);
   ASSERT_TRUE(options.ok()) << options.status();
   EXPECT_EQ(options->waves, 2);  // 8 / (2 x dp 2)
+  // One of the two LLM replicas left: it takes every wave.
+  auto one_replica = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2, /*llm_replicas=*/1);
+  ASSERT_TRUE(one_replica.ok()) << one_replica.status();
+  EXPECT_EQ(one_replica->waves, 4);  // 8 / (2 x 1)
+  auto three = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2, /*llm_replicas=*/3);
+  EXPECT_THAT(std::string(three.status().message()),
+              HasSubstr("per LLM replica x 3 LLM replicas taking part"));
   EXPECT_EQ(options->micro_batch, 2);
   EXPECT_EQ(options->seq_len, 128);
   EXPECT_EQ(options->row_bytes, 256);  // 64 x float32
@@ -405,9 +412,8 @@ namespace {
 std::map<int64_t, RankStepPlan> CheckSubsetPlan(const hetpar::v1::RunSpec& spec,
                                                 const Placement& full,
                                                 const ReplicaSubset& subset) {
-  auto options = StepPlanOptionsFromRunSpec(spec, 3, 7);
-  EXPECT_TRUE(options.ok());
-  options->waves = spec.run().global_batch() / (spec.run().micro_batch() * subset.planned().llm.dp);
+  auto options = StepPlanOptionsFromRunSpec(spec, 3, 7, subset.planned().llm.dp);
+  EXPECT_TRUE(options.ok()) << options.status();
   const std::vector<SampleDescriptor> samples = TinyBatch(spec, 0, /*min_images=*/1);
   auto plan = BuildStepPlan(subset.planned(), samples, *options);
   EXPECT_TRUE(plan.ok()) << plan.status();

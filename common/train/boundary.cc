@@ -364,12 +364,11 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     absl::Status status = WaitInSlices([&](absl::Time until) { return receive.op->Wait(until); },
                                        deadline, interrupt_);
     if (!status.ok()) {
-      // Interrupted: the receives not taken yet stay posted (BeginStep withdraws them later).
-      if (absl::IsAborted(status)) {
-        std::vector<PostedReceive>& left =
-            posted_[BoundaryTag(plan.step, plan.attempt, direction, wave)];
-        for (size_t j = i; j < posted.size(); ++j) left.push_back(std::move(posted[j]));
-      }
+      // The step ends here (interrupted, or a peer is gone): the receives not taken yet stay
+      // posted, so live peers' sends complete (BeginStep withdraws them a step later).
+      std::vector<PostedReceive>& left =
+          posted_[BoundaryTag(plan.step, plan.attempt, direction, wave)];
+      for (size_t j = i; j < posted.size(); ++j) left.push_back(std::move(posted[j]));
       return Annotate(status,
                       absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
                                    " rows of step ", plan.step, " wave ", wave, " from rank ",

@@ -97,7 +97,7 @@ class WorkerContext {
   int64_t store_generation() const { return store_generation_; }
 
   // The c10d group `prefix` in which this worker is `rank` of `size`, formed through the run's
-  // rendezvous store (a group of one needs no store); waits at most options().timeout.
+  // rendezvous store (a group of one needs no store); waits at most peer_timeout().
   absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(const std::string& prefix, int64_t rank,
                                                           int64_t size) const;
 
@@ -106,7 +106,7 @@ class WorkerContext {
   absl::StatusOr<const data::BatchSource*> Data();
 
   // Sends the local file `local_path` into the coordinator's run directory as output `name`
-  // (coordinator::PutOutputFile); waits at most options().timeout.
+  // (coordinator::PutOutputFile); waits at most coordinator_timeout().
   absl::Status PutOutput(const std::string& name, const std::string& local_path);
 
   // Says goodbye to the coordinator (waits at most `timeout` for it to end the session).

@@ -87,7 +87,6 @@ absl::Status ModuleState::FormGroups(WorkerContext& context, const StepReplicas&
   place(dp_, std::move(dp));
   place(cp_, std::move(cp_group));
   place(pp_, std::move(pp_group));
-  formed_generation_ = context.store_generation();
   return absl::OkStatus();
 }
 

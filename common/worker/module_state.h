@@ -46,8 +46,6 @@ class ModuleState {
   // aborted, or replicas left the run), the gradient group over the step's replicas of this
   // module. The communicators keep their identity.
   absl::Status Regroup(WorkerContext& context, const StepReplicas& replicas);
-  // The generation whose store the groups were last formed in.
-  int64_t formed_generation() const { return formed_generation_; }
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
   // A resumed run (checkpoint.resume_from) then loads this rank's slices of the parameters and
@@ -91,7 +89,6 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> cp_;
   std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
-  int64_t formed_generation_ = 0;
   absl::Status FormGroups(WorkerContext& context, const StepReplicas& replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
