@@ -17,7 +17,7 @@
 namespace hetpar::encoder {
 namespace {
 
-constexpr double kLayerNormEps = 1e-6;
+constexpr double kDefaultLayerNormEps = 1e-6;
 constexpr double kInitStd = 0.02;
 constexpr std::string_view kProjectorPrefix = "encoder.projector.";
 
@@ -61,8 +61,19 @@ absl::StatusOr<std::unique_ptr<VisionEncoder>> VisionEncoder::Create(
   HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.layout.tp", size, "encoder.model.mlp", model.mlp()));
   HETPAR_RETURN_IF_ERROR(CheckDivides("encoder.layout.tp", size, "encoder.model.out_hidden",
                                       model.out_hidden(), "the projector is split by features"));
+  hetpar::v1::EncoderModel m = model;
+  if (m.activation().empty()) m.set_activation("gelu");
+  if (m.norm_eps() == 0) m.set_norm_eps(kDefaultLayerNormEps);
+  if (m.activation() != "gelu" && m.activation() != "gelu_tanh") {
+    return absl::InvalidArgumentError(absl::StrCat("encoder.model.activation='", m.activation(),
+                                                   "' is not one of: gelu, gelu_tanh"));
+  }
+  if (!(m.norm_eps() > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("encoder.model.norm_eps=", m.norm_eps(), " must be > 0"));
+  }
   auto encoder = std::unique_ptr<VisionEncoder>(
-      new VisionEncoder(model, options, nn::TensorParallel{tp.group(), options.sequence_parallel}));
+      new VisionEncoder(m, options, nn::TensorParallel{tp.group(), options.sequence_parallel}));
   HETPAR_RETURN_IF_ERROR(encoder->Build());
   return encoder;
 }
@@ -133,7 +144,7 @@ absl::Status VisionEncoder::Build() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<at::Tensor> VisionEncoder::Forward(const at::Tensor& images) {
+absl::Status VisionEncoder::CheckImages(const at::Tensor& images) const {
   const int64_t size = model_.image_size();
   if (!images.defined() || images.dim() != 4 || images.size(0) < 1 ||
       images.size(1) != model_.channels() || images.size(2) != size || images.size(3) != size) {
@@ -148,11 +159,40 @@ absl::StatusOr<at::Tensor> VisionEncoder::Forward(const at::Tensor& images) {
                                                    nn::DtypeName(images.scalar_type()),
                                                    ", expected a floating dtype"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<at::Tensor> VisionEncoder::Forward(const at::Tensor& images) {
+  HETPAR_RETURN_IF_ERROR(CheckImages(images));
   return nn::RunTorchOr(absl::StrCat("encoder forward on TP rank ", tp_.rank(), " of ", tp_.size()),
                         [&] { return ForwardUnchecked(images); });
 }
 
+absl::StatusOr<at::Tensor> VisionEncoder::TowerFeatures(const at::Tensor& images) {
+  HETPAR_RETURN_IF_ERROR(CheckImages(images));
+  return nn::RunTorchOr(
+      absl::StrCat("encoder tower features on TP rank ", tp_.rank(), " of ", tp_.size()), [&] {
+        const at::NoGradGuard no_grad;
+        const int64_t rows = images.size(0) * tokens_per_image_;
+        return nn::EnterTensorParallel(Tower(images), rows, tp_);
+      });
+}
+
 at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
+  const int64_t rows = images.size(0) * tokens_per_image_;
+  const bool grad_enabled = at::GradMode::is_enabled();
+  at::Tensor x = Tower(images);
+  const at::AutoGradMode projector_mode(grad_enabled &&
+                                        (!options_.frozen || options_.train_projector));
+
+  // Projector: the last layer's partial sums are all-reduced (not reduce-scattered) so that every
+  // rank holds the whole boundary tensor.
+  at::Tensor h = nn::EnterTensorParallel(x, rows, tp_);
+  at::Tensor inner = at::gelu(nn::ColumnParallelLinear(h, proj1_weight_, proj1_bias_));
+  return nn::ReduceFromTensorParallel(at::linear(inner, proj2_weight_), tp_.group) + proj2_bias_;
+}
+
+at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
   const int64_t n = images.size(0);
   const int64_t channels = model_.channels();
   const int64_t patch = model_.patch();
@@ -165,6 +205,8 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const at::ScalarType dtype = options_.dtype;
   const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
+  const double eps = model_.norm_eps();
+  const c10::string_view approximate = model_.activation() == "gelu_tanh" ? "tanh" : "none";
 
   // A frozen tower keeps no graph (its parameters need no gradient and neither do the images).
   const bool grad_enabled = at::GradMode::is_enabled();
@@ -180,7 +222,7 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
 
   for (const Layer& layer : layers_) {
     at::Tensor h = nn::EnterTensorParallel(
-        nn::LayerNorm(x, layer.norm1_weight, layer.norm1_bias, kLayerNormEps), rows, tp_);
+        nn::LayerNorm(x, layer.norm1_weight, layer.norm1_bias, eps), rows, tp_);
     at::Tensor qkv = nn::ColumnParallelLinear(h, layer.qkv_weight, layer.qkv_bias)
                          .view({n, tokens, local_heads, 3, head_dim});
     at::Tensor q = qkv.select(3, 0).permute({0, 2, 1, 3});  // [n, heads, tokens, d]
@@ -192,20 +234,13 @@ at::Tensor VisionEncoder::ForwardUnchecked(const at::Tensor& images) {
         at::matmul(probs, v).permute({0, 2, 1, 3}).reshape({rows, local_heads * head_dim});
     x = x + nn::RowParallelLinear(attended, layer.proj_weight, layer.proj_bias, tp_);
 
-    h = nn::EnterTensorParallel(
-        nn::LayerNorm(x, layer.norm2_weight, layer.norm2_bias, kLayerNormEps), rows, tp_);
-    at::Tensor inner = at::gelu(nn::ColumnParallelLinear(h, layer.fc1_weight, layer.fc1_bias));
+    h = nn::EnterTensorParallel(nn::LayerNorm(x, layer.norm2_weight, layer.norm2_bias, eps), rows,
+                                tp_);
+    at::Tensor inner =
+        at::gelu(nn::ColumnParallelLinear(h, layer.fc1_weight, layer.fc1_bias), approximate);
     x = x + nn::RowParallelLinear(inner, layer.fc2_weight, layer.fc2_bias, tp_);
   }
-  x = nn::LayerNorm(x, norm_weight_, norm_bias_, kLayerNormEps);
-  const at::AutoGradMode projector_mode(grad_enabled &&
-                                        (!options_.frozen || options_.train_projector));
-
-  // Projector: the last layer's partial sums are all-reduced (not reduce-scattered) so that every
-  // rank holds the whole boundary tensor.
-  at::Tensor h = nn::EnterTensorParallel(x, rows, tp_);
-  at::Tensor inner = at::gelu(nn::ColumnParallelLinear(h, proj1_weight_, proj1_bias_));
-  return nn::ReduceFromTensorParallel(at::linear(inner, proj2_weight_), tp_.group) + proj2_bias_;
+  return nn::LayerNorm(x, norm_weight_, norm_bias_, eps);
 }
 
 absl::Status VisionEncoder::Backward(const at::Tensor& output, const at::Tensor& grad_output) {

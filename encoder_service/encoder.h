@@ -3,8 +3,9 @@
 //   images [n, channels, size, size]
 //     -> patches [n * T, channels * patch^2]            T = (size / patch)^2 tokens per image
 //     -> patch embedding (linear) + learned position embedding
-//     -> `layers` pre-norm blocks: x += Attn(LN(x)); x += MLP(LN(x))   (GELU MLP)
-//     -> final LayerNorm
+//     -> `layers` pre-norm blocks: x += Attn(LN(x)); x += MLP(LN(x))
+//        (GELU MLP, exact or tanh-approximated: encoder.model.activation; LN epsilon norm_eps)
+//     -> final LayerNorm (TowerFeatures ends here)
 //     -> projector: Linear(hidden, out_hidden), GELU, Linear(out_hidden, out_hidden)
 //   output [n * T, out_hidden]: rows [i * T, (i + 1) * T) are image i's block, in input order.
 //
@@ -81,6 +82,11 @@ class VisionEncoder {
   // parameter is frozen (TakesGradients() false). A frozen vision tower runs without autograd.
   absl::StatusOr<at::Tensor> Forward(const at::Tensor& images);
 
+  // The vision tower's output for `images` (as Forward takes them): the final LayerNorm's
+  // [n * tokens_per_image(), hidden], before the projector, identical on every TP rank, without
+  // autograd. What a Hugging Face vision model calls its last hidden state.
+  absl::StatusOr<at::Tensor> TowerFeatures(const at::Tensor& images);
+
   // Backpropagates grad_output (the gradient of the loss with respect to `output`, same shape)
   // through the graph of the Forward that returned `output`, accumulating parameter gradients.
   // Every TP rank passes the same full grad_output.
@@ -108,7 +114,10 @@ class VisionEncoder {
   VisionEncoder(const hetpar::v1::EncoderModel& model, const EncoderOptions& options,
                 nn::TensorParallel tp);
   absl::Status Build();
+  absl::Status CheckImages(const at::Tensor& images) const;
   at::Tensor ForwardUnchecked(const at::Tensor& images);
+  // Patch embedding through the final LayerNorm (the sequence layout under SP).
+  at::Tensor Tower(const at::Tensor& images);
 
   hetpar::v1::EncoderModel model_;
   EncoderOptions options_;

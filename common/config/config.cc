@@ -658,10 +658,13 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
     d.Int(module + ".optimizer.warmup_steps", 0);
   }
   d.Int("encoder.model.channels", 3);
+  d.String("encoder.model.activation", "gelu");
+  d.Double("encoder.model.norm_eps", 1e-6);
   d.Int("llm.model.kv_heads", s.llm().model().heads());
   d.Double("llm.model.rope_theta", 10000.0);
   d.Double("llm.model.norm_eps", 1e-5);
   d.String("data.image_token", "<image>");
+  d.String("data.chat_template", "plain");
   d.Enum("data.overlong", hetpar::v1::OVERLONG_POLICY_REJECT);
   if (s.data().synth().samples() > 0) {
     d.Int("data.synth.val_samples", std::max<int64_t>(1, s.data().synth().samples() / 8));
@@ -756,6 +759,11 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                                                     {"channels", em.channels()}}) {
     enc_ok &= c.AtLeast("encoder.model." + name, value, 1);
   }
+  if (em.activation() != "gelu" && em.activation() != "gelu_tanh") {
+    c.Fail("encoder.model.activation",
+           absl::StrCat("='", em.activation(), "' is not one of: gelu, gelu_tanh"));
+  }
+  if (!(em.norm_eps() > 0)) c.Fail("encoder.model.norm_eps", "must be > 0");
   if (enc_ok) {
     if (em.image_size() % em.patch() != 0) {
       c.Fail("encoder.model.patch", absl::StrCat("=", em.patch(),
@@ -881,6 +889,11 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
 
   // data
   if (s.data().image_token().empty()) c.Fail("data.image_token", "must not be empty");
+  if (const std::string& t = s.data().chat_template();
+      t != "plain" && t != "vicuna" && t != "llama3" && t != "chatml") {
+    c.Fail("data.chat_template",
+           absl::StrCat("='", t, "' is not one of: plain, vicuna, llama3, chatml"));
+  }
   const bool synth = s.data().synth().samples() > 0;
   if (s.data().synth().samples() < 0) {
     c.Fail("data.synth.samples",

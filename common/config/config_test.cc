@@ -371,6 +371,24 @@ TEST(ConfigTest, TrainProjectorNeedsAFrozenEncoder) {
   EXPECT_TRUE(frozen->spec.encoder().train_projector());
 }
 
+TEST(ConfigTest, EncoderActivationAndNormEpsHaveDefaultsAndAreChecked) {
+  auto loaded = Load(kValid);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->spec.encoder().model().activation(), "gelu");
+  EXPECT_EQ(loaded->spec.encoder().model().norm_eps(), 1e-6);
+  EXPECT_EQ(loaded->spec.data().chat_template(), "plain");
+  auto tanh = Load(kValid, {"encoder.model.activation=gelu_tanh", "encoder.model.norm_eps=1e-5"});
+  ASSERT_TRUE(tanh.ok()) << tanh.status();
+  EXPECT_EQ(tanh->spec.encoder().model().activation(), "gelu_tanh");
+  EXPECT_EQ(tanh->spec.encoder().model().norm_eps(), 1e-5);
+  ExpectIssue(Load(kValid, {"encoder.model.activation=relu"}), "encoder.model.activation", 0,
+              "='relu' is not one of: gelu, gelu_tanh");
+  ExpectIssue(Load(kValid, {"encoder.model.norm_eps=0"}), "encoder.model.norm_eps", 0,
+              "must be > 0");
+  ExpectIssue(Load(kValid, {"data.chat_template=alpaca"}), "data.chat_template", 0,
+              "='alpaca' is not one of: plain, vicuna, llama3, chatml");
+}
+
 TEST(ConfigTest, EncoderHasNoPipeline) {
   ExpectIssue(Load(kValid, {"encoder.layout.pp=2"}), "encoder.layout.pp", 0,
               "the encoder is not pipelined");

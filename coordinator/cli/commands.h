@@ -9,6 +9,7 @@
 #ifndef HETPAR_COORDINATOR_CLI_COMMANDS_H_
 #define HETPAR_COORDINATOR_CLI_COMMANDS_H_
 
+#include <string>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -28,6 +29,12 @@ struct CommandEntry {
 
 // Every registered subcommand, in registration order (main sorts by `order`).
 std::vector<CommandEntry>& CommandRegistry();
+
+// Adds a subcommand `name` that replaces this process with `hetpar-reference name <arguments>`
+// (local_process.cc): for work that needs libtorch, which `hetpar` never links. `--help` and exit
+// codes are hetpar-reference's.
+void AddForwardedCommand(CLI::App& app, int* exit_code, const std::string& name,
+                         const std::string& description);
 
 struct CommandRegistration {
   CommandRegistration(int order, AddCommandFn add) { CommandRegistry().push_back({order, add}); }

@@ -12,8 +12,10 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/cli/commands.h"
 
 extern char** environ;
 
@@ -120,6 +122,32 @@ std::string WorkerBinary(const std::string& name) {
   std::error_code ec;
   const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
   return (self.parent_path() / name).string();
+}
+
+int ExecWorkerBinary(const std::string& name, const std::vector<std::string>& args) {
+  const std::string binary = WorkerBinary(name);
+  std::vector<std::string> argv = {binary};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> pointers;
+  for (std::string& arg : argv) pointers.push_back(arg.data());
+  pointers.push_back(nullptr);
+  execv(binary.c_str(), pointers.data());
+  std::cerr << "hetpar: cannot run " << binary << ": " << std::strerror(errno)
+            << " (it is built beside hetpar; set HETPAR_BIN_DIR to the directory holding it)\n";
+  return 1;
+}
+
+void AddForwardedCommand(CLI::App& app, int* exit_code, const std::string& name,
+                         const std::string& description) {
+  CLI::App* command = app.add_subcommand(name, description);
+  command->prefix_command();
+  command->set_help_flag();  // --help goes through to hetpar-reference
+  command->callback([command, exit_code, name] {
+    std::vector<std::string> args = {name};
+    const std::vector<std::string> rest = command->remaining();
+    args.insert(args.end(), rest.begin(), rest.end());
+    *exit_code = ExecWorkerBinary("hetpar-reference", args);
+  });
 }
 
 }  // namespace hetpar::cli

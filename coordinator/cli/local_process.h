@@ -51,6 +51,11 @@ class LocalProcess {
 // $HETPAR_BIN_DIR when set, else beside this executable.
 std::string WorkerBinary(const std::string& name);
 
+// Replaces this process with WorkerBinary(name) run with `args`: the `hetpar` subcommands whose
+// work needs libtorch (convert, score), which `hetpar` itself never links. Returns only when the
+// exec fails, with the exit code to use after printing why.
+int ExecWorkerBinary(const std::string& name, const std::vector<std::string>& args);
+
 }  // namespace hetpar::cli
 
 #endif  // HETPAR_COORDINATOR_CLI_LOCAL_PROCESS_H_

@@ -2,6 +2,9 @@
 // run`):
 //   train     the single-process reference trainer at tp = 1, dp = 1 (the parity baseline)
 //   evaluate  validation metrics of a run's saved model (<out>/model), written to <out>/eval.json
+//   export    a checkpoint's full parameters as two .hpar files
+//   convert   Hugging Face checkpoints in (from-hf) and out (to-hf)   (`hetpar convert` runs it)
+//   score     log-probabilities of token sequences under a model      (`hetpar score` runs it)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -9,12 +12,15 @@
 #include <iostream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "common/version.h"
+#include "llm_trainer/hf/hf_convert.h"
+#include "llm_trainer/hf/score.h"
 #include "llm_trainer/reference/reference_trainer.h"
 
 namespace {
@@ -38,6 +44,44 @@ void AddCommonFlags(CLI::App* command, Flags* flags) {
   command
       ->add_option("--threads", flags->threads, "Intra-op threads (default: the machine's cores)")
       ->check(CLI::NonNegativeNumber);
+}
+
+// Exit code of a failed tool: 2 for input the user must fix, 1 otherwise.
+int ExitCodeOf(const absl::Status& status) {
+  return absl::IsInvalidArgument(status) || absl::IsNotFound(status) ? kExitInvalidInput
+                                                                     : kExitFailure;
+}
+
+int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
+                 const std::pair<std::string, std::string>& export_dirs,
+                 const hetpar::hf::ScoreOptions* score_options) {
+  if (import_options != nullptr) {
+    hetpar::SetLogTag("from-hf");
+    auto imported = hetpar::hf::ImportFromHf(*import_options);
+    if (!imported.ok()) {
+      HETPAR_LOG(ERROR) << "import failed (nothing written): " << imported.status();
+      return ExitCodeOf(imported.status());
+    }
+    for (const std::string& note : imported->notes) HETPAR_LOG(INFO) << "note: " << note;
+    for (const std::string& file : imported->written) HETPAR_LOG(INFO) << "wrote " << file;
+    return 0;
+  }
+  if (!export_dirs.first.empty()) {
+    hetpar::SetLogTag("to-hf");
+    auto exported = hetpar::hf::ExportToHf(export_dirs.first, export_dirs.second);
+    if (!exported.ok()) {
+      HETPAR_LOG(ERROR) << "export failed: " << exported.status();
+      return ExitCodeOf(exported.status());
+    }
+    for (const std::string& file : exported->written) HETPAR_LOG(INFO) << "wrote " << file;
+    return 0;
+  }
+  hetpar::SetLogTag("score");
+  if (absl::Status status = hetpar::hf::Score(*score_options); !status.ok()) {
+    HETPAR_LOG(ERROR) << "score failed: " << status;
+    return ExitCodeOf(status);
+  }
+  return 0;
 }
 
 }  // namespace
@@ -70,6 +114,51 @@ int main(int argc, char** argv) {
       ->required();
   export_command->add_option("--out", flags.out_dir, "Directory to write the two files to")
       ->required();
+  hetpar::hf::ImportOptions import_options;
+  std::string model_dir;
+  std::string hf_out;
+  CLI::App* convert = app.add_subcommand(
+      "convert", "Convert Hugging Face checkpoints to hetpar parameter files and back");
+  convert->require_subcommand(1);
+  CLI::App* from_hf = convert->add_subcommand(
+      "from-hf",
+      "Import a Llama-architecture decoder (and a SigLIP vision tower) from Hugging Face "
+      "directories (config.json + *.safetensors): writes llm.hpar, encoder.hpar and model.yaml");
+  from_hf->add_option("--llm", import_options.llm_dir, "Hugging Face LLM directory")->required();
+  from_hf->add_option("--encoder", import_options.encoder_dir,
+                      "Hugging Face SigLIP vision model directory (optional)");
+  from_hf->add_option("--projector", import_options.projector,
+                      "safetensors file with the projector (multi_modal_projector.linear_{1,2}; "
+                      "default: a fresh projector)");
+  from_hf->add_option("--out", import_options.out_dir, "Directory to write")->required();
+  from_hf
+      ->add_option("--seq-len", import_options.seq_len,
+                   "llm.model.seq_len to write (default: min(max_position_embeddings, 4096))")
+      ->check(CLI::NonNegativeNumber);
+  from_hf->add_option("--seed", import_options.seed, "Seed of a fresh projector (default 1234)");
+  CLI::App* to_hf = convert->add_subcommand(
+      "to-hf",
+      "Export a model (from-hf's output or a run's model/ directory) as Hugging Face "
+      "directories: <out>/llm (LlamaForCausalLM), <out>/vision (SiglipVisionModel), "
+      "<out>/projector.safetensors");
+  to_hf->add_option("--model", model_dir, "Model directory")->required();
+  to_hf->add_option("--out", hf_out, "Directory to write")->required();
+  hetpar::hf::ScoreOptions score_options;
+  CLI::App* score =
+      app.add_subcommand("score",
+                         "Log-probability of each next token of each {\"tokens\": [...]} line (one "
+                         "{\"logprobs\": [...]} line out per line in)");
+  score->add_option("--model", score_options.model_dir, "Model directory")->required();
+  score->add_option("--tokens", score_options.tokens_path, "Input JSONL file")->required();
+  score->add_option("--out", score_options.out_path, "Output JSONL file (default: stdout)");
+  score->add_option("--dtype", score_options.dtype, "float32 (default) or float64")
+      ->check(CLI::IsMember({"float32", "float64"}));
+  score->add_option("--tp", score_options.tp, "Tensor-parallel ranks (threads; default 1)")
+      ->check(CLI::PositiveNumber);
+  score->add_option("--micro-batch", score_options.micro_batch, "Sequences per forward (default 8)")
+      ->check(CLI::PositiveNumber);
+  score->add_option("--threads", flags.threads, "Intra-op threads (default: the machine's cores)")
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -77,6 +166,15 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kExitInvalidInput;
   }
 
+  if (convert->parsed() || score->parsed()) {
+    at::set_num_threads(flags.threads > 0
+                            ? flags.threads
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    return RunHfCommand(
+        from_hf->parsed() ? &import_options : nullptr,
+        to_hf->parsed() ? std::make_pair(model_dir, hf_out) : std::pair<std::string, std::string>(),
+        score->parsed() ? &score_options : nullptr);
+  }
   if (flags.steps > 0) flags.overrides.push_back("run.steps=" + std::to_string(flags.steps));
   hetpar::config::LoadOptions load;
   load.overrides = flags.overrides;

@@ -1,0 +1,272 @@
+// hetpar against Hugging Face transformers, an implementation that shares no code with hetpar's
+// models: hf_oracle.py builds small random models with transformers, saves them and computes the
+// answers; `hetpar convert` imports them, `hetpar score` and the encoder's TowerFeatures must give
+// the same numbers (1e-4 in float32, 1e-10 in float64). Then the way back: an exported model
+// loads into transformers without a missing or unexpected weight and gives the same answers.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/nn/export.h"
+#include "common/nn/safetensors.h"
+#include "encoder_service/encoder.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "llm_trainer/hf/hf_convert.h"
+#include "nlohmann/json.hpp"
+#include "tests/util/subprocess.h"
+
+namespace hetpar::hf {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+const std::string kPython = HETPAR_PYTHON;
+const std::string kOracle = std::string(HETPAR_SOURCE_DIR) + "/llm_trainer/hf/hf_oracle.py";
+const std::string kHetpar = HETPAR_BIN;
+
+class HfOracleTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ =
+        fs::temp_directory_path() /
+        absl::StrCat("hetpar-hf-", ::testing::UnitTest::GetInstance()->current_test_info()->name(),
+                     "-", getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    ASSERT_TRUE(fs::exists(kPython))
+        << kPython << " is missing: run deploy/install-deps.sh (it installs transformers there)";
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(dir_);
+  }
+
+  // Runs hf_oracle.py; fails the test with its output on a non-zero exit.
+  void Oracle(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {kPython, kOracle};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto result = hetpar::testing::RunCommand(argv, 300);
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_EQ(result->exit_code, 0) << "hf_oracle.py " << args.front() << ":\n"
+                                    << result->stderr_text;
+  }
+
+  hetpar::testing::CommandResult Hetpar(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {kHetpar};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto result = hetpar::testing::RunCommand(argv, 300);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *result : hetpar::testing::CommandResult{};
+  }
+
+  std::string Path(const std::string& name) const { return (dir_ / name).string(); }
+
+  fs::path dir_;
+};
+
+std::vector<std::vector<double>> ReadLogprobs(const std::string& path) {
+  std::vector<std::vector<double>> rows;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    std::vector<double> row;
+    for (const auto& v : nlohmann::json::parse(line).at("logprobs")) row.push_back(v.get<double>());
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// The largest |a - b| over every entry; the row counts and lengths must agree.
+double MaxDifference(const std::vector<std::vector<double>>& a,
+                     const std::vector<std::vector<double>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    EXPECT_EQ(a[i].size(), b[i].size()) << "line " << i + 1;
+    for (size_t j = 0; j < std::min(a[i].size(), b[i].size()); ++j) {
+      worst = std::max(worst, std::abs(a[i][j] - b[i][j]));
+    }
+  }
+  return worst;
+}
+
+TEST_F(HfOracleTest, ScoreMatchesTransformersUntiedAndTied) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied embeddings" : "untied embeddings");
+    const std::string hf = Path(tied ? "llama-tied" : "llama");
+    const std::string model = Path(tied ? "model-tied" : "model");
+    std::vector<std::string> args = {"llama", "--out", hf, "--seed", tied ? "2" : "1"};
+    if (tied) args.push_back("--tied");
+    ASSERT_NO_FATAL_FAILURE(Oracle(args));
+    auto imported = Hetpar({"convert", "from-hf", "--llm", hf, "--out", model});
+    ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+    for (const std::string dtype : {"float32", "float64"}) {
+      for (const std::string tp : {"1", "2"}) {
+        SCOPED_TRACE(dtype + " tp " + tp);
+        const std::string out = Path(absl::StrCat("score-", tied, "-", dtype, "-", tp, ".jsonl"));
+        auto scored = Hetpar({"score", "--model", model, "--tokens", hf + "/tokens.jsonl",
+                              "--dtype", dtype, "--tp", tp, "--out", out, "--threads", "1"});
+        ASSERT_EQ(scored.exit_code, 0) << scored.stderr_text;
+        const auto expected = ReadLogprobs(hf + "/expected-" + dtype + ".jsonl");
+        ASSERT_EQ(expected.size(), 6u);
+        const double worst = MaxDifference(ReadLogprobs(out), expected);
+        EXPECT_LT(worst, dtype == "float64" ? 1e-10 : 1e-4) << "largest difference " << worst;
+      }
+    }
+  }
+}
+
+TEST_F(HfOracleTest, VisionTowerMatchesTransformers) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "3"}));
+  ASSERT_NO_FATAL_FAILURE(Oracle({"siglip", "--out", Path("siglip"), "--seed", "4", "--head"}));
+  auto imported = Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                          "--out", Path("model")});
+  ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+  EXPECT_THAT(imported.stderr_text + imported.stdout_text, HasSubstr("attention-pooling head"));
+  auto model = OpenModelDirectory(Path("model"));
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE(model->encoder.has_value());
+  EXPECT_EQ(model->encoder->activation(), "gelu_tanh");
+  auto pixels = nn::ReadSafetensors(Path("siglip/pixels.safetensors"));
+  ASSERT_TRUE(pixels.ok()) << pixels.status();
+  auto expected = nn::ReadSafetensors(Path("siglip/features.safetensors"));
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  for (const auto& [name, dtype, tolerance] :
+       std::vector<std::tuple<std::string, at::ScalarType, double>>{
+           {"float64", at::kDouble, 1e-10}, {"float32", at::kFloat, 1e-4}}) {
+    SCOPED_TRACE(name);
+    encoder::EncoderOptions options;
+    options.dtype = dtype;
+    auto comm = nn::Communicator::CreateSingle();
+    auto encoder = encoder::VisionEncoder::Create(*model->encoder, options, *comm);
+    ASSERT_TRUE(encoder.ok()) << encoder.status();
+    ASSERT_TRUE(nn::LoadFullParameters((*encoder)->parameters(), model->encoder_path).ok());
+    auto ours = (*encoder)->TowerFeatures(pixels->tensors.at(0).tensor);
+    ASSERT_TRUE(ours.ok()) << ours.status();
+    at::Tensor theirs;
+    for (const auto& t : expected->tensors) {
+      if (t.name == name) theirs = t.tensor;
+    }
+    ASSERT_TRUE(theirs.defined());
+    ASSERT_EQ(ours->sizes(), at::IntArrayRef({2 * 16, 48}));
+    const double worst = (ours->to(at::kDouble) - theirs.reshape({2 * 16, 48}).to(at::kDouble))
+                             .abs()
+                             .max()
+                             .item<double>();
+    EXPECT_LT(worst, tolerance) << "largest difference " << worst;
+  }
+}
+
+TEST_F(HfOracleTest, ExportLoadsIntoTransformersAndImportsBackIdentically) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "5"}));
+  ASSERT_NO_FATAL_FAILURE(
+      Oracle({"siglip", "--out", Path("siglip"), "--seed", "6", "--act", "gelu"}));
+  ASSERT_EQ(Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                    "--out", Path("model")})
+                .exit_code,
+            0);
+  auto exported = Hetpar({"convert", "to-hf", "--model", Path("model"), "--out", Path("hf")});
+  ASSERT_EQ(exported.exit_code, 0) << exported.stderr_text;
+  auto back = Hetpar({"convert", "from-hf", "--llm", Path("hf/llm"), "--encoder", Path("hf/vision"),
+                      "--projector", Path("hf/projector.safetensors"), "--out", Path("model2")});
+  ASSERT_EQ(back.exit_code, 0) << back.stderr_text;
+  for (const std::string file : {"llm.hpar", "encoder.hpar"}) {
+    auto a = nn::ReadFullParameters(Path("model/" + file));
+    auto b = nn::ReadFullParameters(Path("model2/" + file));
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(a->size(), b->size());
+    for (size_t i = 0; i < a->size(); ++i) {
+      EXPECT_EQ((*a)[i].name, (*b)[i].name);
+      EXPECT_TRUE((*a)[i].tensor.equal((*b)[i].tensor)) << (*a)[i].name;
+    }
+  }
+  // Identical score output, byte for byte.
+  std::vector<std::string> outputs;
+  for (const std::string model : {"model", "model2"}) {
+    const std::string out = Path(model + ".jsonl");
+    ASSERT_EQ(Hetpar({"score", "--model", Path(model), "--tokens", Path("llama/tokens.jsonl"),
+                      "--dtype", "float64", "--out", out, "--threads", "1"})
+                  .exit_code,
+              0);
+    std::ifstream in(out);
+    outputs.emplace_back(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  EXPECT_FALSE(outputs[0].empty());
+  EXPECT_EQ(outputs[0], outputs[1]);
+  // transformers loads the export with no missing or unexpected weight (exit 3 otherwise) and
+  // computes what the original computed.
+  ASSERT_NO_FATAL_FAILURE(Oracle({"load-llama", "--dir", Path("hf/llm"), "--tokens",
+                                  Path("llama/tokens.jsonl"), "--out", Path("reloaded.jsonl")}));
+  EXPECT_LT(MaxDifference(ReadLogprobs(Path("reloaded.jsonl")),
+                          ReadLogprobs(Path("llama/expected-float64.jsonl"))),
+            1e-12);
+  ASSERT_NO_FATAL_FAILURE(
+      Oracle({"load-siglip", "--dir", Path("hf/vision"), "--pixels",
+              Path("siglip/pixels.safetensors"), "--out", Path("reloaded.safetensors")}));
+  auto reloaded = nn::ReadSafetensors(Path("reloaded.safetensors"));
+  auto original = nn::ReadSafetensors(Path("siglip/features.safetensors"));
+  ASSERT_TRUE(reloaded.ok() && original.ok());
+  for (size_t i = 0; i < original->tensors.size(); ++i) {
+    EXPECT_TRUE(reloaded->tensors.at(i).tensor.equal(original->tensors.at(i).tensor))
+        << original->tensors.at(i).name;
+  }
+}
+
+// Import errors name the tensor or key, and nothing is written.
+TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
+  auto tensors = nn::ReadSafetensors(Path("llama/model.safetensors"));
+  ASSERT_TRUE(tensors.ok());
+  std::ifstream config_in(Path("llama/config.json"));
+  const nlohmann::json config = nlohmann::json::parse(config_in);
+
+  struct Case {
+    std::string name;
+    std::string tensor_to_drop;
+    std::string tensor_to_reshape;
+    nlohmann::json config_patch;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"missing", "model.layers.1.mlp.up_proj.weight", "", nlohmann::json::object(),
+       "tensor 'model.layers.1.mlp.up_proj.weight' is missing"},
+      {"shape", "", "model.layers.0.self_attn.k_proj.weight", nlohmann::json::object(),
+       "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64], expected [32, 64]"},
+      {"architecture", "", "", {{"model_type", "mistral"}}, "model_type=\"mistral\""},
+      {"activation", "", "", {{"hidden_act", "gelu"}}, "hidden_act=\"gelu\""},
+      {"scaling",
+       "",
+       "",
+       {{"rope_parameters", {{"rope_type", "llama3"}, {"rope_theta", 5e5}}}},
+       "rope_parameters.rope_type=\"llama3\""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string broken = Path("broken-" + c.name);
+    fs::create_directories(broken);
+    std::vector<nn::SafetensorsTensor> kept;
+    for (const auto& t : tensors->tensors) {
+      if (t.name == c.tensor_to_drop) continue;
+      kept.push_back(
+          {t.name, t.name == c.tensor_to_reshape ? t.tensor.narrow(0, 0, 16) : t.tensor});
+    }
+    ASSERT_TRUE(nn::WriteSafetensors(kept, broken + "/model.safetensors").ok());
+    nlohmann::json patched = config;
+    patched.update(c.config_patch);
+    std::ofstream(broken + "/config.json") << patched.dump(2);
+    const std::string out = Path("out-" + c.name);
+    auto result = Hetpar({"convert", "from-hf", "--llm", broken, "--out", out});
+    EXPECT_EQ(result.exit_code, 2) << result.stderr_text;
+    EXPECT_THAT(result.stderr_text, HasSubstr(c.message));
+    EXPECT_FALSE(fs::exists(out)) << "an import that failed wrote " << out;
+  }
+}
+
+}  // namespace
+}  // namespace hetpar::hf
