@@ -91,7 +91,7 @@ def cmd_llama(args):
     gen = torch.Generator().manual_seed(args.seed)
     config = LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=args.kv_heads, vocab_size=128, max_position_embeddings=64,
+        num_key_value_heads=args.kv_heads, vocab_size=256, max_position_embeddings=128,
         rope_theta=args.rope_theta, rms_norm_eps=1e-5, tie_word_embeddings=args.tied,
         attn_implementation="sdpa")
     torch.manual_seed(args.seed)
@@ -102,7 +102,7 @@ def cmd_llama(args):
     model.eval()
     model.save_pretrained(args.out)
     lengths = [2, 3, 7, 16, 33, 48]
-    lines = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in lengths]
+    lines = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
     with open(f"{args.out}/tokens.jsonl", "w") as f:
         for tokens in lines:
             f.write(json.dumps({"tokens": tokens}) + "\n")
