@@ -8,6 +8,12 @@
   hf_oracle.py siglip --out DIR --seed S [--act gelu_pytorch_tanh]
       A random SiglipVisionModel saved in float64 to DIR, random pixels in DIR/pixels.safetensors
       and the last hidden state in DIR/features.safetensors ("float32", "float64").
+  hf_oracle.py multimodal --llama DIR --siglip DIR --out DIR --seed S
+      A random LLaVA-style projector (DIR/projector.safetensors, multi_modal_projector.*), PNG
+      images at the tower's size, DIR/tokens.jsonl whose -1 entries are images, and
+      DIR/expected-float64.jsonl: SigLIP's last hidden state, through the projector (linear,
+      exact GELU, linear), replaces the embedding rows of each image, and the Llama scores the
+      sequence (null where the next position is an image row).
   hf_oracle.py load-llama --dir DIR --tokens FILE --out FILE --dtype float32|float64
   hf_oracle.py load-siglip --dir DIR --pixels FILE --out FILE
       Load an exported directory; exit 3 if transformers reports a missing, unexpected or
@@ -20,7 +26,9 @@ torch's scaled_dot_product_attention, which keeps float64.
 """
 import argparse
 import json
+import struct
 import sys
+import zlib
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -134,6 +142,88 @@ def siglip_features(model, pixels):
     return out
 
 
+def write_png(path, pixels):
+    """pixels: uint8 [height, width, 3]. A plain 8-bit RGB PNG (zlib and struct only)."""
+    height, width, _ = pixels.shape
+    raw = b"".join(b"\x00" + bytes(pixels[y].flatten().tolist()) for y in range(height))
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data +
+                struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n")
+        f.write(chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)))
+        f.write(chunk(b"IDAT", zlib.compress(raw)))
+        f.write(chunk(b"IEND", b""))
+
+
+def cmd_multimodal(args):
+    gen = torch.Generator().manual_seed(args.seed)
+    llama = LlamaForCausalLM.from_pretrained(args.llama, attn_implementation="sdpa",
+                                             dtype=torch.float64).eval()
+    siglip = SiglipVisionModel.from_pretrained(args.siglip, attn_implementation="sdpa",
+                                               dtype=torch.float64).eval()
+    vision_hidden = siglip.config.hidden_size
+    text_hidden = llama.config.hidden_size
+    projector = {
+        "multi_modal_projector.linear_1.weight":
+            torch.randn((text_hidden, vision_hidden), generator=gen, dtype=torch.float64) * 0.2,
+        "multi_modal_projector.linear_1.bias":
+            torch.randn((text_hidden,), generator=gen, dtype=torch.float64) * 0.1,
+        "multi_modal_projector.linear_2.weight":
+            torch.randn((text_hidden, text_hidden), generator=gen, dtype=torch.float64) * 0.2,
+        "multi_modal_projector.linear_2.bias":
+            torch.randn((text_hidden,), generator=gen, dtype=torch.float64) * 0.1,
+    }
+    save_file(projector, f"{args.out}/projector.safetensors")
+    size = siglip.config.image_size
+    images = []
+    for k in range(3):
+        pixels = torch.randint(0, 256, (size, size, 3), generator=gen, dtype=torch.uint8)
+        write_png(f"{args.out}/image-{k}.png", pixels.numpy())
+        # What the data loader feeds the encoder: (pixel / 255 - 0.5) / 0.5, computed in
+        # float32 as hetpar's loader does (its images are float buffers), then widened.
+        images.append(((pixels.to(torch.float32) / 255.0 - 0.5) / 0.5).to(torch.float64))
+    rows_per_image = (size // siglip.config.patch_size) ** 2
+    vocab = llama.config.vocab_size
+    lines = [  # (tokens with -1 for images, image indices)
+        ([5, -1, 7, 9, 11], [0]),
+        ([3, 4, -1, -1, 8, 2, 6], [1, 2]),
+        ([-1, 12, 13], [2]),
+        ([14, 15, 16, 17], []),
+    ]
+    with open(f"{args.out}/tokens.jsonl", "w") as f, \
+            open(f"{args.out}/expected-float64.jsonl", "w") as g, torch.no_grad():
+        for tokens, which in lines:
+            f.write(json.dumps({"tokens": tokens,
+                                "images": [f"image-{k}.png" for k in which]}) + "\n")
+            pieces, ids = [], []
+            image_iter = iter(which)
+            for t in tokens:
+                if t == -1:
+                    pixels = images[next(image_iter)].permute(2, 0, 1).unsqueeze(0)
+                    features = siglip(pixel_values=pixels).last_hidden_state[0]
+                    h = torch.nn.functional.linear(
+                        features, projector["multi_modal_projector.linear_1.weight"],
+                        projector["multi_modal_projector.linear_1.bias"])
+                    h = torch.nn.functional.gelu(h)
+                    h = torch.nn.functional.linear(
+                        h, projector["multi_modal_projector.linear_2.weight"],
+                        projector["multi_modal_projector.linear_2.bias"])
+                    pieces.append(h)
+                    ids += [None] * rows_per_image
+                else:
+                    assert 0 <= t < vocab
+                    pieces.append(llama.model.embed_tokens(torch.tensor([t])))
+                    ids.append(t)
+            embeds = torch.cat(pieces).unsqueeze(0)
+            logp = torch.log_softmax(llama(inputs_embeds=embeds).logits[0], dim=-1)
+            out = [None if ids[i + 1] is None else logp[i, ids[i + 1]].item()
+                   for i in range(len(ids) - 1)]
+            g.write(json.dumps({"logprobs": out}) + "\n")
+
+
 def check_loading_info(info):
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys",
                                                         "mismatched_keys", "error_msgs")}
@@ -180,6 +270,12 @@ def main():
     p.add_argument("--act", default="gelu_pytorch_tanh")
     p.add_argument("--head", action="store_true")
     p.set_defaults(fn=cmd_siglip)
+    p = sub.add_parser("multimodal")
+    p.add_argument("--llama", required=True)
+    p.add_argument("--siglip", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(fn=cmd_multimodal)
     p = sub.add_parser("load-llama")
     p.add_argument("--dir", required=True)
     p.add_argument("--tokens", required=True)

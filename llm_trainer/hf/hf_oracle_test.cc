@@ -76,7 +76,10 @@ std::vector<std::vector<double>> ReadLogprobs(const std::string& path) {
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
     std::vector<double> row;
-    for (const auto& v : nlohmann::json::parse(line).at("logprobs")) row.push_back(v.get<double>());
+    const nlohmann::json parsed = nlohmann::json::parse(line);
+    for (const auto& v : parsed.at("logprobs")) {
+      row.push_back(v.is_null() ? std::nan("") : v.get<double>());  // null: an image row
+    }
     rows.push_back(row);
   }
   return rows;
@@ -90,7 +93,10 @@ double MaxDifference(const std::vector<std::vector<double>>& a,
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
     EXPECT_EQ(a[i].size(), b[i].size()) << "line " << i + 1;
     for (size_t j = 0; j < std::min(a[i].size(), b[i].size()); ++j) {
-      worst = std::max(worst, std::abs(a[i][j] - b[i][j]));
+      EXPECT_EQ(std::isnan(a[i][j]), std::isnan(b[i][j])) << "line " << i + 1 << " entry " << j;
+      if (!std::isnan(a[i][j]) && !std::isnan(b[i][j])) {
+        worst = std::max(worst, std::abs(a[i][j] - b[i][j]));
+      }
     }
   }
   return worst;
@@ -161,6 +167,36 @@ TEST_F(HfOracleTest, VisionTowerMatchesTransformers) {
                              .item<double>();
     EXPECT_LT(worst, tolerance) << "largest difference " << worst;
   }
+}
+
+// Scoring with images: transformers' SigLIP, a LLaVA projector and the Llama, images spliced as
+// input embeddings, against the imported model's `hetpar score` of the same PNG files.
+TEST_F(HfOracleTest, MultimodalScoreMatchesTransformers) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "10"}));
+  ASSERT_NO_FATAL_FAILURE(Oracle({"siglip", "--out", Path("siglip"), "--seed", "11"}));
+  fs::create_directories(Path("mm"));
+  ASSERT_NO_FATAL_FAILURE(Oracle({"multimodal", "--llama", Path("llama"), "--siglip",
+                                  Path("siglip"), "--out", Path("mm"), "--seed", "12"}));
+  auto imported = Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                          "--projector", Path("mm/projector.safetensors"), "--out", Path("model")});
+  ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+  const auto expected = ReadLogprobs(Path("mm/expected-float64.jsonl"));
+  ASSERT_EQ(expected.size(), 4u);
+  ASSERT_EQ(expected[0].size(), 1u + 16u + 3u - 1u);  // one image of 16 rows and 4 tokens
+  for (const std::string tp : {"1", "2"}) {
+    SCOPED_TRACE("tp " + tp);
+    const std::string out = Path("mm-" + tp + ".jsonl");
+    auto scored = Hetpar({"score", "--model", Path("model"), "--tokens", Path("mm/tokens.jsonl"),
+                          "--dtype", "float64", "--tp", tp, "--out", out, "--threads", "1"});
+    ASSERT_EQ(scored.exit_code, 0) << scored.stderr_text;
+    const double worst = MaxDifference(ReadLogprobs(out), expected);
+    EXPECT_LT(worst, 1e-10) << "largest difference " << worst;
+  }
+  // Images without an encoder, and markers that do not match the images, name the line.
+  std::ofstream(Path("bad.jsonl")) << "{\"tokens\": [1, 2]}\n{\"tokens\": [1, -1, 2]}\n";
+  auto bad = Hetpar({"score", "--model", Path("model"), "--tokens", Path("bad.jsonl")});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_THAT(bad.stderr_text, HasSubstr("bad.jsonl:2: 1 image markers (-1) in \"tokens\" but 0"));
 }
 
 TEST_F(HfOracleTest, ExportLoadsIntoTransformersAndImportsBackIdentically) {
