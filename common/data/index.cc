@@ -57,6 +57,7 @@ absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
   source.tokens_per_image = options.tokens_per_image;
   source.seq_len = options.seq_len;
   source.overlong = options.overlong;
+  source.chat_template = options.chat_template;
   source.skip_bad_samples = options.skip_bad_samples;
   return source;
 }
@@ -163,6 +164,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"tokens_per_image", s.tokens_per_image},
                  {"seq_len", s.seq_len},
                  {"overlong", OverlongName(s.overlong)},
+                 {"chat_template", ChatTemplateName(s.chat_template)},
                  {"skip_bad_samples", s.skip_bad_samples},
                  {"samples", index.records.size()},
                  {"bad_samples", index.bad.size()}};
@@ -228,6 +230,14 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         s.overlong = json.at("overlong").get<std::string>() == "truncate"
                          ? OverlongPolicy::kTruncate
                          : OverlongPolicy::kReject;
+        // Indexes written before chat templates existed were built with plain.
+        absl::StatusOr<ChatTemplate> chat_template =
+            ParseChatTemplate(json.value("chat_template", std::string("plain")));
+        if (!chat_template.ok()) {
+          return absl::DataLossError(
+              absl::StrCat("data index ", path, ": line 1: ", chat_template.status().message()));
+        }
+        s.chat_template = *chat_template;
         s.skip_bad_samples = json.at("skip_bad_samples").get<bool>();
         expected_samples = json.at("samples").get<int64_t>();
         expected_bad = json.at("bad_samples").get<int64_t>();
@@ -311,6 +321,10 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
   if (built.overlong != current.overlong) {
     changes.push_back(absl::StrCat("overlong is ", OverlongName(current.overlong),
                                    " (index: ", OverlongName(built.overlong), ")"));
+  }
+  if (built.chat_template != current.chat_template) {
+    changes.push_back(absl::StrCat("chat_template is ", ChatTemplateName(current.chat_template),
+                                   " (index: ", ChatTemplateName(built.chat_template), ")"));
   }
   if (built.skip_bad_samples != current.skip_bad_samples) {
     changes.push_back(absl::StrCat("skip_bad_samples is ", current.skip_bad_samples,

@@ -6,7 +6,10 @@
 //
 // File format (JSON lines): a header line {"hetpar_data_index": 1, ...}, one line per usable
 // sample {"id", "ordinal", "line", "images", "tokens_per_image", "text_tokens", "loss_tokens",
-// "image_offsets", "truncated"}, then one line per skipped sample {"bad": {...}}.
+// "image_offsets", "truncated"}, then one line per skipped sample {"bad": {...}}. A sample is
+// found again by "ordinal" (its position among the manifest's readable entries, what
+// DataLoader::Load takes); "line" is for people: the 1-based line of a JSONL manifest or the
+// 0-based array index of a .json manifest (ManifestRecord::line).
 #ifndef HETPAR_COMMON_DATA_INDEX_H_
 #define HETPAR_COMMON_DATA_INDEX_H_
 
@@ -17,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/data/chat_template.h"
 #include "common/data/file_util.h"
 #include "common/data/loader.h"
 #include "common/data/manifest.h"
@@ -36,6 +40,7 @@ struct IndexSource {
   int32_t tokens_per_image = 0;
   int32_t seq_len = 0;
   OverlongPolicy overlong = OverlongPolicy::kReject;
+  ChatTemplate chat_template = ChatTemplate::kPlain;  // absent from older files: plain
   bool skip_bad_samples = false;
 };
 

@@ -254,5 +254,82 @@ TEST_F(IndexTest, DamagedIndexFilesAreDataLoss) {
   EXPECT_EQ(index->records.size(), 40u);
 }
 
+TEST_F(IndexTest, TheChatTemplateIsPartOfTheIndexSource) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  absl::StatusOr<DataIndex> plain = ReadIndex(path);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->source.chat_template, ChatTemplate::kPlain);
+  LoaderOptions vicuna = Options();
+  vicuna.chat_template = ChatTemplate::kVicuna;
+  absl::Status s = CheckIndexSource(*plain, *CurrentIndexSource(vicuna));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("chat_template is vicuna (index: plain)"));
+
+  // Written and read back.
+  DataIndex chatml = *plain;
+  chatml.source.chat_template = ChatTemplate::kChatml;
+  ASSERT_TRUE(WriteIndex(chatml, dir_ + "/chatml.index").ok());
+  const std::string text = *ReadFileToString(dir_ + "/chatml.index");
+  EXPECT_THAT(text.substr(0, text.find('\n')), HasSubstr("\"chat_template\":\"chatml\""));
+  EXPECT_EQ(ReadIndex(dir_ + "/chatml.index")->source.chat_template, ChatTemplate::kChatml);
+
+  // An index written before chat templates existed (no key) was built with plain.
+  std::string old = *ReadFileToString(path);
+  const size_t key = old.find("\"chat_template\":\"plain\",");
+  ASSERT_NE(key, std::string::npos);
+  old.erase(key, std::string("\"chat_template\":\"plain\",").size());
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/old.index", old).ok());
+  absl::StatusOr<DataIndex> read_old = ReadIndex(dir_ + "/old.index");
+  ASSERT_TRUE(read_old.ok()) << read_old.status();
+  EXPECT_EQ(read_old->source.chat_template, ChatTemplate::kPlain);
+}
+
+TEST_F(IndexTest, AJsonManifestIndexKeepsOrdinalsAndArrayIndexes) {
+  // [0] good, [1] a missing image, [2] good; skipping keeps every sample's ordinal and index.
+  const std::string turns =
+      R"("conversations": [{"from": "human", "value": "what is two plus three?"}, )"
+      R"({"from": "gpt", "value": "five."}]})";
+  const std::string text = "[{\"id\": \"a\", " + turns +
+                           ",\n {\"id\": \"b\", \"image\": "
+                           "\"images/none.png\", \"conversations\": [{\"from\": \"human\", "
+                           "\"value\": \"<image>describe the image.\"}, {\"from\": \"gpt\", "
+                           "\"value\": \"empty.\"}]},\n {\"id\": 7, " +
+                           turns + "]";
+  const std::string manifest = dir_ + "/chat.json";
+  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  LoaderOptions skip = Options(manifest);
+  skip.skip_bad_samples = true;
+  skip.chat_template = ChatTemplate::kVicuna;
+  std::unique_ptr<DataLoader> loader = Make(skip);
+  ASSERT_NE(loader, nullptr);
+  absl::StatusOr<DataIndex> index = BuildIndex(*loader, IndexBuildOptions());
+  ASSERT_TRUE(index.ok()) << index.status();
+  ASSERT_EQ(index->records.size(), 2u);
+  EXPECT_EQ(index->records[0].id, "a");
+  EXPECT_EQ(index->records[0].ordinal, 0);
+  EXPECT_EQ(index->records[0].line, 0);
+  EXPECT_EQ(index->records[1].id, "7");
+  EXPECT_EQ(index->records[1].ordinal, 2);
+  EXPECT_EQ(index->records[1].line, 2);
+  ASSERT_EQ(index->bad.size(), 1u);
+  EXPECT_EQ(index->bad[0].id, "b");
+  EXPECT_EQ(index->bad[0].line, 1);
+  EXPECT_EQ(index->bad[0].where, manifest + "[1]");
+  EXPECT_EQ(index->source.chat_template, ChatTemplate::kVicuna);
+  // The record finds its sample again by ordinal.
+  for (const IndexRecord& r : index->records) {
+    absl::StatusOr<LoadedSample> sample = loader->Load(r.ordinal);
+    ASSERT_TRUE(sample.ok()) << sample.status();
+    EXPECT_EQ(sample->id, r.id);
+    EXPECT_EQ(sample->tokens.loss_tokens, r.loss_tokens);
+  }
+  ASSERT_TRUE(WriteIndex(*index, dir_ + "/chat.json.index").ok());
+  absl::StatusOr<DataIndex> read = ReadIndex(dir_ + "/chat.json.index");
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->records[1], index->records[1]);
+  EXPECT_EQ(read->bad[0].where, manifest + "[1]");
+  EXPECT_TRUE(CheckIndexSource(*read, *CurrentIndexSource(skip)).ok());
+}
+
 }  // namespace
 }  // namespace hetpar::data

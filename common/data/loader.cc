@@ -16,23 +16,7 @@ namespace {
 constexpr char kPathPayload[] = "type.hetpar.dev/data.path";
 
 std::string Where(const Manifest& manifest, const ManifestRecord& record) {
-  return absl::StrCat(manifest.path, ":", record.line);
-}
-
-// Splits `text` at each occurrence of `marker` into segments; counts the markers.
-void AppendSegments(const std::string& text, const std::string& marker,
-                    std::vector<std::pair<bool, std::string>>* out, int* markers) {
-  size_t start = 0;
-  while (true) {
-    const size_t found = text.find(marker, start);
-    const std::string chunk =
-        text.substr(start, found == std::string::npos ? std::string::npos : found - start);
-    if (!chunk.empty()) out->emplace_back(false, chunk);
-    if (found == std::string::npos) break;
-    out->emplace_back(true, std::string());
-    ++*markers;
-    start = found + marker.size();
-  }
+  return manifest.Where(record.line);
 }
 
 }  // namespace
@@ -44,8 +28,11 @@ absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec
   if (options.manifest.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(split == Split::kTrain ? "data.manifest" : "data.val_manifest",
-                     " is empty: expected a JSONL manifest path"));
+                     " is empty: expected a manifest path (.jsonl or .json)"));
   }
+  absl::StatusOr<ChatTemplate> chat_template = ParseChatTemplate(spec.data().chat_template());
+  if (!chat_template.ok()) return chat_template.status();
+  options.chat_template = *chat_template;
   options.tokenizer = spec.data().tokenizer();
   options.image_token = spec.data().image_token().empty() ? "<image>" : spec.data().image_token();
   options.image_size = static_cast<int32_t>(spec.encoder().model().image_size());
@@ -160,41 +147,33 @@ BadSample DataLoader::DescribeProblem(int64_t ordinal, const absl::Status& statu
 absl::StatusOr<TokenSequence> DataLoader::Tokenize(int64_t ordinal) const {
   if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
   const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
-  std::vector<std::pair<bool, std::string>> prompt_parts, response_parts;
-  int markers = 0;
-  AppendSegments(record.prompt, options_.image_token, &prompt_parts, &markers);
-  AppendSegments(record.text, options_.image_token, &response_parts, &markers);
-  if (markers != static_cast<int>(record.images.size())) {
-    return SampleError(record, absl::StatusCode::kInvalidArgument,
-                       absl::StrCat("prompt and text hold ", markers, " '", options_.image_token,
-                                    "' placeholder(s) but \"images\" lists ", record.images.size(),
-                                    " file(s); expected one placeholder "
-                                    "per image"));
+  // A prompt/text record is the plain template's one-turn conversation.
+  const bool conversation = !record.conversation.empty();
+  const std::vector<ChatPart> parts =
+      conversation
+          ? ApplyChatTemplate(options_.chat_template, record.conversation)
+          : ApplyChatTemplate(ChatTemplate::kPlain, {ChatTurn{ChatRole::kUser, record.prompt},
+                                                     ChatTurn{ChatRole::kAssistant, record.text}});
+  absl::StatusOr<EncodedChat> encoded = EncodeChatParts(parts, *tokenizer_, options_.image_token);
+  if (!encoded.ok()) {
+    return SampleError(record, encoded.status().code(), std::string(encoded.status().message()));
   }
-  std::vector<Segment> prompt, response;
-  for (int part = 0; part < 2; ++part) {
-    for (const auto& [is_image, text] : part == 0 ? prompt_parts : response_parts) {
-      Segment segment;
-      segment.is_image = is_image;
-      if (!is_image) {
-        absl::StatusOr<std::vector<int32_t>> ids = tokenizer_->Encode(text);
-        if (!ids.ok()) {
-          return SampleError(record, ids.status().code(), std::string(ids.status().message()));
-        }
-        if (ids->empty()) continue;
-        segment.ids = std::move(*ids);
-      }
-      (part == 0 ? prompt : response).push_back(std::move(segment));
-    }
+  if (encoded->image_placeholders != static_cast<int>(record.images.size())) {
+    return SampleError(
+        record, absl::StatusCode::kInvalidArgument,
+        absl::StrCat(conversation ? "conversations hold " : "prompt and text hold ",
+                     encoded->image_placeholders, " '", options_.image_token,
+                     "' placeholder(s) but ",
+                     conversation ? "the sample names " : "\"images\" lists ", record.images.size(),
+                     conversation ? " image file(s); " : " file(s); ",
+                     "expected one placeholder per image"));
   }
   SequenceOptions seq;
   seq.tokens_per_image = options_.tokens_per_image;
   seq.seq_len = options_.seq_len;
   seq.overlong = options_.overlong;
   seq.image_token_id = image_token_id_;
-  seq.bos_id = tokenizer_->bos_id();
-  seq.eos_id = tokenizer_->eos_id();
-  absl::StatusOr<TokenSequence> sequence = BuildTokenSequence(prompt, response, seq);
+  absl::StatusOr<TokenSequence> sequence = BuildTokenSequence(encoded->segments, seq);
   if (!sequence.ok()) {
     return SampleError(record, sequence.status().code(), std::string(sequence.status().message()));
   }

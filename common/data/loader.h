@@ -4,8 +4,9 @@
 //
 // Every sample-level problem (missing image, corrupt image, placeholder count different from the
 // image count, sequence longer than seq_len under `reject`) is an error naming the sample id, the
-// manifest line, the file and the reason. One bad sample never affects another: samples are
-// addressed by id (or manifest ordinal), never by position in a filtered list.
+// manifest line (JSONL) or array index (.json), the file and the reason. One bad sample never
+// affects another: samples are addressed by id (or manifest ordinal), never by position in a
+// filtered list.
 #ifndef HETPAR_COMMON_DATA_LOADER_H_
 #define HETPAR_COMMON_DATA_LOADER_H_
 
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/data/chat_template.h"
 #include "common/data/image.h"
 #include "common/data/manifest.h"
 #include "common/data/record.h"
@@ -25,7 +27,7 @@
 namespace hetpar::data {
 
 struct LoaderOptions {
-  std::string manifest;                 // JSONL manifest path
+  std::string manifest;                 // manifest path: .jsonl, or .json (manifest.h)
   std::string tokenizer;                // sentencepiece .model path
   std::string image_token = "<image>";  // placeholder written in the text; a tokenizer piece
   int32_t image_size = 0;               // encoder input side, pixels
@@ -33,7 +35,9 @@ struct LoaderOptions {
   int32_t seq_len = 0;                  // LLM sequence length
   int32_t max_vocab = 0;                // > 0: the tokenizer must have at most this many pieces
   OverlongPolicy overlong = OverlongPolicy::kReject;
-  bool skip_bad_samples = false;  // skip malformed manifest lines (logged); see index.h
+  // How LLaVA-style (conversations) samples become text; prompt/text samples are always plain.
+  ChatTemplate chat_template = ChatTemplate::kPlain;
+  bool skip_bad_samples = false;  // skip malformed manifest entries (logged); see index.h
   Normalization normalization;
   // Text-only baseline: every image is returned as zeros (the normalised value of mid-grey,
   // pixel 127.5 with the default normalisation) and no image file is read.
@@ -44,7 +48,8 @@ enum class Split { kTrain, kVal };
 
 // Options for the train or validation split of a RunSpec (with defaults applied): data paths,
 // encoder.model.image_size, tokens per image from image_size and patch, llm.model.seq_len,
-// llm.model.vocab as max_vocab. InvalidArgument when the split has no manifest.
+// llm.model.vocab as max_vocab, data.chat_template. InvalidArgument when the split has no
+// manifest or the chat template is unknown.
 absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
                                                        Split split);
 
@@ -77,7 +82,8 @@ class DataLoader {
   // Ordinal of a sample id; NotFound naming the id and the manifest.
   absl::StatusOr<int64_t> Ordinal(const std::string& id) const;
 
-  // Tokenises the sample and builds its sequence; images are not read.
+  // Tokenises the sample (a conversation through options().chat_template, a prompt/text sample
+  // as plain) and builds its sequence; images are not read.
   absl::StatusOr<TokenSequence> Tokenize(int64_t ordinal) const;
   // The sample's index record. With verify_images every image the sequence keeps is read and
   // decoded (catches missing and corrupt files); otherwise only its existence is checked.

@@ -322,5 +322,200 @@ TEST(LoaderOptionsTest, FromTheTinyConfig) {
   EXPECT_EQ(val->manifest, (fs::path(HETPAR_SOURCE_DIR) / "data/tiny/val.jsonl").string());
 }
 
+// The first generated sample with `images` images.
+SynthSample SampleWithImages(size_t images) {
+  for (int64_t i = 0; i < kSamples; ++i) {
+    SynthSample s = MakeSynthSample(kSeed, "train", i, 3);
+    if (s.record.images.size() == images) return s;
+  }
+  ADD_FAILURE() << "no generated sample with " << images << " images";
+  return SynthSample();
+}
+
+// The assistant texts of the LLaVA-style samples below, in order.
+const std::vector<std::vector<std::string>>& LlavaAnswers() {
+  static const std::vector<std::vector<std::string>> answers = {
+      {"a small red circle at the top left.", "red."},
+      {"the first image has a large blue square.", "the second image is empty."},
+      {"five."}};
+  return answers;
+}
+
+// A LLaVA-style .json manifest beside the generated images: a two-turn conversation with one
+// image ("image": a path), one with two images ("images"), a text-only sample (numeric id).
+std::string WriteLlavaJson(const std::string& dir) {
+  const SynthSample one = SampleWithImages(1);
+  const SynthSample two = SampleWithImages(2);
+  const auto& a = LlavaAnswers();
+  std::string text = "[\n";
+  text += R"({"id": "one", "image": ")" + one.record.images[0] +
+          R"(", "conversations": [{"from": "human", "value": "<image>\ndescribe the image."}, )" +
+          R"({"from": "gpt", "value": ")" + a[0][0] +
+          R"("}, {"from": "human", "value": "what colour is it?"}, {"from": "gpt", "value": ")" +
+          a[0][1] + "\"}]},\n";
+  text +=
+      R"({"id": "two", "images": [")" + two.record.images[0] + R"(", ")" + two.record.images[1] +
+      R"("], "conversations": [{"from": "human", "value": "<image>\n<image>\ncompare the two images."}, )" +
+      R"({"from": "gpt", "value": ")" + a[1][0] +
+      R"("}, {"from": "human", "value": "and the second image?"}, {"from": "gpt", "value": ")" +
+      a[1][1] + "\"}]},\n";
+  text +=
+      std::string(
+          R"({"id": 3, "conversations": [{"from": "human", "value": "what is two plus three?"}, )") +
+      R"({"from": "gpt", "value": ")" + a[2][0] + "\"}]}\n]\n";
+  const std::string path = dir + "/llava.json";
+  EXPECT_TRUE(WriteFileAtomically(path, text).ok());
+  return path;
+}
+
+TEST_F(LoaderTest, LlavaJsonTrainsOnTheAssistantTurnsOnly) {
+  const std::string path = WriteLlavaJson(*dir_);
+  const SynthSample one = SampleWithImages(1);
+  const SynthSample two = SampleWithImages(2);
+  const std::vector<std::vector<Scene>> scenes = {one.scenes, two.scenes, {}};
+  LoaderOptions o = Options(path);
+  o.seq_len = 256;  // the vicuna system prompt is long in this small vocabulary
+  o.chat_template = ChatTemplate::kVicuna;
+  std::unique_ptr<DataLoader> loader = Make(o);
+  ASSERT_NE(loader, nullptr);
+  ASSERT_EQ(loader->size(), 3);
+  const Tokenizer& tok = loader->tokenizer();
+  const std::vector<std::string> ids = {"one", "two", "3"};
+  for (int64_t i = 0; i < 3; ++i) {
+    absl::StatusOr<LoadedSample> sample = loader->Load(i);
+    ASSERT_TRUE(sample.ok()) << sample.status();
+    EXPECT_EQ(sample->id, ids[static_cast<size_t>(i)]);
+    const TokenSequence& t = sample->tokens;
+    const std::vector<Scene>& want_scenes = scenes[static_cast<size_t>(i)];
+    ASSERT_EQ(t.images(), static_cast<int32_t>(want_scenes.size()));
+    ASSERT_EQ(sample->images.size(), want_scenes.size());
+    for (size_t k = 0; k < want_scenes.size(); ++k) {
+      EXPECT_EQ(sample->images[k],
+                ToNormalizedChw(RenderScene(want_scenes[k], 32), Normalization()))
+          << sample->id << " image " << k;
+    }
+    EXPECT_EQ(t.input_ids.front(), tok.bos_id());
+    // Split the targets at eos: one run per assistant turn, each decoding to the answer.
+    std::vector<std::string> answers;
+    std::vector<int32_t> run;
+    int32_t targets = 0;
+    for (size_t p = 0; p < t.labels.size(); ++p) {
+      if (!t.loss_mask[p]) {
+        ASSERT_EQ(t.labels[p], kIgnoreLabel);
+        continue;
+      }
+      ++targets;
+      ASSERT_EQ(t.labels[p], t.input_ids[p + 1]);
+      ASSERT_NE(t.labels[p], loader->image_token_id());
+      if (t.labels[p] == tok.eos_id()) {
+        answers.push_back(*tok.Decode(run));
+        run.clear();
+      } else {
+        run.push_back(t.labels[p]);
+      }
+    }
+    EXPECT_TRUE(run.empty()) << sample->id << ": targets after the last eos";
+    EXPECT_EQ(answers, LlavaAnswers()[static_cast<size_t>(i)]) << sample->id;
+    EXPECT_EQ(targets, t.loss_tokens);
+    int32_t expected_targets = 0;
+    for (const std::string& answer : LlavaAnswers()[static_cast<size_t>(i)]) {
+      expected_targets += static_cast<int32_t>(tok.Encode(answer)->size()) + 1;
+    }
+    EXPECT_EQ(t.loss_tokens, expected_targets) << sample->id;
+  }
+}
+
+TEST_F(LoaderTest, LlavaJsonUnderChatmlTargetsTheAnswersAndTheirEndMarkers) {
+  LoaderOptions o = Options(WriteLlavaJson(*dir_));
+  o.seq_len = 256;  // the markers are several pieces each in this vocabulary
+  o.chat_template = ChatTemplate::kChatml;
+  std::unique_ptr<DataLoader> loader = Make(o);
+  ASSERT_NE(loader, nullptr);
+  const Tokenizer& tok = loader->tokenizer();
+  const std::vector<int32_t> im_end = *tok.Encode("<|im_end|>");
+  for (int64_t i = 0; i < 3; ++i) {
+    absl::StatusOr<TokenSequence> t = loader->Tokenize(i);
+    ASSERT_TRUE(t.ok()) << t.status();
+    std::vector<int32_t> targets, expected;
+    for (size_t p = 0; p < t->labels.size(); ++p) {
+      if (t->loss_mask[p]) targets.push_back(t->labels[p]);
+    }
+    for (const std::string& answer : LlavaAnswers()[static_cast<size_t>(i)]) {
+      const std::vector<int32_t> ids = *tok.Encode(answer);
+      expected.insert(expected.end(), ids.begin(), ids.end());
+      expected.insert(expected.end(), im_end.begin(), im_end.end());
+    }
+    EXPECT_EQ(targets, expected) << i;
+    EXPECT_NE(t->input_ids.front(), tok.bos_id());  // chatml has no bos
+  }
+}
+
+TEST_F(LoaderTest, APromptTextLineAndItsOneTurnConversationGiveTheSameSequence) {
+  const SynthSample s = SampleWithImages(2);
+  ManifestRecord conversation = s.record;
+  conversation.id = "as-conversation";
+  conversation.prompt.clear();
+  conversation.text.clear();
+  conversation.conversation = {{ChatRole::kUser, s.record.prompt},
+                               {ChatRole::kAssistant, s.record.text}};
+  const std::string path = WriteManifest(
+      "pair.jsonl", {ManifestRecordToJson(s.record), ManifestRecordToJson(conversation)});
+  std::unique_ptr<DataLoader> loader = Make(Options(path));  // plain, the default
+  ASSERT_NE(loader, nullptr);
+  absl::StatusOr<LoadedSample> a = loader->Load(0);
+  absl::StatusOr<LoadedSample> b = loader->Load(1);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->tokens.input_ids, b->tokens.input_ids);
+  EXPECT_EQ(a->tokens.labels, b->tokens.labels);
+  EXPECT_EQ(a->tokens.loss_mask, b->tokens.loss_mask);
+  EXPECT_EQ(a->tokens.image_offsets, b->tokens.image_offsets);
+  EXPECT_EQ(a->images, b->images);
+  // The chat template applies to conversations only: the prompt/text line is the same under
+  // vicuna.
+  LoaderOptions vicuna = Options(path);
+  vicuna.chat_template = ChatTemplate::kVicuna;
+  vicuna.seq_len = 256;
+  std::unique_ptr<DataLoader> v = Make(vicuna);
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(v->Tokenize(0)->input_ids, a->tokens.input_ids);
+  EXPECT_NE(v->Tokenize(1)->input_ids, a->tokens.input_ids);
+}
+
+TEST_F(LoaderTest, ConversationPlaceholderCountNamesTheArrayIndex) {
+  const std::string path = *dir_ + "/count.json";
+  ASSERT_TRUE(
+      WriteFileAtomically(
+          path,
+          R"([{"id": "x", "images": ["a.png", "b.png"], "conversations": [)"
+          R"({"from": "human", "value": "<image>what?"}, {"from": "gpt", "value": "red."}]}])")
+          .ok());
+  std::unique_ptr<DataLoader> loader = Make(Options(path));
+  ASSERT_NE(loader, nullptr);
+  absl::StatusOr<TokenSequence> t = loader->Tokenize(0);
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      std::string(t.status().message()),
+      HasSubstr("sample 'x' (" + path +
+                "[0]): conversations hold 1 '<image>' placeholder(s) but the sample names 2 "
+                "image file(s)"));
+  BadSample bad = loader->DescribeProblem(0, t.status());
+  EXPECT_EQ(bad.line, 0);
+  EXPECT_EQ(bad.where, path + "[0]");
+}
+
+TEST(LoaderOptionsTest, ChatTemplateFromTheRunSpec) {
+  hetpar::v1::RunSpec spec;
+  spec.mutable_data()->set_manifest("m.json");
+  absl::StatusOr<LoaderOptions> o = LoaderOptionsFromRunSpec(spec, Split::kTrain);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->chat_template, ChatTemplate::kPlain);
+  spec.mutable_data()->set_chat_template("llama3");
+  EXPECT_EQ(LoaderOptionsFromRunSpec(spec, Split::kTrain)->chat_template, ChatTemplate::kLlama3);
+  spec.mutable_data()->set_chat_template("alpaca");
+  EXPECT_EQ(LoaderOptionsFromRunSpec(spec, Split::kTrain).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace hetpar::data

@@ -12,7 +12,7 @@ namespace hetpar::data {
 struct IndexRecord {
   std::string id;
   int64_t ordinal = 0;      // position among the manifest's readable records (DataLoader::Load)
-  int64_t line = 0;         // 1-based manifest line
+  int64_t line = 0;         // 1-based line of a JSONL manifest, 0-based array index of a .json one
   int32_t image_count = 0;  // images in the sequence (after truncation, if any)
   int32_t tokens_per_image = 0;        // placeholder rows per image
   int32_t text_tokens = 0;             // sequence positions that are not image placeholders

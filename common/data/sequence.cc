@@ -9,13 +9,24 @@ namespace {
 struct Position {
   int32_t id;
   int16_t image;  // image index, or -1 for text
-  bool response;  // a response text token or the final eos: a loss target
+  bool loss;      // a token of a loss segment: a target
 };
 
 }  // namespace
 
 absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& prompt,
                                                  const std::vector<Segment>& response,
+                                                 const SequenceOptions& options) {
+  std::vector<Segment> segments;
+  segments.reserve(prompt.size() + response.size() + 2);
+  if (options.bos_id >= 0) segments.push_back(Segment{false, {options.bos_id}, false});
+  for (const Segment& s : prompt) segments.push_back(Segment{s.is_image, s.ids, false});
+  for (const Segment& s : response) segments.push_back(Segment{s.is_image, s.ids, !s.is_image});
+  if (options.eos_id >= 0) segments.push_back(Segment{false, {options.eos_id}, true});
+  return BuildTokenSequence(segments, options);
+}
+
+absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& segments,
                                                  const SequenceOptions& options) {
   if (options.tokens_per_image <= 0) {
     return absl::InvalidArgumentError(
@@ -30,21 +41,16 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& pro
   }
   std::vector<Position> positions;
   int16_t image = 0;
-  if (options.bos_id >= 0) positions.push_back({options.bos_id, -1, false});
-  for (int part = 0; part < 2; ++part) {
-    const bool is_response = part == 1;
-    for (const Segment& segment : is_response ? response : prompt) {
-      if (segment.is_image) {
-        for (int32_t k = 0; k < options.tokens_per_image; ++k) {
-          positions.push_back({options.image_token_id, image, false});
-        }
-        ++image;
-      } else {
-        for (int32_t id : segment.ids) positions.push_back({id, -1, is_response});
+  for (const Segment& segment : segments) {
+    if (segment.is_image) {
+      for (int32_t k = 0; k < options.tokens_per_image; ++k) {
+        positions.push_back({options.image_token_id, image, false});
       }
+      ++image;
+    } else {
+      for (int32_t id : segment.ids) positions.push_back({id, -1, segment.loss});
     }
   }
-  if (options.eos_id >= 0) positions.push_back({options.eos_id, -1, true});
 
   TokenSequence seq;
   const int64_t full_length = static_cast<int64_t>(positions.size());
@@ -81,7 +87,7 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& pro
     } else {
       ++seq.text_tokens;
     }
-    if (i + 1 < n && positions[i + 1].response) {
+    if (i + 1 < n && positions[i + 1].loss) {
       seq.labels[i] = positions[i + 1].id;
       seq.loss_mask[i] = 1;
       ++seq.loss_tokens;
@@ -94,7 +100,8 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& pro
           " leaves no response token to train on"));
     }
     return absl::InvalidArgumentError(
-        "the sample has no response token to train on (empty text and no eos)");
+        "the sample has no response token to train on (empty response text and no eos or "
+        "end-of-turn marker)");
   }
   return seq;
 }

@@ -1,17 +1,19 @@
 // One sample's token sequence: image placeholders expanded, next-token labels and the loss mask.
 //
-// The convention (the LLM trainer relies on it):
-//   input_ids  = [bos] prompt... response... [eos], where each image of the prompt or response
-//                is `tokens_per_image` copies of the image placeholder id (the encoder's output
-//                rows for that image replace those positions; image_offsets[k] is where image k's
-//                rows start).
+// A sequence is built from segments in order: runs of text token ids, each flagged as a loss run
+// or not, and images. The convention (the LLM trainer relies on it):
+//   input_ids  = the segments' ids in order, where each image is `tokens_per_image` copies of the
+//                image placeholder id (the encoder's output rows for that image replace those
+//                positions; image_offsets[k] is where image k's rows start). For a prompt and a
+//                response: [bos] prompt... response... [eos].
 //   labels[i]  = input_ids[i + 1] where loss_mask[i] = 1, else kIgnoreLabel. The shift is
 //                already applied: position i is trained to predict the token at i + 1.
-//   loss_mask[i] = 1 exactly when input_ids[i + 1] is a response text token or the final eos.
-//                Image placeholders, bos, and every prompt token never carry loss; the last
-//                position never does (nothing follows it).
-//   loss_tokens = sum(loss_mask) = response text tokens + 1 (the eos), the count that N_global
-//                sums.
+//   loss_mask[i] = 1 exactly when input_ids[i + 1] is a token of a loss segment (for a prompt
+//                and a response: a response text token or the final eos; for a conversation: an
+//                assistant turn's tokens and its end-of-turn marker, see chat_template.h).
+//                Image placeholders never carry loss, nor does the last position (nothing
+//                follows it).
+//   loss_tokens = sum(loss_mask), the count that N_global sums.
 // A sequence longer than seq_len is rejected, or (truncate) cut to its first seq_len tokens; an
 // image block never straddles the cut: an image that does not fit whole is dropped together with
 // everything after it, so `images` can be smaller than the sample's image count.
@@ -33,6 +35,7 @@ enum class OverlongPolicy { kReject, kTruncate };
 struct Segment {
   bool is_image = false;
   std::vector<int32_t> ids;  // text token ids; empty for an image
+  bool loss = false;         // text tokens that are training targets (ignored for an image)
 };
 
 struct SequenceOptions {
@@ -40,8 +43,9 @@ struct SequenceOptions {
   int32_t seq_len = 0;
   OverlongPolicy overlong = OverlongPolicy::kReject;
   int32_t image_token_id = -1;  // placeholder id written at image positions
-  int32_t bos_id = -1;          // < 0: no bos
-  int32_t eos_id = -1;          // < 0: no eos (then loss_tokens = response text tokens)
+  // Used by the prompt/response form only (the segment form takes bos and eos as segments).
+  int32_t bos_id = -1;  // < 0: no bos
+  int32_t eos_id = -1;  // < 0: no eos (then loss_tokens = response text tokens)
 };
 
 struct TokenSequence {
@@ -57,11 +61,18 @@ struct TokenSequence {
   int32_t images() const { return static_cast<int32_t>(image_offsets.size()); }
 };
 
-// Builds the sequence for a prompt and a response (either may hold images). Errors are
-// InvalidArgument with the reason only (the caller adds the sample id and path):
+// Builds the sequence of `segments`, in order; a text segment's tokens are targets when its
+// `loss` is set (options.bos_id and eos_id are not used: bos and eos are segments here). Errors
+// are InvalidArgument with the reason only (the caller adds the sample id and path):
 //   - the sequence is longer than seq_len and overlong = reject,
-//   - truncation would leave no loss token,
+//   - no token carries loss, or truncation would leave none,
 //   - options out of range.
+absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& segments,
+                                                 const SequenceOptions& options);
+
+// The prompt/response form: [bos] prompt response [eos] with loss on the response's text
+// segments and the eos (bos and eos from options, left out when < 0); the `loss` flags of the
+// given segments are ignored. Either part may hold images.
 absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& prompt,
                                                  const std::vector<Segment>& response,
                                                  const SequenceOptions& options);

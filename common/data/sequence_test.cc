@@ -120,5 +120,53 @@ TEST(SequenceTest, BadOptions) {
   EXPECT_FALSE(BuildTokenSequence({}, {Text({1})}, o).ok());
 }
 
+Segment Loss(std::vector<int32_t> ids) { return Segment{false, std::move(ids), true}; }
+
+TEST(SequenceTest, SegmentFormPutsLossOnEveryLossSegment) {
+  // bos, image, user [10 11], answer [20 21] + eot [9], user [12], answer [22] + eot [9].
+  SequenceOptions o = Options(2, 32, OverlongPolicy::kReject);
+  o.bos_id = 77;  // not used by the segment form
+  o.eos_id = 78;
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence({Text({1}), Image(), Text({10, 11}), Loss({20, 21}), Loss({9}), Text({12}),
+                          Loss({22}), Loss({9})},
+                         o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 4, 4, 10, 11, 20, 21, 9, 12, 22, 9}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, X, X, X, 20, 21, 9, X, 22, 9, X}));
+  EXPECT_EQ(s->loss_mask, (std::vector<uint8_t>{0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 0}));
+  EXPECT_EQ(s->image_offsets, (std::vector<int32_t>{1}));
+  EXPECT_EQ(s->loss_tokens, 5);
+  EXPECT_EQ(s->text_tokens, 9);
+}
+
+TEST(SequenceTest, SegmentFormImagesNeverCarryLoss) {
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence(
+      {Text({1}), Segment{true, {}, true}, Loss({20})}, Options(2, 32, OverlongPolicy::kReject));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 4, 4, 20}));
+  EXPECT_EQ(s->loss_mask, (std::vector<uint8_t>{0, 0, 1, 0}));
+  EXPECT_EQ(s->loss_tokens, 1);
+}
+
+TEST(SequenceTest, SegmentFormTruncationKeepsTheRulesAndNeedsALossToken) {
+  // 0:1 1:10 2:20(loss) 3-5:image 6:21(loss); a cut at 5 drops the whole image.
+  const std::vector<Segment> segments = {Text({1, 10}), Loss({20}), Image(), Loss({21})};
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence(segments, Options(3, 5, OverlongPolicy::kTruncate));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->input_ids, (std::vector<int32_t>{1, 10, 20}));
+  EXPECT_EQ(s->labels, (std::vector<int32_t>{X, 20, X}));
+  EXPECT_TRUE(s->truncated);
+  absl::StatusOr<TokenSequence> none = BuildTokenSequence({Text({1, 10, 11, 12}), Loss({20})},
+                                                          Options(3, 4, OverlongPolicy::kTruncate));
+  ASSERT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("leaves no response token"));
+  absl::StatusOr<TokenSequence> empty =
+      BuildTokenSequence({Text({1, 10})}, Options(3, 8, OverlongPolicy::kReject));
+  ASSERT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(empty.status().message()), HasSubstr("no response token to train on"));
+}
+
 }  // namespace
 }  // namespace hetpar::data

@@ -379,10 +379,10 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
     const data::Tokenizer& tok = opened->loader->tokenizer();
     const data::ManifestRecord& record =
         opened->loader->manifest().records[static_cast<size_t>(*ordinal)];
-    std::cout << "sample '" << record.id << "' (" << opened->loader->manifest().path << ":"
-              << record.line << "): " << seq->length() << " tokens, " << seq->images()
-              << " images, " << seq->text_tokens << " text tokens, " << seq->loss_tokens
-              << " loss tokens" << (seq->truncated ? ", truncated" : "") << "\n";
+    std::cout << "sample '" << record.id << "' (" << opened->loader->manifest().Where(record.line)
+              << "): " << seq->length() << " tokens, " << seq->images() << " images, "
+              << seq->text_tokens << " text tokens, " << seq->loss_tokens << " loss tokens"
+              << (seq->truncated ? ", truncated" : "") << "\n";
     std::cout << "pos  id    piece            label  loss\n";
     size_t image = 0;
     for (int32_t i = 0; i < seq->length(); ++i) {
