@@ -27,7 +27,7 @@ packages=(
   # configuration, CLI, formats
   libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libcpp-httplib-dev
   # data pipeline
-  libpng-dev libjpeg62-turbo-dev libsentencepiece-dev sentencepiece
+  libpng-dev libjpeg62-turbo-dev libsentencepiece-dev sentencepiece libpcre2-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # process tools the tests use (pgrep, ps, lsof-free fd counting via /proc)

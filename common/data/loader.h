@@ -28,7 +28,7 @@ namespace hetpar::data {
 
 struct LoaderOptions {
   std::string manifest;                 // manifest path: .jsonl, or .json (manifest.h)
-  std::string tokenizer;                // sentencepiece .model path
+  std::string tokenizer;                // sentencepiece .model, or a Hugging Face tokenizer.json
   std::string image_token = "<image>";  // placeholder written in the text; a tokenizer piece
   int32_t image_size = 0;               // encoder input side, pixels
   int32_t tokens_per_image = 0;         // encoder output rows per image

@@ -9,7 +9,9 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/data/bpe_tokenizer.h"
 #include "common/data/file_util.h"
 #include "common/data/sentencepiece_bridge.h"
 
@@ -99,9 +101,24 @@ Tokenizer::Tokenizer(const HetparSpmApi* api, HetparSpmProcessor* processor, std
   }
 }
 
-Tokenizer::~Tokenizer() { api_->destroy(processor_); }
+Tokenizer::Tokenizer(std::unique_ptr<BpeTokenizer> bpe) : bpe_(std::move(bpe)) {
+  source_ = bpe_->source();
+  unk_id_ = bpe_->unk_id();
+  bos_id_ = bpe_->bos_id();
+  eos_id_ = bpe_->eos_id();
+  pad_id_ = bpe_->pad_id();
+}
+
+Tokenizer::~Tokenizer() {
+  if (api_ != nullptr) api_->destroy(processor_);
+}
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
+  if (absl::EndsWith(path, ".json")) {
+    absl::StatusOr<std::unique_ptr<BpeTokenizer>> bpe = BpeTokenizer::Load(path);
+    if (!bpe.ok()) return bpe.status();
+    return std::unique_ptr<Tokenizer>(new Tokenizer(*std::move(bpe)));
+  }
   absl::StatusOr<std::string> model = ReadFileToString(path);
   if (!model.ok()) {
     return absl::Status(model.status().code(),
@@ -132,6 +149,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSerialized(const std::
 }
 
 absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text) const {
+  if (bpe_ != nullptr) return bpe_->Encode(text);
   int* ids = nullptr;
   size_t count = 0;
   char* error = nullptr;
@@ -143,6 +161,7 @@ absl::StatusOr<std::vector<int32_t>> Tokenizer::Encode(std::string_view text) co
 }
 
 absl::StatusOr<std::string> Tokenizer::Decode(const std::vector<int32_t>& ids) const {
+  if (bpe_ != nullptr) return bpe_->Decode(ids, /*skip_special_tokens=*/false);
   const int32_t size = vocab_size();
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= size) {
@@ -163,15 +182,20 @@ absl::StatusOr<std::string> Tokenizer::Decode(const std::vector<int32_t>& ids) c
   return out;
 }
 
-int32_t Tokenizer::vocab_size() const { return static_cast<int32_t>(pieces_.size()); }
+int32_t Tokenizer::vocab_size() const {
+  if (bpe_ != nullptr) return bpe_->vocab_size();
+  return static_cast<int32_t>(pieces_.size());
+}
 
 std::optional<int32_t> Tokenizer::PieceId(std::string_view piece) const {
+  if (bpe_ != nullptr) return bpe_->PieceId(piece);
   auto it = piece_ids_.find(std::string(piece));
   if (it == piece_ids_.end()) return std::nullopt;
   return it->second;
 }
 
 std::string Tokenizer::Piece(int32_t id) const {
+  if (bpe_ != nullptr) return bpe_->Piece(id);
   if (id < 0 || id >= vocab_size()) return "";
   return pieces_[static_cast<size_t>(id)];
 }
