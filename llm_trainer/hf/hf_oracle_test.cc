@@ -308,6 +308,37 @@ TEST_F(HfOracleTest, RunsTrainFromAnImportedModel) {
   const double imported_loss = first_loss(Path("run"));
   EXPECT_GT(imported_loss, 0);
   EXPECT_GT(std::abs(imported_loss - first_loss(Path("seeded"))), 1e-3);
+
+  // The trained model (run/model, its shapes from run/config.yaml) goes back to Hugging Face:
+  // transformers scores as `hetpar score` does, and importing the export gives the same files.
+  auto exported =
+      Hetpar({"convert", "to-hf", "--model", Path("run/model"), "--out", Path("trained-hf")});
+  ASSERT_EQ(exported.exit_code, 0) << exported.stderr_text;
+  ASSERT_EQ(Hetpar({"score", "--model", Path("run/model"), "--tokens", Path("llama/tokens.jsonl"),
+                    "--dtype", "float64", "--out", Path("trained.jsonl"), "--threads", "1"})
+                .exit_code,
+            0);
+  ASSERT_NO_FATAL_FAILURE(
+      Oracle({"load-llama", "--dir", Path("trained-hf/llm"), "--tokens", Path("llama/tokens.jsonl"),
+              "--out", Path("trained-transformers.jsonl")}));
+  const double worst = MaxDifference(ReadLogprobs(Path("trained.jsonl")),
+                                     ReadLogprobs(Path("trained-transformers.jsonl")));
+  EXPECT_LT(worst, 1e-10) << "largest difference " << worst;
+  ASSERT_EQ(Hetpar({"convert", "from-hf", "--llm", Path("trained-hf/llm"), "--encoder",
+                    Path("trained-hf/vision"), "--projector",
+                    Path("trained-hf/projector.safetensors"), "--out", Path("reimported")})
+                .exit_code,
+            0);
+  for (const std::string file : {"llm.hpar", "encoder.hpar"}) {
+    auto trained = nn::ReadFullParameters(Path("run/model/" + file));
+    auto back = nn::ReadFullParameters(Path("reimported/" + file));
+    ASSERT_TRUE(trained.ok() && back.ok()) << file;
+    ASSERT_EQ(trained->size(), back->size()) << file;
+    for (size_t i = 0; i < trained->size(); ++i) {
+      EXPECT_EQ((*trained)[i].name, (*back)[i].name);
+      EXPECT_TRUE((*trained)[i].tensor.equal((*back)[i].tensor)) << (*trained)[i].name;
+    }
+  }
 }
 
 // Import errors name the tensor or key, and nothing is written.
