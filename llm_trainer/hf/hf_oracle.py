@@ -60,6 +60,8 @@ def _rope_forward_keep_dtype(self, x, position_ids):
 
 modeling_llama.LlamaRMSNorm.forward = _rms_forward_keep_dtype
 modeling_llama.LlamaRotaryEmbedding.forward = _rope_forward_keep_dtype
+# One thread: the test suite runs two tests at a time on small machines.
+torch.set_num_threads(1)
 
 
 def randomise(model, generator):
