@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/data/batch_source.h"
+#include "common/data/sampler.h"
 #include "common/logging.h"
 #include "coordinator/step_planner.h"
 
@@ -52,6 +53,8 @@ class IndexBatchSource : public BatchSource {
   }
 
   std::string Position() const override { return committed_.ToString(); }
+  data::SamplerCursor CommittedCursor() const override { return committed_; }
+  data::SamplerCursor PendingCursor() const override { return pending_.value_or(committed_); }
 
  private:
   v1::RunSpec spec_;

@@ -105,6 +105,7 @@ absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
   } else {
     m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), nullptr);
     m.retired_encoder_replicas_.assign(m.encoder_grid_.dp, false);
+    m.open_encoder_replicas_.assign(m.encoder_grid_.dp, false);
     m.retired_llm_replicas_.assign(m.llm_grid_.dp, false);
     m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
@@ -149,13 +150,17 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
           absl::StrCat("requested_rank=", wanted, " is out of range for role ",
                        RoleName(request.role()), ": expected 0..", slots.size() - 1));
     }
-    if (Retired(request.role(), wanted)) {
+    if (Retired(request.role(), wanted) && !Open(request.role(), wanted)) {
       const std::vector<v1::RankCoordinates> ranks = RanksOfSlot(request.role(), wanted);
+      const bool encoder = ranks.back().module() == v1::MODULE_ENCODER;
       return absl::FailedPreconditionError(absl::StrCat(
           RoleName(request.role()), " rank ", wanted, " belongs to ",
           ModuleName(ranks.back().module()), " replica ", ranks.back().dp(),
-          ", which left the run after one of its workers was lost; a worker cannot join a "
-          "running run yet (resume the run from a checkpoint to train on a full pool again)"));
+          encoder ? ", which is not in the encoder pool and admits no worker now (grow the pool "
+                    "with `hetpar scale --encoders N`)"
+                  : ", which left the run after one of its workers was lost; only encoder "
+                    "replicas take new workers while a run trains (resume the run from a "
+                    "checkpoint to train on every LLM replica again)"));
     }
     if (slots[wanted] != nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
@@ -175,11 +180,17 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
         break;
       }
     }
+    // Then a rank of an open replica: the worker joins the run at a step boundary.
+    for (size_t i = 0; slot < 0 && i < slots.size(); ++i) {
+      if (slots[i] == nullptr && Open(request.role(), static_cast<int64_t>(i))) {
+        slot = static_cast<int64_t>(i);
+      }
+    }
     if (slot < 0) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "every ", RoleName(request.role()), " rank is taken (", slots.size(),
-          retired ? " ranks: the others are alive, and those of replicas that left the run "
-                    "after a lost worker take no one until the run is resumed)"
+          retired ? " ranks: the others are alive, and those of replicas out of the run admit "
+                    "no one now; `hetpar scale --encoders N` opens encoder replicas)"
                   : " ranks, all registered and alive)"));
     }
   }
@@ -199,6 +210,7 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
   record->generation = generation;
   record->registered_at = now;
   record->last_heartbeat = now;
+  record->joining = Retired(request.role(), slot);
   WorkerRecord* raw = record.get();
   slots[slot] = raw;
   by_id_[worker_id] = raw;
@@ -234,6 +246,7 @@ void Membership::RetireReplica(v1::Module module, int64_t dp) {
       module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
   if (dp < 0 || dp >= static_cast<int64_t>(retired.size())) return;
   retired[dp] = true;
+  if (module == v1::MODULE_ENCODER) open_encoder_replicas_[dp] = false;
 }
 
 std::vector<int64_t> Membership::Replicas(v1::Module module) const {
@@ -252,6 +265,62 @@ int64_t Membership::ReplicaOf(const WorkerRecord& worker, v1::Module module) {
     if (rank.module() == module) return rank.dp();
   }
   return -1;
+}
+
+void Membership::SetOpen(int64_t encoder_dp, bool open) {
+  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size())) return;
+  open_encoder_replicas_[encoder_dp] = open && retired_encoder_replicas_[encoder_dp];
+}
+
+std::vector<int64_t> Membership::OpenReplicas() const {
+  std::vector<int64_t> open;
+  for (size_t d = 0; d < open_encoder_replicas_.size(); ++d) {
+    if (open_encoder_replicas_[d]) open.push_back(static_cast<int64_t>(d));
+  }
+  return open;
+}
+
+bool Membership::ReadyToJoin(int64_t encoder_dp) const {
+  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size()) ||
+      !open_encoder_replicas_[encoder_dp]) {
+    return false;
+  }
+  auto it = slots_.find(v1::WORKER_ROLE_ENCODER);
+  if (it == slots_.end()) return false;
+  for (int64_t t = 0; t < encoder_grid_.tp; ++t) {
+    const WorkerRecord* worker = it->second[encoder_dp * encoder_grid_.tp + t];
+    if (worker == nullptr || !worker->joining || !worker->session_open) return false;
+  }
+  return true;
+}
+
+std::vector<WorkerRecord*> Membership::Activate(int64_t encoder_dp) {
+  std::vector<WorkerRecord*> joined;
+  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size())) {
+    return joined;
+  }
+  retired_encoder_replicas_[encoder_dp] = false;
+  open_encoder_replicas_[encoder_dp] = false;
+  auto it = slots_.find(v1::WORKER_ROLE_ENCODER);
+  for (int64_t t = 0; it != slots_.end() && t < encoder_grid_.tp; ++t) {
+    WorkerRecord* worker = it->second[encoder_dp * encoder_grid_.tp + t];
+    if (worker == nullptr) continue;
+    worker->joining = false;
+    joined.push_back(worker);
+  }
+  return joined;
+}
+
+int64_t Membership::joining_workers() const {
+  int64_t n = 0;
+  for (const WorkerRecord* worker : LiveWorkers()) n += worker->joining ? 1 : 0;
+  return n;
+}
+
+bool Membership::Open(v1::WorkerRole role, int64_t slot) const {
+  if (role != v1::WORKER_ROLE_ENCODER) return false;
+  const int64_t dp = CoordinatesOf(v1::MODULE_ENCODER, encoder_grid_, slot).dp();
+  return dp < static_cast<int64_t>(open_encoder_replicas_.size()) && open_encoder_replicas_[dp];
 }
 
 bool Membership::Retired(v1::WorkerRole role, int64_t slot) const {
@@ -352,6 +421,18 @@ std::vector<const WorkerRecord*> Membership::PeersOf(const WorkerRecord& worker)
       break;
   }
   return peers;
+}
+
+std::vector<WorkerRecord*> Membership::TrainingWorkers() const {
+  std::vector<WorkerRecord*> training = LiveWorkers();
+  // Joining workers, and those of an encoder replica that left the pool (closing their session).
+  training.erase(std::remove_if(training.begin(), training.end(),
+                                [this](const WorkerRecord* w) {
+                                  return w->joining || (w->role == v1::WORKER_ROLE_ENCODER &&
+                                                        Retired(w->role, w->slot));
+                                }),
+                 training.end());
+  return training;
 }
 
 std::vector<WorkerRecord*> Membership::LiveWorkers() const {

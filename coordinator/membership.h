@@ -62,6 +62,9 @@ struct WorkerRecord {
   absl::Time last_heartbeat;  // registration counts as the first heartbeat
   bool alive = true;
   bool session_open = false;
+  // Admitted into a vacant encoder replica of a running run: it takes no part in steps until its
+  // replica joins (Membership::Activate) at a step boundary.
+  bool joining = false;
   std::string dead_reason;
   v1::Progress progress;
 
@@ -74,8 +77,10 @@ class Membership {
   // `spec` is a normalised, valid RunSpec.
   static absl::StatusOr<Membership> Create(const v1::RunSpec& spec);
 
-  // Admits a worker into a free slot of its role. InvalidArgument for a role this run has no
-  // slots for, or a requested rank out of range; ResourceExhausted when every slot of the role
+  // Admits a worker into a free slot of its role: a slot of a replica in the run first, else one
+  // of an open encoder replica (the worker is then `joining`). InvalidArgument for a role this
+  // run has no slots for, or a requested rank out of range; FailedPrecondition for a requested
+  // rank of a replica out of the run and not open; ResourceExhausted when every slot of the role
   // is taken (or the requested one is). The worker's id is "<enc|llm|col><rank>-<serial>",
   // unique in the run.
   absl::StatusOr<WorkerRecord*> Admit(const v1::RegisterRequest& request, int64_t generation,
@@ -94,6 +99,18 @@ class Membership {
   void RetireReplica(v1::Module module, int64_t dp);
   // The DP replicas of `module` still in the run, increasing (every replica until one retires).
   std::vector<int64_t> Replicas(v1::Module module) const;
+
+  // Encoder replicas out of the run that admit workers (non-colocated runs). Opening an active
+  // replica is a no-op; closing one frees nothing (its joining workers stay until marked dead).
+  void SetOpen(int64_t encoder_dp, bool open);
+  std::vector<int64_t> OpenReplicas() const;
+  // Every rank of open encoder replica `dp` is held by a live joining worker with an open session.
+  bool ReadyToJoin(int64_t encoder_dp) const;
+  // Open encoder replica `dp` joins the run: it is in Replicas again, closed, and its workers are
+  // no longer joining. Returns them, in rank order.
+  std::vector<WorkerRecord*> Activate(int64_t encoder_dp);
+  // Live workers registered into open replicas, waiting to join.
+  int64_t joining_workers() const;
   // The DP replica of `worker` in `module` (its dp coordinate); -1 when it has no rank there.
   static int64_t ReplicaOf(const WorkerRecord& worker, v1::Module module);
 
@@ -114,6 +131,9 @@ class Membership {
   const std::vector<std::unique_ptr<WorkerRecord>>& workers() const { return workers_; }
   // Live workers in role, then rank order.
   std::vector<WorkerRecord*> LiveWorkers() const;
+  // Those of them in the run (joining workers, and those of encoder replicas that left the pool,
+  // aside): the workers a step needs.
+  std::vector<WorkerRecord*> TrainingWorkers() const;
 
   v1::Placement placement() const { return placement_; }
   const GridShape& encoder_grid() const { return encoder_grid_; }
@@ -124,8 +144,9 @@ class Membership {
  private:
   Membership() = default;
   std::vector<v1::RankCoordinates> RanksOfSlot(v1::WorkerRole role, int64_t slot) const;
-  // Whether `slot` of `role` belongs to a retired replica.
+  // Whether `slot` of `role` belongs to a retired replica; to an open one.
   bool Retired(v1::WorkerRole role, int64_t slot) const;
+  bool Open(v1::WorkerRole role, int64_t slot) const;
 
   v1::Placement placement_ = v1::PLACEMENT_NON_COLOCATED;
   GridShape encoder_grid_;
@@ -139,6 +160,7 @@ class Membership {
   // By dp (non-colocated runs).
   std::vector<bool> retired_encoder_replicas_;
   std::vector<bool> retired_llm_replicas_;
+  std::vector<bool> open_encoder_replicas_;  // by dp; only retired ones are open
 };
 
 }  // namespace hetpar::coordinator

@@ -237,7 +237,7 @@ TEST(MembershipTest, ARetiredEncoderReplicaIsNeitherMissingNorTakenAgain) {
   EXPECT_THAT(m->Replicas(v1::MODULE_LLM), ElementsAre(0));
   auto again = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 2, absl::UnixEpoch());
   EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(again.status().message()), HasSubstr("left the run"));
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("admit no one now"));
   v1::RegisterRequest asked = Request(v1::WORKER_ROLE_ENCODER);
   asked.set_requested_rank(2);
   again = m->Admit(asked, 2, absl::UnixEpoch());

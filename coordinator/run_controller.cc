@@ -23,6 +23,10 @@ v1::CoordinatorMessage StopMessage(const std::string& reason) {
   return message;
 }
 
+void EraseValue(std::vector<int64_t>& values, int64_t value) {
+  values.erase(std::remove(values.begin(), values.end(), value), values.end());
+}
+
 // Seconds since the Unix epoch (PoolChange.unix_time).
 double UnixSeconds(absl::Time t) { return static_cast<double>(absl::ToUnixMicros(t)) * 1e-6; }
 
@@ -89,6 +93,18 @@ absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
     if (!checkpoint.ok()) return checkpoint.status();
     controller->committed_steps_ = checkpoint->step;
   }
+  // The encoder pool starts with encoder.initial_replicas of the layout's replicas; the others
+  // are vacant until the pool grows (Scale).
+  if (controller->membership_.placement() != v1::PLACEMENT_COLOCATED) {
+    const int64_t dp = controller->membership_.encoder_grid().dp;
+    const int64_t initial = spec.encoder().initial_replicas() > 0
+                                ? std::min<int64_t>(dp, spec.encoder().initial_replicas())
+                                : dp;
+    controller->encoder_target_ = initial;
+    for (int64_t d = initial; d < dp; ++d) {
+      controller->membership_.RetireReplica(v1::MODULE_ENCODER, d);
+    }
+  }
   return controller;
 }
 
@@ -115,6 +131,10 @@ v1::Assignment RunController::AssignmentOf(const WorkerRecord& worker, bool with
   assignment.set_world_rank(worker.world_rank);
   assignment.set_heartbeat_interval_s(absl::ToDoubleSeconds(options_.heartbeat_interval));
   assignment.set_heartbeat_timeout_s(absl::ToDoubleSeconds(options_.heartbeat_timeout));
+  if (membership_.placement() != v1::PLACEMENT_COLOCATED) {
+    for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) assignment.add_encoder_replicas(r);
+    for (int64_t r : membership_.Replicas(v1::MODULE_LLM)) assignment.add_llm_replicas(r);
+  }
   if (with_peers) {
     for (const WorkerRecord* peer : membership_.PeersOf(worker)) {
       *assignment.add_peers() = membership_.PeerInfoOf(*peer);
@@ -125,7 +145,7 @@ v1::Assignment RunController::AssignmentOf(const WorkerRecord& worker, bool with
 }
 
 void RunController::SendAssignments(Actions* actions) {
-  for (WorkerRecord* worker : membership_.LiveWorkers()) {
+  for (WorkerRecord* worker : membership_.TrainingWorkers()) {
     if (!worker->session_open) continue;
     v1::CoordinatorMessage message;
     *message.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/true);
@@ -142,15 +162,41 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
   }
   // Sizes and characters first: nothing unchecked from the network is stored or logged.
   HETPAR_RETURN_IF_ERROR(CheckRegistration(request));
+  // A worker asking for a rank of a vacant encoder replica while the run trains (a pod added to
+  // the pool's StatefulSet, a drained pod started again) grows the pool's target by one.
+  if (state_ == v1::RUN_STATE_RUNNING && membership_.placement() != v1::PLACEMENT_COLOCATED &&
+      request.role() == v1::WORKER_ROLE_ENCODER && request.has_requested_rank() &&
+      request.requested_rank() >= 0 &&
+      request.requested_rank() < membership_.encoder_grid().size()) {
+    const int64_t d =
+        CoordinatesOf(v1::MODULE_ENCODER, membership_.encoder_grid(), request.requested_rank())
+            .dp();
+    const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+    const std::vector<int64_t> open = membership_.OpenReplicas();
+    if (std::find(active.begin(), active.end(), d) == active.end() &&
+        std::find(open.begin(), open.end(), d) == open.end() &&
+        encoder_target_ < membership_.encoder_grid().dp) {
+      ++encoder_target_;
+      membership_.SetOpen(d, true);
+      HETPAR_LOG(INFO) << "a worker registers into vacant encoder replica " << d
+                       << ": the pool's target grows to " << encoder_target_ << " replicas";
+    }
+  }
   absl::StatusOr<WorkerRecord*> admitted = membership_.Admit(request, generation_, now);
   if (!admitted.ok()) return admitted.status();
   WorkerRecord* worker = *admitted;
   HETPAR_LOG(INFO) << "registered " << worker->Describe() << " data-plane "
                    << DataAddressText(worker->data_address) << " (" << membership_.alive_workers()
-                   << "/" << membership_.expected_workers() << ")";
-  // While running no rank is free (a loss retires its replica or fails the run), so Admit
-  // refuses every worker: the membership completes only while waiting.
-  const bool complete = membership_.Complete();
+                   << "/" << membership_.expected_workers() << ")"
+                   << (worker->joining
+                           ? absl::StrCat("; joining: encoder replica ",
+                                          Membership::ReplicaOf(*worker, v1::MODULE_ENCODER),
+                                          " joins the run at a step boundary once all its ranks "
+                                          "are registered")
+                           : "");
+  // While running, the ranks of the replicas in the run are all held (a loss retires its
+  // replica or fails the run): only workers joining an open encoder replica are admitted.
+  const bool complete = state_ == v1::RUN_STATE_WAITING && membership_.Complete();
   if (complete) {
     incomplete_since_ = absl::InfiniteFuture();
     state_ = v1::RUN_STATE_RUNNING;
@@ -188,7 +234,7 @@ absl::Status RunController::OpenSession(const std::string& worker_id, absl::Time
     actions->messages.emplace_back(worker_id, StopMessage(state_message_));
     return absl::OkStatus();
   }
-  if (state_ == v1::RUN_STATE_RUNNING && membership_.Complete()) {
+  if (state_ == v1::RUN_STATE_RUNNING && membership_.Complete() && !worker->joining) {
     v1::CoordinatorMessage message;
     *message.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/true);
     actions->messages.emplace_back(worker_id, std::move(message));
@@ -231,6 +277,9 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
       HandleOutcome(orchestrator_.OnReport(*worker, message.report(), now, &actions->messages), now,
                     actions);
       return absl::OkStatus();
+    case v1::WorkerMessage::kLeave:
+      Leave(worker, Printable(message.leave().reason()), now, actions);
+      return absl::OkStatus();
     case v1::WorkerMessage::kOpen:
       return absl::InvalidArgumentError(
           absl::StrCat("worker ", worker_id, " sent a second SessionOpen on its session"));
@@ -247,9 +296,20 @@ void RunController::SessionEnded(const std::string& worker_id, const std::string
   if (worker == nullptr) return;
   worker->session_open = false;
   if (worker->alive) {
+    const bool removed =
+        worker->role == v1::WORKER_ROLE_ENCODER && !worker->joining &&
+        membership_.placement() != v1::PLACEMENT_COLOCATED && [&] {
+          const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+          return std::find(active.begin(), active.end(),
+                           Membership::ReplicaOf(*worker, v1::MODULE_ENCODER)) == active.end();
+        }();
     if (state_ == v1::RUN_STATE_STOPPING || state_ == v1::RUN_STATE_DONE ||
         state_ == v1::RUN_STATE_FAILED) {
       membership_.MarkDead(worker_id, "left after stop");
+    } else if (removed && state_ == v1::RUN_STATE_RUNNING) {
+      // A worker of a replica that left the pool (Scale, Leave) closing its session.
+      membership_.MarkDead(worker_id, "left the encoder pool");
+      HETPAR_LOG(INFO) << "worker " << worker->Describe() << " left the encoder pool";
     } else {
       LoseWorker(worker, absl::StrCat("session ended: ", why), /*end_session=*/false, now, actions);
     }
@@ -268,6 +328,12 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
         absl::UnavailableError(absl::StrCat("declared dead by the coordinator: ", reason)));
   }
   if (state_ != v1::RUN_STATE_RUNNING) return;
+  if (worker->joining) {
+    // It held nothing yet: its replica stays open for another worker.
+    HETPAR_LOG(WARNING) << "joining worker " << worker->Describe() << " lost before its replica "
+                        << "joined; the replica still admits a worker";
+    return;
+  }
   const std::string cause = absl::StrCat("worker ", worker->Describe(), " lost: ", reason);
   // A DP replica's state (parameters, AdamW moments) is the same on every replica of its module:
   // the run goes on without the lost worker's replica, as long as enough replicas remain. A
@@ -283,7 +349,17 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
       std::find(replicas.begin(), replicas.end(), replica) == replicas.end()) {
     return;  // its replica had already left the run
   }
-  const int64_t left_after = static_cast<int64_t>(replicas.size()) - 1;
+  // Replicas that joined but have not trained a committed step may not hold the state yet.
+  int64_t left_after = 0;
+  int64_t holders_after = 0;
+  for (int64_t r : replicas) {
+    if (r == replica) continue;
+    ++left_after;
+    if (module != v1::MODULE_ENCODER ||
+        std::find(encoder_joining_.begin(), encoder_joining_.end(), r) == encoder_joining_.end()) {
+      ++holders_after;
+    }
+  }
   const int64_t minimum =
       std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
                                                         : spec_.failure().min_llm_replicas());
@@ -294,7 +370,7 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
         "going on without a replica is not supported with pipeline "
         "parallelism yet (llm.layout.pp=",
         spec_.llm().layout().pp(), ")");
-  } else if (module == v1::MODULE_UNSPECIFIED || left_after < 1) {
+  } else if (module == v1::MODULE_UNSPECIFIED || holders_after < 1) {
     cannot = absl::StrCat("its ", module == v1::MODULE_UNSPECIFIED ? "colocated" : name,
                           " shard (parameters and optimizer state) is held by no other worker");
   } else if (left_after < minimum) {
@@ -337,16 +413,11 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   }
   c->set_reason(cause);
   const std::vector<int64_t> left = membership_.Replicas(module);
-  v1::PoolChange record;
-  record.set_step(committed_steps_);
-  record.set_generation(generation_);
-  record.set_module(module);
-  record.set_replica(replica);
-  record.set_cause(cause);
-  record.set_replicas_after(static_cast<int64_t>(left.size()));
-  record.set_unix_time(UnixSeconds(now));
-  record.set_recovery_s(-1);
-  pool_changes_.push_back(record);
+  if (module == v1::MODULE_ENCODER) {
+    EraseValue(encoder_joining_, replica);
+    EraseValue(leave_requested_, replica);
+  }
+  RecordPoolChange(module, replica, v1::POOL_CHANGE_LOST, cause, now);
   HETPAR_LOG(WARNING) << "generation " << generation_ << ": " << name << " replica " << replica
                       << " left the run; training on " << left.size() << " of "
                       << (module == v1::MODULE_ENCODER ? membership_.encoder_grid().dp
@@ -357,11 +428,223 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   // step is planned again over the replicas that are left.
   const StepOrchestrator::Outcome outcome =
       orchestrator_.OnWorkerLost(*worker, now, &actions->messages);
-  for (WorkerRecord* live : membership_.LiveWorkers()) {
+  for (WorkerRecord* live : membership_.TrainingWorkers()) {
     if (live->session_open) actions->messages.emplace_back(live->worker_id, change);
   }
+  // A replacement may register into the replica while the pool is below its target.
+  if (module == v1::MODULE_ENCODER) RebalanceOpen(actions);
   HandleOutcome(outcome, now, actions);
   MaybeStartStep(now, actions);
+}
+
+void RunController::RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
+                                     const std::string& cause, absl::Time now) {
+  v1::PoolChange record;
+  record.set_step(committed_steps_);
+  record.set_generation(generation_);
+  record.set_module(module);
+  record.set_replica(replica);
+  record.set_cause(cause);
+  record.set_replicas_after(static_cast<int64_t>(membership_.Replicas(module).size()));
+  record.set_unix_time(UnixSeconds(now));
+  record.set_recovery_s(-1);
+  record.set_kind(kind);
+  pool_changes_.push_back(record);
+}
+
+void RunController::Leave(WorkerRecord* worker, const std::string& reason, absl::Time now,
+                          Actions* actions) {
+  const std::string why = absl::StrCat("worker ", worker->Describe(), " asked to leave",
+                                       reason.empty() ? "" : " (" + reason + ")");
+  if (state_ != v1::RUN_STATE_RUNNING && state_ != v1::RUN_STATE_WAITING) return;
+  v1::CoordinatorMessage stop = StopMessage(why);
+  stop.mutable_stop()->set_leave_run(true);
+  if (worker->joining) {
+    // It has not joined yet: it leaves at once; its replica still admits another worker.
+    HETPAR_LOG(INFO) << why << " before its replica joined the run";
+    actions->messages.emplace_back(worker->worker_id, std::move(stop));
+    return;
+  }
+  if (state_ == v1::RUN_STATE_RUNNING && worker->role == v1::WORKER_ROLE_ENCODER &&
+      membership_.placement() != v1::PLACEMENT_COLOCATED) {
+    const int64_t replica = Membership::ReplicaOf(*worker, v1::MODULE_ENCODER);
+    const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+    const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
+    const bool in_run = std::find(active.begin(), active.end(), replica) != active.end();
+    if (!in_run) return;  // its replica already left
+    int64_t holders_after = 0;
+    for (int64_t r : active) {
+      if (r != replica && std::find(encoder_joining_.begin(), encoder_joining_.end(), r) ==
+                              encoder_joining_.end()) {
+        ++holders_after;
+      }
+    }
+    if (static_cast<int64_t>(active.size()) - 1 >= minimum && holders_after >= 1) {
+      if (std::find(leave_requested_.begin(), leave_requested_.end(), replica) ==
+          leave_requested_.end()) {
+        leave_requested_.push_back(replica);
+        // A pod removed from the pool: the target follows (a pod started again in its place
+        // grows it back when it registers).
+        encoder_target_ = std::max(minimum, encoder_target_ - 1);
+        HETPAR_LOG(INFO) << why << ": encoder replica " << replica
+                         << " leaves the run at the next step boundary";
+      }
+      MaybeStartStep(now, actions);
+      return;
+    }
+  }
+  // Its state is held by no other worker, or the pool may not shrink: the whole run stops, with
+  // a checkpoint of the step in flight when it writes checkpoints.
+  HETPAR_LOG(WARNING) << why << "; the run cannot go on without it: stopping the run";
+  Stop(absl::StrCat(why, "; the run cannot go on without it"), /*checkpoint=*/true, now, actions);
+}
+
+void RunController::RebalanceOpen(Actions* actions) {
+  if (membership_.placement() == v1::PLACEMENT_COLOCATED) return;
+  const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+  std::vector<int64_t> open = membership_.OpenReplicas();
+  const int64_t want_open =
+      std::max<int64_t>(0, encoder_target_ - static_cast<int64_t>(active.size()));
+  while (static_cast<int64_t>(open.size()) > want_open) {
+    const int64_t d = open.back();
+    open.pop_back();
+    membership_.SetOpen(d, false);
+    HETPAR_LOG(INFO) << "encoder replica " << d << " no longer admits workers (target "
+                     << encoder_target_ << " replicas)";
+    for (WorkerRecord* worker : membership_.LiveWorkers()) {
+      if (!worker->joining || Membership::ReplicaOf(*worker, v1::MODULE_ENCODER) != d) continue;
+      v1::CoordinatorMessage stop = StopMessage(
+          absl::StrCat("encoder replica ", d, " is no longer wanted: the pool's target is ",
+                       encoder_target_, " replicas"));
+      stop.mutable_stop()->set_leave_run(true);
+      actions->messages.emplace_back(worker->worker_id, std::move(stop));
+    }
+  }
+  for (int64_t d = 0;
+       d < membership_.encoder_grid().dp && static_cast<int64_t>(open.size()) < want_open; ++d) {
+    if (std::find(active.begin(), active.end(), d) != active.end() ||
+        std::find(open.begin(), open.end(), d) != open.end()) {
+      continue;
+    }
+    membership_.SetOpen(d, true);
+    open.push_back(d);
+    HETPAR_LOG(INFO) << "encoder replica " << d << " admits workers (target " << encoder_target_
+                     << " replicas, " << active.size() << " training)";
+  }
+}
+
+void RunController::RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now,
+                                         Actions* actions) {
+  membership_.RetireReplica(v1::MODULE_ENCODER, dp);
+  EraseValue(encoder_joining_, dp);
+  ++generation_;
+  v1::CoordinatorMessage change;
+  v1::MembershipChange* c = change.mutable_membership_change();
+  c->set_generation(generation_);
+  c->set_reason(cause);
+  for (WorkerRecord* live : membership_.LiveWorkers()) {
+    if (live->role != v1::WORKER_ROLE_ENCODER || live->joining ||
+        Membership::ReplicaOf(*live, v1::MODULE_ENCODER) != dp) {
+      continue;
+    }
+    *c->add_lost() = membership_.PeerInfoOf(*live);
+    v1::CoordinatorMessage stop = StopMessage(cause);
+    stop.mutable_stop()->set_leave_run(true);
+    actions->messages.emplace_back(live->worker_id, std::move(stop));
+  }
+  for (WorkerRecord* live : membership_.TrainingWorkers()) {
+    if (live->session_open) actions->messages.emplace_back(live->worker_id, change);
+  }
+  RecordPoolChange(v1::MODULE_ENCODER, dp, v1::POOL_CHANGE_REMOVED, cause, now);
+  HETPAR_LOG(INFO) << "generation " << generation_ << ": encoder replica " << dp
+                   << " left the run (" << cause << "); training on "
+                   << membership_.Replicas(v1::MODULE_ENCODER).size()
+                   << " encoder replicas from step " << committed_steps_;
+}
+
+void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
+  if (membership_.placement() == v1::PLACEMENT_COLOCATED || state_ != v1::RUN_STATE_RUNNING) {
+    return;
+  }
+  const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
+  auto holders_without = [&](int64_t replica) {
+    int64_t n = 0;
+    for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) {
+      if (r != replica && std::find(encoder_joining_.begin(), encoder_joining_.end(), r) ==
+                              encoder_joining_.end()) {
+        ++n;
+      }
+    }
+    return n;
+  };
+  // Leaves first: replicas whose worker asked to leave, then the highest replicas beyond the
+  // target.
+  std::vector<int64_t> leaving;
+  leaving.swap(leave_requested_);
+  for (int64_t r : leaving) {
+    const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+    if (std::find(active.begin(), active.end(), r) == active.end()) continue;
+    if (static_cast<int64_t>(active.size()) - 1 < minimum || holders_without(r) < 1) continue;
+    RemoveEncoderReplica(r, absl::StrCat("a worker of encoder replica ", r, " asked to leave"), now,
+                         actions);
+  }
+  while (true) {
+    const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+    if (static_cast<int64_t>(active.size()) <= std::max(encoder_target_, minimum) ||
+        holders_without(active.back()) < 1) {
+      break;
+    }
+    RemoveEncoderReplica(
+        active.back(),
+        absl::StrCat("the encoder pool shrinks to ", encoder_target_, " replicas (hetpar scale)"),
+        now, actions);
+  }
+  RebalanceOpen(actions);
+  // Then joins: every open replica whose ranks are all registered, up to the target.
+  std::vector<WorkerRecord*> joined;
+  std::vector<int64_t> joined_replicas;
+  for (int64_t d : membership_.OpenReplicas()) {
+    if (static_cast<int64_t>(membership_.Replicas(v1::MODULE_ENCODER).size()) >= encoder_target_) {
+      break;
+    }
+    if (!membership_.ReadyToJoin(d)) continue;
+    for (WorkerRecord* w : membership_.Activate(d)) joined.push_back(w);
+    joined_replicas.push_back(d);
+    encoder_joining_.push_back(d);
+  }
+  if (joined.empty()) return;
+  std::sort(encoder_joining_.begin(), encoder_joining_.end());
+  ++generation_;
+  const std::string cause =
+      absl::StrCat("encoder replica(s) ", absl::StrJoin(joined_replicas, ", "), " joined the run");
+  for (int64_t d : joined_replicas) {
+    RecordPoolChange(v1::MODULE_ENCODER, d, v1::POOL_CHANGE_JOINED, cause, now);
+  }
+  HETPAR_LOG(INFO) << "generation " << generation_ << ": " << cause << "; training on "
+                   << membership_.Replicas(v1::MODULE_ENCODER).size()
+                   << " encoder replicas from step " << committed_steps_
+                   << " (their state comes from a live replica first)";
+  for (WorkerRecord* w : joined) {
+    v1::CoordinatorMessage message;
+    *message.mutable_assignment() = AssignmentOf(*w, /*with_peers=*/true);
+    message.mutable_assignment()->set_joining(true);
+    actions->messages.emplace_back(w->worker_id, std::move(message));
+  }
+  for (WorkerRecord* live : membership_.TrainingWorkers()) {
+    if (!live->session_open || std::find(joined.begin(), joined.end(), live) != joined.end()) {
+      continue;
+    }
+    v1::CoordinatorMessage change;
+    v1::MembershipChange* c = change.mutable_membership_change();
+    c->set_generation(generation_);
+    c->set_reason(cause);
+    for (const WorkerRecord* peer : membership_.PeersOf(*live)) {
+      if (std::find(joined.begin(), joined.end(), peer) != joined.end()) {
+        *c->add_joined() = membership_.PeerInfoOf(*peer);
+      }
+    }
+    actions->messages.emplace_back(live->worker_id, std::move(change));
+  }
 }
 
 void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now,
@@ -372,6 +655,8 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
       ++committed_steps_;
+      // Replicas that joined trained this step from the state they received: they hold it now.
+      encoder_joining_.clear();
       for (v1::PoolChange& change : pool_changes_) {
         if (change.recovery_s() < 0) {
           change.set_recovery_s(UnixSeconds(now) - change.unix_time());
@@ -431,16 +716,20 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
       !membership_.Complete()) {
     return;
   }
-  std::vector<WorkerRecord*> live = membership_.LiveWorkers();
+  std::vector<WorkerRecord*> live = membership_.TrainingWorkers();
   for (const WorkerRecord* worker : live) {
     if (!worker->session_open) return;
   }
+  // A step boundary: the encoder pool changes here (and only here).
+  ChangePoolAtBoundary(now, actions);
+  live = membership_.TrainingWorkers();
   absl::StatusOr<PlannedStep> plan = planner_->Plan(committed_steps_, generation_, membership_);
   if (!plan.ok()) {
     Fail(absl::StrCat("planning step ", committed_steps_, " failed: ", plan.status().message()),
          now, actions);
     return;
   }
+  plan->encoder_joining = encoder_joining_;
   std::vector<const WorkerRecord*> participants(live.begin(), live.end());
   orchestrator_.Begin(committed_steps_, generation_, *std::move(plan), participants, now,
                       &actions->messages);
@@ -555,19 +844,46 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
   return response;
 }
 
-absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& request) const {
-  if (request.encoder_replicas() < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("encoder_replicas=", request.encoder_replicas(), "; expected >= 1"));
+absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& request,
+                                                       absl::Time now, Actions* actions) {
+  if (membership_.placement() == v1::PLACEMENT_COLOCATED) {
+    return absl::FailedPreconditionError(
+        "a colocated run has no encoder pool to resize (every rank holds both modules)");
   }
-  // Nothing can act on a new pool size yet (the running generation keeps the layout it started
-  // with), so the request is refused rather than recorded and acknowledged.
-  const std::string refusal = absl::StrCat(
-      "resizing the encoder pool while a run trains is not supported yet; the encoder pool keeps "
-      "encoder.layout.dp=",
-      membership_.encoder_grid().dp, " (requested: ", request.encoder_replicas(), ")");
-  HETPAR_LOG(INFO) << "scale request refused: " << refusal;
-  return absl::UnimplementedError(refusal);
+  if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the run is ", RunStateName(state_), "; its encoder pool cannot change"));
+  }
+  const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
+  const int64_t most = membership_.encoder_grid().dp;
+  if (request.encoder_replicas() < minimum || request.encoder_replicas() > most) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "encoder_replicas=", request.encoder_replicas(), " is out of range: the pool holds ",
+        minimum, " (failure.min_encoder_replicas) to ", most, " (encoder.layout.dp) replicas"));
+  }
+  const int64_t before = encoder_target_;
+  encoder_target_ = request.encoder_replicas();
+  RebalanceOpen(actions);
+  // Without a step in flight the pool changes now; otherwise after its commit.
+  MaybeStartStep(now, actions);
+  const int64_t training = static_cast<int64_t>(membership_.Replicas(v1::MODULE_ENCODER).size());
+  const std::vector<int64_t> open = membership_.OpenReplicas();
+  v1::ScaleResponse response;
+  response.set_current_encoder_replicas(training);
+  response.set_requested_encoder_replicas(encoder_target_);
+  std::string message = absl::StrCat("encoder pool: target ", encoder_target_, " replicas (was ",
+                                     before, "), ", training, " training");
+  if (training > encoder_target_) {
+    absl::StrAppend(&message, "; the pool shrinks when the step in flight commits");
+  }
+  if (!open.empty()) {
+    absl::StrAppend(&message, "; encoder replica(s) ", absl::StrJoin(open, ", "),
+                    " admit workers (", open.size() * membership_.encoder_grid().tp,
+                    " encoder ranks to start), each joining at a step boundary");
+  }
+  HETPAR_LOG(INFO) << "scale: " << message;
+  response.set_message(message);
+  return response;
 }
 
 v1::StatusResponse RunController::Status(absl::Time now) const {
@@ -612,7 +928,13 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
         std::max(0.0, absl::ToDoubleSeconds(incomplete_since_ + options_.register_timeout - now)));
   }
   for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
-  if (planner_ != nullptr) status.set_data_position(planner_->DataPosition());
+  if (planner_ != nullptr) {
+    status.set_data_position(planner_->DataPosition());
+    const LedgerCounts ledger = planner_->Ledger();
+    status.set_samples_trained(ledger.trained);
+    status.set_samples_repeated(ledger.repeated);
+    status.set_samples_lost(ledger.lost);
+  }
   status.set_skipped_steps(orchestrator_.skipped_steps());
   status.set_peak_tflops(spec_.run().peak_tflops());
   status.set_aborted_steps(orchestrator_.aborted_steps());
@@ -624,6 +946,9 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
     status.set_encoder_replicas_configured(membership_.encoder_grid().dp);
     status.set_llm_replicas(static_cast<int64_t>(membership_.Replicas(v1::MODULE_LLM).size()));
     status.set_llm_replicas_configured(membership_.llm_grid().dp);
+    status.set_encoder_replicas_target(encoder_target_);
+    for (int64_t d : membership_.OpenReplicas()) status.add_encoder_replicas_open(d);
+    status.set_encoder_workers_joining(membership_.joining_workers());
   }
   for (const v1::PoolChange& change : pool_changes_) *status.add_pool_changes() = change;
   return status;

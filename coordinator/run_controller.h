@@ -103,10 +103,14 @@ class RunController {
   // with a checkpoint, and the stop follows its commit (or its abort, without one).
   v1::StopResponse Stop(const std::string& reason, bool checkpoint, absl::Time now,
                         Actions* actions);
-  // Resizing the encoder pool of a run is not supported yet: InvalidArgument for fewer than one
-  // replica, otherwise always Unimplemented, naming the requested and the current pool size.
-  // Nothing is recorded.
-  absl::StatusOr<v1::ScaleResponse> Scale(const v1::ScaleRequest& request) const;
+  // Resizes the encoder pool (non-colocated runs): the target becomes request.encoder_replicas
+  // (failure.min_encoder_replicas to encoder.layout.dp, else InvalidArgument naming the bounds).
+  // A smaller pool retires its highest replicas at the next step boundary (their workers are
+  // stopped and leave cleanly); a larger one opens vacant replicas to registering workers, each
+  // joining at a step boundary once all its ranks are registered. FailedPrecondition for a
+  // colocated run or one that is not waiting or running.
+  absl::StatusOr<v1::ScaleResponse> Scale(const v1::ScaleRequest& request, absl::Time now,
+                                          Actions* actions);
 
   v1::RunState state() const { return state_; }
   const std::string& state_message() const { return state_message_; }
@@ -123,6 +127,21 @@ class RunController {
   void SendAssignments(Actions* actions);
   void LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session, absl::Time now,
                   Actions* actions);
+  // A worker asked to leave (Leave: SIGTERM): its encoder replica leaves at the next step
+  // boundary when the pool may shrink; any other worker stops the run (after a checkpoint of the
+  // step in flight when checkpoint.dir is set).
+  void Leave(WorkerRecord* worker, const std::string& reason, absl::Time now, Actions* actions);
+  // Opens vacant encoder replicas (lowest first) until the replicas training and open reach the
+  // target; closes open ones beyond it (stopping their joining workers).
+  void RebalanceOpen(Actions* actions);
+  // At a step boundary (no step in flight): replicas leave (a smaller target, Leave requests),
+  // then every open replica whose ranks are all registered joins. Each change bumps the
+  // generation and tells the workers.
+  void ChangePoolAtBoundary(absl::Time now, Actions* actions);
+  // Retires encoder replica `dp` (its workers get a StopRun with leave_run).
+  void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
+  void RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
+                        const std::string& cause, absl::Time now);
   void HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now, Actions* actions);
   void MaybeStartStep(absl::Time now, Actions* actions);
   void BeginStopping(const std::string& reason, absl::Time now, Actions* actions);
@@ -146,7 +165,14 @@ class RunController {
   std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
-  std::vector<v1::PoolChange> pool_changes_;  // replicas that left, oldest first
+  std::vector<v1::PoolChange> pool_changes_;  // replicas that left or joined, oldest first
+  // The encoder pool size wanted (encoder.initial_replicas, then Scale); 0 in colocated runs.
+  int64_t encoder_target_ = 0;
+  // Encoder replicas that joined and have not yet trained a committed step: every attempt until
+  // then starts with their state broadcast from a live replica (StepPlan.encoder_joining).
+  std::vector<int64_t> encoder_joining_;
+  // Encoder replicas whose worker asked to leave (Leave), retired at the next step boundary.
+  std::vector<int64_t> leave_requested_;
 };
 
 const char* RunStateName(v1::RunState state);

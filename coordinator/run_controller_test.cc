@@ -1,5 +1,6 @@
 #include "coordinator/run_controller.h"
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -274,13 +275,18 @@ TEST_F(RunControllerTest, SilentWorkerIsDeclaredDeadAndOthersAreTold) {
   EXPECT_FALSE(status.workers(3).alive());
   EXPECT_THAT(status.workers(3).dead_reason(), HasSubstr("no heartbeat"));
 
-  // Its rank takes no one while the run trains.
+  // Its rank takes a replacement, which joins later (the pool's target is still 2); an LLM rank
+  // takes no one.
   v1::RegisterRequest request;
   request.set_role(v1::WORKER_ROLE_ENCODER);
   request.set_host("host");
+  auto replacement = controller_->Register(request, kT0 + absl::Seconds(11), &actions_);
+  ASSERT_TRUE(replacement.ok()) << replacement.status();
+  EXPECT_EQ(replacement->assignment().world_rank(), 1);
+  EXPECT_FALSE(replacement->assignment().peers_complete());
+  request.set_role(v1::WORKER_ROLE_LLM);
   auto refused = controller_->Register(request, kT0 + absl::Seconds(11), &actions_);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("left the run"));
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
 }
 
@@ -562,37 +568,208 @@ TEST_F(RunControllerTest, AStopWithACheckpointStopsAtOnceWithoutACheckpointDirec
   EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop).size(), 1u);
 }
 
-TEST_F(RunControllerTest, ScaleIsRefusedNamingBothSizesAndRecordsNothing) {
-  Create();
-  v1::ScaleRequest request;
-  request.set_encoder_replicas(4);
-  const std::string waiting = controller_->Status(kT0).DebugString();
-  auto refused = controller_->Scale(request);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
-  // 4 requested; TinySpec's encoder.layout.dp is 2.
-  EXPECT_EQ(refused.status().message(),
-            "resizing the encoder pool while a run trains is not supported yet; the encoder pool "
-            "keeps encoder.layout.dp=2 (requested: 4)");
-  EXPECT_EQ(controller_->Status(kT0).DebugString(), waiting);
+// The messages of `kind` sent to `id` since `actions` was last cleared, in order.
+std::vector<v1::CoordinatorMessage::KindCase> KindsTo(const Actions& actions,
+                                                      const std::string& id) {
+  std::vector<v1::CoordinatorMessage::KindCase> kinds;
+  for (const auto& [to, m] : actions.messages) {
+    if (to == id) kinds.push_back(m.kind_case());
+  }
+  return kinds;
+}
 
-  // The same while the run trains, with a step in flight.
+TEST_F(RunControllerTest, AReplacementJoinsAtTheNextStepBoundaryAndTakesALiveReplicasState) {
+  Create(/*steps=*/3);
   StartAll();
+  // Encoder replica 1 dies in step 0: the step goes on over replica 0, and replica 1 admits a
+  // replacement (the pool's target is still 2).
+  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
   ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
-  ASSERT_GE(controller_->Status(kT0).step_in_flight(), 0);
-  const std::string running = controller_->Status(kT0).DebugString();
-  request.set_encoder_replicas(1);
-  refused = controller_->Scale(request);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("encoder.layout.dp=2 (requested: 1)"));
-  EXPECT_EQ(controller_->Status(kT0).DebugString(), running);
-  EXPECT_EQ(controller_->membership().encoder_grid().dp, 2);
+  v1::StatusResponse status = controller_->Status(kT0);
+  EXPECT_EQ(status.encoder_replicas(), 1);
+  EXPECT_EQ(status.encoder_replicas_target(), 2);
+  EXPECT_THAT(status.encoder_replicas_open(), ::testing::ElementsAre(1));
 
-  // A count below one is a bad request, not an unsupported one.
-  request.set_encoder_replicas(0);
-  refused = controller_->Scale(request);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("encoder_replicas=0"));
+  v1::RegisterRequest request;
+  request.set_role(v1::WORKER_ROLE_ENCODER);
+  request.set_host("new-host");
+  request.set_data_address("new-host:1");
+  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  const std::string joiner = joined->assignment().worker_id();
+  EXPECT_EQ(joined->assignment().world_rank(), 1);  // the lost worker's rank
+  EXPECT_FALSE(joined->assignment().peers_complete());
+  EXPECT_EQ(controller_->Status(kT0).encoder_workers_joining(), 1);
+  actions_ = {};
+  ASSERT_TRUE(controller_->OpenSession(joiner, kT0 + absl::Seconds(2), &actions_).ok());
+  // Step 0 is in flight: the joiner waits for its commit.
+  EXPECT_TRUE(KindsTo(actions_, joiner).empty());
+  const int64_t before = controller_->generation();
+
+  CompleteStep(0, /*encoder_contributor=*/0, /*reporting=*/{0, 2, 3}, kT0 + absl::Seconds(3));
+  ASSERT_EQ(controller_->committed_steps(), 1);
+  // The boundary: a generation for the join; the joiner's assignment (peers: both LLM ranks),
+  // the LLM ranks' change naming it, then step 1 over both replicas, replica 1 joining.
+  EXPECT_EQ(controller_->generation(), before + 1);
+  EXPECT_THAT(KindsTo(actions_, joiner), ::testing::ElementsAre(v1::CoordinatorMessage::kAssignment,
+                                                                v1::CoordinatorMessage::kStepPlan));
+  const v1::Assignment assignment =
+      SentTo(joiner, v1::CoordinatorMessage::kAssignment)[0].assignment();
+  EXPECT_TRUE(assignment.joining());
+  EXPECT_TRUE(assignment.peers_complete());
+  EXPECT_EQ(assignment.peers_size(), 2);
+  EXPECT_EQ(assignment.generation(), before + 1);
+  EXPECT_THAT(assignment.encoder_replicas(), ::testing::ElementsAre(0, 1));
+  auto changes = SentTo(ids_[2], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  ASSERT_EQ(changes[0].membership_change().joined_size(), 1);
+  EXPECT_EQ(changes[0].membership_change().joined(0).worker_id(), joiner);
+  EXPECT_EQ(changes[0].membership_change().joined(0).data_address(), "new-host:1");
+  EXPECT_EQ(changes[0].membership_change().lost_size(), 0);
+  // The other encoder rank talks to no encoder: its change names no peer.
+  changes = SentTo(ids_[0], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].membership_change().joined_size(), 0);
+  for (const std::string& id : {ids_[0], joiner, ids_[2]}) {
+    auto plans = SentTo(id, v1::CoordinatorMessage::kStepPlan);
+    ASSERT_EQ(plans.size(), 1u) << id;
+    EXPECT_EQ(plans[0].step_plan().step(), 1);
+    EXPECT_EQ(plans[0].step_plan().generation(), before + 1);
+    EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0, 1));
+    EXPECT_THAT(plans[0].step_plan().encoder_joining(), ::testing::ElementsAre(1));
+  }
+  // Once a step with it commits, it holds the state: the next plan has no one joining.
+  ids_[1] = joiner;
+  actions_ = {};
+  CompleteStep(1);
+  ASSERT_EQ(controller_->committed_steps(), 2);
+  auto plans = SentTo(joiner, v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().encoder_joining_size(), 0);
+  status = controller_->Status(kT0 + absl::Seconds(4));
+  ASSERT_EQ(status.pool_changes_size(), 2);
+  EXPECT_EQ(status.pool_changes(0).kind(), v1::POOL_CHANGE_LOST);
+  EXPECT_EQ(status.pool_changes(1).kind(), v1::POOL_CHANGE_JOINED);
+  EXPECT_EQ(status.pool_changes(1).replica(), 1);
+  EXPECT_EQ(status.pool_changes(1).step(), 1);
+  EXPECT_EQ(status.pool_changes(1).replicas_after(), 2);
+  EXPECT_EQ(status.encoder_replicas(), 2);
+  EXPECT_EQ(status.encoder_replicas_open_size(), 0);
+}
+
+TEST_F(RunControllerTest, ScaleShrinksThePoolAtTheStepBoundaryAndGrowsItByAdmittingWorkers) {
+  Create(/*steps=*/4);
+  StartAll();
+  ASSERT_GE(controller_->Status(kT0).step_in_flight(), 0);
+  v1::ScaleRequest request;
+  request.set_encoder_replicas(1);
+  actions_ = {};
+  auto scaled = controller_->Scale(request, kT0, &actions_);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(scaled->requested_encoder_replicas(), 1);
+  EXPECT_EQ(scaled->current_encoder_replicas(), 2);
+  EXPECT_THAT(scaled->message(), HasSubstr("shrinks when the step in flight commits"));
+  EXPECT_TRUE(actions_.messages.empty());  // nothing changes mid-step
+
+  CompleteStep(0);
+  // Replica 1 (the highest) leaves: its worker alone is stopped, told it leaves a run that goes
+  // on; the others learn of it; step 1 runs on replica 0.
+  auto stops = SentTo(ids_[1], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_TRUE(stops[0].stop().leave_run());
+  EXPECT_THAT(stops[0].stop().reason(), HasSubstr("shrinks to 1 replicas"));
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan).empty());
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
+  auto changes = SentTo(ids_[2], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].membership_change().lost(0).worker_id(), ids_[1]);
+  auto plans = SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 1);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0));
+  // It closes its session: no loss, the run goes on.
+  controller_->SessionEnded(ids_[1], "closed", kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  v1::StatusResponse status = controller_->Status(kT0);
+  EXPECT_EQ(status.encoder_replicas(), 1);
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).kind(), v1::POOL_CHANGE_REMOVED);
+  EXPECT_EQ(status.workers(status.workers_size() - 1).dead_reason(), "left the encoder pool");
+
+  // Out of range: failure.min_encoder_replicas (1) to encoder.layout.dp (2).
+  for (int64_t n : {0, 3}) {
+    request.set_encoder_replicas(n);
+    auto refused = controller_->Scale(request, kT0, &actions_);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr(absl::StrCat("encoder_replicas=", n, " is out of range")));
+  }
+  EXPECT_EQ(controller_->Status(kT0).encoder_replicas_target(), 1);
+
+  // Back to 2: replica 1 admits a worker, which joins at the next boundary.
+  request.set_encoder_replicas(2);
+  scaled = controller_->Scale(request, kT0, &actions_);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_THAT(scaled->message(), HasSubstr("encoder replica(s) 1 admit workers"));
+  const std::string joiner = Register(v1::WORKER_ROLE_ENCODER);
+  ASSERT_TRUE(controller_->OpenSession(joiner, kT0, &actions_).ok());
+  actions_ = {};
+  CompleteStep(1, 0, {0, 2, 3});
+  plans = SentTo(joiner, v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 2);
+  EXPECT_THAT(plans[0].step_plan().encoder_joining(), ::testing::ElementsAre(1));
+  EXPECT_EQ(controller_->Status(kT0).encoder_replicas(), 2);
+}
+
+TEST_F(RunControllerTest, ALeavingEncoderWorkerTakesItsReplicaOutAndALeavingLlmWorkerStopsTheRun) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  v1::WorkerMessage leave;
+  leave.mutable_leave()->set_reason("SIGTERM");
+  Send(ids_[0], leave);
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
+  CompleteStep(0);
+  auto stops = SentTo(ids_[0], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_TRUE(stops[0].stop().leave_run());
+  EXPECT_THAT(stops[0].stop().reason(), HasSubstr("asked to leave"));
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_THAT(plans[1].step_plan().encoder_replicas(), ::testing::ElementsAre(1));
+  // An LLM worker's shard is held by no other worker: the run stops after a checkpoint of the
+  // step in flight.
+  Send(ids_[2], leave);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);  // the step in flight commits first
+  CompleteStep(1, 1, {1, 2, 3});
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("asked to leave (SIGTERM)"));
+  auto llm_stops = SentTo(ids_[3], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(llm_stops.size(), 1u);
+  EXPECT_FALSE(llm_stops[0].stop().leave_run());
+}
+
+TEST_F(RunControllerTest, ARunStartsWithItsInitialEncoderReplicas) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_encoder()->set_initial_replicas(1);
+  CreateWith(spec);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  auto assignments = SentTo(ids_[1], v1::CoordinatorMessage::kAssignment);
+  ASSERT_FALSE(assignments.empty());
+  EXPECT_THAT(assignments[0].assignment().encoder_replicas(), ::testing::ElementsAre(0));
+  EXPECT_EQ(assignments[0].assignment().peers_size(), 1);  // encoder rank 0 only
+  auto plans = SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0));
+  v1::StatusResponse status = controller_->Status(kT0);
+  EXPECT_EQ(status.encoder_replicas(), 1);
+  EXPECT_EQ(status.encoder_replicas_target(), 1);
+  EXPECT_EQ(status.encoder_replicas_open_size(), 0);
+  EXPECT_EQ(status.missing_size(), 0);
 }
 
 }  // namespace

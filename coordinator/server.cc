@@ -737,8 +737,10 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
       reactor->Finish(internal::ServerCore::Unauthenticated());
       return reactor;
     }
-    absl::StatusOr<v1::ScaleResponse> result = impl_->WithController(
-        [&](RunController& c, absl::Time, Actions*) { return c.Scale(*request); });
+    absl::StatusOr<v1::ScaleResponse> result =
+        impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
+          return c.Scale(*request, now, actions);
+        });
     if (result.ok()) *response = *std::move(result);
     reactor->Finish(ToGrpcStatus(result.status()));
     return reactor;

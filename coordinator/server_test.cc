@@ -517,7 +517,7 @@ TEST_F(ServerTest, AddIsAtomicUnder32ConcurrentClients) {
             std::to_string(kClients * kAdds));
 }
 
-TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
+TEST_F(ServerTest, ScaleSetsThePoolsTargetWithinItsBoundsAndRefusesOtherSizes) {
   StartServer(TinySpec());
   AdminClient admin(Connect());
   // Status as the CLI sees it, less the clocks that move on their own.
@@ -531,18 +531,18 @@ TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
     return status->DebugString();
   };
   const std::string before = status_now();
+  // 5 requested; TinySpec's encoder.layout.dp is 2 and failure.min_encoder_replicas 1.
   auto refused = admin.Scale(5);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnimplemented);
-  // 5 requested; TinySpec's encoder.layout.dp is 2.
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
-                        "encoder pool keeps encoder.layout.dp=2 (requested: 5)"));
+              HasSubstr("encoder_replicas=5 is out of range: the pool holds 1 "
+                        "(failure.min_encoder_replicas) to 2 (encoder.layout.dp) replicas"));
   EXPECT_EQ(status_now(), before);
   auto invalid = admin.Scale(-1);
   EXPECT_EQ(invalid.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(invalid.status().message()), HasSubstr("encoder_replicas=-1"));
   EXPECT_EQ(status_now(), before);
-  // On the wire it is gRPC's UNIMPLEMENTED.
+  // On the wire it is gRPC's INVALID_ARGUMENT.
   auto connection = Connect();
   grpc::ClientContext context;
   connection->PrepareContext(&context, absl::Seconds(10));
@@ -550,8 +550,14 @@ TEST_F(ServerTest, ScaleIsRefusedAndStatusIsUnchanged) {
   request.set_encoder_replicas(3);
   v1::ScaleResponse response;
   const grpc::Status raw = connection->admin().Scale(&context, request, &response);
-  EXPECT_EQ(raw.error_code(), grpc::StatusCode::UNIMPLEMENTED);
-  EXPECT_THAT(raw.error_message(), HasSubstr("encoder.layout.dp=2 (requested: 3)"));
+  EXPECT_EQ(raw.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A size in range is the pool's new target.
+  auto scaled = admin.Scale(1);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(scaled->requested_encoder_replicas(), 1);
+  auto status = admin.Status();
+  ASSERT_TRUE(status.ok());
+  EXPECT_EQ(status->encoder_replicas_target(), 1);
 }
 
 // A parameter file as common/nn/export.h lays it out: the 32-byte header counting `entries`,

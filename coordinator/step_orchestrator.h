@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "coordinator/membership.h"
+#include "coordinator/sample_ledger.h"
 #include "hetpar/v1/coordinator.pb.h"
 
 namespace hetpar::coordinator {
@@ -54,6 +55,9 @@ struct PlannedStep {
   // The DP replicas taking part (StepPlan.encoder_replicas, llm_replicas); empty: every one.
   std::vector<int64_t> encoder_replicas;
   std::vector<int64_t> llm_replicas;
+  // Encoder replicas that joined and take their module's state from a live replica before the
+  // step (StepPlan.encoder_joining).
+  std::vector<int64_t> encoder_joining;
 };
 
 // Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock
@@ -77,6 +81,8 @@ class StepPlanner {
   virtual void Committed(int64_t step) { (void)step; }
   // Where the next step's samples start ("epoch=0,offset=16"), for Status; empty if untracked.
   virtual std::string DataPosition() const { return ""; }
+  // The samples the committed steps trained, repeated and lost (SampleLedger); 0s if untracked.
+  virtual LedgerCounts Ledger() const { return {}; }
 };
 
 class StepOrchestrator {

@@ -53,6 +53,12 @@ std::string SyntheticBatchSource::Position() const {
   return absl::StrCat("synthetic sample ", committed_);
 }
 
+data::SamplerCursor SyntheticBatchSource::CommittedCursor() const { return {0, committed_}; }
+
+data::SamplerCursor SyntheticBatchSource::PendingCursor() const {
+  return {0, committed_ + pending_};
+}
+
 // ------------------------------------------------------------------------------------------------
 // PlanLibraryPlanner
 
@@ -78,6 +84,9 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
 
 absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t generation,
                                                      const Membership& membership) {
+  // What an earlier Plan took is replaced (its step aborted); a failed Plan leaves nothing for
+  // Committed to record.
+  planned_.reset();
   // Replicas that left the run: the step is planned over the others (each LLM replica left
   // takes more waves of the same global batch), and each worker's part is given back in its own
   // world rank (plan::ReplicaSubset).
@@ -95,9 +104,11 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   absl::StatusOr<plan::StepPlanOptions> options = plan::StepPlanOptionsFromRunSpec(
       spec_, step, generation, subset ? subset->planned().llm.dp : 0);
   if (!options.ok()) return options.status();
+  const data::SamplerCursor from = batches_->CommittedCursor();
   absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
       batches_->Next(spec_.run().global_batch());
   if (!samples.ok()) return samples.status();
+  planned_ = PlannedSamples{from, batches_->PendingCursor(), static_cast<int64_t>(samples->size())};
   absl::StatusOr<plan::StepPlan> step_plan =
       plan::BuildStepPlan(subset ? subset->planned() : placement_, *std::move(samples), *options);
   if (!step_plan.ok()) return step_plan.status();
@@ -126,8 +137,12 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
 
 void PlanLibraryPlanner::Committed(int64_t step) {
   (void)step;
+  if (planned_.has_value()) ledger_.Record(planned_->from, planned_->to, planned_->count);
+  planned_.reset();
   batches_->Commit();
 }
+
+LedgerCounts PlanLibraryPlanner::Ledger() const { return ledger_.counts(); }
 
 absl::Status PlanLibraryPlanner::Prepare() {
   if (batches_->NeedsOpen()) {

@@ -9,13 +9,16 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/data/batch_source.h"
+#include "common/data/sampler.h"
 #include "common/plan/sample.h"
 #include "common/plan/step_plan.h"
+#include "coordinator/sample_ledger.h"
 #include "coordinator/step_orchestrator.h"
 #include "hetpar/v1/run_spec.pb.h"
 
@@ -32,6 +35,11 @@ class BatchSource {
   virtual void Commit() = 0;
   // The committed position, e.g. "epoch=0,offset=16".
   virtual std::string Position() const = 0;
+  // The committed position as a sampler cursor, and the cursor after the samples of the last
+  // successful Next (the committed one when none is pending): what a step trained, for the
+  // SampleLedger.
+  virtual data::SamplerCursor CommittedCursor() const = 0;
+  virtual data::SamplerCursor PendingCursor() const = 0;
   // Opens what Next reads when that may take long (StepPlanner::Prepare); Next before a
   // successful Open fails. Sources with nothing to open return OK and need no Open.
   virtual absl::Status Open() { return absl::OkStatus(); }
@@ -47,6 +55,9 @@ class SyntheticBatchSource : public BatchSource {
   absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override;
   void Commit() override;
   std::string Position() const override;
+  // One epoch of unbounded size: {0, samples committed}.
+  data::SamplerCursor CommittedCursor() const override;
+  data::SamplerCursor PendingCursor() const override;
 
  private:
   SyntheticBatchSource() = default;
@@ -69,7 +80,8 @@ absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
 
 // The coordinator's StepPlanner over the plan library. A run resumed from a checkpoint
 // (checkpoint.resume_from) starts at the checkpoint's step: Prepare skips the samples of the
-// steps before it, so the data position is the one the checkpointed run had reached.
+// steps before it, so the data position is the one the checkpointed run had reached. Its
+// SampleLedger records the samples of the steps this run committed (not those Prepare skips).
 class PlanLibraryPlanner : public StepPlanner {
  public:
   // InvalidArgument when the RunSpec's batch cannot be planned (global_batch not divisible).
@@ -82,14 +94,25 @@ class PlanLibraryPlanner : public StepPlanner {
   std::string DataPosition() const override;
   absl::Status Prepare() override;
   bool NeedsPreparation() const override;
+  LedgerCounts Ledger() const override;
 
  private:
+  // The samples the last Plan took from the batch source, recorded when its step commits.
+  struct PlannedSamples {
+    data::SamplerCursor from;
+    data::SamplerCursor to;
+    int64_t count = 0;
+  };
+
   PlanLibraryPlanner() = default;
   v1::RunSpec spec_;
   plan::Placement placement_;
   std::unique_ptr<BatchSource> batches_;
   // Steps of a resumed run's checkpoint whose samples Prepare skips (checkpoint.resume_from).
   int64_t skip_steps_ = 0;
+  // Replaced by every Plan (an aborted step is planned again), cleared by Committed.
+  std::optional<PlannedSamples> planned_;
+  SampleLedger ledger_;
 };
 
 // The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.

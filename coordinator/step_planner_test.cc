@@ -120,6 +120,22 @@ TEST(StepPlannerTest, AbortedStepsRetrainTheSameSamplesCommittedOnesMoveOn) {
   EXPECT_EQ(SampleIds(*next), (std::set<int64_t>{8, 9, 10, 11, 12, 13, 14, 15}));
 }
 
+TEST(StepPlannerTest, LedgerCountsAnAbortedStepOnceWhenItCommits) {
+  const v1::RunSpec spec = Spec();
+  auto planner = MakeStepPlanner(spec, /*synthetic_batches=*/true);
+  ASSERT_TRUE(planner.ok()) << planner.status();
+  const Membership membership = FullMembership(spec);
+  ASSERT_TRUE((*planner)->Plan(0, 1, membership).ok());
+  ASSERT_TRUE((*planner)->Plan(0, 2, membership).ok());  // step 0 aborted and planned again
+  (*planner)->Committed(0);
+  ASSERT_TRUE((*planner)->Plan(1, 2, membership).ok());
+  (*planner)->Committed(1);
+  const LedgerCounts ledger = (*planner)->Ledger();
+  EXPECT_EQ(ledger.trained, 16);  // 2 committed steps x global_batch 8
+  EXPECT_EQ(ledger.repeated, 0);
+  EXPECT_EQ(ledger.lost, 0);
+}
+
 TEST(StepPlannerTest, BatchThatDoesNotDivideFailsAtCreation) {
   v1::RunSpec spec = Spec();
   spec.mutable_run()->set_global_batch(7);

@@ -1011,6 +1011,20 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
       c.Fail(field, absl::StrCat("=", value, " must be in [1, ", module, ".layout.dp=", dp, "]"));
     }
   }
+  if (const int64_t initial = s.encoder().initial_replicas(); initial != 0) {
+    const int64_t dp = std::max<int64_t>(1, s.encoder().layout().dp());
+    const int64_t minimum = std::max<int64_t>(1, s.failure().min_encoder_replicas());
+    if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
+      c.Fail("encoder.initial_replicas",
+             absl::StrCat("=", initial,
+                          ": a colocated run has no encoder pool of its own (every rank holds "
+                          "both modules); leave it unset"));
+    } else if (initial < minimum || initial > dp) {
+      c.Fail("encoder.initial_replicas",
+             absl::StrCat("=", initial, " must be in [failure.min_encoder_replicas=", minimum,
+                          ", encoder.layout.dp=", dp, "] (unset: encoder.layout.dp)"));
+    }
+  }
   return issues;
 }
 

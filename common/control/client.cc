@@ -479,6 +479,12 @@ absl::Status WorkerSession::SendReport(const v1::StepReport& report) {
   return Send(std::move(message));
 }
 
+absl::Status WorkerSession::SendLeave(const std::string& reason) {
+  v1::WorkerMessage message;
+  message.mutable_leave()->set_reason(reason);
+  return Send(std::move(message));
+}
+
 void WorkerSession::PauseHeartbeats(bool paused) {
   absl::MutexLock lock(&mu_);
   heartbeats_paused_ = paused;

@@ -175,6 +175,9 @@ class WorkerSession {
   absl::Status SendProgress(const v1::Progress& progress);
   absl::Status SendGradNormPartial(const v1::GradNormPartial& partial);
   absl::Status SendReport(const v1::StepReport& report);
+  // Asks the coordinator to let this worker leave the run (v1::Leave): it answers with a StopRun
+  // (leave_run for an encoder replica that may leave, else the whole run's stop).
+  absl::Status SendLeave(const std::string& reason);
 
   // Stops (true) or resumes sending heartbeats while keeping the stream open, as a hung worker.
   void PauseHeartbeats(bool paused);

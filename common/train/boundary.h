@@ -141,6 +141,10 @@ class BoundaryCommunicator {
   // (a send the receiver never takes would tie up the connection); then they are withdrawn.
   void BeginStep();
 
+  // The peer of world rank `rank` is now `peer` (a worker that joined the run into the rank of a
+  // lost one). Receives still posted on the old peer stay as they are until withdrawn.
+  void SetPeer(int64_t rank, transport::PeerId peer) { peers_[rank] = peer; }
+
   // Transfer records of one direction since BeginStep.
   BridgeStats Stats(plan::Direction direction) const;
 

@@ -118,6 +118,32 @@ absl::Status WorkerContext::OpenStore(int64_t generation) {
   return absl::OkStatus();
 }
 
+std::vector<int64_t> WorkerContext::AssignedReplicas(v1::Module module) const {
+  const auto& replicas =
+      module == v1::MODULE_ENCODER ? assignment_.encoder_replicas() : assignment_.llm_replicas();
+  return std::vector<int64_t>(replicas.begin(), replicas.end());
+}
+
+absl::Status WorkerContext::ConnectJoined(const v1::MembershipChange& change) {
+  for (const v1::PeerInfo& peer : change.joined()) {
+    absl::StatusOr<transport::PeerId> connected =
+        transport_->Connect(peer.data_address(), absl::Now() + peer_timeout_);
+    if (!connected.ok()) {
+      return Annotate(connected.status(),
+                      absl::StrCat("connecting to worker ", peer.worker_id(), " (world rank ",
+                                   peer.world_rank(), "), which joined the run"));
+    }
+    const transport::PeerId id = *connected;
+    // The lost worker's endpoint is left as it is: receives of an aborted attempt may still be
+    // posted on it (the boundary withdraws them a step later).
+    peers_[peer.world_rank()] = id;
+    boundary_->SetPeer(peer.world_rank(), id);
+    HETPAR_LOG(INFO) << "connected to " << peer.worker_id() << " on " << peer.host()
+                     << ", world rank " << peer.world_rank() << ", which joined the run";
+  }
+  return absl::OkStatus();
+}
+
 const v1::RankCoordinates* WorkerContext::Coordinates(v1::Module module) const {
   for (const v1::RankCoordinates& coords : assignment_.ranks()) {
     if (coords.module() == module) return &coords;

@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -74,6 +75,15 @@ class WorkerContext {
   absl::Duration peer_timeout() const { return peer_timeout_; }
   absl::Duration coordinator_timeout() const { return coordinator_timeout_; }
   const v1::Assignment& assignment() const { return assignment_; }
+  // This worker joined a running run (Assignment.joining): its module's state comes from a live
+  // replica before its first step, not from the RunSpec's initialisation or checkpoint.
+  bool joining() const { return assignment_.joining(); }
+  // The DP replicas of each module training in the assignment's generation (Assignment
+  // .encoder_replicas, .llm_replicas): the module groups are first formed over them.
+  std::vector<int64_t> AssignedReplicas(v1::Module module) const;
+  // Workers joined the run (MembershipChange.joined): connects to each and makes it the peer of
+  // its world rank (the boundary's too), in place of a lost worker that held it.
+  absl::Status ConnectJoined(const v1::MembershipChange& change);
   int64_t world_rank() const { return assignment_.world_rank(); }
   // This worker's coordinates in `module`'s grid; nullptr when it holds no rank of it.
   const v1::RankCoordinates* Coordinates(v1::Module module) const;

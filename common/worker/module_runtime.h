@@ -76,6 +76,16 @@ class ModuleRuntime {
   // generation's rendezvous (the old ones may hold a collective a peer gave up), each module's
   // gradient group over the plan's replicas of it.
   virtual absl::Status Regroup(int64_t generation, const StepReplicas& replicas) = 0;
+  // Before a step whose plan names encoder replicas that joined the run (StepPlan
+  // .encoder_joining): every encoder rank of `replicas` takes part in the broadcast of the
+  // encoder's parameters and AdamW state from the first replica not joining, after which the
+  // joined replicas hold what the others hold. Nothing to do for the LLM.
+  virtual absl::Status ReceiveJoinedState(const StepReplicas& replicas,
+                                          const std::vector<int64_t>& encoder_joining) {
+    (void)replicas;
+    (void)encoder_joining;
+    return absl::OkStatus();
+  }
 
   // After the last step (the worker's main calls it, not the driver): the final outputs of the
   // module(s), handed to `send` (common/worker/outputs.h).

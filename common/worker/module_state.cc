@@ -1,8 +1,11 @@
 #include "common/worker/module_state.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <future>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -28,7 +31,13 @@ absl::StatusOr<ModuleState> ModuleState::Form(WorkerContext& context, v1::Module
   }
   state.coords_ = *coords;
   state.spec_ = context.spec();
-  HETPAR_RETURN_IF_ERROR(state.FormGroups(context, StepReplicas()));
+  state.joining_ = context.joining();
+  // Over the replicas training in the assignment's generation (a pool that started below
+  // encoder.layout.dp, or that a joining worker enters).
+  StepReplicas replicas;
+  replicas.encoder = context.AssignedReplicas(v1::MODULE_ENCODER);
+  replicas.llm = context.AssignedReplicas(v1::MODULE_LLM);
+  HETPAR_RETURN_IF_ERROR(state.FormGroups(context, replicas));
   return state;
 }
 
@@ -120,11 +129,104 @@ absl::Status ModuleState::Train(nn::ParameterSet* params, const v1::Optimizer& o
   params_ = params;
   HETPAR_ASSIGN_OR_RETURN(optimizer_, train::ModuleOptimizer::Create(params, optimizer));
   const std::string& resume = spec_.checkpoint().resume_from();
-  if (!resume.empty()) {
+  if (!resume.empty() && !joining_) {
     HETPAR_RETURN_IF_ERROR(
         Annotate(train::LoadModuleState(resume, name_, *params_, optimizer_.get()),
                  absl::StrCat("resuming the ", name_, " from checkpoint.resume_from=", resume)));
     HETPAR_LOG(INFO) << name_ << " parameters and AdamW state from " << resume;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModuleState::ReceiveJoinedState(const StepReplicas& replicas,
+                                             const std::vector<int64_t>& joining) {
+  if (module_ != v1::MODULE_ENCODER || joining.empty()) return absl::OkStatus();
+  std::vector<int64_t> taking_part = replicas.encoder;
+  if (taking_part.empty()) {
+    for (int64_t d = 0; d < std::max<int64_t>(1, spec_.encoder().layout().dp()); ++d) {
+      taking_part.push_back(d);
+    }
+  }
+  // The gradient group's ranks are the replicas taking part, in order (the encoder has no CP).
+  for (size_t i = 0; i < taking_part.size(); ++i) {
+    if (std::find(joining.begin(), joining.end(), taking_part[i]) != joining.end()) continue;
+    const absl::Time start = absl::Now();
+    HETPAR_RETURN_IF_ERROR(
+        Annotate(BroadcastState(static_cast<int64_t>(i)),
+                 absl::StrCat("sending the encoder's state from replica ", taking_part[i],
+                              " to the joined replica(s) ", absl::StrJoin(joining, ", "))));
+    // The sums let a reader check that a joined rank holds what its source holds.
+    const train::OwnedSums sums = train::OwnedParamSums(*params_);
+    HETPAR_LOG(INFO) << "encoder state "
+                     << (std::find(joining.begin(), joining.end(), coords_.dp()) != joining.end()
+                             ? "received from"
+                             : "sent by")
+                     << " replica " << taking_part[i] << " for the joined replica(s) ["
+                     << absl::StrJoin(joining, ", ") << "] in "
+                     << absl::FormatDuration(
+                            absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))
+                     << absl::StrFormat("; tp rank %d parameter sum %.17g, square sum %.17g",
+                                        coords_.tp(), sums.sum, sums.square_sum);
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("every encoder replica of the step [", absl::StrJoin(taking_part, ", "),
+                   "] joined the run: none holds the encoder's state"));
+}
+
+absl::Status ModuleState::BroadcastState(int64_t root) {
+  if (params_ == nullptr || optimizer_ == nullptr) {
+    return absl::FailedPreconditionError("the module's parameters are not trained yet");
+  }
+  const std::vector<nn::NamedParameter>& list = params_->parameters();
+  const bool source = gradient_rank_ == root;
+  // The source's AdamW step of each parameter (0: no state yet, or frozen).
+  at::Tensor steps = at::zeros({static_cast<int64_t>(list.size())}, at::kLong);
+  if (source) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      if (auto state = optimizer_->StateOf(list[i].name)) steps[i] = state->step;
+    }
+  }
+  HETPAR_RETURN_IF_ERROR(dp_->Broadcast(steps, static_cast<int>(root)));
+  // One buffer: each parameter, then the moments of those with state, in the parameter's dtype.
+  std::vector<at::Tensor> parts;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& p = list[i].tensor;
+    parts.push_back(p.detach().reshape(-1));
+    if (steps[i].item<int64_t>() <= 0) continue;
+    std::optional<train::ModuleOptimizer::ParamState> state =
+        source ? optimizer_->StateOf(list[i].name) : std::nullopt;
+    if (source && !state.has_value()) {
+      return absl::InternalError(absl::StrCat("parameter ", list[i].name, " lost its state"));
+    }
+    parts.push_back(source ? state->exp_avg.to(p.scalar_type()).reshape(-1)
+                           : at::zeros({p.numel()}, p.options().requires_grad(false)));
+    parts.push_back(source ? state->exp_avg_sq.to(p.scalar_type()).reshape(-1)
+                           : at::zeros({p.numel()}, p.options().requires_grad(false)));
+  }
+  at::Tensor flat = at::cat(parts).contiguous();
+  HETPAR_RETURN_IF_ERROR(dp_->Broadcast(flat, static_cast<int>(root)));
+  if (source) return absl::OkStatus();
+  int64_t offset = 0;
+  auto take = [&](const at::Tensor& like) {
+    at::Tensor part = flat.narrow(0, offset, like.numel()).view(like.sizes()).clone();
+    offset += like.numel();
+    return part;
+  };
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& p = list[i].tensor;
+    p.detach().copy_(take(p));
+    const int64_t step = steps[i].item<int64_t>();
+    if (step <= 0) {
+      optimizer_->ClearState(list[i].name);
+      continue;
+    }
+    train::ModuleOptimizer::ParamState state;
+    state.exp_avg = take(p);
+    state.exp_avg_sq = take(p);
+    state.step = step;
+    HETPAR_RETURN_IF_ERROR(optimizer_->SetState(list[i].name, state));
   }
   return absl::OkStatus();
 }

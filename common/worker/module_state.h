@@ -49,8 +49,15 @@ class ModuleState {
 
   // Takes the model's parameters (borrowed: they must outlive this) and creates their optimizer.
   // A resumed run (checkpoint.resume_from) then loads this rank's slices of the parameters and
-  // of their AdamW state from the checkpoint, whatever layout wrote it (train/checkpoint.h).
+  // of their AdamW state from the checkpoint, whatever layout wrote it (train/checkpoint.h);
+  // a worker joining a running run does not (its state comes from a live replica).
   absl::Status Train(nn::ParameterSet* params, const v1::Optimizer& optimizer);
+
+  // ModuleRuntime::ReceiveJoinedState for this module (after Train, in the step's groups): the
+  // encoder's gradient group broadcasts the parameters and AdamW state of the first replica of
+  // `replicas` not in `joining`. No-op for the LLM or without joining replicas.
+  absl::Status ReceiveJoinedState(const StepReplicas& replicas,
+                                  const std::vector<int64_t>& joining);
 
   const std::string& name() const { return name_; }  // "encoder" or "llm"
   const v1::RankCoordinates& coords() const { return coords_; }
@@ -89,6 +96,9 @@ class ModuleState {
   std::unique_ptr<nn::Communicator> cp_;
   std::unique_ptr<nn::Communicator> pp_;
   int64_t gradient_rank_ = 0;
+  bool joining_ = false;  // the worker joined a running run (WorkerContext::joining)
+  // Every rank of dp() ends with the parameters and AdamW state of its rank `root`.
+  absl::Status BroadcastState(int64_t root);
   absl::Status FormGroups(WorkerContext& context, const StepReplicas& replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
@@ -120,6 +130,10 @@ class SingleModuleRuntime : public ModuleRuntime {
   }
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank) override {
     return state_.WriteOutputs(send, world_rank);
+  }
+  absl::Status ReceiveJoinedState(const StepReplicas& replicas,
+                                  const std::vector<int64_t>& encoder_joining) override {
+    return state_.ReceiveJoinedState(replicas, encoder_joining);
   }
 
  protected:

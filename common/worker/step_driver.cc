@@ -78,10 +78,20 @@ absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, channel_->Next(left));
     if (message.has_heartbeat_ack() || message.has_assignment()) continue;
     if (message.has_membership_change()) {
-      HETPAR_LOG(WARNING) << "generation " << message.membership_change().generation()
-                          << ": the run lost " << LostPeers(message.membership_change()) << " ("
-                          << message.membership_change().reason()
-                          << "); going on with the coordinator's next plan";
+      const v1::MembershipChange& change = message.membership_change();
+      if (change.lost_size() > 0) {
+        HETPAR_LOG(WARNING) << "generation " << change.generation() << ": the run lost "
+                            << LostPeers(change) << " (" << change.reason()
+                            << "); going on with the coordinator's next plan";
+      } else {
+        HETPAR_LOG(INFO) << "generation " << change.generation() << ": " << change.reason();
+      }
+      if (options_.on_membership_change) {
+        if (absl::Status s = options_.on_membership_change(change); !s.ok()) {
+          HETPAR_LOG(WARNING) << "membership change of generation " << change.generation()
+                              << " not followed: " << s;
+        }
+      }
       continue;
     }
     return message;
@@ -99,7 +109,9 @@ absl::Status StepDriver::Run() {
     absl::StatusOr<v1::CoordinatorMessage> message = NextRelevant();
     if (!message.ok()) return Fail(message.status());
     if (message->has_stop()) {
-      HETPAR_LOG(INFO) << "stop: " << message->stop().reason();
+      HETPAR_LOG(INFO) << (message->stop().leave_run() ? "leaving the run: " : "stop: ")
+                       << message->stop().reason();
+      left_run_ = message->stop().leave_run();
       state_ = State::kStopped;
     } else if (message->has_abort()) {
       // Between steps there is nothing to undo; the coordinator sends the step again, a stop,
@@ -136,6 +148,17 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     replicas.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
     grouped = modules_->Regroup(step_message.generation(), replicas);
     if (grouped.ok()) formed_generation_ = step_message.generation();
+  }
+  if (grouped.ok() && step_message.encoder_joining_size() > 0) {
+    // Replicas joined: their state comes from a live replica before the step (every attempt
+    // until one commits; the broadcast leaves the others as they were).
+    StepReplicas replicas;
+    replicas.encoder.assign(step_message.encoder_replicas().begin(),
+                            step_message.encoder_replicas().end());
+    replicas.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
+    grouped = modules_->ReceiveJoinedState(
+        replicas, std::vector<int64_t>(step_message.encoder_joining().begin(),
+                                       step_message.encoder_joining().end()));
   }
   absl::StatusOr<plan::RankStepPlan> rank_plan =
       grouped.ok() ? coordinator::RankStepPlanFromProto(step_message.rank_plan())
@@ -247,6 +270,7 @@ bool StepDriver::EndsStep(const v1::CoordinatorMessage& message, int64_t step) {
   if (message.has_stop()) {
     // A stop before the commit: the step never happened.
     HETPAR_LOG(INFO) << "stop: " << message.stop().reason();
+    left_run_ = message.stop().leave_run();
     modules_->Discard();
     state_ = State::kStopped;
     return true;

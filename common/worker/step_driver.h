@@ -74,6 +74,9 @@ struct StepDriverOptions {
   int64_t initial_generation = 0;
   // Armed as each step starts (may be null; the session raises it on an abort).
   StepInterrupt* interrupt = nullptr;
+  // Called with each membership change before the plans that follow it (workers that joined
+  // are connected to here); an error is logged, and the step that needs the peer fails.
+  std::function<absl::Status(const v1::MembershipChange& change)> on_membership_change;
 };
 
 class StepDriver {
@@ -109,6 +112,9 @@ class StepDriver {
   int64_t steps_skipped() const { return steps_skipped_; }
   // Steps that failed on this rank (reported, discarded).
   int64_t steps_failed() const { return steps_failed_; }
+  // The stop that ended Run was for this worker alone (StopRun.leave_run): its replica left a
+  // run that goes on, and it writes no final outputs.
+  bool left_run() const { return left_run_; }
 
  private:
   // Waits for the next message other than heartbeat acks, assignments and membership changes
@@ -130,6 +136,7 @@ class StepDriver {
   int64_t steps_failed_ = 0;
   int64_t formed_generation_ = 0;
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
+  bool left_run_ = false;
 };
 
 const char* StateName(StepDriver::State state);

@@ -40,6 +40,11 @@ constexpr int kExitInvalidInput = 2;
 // for the coordinator to come back in this variable (Unix seconds).
 constexpr char kReconnectDeadlineEnv[] = "HETPAR_RECONNECT_DEADLINE";
 
+// The session of the run this worker trains in, while its step driver runs: a SIGTERM then asks
+// the coordinator to let the worker leave after the step in flight (Leave) instead of ending the
+// process at once.
+std::atomic<coordinator::WorkerSession*> g_training_session{nullptr};
+
 // Marks every descriptor above stderr close-on-exec: the copy must not keep the sockets of the
 // lost run's process groups open, or its peers would not see them close.
 void CloseOnExecAboveStderr() {
@@ -84,6 +89,9 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   driver_options.timeout = context->coordinator_timeout();
   driver_options.initial_generation = context->store_generation();
   driver_options.interrupt = &context->interrupt();
+  driver_options.on_membership_change = [&context](const v1::MembershipChange& change) {
+    return context->ConnectJoined(change);
+  };
   const int64_t world_rank = context->world_rank();
   // Trace events of the traced steps go to <out>/trace/rank-<r>.jsonl after each step, the
   // process's name first.
@@ -119,9 +127,20 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     flush_trace();
   };
   StepDriver driver(&channel, modules.get(), driver_options);
+  if (context->joining()) {
+    HETPAR_LOG(INFO) << "joined the running run; the module's state comes from a live replica "
+                        "before the first step";
+  }
+  g_training_session.store(&context->session());
   const absl::Status run = driver.Run();
+  g_training_session.store(nullptr);
   flush_trace();
   HETPAR_RETURN_IF_ERROR(run);
+  if (driver.left_run()) {
+    // The run goes on without this worker's replica: its outputs are the others' to write.
+    HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied; left the run";
+    return context->Close(absl::Seconds(10));
+  }
   // The stop raised the step interrupt; the outputs' gathers must not see it.
   context->interrupt().Arm();
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
@@ -242,13 +261,13 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     const int code = app.exit(e);
     return code == 0 ? 0 : kExitInvalidInput;
   }
-  // Lingering, SIGINT and SIGTERM go to one thread (below): block them before any thread starts
-  // (the intra-op pool, gRPC, UCX), so every thread inherits the mask.
+  // SIGINT and SIGTERM go to one thread (below): block them before any thread starts (the
+  // intra-op pool, gRPC, UCX), so every thread inherits the mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
-  if (linger) pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   absl::StatusOr<std::optional<int64_t>> requested = RequestedRank(rank);
   if (!requested.ok()) {
     std::cerr << binary.name << ": " << requested.status().message() << "\n";
@@ -304,30 +323,50 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     return kExitInvalidInput;
   }
   options.token = token->value;
-  if (!linger) {
-    const absl::Status status = Serve(options, factory);
-    if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
-    return status.ok() ? 0 : kExitFailure;
-  }
-  // Lingering: during the run SIGINT and SIGTERM end the process at once, as they would without
-  // --linger; after it they end the idle wait with the run's exit code.
+  // During the run the first SIGTERM (a pod removed, a node drained) asks the coordinator to let
+  // this worker leave after the step in flight (an encoder replica leaves the pool; any other
+  // worker's run stops, with a checkpoint when it writes them); SIGINT, a second SIGTERM, or one
+  // while no step driver runs end the process at once. After the run (--linger) a signal ends
+  // the idle wait with the run's exit code.
   std::atomic<bool> run_over{false};
   std::promise<void> terminated;
   std::thread waiter([&] {
-    int signal = 0;
-    if (sigwait(&signals, &signal) != 0) return;
-    if (!run_over.load()) {
+    bool leave_asked = false;
+    while (true) {
+      int signal = 0;
+      if (sigwait(&signals, &signal) != 0) return;
+      if (run_over.load()) {
+        terminated.set_value();
+        return;
+      }
+      coordinator::WorkerSession* session = g_training_session.load();
+      if (signal == SIGTERM && !leave_asked && session != nullptr) {
+        leave_asked = true;
+        const absl::Status sent = session->SendLeave("SIGTERM");
+        HETPAR_LOG(WARNING) << "SIGTERM: "
+                            << (sent.ok() ? "asked the coordinator to let this worker leave "
+                                            "after the step in flight (a second signal ends it "
+                                            "at once)"
+                                          : absl::StrCat("cannot ask the coordinator to leave (",
+                                                         sent.message(), ")"));
+        if (sent.ok()) continue;
+      }
       HETPAR_LOG(WARNING) << "terminated by signal " << signal << " during the run";
       std::cerr.flush();
       std::clog.flush();
       std::fflush(nullptr);
       std::_Exit(128 + signal);
     }
-    terminated.set_value();
   });
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
   if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
+  if (!linger) {
+    // Wake the signal thread so it returns.
+    ::pthread_kill(waiter.native_handle(), SIGTERM);
+    waiter.join();
+    return status.ok() ? 0 : kExitFailure;
+  }
   HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
   terminated.get_future().wait();
   waiter.join();

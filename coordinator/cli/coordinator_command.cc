@@ -311,6 +311,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     follow_journal(status, state == v1::RUN_STATE_DONE ? v1::RUN_STATE_STOPPING : status.state());
   }
   const v1::StatusResponse final_status = (*server)->Status();
+  if (absl::Status s = metrics.Follow(final_status); !s.ok() && !metrics_failed) {
+    HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
+  }
+  if (absl::Status s = metrics.WriteLedger(final_status); !s.ok()) {
+    HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
+  }
   // The workers sent their parameter sums and model files before closing their sessions.
   if (state == v1::RUN_STATE_DONE) {
     if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.eval_threads, nullptr);

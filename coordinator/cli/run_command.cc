@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -29,6 +30,7 @@
 #include "common/data/batch_source.h"
 #include "common/logging.h"
 #include "common/run_directory.h"
+#include "common/status.h"
 #include "common/trace/recorder.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
@@ -54,6 +56,8 @@ struct RunFlags {
   double step_timeout_s = 0;  // 0: failure.step_timeout_s
   std::string trace;          // FIRST:LAST of steps to record a timeline of
   double log_every_s = 0;     // in a log, also a progress line once this many seconds passed
+  // Encoder workers started in place of ones that died while the run trained, at most.
+  int replace_workers = 0;
 };
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -221,13 +225,32 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       flags.threads > 0
           ? flags.threads
           : static_cast<int>(std::max<int64_t>(1, std::thread::hardware_concurrency() / workers));
+  // `hetpar status` and `hetpar scale --coordinator ADDR` of this user find the run's token.
+  const std::string token_path = coordinator::LocalTokenPath((*server)->port());
+  if (absl::Status s = coordinator::WriteLocalTokenFile(token_path, *token); !s.ok()) {
+    std::cerr << "hetpar run: " << s.message() << "\n";
+    (*server)->Stop("the run token could not be written");
+    return kExitFailure;
+  }
+  struct RemoveToken {
+    std::string path;
+    ~RemoveToken() { ::unlink(path.c_str()); }
+  } remove_token{token_path};
   std::vector<std::unique_ptr<LocalProcess>> processes;
   const std::map<std::string, std::string> env = {{"HETPAR_TOKEN", *token}};
-  for (int64_t i = 0; i < workers; ++i) {
+  // The encoder pool's ranks start with the run's first encoder.initial_replicas replicas; the
+  // others are started when the pool grows (the loop below).
+  const int64_t encoder_tp = spec.encoder().layout().tp();
+  const int64_t initial_encoder_ranks =
+      colocated || spec.encoder().initial_replicas() <= 0
+          ? encoder_ranks
+          : std::min(encoder_ranks, spec.encoder().initial_replicas() * encoder_tp);
+  // The newest process of each encoder rank, and how many each rank has had.
+  std::map<int64_t, LocalProcess*> encoder_process;
+  std::map<int64_t, int> encoder_starts;
+  auto spawn = [&](int64_t i, const std::string& name) -> absl::Status {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;
-    const std::string role = colocated ? "colocated" : encoder ? "encoder" : "llm";
-    const std::string name = absl::StrCat(role, "-", rank);
     std::vector<std::string> argv = {
         WorkerBinary(encoder && !colocated ? "hetpar-encoder" : "hetpar-llm"), "--coordinator",
         (*server)->address(), "--rank", std::to_string(rank), "--out", out_dir, "--threads",
@@ -237,14 +260,57 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     if (colocated) argv.push_back("--colocated");
     if (!flags.trace.empty()) argv.insert(argv.end(), {"--trace", flags.trace});
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
-    if (!process.ok()) {
-      std::cerr << "hetpar run: cannot start " << name << ": " << process.status().message()
-                << "\n";
+    if (!process.ok()) return process.status();
+    processes.push_back(std::move(process).value());
+    if (encoder && !colocated) {
+      encoder_process[rank] = processes.back().get();
+      ++encoder_starts[rank];
+    }
+    return absl::OkStatus();
+  };
+  for (int64_t i = 0; i < workers; ++i) {
+    const bool encoder = i < encoder_ranks;
+    if (encoder && !colocated && i >= initial_encoder_ranks) continue;  // a vacant replica
+    const int64_t rank = encoder ? i : i - encoder_ranks;
+    const std::string role = colocated ? "colocated" : encoder ? "encoder" : "llm";
+    const std::string name = absl::StrCat(role, "-", rank);
+    if (absl::Status s = spawn(i, name); !s.ok()) {
+      std::cerr << "hetpar run: cannot start " << name << ": " << s.message() << "\n";
       (*server)->Stop("a worker could not be started");
       return kExitFailure;
     }
-    processes.push_back(std::move(process).value());
   }
+  int replaced = 0;
+  // Encoder replicas that admit workers (a pool below its target): start their ranks, in place
+  // of workers that died (at most --replace-workers times) or for a larger pool.
+  auto fill_open_replicas = [&](const v1::StatusResponse& status) -> absl::Status {
+    for (int64_t d : status.encoder_replicas_open()) {
+      for (int64_t t = 0; t < encoder_tp; ++t) {
+        const int64_t rank = d * encoder_tp + t;
+        auto it = encoder_process.find(rank);
+        std::optional<int> code;
+        if (it != encoder_process.end()) {
+          code = it->second->Poll();
+          if (!code.has_value()) continue;  // still running (a removed worker leaving)
+        }
+        const bool replacement = code.has_value() && *code != 0;
+        if (replacement && replaced >= flags.replace_workers) continue;
+        const std::string name = encoder_starts[rank] == 0
+                                     ? absl::StrCat("encoder-", rank)
+                                     : absl::StrCat("encoder-", rank, ".", encoder_starts[rank]);
+        HETPAR_RETURN_IF_ERROR(spawn(rank, name));
+        if (replacement) ++replaced;
+        std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
+                  << ") for encoder replica " << d
+                  << (replacement
+                          ? absl::StrCat(", in place of a worker that died (", replaced,
+                                         " of --replace-workers ", flags.replace_workers, ")")
+                          : std::string(", which the pool grew into"))
+                  << "\n";
+      }
+    }
+    return absl::OkStatus();
+  };
   std::cerr << "hetpar run: " << spec.run().name() << ": coordinator on " << (*server)->address()
             << ", "
             << (colocated
@@ -341,11 +407,25 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
       stop_sent = true;
     }
-    if (absl::Status s = metrics.Follow((*server)->Status()); !s.ok() && failure.empty()) {
+    const v1::StatusResponse status = (*server)->Status();
+    if (absl::Status s = metrics.Follow(status); !s.ok() && failure.empty()) {
       failure = std::string(s.message());
+    }
+    if (state == v1::RUN_STATE_RUNNING && failure.empty() && !colocated) {
+      if (absl::Status s = fill_open_replicas(status); !s.ok()) {
+        failure = absl::StrCat("cannot start an encoder worker: ", s.message());
+        (*server)->Stop(failure);
+        stop_sent = true;
+      }
     }
   }
   const v1::StatusResponse final_status = (*server)->Status();
+  if (absl::Status s = metrics.Follow(final_status); !s.ok() && failure.empty()) {
+    failure = std::string(s.message());
+  }
+  if (absl::Status s = metrics.WriteLedger(final_status); !s.ok() && failure.empty()) {
+    failure = std::string(s.message());
+  }
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
     if (code != 0 && failure.empty() && lost.count(process.get()) == 0) {
@@ -437,6 +517,13 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
         auto range = trace::ParseStepRange(text);
         return range.ok() ? std::string() : std::string(range.status().message());
       });
+  command
+      ->add_option("--replace-workers", flags->replace_workers,
+                   "Start a new encoder worker in place of one that died while the run trains "
+                   "(its replica joins the run again at a step boundary), at most this many "
+                   "times; 0: the pool goes on without the lost replica")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
       ->capture_default_str();
   command

@@ -1,7 +1,8 @@
-// `hetpar scale`: ask the coordinator for a different number of encoder replicas. Resizing the
-// encoder pool of a running run is not supported yet: the coordinator refuses every request
-// (UNIMPLEMENTED, naming the requested and the current size) and this command prints that error
-// and exits 1.
+// `hetpar scale`: resize the encoder pool of a running run. The coordinator takes the new target
+// (failure.min_encoder_replicas to encoder.layout.dp): a smaller pool leaves at the next step
+// boundary; a larger one admits workers into its vacant replicas, each joining at a step boundary
+// with the state of a live replica (`hetpar run` starts their workers itself; in a cluster, add
+// pods or tasks). Prints the coordinator's answer; exits 2 for a size out of range.
 #include <iostream>
 #include <memory>
 
@@ -19,11 +20,12 @@ void AddScaleCommand(CLI::App& app, int* exit_code) {
   auto flags = std::make_shared<Flags>();
   CLI::App* command = app.add_subcommand(
       "scale",
-      "Ask a running coordinator to resize the encoder pool. Not supported yet: the coordinator "
-      "refuses every request, the pool keeps encoder.layout.dp replicas, and this command prints "
-      "the refusal and exits 1 (2 for an invalid request)");
+      "Resize the encoder pool of a running run: fewer replicas leave at the next step "
+      "boundary; more replicas admit workers (hetpar run starts them; in a cluster add pods), "
+      "each joining at a step boundary with a live replica's parameters and optimizer state. "
+      "Between failure.min_encoder_replicas and encoder.layout.dp (exit 2 otherwise)");
   AddConnectionFlags(command, &flags->connection);
-  command->add_option("--encoders", flags->encoders, "Encoder replicas wanted")
+  command->add_option("--encoders,--encoder-dp", flags->encoders, "Encoder replicas wanted")
       ->required()
       ->check(CLI::PositiveNumber);
   command->callback([flags, exit_code] {

@@ -58,17 +58,32 @@ void PrintStatus(const v1::StatusResponse& s) {
   std::cout << "\n";
   if (s.encoder_replicas_configured() > 0) {
     std::cout << "pools: encoder " << s.encoder_replicas() << " of "
-              << s.encoder_replicas_configured() << " replicas, llm " << s.llm_replicas() << " of "
+              << s.encoder_replicas_configured() << " replicas (target "
+              << s.encoder_replicas_target() << "), llm " << s.llm_replicas() << " of "
               << s.llm_replicas_configured() << " replicas training\n";
+    if (s.encoder_replicas_open_size() > 0) {
+      std::cout << "  encoder replicas admitting workers: "
+                << absl::StrJoin(s.encoder_replicas_open(), ", ") << " ("
+                << s.encoder_workers_joining() << " worker(s) registered, joining at the next "
+                << "step boundary once a replica's ranks are all there)\n";
+    }
     for (const v1::PoolChange& change : s.pool_changes()) {
+      const char* what = change.kind() == v1::POOL_CHANGE_JOINED    ? "joined"
+                         : change.kind() == v1::POOL_CHANGE_REMOVED ? "was removed"
+                                                                    : "was lost";
       std::cout << "  step " << change.step() << ", generation " << change.generation() << ": "
                 << (change.module() == v1::MODULE_LLM ? "llm" : "encoder") << " replica "
-                << change.replica() << " left (" << change.replicas_after() << " left); "
+                << change.replica() << " " << what << " (" << change.replicas_after()
+                << " training); "
                 << (change.recovery_s() >= 0 ? absl::StrCat("next step committed ",
                                                             Seconds(change.recovery_s()), " later")
-                                             : std::string("recovering"))
+                                             : std::string("next step not committed yet"))
                 << " - " << change.cause() << "\n";
     }
+  }
+  if (s.samples_trained() > 0) {
+    std::cout << "samples: " << s.samples_trained() << " trained, " << s.samples_repeated()
+              << " repeated, " << s.samples_lost() << " lost (exactly once when both are 0)\n";
   }
   if (s.missing_size() > 0) {
     std::cout << "missing " << s.missing_size();

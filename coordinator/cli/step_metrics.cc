@@ -56,6 +56,34 @@ nlohmann::json StepMetricsLine(const v1::StepTiming& t, double peak_tflops) {
   return line;
 }
 
+namespace {
+
+const char* PoolChangeKindName(v1::PoolChangeKind kind) {
+  switch (kind) {
+    case v1::POOL_CHANGE_JOINED:
+      return "joined";
+    case v1::POOL_CHANGE_REMOVED:
+      return "removed";
+    case v1::POOL_CHANGE_LOST:
+    case v1::POOL_CHANGE_KIND_UNSPECIFIED:
+    case v1::PoolChangeKind_INT_MIN_SENTINEL_DO_NOT_USE_:
+    case v1::PoolChangeKind_INT_MAX_SENTINEL_DO_NOT_USE_:
+      break;
+  }
+  return "lost";
+}
+
+}  // namespace
+
+absl::Status StepMetricsWriter::WriteLedger(const v1::StatusResponse& status) {
+  if (status.samples_trained() <= 0) return absl::OkStatus();
+  const nlohmann::json line = {{"ledger",
+                                {{"trained", status.samples_trained()},
+                                 {"repeated", status.samples_repeated()},
+                                 {"lost", status.samples_lost()}}}};
+  return dir_->AppendMetrics(line.dump());
+}
+
 absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status) {
   // recent_steps is newest first.
   for (int i = status.recent_steps_size() - 1; i >= 0; --i) {
@@ -80,7 +108,8 @@ absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status) {
                             {{"step", change.step()},
                              {"generation", change.generation()},
                              {"module", change.module() == v1::MODULE_LLM ? "llm" : "encoder"},
-                             {"replica_lost", change.replica()},
+                             {"kind", PoolChangeKindName(change.kind())},
+                             {"replica", change.replica()},
                              {"replicas", change.replicas_after()},
                              {"cause", change.cause()},
                              {"unix_time", change.unix_time()},

@@ -37,6 +37,9 @@ class StepMetricsWriter {
       : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)), written_(first_step) {}
 
   absl::Status Follow(const v1::StatusResponse& status);
+  // At the run's end: the sample ledger's line, {"ledger": {"trained", "repeated", "lost"}}
+  // (exactly-once data when repeated and lost are 0). Nothing when no sample was trained.
+  absl::Status WriteLedger(const v1::StatusResponse& status);
   int64_t written() const { return written_; }  // the next step expected
 
  private:

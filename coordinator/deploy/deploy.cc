@@ -104,7 +104,12 @@ std::string JsonToYaml(const nlohmann::ordered_json& value) {
 }
 
 ModuleShape EncoderShape(const v1::RunSpec& spec) {
-  return {spec.encoder().layout().dp(), spec.encoder().layout().tp()};
+  // The pods or node groups the pool starts with (encoder.initial_replicas); more can be added
+  // up to encoder.layout.dp while the run trains.
+  const int64_t initial = spec.encoder().initial_replicas();
+  return {initial > 0 ? std::min<int64_t>(initial, spec.encoder().layout().dp())
+                      : spec.encoder().layout().dp(),
+          spec.encoder().layout().tp()};
 }
 
 ModuleShape LlmShape(const v1::RunSpec& spec) {

@@ -84,23 +84,31 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(refused->exit_code, 1);
   EXPECT_THAT(refused->stderr_text, HasSubstr("missing or wrong run token"));
 
-  // Resizing the encoder pool is refused, naming both sizes (tiny.yaml: encoder.layout.dp 2),
+  // A pool size out of range is refused, naming the bounds (tiny.yaml: encoder.layout.dp 2),
   // and changes nothing that status shows.
   auto scale = Hetpar({"scale", "--encoders", "3", "--coordinator", coordinator->address});
   ASSERT_TRUE(scale.ok());
-  EXPECT_EQ(scale->exit_code, 1) << scale->stdout_text;
+  EXPECT_EQ(scale->exit_code, 2) << scale->stdout_text;
   EXPECT_THAT(scale->stderr_text,
-              HasSubstr("resizing the encoder pool while a run trains is not supported yet; the "
-                        "encoder pool keeps encoder.layout.dp=2 (requested: 3)"));
+              HasSubstr("encoder_replicas=3 is out of range: the pool holds 1 "
+                        "(failure.min_encoder_replicas) to 2 (encoder.layout.dp) replicas"));
   EXPECT_EQ(scale->stdout_text, "");
   auto after_scale = Hetpar({"status", "--coordinator", coordinator->address});
   ASSERT_TRUE(after_scale.ok());
   EXPECT_EQ(after_scale->exit_code, 0) << after_scale->stderr_text;
   EXPECT_EQ(StatusWithoutClock(after_scale->stdout_text), StatusWithoutClock(status->stdout_text));
+  // One in range becomes the pool's target.
+  scale = Hetpar({"scale", "--encoder-dp", "1", "--coordinator", coordinator->address});
+  ASSERT_TRUE(scale.ok());
+  EXPECT_EQ(scale->exit_code, 0) << scale->stderr_text;
+  EXPECT_THAT(scale->stdout_text, HasSubstr("encoder pool: target 1 replicas (was 2)"));
+  after_scale = Hetpar({"status", "--coordinator", coordinator->address});
+  ASSERT_TRUE(after_scale.ok());
+  EXPECT_THAT(after_scale->stdout_text, HasSubstr("(target 1)"));
   auto scale_help = Hetpar({"scale", "--help"});
   ASSERT_TRUE(scale_help.ok());
   EXPECT_EQ(scale_help->exit_code, 0);
-  EXPECT_THAT(scale_help->stdout_text, HasSubstr("Not supported yet"));
+  EXPECT_THAT(scale_help->stdout_text, HasSubstr("encoder.layout.dp"));
 
   auto stop = Hetpar({"stop", "--wait", "20", "--coordinator", coordinator->address});
   ASSERT_TRUE(stop.ok());
@@ -210,8 +218,21 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
   // combined from the reports (slowest rank's compute, bridge bytes added up).
   std::ifstream metrics(coordinator->log + ".run/metrics.jsonl");
   std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(metrics, line);) lines.push_back(nlohmann::json::parse(line));
+  nlohmann::json ledger;
+  for (std::string line; std::getline(metrics, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("ledger")) {
+      ledger = j["ledger"];
+    } else {
+      lines.push_back(std::move(j));
+    }
+  }
   ASSERT_EQ(lines.size(), 3u);
+  // The sample ledger: 3 steps of 8 samples, each trained once.
+  ASSERT_FALSE(ledger.is_null());
+  EXPECT_EQ(ledger["trained"].get<int64_t>(), 24);
+  EXPECT_EQ(ledger["repeated"].get<int64_t>(), 0);
+  EXPECT_EQ(ledger["lost"].get<int64_t>(), 0);
   for (int step = 0; step < 3; ++step) {
     const nlohmann::json& j = lines[step];
     EXPECT_EQ(j["step"], step);
@@ -241,13 +262,13 @@ TEST_F(CoordinatorCliTest, WorkersRunPlannedStepsToCompletion) {
 TEST_F(CoordinatorCliTest, StatusWatchFollowsTheRunToItsEnd) {
   setenv("HETPAR_TOKEN", "a-token-for-this-test", 1);
   // --linger keeps the finished run's status up, so the watcher cannot miss the end.
-  auto coordinator = StartCoordinator({"--config", kTiny, "--synthetic-batches", "--set",
-                                       "run.steps=3", "--linger"},
-                                      dir_.File("c.log"));
+  auto coordinator = StartCoordinator(
+      {"--config", kTiny, "--synthetic-batches", "--set", "run.steps=3", "--linger"},
+      dir_.File("c.log"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
-  auto watch = ChildProcess::Start({kHetparBin, "status", "--watch", "--interval", "0.1",
-                                    "--coordinator", coordinator->address},
-                                   dir_.File("watch.log"));
+  auto watch = ChildProcess::Start(
+      {kHetparBin, "status", "--watch", "--interval", "0.1", "--coordinator", coordinator->address},
+      dir_.File("watch.log"));
   ASSERT_TRUE(watch.ok()) << watch.status();
   // The watcher has drawn the waiting run before any worker exists.
   ASSERT_TRUE(AwaitInFile(dir_.File("watch.log"), "run tiny: waiting", absl::Seconds(30)).ok())
