@@ -14,7 +14,8 @@ void KeyValueStore::SetGeneration(int64_t generation) {
   std::vector<WaitCallback> aborted;
   {
     absl::MutexLock lock(&mu_);
-    if (generation == generation_) return;
+    // Generations only grow: a late move to an older one (two callers racing) changes nothing.
+    if (generation <= generation_) return;
     generation_ = generation;
     values_.clear();
     for (auto it = waiters_.begin(); it != waiters_.end();) {

@@ -41,6 +41,7 @@ class KeyValueStore {
   KeyValueStore& operator=(const KeyValueStore&) = delete;
 
   // Moves to `generation`: drops every key and aborts every pending wait of older generations.
+  // A generation at or below the current one changes nothing.
   void SetGeneration(int64_t generation);
   int64_t generation() const;
 

@@ -158,6 +158,12 @@ TEST(KeyValueStoreTest, GenerationsAreSeparateAndOldOnesAreDropped) {
   kv.Wait(kv.NewWaitId(), 1, {"b"}, kT0 + absl::Seconds(1), [&](absl::Status s) { waited = s; });
   kv.SetGeneration(2);
   EXPECT_EQ(waited.code(), absl::StatusCode::kAborted);
+  // Generations only grow: a late move to an older one changes nothing.
+  ASSERT_TRUE(kv.Set(2, "c", "3").ok());
+  kv.SetGeneration(1);
+  EXPECT_EQ(kv.generation(), 2);
+  EXPECT_EQ(*kv.Get(2, "c"), "3");
+  ASSERT_TRUE(kv.Delete(2, "c").ok());
   EXPECT_EQ(kv.Get(1, "a").status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(kv.Get(2, "a").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(*kv.NumKeys(2), 0);

@@ -154,6 +154,22 @@ class ServerCore {
                         "HETPAR_TOKEN or coordinator.token_file)");
   }
 
+  // The key-value store for a request of `generation`. WithController moves the store to a new
+  // generation just after the messages that announce it are queued: a worker that acts on one
+  // at once may ask before that. A request ahead of the store therefore moves it to the
+  // controller's generation first (never further: the controller is the authority).
+  KeyValueStore& Kv(int64_t generation) {
+    if (generation > kv_.generation()) {
+      int64_t current = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        current = controller_->generation();
+      }
+      kv_.SetGeneration(current);
+    }
+    return kv_;
+  }
+
   // Runs `fn(controller, now, actions)` under the lock, applies the actions, then moves the
   // key-value store to the controller's generation.
   template <typename Fn>
@@ -568,7 +584,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KvSetRequest* request, v1::KvSetResponse*) override {
     return Simple(context, "KeyValue.Set", [&] {
-      return impl_->kv_.Set(request->generation(), request->key(), request->value());
+      return impl_->Kv(request->generation()).Set(request->generation(), request->key(), request->value());
     });
   }
 
@@ -577,7 +593,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                 v1::KvGetResponse* response) override {
     if (request->timeout_ms() <= 0) {
       return Simple(context, "KeyValue.Get", [&]() -> absl::Status {
-        absl::StatusOr<std::string> value = impl_->kv_.Get(request->generation(), request->key());
+        absl::StatusOr<std::string> value = impl_->Kv(request->generation()).Get(request->generation(), request->key());
         if (!value.ok()) return value.status();
         response->set_value(*std::move(value));
         return absl::OkStatus();
@@ -585,7 +601,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
     }
     if (!impl_->Authorized(context, "KeyValue.Get")) return Unauthenticated(context);
     auto* reactor = new KvWaitReactor(&impl_->kv_);
-    impl_->kv_.GetAsync(reactor->id(), request->generation(), request->key(),
+    impl_->Kv(request->generation()).GetAsync(reactor->id(), request->generation(), request->key(),
                         absl::Now() + absl::Milliseconds(request->timeout_ms()),
                         [reactor, response](absl::StatusOr<std::string> value) {
                           if (value.ok()) response->set_value(*std::move(value));
@@ -599,7 +615,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                 v1::KvAddResponse* response) override {
     return Simple(context, "KeyValue.Add", [&]() -> absl::Status {
       absl::StatusOr<int64_t> value =
-          impl_->kv_.Add(request->generation(), request->key(), request->delta());
+          impl_->Kv(request->generation()).Add(request->generation(), request->key(), request->delta());
       if (!value.ok()) return value.status();
       response->set_value(*value);
       return absl::OkStatus();
@@ -610,7 +626,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                        const v1::KvCompareSetRequest* request,
                                        v1::KvCompareSetResponse* response) override {
     return Simple(context, "KeyValue.CompareSet", [&]() -> absl::Status {
-      absl::StatusOr<std::string> value = impl_->kv_.CompareSet(
+      absl::StatusOr<std::string> value = impl_->Kv(request->generation()).CompareSet(
           request->generation(), request->key(), request->expected(), request->desired());
       if (!value.ok()) return value.status();
       response->set_value(*std::move(value));
@@ -629,7 +645,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
       return reactor;
     }
     auto* reactor = new KvWaitReactor(&impl_->kv_);
-    impl_->kv_.Wait(reactor->id(), request->generation(),
+    impl_->Kv(request->generation()).Wait(reactor->id(), request->generation(),
                     std::vector<std::string>(request->keys().begin(), request->keys().end()),
                     absl::Now() + absl::Milliseconds(request->timeout_ms()),
                     [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
@@ -640,7 +656,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                   const v1::KvCheckRequest* request,
                                   v1::KvCheckResponse* response) override {
     return Simple(context, "KeyValue.Check", [&]() -> absl::Status {
-      absl::StatusOr<bool> exist = impl_->kv_.Check(
+      absl::StatusOr<bool> exist = impl_->Kv(request->generation()).Check(
           request->generation(),
           std::vector<std::string>(request->keys().begin(), request->keys().end()));
       if (!exist.ok()) return exist.status();
@@ -653,7 +669,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                    const v1::KvDeleteRequest* request,
                                    v1::KvDeleteResponse* response) override {
     return Simple(context, "KeyValue.Delete", [&]() -> absl::Status {
-      absl::StatusOr<bool> deleted = impl_->kv_.Delete(request->generation(), request->key());
+      absl::StatusOr<bool> deleted = impl_->Kv(request->generation()).Delete(request->generation(), request->key());
       if (!deleted.ok()) return deleted.status();
       response->set_deleted(*deleted);
       return absl::OkStatus();
@@ -664,7 +680,7 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                     const v1::KvNumKeysRequest* request,
                                     v1::KvNumKeysResponse* response) override {
     return Simple(context, "KeyValue.NumKeys", [&]() -> absl::Status {
-      absl::StatusOr<int64_t> n = impl_->kv_.NumKeys(request->generation());
+      absl::StatusOr<int64_t> n = impl_->Kv(request->generation()).NumKeys(request->generation());
       if (!n.ok()) return n.status();
       response->set_num_keys(*n);
       return absl::OkStatus();
