@@ -106,6 +106,7 @@ absl::StatusOr<Membership> Membership::Create(const v1::RunSpec& spec) {
     m.slots_[v1::WORKER_ROLE_ENCODER].assign(m.encoder_grid_.size(), nullptr);
     m.retired_encoder_replicas_.assign(m.encoder_grid_.dp, false);
     m.open_encoder_replicas_.assign(m.encoder_grid_.dp, false);
+    m.open_llm_replicas_.assign(m.llm_grid_.dp, false);
     m.retired_llm_replicas_.assign(m.llm_grid_.dp, false);
     m.slots_[v1::WORKER_ROLE_LLM].assign(m.llm_grid_.size(), nullptr);
     m.expected_workers_ = m.encoder_grid_.size() + m.llm_grid_.size();
@@ -158,9 +159,7 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
           ModuleName(ranks.back().module()), " replica ", ranks.back().dp(),
           encoder ? ", which is not in the encoder pool and admits no worker now (grow the pool "
                     "with `hetpar scale --encoders N`)"
-                  : ", which left the run after one of its workers was lost; only encoder "
-                    "replicas take new workers while a run trains (resume the run from a "
-                    "checkpoint to train on every LLM replica again)"));
+                  : ", which is out of the run and admits no worker now"));
     }
     if (slots[wanted] != nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
@@ -246,7 +245,7 @@ void Membership::RetireReplica(v1::Module module, int64_t dp) {
       module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
   if (dp < 0 || dp >= static_cast<int64_t>(retired.size())) return;
   retired[dp] = true;
-  if (module == v1::MODULE_ENCODER) open_encoder_replicas_[dp] = false;
+  (module == v1::MODULE_ENCODER ? open_encoder_replicas_ : open_llm_replicas_)[dp] = false;
 }
 
 std::vector<int64_t> Membership::Replicas(v1::Module module) const {
@@ -267,43 +266,61 @@ int64_t Membership::ReplicaOf(const WorkerRecord& worker, v1::Module module) {
   return -1;
 }
 
-void Membership::SetOpen(int64_t encoder_dp, bool open) {
-  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size())) return;
-  open_encoder_replicas_[encoder_dp] = open && retired_encoder_replicas_[encoder_dp];
+void Membership::SetOpen(v1::Module module, int64_t dp, bool open) {
+  std::vector<bool>& flags =
+      module == v1::MODULE_ENCODER ? open_encoder_replicas_ : open_llm_replicas_;
+  const std::vector<bool>& retired =
+      module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
+  if (dp < 0 || dp >= static_cast<int64_t>(flags.size())) return;
+  flags[dp] = open && retired[dp];
 }
 
-std::vector<int64_t> Membership::OpenReplicas() const {
+std::vector<int64_t> Membership::OpenReplicas(v1::Module module) const {
+  const std::vector<bool>& flags =
+      module == v1::MODULE_ENCODER ? open_encoder_replicas_ : open_llm_replicas_;
   std::vector<int64_t> open;
-  for (size_t d = 0; d < open_encoder_replicas_.size(); ++d) {
-    if (open_encoder_replicas_[d]) open.push_back(static_cast<int64_t>(d));
+  for (size_t d = 0; d < flags.size(); ++d) {
+    if (flags[d]) open.push_back(static_cast<int64_t>(d));
   }
   return open;
 }
 
-bool Membership::ReadyToJoin(int64_t encoder_dp) const {
-  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size()) ||
-      !open_encoder_replicas_[encoder_dp]) {
-    return false;
+std::vector<int64_t> Membership::SlotsOfReplica(v1::Module module, int64_t dp) const {
+  const GridShape& grid = module == v1::MODULE_ENCODER ? encoder_grid_ : llm_grid_;
+  std::vector<int64_t> slots;
+  for (int64_t slot = 0; slot < grid.size(); ++slot) {
+    if (CoordinatesOf(module, grid, slot).dp() == dp) slots.push_back(slot);
   }
-  auto it = slots_.find(v1::WORKER_ROLE_ENCODER);
+  return slots;
+}
+
+bool Membership::ReadyToJoin(v1::Module module, int64_t dp) const {
+  const std::vector<int64_t> open = OpenReplicas(module);
+  if (std::find(open.begin(), open.end(), dp) == open.end()) return false;
+  auto it =
+      slots_.find(module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM);
   if (it == slots_.end()) return false;
-  for (int64_t t = 0; t < encoder_grid_.tp; ++t) {
-    const WorkerRecord* worker = it->second[encoder_dp * encoder_grid_.tp + t];
+  for (int64_t slot : SlotsOfReplica(module, dp)) {
+    const WorkerRecord* worker = it->second[slot];
     if (worker == nullptr || !worker->joining || !worker->session_open) return false;
   }
   return true;
 }
 
-std::vector<WorkerRecord*> Membership::Activate(int64_t encoder_dp) {
+std::vector<WorkerRecord*> Membership::Activate(v1::Module module, int64_t dp) {
   std::vector<WorkerRecord*> joined;
-  if (encoder_dp < 0 || encoder_dp >= static_cast<int64_t>(open_encoder_replicas_.size())) {
-    return joined;
-  }
-  retired_encoder_replicas_[encoder_dp] = false;
-  open_encoder_replicas_[encoder_dp] = false;
-  auto it = slots_.find(v1::WORKER_ROLE_ENCODER);
-  for (int64_t t = 0; it != slots_.end() && t < encoder_grid_.tp; ++t) {
-    WorkerRecord* worker = it->second[encoder_dp * encoder_grid_.tp + t];
+  std::vector<bool>& flags =
+      module == v1::MODULE_ENCODER ? open_encoder_replicas_ : open_llm_replicas_;
+  std::vector<bool>& retired =
+      module == v1::MODULE_ENCODER ? retired_encoder_replicas_ : retired_llm_replicas_;
+  if (dp < 0 || dp >= static_cast<int64_t>(flags.size())) return joined;
+  retired[dp] = false;
+  flags[dp] = false;
+  auto it =
+      slots_.find(module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM);
+  if (it == slots_.end()) return joined;
+  for (int64_t slot : SlotsOfReplica(module, dp)) {
+    WorkerRecord* worker = it->second[slot];
     if (worker == nullptr) continue;
     worker->joining = false;
     joined.push_back(worker);
@@ -318,9 +335,15 @@ int64_t Membership::joining_workers() const {
 }
 
 bool Membership::Open(v1::WorkerRole role, int64_t slot) const {
-  if (role != v1::WORKER_ROLE_ENCODER) return false;
-  const int64_t dp = CoordinatesOf(v1::MODULE_ENCODER, encoder_grid_, slot).dp();
-  return dp < static_cast<int64_t>(open_encoder_replicas_.size()) && open_encoder_replicas_[dp];
+  if (role == v1::WORKER_ROLE_ENCODER) {
+    const int64_t dp = CoordinatesOf(v1::MODULE_ENCODER, encoder_grid_, slot).dp();
+    return dp < static_cast<int64_t>(open_encoder_replicas_.size()) && open_encoder_replicas_[dp];
+  }
+  if (role == v1::WORKER_ROLE_LLM) {
+    const int64_t dp = CoordinatesOf(v1::MODULE_LLM, llm_grid_, slot).dp();
+    return dp < static_cast<int64_t>(open_llm_replicas_.size()) && open_llm_replicas_[dp];
+  }
+  return false;
 }
 
 bool Membership::Retired(v1::WorkerRole role, int64_t slot) const {
@@ -428,8 +451,7 @@ std::vector<WorkerRecord*> Membership::TrainingWorkers() const {
   // Joining workers, and those of an encoder replica that left the pool (closing their session).
   training.erase(std::remove_if(training.begin(), training.end(),
                                 [this](const WorkerRecord* w) {
-                                  return w->joining || (w->role == v1::WORKER_ROLE_ENCODER &&
-                                                        Retired(w->role, w->slot));
+                                  return w->joining || Retired(w->role, w->slot);
                                 }),
                  training.end());
   return training;

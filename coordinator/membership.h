@@ -62,8 +62,8 @@ struct WorkerRecord {
   absl::Time last_heartbeat;  // registration counts as the first heartbeat
   bool alive = true;
   bool session_open = false;
-  // Admitted into a vacant encoder replica of a running run: it takes no part in steps until its
-  // replica joins (Membership::Activate) at a step boundary.
+  // Admitted into a vacant replica of a running run: it takes no part in steps until its replica
+  // joins (Membership::Activate) at a step boundary.
   bool joining = false;
   std::string dead_reason;
   v1::Progress progress;
@@ -78,7 +78,7 @@ class Membership {
   static absl::StatusOr<Membership> Create(const v1::RunSpec& spec);
 
   // Admits a worker into a free slot of its role: a slot of a replica in the run first, else one
-  // of an open encoder replica (the worker is then `joining`). InvalidArgument for a role this
+  // of an open replica (the worker is then `joining`). InvalidArgument for a role this
   // run has no slots for, or a requested rank out of range; FailedPrecondition for a requested
   // rank of a replica out of the run and not open; ResourceExhausted when every slot of the role
   // is taken (or the requested one is). The worker's id is "<enc|llm|col><rank>-<serial>",
@@ -100,15 +100,17 @@ class Membership {
   // The DP replicas of `module` still in the run, increasing (every replica until one retires).
   std::vector<int64_t> Replicas(v1::Module module) const;
 
-  // Encoder replicas out of the run that admit workers (non-colocated runs). Opening an active
-  // replica is a no-op; closing one frees nothing (its joining workers stay until marked dead).
-  void SetOpen(int64_t encoder_dp, bool open);
-  std::vector<int64_t> OpenReplicas() const;
-  // Every rank of open encoder replica `dp` is held by a live joining worker with an open session.
-  bool ReadyToJoin(int64_t encoder_dp) const;
-  // Open encoder replica `dp` joins the run: it is in Replicas again, closed, and its workers are
-  // no longer joining. Returns them, in rank order.
-  std::vector<WorkerRecord*> Activate(int64_t encoder_dp);
+  // DP replicas of `module` out of the run that admit workers (non-colocated runs). Opening a
+  // replica in the run is a no-op; closing one frees nothing (its joining workers stay until
+  // marked dead).
+  void SetOpen(v1::Module module, int64_t dp, bool open);
+  std::vector<int64_t> OpenReplicas(v1::Module module) const;
+  // Every rank of open replica `dp` of `module` is held by a live joining worker with an open
+  // session.
+  bool ReadyToJoin(v1::Module module, int64_t dp) const;
+  // Open replica `dp` of `module` joins the run: it is in Replicas again, closed, and its workers
+  // are no longer joining. Returns them, in rank order.
+  std::vector<WorkerRecord*> Activate(v1::Module module, int64_t dp);
   // Live workers registered into open replicas, waiting to join.
   int64_t joining_workers() const;
   // The DP replica of `worker` in `module` (its dp coordinate); -1 when it has no rank there.
@@ -161,6 +163,9 @@ class Membership {
   std::vector<bool> retired_encoder_replicas_;
   std::vector<bool> retired_llm_replicas_;
   std::vector<bool> open_encoder_replicas_;  // by dp; only retired ones are open
+  std::vector<bool> open_llm_replicas_;
+  // The slots of `module`'s replica `dp`, increasing (its role's slots of that dp coordinate).
+  std::vector<int64_t> SlotsOfReplica(v1::Module module, int64_t dp) const;
 };
 
 }  // namespace hetpar::coordinator

@@ -250,6 +250,48 @@ TEST(MembershipTest, ARetiredEncoderReplicaIsNeitherMissingNorTakenAgain) {
   EXPECT_EQ((*replacement)->slot, 5);
 }
 
+// An open encoder replica admits joining workers after the replicas in the run are full; it
+// joins once all its ranks are registered with open sessions, and its workers then train.
+TEST(MembershipTest, AnOpenEncoderReplicaAdmitsJoiningWorkersAndJoinsWhenComplete) {
+  auto m = Membership::Create(Spec(v1::PLACEMENT_NON_COLOCATED, 2, 2, 1, 1));  // encoder 2 x tp 2
+  ASSERT_TRUE(m.ok());
+  m->RetireReplica(v1::MODULE_ENCODER, 1);
+  m->SetOpen(v1::MODULE_ENCODER, 0, true);  // a replica in the run is never open
+  EXPECT_TRUE(m->OpenReplicas(v1::MODULE_ENCODER).empty());
+  m->SetOpen(v1::MODULE_ENCODER, 1, true);
+  EXPECT_THAT(m->OpenReplicas(v1::MODULE_ENCODER), ElementsAre(1));
+  std::vector<WorkerRecord*> encoders;
+  for (int i = 0; i < 4; ++i) {
+    auto w = m->Admit(Request(v1::WORKER_ROLE_ENCODER), 1, absl::UnixEpoch());
+    ASSERT_TRUE(w.ok()) << w.status();
+    encoders.push_back(*w);
+  }
+  ASSERT_TRUE(m->Admit(Request(v1::WORKER_ROLE_LLM), 1, absl::UnixEpoch()).ok());
+  // Replica 0's ranks first, then the open replica's, joining.
+  EXPECT_EQ(encoders[1]->slot, 1);
+  EXPECT_FALSE(encoders[1]->joining);
+  EXPECT_EQ(encoders[2]->slot, 2);
+  EXPECT_TRUE(encoders[2]->joining);
+  EXPECT_TRUE(encoders[3]->joining);
+  EXPECT_EQ(m->joining_workers(), 2);
+  EXPECT_TRUE(m->Complete());  // the joiners are not waited for
+  EXPECT_EQ(m->TrainingWorkers().size(), 3u);
+  EXPECT_FALSE(m->ReadyToJoin(v1::MODULE_ENCODER, 1));  // sessions not open yet
+  encoders[2]->session_open = true;
+  EXPECT_FALSE(m->ReadyToJoin(v1::MODULE_ENCODER, 1));
+  encoders[3]->session_open = true;
+  EXPECT_TRUE(m->ReadyToJoin(v1::MODULE_ENCODER, 1));
+  EXPECT_THAT(m->Activate(v1::MODULE_ENCODER, 1), ElementsAre(encoders[2], encoders[3]));
+  EXPECT_THAT(m->Replicas(v1::MODULE_ENCODER), ElementsAre(0, 1));
+  EXPECT_TRUE(m->OpenReplicas(v1::MODULE_ENCODER).empty());
+  EXPECT_EQ(m->joining_workers(), 0);
+  EXPECT_EQ(m->TrainingWorkers().size(), 5u);
+  // A replica retired again (the pool shrank): its live workers no longer train.
+  m->RetireReplica(v1::MODULE_ENCODER, 1);
+  EXPECT_EQ(m->TrainingWorkers().size(), 3u);
+  EXPECT_EQ(m->LiveWorkers().size(), 5u);
+}
+
 TEST(MembershipTest, ARetiredLlmReplicaTakesAllItsRanksOut) {
   // llm dp 2 x tp 2 x pp 2: replica 1 holds slots 2, 3 (stage 0) and 6, 7 (stage 1).
   auto m = Membership::Create(Spec(v1::PLACEMENT_NON_COLOCATED, 1, 1, 2, 2, 1, 2));

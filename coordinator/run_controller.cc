@@ -172,12 +172,12 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
         CoordinatesOf(v1::MODULE_ENCODER, membership_.encoder_grid(), request.requested_rank())
             .dp();
     const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
-    const std::vector<int64_t> open = membership_.OpenReplicas();
+    const std::vector<int64_t> open = membership_.OpenReplicas(v1::MODULE_ENCODER);
     if (std::find(active.begin(), active.end(), d) == active.end() &&
         std::find(open.begin(), open.end(), d) == open.end() &&
         encoder_target_ < membership_.encoder_grid().dp) {
       ++encoder_target_;
-      membership_.SetOpen(d, true);
+      membership_.SetOpen(v1::MODULE_ENCODER, d, true);
       HETPAR_LOG(INFO) << "a worker registers into vacant encoder replica " << d
                        << ": the pool's target grows to " << encoder_target_ << " replicas";
     }
@@ -355,10 +355,9 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   for (int64_t r : replicas) {
     if (r == replica) continue;
     ++left_after;
-    if (module != v1::MODULE_ENCODER ||
-        std::find(encoder_joining_.begin(), encoder_joining_.end(), r) == encoder_joining_.end()) {
-      ++holders_after;
-    }
+    const std::vector<int64_t>& joining =
+        module == v1::MODULE_ENCODER ? encoder_joining_ : llm_joining_;
+    if (std::find(joining.begin(), joining.end(), r) == joining.end()) ++holders_after;
   }
   const int64_t minimum =
       std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
@@ -416,6 +415,8 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   if (module == v1::MODULE_ENCODER) {
     EraseValue(encoder_joining_, replica);
     EraseValue(leave_requested_, replica);
+  } else {
+    EraseValue(llm_joining_, replica);
   }
   RecordPoolChange(module, replica, v1::POOL_CHANGE_LOST, cause, now);
   HETPAR_LOG(WARNING) << "generation " << generation_ << ": " << name << " replica " << replica
@@ -431,8 +432,9 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   for (WorkerRecord* live : membership_.TrainingWorkers()) {
     if (live->session_open) actions->messages.emplace_back(live->worker_id, change);
   }
-  // A replacement may register into the replica while the pool is below its target.
-  if (module == v1::MODULE_ENCODER) RebalanceOpen(actions);
+  // A replacement may register into the replica (an encoder pool below its target, an LLM
+  // replica).
+  RebalanceOpen(actions);
   HandleOutcome(outcome, now, actions);
   MaybeStartStep(now, actions);
 }
@@ -460,9 +462,11 @@ void RunController::Leave(WorkerRecord* worker, const std::string& reason, absl:
   v1::CoordinatorMessage stop = StopMessage(why);
   stop.mutable_stop()->set_leave_run(true);
   if (worker->joining) {
-    // It has not joined yet: it leaves at once; its replica still admits another worker.
+    // It has not joined yet (it waits for its assignment): its session ends at once; its replica
+    // still admits another worker.
     HETPAR_LOG(INFO) << why << " before its replica joined the run";
-    actions->messages.emplace_back(worker->worker_id, std::move(stop));
+    actions->end_sessions.emplace_back(
+        worker->worker_id, absl::AbortedError(absl::StrCat(why, " before its replica joined")));
     return;
   }
   if (state_ == v1::RUN_STATE_RUNNING && worker->role == v1::WORKER_ROLE_ENCODER &&
@@ -502,22 +506,26 @@ void RunController::Leave(WorkerRecord* worker, const std::string& reason, absl:
 void RunController::RebalanceOpen(Actions* actions) {
   if (membership_.placement() == v1::PLACEMENT_COLOCATED) return;
   const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
-  std::vector<int64_t> open = membership_.OpenReplicas();
+  std::vector<int64_t> open = membership_.OpenReplicas(v1::MODULE_ENCODER);
   const int64_t want_open =
       std::max<int64_t>(0, encoder_target_ - static_cast<int64_t>(active.size()));
   while (static_cast<int64_t>(open.size()) > want_open) {
     const int64_t d = open.back();
     open.pop_back();
-    membership_.SetOpen(d, false);
+    membership_.SetOpen(v1::MODULE_ENCODER, d, false);
     HETPAR_LOG(INFO) << "encoder replica " << d << " no longer admits workers (target "
                      << encoder_target_ << " replicas)";
     for (WorkerRecord* worker : membership_.LiveWorkers()) {
-      if (!worker->joining || Membership::ReplicaOf(*worker, v1::MODULE_ENCODER) != d) continue;
-      v1::CoordinatorMessage stop = StopMessage(
-          absl::StrCat("encoder replica ", d, " is no longer wanted: the pool's target is ",
-                       encoder_target_, " replicas"));
-      stop.mutable_stop()->set_leave_run(true);
-      actions->messages.emplace_back(worker->worker_id, std::move(stop));
+      if (!worker->joining || worker->role != v1::WORKER_ROLE_ENCODER ||
+          Membership::ReplicaOf(*worker, v1::MODULE_ENCODER) != d) {
+        continue;
+      }
+      // It waits for its assignment, not for steps: its session ends with the reason.
+      actions->end_sessions.emplace_back(
+          worker->worker_id,
+          absl::AbortedError(absl::StrCat("encoder replica ", d,
+                                          " is no longer wanted: the pool's target is ",
+                                          encoder_target_, " replicas")));
     }
   }
   for (int64_t d = 0;
@@ -526,10 +534,24 @@ void RunController::RebalanceOpen(Actions* actions) {
         std::find(open.begin(), open.end(), d) != open.end()) {
       continue;
     }
-    membership_.SetOpen(d, true);
+    membership_.SetOpen(v1::MODULE_ENCODER, d, true);
     open.push_back(d);
     HETPAR_LOG(INFO) << "encoder replica " << d << " admits workers (target " << encoder_target_
                      << " replicas, " << active.size() << " training)";
+  }
+  // The LLM's replicas are not resized: one that left admits a replacement (without pipeline
+  // stages, whose loss the run does not survive).
+  if (spec_.llm().layout().pp() <= 1) {
+    const std::vector<int64_t> llm_active = membership_.Replicas(v1::MODULE_LLM);
+    const std::vector<int64_t> llm_open = membership_.OpenReplicas(v1::MODULE_LLM);
+    for (int64_t d = 0; d < membership_.llm_grid().dp; ++d) {
+      if (std::find(llm_active.begin(), llm_active.end(), d) != llm_active.end() ||
+          std::find(llm_open.begin(), llm_open.end(), d) != llm_open.end()) {
+        continue;
+      }
+      membership_.SetOpen(v1::MODULE_LLM, d, true);
+      HETPAR_LOG(INFO) << "llm replica " << d << " admits workers (a replacement)";
+    }
   }
 }
 
@@ -600,30 +622,44 @@ void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
         now, actions);
   }
   RebalanceOpen(actions);
-  // Then joins: every open replica whose ranks are all registered, up to the target.
+  // Then joins: every open encoder replica whose ranks are all registered, up to the target, and
+  // every LLM replica whose ranks are (while the global batch splits over the replicas then).
   std::vector<WorkerRecord*> joined;
-  std::vector<int64_t> joined_replicas;
-  for (int64_t d : membership_.OpenReplicas()) {
+  std::vector<std::pair<v1::Module, int64_t>> joined_replicas;
+  for (int64_t d : membership_.OpenReplicas(v1::MODULE_ENCODER)) {
     if (static_cast<int64_t>(membership_.Replicas(v1::MODULE_ENCODER).size()) >= encoder_target_) {
       break;
     }
-    if (!membership_.ReadyToJoin(d)) continue;
-    for (WorkerRecord* w : membership_.Activate(d)) joined.push_back(w);
-    joined_replicas.push_back(d);
+    if (!membership_.ReadyToJoin(v1::MODULE_ENCODER, d)) continue;
+    for (WorkerRecord* w : membership_.Activate(v1::MODULE_ENCODER, d)) joined.push_back(w);
+    joined_replicas.emplace_back(v1::MODULE_ENCODER, d);
     encoder_joining_.push_back(d);
+  }
+  for (int64_t d : membership_.OpenReplicas(v1::MODULE_LLM)) {
+    const int64_t after = static_cast<int64_t>(membership_.Replicas(v1::MODULE_LLM).size()) + 1;
+    if (!membership_.ReadyToJoin(v1::MODULE_LLM, d) || !plan::LlmWaves(spec_, after).ok()) {
+      continue;
+    }
+    for (WorkerRecord* w : membership_.Activate(v1::MODULE_LLM, d)) joined.push_back(w);
+    joined_replicas.emplace_back(v1::MODULE_LLM, d);
+    llm_joining_.push_back(d);
   }
   if (joined.empty()) return;
   std::sort(encoder_joining_.begin(), encoder_joining_.end());
+  std::sort(llm_joining_.begin(), llm_joining_.end());
   ++generation_;
-  const std::string cause =
-      absl::StrCat("encoder replica(s) ", absl::StrJoin(joined_replicas, ", "), " joined the run");
-  for (int64_t d : joined_replicas) {
-    RecordPoolChange(v1::MODULE_ENCODER, d, v1::POOL_CHANGE_JOINED, cause, now);
+  std::vector<std::string> names;
+  for (const auto& [module, d] : joined_replicas) {
+    names.push_back(absl::StrCat(ModuleName(module), " replica ", d));
+  }
+  const std::string cause = absl::StrCat(absl::StrJoin(names, ", "), " joined the run");
+  for (const auto& [module, d] : joined_replicas) {
+    RecordPoolChange(module, d, v1::POOL_CHANGE_JOINED, cause, now);
   }
   HETPAR_LOG(INFO) << "generation " << generation_ << ": " << cause << "; training on "
-                   << membership_.Replicas(v1::MODULE_ENCODER).size()
-                   << " encoder replicas from step " << committed_steps_
-                   << " (their state comes from a live replica first)";
+                   << membership_.Replicas(v1::MODULE_ENCODER).size() << " encoder and "
+                   << membership_.Replicas(v1::MODULE_LLM).size() << " llm replicas from step "
+                   << committed_steps_ << " (their state comes from a live replica first)";
   for (WorkerRecord* w : joined) {
     v1::CoordinatorMessage message;
     *message.mutable_assignment() = AssignmentOf(*w, /*with_peers=*/true);
@@ -657,6 +693,7 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
       ++committed_steps_;
       // Replicas that joined trained this step from the state they received: they hold it now.
       encoder_joining_.clear();
+      llm_joining_.clear();
       for (v1::PoolChange& change : pool_changes_) {
         if (change.recovery_s() < 0) {
           change.set_recovery_s(UnixSeconds(now) - change.unix_time());
@@ -730,6 +767,7 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
     return;
   }
   plan->encoder_joining = encoder_joining_;
+  plan->llm_joining = llm_joining_;
   std::vector<const WorkerRecord*> participants(live.begin(), live.end());
   orchestrator_.Begin(committed_steps_, generation_, *std::move(plan), participants, now,
                       &actions->messages);
@@ -867,7 +905,7 @@ absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& r
   // Without a step in flight the pool changes now; otherwise after its commit.
   MaybeStartStep(now, actions);
   const int64_t training = static_cast<int64_t>(membership_.Replicas(v1::MODULE_ENCODER).size());
-  const std::vector<int64_t> open = membership_.OpenReplicas();
+  const std::vector<int64_t> open = membership_.OpenReplicas(v1::MODULE_ENCODER);
   v1::ScaleResponse response;
   response.set_current_encoder_replicas(training);
   response.set_requested_encoder_replicas(encoder_target_);
@@ -947,7 +985,10 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
     status.set_llm_replicas(static_cast<int64_t>(membership_.Replicas(v1::MODULE_LLM).size()));
     status.set_llm_replicas_configured(membership_.llm_grid().dp);
     status.set_encoder_replicas_target(encoder_target_);
-    for (int64_t d : membership_.OpenReplicas()) status.add_encoder_replicas_open(d);
+    for (int64_t d : membership_.OpenReplicas(v1::MODULE_ENCODER)) {
+      status.add_encoder_replicas_open(d);
+    }
+    for (int64_t d : membership_.OpenReplicas(v1::MODULE_LLM)) status.add_llm_replicas_open(d);
     status.set_encoder_workers_joining(membership_.joining_workers());
   }
   for (const v1::PoolChange& change : pool_changes_) *status.add_pool_changes() = change;

@@ -171,6 +171,7 @@ class RunController {
   // Encoder replicas that joined and have not yet trained a committed step: every attempt until
   // then starts with their state broadcast from a live replica (StepPlan.encoder_joining).
   std::vector<int64_t> encoder_joining_;
+  std::vector<int64_t> llm_joining_;  // the same for the LLM's replicas (replacements)
   // Encoder replicas whose worker asked to leave (Leave), retired at the next step boundary.
   std::vector<int64_t> leave_requested_;
 };

@@ -361,6 +361,56 @@ TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
   ASSERT_EQ(status.pool_changes_size(), 1);
   EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_LLM);
   EXPECT_EQ(status.pool_changes(0).replica(), 1);
+
+  // The lost replica admits a replacement, which joins at the next step boundary and takes the
+  // LLM's state from replica 0; the encoder ranks connect to it.
+  EXPECT_THAT(status.llm_replicas_open(), ::testing::ElementsAre(1));
+  const std::string joiner = Register(v1::WORKER_ROLE_LLM);
+  ASSERT_TRUE(controller_->OpenSession(joiner, kT0, &actions_).ok());
+  actions_ = {};
+  // Step 0 on LLM replica 0 alone: its partial and the encoder's, every training worker's report.
+  const int64_t generation = controller_->generation();
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    v1::WorkerMessage m;
+    auto* p = m.mutable_grad_norm_partial();
+    p->set_step(0);
+    p->set_generation(generation);
+    p->set_module(i == 0 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+    p->set_sum_squares(1.0);
+    Send(ids_[i], m, kT0 + absl::Seconds(2));
+  }
+  for (size_t i : {size_t{0}, size_t{1}, size_t{2}}) {
+    v1::WorkerMessage m;
+    auto* r = m.mutable_report();
+    r->set_step(0);
+    r->set_generation(generation);
+    r->set_ok(true);
+    if (i == 2) {
+      r->set_loss_sum(30.0);
+      r->set_loss_tokens(10);
+    }
+    Send(ids_[i], m, kT0 + absl::Seconds(2));
+  }
+  ASSERT_EQ(controller_->committed_steps(), 1);
+  auto assignment = SentTo(joiner, v1::CoordinatorMessage::kAssignment);
+  ASSERT_EQ(assignment.size(), 1u);
+  EXPECT_TRUE(assignment[0].assignment().joining());
+  EXPECT_EQ(assignment[0].assignment().peers_size(), 2);  // both encoder ranks
+  EXPECT_THAT(assignment[0].assignment().llm_replicas(), ::testing::ElementsAre(0, 1));
+  auto changes = SentTo(ids_[0], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  ASSERT_EQ(changes[0].membership_change().joined_size(), 1);
+  EXPECT_EQ(changes[0].membership_change().joined(0).worker_id(), joiner);
+  plans = SentTo(joiner, v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().llm_joining(), ::testing::ElementsAre(1));
+  EXPECT_EQ(plans[0].step_plan().encoder_joining_size(), 0);
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0, 1));
+  status = controller_->Status(kT0 + absl::Seconds(2));
+  EXPECT_EQ(status.llm_replicas(), 2);
+  ASSERT_EQ(status.pool_changes_size(), 2);
+  EXPECT_EQ(status.pool_changes(1).kind(), v1::POOL_CHANGE_JOINED);
+  EXPECT_EQ(status.pool_changes(1).module(), v1::MODULE_LLM);
 }
 
 TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) {

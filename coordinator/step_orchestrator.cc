@@ -74,6 +74,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
     for (int64_t replica : plan.encoder_replicas) step_plan->add_encoder_replicas(replica);
     for (int64_t replica : plan.llm_replicas) step_plan->add_llm_replicas(replica);
     for (int64_t replica : plan.encoder_joining) step_plan->add_encoder_joining(replica);
+    for (int64_t replica : plan.llm_joining) step_plan->add_llm_joining(replica);
     auto it = plan.worker_plans.find(worker->worker_id);
     if (it != plan.worker_plans.end()) {
       *step_plan->mutable_rank_plan() = std::move(it->second);

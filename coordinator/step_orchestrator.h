@@ -58,6 +58,7 @@ struct PlannedStep {
   // Encoder replicas that joined and take their module's state from a live replica before the
   // step (StepPlan.encoder_joining).
   std::vector<int64_t> encoder_joining;
+  std::vector<int64_t> llm_joining;  // the same for the LLM (StepPlan.llm_joining)
 };
 
 // Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock

@@ -354,6 +354,20 @@ TEST(ConfigTest, TheMinimumPoolsAreBetweenOneAndTheLayoutsReplicas) {
               "=3 must be in [1, llm.layout.dp=2]");
 }
 
+TEST(ConfigTest, TheInitialEncoderPoolIsBetweenTheMinimumAndTheLayoutsReplicas) {
+  auto defaults = Load(kValid);
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->spec.encoder().initial_replicas(), 0);  // unset: encoder.layout.dp
+  auto one = Load(kValid, {"encoder.initial_replicas=1"});
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->spec.encoder().initial_replicas(), 1);
+  ExpectIssue(Load(kValid, {"encoder.initial_replicas=3"}), "encoder.initial_replicas", 0,
+              "=3 must be in [failure.min_encoder_replicas=1, encoder.layout.dp=2]");
+  ExpectIssue(Load(kValid, {"encoder.initial_replicas=1", "failure.min_encoder_replicas=2"}),
+              "encoder.initial_replicas", 0,
+              "=1 must be in [failure.min_encoder_replicas=2, encoder.layout.dp=2]");
+}
+
 TEST(ConfigTest, PipelineStagesNeedTheEncoderToKeepAsManyJobsInFlight) {
   ExpectIssue(Load(kValid, {"llm.layout.pp=2", "run.max_inflight=1"}), "run.max_inflight", 0,
               "=1 is less than llm.layout.pp=2: the LLM's first stage runs 2 forwards");

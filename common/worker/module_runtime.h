@@ -76,14 +76,14 @@ class ModuleRuntime {
   // generation's rendezvous (the old ones may hold a collective a peer gave up), each module's
   // gradient group over the plan's replicas of it.
   virtual absl::Status Regroup(int64_t generation, const StepReplicas& replicas) = 0;
-  // Before a step whose plan names encoder replicas that joined the run (StepPlan
-  // .encoder_joining): every encoder rank of `replicas` takes part in the broadcast of the
-  // encoder's parameters and AdamW state from the first replica not joining, after which the
-  // joined replicas hold what the others hold. Nothing to do for the LLM.
+  // Before a step whose plan names replicas that joined the run (StepPlan.encoder_joining,
+  // .llm_joining): every rank of a module with joining replicas takes part in the broadcast of
+  // the module's parameters and AdamW state from the first replica of `replicas` not joining,
+  // after which the joined replicas hold what the others hold.
   virtual absl::Status ReceiveJoinedState(const StepReplicas& replicas,
-                                          const std::vector<int64_t>& encoder_joining) {
+                                          const StepReplicas& joining) {
     (void)replicas;
-    (void)encoder_joining;
+    (void)joining;
     return absl::OkStatus();
   }
 

@@ -139,25 +139,27 @@ absl::Status ModuleState::Train(nn::ParameterSet* params, const v1::Optimizer& o
 }
 
 absl::Status ModuleState::ReceiveJoinedState(const StepReplicas& replicas,
-                                             const std::vector<int64_t>& joining) {
-  if (module_ != v1::MODULE_ENCODER || joining.empty()) return absl::OkStatus();
-  std::vector<int64_t> taking_part = replicas.encoder;
+                                             const StepReplicas& joining_replicas) {
+  const bool encoder = module_ == v1::MODULE_ENCODER;
+  const std::vector<int64_t>& joining = encoder ? joining_replicas.encoder : joining_replicas.llm;
+  if (joining.empty()) return absl::OkStatus();
+  std::vector<int64_t> taking_part = encoder ? replicas.encoder : replicas.llm;
+  const v1::Layout& layout = encoder ? spec_.encoder().layout() : spec_.llm().layout();
   if (taking_part.empty()) {
-    for (int64_t d = 0; d < std::max<int64_t>(1, spec_.encoder().layout().dp()); ++d) {
-      taking_part.push_back(d);
-    }
+    for (int64_t d = 0; d < std::max<int64_t>(1, layout.dp()); ++d) taking_part.push_back(d);
   }
-  // The gradient group's ranks are the replicas taking part, in order (the encoder has no CP).
+  const int64_t cp = encoder ? 1 : std::max<int64_t>(1, layout.cp());
+  // The gradient group's ranks are the replicas taking part, in order, each with its CP ranks.
   for (size_t i = 0; i < taking_part.size(); ++i) {
     if (std::find(joining.begin(), joining.end(), taking_part[i]) != joining.end()) continue;
     const absl::Time start = absl::Now();
     HETPAR_RETURN_IF_ERROR(
-        Annotate(BroadcastState(static_cast<int64_t>(i)),
-                 absl::StrCat("sending the encoder's state from replica ", taking_part[i],
+        Annotate(BroadcastState(static_cast<int64_t>(i) * cp),
+                 absl::StrCat("sending the ", name_, "'s state from replica ", taking_part[i],
                               " to the joined replica(s) ", absl::StrJoin(joining, ", "))));
     // The sums let a reader check that a joined rank holds what its source holds.
     const train::OwnedSums sums = train::OwnedParamSums(*params_);
-    HETPAR_LOG(INFO) << "encoder state "
+    HETPAR_LOG(INFO) << name_ << " state "
                      << (std::find(joining.begin(), joining.end(), coords_.dp()) != joining.end()
                              ? "received from"
                              : "sent by")
@@ -170,8 +172,8 @@ absl::Status ModuleState::ReceiveJoinedState(const StepReplicas& replicas,
     return absl::OkStatus();
   }
   return absl::FailedPreconditionError(
-      absl::StrCat("every encoder replica of the step [", absl::StrJoin(taking_part, ", "),
-                   "] joined the run: none holds the encoder's state"));
+      absl::StrCat("every ", name_, " replica of the step [", absl::StrJoin(taking_part, ", "),
+                   "] joined the run: none holds the ", name_, "'s state"));
 }
 
 absl::Status ModuleState::BroadcastState(int64_t root) {

@@ -54,10 +54,10 @@ class ModuleState {
   absl::Status Train(nn::ParameterSet* params, const v1::Optimizer& optimizer);
 
   // ModuleRuntime::ReceiveJoinedState for this module (after Train, in the step's groups): the
-  // encoder's gradient group broadcasts the parameters and AdamW state of the first replica of
-  // `replicas` not in `joining`. No-op for the LLM or without joining replicas.
-  absl::Status ReceiveJoinedState(const StepReplicas& replicas,
-                                  const std::vector<int64_t>& joining);
+  // gradient group broadcasts the parameters and AdamW state of the first of this module's
+  // `replicas` not in `joining` (its CP rank 0: CP ranks hold the same state). No-op without
+  // joining replicas of this module.
+  absl::Status ReceiveJoinedState(const StepReplicas& replicas, const StepReplicas& joining);
 
   const std::string& name() const { return name_; }  // "encoder" or "llm"
   const v1::RankCoordinates& coords() const { return coords_; }
@@ -132,8 +132,8 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.WriteOutputs(send, world_rank);
   }
   absl::Status ReceiveJoinedState(const StepReplicas& replicas,
-                                  const std::vector<int64_t>& encoder_joining) override {
-    return state_.ReceiveJoinedState(replicas, encoder_joining);
+                                  const StepReplicas& joining) override {
+    return state_.ReceiveJoinedState(replicas, joining);
   }
 
  protected:

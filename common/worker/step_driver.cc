@@ -149,16 +149,19 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     grouped = modules_->Regroup(step_message.generation(), replicas);
     if (grouped.ok()) formed_generation_ = step_message.generation();
   }
-  if (grouped.ok() && step_message.encoder_joining_size() > 0) {
+  if (grouped.ok() &&
+      (step_message.encoder_joining_size() > 0 || step_message.llm_joining_size() > 0)) {
     // Replicas joined: their state comes from a live replica before the step (every attempt
     // until one commits; the broadcast leaves the others as they were).
     StepReplicas replicas;
     replicas.encoder.assign(step_message.encoder_replicas().begin(),
                             step_message.encoder_replicas().end());
     replicas.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
-    grouped = modules_->ReceiveJoinedState(
-        replicas, std::vector<int64_t>(step_message.encoder_joining().begin(),
-                                       step_message.encoder_joining().end()));
+    StepReplicas joining;
+    joining.encoder.assign(step_message.encoder_joining().begin(),
+                           step_message.encoder_joining().end());
+    joining.llm.assign(step_message.llm_joining().begin(), step_message.llm_joining().end());
+    grouped = modules_->ReceiveJoinedState(replicas, joining);
   }
   absl::StatusOr<plan::RankStepPlan> rank_plan =
       grouped.ok() ? coordinator::RankStepPlanFromProto(step_message.rank_plan())

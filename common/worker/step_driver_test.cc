@@ -86,6 +86,14 @@ class RecordingModule : public ModuleRuntime {
     return regroup_error;
   }
   absl::Status WriteOutputs(const OutputSender&, int64_t) override { return absl::OkStatus(); }
+  absl::Status ReceiveJoinedState(const StepReplicas& replicas,
+                                  const StepReplicas& joining) override {
+    calls.push_back(absl::StrCat("state of [", absl::StrJoin(replicas.encoder, ","), "] to [",
+                                 absl::StrJoin(joining.encoder, ","), "]",
+                                 joining.llm.empty() ? "" : " llm [",
+                                 absl::StrJoin(joining.llm, ","), joining.llm.empty() ? "" : "]"));
+    return absl::OkStatus();
+  }
 
   std::vector<std::string> calls;
   bool pending = false;
@@ -360,6 +368,55 @@ TEST(StepDriverTest, AMembershipChangeIsLoggedAndTheWorkerGoesOnWithTheNextPlan)
   StepDriver driver(&channel, &module, Gen1());
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("regroup 3 [1]", "run 0", "apply 0 clip 1"));
+}
+
+// A plan naming replicas that joined: the state broadcast comes after the groups of its
+// generation and before the step, in every attempt until one commits. A membership change naming
+// joined workers reaches the worker's hook (it connects to them) before the plan after it.
+TEST(StepDriverTest, JoinedReplicasGetTheStateBeforeTheirFirstStepInEveryAttempt) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage change;
+  change.mutable_membership_change()->set_generation(2);
+  change.mutable_membership_change()->set_reason("encoder replica(s) 1 joined the run");
+  change.mutable_membership_change()->add_joined()->set_world_rank(1);
+  v1::CoordinatorMessage joined = Plan(0, 2, {0, 1});
+  joined.mutable_step_plan()->add_encoder_joining(1);
+  v1::CoordinatorMessage retry = Plan(0, 3, {0, 1});
+  retry.mutable_step_plan()->add_encoder_joining(1);
+  for (auto m : {change, joined, Norm(0, 1.0), Abort(0), retry, Norm(0, 1.0), Commit(0), Plan(1, 3),
+                 Norm(1, 1.0), Commit(1), Stop()}) {
+    channel.Push(m);
+  }
+  StepDriverOptions options = Gen1();
+  std::vector<int64_t> connected;
+  options.on_membership_change = [&](const v1::MembershipChange& c) {
+    for (const auto& peer : c.joined()) connected.push_back(peer.world_rank());
+    module.calls.push_back("membership change");
+    return absl::OkStatus();
+  };
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(connected, ElementsAre(1));
+  EXPECT_THAT(module.calls,
+              ElementsAre("membership change", "regroup 2 [0,1]", "state of [0,1] to [1]", "run 0",
+                          "discard", "regroup 3 [0,1]", "state of [0,1] to [1]", "run 0",
+                          "apply 0 clip 1", "run 1", "apply 1 clip 1"));
+  EXPECT_FALSE(driver.left_run());
+}
+
+// A stop for this worker alone (its replica left a run that goes on).
+TEST(StepDriverTest, AStopThatLeavesTheRunIsToldApartFromTheRunsStop) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage leave = Stop();
+  leave.mutable_stop()->set_leave_run(true);
+  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), leave}) channel.Push(m);
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
+  EXPECT_TRUE(driver.left_run());
+  EXPECT_EQ(driver.steps_applied(), 1);
 }
 
 TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {

@@ -245,9 +245,10 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       colocated || spec.encoder().initial_replicas() <= 0
           ? encoder_ranks
           : std::min(encoder_ranks, spec.encoder().initial_replicas() * encoder_tp);
-  // The newest process of each encoder rank, and how many each rank has had.
-  std::map<int64_t, LocalProcess*> encoder_process;
-  std::map<int64_t, int> encoder_starts;
+  // The newest process of each worker (by its index: encoder ranks, then LLM ranks), and how many
+  // each has had.
+  std::map<int64_t, LocalProcess*> process_of;
+  std::map<int64_t, int> starts;
   auto spawn = [&](int64_t i, const std::string& name) -> absl::Status {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;
@@ -262,10 +263,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
     if (!process.ok()) return process.status();
     processes.push_back(std::move(process).value());
-    if (encoder && !colocated) {
-      encoder_process[rank] = processes.back().get();
-      ++encoder_starts[rank];
-    }
+    process_of[i] = processes.back().get();
+    ++starts[i];
     return absl::OkStatus();
   };
   for (int64_t i = 0; i < workers; ++i) {
@@ -281,33 +280,42 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     }
   }
   int replaced = 0;
-  // Encoder replicas that admit workers (a pool below its target): start their ranks, in place
-  // of workers that died (at most --replace-workers times) or for a larger pool.
+  // Replicas that admit workers (an encoder pool below its target, a lost LLM replica): start
+  // their ranks, in place of workers that died (at most --replace-workers times) or for a larger
+  // pool.
+  const int64_t llm_group = ll.tp() * ll.cp();  // LLM ranks of one replica in one stage
   auto fill_open_replicas = [&](const v1::StatusResponse& status) -> absl::Status {
+    std::vector<std::pair<std::string, int64_t>> wanted;  // (module, worker index)
     for (int64_t d : status.encoder_replicas_open()) {
-      for (int64_t t = 0; t < encoder_tp; ++t) {
-        const int64_t rank = d * encoder_tp + t;
-        auto it = encoder_process.find(rank);
-        std::optional<int> code;
-        if (it != encoder_process.end()) {
-          code = it->second->Poll();
-          if (!code.has_value()) continue;  // still running (a removed worker leaving)
-        }
-        const bool replacement = code.has_value() && *code != 0;
-        if (replacement && replaced >= flags.replace_workers) continue;
-        const std::string name = encoder_starts[rank] == 0
-                                     ? absl::StrCat("encoder-", rank)
-                                     : absl::StrCat("encoder-", rank, ".", encoder_starts[rank]);
-        HETPAR_RETURN_IF_ERROR(spawn(rank, name));
-        if (replacement) ++replaced;
-        std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
-                  << ") for encoder replica " << d
-                  << (replacement
-                          ? absl::StrCat(", in place of a worker that died (", replaced,
-                                         " of --replace-workers ", flags.replace_workers, ")")
-                          : std::string(", which the pool grew into"))
-                  << "\n";
+      for (int64_t t = 0; t < encoder_tp; ++t) wanted.emplace_back("encoder", d * encoder_tp + t);
+    }
+    for (int64_t d : status.llm_replicas_open()) {
+      for (int64_t r = 0; r < llm_ranks; ++r) {
+        if ((r / llm_group) % ll.dp() == d) wanted.emplace_back("llm", encoder_ranks + r);
       }
+    }
+    for (const auto& [module, i] : wanted) {
+      const int64_t rank = module == "encoder" ? i : i - encoder_ranks;
+      auto it = process_of.find(i);
+      std::optional<int> code;
+      if (it != process_of.end()) {
+        code = it->second->Poll();
+        if (!code.has_value()) continue;  // still running (registered, or a removed one leaving)
+      }
+      const bool replacement = code.has_value() && *code != 0;
+      if (replacement && replaced >= flags.replace_workers) continue;
+      // Without a replacement an LLM replica that left stays out of the run.
+      if (module == "llm" && !replacement) continue;
+      const std::string name = starts[i] == 0 ? absl::StrCat(module, "-", rank)
+                                              : absl::StrCat(module, "-", rank, ".", starts[i]);
+      HETPAR_RETURN_IF_ERROR(spawn(i, name));
+      if (replacement) ++replaced;
+      std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
+                << ") for its " << module << " replica"
+                << (replacement ? absl::StrCat(", in place of a worker that died (", replaced,
+                                               " of --replace-workers ", flags.replace_workers, ")")
+                                : std::string(", which the pool grew into"))
+                << "\n";
     }
     return absl::OkStatus();
   };

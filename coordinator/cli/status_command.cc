@@ -67,6 +67,10 @@ void PrintStatus(const v1::StatusResponse& s) {
                 << s.encoder_workers_joining() << " worker(s) registered, joining at the next "
                 << "step boundary once a replica's ranks are all there)\n";
     }
+    if (s.llm_replicas_open_size() > 0) {
+      std::cout << "  llm replicas admitting a replacement: "
+                << absl::StrJoin(s.llm_replicas_open(), ", ") << "\n";
+    }
     for (const v1::PoolChange& change : s.pool_changes()) {
       const char* what = change.kind() == v1::POOL_CHANGE_JOINED    ? "joined"
                          : change.kind() == v1::POOL_CHANGE_REMOVED ? "was removed"

@@ -38,12 +38,7 @@ const std::string kLlm = HETPAR_LLM_BIN;
 const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
 constexpr int kSteps = 8;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+std::string ReadFile(const std::string& path) { return testing::ReadTextFile(path); }
 
 int CountLines(const std::string& path) {
   const std::string text = ReadFile(path);
@@ -62,7 +57,7 @@ bool WaitFor(Fn done, double timeout_s) {
   return done();
 }
 
-// The lines of a run's metrics.jsonl by step (-1: final_params, -2: eval).
+// The lines of a run's metrics.jsonl by step (-1: final_params, -2: eval, -3: the ledger).
 std::map<int64_t, nlohmann::json> MetricsByStep(const std::string& run_dir) {
   std::map<int64_t, nlohmann::json> by_step;
   std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
@@ -70,6 +65,7 @@ std::map<int64_t, nlohmann::json> MetricsByStep(const std::string& run_dir) {
     const nlohmann::json j = nlohmann::json::parse(line);
     const int64_t key = j.contains("final_params") ? -1
                         : j.contains("eval")       ? -2
+                        : j.contains("ledger")     ? -3
                                                    : j.at("step").get<int64_t>();
     EXPECT_EQ(by_step.count(key), 0u) << "two lines for " << key << " in " << run_dir;
     by_step[key] = j;

@@ -36,32 +36,8 @@ using testing::RunCommand;
 const std::string kBin = HETPAR_BIN;
 const std::string kTiny = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-// Pids of processes whose command line contains every one of `needles` (other than this test).
-std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
-  std::vector<pid_t> pids;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const pid_t pid = std::stoi(name);
-    if (pid == ::getpid()) continue;
-    std::string cmdline = ReadFile(entry.path().string() + "/cmdline");
-    for (char& c : cmdline) {
-      if (c == '\0') c = ' ';
-    }
-    bool all = !cmdline.empty();
-    for (const std::string& needle : needles)
-      all = all && cmdline.find(needle) != std::string::npos;
-    if (all) pids.push_back(pid);
-  }
-  return pids;
-}
+std::string ReadFile(const std::string& path) { return testing::ReadTextFile(path); }
+using testing::ProcessesWith;
 
 struct RunLines {
   std::map<int64_t, double> loss;
@@ -187,7 +163,7 @@ class EncoderPoolTest : public ::testing::Test {
   // A joined rank logs the parameter sums of the state it received; its source logs the same.
   void ExpectJoinedStateEqualsItsSource(const std::string& out) const {
     const std::regex line(
-        "encoder state (received from|sent by) replica \\d+ for the joined "
+        "(?:encoder|llm) state (received from|sent by) replica \\d+ for the joined "
         "replica\\(s\\) \\[[0-9, ]+\\] in [^;]*; (tp rank \\d+ parameter sum "
         "[^\\n]*)");
     std::map<std::string, std::vector<std::string>> by_direction;
@@ -245,6 +221,34 @@ TEST_F(EncoderPoolTest, AnEncoderKilledThreeTimesAndReplacedTwiceTrainsAsAnUnint
   EXPECT_EQ(lines.pool_changes.back()["replicas"].get<int64_t>(), 1);
   ExpectJoinedStateEqualsItsSource("run");
   ExpectUninterruptedNumbers("run", {});
+}
+
+// The same for an LLM worker of a run whose LLM has two replicas: the lost replica admits a
+// replacement, which joins with the LLM's state from the other replica.
+TEST_F(EncoderPoolTest, AKilledLlmWorkerReplacedTrainsAsAnUninterruptedRun) {
+  const std::vector<std::string> sets = {"llm.layout.dp=2", "llm.layout.tp=1"};
+  std::vector<std::string> argv = RunArgs("run", sets);
+  argv.insert(argv.end(), {"--replace-workers", "1"});
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string log_path = dir_ + "/hetpar-run.log";
+  ASSERT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
+  const std::vector<pid_t> llm =
+      ProcessesWith({"hetpar-llm --coordinator", "--out " + dir_ + "/run "});
+  ASSERT_EQ(llm.size(), 2u) << ReadFile(log_path);
+  ASSERT_EQ(::kill(llm[std::random_device{}() % 2], SIGKILL), 0);
+  ASSERT_TRUE(WaitFor([&] { return PoolChanges("run", "joined") == 1; })) << ReadFile(log_path);
+  ASSERT_LT(CommittedSteps("run"), kSteps) << "the run ended before the replacement joined";
+  auto code = run->Wait(180);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(log_path);
+  const RunLines lines = ReadRun(dir_ + "/run");
+  ASSERT_EQ(lines.pool_changes.size(), 2u);
+  EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
+  EXPECT_EQ(lines.pool_changes[1]["kind"], "joined");
+  EXPECT_EQ(lines.pool_changes[1]["replicas"].get<int64_t>(), 2);
+  ExpectJoinedStateEqualsItsSource("run");
+  ExpectUninterruptedNumbers("run", sets);
 }
 
 // `hetpar scale` on a running pool of encoder.layout.dp 3 that starts with 2 replicas:

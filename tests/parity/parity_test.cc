@@ -82,6 +82,7 @@ class ParityTest : public ::testing::Test {
     std::vector<nlohmann::json> steps;  // the per-step lines, in order
     nlohmann::json final_params;
     nlohmann::json eval;
+    nlohmann::json ledger;  // a distributed run's sample ledger
   };
 
   static RunMetrics Metrics(const std::string& run) {
@@ -94,6 +95,8 @@ class ParityTest : public ::testing::Test {
         m.final_params = j["final_params"];
       } else if (j.contains("eval")) {
         m.eval = j["eval"];
+      } else if (j.contains("ledger")) {
+        m.ledger = j["ledger"];
       } else {
         m.steps.push_back(j);
       }

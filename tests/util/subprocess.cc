@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -150,6 +153,33 @@ absl::StatusOr<int> ChildProcess::Wait(double timeout_s) {
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+}
+
+std::string ReadTextFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
+  std::vector<pid_t> pids;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = std::stoi(name);
+    if (pid == ::getpid()) continue;
+    std::string cmdline = ReadTextFile(entry.path().string() + "/cmdline");
+    if (cmdline.empty()) continue;  // gone, or a kernel thread
+    for (char& c : cmdline) {
+      if (c == '\0') c = ' ';
+    }
+    bool all = true;
+    for (const std::string& needle : needles) all = all && cmdline.find(needle) != std::string::npos;
+    if (all) pids.push_back(pid);
+  }
+  return pids;
 }
 
 }  // namespace hetpar::testing

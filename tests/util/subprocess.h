@@ -46,6 +46,13 @@ class ChildProcess {
   bool reaped_ = false;
 };
 
+// The whole text of `path` ("" when it cannot be read).
+std::string ReadTextFile(const std::string& path);
+
+// Pids of the processes whose command line (arguments joined by spaces) contains every one of
+// `needles`, other than this process.
+std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles);
+
 }  // namespace hetpar::testing
 
 #endif  // HETPAR_TESTS_UTIL_SUBPROCESS_H_
