@@ -1,15 +1,23 @@
-// recovery_bench: the cost of losing a worker of a DP replica in a running job.
+// recovery_bench: the cost of losing a worker of a DP replica in a running job, of replacing it,
+// and of resizing the encoder pool.
 //
-// Two cases, each --trials times: `hetpar run` with the encoder at dp 2 (an encoder worker is
-// killed), and with the LLM at dp 2 x tp 1 (an LLM worker is killed). Each run waits for
-// --kill-after committed steps, kills the worker with SIGKILL at whatever point of a step it is,
-// and finishes over the replicas left. From the run's metrics.jsonl: the median step time before
-// the kill (the same-run baseline), the time from the kill to the coordinator's noticing it
-// (detection_s), the time from the kill to the next committed step (recovery_s: the aborted
-// attempt, the groups formed anew and the step trained again) and the median step time after it
-// (fewer replicas). One JSON line per run, then a summary line.
-// Goal (docs/coordinator.md): detection within the heartbeat deadline, recovery within about
-// one step time after it.
+// Cases, each --trials times, each a `hetpar run` that waits for --kill-after committed steps:
+//  * encoder_replica_killed (encoder dp 2) and llm_replica_killed (LLM dp 2 x tp 1): a worker is
+//    killed with SIGKILL at whatever point of a step it is, and the run finishes over the
+//    replicas left. From metrics.jsonl: the median step time before the kill (the same-run
+//    baseline), the time from the kill to the coordinator's noticing it (detection_s), the time
+//    from the kill to the next committed step (recovery_s: the aborted attempt, the groups formed
+//    anew and the step trained again) and the median step time after it (fewer replicas).
+//  * encoder_replica_replaced (encoder dp 2) and llm_replica_replaced (LLM dp 2 x tp 1), with
+//    --replace-workers 1: the same kill, and then the replacement `hetpar run` starts joins: join_s from the kill to the join (a process started,
+//    registered, its replica joining at a step boundary) and join_commit_s from the join to the
+//    next committed step (the state broadcast from a live replica, the groups and the step).
+//  * encoder_pool_resized (encoder dp 3, 2 initial replicas): `hetpar scale --encoders 3`, then
+//    back to 2. grow_s: from the scale to the new replica's join; grow_commit_s: from the join to
+//    the next commit; shrink_commit_s: from the shrink (at a step boundary) to the next commit.
+// One JSON line per run, then a summary line. Goal (docs/coordinator.md): detection within the
+// heartbeat deadline, recovery within about one step time after it; a join or a resize costs
+// about one step more than the step it happens at.
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -20,6 +28,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -71,11 +80,49 @@ double UnixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+enum class Event { kKill, kResize };
+
 struct Case {
-  std::string name;    // what is lost
-  std::string binary;  // the process killed
-  std::string flags;   // the layout that gives its module two replicas
+  std::string name;  // what happens
+  Event event;
+  std::string binary;  // the process killed (kKill)
+  std::string flags;   // the layout that gives its module two (or three) replicas
 };
+
+// The pool_change lines of `metrics` of `kind` ("lost", "joined", "removed"), oldest first.
+std::vector<nlohmann::json> PoolChanges(const std::string& metrics, const std::string& kind) {
+  std::vector<nlohmann::json> changes;
+  std::istringstream in(ReadFile(metrics));
+  std::string line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.contains("pool_change") && j["pool_change"]["kind"] == kind) {
+      changes.push_back(j["pool_change"]);
+    }
+  }
+  return changes;
+}
+
+// Polls `done` every 20 ms for at most 10 minutes.
+bool WaitFor(const std::function<bool()>& done) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+// `hetpar scale --encoders n` against the coordinator of the run whose log is `log`.
+bool Scale(const std::string& log, int n) {
+  const std::string text = ReadFile(log);
+  const size_t at = text.find("coordinator on ");
+  if (at == std::string::npos) return false;
+  const std::string address = text.substr(at + 15, text.find(',', at) - at - 15);
+  const std::string command = std::string(HETPAR_BIN) + " scale --encoders " + std::to_string(n) +
+                              " --coordinator " + address + " > /dev/null";
+  return std::system(command.c_str()) == 0;
+}
 
 }  // namespace
 
@@ -101,8 +148,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::vector<Case> cases = {
-      {"encoder_replica_killed", "hetpar-encoder", " --set encoder.layout.dp=2"},
-      {"llm_replica_killed", "hetpar-llm", " --set llm.layout.dp=2 --set llm.layout.tp=1"},
+      {"encoder_replica_killed", Event::kKill, "hetpar-encoder", " --set encoder.layout.dp=2"},
+      {"llm_replica_killed", Event::kKill, "hetpar-llm",
+       " --set llm.layout.dp=2 --set llm.layout.tp=1"},
+      {"encoder_replica_replaced", Event::kKill, "hetpar-encoder",
+       " --set encoder.layout.dp=2 --replace-workers 1"},
+      {"llm_replica_replaced", Event::kKill, "hetpar-llm",
+       " --set llm.layout.dp=2 --set llm.layout.tp=1 --replace-workers 1"},
+      {"encoder_pool_resized", Event::kResize, "",
+       " --set encoder.layout.dp=3 --set encoder.initial_replicas=2"},
   };
 
   const std::string dir =
@@ -123,63 +177,93 @@ int main(int argc, char** argv) {
         ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
         std::_Exit(127);
       }
-      // Wait for the committed steps (at most 10 minutes), then kill one worker.
+      // Wait for the committed steps (at most 10 minutes), then the event.
       const std::string metrics = out + "/metrics.jsonl";
-      const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(10);
-      while (CountSteps(metrics) < kill_after && std::chrono::steady_clock::now() < give_up) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      WaitFor([&] { return CountSteps(metrics) >= kill_after; });
+      const double event_at = UnixNow();
+      double shrink_at = 0;
+      bool happened = true;
+      if (c.event == Event::kKill) {
+        const std::vector<pid_t> workers = Workers(c.binary, out);
+        if (workers.size() < 2) {
+          std::fprintf(stderr, "found %zu %s workers of %s (need 2); see %s.log\n", workers.size(),
+                       c.binary.c_str(), out.c_str(), out.c_str());
+          happened = false;
+        } else {
+          ::kill(workers.back(), SIGKILL);
+        }
+      } else {
+        // Grow to 3; once the new replica joined and trained a step, shrink back to 2.
+        happened = Scale(out + ".log", 3) &&
+                   WaitFor([&] { return !PoolChanges(metrics, "joined").empty(); });
+        shrink_at = UnixNow();
+        happened = happened && Scale(out + ".log", 2);
       }
-      const std::vector<pid_t> workers = Workers(c.binary, out);
-      if (workers.size() < 2) {
-        std::fprintf(stderr, "found %zu %s workers of %s (need 2); see %s.log\n", workers.size(),
-                     c.binary.c_str(), out.c_str(), out.c_str());
+      if (!happened) {
+        std::fprintf(stderr, "%s: the event did not happen; see %s.log\n", c.name.c_str(),
+                     out.c_str());
         ::kill(child, SIGTERM);
         ::waitpid(child, nullptr, 0);
         return 1;
       }
-      const double killed_at = UnixNow();
-      ::kill(workers.back(), SIGKILL);
       int status = 0;
       ::waitpid(child, &status, 0);
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        std::fprintf(stderr, "the run did not finish after the kill; see %s.log\n", out.c_str());
+        std::fprintf(stderr, "the run did not finish after the %s; see %s.log\n",
+                     c.event == Event::kKill ? "kill" : "resize", out.c_str());
+        return 1;
+      }
+      const std::vector<nlohmann::json> lost = PoolChanges(metrics, "lost");
+      const std::vector<nlohmann::json> joined = PoolChanges(metrics, "joined");
+      const std::vector<nlohmann::json> removed = PoolChanges(metrics, "removed");
+      // The first pool change marks the end of the baseline.
+      const nlohmann::json& first = c.event == Event::kKill
+                                        ? (lost.empty() ? nlohmann::json() : lost[0])
+                                        : (joined.empty() ? nlohmann::json() : joined[0]);
+      const bool replaced = c.flags.find("--replace-workers") != std::string::npos;
+      if (first.is_null() || (replaced && joined.empty()) ||
+          (c.event == Event::kResize && removed.empty())) {
+        std::fprintf(stderr, "missing pool_change lines in %s\n", metrics.c_str());
         return 1;
       }
       std::vector<double> before;
       std::vector<double> after;
-      nlohmann::json change;
       std::istringstream in(ReadFile(metrics));
       std::string line;
       while (std::getline(in, line)) {
         nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (j.is_discarded()) continue;
-        if (j.contains("pool_change")) change = j["pool_change"];
-        if (!j.contains("step") || !j.contains("step_time_s")) continue;
+        if (j.is_discarded() || !j.contains("step") || !j.contains("step_time_s")) continue;
         const int step = j["step"].get<int>();
         // The first two steps warm up; the step that recovered counts in neither median.
         if (step >= 2 && step < kill_after - 1) before.push_back(j["step_time_s"].get<double>());
-        if (!change.is_null() && step > change["step"].get<int>()) {
-          after.push_back(j["step_time_s"].get<double>());
-        }
-      }
-      if (change.is_null()) {
-        std::fprintf(stderr, "no pool_change line in %s\n", metrics.c_str());
-        return 1;
+        if (step > first["step"].get<int>()) after.push_back(j["step_time_s"].get<double>());
       }
       const double step_s = hetpar::bench::Median(before);
-      const double detection_s = change["unix_time"].get<double>() - killed_at;
-      const double recovery_s = detection_s + change["recovery_s"].get<double>();
-      ratios.push_back(recovery_s / step_s);
-      nlohmann::json result = {{"bench", "recovery"},
-                               {"case", c.name},
-                               {"trial", trial},
-                               {"step", change["step"]},
-                               {"replicas_after", change["replicas"]},
-                               {"detection_s", detection_s},
-                               {"recovery_s", recovery_s},
-                               {"step_s_before", step_s},
-                               {"step_s_after", hetpar::bench::Median(after)},
-                               {"recovery_over_step", recovery_s / step_s}};
+      nlohmann::json result = {
+          {"bench", "recovery"},     {"case", c.name},
+          {"trial", trial},          {"step", first["step"]},
+          {"step_s_before", step_s}, {"step_s_after", hetpar::bench::Median(after)}};
+      if (c.event == Event::kKill) {
+        const double detection_s = lost[0]["unix_time"].get<double>() - event_at;
+        const double recovery_s = detection_s + lost[0]["recovery_s"].get<double>();
+        ratios.push_back(recovery_s / step_s);
+        result["replicas_after"] = lost[0]["replicas"];
+        result["detection_s"] = detection_s;
+        result["recovery_s"] = recovery_s;
+        result["recovery_over_step"] = recovery_s / step_s;
+        if (!joined.empty()) {
+          result["join_s"] = joined[0]["unix_time"].get<double>() - event_at;
+          result["join_commit_s"] = joined[0]["recovery_s"];
+          result["join_commit_over_step"] = joined[0]["recovery_s"].get<double>() / step_s;
+        }
+      } else {
+        result["grow_s"] = joined[0]["unix_time"].get<double>() - event_at;
+        result["grow_commit_s"] = joined[0]["recovery_s"];
+        result["grow_commit_over_step"] = joined[0]["recovery_s"].get<double>() / step_s;
+        result["shrink_s"] = removed[0]["unix_time"].get<double>() - shrink_at;
+        result["shrink_commit_s"] = removed[0]["recovery_s"];
+        result["shrink_commit_over_step"] = removed[0]["recovery_s"].get<double>() / step_s;
+      }
       std::printf("%s\n", result.dump().c_str());
       std::fflush(stdout);
     }
