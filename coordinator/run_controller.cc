@@ -349,16 +349,9 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
       std::find(replicas.begin(), replicas.end(), replica) == replicas.end()) {
     return;  // its replica had already left the run
   }
-  // Replicas that joined but have not trained a committed step may not hold the state yet.
-  int64_t left_after = 0;
-  int64_t holders_after = 0;
-  for (int64_t r : replicas) {
-    if (r == replica) continue;
-    ++left_after;
-    const std::vector<int64_t>& joining =
-        module == v1::MODULE_ENCODER ? encoder_joining_ : llm_joining_;
-    if (std::find(joining.begin(), joining.end(), r) == joining.end()) ++holders_after;
-  }
+  const int64_t left_after = static_cast<int64_t>(replicas.size()) - 1;
+  const int64_t holders_after =
+      module == v1::MODULE_UNSPECIFIED ? 0 : HoldersWithout(module, replica);
   const int64_t minimum =
       std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
                                                         : spec_.failure().min_llm_replicas());
@@ -439,6 +432,17 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   MaybeStartStep(now, actions);
 }
 
+int64_t RunController::HoldersWithout(v1::Module module, int64_t replica) const {
+  // Replicas that joined but have not trained a committed step may not hold the state yet.
+  const std::vector<int64_t>& joining =
+      module == v1::MODULE_ENCODER ? encoder_joining_ : llm_joining_;
+  int64_t n = 0;
+  for (int64_t r : membership_.Replicas(module)) {
+    if (r != replica && std::find(joining.begin(), joining.end(), r) == joining.end()) ++n;
+  }
+  return n;
+}
+
 void RunController::RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
                                      const std::string& cause, absl::Time now) {
   v1::PoolChange record;
@@ -476,14 +480,8 @@ void RunController::Leave(WorkerRecord* worker, const std::string& reason, absl:
     const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
     const bool in_run = std::find(active.begin(), active.end(), replica) != active.end();
     if (!in_run) return;  // its replica already left
-    int64_t holders_after = 0;
-    for (int64_t r : active) {
-      if (r != replica && std::find(encoder_joining_.begin(), encoder_joining_.end(), r) ==
-                              encoder_joining_.end()) {
-        ++holders_after;
-      }
-    }
-    if (static_cast<int64_t>(active.size()) - 1 >= minimum && holders_after >= 1) {
+    if (static_cast<int64_t>(active.size()) - 1 >= minimum &&
+        HoldersWithout(v1::MODULE_ENCODER, replica) >= 1) {
       if (std::find(leave_requested_.begin(), leave_requested_.end(), replica) ==
           leave_requested_.end()) {
         leave_requested_.push_back(replica);
@@ -589,16 +587,6 @@ void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
     return;
   }
   const int64_t minimum = std::max<int64_t>(1, spec_.failure().min_encoder_replicas());
-  auto holders_without = [&](int64_t replica) {
-    int64_t n = 0;
-    for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) {
-      if (r != replica && std::find(encoder_joining_.begin(), encoder_joining_.end(), r) ==
-                              encoder_joining_.end()) {
-        ++n;
-      }
-    }
-    return n;
-  };
   // Leaves first: replicas whose worker asked to leave, then the highest replicas beyond the
   // target.
   std::vector<int64_t> leaving;
@@ -606,14 +594,16 @@ void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
   for (int64_t r : leaving) {
     const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
     if (std::find(active.begin(), active.end(), r) == active.end()) continue;
-    if (static_cast<int64_t>(active.size()) - 1 < minimum || holders_without(r) < 1) continue;
+    if (static_cast<int64_t>(active.size()) - 1 < minimum ||
+        HoldersWithout(v1::MODULE_ENCODER, r) < 1)
+      continue;
     RemoveEncoderReplica(r, absl::StrCat("a worker of encoder replica ", r, " asked to leave"), now,
                          actions);
   }
   while (true) {
     const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
     if (static_cast<int64_t>(active.size()) <= std::max(encoder_target_, minimum) ||
-        holders_without(active.back()) < 1) {
+        HoldersWithout(v1::MODULE_ENCODER, active.back()) < 1) {
       break;
     }
     RemoveEncoderReplica(

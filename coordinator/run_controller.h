@@ -140,6 +140,9 @@ class RunController {
   void ChangePoolAtBoundary(absl::Time now, Actions* actions);
   // Retires encoder replica `dp` (its workers get a StopRun with leave_run).
   void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
+  // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
+  // and have not trained a committed step yet aside).
+  int64_t HoldersWithout(v1::Module module, int64_t replica) const;
   void RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
                         const std::string& cause, absl::Time now);
   void HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now, Actions* actions);

@@ -330,8 +330,9 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   // the idle wait with the run's exit code.
   std::atomic<bool> run_over{false};
   std::promise<void> terminated;
+  // Set once a SIGTERM asked to leave: the pod is going away, so the worker does not linger.
+  std::atomic<bool> leave_asked{false};
   std::thread waiter([&] {
-    bool leave_asked = false;
     while (true) {
       int signal = 0;
       if (sigwait(&signals, &signal) != 0) return;
@@ -340,8 +341,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
         return;
       }
       coordinator::WorkerSession* session = g_training_session.load();
-      if (signal == SIGTERM && !leave_asked && session != nullptr) {
-        leave_asked = true;
+      if (signal == SIGTERM && !leave_asked.load() && session != nullptr) {
+        leave_asked.store(true);
         const absl::Status sent = session->SendLeave("SIGTERM");
         HETPAR_LOG(WARNING) << "SIGTERM: "
                             << (sent.ok() ? "asked the coordinator to let this worker leave "
@@ -361,7 +362,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
   if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
-  if (!linger) {
+  if (!linger || leave_asked.load()) {
     // Wake the signal thread so it returns.
     ::pthread_kill(waiter.native_handle(), SIGTERM);
     waiter.join();

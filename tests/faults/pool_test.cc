@@ -251,6 +251,43 @@ TEST_F(EncoderPoolTest, AKilledLlmWorkerReplacedTrainsAsAnUninterruptedRun) {
   ExpectUninterruptedNumbers("run", sets);
 }
 
+// SIGTERM to an encoder worker (a pod removed): it asks to leave, its replica leaves at the next
+// step boundary, and the worker exits 0 without writing outputs; the run goes on.
+TEST_F(EncoderPoolTest, AnEncoderWorkerGivenSigtermLeavesCleanlyAndTheRunGoesOn) {
+  auto run = ChildProcess::Start(RunArgs("run", {}), dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string log_path = dir_ + "/hetpar-run.log";
+  ASSERT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
+  const std::vector<pid_t> encoders = Encoders("run");
+  ASSERT_EQ(encoders.size(), 2u) << ReadFile(log_path);
+  ASSERT_EQ(::kill(encoders[1], SIGTERM), 0);
+  ASSERT_TRUE(WaitFor([&] { return PoolChanges("run", "removed") == 1; })) << ReadFile(log_path);
+  auto code = run->Wait(180);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string log = ReadFile(log_path);
+  ASSERT_EQ(*code, 0) << log;
+  // hetpar run saw no worker fail: the one that left exited 0.
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("exited with code"))) << log;
+  const RunLines lines = ReadRun(dir_ + "/run");
+  EXPECT_EQ(lines.loss.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(lines.pool_changes.size(), 1u);
+  EXPECT_THAT(lines.pool_changes[0]["cause"].get<std::string>(), HasSubstr("asked to leave"));
+  EXPECT_EQ(lines.pool_changes[0]["replicas"].get<int64_t>(), 1);
+  EXPECT_EQ(lines.ledger["repeated"].get<int64_t>(), 0);
+  EXPECT_EQ(lines.ledger["lost"].get<int64_t>(), 0);
+  std::string left;
+  for (const auto& entry : fs::directory_iterator(dir_ + "/run/log")) {
+    const std::string text = ReadFile(entry.path().string());
+    if (text.find("SIGTERM: asked the coordinator to let this worker leave") != std::string::npos) {
+      left = text;
+    }
+  }
+  ASSERT_FALSE(left.empty()) << "no worker logged its SIGTERM";
+  EXPECT_THAT(left, HasSubstr("leaving the run: "));
+  EXPECT_THAT(left, HasSubstr("left the run"));
+  EXPECT_THAT(left, ::testing::Not(HasSubstr("worker failed")));
+}
+
 // `hetpar scale` on a running pool of encoder.layout.dp 3 that starts with 2 replicas:
 // 2 -> 3 -> 1 -> 2.
 TEST_F(EncoderPoolTest, APoolResizedTwoThreeOneTwoTrainsAsAnUninterruptedRun) {
