@@ -329,7 +329,7 @@ absl::Status RunWorker(int rank, int size, bool shared, const std::string& store
     out["collective_gbps"] = bus * (4 << 20) / std::max(ar_large - ar_small, 1e-9) / 1e9;
     auto ping_pong = [&](int64_t bytes, int iters) -> absl::StatusOr<double> {
       at::Tensor t = at::ones({bytes / 4}, at::kFloat);
-      const auto& pg = comm->group()->process_group();
+      const auto& pg = comm->group()->c10d_backend();
       std::vector<at::Tensor> buffers = {t};
       HETPAR_ASSIGN_OR_RETURN(std::vector<double> times,
                               Timed(comm.get(), iters, [&]() -> absl::Status {

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Installs the Debian packages that hetpar's build, tests and benchmarks need,
-# then the project-local Python environment <repo>/.venv (system /usr/bin/python3,
-# packages pinned in deploy/requirements.txt: the deployment-file checks).
+# Installs the Debian packages that hetpar's build, tests and benchmarks need, checks
+# for the CUDA toolkit, then creates the project-local Python environment <repo>/.venv
+# (system /usr/bin/python3, packages pinned in deploy/requirements.txt: libtorch, as
+# the torch wheel, and the deployment-file checks).
 # Idempotent: packages already present are left alone and apt-get is not touched;
 # the venv is created only if absent and pip runs only when an installed version
 # differs from its pin.
 # A package that cannot be installed stops the script with a message naming it.
 #
-# HETPAR_NO_VENV=1 skips the Python environment (the container image's build
-# stage sets it: the image needs only the C++ build).
+# HETPAR_NO_VENV=1 skips the Python environment: for a build against a libtorch of
+# your own (cmake -DTorch_DIR=<libtorch>/share/cmake/Torch), without the tests that
+# use Python.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,8 +22,9 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libabsl-dev libssl-dev openssl
   # data plane
   libucx-dev ucx-utils
-  # models and collectives
-  libtorch-dev libgloo-dev
+  # collectives: the Gloo headers that libtorch's c10d ProcessGroupGloo.hpp includes (libtorch
+  # itself is the pinned PyPI torch wheel in .venv, deploy/requirements.txt)
+  libgloo-dev
   # parameter export checksums (crc32)
   zlib1g-dev
   # configuration, CLI, formats
@@ -155,7 +158,23 @@ install_python_venv() {
   echo "install-deps: Python venv done"
 }
 
+# The torch wheel is built for CUDA 13; its CMake config needs the CUDA toolkit (nvcc) to
+# configure, though nothing of hetpar needs a GPU to build or to run on CPU. The toolkit is not
+# a Debian package: it comes with the machine image (or NVIDIA's installer).
+check_cuda_toolkit() {
+  local nvcc="${CUDAToolkit_ROOT:-/usr/local/cuda}/bin/nvcc"
+  if [ -x "$nvcc" ] || command -v nvcc >/dev/null 2>&1; then
+    echo "install-deps: CUDA toolkit: $( { [ -x "$nvcc" ] && "$nvcc" --version || nvcc --version; } | tail -1)"
+    return 0
+  fi
+  echo "install-deps: ERROR: no CUDA toolkit: $nvcc not found and no nvcc on PATH. The pinned torch" >&2
+  echo "  wheel (CUDA 13.0) needs it to configure; install the CUDA 13 toolkit, or set" >&2
+  echo "  CUDAToolkit_ROOT to where it is" >&2
+  exit 1
+}
+
 install_debian_packages
+check_cuda_toolkit
 if [ "${HETPAR_NO_VENV:-0}" = 1 ]; then
   echo "install-deps: HETPAR_NO_VENV=1: skipping the Python venv"
 else

@@ -5,13 +5,14 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_NCCL
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <cstdlib>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -33,6 +34,17 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
       return c10d::ReduceOp::MAX;
   }
   return c10d::ReduceOp::SUM;
+}
+
+// libtorch 2.x records every collective in a process-wide ring buffer (c10d's FlightRecorder,
+// sized by TORCH_FR_BUFFER_SIZE) for post-mortem dumps that hetpar never takes. With several Gloo
+// groups issuing collectives from different threads of one process the recording corrupted
+// memory: 6 of 20 runs of communicator_test's 3-rank cases crashed or hung inside
+// FlightRecorder::recordWithResetEnabled, none of 20 with the buffer at 0. It is turned off
+// before the first group is created.
+void DisableFlightRecorder() {
+  static std::once_flag once;
+  std::call_once(once, [] { ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1); });
 }
 
 // Gloo has kernels for float, double, half and the integer types, not for bfloat16.
@@ -76,13 +88,13 @@ void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* wha
 
 void CommGroup::Release() {
   // Leaked on purpose when abandoned: see Adopt.
-  if (abandoned_.load() && process_group_) (void)process_group_.release();
-  process_group_.reset();
+  if (abandoned_.load() && c10d_backend_) (void)c10d_backend_.release();
+  c10d_backend_.reset();
 }
 
 void CommGroup::Adopt(CommGroup& fresh) {
   Release();
-  process_group_ = std::move(fresh.process_group_);
+  c10d_backend_ = std::move(fresh.c10d_backend_);
   rank_ = fresh.rank_;
   size_ = fresh.size_;
   backend_ = fresh.backend_;
@@ -139,9 +151,9 @@ absl::StatusOr<int> TcpStorePort(const c10::intrusive_ptr<c10d::Store>& store) {
 
 c10::intrusive_ptr<c10d::Store> OpenHashStore() { return c10::make_intrusive<c10d::HashStore>(); }
 
-CommGroup::CommGroup(c10::intrusive_ptr<c10d::ProcessGroup> process_group, int rank, int size,
+CommGroup::CommGroup(c10::intrusive_ptr<c10d::Backend> c10d_backend, int rank, int size,
                      Backend backend, std::chrono::milliseconds timeout)
-    : process_group_(std::move(process_group)),
+    : c10d_backend_(std::move(c10d_backend)),
       rank_(rank),
       size_(size),
       backend_(backend),
@@ -157,7 +169,7 @@ void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
-  Wait(process_group_->allreduce(buffers, options), "all-reduce");
+  Wait(c10d_backend_->allreduce(buffers, options), "all-reduce");
   if (upcast) tensor.copy_(buffers[0]);
 }
 
@@ -170,7 +182,7 @@ at::Tensor CommGroup::AllGatherRows(const at::Tensor& tensor) const {
   for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(input));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  Wait(process_group_->allgather(outputs, inputs, options), "all-gather");
+  Wait(c10d_backend_->allgather(outputs, inputs, options), "all-gather");
   at::Tensor gathered = at::cat(outputs[0], 0);
   return upcast ? gathered.to(tensor.scalar_type()) : gathered;
 }
@@ -190,7 +202,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     output = at::empty(shape, input.options());
     c10d::ReduceScatterOptions options;
     options.timeout = timeout_;
-    Wait(process_group_->_reduce_scatter_base(output, input, options), "reduce-scatter");
+    Wait(c10d_backend_->_reduce_scatter_base(output, input, options), "reduce-scatter");
   } else {
     // Gloo in this libtorch has no reduce-scatter: exchange the row blocks all-to-all (block r of
     // every rank lands on rank r) and sum them here, in rank order.
@@ -198,13 +210,29 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     std::vector<int64_t> equal_splits;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
-    Wait(process_group_->alltoall_base(exchanged, input, equal_splits, equal_splits, options),
+    Wait(c10d_backend_->alltoall_base(exchanged, input, equal_splits, equal_splits, options),
          "reduce-scatter (all-to-all)");
     shape[0] = rows;
     shape.insert(shape.begin(), size_);
     output = exchanged.view(shape).sum(0);
   }
   return upcast ? output.to(tensor.scalar_type()) : output;
+}
+
+c10::intrusive_ptr<c10d::Work> CommGroup::StartAllReduce(at::Tensor& tensor) const {
+  if (size_ == 1) return {};
+  TORCH_CHECK(tensor.is_contiguous(), "StartAllReduce needs a contiguous tensor");
+  TORCH_CHECK(!NeedsUpcast(tensor, backend_), "StartAllReduce: Gloo cannot sum ",
+              tensor.scalar_type(), " in place");
+  std::vector<at::Tensor> buffers{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.timeout = timeout_;
+  return c10d_backend_->allreduce(buffers, options);
+}
+
+void CommGroup::WaitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+  if (work) Wait(work, what);
 }
 
 void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
@@ -217,7 +245,7 @@ void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
-  Wait(process_group_->broadcast(buffers, options), "broadcast");
+  Wait(c10d_backend_->broadcast(buffers, options), "broadcast");
   if (upcast) tensor.copy_(buffers[0]);
 }
 
@@ -225,7 +253,7 @@ void CommGroup::Barrier() const {
   if (size_ == 1) return;
   c10d::BarrierOptions options;
   options.timeout = timeout_;
-  Wait(process_group_->barrier(options), "barrier");
+  Wait(c10d_backend_->barrier(options), "barrier");
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
@@ -241,7 +269,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
         absl::StrCat(where, ": timeout=", absl::FormatDuration(options.timeout), ", expected > 0"));
   }
   if (options.size == 1) {
-    auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::ProcessGroup>(), 0, 1,
+    auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::Backend>(), 0, 1,
                                                 options.backend, ToChrono(options.timeout));
     return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
   }
@@ -251,37 +279,36 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
         "a process group needs a non-empty store prefix (unique per group and generation)");
   }
   const auto timeout = ToChrono(options.timeout);
-  auto process_group =
-      RunTorchOr(absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
-                 [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::ProcessGroup>> {
-                   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
-                   prefixed->setTimeout(timeout);
-                   switch (options.backend) {
-                     case Backend::kGloo: {
-                       auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-                       gloo_options->devices.push_back(
-                           c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
-                       gloo_options->threads = 1;
-                       return c10::intrusive_ptr<c10d::ProcessGroup>(
-                           c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, options.rank,
-                                                                       options.size, gloo_options));
-                     }
-                     case Backend::kNccl: {
+  DisableFlightRecorder();
+  auto process_group = RunTorchOr(
+      absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
+      [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> {
+        auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
+        prefixed->setTimeout(timeout);
+        switch (options.backend) {
+          case Backend::kGloo: {
+            auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+            gloo_options->devices.push_back(
+                c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
+            gloo_options->threads = 1;
+            return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(
+                prefixed, options.rank, options.size, gloo_options));
+          }
+          case Backend::kNccl: {
 #ifdef USE_C10D_NCCL
-                       auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-                       nccl_options->timeout = timeout;
-                       return c10::intrusive_ptr<c10d::ProcessGroup>(
-                           c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, options.rank,
-                                                                       options.size, nccl_options));
+            auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+            nccl_options->timeout = timeout;
+            return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupNCCL>(
+                prefixed, options.rank, options.size, nccl_options));
 #else
             return absl::UnimplementedError(
                 "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "
                 "use gloo or build against a CUDA libtorch");
 #endif
-                     }
-                   }
-                   return absl::InvalidArgumentError("unknown backend");
-                 });
+          }
+        }
+        return absl::InvalidArgumentError("unknown backend");
+      });
   if (!process_group.ok()) return process_group.status();
   auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
                                               options.backend, timeout);
@@ -295,7 +322,7 @@ void Communicator::Adopt(Communicator& fresh) {
 }
 
 std::unique_ptr<Communicator> Communicator::CreateSingle() {
-  auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::ProcessGroup>(), 0, 1,
+  auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::Backend>(), 0, 1,
                                               Backend::kGloo, std::chrono::milliseconds(60000));
   return std::unique_ptr<Communicator>(new Communicator(std::move(group), ""));
 }

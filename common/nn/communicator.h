@@ -37,7 +37,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "absl/status/status.h"
@@ -87,8 +87,8 @@ struct CommunicatorOptions {
 // forward and backward passes; Communicator wraps them for Status-returning callers.
 class CommGroup : public torch::CustomClassHolder {
  public:
-  CommGroup(c10::intrusive_ptr<c10d::ProcessGroup> process_group, int rank, int size,
-            Backend backend, std::chrono::milliseconds timeout);
+  CommGroup(c10::intrusive_ptr<c10d::Backend> c10d_backend, int rank, int size, Backend backend,
+            std::chrono::milliseconds timeout);
   ~CommGroup() override;
 
   int rank() const { return rank_; }
@@ -104,7 +104,20 @@ class CommGroup : public torch::CustomClassHolder {
   void Broadcast(at::Tensor& tensor, int root) const;
   void Barrier() const;
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
+  // Starts an in-place sum of `tensor` (contiguous, float32 or float64) over the group and
+  // returns at once; `tensor` must not be touched until WaitFor(work) returns. Null work (the
+  // identity) for a group of one. Started collectives run in the order they were started.
+  c10::intrusive_ptr<c10d::Work> StartAllReduce(at::Tensor& tensor) const;
+  // Waits for a started collective like the blocking ones wait (deadline, interrupt); a null
+  // work returns at once.
+  void WaitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
+  // Gives up the collectives started and not waited for (a step that failed half-way): the
+  // backend may still run them, so the group is abandoned (see Adopt).
+  void Abandon() const { abandoned_.store(true); }
+
+  // The c10d backend (ProcessGroupGloo, ProcessGroupNCCL) doing the collectives; null when
+  // size() == 1. The one place hetpar meets c10d's process-group API.
+  const c10::intrusive_ptr<c10d::Backend>& c10d_backend() const { return c10d_backend_; }
 
   void set_interrupt(const StepInterrupt* interrupt) { interrupt_ = interrupt; }
   // Whether a collective of this group was given up (interrupted or past its deadline) while
@@ -122,7 +135,7 @@ class CommGroup : public torch::CustomClassHolder {
   void Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
   void Release();
 
-  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;  // null when size_ == 1
+  c10::intrusive_ptr<c10d::Backend> c10d_backend_;  // null when size_ == 1
   int rank_;
   int size_;
   Backend backend_;

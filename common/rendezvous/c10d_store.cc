@@ -41,6 +41,10 @@ absl::Duration C10dStore::WaitTimeout(std::chrono::milliseconds timeout) const {
   return absl::Milliseconds(timeout.count());
 }
 
+c10::intrusive_ptr<c10d::Store> C10dStore::clone() {
+  return c10::make_intrusive<C10dStore>(store_, timeout_);
+}
+
 void C10dStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   ThrowIfError(store_->Set(key, ToString(value)));
 }

@@ -38,6 +38,9 @@ class C10dStore : public c10d::Store {
   // Prefer OpenC10dStore; public for c10::make_intrusive.
   C10dStore(std::shared_ptr<const KeyValueStore> store, std::chrono::milliseconds timeout);
 
+  // Another handle on the same key-value store, with this one's timeout (libtorch 2.x clones a
+  // store for each thread that uses it).
+  c10::intrusive_ptr<c10d::Store> clone() override;
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
   std::vector<uint8_t> compareSet(const std::string& key,
                                   const std::vector<uint8_t>& expected_value,
