@@ -80,6 +80,18 @@ copy_sources() {
   [ ${#srcs[@]} -ge 2 ] && printf '%s\n' "${srcs[@]:0:${#srcs[@]}-1}"
   return 0
 }
+copy_dest() {  # the destination (last argument) of a COPY/ADD line, options dropped; JSON form too
+  local args="$1" a last=""
+  local -a words=()
+  if [[ "$args" =~ ^[[:space:]]*(--[^[:space:]]+[[:space:]]+)*\[ ]]; then
+    args="${args#*[}"; args="${args%]*}"; args="${args//,/ }"; args="${args//\"/}"
+  fi
+  read -r -a words <<< "$args"
+  for a in "${words[@]}"; do
+    [[ "$a" == --* ]] || last="$a"
+  done
+  echo "$last"
+}
 copy_from() {  # the --from= value of a COPY line, or nothing
   local w
   for w in $1; do
@@ -145,6 +157,53 @@ for f in "${binaries[@]}" "${modules[@]}"; do
   check "runtime stage copies $f from the build stage" "$found" \
     "no 'COPY --from=${stage_name[build]} .../$f' in stage '${stage_name[runtime]}'"
 done
+
+# The build links libtorch from the torch wheel in the venv that deploy/install-deps.sh creates;
+# the build stage must not skip the venv.
+check "build stage installs the Python venv (the torch wheel)" \
+  "$(grep -Eq "HETPAR_NO_VENV=[\"']?1" <<< "${stage_body[build]}" && echo 1 || echo 0)" \
+  "stage '${stage_name[build]}' sets HETPAR_NO_VENV=1, but the build needs the venv's torch wheel"
+
+# The runtime stage gets the bundled torch libraries: its LD_LIBRARY_PATH names <dir>/torch/lib
+# (the binaries' RUNPATH names the build stage's venv), and a COPY from the build stage fills
+# <dir> itself, so torch/lib and nvidia/<package>/lib keep the layout that libtorch_cuda.so's
+# RPATH ($ORIGIN/../../nvidia/<package>/lib) needs.
+ld_path=""
+while IFS= read -r ins; do
+  case "$ins" in
+    ENV\ *)
+      read -r -a words <<< "${ins#ENV }"
+      if [ ${#words[@]} -ge 2 ] && [ "${words[0]}" = LD_LIBRARY_PATH ]; then
+        ld_path="${words[*]:1}"  # ENV KEY VALUE
+      else
+        for w in "${words[@]}"; do
+          case "$w" in LD_LIBRARY_PATH=*) ld_path="${w#LD_LIBRARY_PATH=}" ;; esac
+        done
+      fi ;;
+  esac
+done <<< "${stage_body[runtime]}"
+ld_path="${ld_path//\"/}"
+bundle_dir=""
+IFS=: read -r -a entries <<< "$ld_path"
+for e in "${entries[@]+"${entries[@]}"}"; do
+  e="${e%/}"
+  case "$e" in /*/torch/lib) bundle_dir="${e%/torch/lib}"; break ;; esac
+done
+check "runtime LD_LIBRARY_PATH names a bundled torch/lib" "$([ -n "$bundle_dir" ] && echo 0 || echo 1)" \
+  "stage '${stage_name[runtime]}' has no ENV LD_LIBRARY_PATH with an absolute <dir>/torch/lib entry (LD_LIBRARY_PATH='$ld_path')"
+if [ -n "$bundle_dir" ]; then
+  copied=1
+  while IFS= read -r ins; do
+    case "$ins" in COPY\ *) ;; *) continue ;; esac
+    rest="${ins#COPY }"
+    from="$(copy_from "$rest")"
+    { [ "$from" = "${stage_name[build]}" ] || [ "$from" = "$build" ]; } || continue
+    dest="$(copy_dest "$rest")"
+    [ "${dest%/}" = "$bundle_dir" ] && copied=0
+  done <<< "${stage_body[runtime]}"
+  check "runtime stage copies the bundled libraries to $bundle_dir" "$copied" \
+    "no 'COPY --from=${stage_name[build]} <folder> $bundle_dir/' in stage '${stage_name[runtime]}', whose LD_LIBRARY_PATH names $bundle_dir/torch/lib"
+fi
 
 # The runtime stage runs as a non-root user.
 user="$(grep -E '^USER ' <<< "${stage_body[runtime]}" | tail -n 1 | sed 's/^USER[[:space:]]*//; s/[[:space:]]*$//')" || true
