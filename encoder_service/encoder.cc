@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -96,6 +97,7 @@ absl::Status VisionEncoder::Build() {
                           p.Add("encoder.patch_embed.bias", {hidden}, -1, p.BiasInit()));
   HETPAR_ASSIGN_OR_RETURN(pos_embed_,
                           p.Add("encoder.pos_embed", {tokens_per_image_, hidden}, -1, weight));
+  HETPAR_RETURN_IF_ERROR(p.MarkEmbedding("encoder.pos_embed"));
   for (int64_t i = 0; i < model_.layers(); ++i) {
     const std::string n = absl::StrCat("encoder.layers.", i, ".");
     Layer layer;
@@ -204,7 +206,6 @@ at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
   const int64_t head_dim = hidden / model_.heads();
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const at::ScalarType dtype = options_.dtype;
-  const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
   const double eps = model_.norm_eps();
   const c10::string_view approximate = model_.activation() == "gelu_tanh" ? "tanh" : "none";
 
@@ -228,10 +229,13 @@ at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
     at::Tensor q = qkv.select(3, 0).permute({0, 2, 1, 3});  // [n, heads, tokens, d]
     at::Tensor k = qkv.select(3, 1).permute({0, 2, 1, 3});
     at::Tensor v = qkv.select(3, 2).permute({0, 2, 1, 3});
-    at::Tensor scores = at::matmul(q, k.transpose(-2, -1)).mul(scale);
-    at::Tensor probs = at::softmax(scores, -1, softmax_type).to(dtype);
+    // Every patch attends to every patch of its image (no mask). On the CPU, ATen's flash kernel:
+    // the softmax accumulates in float32 for bfloat16, in the dtype otherwise.
     at::Tensor attended =
-        at::matmul(probs, v).permute({0, 2, 1, 3}).reshape({rows, local_heads * head_dim});
+        at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0,
+                                         /*is_causal=*/false, scale)
+            .permute({0, 2, 1, 3})
+            .reshape({rows, local_heads * head_dim});
     x = x + nn::RowParallelLinear(attended, layer.proj_weight, layer.proj_bias, tp_);
 
     h = nn::EnterTensorParallel(nn::LayerNorm(x, layer.norm2_weight, layer.norm2_bias, eps), rows,

@@ -38,7 +38,8 @@ absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
     HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
     runtime_.emplace(
         model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
-        EncoderRuntimeOptions{context_->spec().run().max_inflight(), context_->peer_timeout()});
+        EncoderRuntimeOptions{context_->spec().run().max_inflight(), context_->peer_timeout(),
+                              train::GradBucketBytes(context_->spec())});
   }
   HETPAR_ASSIGN_OR_RETURN(EncoderStepStats stats, runtime_->RunStepAround(plan, between));
   worker::ModuleTimings timings;

@@ -8,6 +8,7 @@
 #include <map>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
@@ -47,9 +48,23 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
 
   // A frozen encoder takes no gradients back: a job is done once its rows are sent.
   const bool takes_gradients = model_->TakesGradients();
+  if (takes_gradients) {
+    if (reducer_ == nullptr) {
+      reducer_ = std::make_unique<train::GradientReducer>(&model_->parameters(),
+                                                          options_.grad_bucket_bytes);
+    }
+    HETPAR_RETURN_IF_ERROR(reducer_->BeginStep(dp_));
+  }
+  // A step that fails half-way gives up the gradient all-reduces it started.
+  absl::Cleanup abandon_reduction = [this] {
+    if (reducer_ != nullptr) reducer_->Abandon();
+  };
+  size_t retired = 0;
   auto retire_oldest = [&]() -> absl::Status {
     LiveJob job = std::move(live.front());
     live.pop_front();
+    // The step's last backward starts the DP all-reduce of each gradient bucket it completes.
+    if (++retired == plan.encoder_jobs.size() && takes_gradients) reducer_->ArmLastBackward();
     const int64_t wave = job.job->wave;
     auto t0 = Clock::now();
     if (takes_gradients) {
@@ -138,8 +153,10 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
   while (!live.empty()) HETPAR_RETURN_IF_ERROR(retire_oldest());
 
   auto t0 = Clock::now();
+  // The DP sums first: FinishGradients sums sequence-parallel partials over TP in place, which
+  // must not race the buckets' all-reduces (the two sums commute).
+  if (takes_gradients) HETPAR_RETURN_IF_ERROR(reducer_->Finish());
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
-  HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
   stats.collective_s += Since(t0);
   trace::Record(trace::kEncoderLane, "gradient all-reduce", "collective", t0);
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -23,6 +24,7 @@
 #include "common/nn/communicator.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
+#include "common/train/grad_reducer.h"
 #include "encoder_service/encoder.h"
 
 namespace hetpar::encoder {
@@ -46,6 +48,8 @@ struct EncoderStepStats {
 struct EncoderRuntimeOptions {
   int64_t max_inflight = 2;
   absl::Duration timeout = absl::Seconds(120);  // bound of every boundary wait
+  // The DP gradient all-reduce bucket size (run.grad_bucket_mib).
+  int64_t grad_bucket_bytes = int64_t{25} << 20;
 };
 
 // Borrows everything; one thread calls RunStep.
@@ -72,6 +76,7 @@ class EncoderRuntime {
   const data::BatchSource* data_;
   train::BoundaryCommunicator* boundary_;
   EncoderRuntimeOptions options_;
+  std::unique_ptr<train::GradientReducer> reducer_;  // created at the first step
 };
 
 }  // namespace hetpar::encoder

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -246,6 +247,7 @@ absl::Status LanguageModel::Build() {
       plan::PipelineStageLayers(model_.layers(), options_.pp_stages, options_.pp_stage);
   if (first_stage()) {
     HETPAR_ASSIGN_OR_RETURN(embed_, p.Add("llm.embed.weight", {model_.vocab(), hidden}, 0, weight));
+    HETPAR_RETURN_IF_ERROR(p.MarkEmbedding("llm.embed.weight"));
   }
   for (int64_t i = first_layer; i < end_layer; ++i) {
     const std::string n = absl::StrCat("llm.layers.", i, ".");
@@ -443,8 +445,6 @@ LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, co
 at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
                                       const at::Tensor& image_rows, const at::Tensor& input) {
   const auto i64 = at::TensorOptions().dtype(at::kLong);
-  const at::ScalarType dtype = options_.dtype;
-  const at::ScalarType softmax_type = dtype == at::kBFloat16 ? at::kFloat : dtype;
   const int64_t hidden = model_.hidden();
   const int64_t head_dim = hidden / model_.heads();
   const int64_t group = model_.heads() / model_.kv_heads();
@@ -512,16 +512,18 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
   const at::Tensor position_ids = at::tensor(positions, i64);
   const at::Tensor cos = rope_cos_.index_select(0, position_ids).unsqueeze(1);
   const at::Tensor sin = rope_sin_.index_select(0, position_ids).unsqueeze(1);
-  // True where a key comes after the query: the key's position exceeds the query's.
-  std::vector<at::Tensor> causal_masks(samples.size());
-  for (size_t s = 0; s < samples.size(); ++s) {
-    const int64_t length = starts[s + 1] - starts[s];
-    if (cp == 1) {
-      causal_masks[s] = at::ones({length, length}, at::TensorOptions().dtype(at::kBool)).triu(1);
-    } else {
-      const at::Tensor query = position_ids.narrow(0, starts[s], length);
+  // Without CP a sample's queries and keys are its positions in order, and attention is causal
+  // with no mask. With CP the queries are this rank's positions of the sample and the keys all of
+  // its positions, so causality is a mask, built once per sample: true where the key's position is
+  // at most the query's (SDPA's boolean mask marks the pairs that take part, the opposite of
+  // masked_fill's).
+  std::vector<at::Tensor> cp_masks;
+  if (cp > 1) {
+    cp_masks.reserve(samples.size());
+    for (size_t s = 0; s < samples.size(); ++s) {
+      const at::Tensor query = position_ids.narrow(0, starts[s], starts[s + 1] - starts[s]);
       const at::Tensor key = at::arange(full_starts[s + 1] - full_starts[s], i64);
-      causal_masks[s] = key.unsqueeze(0).gt(query.unsqueeze(1));
+      cp_masks.push_back(key.unsqueeze(0).le(query.unsqueeze(1)));
     }
   }
   const at::Tensor full_rows = at::tensor(full_index, i64);
@@ -550,23 +552,29 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
       all_v = gathered.select(1, 1);
       kv_starts = full_starts;
     }
+    // One at::scaled_dot_product_attention per packed sample, so that a sample attends only
+    // within itself. enable_gqa: query head h reads kv head h / group (the fused QKV weight's
+    // grouping) without copying K and V. On the CPU this is ATen's flash kernel: its softmax
+    // accumulates in float32 for bfloat16 and in the dtype for float32 and float64, and only the
+    // output and the log-sum-exp are kept for backward. On CUDA it is one flash or
+    // memory-efficient kernel launch per sample; a varlen kernel (cumulative sequence lengths)
+    // would batch the samples into one.
     std::vector<at::Tensor> outputs;
+    outputs.reserve(samples.size());
     for (size_t s = 0; s < samples.size(); ++s) {
       const int64_t start = starts[s];
       const int64_t length = starts[s + 1] - start;
       const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
-      at::Tensor qs = q.narrow(0, start, length).transpose(0, 1);                // [heads, L, d]
-      at::Tensor ks = all_k.narrow(0, kv_starts[s], kv_length).transpose(0, 1);  // [kv, Lk, d]
-      at::Tensor vs = all_v.narrow(0, kv_starts[s], kv_length).transpose(0, 1);
-      if (group > 1) {
-        ks = ks.repeat_interleave(group, 0);
-        vs = vs.repeat_interleave(group, 0);
-      }
-      at::Tensor scores =
-          at::matmul(qs, ks.transpose(-2, -1)).mul(scale).masked_fill(causal_masks[s], -INFINITY);
-      at::Tensor probs = at::softmax(scores, -1, softmax_type).to(dtype);
+      // [1, heads, L, d] queries; [1, kv, Lk, d] keys and values.
+      const at::Tensor qs = q.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
+      const at::Tensor ks = all_k.narrow(0, kv_starts[s], kv_length).transpose(0, 1).unsqueeze(0);
+      const at::Tensor vs = all_v.narrow(0, kv_starts[s], kv_length).transpose(0, 1).unsqueeze(0);
+      const std::optional<at::Tensor> mask =
+          cp > 1 ? std::optional<at::Tensor>(cp_masks[s]) : std::nullopt;
+      const at::Tensor attended = at::scaled_dot_product_attention(
+          qs, ks, vs, mask, /*dropout_p=*/0.0, /*is_causal=*/cp == 1, scale, /*enable_gqa=*/true);
       outputs.push_back(
-          at::matmul(probs, vs).transpose(0, 1).reshape({length, local_heads * head_dim}));
+          attended.squeeze(0).transpose(0, 1).reshape({length, local_heads * head_dim}));
     }
     x = x + nn::RowParallelLinear(at::cat(outputs, 0), layer.proj, at::Tensor(), tp_);
 

@@ -68,7 +68,8 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
     runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
                      LlmRuntimeOptions{context_->peer_timeout(), colocated_,
                                        colocated_ ? 0 : context_->spec().run().max_inflight(),
-                                       plan::ImageGradientsCross(context_->spec())},
+                                       plan::ImageGradientsCross(context_->spec()),
+                                       train::GradBucketBytes(context_->spec())},
                      pipeline_);
   }
   HETPAR_ASSIGN_OR_RETURN(LlmStepStats stats, runtime_->RunStep(plan));

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/plan/sequence_sharding.h"
 #include "common/status.h"
@@ -86,6 +87,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const int64_t bytes_received0 = boundary_->bytes_received();
   const int64_t stage_bytes0 = pipeline_.link != nullptr ? pipeline_.link->bytes_sent() : 0;
   if (pipeline_.link != nullptr) pipeline_.link->BeginAttempt(plan.attempt);
+  if (reducer_ == nullptr) {
+    reducer_ =
+        std::make_unique<train::GradientReducer>(&model_->parameters(), options_.grad_bucket_bytes);
+  }
+  HETPAR_RETURN_IF_ERROR(reducer_->BeginStep(dp_));
+  // A step that fails half-way gives up the gradient all-reduces it started.
+  absl::Cleanup abandon_reduction = [this] { reducer_->Abandon(); };
   std::vector<train::PendingSends> sends;
   const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
   // Later waves' image rows land in their buffers while earlier waves compute (receives posted
@@ -161,6 +169,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     at::Tensor owned_index;
   };
   std::vector<InFlight> in_flight(waves);
+  at::Tensor loss_total;  // the last stage's loss over the waves so far
 
   auto forward = [&](size_t m) -> absl::Status {
     const plan::LlmMicrobatch& mb = plan.microbatches[m];
@@ -212,7 +221,9 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
                   {{"wave", wave}, {"samples", static_cast<int64_t>(samples.size())}});
     if (last) {
       f.loss = result.loss;
-      stats.loss += result.loss.item<double>();
+      // Summed in float64 on the loss's device; read once after the waves (one host sync).
+      const at::Tensor wave_loss = result.loss.detach().to(at::kDouble);
+      loss_total = loss_total.defined() ? loss_total + wave_loss : wave_loss;
       stats.loss_tokens += result.loss_tokens;
     } else {
       f.output = result.output;
@@ -232,6 +243,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       HETPAR_ASSIGN_OR_RETURN(output_grad, receive_stage(plan::Direction::kBackward, m));
     }
     auto t0 = Clock::now();
+    // The step's last backward starts the DP all-reduce of each gradient bucket it completes.
+    if (m + 1 == waves) reducer_->ArmLastBackward();
     if (last) {
       HETPAR_RETURN_IF_ERROR(model_->Backward(f.loss));
     } else {
@@ -272,6 +285,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     HETPAR_RETURN_IF_ERROR(backward(backwards));
   }
   for (; backwards < waves; ++backwards) HETPAR_RETURN_IF_ERROR(backward(backwards));
+  if (loss_total.defined()) stats.loss = loss_total.item<double>();
 
   auto t0 = Clock::now();
   if (options_.defer_send_wait) {
@@ -291,8 +305,10 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     stats.pipeline_bytes = pipeline_.link->bytes_sent() - stage_bytes0;
   }
   t0 = Clock::now();
+  // The DP sums first: FinishGradients sums sequence-parallel partials over TP in place, which
+  // must not race the buckets' all-reduces (the two sums commute).
+  HETPAR_RETURN_IF_ERROR(reducer_->Finish());
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
-  HETPAR_RETURN_IF_ERROR(train::SumGradients(model_->parameters(), *dp_));
   stats.collective_s += Since(t0);
   trace::Record(trace::kLlmLane, "gradient all-reduce", "collective", t0);
   stats.loss_sum = stats.loss * static_cast<double>(plan.n_global);

@@ -26,6 +26,7 @@
 #define HETPAR_LLM_TRAINER_LLM_RUNTIME_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -34,6 +35,7 @@
 #include "common/nn/communicator.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
+#include "common/train/grad_reducer.h"
 #include "common/train/stage_link.h"
 #include "llm_trainer/language_model.h"
 
@@ -67,6 +69,8 @@ struct LlmRuntimeOptions {
   // Whether the image rows' gradients go back to the encoder (false for a frozen encoder:
   // plan::ImageGradientsCross).
   bool image_gradients = true;
+  // The DP gradient all-reduce bucket size (run.grad_bucket_mib).
+  int64_t grad_bucket_bytes = int64_t{25} << 20;
 };
 
 // The model's neighbouring pipeline stages: the ranks of the same (dp, cp, tp) one stage before
@@ -104,6 +108,7 @@ class LlmRuntime {
   LlmRuntimeOptions options_;
   PipelinePeers pipeline_;
   std::vector<train::PendingSends> deferred_;
+  std::unique_ptr<train::GradientReducer> reducer_;  // created at the first step
 };
 
 }  // namespace hetpar::llm

@@ -645,6 +645,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Enum("run.dtype", hetpar::v1::DTYPE_FLOAT32);
   d.Int("run.max_inflight", 2);
   d.Double("run.grad_clip", 1.0);
+  d.Double("run.grad_bucket_mib", 25.0);
   d.Int("run.log_every", 1);
   d.String("run.out_dir", "runs/" + s.run().name());
   d.Enum("placement", hetpar::v1::PLACEMENT_NON_COLOCATED);
@@ -710,6 +711,10 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
   if (s.run().grad_clip() < 0) {
     c.Fail("run.grad_clip", absl::StrCat("=", FormatDouble(s.run().grad_clip()),
                                          " must be >= 0 (0 turns clipping off)"));
+  }
+  if (!(s.run().grad_bucket_mib() > 0)) {
+    c.Fail("run.grad_bucket_mib",
+           absl::StrCat("=", FormatDouble(s.run().grad_bucket_mib()), " must be > 0"));
   }
   if (s.run().name().empty()) c.Fail("run.name", "must not be empty");
   if (s.run().peak_tflops() < 0) {

@@ -140,6 +140,7 @@ absl::StatusOr<at::Tensor> ParameterSet::Add(const std::string& name,
     at::Tensor t =
         InitSlice(run_seed_, name, full_shape, rule, split_dim, slice.offset, slice.length, dtype_);
     t.requires_grad_(true);
+    if (grad_dtype() != dtype_) t.set_grad_dtype(grad_dtype());
     return t;
   });
   if (!tensor.ok()) return tensor.status();
@@ -151,6 +152,21 @@ absl::StatusOr<at::Tensor> ParameterSet::Add(const std::string& name,
   param.grad_partial_over_sequence = grad_partial_over_sequence;
   parameters_.push_back(std::move(param));
   return parameters_.back().tensor;
+}
+
+absl::Status ParameterSet::MarkEmbedding(std::string_view name) {
+  for (auto& param : parameters_) {
+    if (param.name == name) {
+      param.embedding = true;
+      return absl::OkStatus();
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no parameter ", std::string(name), " to mark as an embedding"));
+}
+
+at::Tensor ParameterSet::ZeroGradient(const NamedParameter& param) const {
+  return at::zeros(param.tensor.sizes(), param.tensor.options().dtype(grad_dtype()));
 }
 
 InitRule ParameterSet::BiasInit() const {
@@ -224,7 +240,7 @@ absl::Status ParameterSet::ReducePartialGrads(const CommGroup& tp) {
     for (auto& param : parameters_) {
       if (!param.grad_partial_over_sequence || !param.trainable) continue;
       if (!param.tensor.grad().defined()) {
-        param.tensor.mutable_grad() = at::zeros_like(param.tensor);
+        param.tensor.mutable_grad() = ZeroGradient(param);
       }
       grads.push_back(param.tensor.grad());
     }

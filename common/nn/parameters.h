@@ -8,7 +8,9 @@
 // single-process model, and a rank only draws the rows its slice touches.
 //
 // ParameterSet owns a module's parameters in registration order. The tensors are autograd leaves;
-// gradients accumulate in tensor.grad() as usual. A checkpoint or parity tool walks parameters()
+// gradients accumulate in tensor.grad() as usual, in grad_dtype(): float32 for bfloat16 and
+// float16 parameters (libtorch's grad_dtype, so the waves of a step add up in float32), the
+// parameter's dtype otherwise. A checkpoint or parity tool walks parameters()
 // and uses each entry's full_shape and slice to place the local tensor in the full one.
 #ifndef HETPAR_COMMON_NN_PARAMETERS_H_
 #define HETPAR_COMMON_NN_PARAMETERS_H_
@@ -70,6 +72,9 @@ struct NamedParameter {
   bool grad_partial_over_sequence = false;
   // False once frozen (ParameterSet::Freeze): no gradient, no optimizer state, no update.
   bool trainable = true;
+  // An embedding table (ParameterSet::MarkEmbedding): weight decay applies to it only unless
+  // optimizer.no_decay_embeddings is set.
+  bool embedding = false;
 };
 
 // The 64-bit seed of a parameter: a hash of the run seed and the name (stable across builds and
@@ -95,6 +100,10 @@ class ParameterSet {
   absl::StatusOr<at::Tensor> Add(const std::string& name, std::vector<int64_t> full_shape,
                                  int split_dim, const InitRule& rule,
                                  bool grad_partial_over_sequence = false);
+
+  // Marks the registered parameter `name` as an embedding table (NamedParameter::embedding);
+  // NotFound for an unknown name.
+  absl::Status MarkEmbedding(std::string_view name);
 
   // Init rules for biases and norm scales under this set's InitStyle.
   InitRule BiasInit() const;
@@ -124,6 +133,13 @@ class ParameterSet {
 
   int64_t run_seed() const { return run_seed_; }
   at::ScalarType dtype() const { return dtype_; }
+  // The dtype gradients accumulate in: float32 for bfloat16 and float16 parameters, else dtype().
+  at::ScalarType grad_dtype() const { return GradDtypeOf(dtype_); }
+  static at::ScalarType GradDtypeOf(at::ScalarType dtype) {
+    return dtype == at::kBFloat16 || dtype == at::kHalf ? at::kFloat : dtype;
+  }
+  // A zero gradient for `param` (its shape, grad_dtype()).
+  at::Tensor ZeroGradient(const NamedParameter& param) const;
   int tp_rank() const { return tp_rank_; }
   int tp_size() const { return tp_size_; }
 

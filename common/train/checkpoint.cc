@@ -888,7 +888,8 @@ absl::Status ReadShardEntries(const ModuleShard& shard, std::vector<EntryRead>& 
 }
 
 // This rank's part of a parameter's tensor (the value, or a moment: `member`), joined from the
-// pieces `load` read and converted to the parameter's dtype.
+// pieces `load` read and converted to the optimizer's state dtype for the parameter (float32 for a
+// bfloat16 parameter, whose value in the checkpoint is its float32 master; else its dtype).
 at::Tensor LocalPart(const ParamLoad& load, at::Tensor Piece::*member) {
   const nn::NamedParameter& p = *load.param;
   at::Tensor joined;
@@ -908,7 +909,7 @@ at::Tensor LocalPart(const ParamLoad& load, at::Tensor Piece::*member) {
     part = p.slice.split_dim < 0 ? joined
                                  : joined.narrow(p.slice.split_dim, p.slice.offset, p.slice.length);
   }
-  return part.to(p.tensor.scalar_type()).contiguous();
+  return part.to(nn::ParameterSet::GradDtypeOf(p.tensor.scalar_type())).contiguous();
 }
 
 // A step directory of a checkpoint parent.
@@ -953,14 +954,16 @@ absl::StatusOr<ShardSnapshot> SnapshotShard(const ShardId& id, int64_t step,
   HETPAR_RETURN_IF_ERROR(nn::RunTorch("copying the checkpoint shard", [&] {
     // Copies: the optimizer's next step changes the parameters and its moments in place.
     for (const nn::NamedParameter& p : params.parameters()) {
-      snapshot.entries.push_back({p.name, p.tensor.detach().clone()});
+      std::optional<ModuleOptimizer::ParamState> state;
+      if (optimizer != nullptr) state = optimizer->StateOf(p.name);
+      // A low-precision parameter's value is its float32 master (the parameter is its rounding).
+      const bool master = state.has_value() && state->master.defined();
+      snapshot.entries.push_back({p.name, (master ? state->master : p.tensor).detach().clone()});
       json entry{{"name", p.name},
                  {"full_shape", p.full_shape},
                  {"split_dim", p.slice.split_dim},
                  {"offset", p.slice.offset},
                  {"length", p.slice.length}};
-      std::optional<ModuleOptimizer::ParamState> state;
-      if (optimizer != nullptr) state = optimizer->StateOf(p.name);
       if (state.has_value()) {
         snapshot.entries.push_back({p.name + "@exp_avg", state->exp_avg.detach().clone()});
         snapshot.entries.push_back({p.name + "@exp_avg_sq", state->exp_avg_sq.detach().clone()});
@@ -1194,6 +1197,8 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
       HETPAR_ASSIGN_OR_RETURN(state.exp_avg_sq,
                               nn::RunTorchOr(absl::StrCat("slicing the moments of ", p.name),
                                              [&] { return LocalPart(load, &Piece::exp_avg_sq); }));
+      // The saved value is the master of a low-precision parameter (SnapshotShard).
+      if (optimizer->HasMasters()) state.master = planned.value;
       HETPAR_RETURN_IF_ERROR(
           Annotate(optimizer->CheckState(p.name, state), absl::StrCat("loading checkpoint ", dir)));
       planned.state = std::move(state);

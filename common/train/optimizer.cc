@@ -19,53 +19,42 @@ bool Owned(const nn::NamedParameter& p, int tp_rank) {
   return p.slice.split_dim >= 0 || tp_rank == 0;
 }
 
+// The owned sums of `tensors` with one transfer to the host: each tensor's sum and sum of
+// squares in float64 on its device, then added in order here.
+OwnedSums SumsOf(const std::vector<at::Tensor>& tensors) {
+  OwnedSums sums;
+  if (tensors.empty()) return sums;
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor& t : tensors) {
+    const at::Tensor d = t.detach().to(at::kDouble);
+    parts.push_back(at::stack({d.sum(), d.square().sum()}));
+  }
+  const at::Tensor host = at::stack(parts).cpu().contiguous();
+  const double* values = host.const_data_ptr<double>();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    sums.sum += values[2 * i];
+    sums.square_sum += values[2 * i + 1];
+  }
+  return sums;
+}
+
 }  // namespace
 
 OwnedSums OwnedGradSums(const nn::ParameterSet& params) {
-  OwnedSums sums;
+  std::vector<at::Tensor> grads;
   for (const auto& p : params.parameters()) {
     const at::Tensor& grad = p.tensor.grad();
-    if (!Owned(p, params.tp_rank()) || !grad.defined()) continue;
-    const at::Tensor g = grad.to(at::kDouble);
-    sums.sum += g.sum().item<double>();
-    sums.square_sum += g.square().sum().item<double>();
+    if (Owned(p, params.tp_rank()) && grad.defined()) grads.push_back(grad);
   }
-  return sums;
+  return SumsOf(grads);
 }
 
 OwnedSums OwnedParamSums(const nn::ParameterSet& params) {
-  OwnedSums sums;
+  std::vector<at::Tensor> values;
   for (const auto& p : params.parameters()) {
-    if (!Owned(p, params.tp_rank())) continue;
-    const at::Tensor v = p.tensor.detach().to(at::kDouble);
-    sums.sum += v.sum().item<double>();
-    sums.square_sum += v.square().sum().item<double>();
+    if (Owned(p, params.tp_rank())) values.push_back(p.tensor);
   }
-  return sums;
-}
-
-absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group) {
-  if (group.size() == 1) return absl::OkStatus();
-  std::vector<at::Tensor> flat;
-  for (const auto& p : params.parameters()) {
-    if (!p.trainable) continue;
-    at::Tensor& grad = p.tensor.mutable_grad();
-    if (!grad.defined()) grad = at::zeros_like(p.tensor);
-    flat.push_back(grad.reshape({-1}));
-  }
-  if (flat.empty()) return absl::OkStatus();
-  at::Tensor buffer = at::cat(flat);
-  absl::Status status = group.AllReduce(buffer);
-  if (!status.ok()) return status;
-  int64_t offset = 0;
-  for (const auto& p : params.parameters()) {
-    if (!p.trainable) continue;
-    at::Tensor& grad = p.tensor.mutable_grad();
-    const int64_t n = grad.numel();
-    grad.copy_(buffer.narrow(0, offset, n).view_as(grad));
-    offset += n;
-  }
-  return absl::OkStatus();
+  return SumsOf(values);
 }
 
 double ClipCoefficient(double total_norm, double max_norm) {
@@ -75,9 +64,21 @@ double ClipCoefficient(double total_norm, double max_norm) {
 }
 
 ModuleOptimizer::ModuleOptimizer(nn::ParameterSet* params, const hetpar::v1::Optimizer& options)
-    : params_(params), options_(options) {}
+    : params_(params),
+      options_(options),
+      state_dtype_(nn::ParameterSet::GradDtypeOf(params->dtype())) {}
 
 ModuleOptimizer::~ModuleOptimizer() = default;
+
+bool ModuleOptimizer::Decays(const std::string& name) const {
+  const Slot* slot = SlotOf(name);
+  return slot != nullptr && Decays(*slot->param);
+}
+
+bool ModuleOptimizer::Decays(const nn::NamedParameter& p) const {
+  if (p.full_shape.size() < 2) return false;  // norm scales, biases
+  return !p.embedding || !options_.no_decay_embeddings();
+}
 
 absl::StatusOr<std::unique_ptr<ModuleOptimizer>> ModuleOptimizer::Create(
     nn::ParameterSet* params, const hetpar::v1::Optimizer& options) {
@@ -85,18 +86,39 @@ absl::StatusOr<std::unique_ptr<ModuleOptimizer>> ModuleOptimizer::Create(
     return absl::InvalidArgumentError(absl::StrCat("optimizer lr=", options.lr(), " must be > 0"));
   }
   std::unique_ptr<ModuleOptimizer> optimizer(new ModuleOptimizer(params, options));
-  // Frozen parameters get no AdamW state and are never updated (weight decay included).
-  std::vector<at::Tensor> tensors;
-  for (const auto& p : params->parameters()) {
-    if (p.trainable) tensors.push_back(p.tensor);
-  }
-  if (tensors.empty()) return optimizer;
-  torch::optim::AdamWOptions adamw(options.lr());
-  adamw.betas({options.beta1(), options.beta2()});
-  adamw.eps(options.eps());
-  adamw.weight_decay(options.weight_decay());
-  optimizer->adamw_ = std::make_unique<torch::optim::AdamW>(tensors, adamw);
-  return optimizer;
+  return nn::RunTorchOr("creating the optimizer", [&]() -> std::unique_ptr<ModuleOptimizer> {
+    at::NoGradGuard no_grad;
+    // Frozen parameters get no AdamW state and are never updated (weight decay included).
+    for (const auto& p : params->parameters()) {
+      if (!p.trainable) continue;
+      Slot slot;
+      slot.param = &p;
+      slot.target = optimizer->HasMasters() ? p.tensor.detach().to(optimizer->state_dtype_, false,
+                                                                   /*copy=*/true)
+                                            : p.tensor;
+      optimizer->slots_.push_back(slot);
+    }
+    if (optimizer->slots_.empty()) return std::move(optimizer);
+    std::vector<at::Tensor> decay, no_decay;
+    for (const Slot& slot : optimizer->slots_) {
+      (optimizer->Decays(*slot.param) ? decay : no_decay).push_back(slot.target);
+    }
+    torch::optim::AdamWOptions adamw(options.lr());
+    adamw.betas({options.beta1(), options.beta2()});
+    adamw.eps(options.eps());
+    adamw.weight_decay(options.weight_decay());
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    if (!decay.empty()) {
+      groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw));
+    }
+    if (!no_decay.empty()) {
+      auto without = std::make_unique<torch::optim::AdamWOptions>(adamw);
+      without->weight_decay(0.0);
+      groups.emplace_back(no_decay, std::move(without));
+    }
+    optimizer->adamw_ = std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
+    return std::move(optimizer);
+  });
 }
 
 double ModuleOptimizer::LearningRate(int64_t step) const {
@@ -109,45 +131,50 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
   return nn::RunTorch("optimizer step", [&] {
     at::NoGradGuard no_grad;
     if (adamw_ == nullptr) return;  // nothing trainable
-    for (const auto& p : params_->parameters()) {
-      if (!p.trainable) continue;
-      at::Tensor& grad = p.tensor.mutable_grad();
+    for (const Slot& slot : slots_) {
+      const at::Tensor& param = slot.param->tensor;
+      at::Tensor& grad = param.mutable_grad();
       if (!grad.defined()) {
-        grad = at::zeros_like(p.tensor);
+        grad = params_->ZeroGradient(*slot.param);
       } else if (clip_coefficient != 1.0) {
         grad.mul_(clip_coefficient);
       }
+      // The parameter's gradient is already in the state dtype (ParameterSet::grad_dtype).
+      if (!slot.target.is_same(param)) slot.target.mutable_grad() = grad.to(state_dtype_);
     }
     const double lr = LearningRate(step);
     for (auto& group : adamw_->param_groups()) {
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     }
     adamw_->step();
+    for (const Slot& slot : slots_) {
+      if (slot.target.is_same(slot.param->tensor)) continue;
+      slot.param->tensor.detach().copy_(slot.target);  // rounds the master once
+      slot.target.mutable_grad() = at::Tensor();
+    }
     params_->ZeroGrad();
   });
 }
 
-const nn::NamedParameter* ModuleOptimizer::TrainableParameter(const std::string& name) const {
-  const nn::NamedParameter* p = params_->Find(name);
-  if (p == nullptr || !p->trainable || adamw_ == nullptr) return nullptr;
-  for (const auto& group : adamw_->param_groups()) {
-    for (const at::Tensor& t : group.params()) {
-      if (t.is_same(p->tensor)) return p;
-    }
+const ModuleOptimizer::Slot* ModuleOptimizer::SlotOf(const std::string& name) const {
+  if (adamw_ == nullptr) return nullptr;
+  for (const Slot& slot : slots_) {
+    if (slot.param->name == name) return slot.param->trainable ? &slot : nullptr;
   }
   return nullptr;
 }
 
-// AdamW keys its state by the address of the parameter's TensorImpl, as libtorch's own
-// optimizers and their serialisation do.
+// AdamW keys its state by the address of the updated tensor's TensorImpl.
 std::optional<ModuleOptimizer::ParamState> ModuleOptimizer::StateOf(const std::string& name) const {
-  const nn::NamedParameter* p = TrainableParameter(name);
-  if (p == nullptr) return std::nullopt;
+  const Slot* slot = SlotOf(name);
+  if (slot == nullptr) return std::nullopt;
   const auto& states = adamw_->state();
-  auto it = states.find(c10::guts::to_string(p->tensor.unsafeGetTensorImpl()));
+  auto it = states.find(slot->target.unsafeGetTensorImpl());
   if (it == states.end()) return std::nullopt;
   const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-  return ParamState{adam.exp_avg(), adam.exp_avg_sq(), adam.step()};
+  ParamState state{adam.exp_avg(), adam.exp_avg_sq(), adam.step(), at::Tensor()};
+  if (!slot->target.is_same(slot->param->tensor)) state.master = slot->target;
+  return state;
 }
 
 absl::Status ModuleOptimizer::CheckState(const std::string& name, const ParamState& state) const {
@@ -156,7 +183,7 @@ absl::Status ModuleOptimizer::CheckState(const std::string& name, const ParamSta
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer state for unknown parameter '", name, "'"));
   }
-  if (TrainableParameter(name) == nullptr) {
+  if (SlotOf(name) == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "optimizer state for parameter '", name, "', which the optimizer does not train (frozen)"));
   }
@@ -164,42 +191,61 @@ absl::Status ModuleOptimizer::CheckState(const std::string& name, const ParamSta
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer state for parameter '", name, "' has step ", state.step));
   }
+  const auto check_shape = [&](const char* what, const at::Tensor& tensor) {
+    if (tensor.sizes() != p->tensor.sizes()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("optimizer state for parameter '", name, "': ", what, " has shape [",
+                       absl::StrJoin(tensor.sizes(), ", "), "], the parameter [",
+                       absl::StrJoin(p->tensor.sizes(), ", "), "]"));
+    }
+    return absl::OkStatus();
+  };
   const auto check_moment = [&](const char* what, const at::Tensor& moment) {
     if (!moment.defined()) {
       return absl::InvalidArgumentError(
           absl::StrCat("optimizer state for parameter '", name, "' has no ", what));
     }
-    if (moment.sizes() != p->tensor.sizes()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("optimizer state for parameter '", name, "': ", what, " has shape [",
-                       absl::StrJoin(moment.sizes(), ", "), "], the parameter [",
-                       absl::StrJoin(p->tensor.sizes(), ", "), "]"));
-    }
-    return absl::OkStatus();
+    return check_shape(what, moment);
   };
   HETPAR_RETURN_IF_ERROR(check_moment("exp_avg", state.exp_avg));
-  return check_moment("exp_avg_sq", state.exp_avg_sq);
+  HETPAR_RETURN_IF_ERROR(check_moment("exp_avg_sq", state.exp_avg_sq));
+  if (state.master.defined()) return check_shape("master", state.master);
+  return absl::OkStatus();
 }
 
 absl::Status ModuleOptimizer::SetState(const std::string& name, const ParamState& state) {
   HETPAR_RETURN_IF_ERROR(CheckState(name, state));
-  const nn::NamedParameter* p = TrainableParameter(name);
+  const Slot* slot = SlotOf(name);
   return nn::RunTorch(absl::StrCat("setting the optimizer state of ", name), [&] {
     at::NoGradGuard no_grad;
-    // Fresh tensors laid out like the parameter (AdamW's own init uses zeros_like), so that the
-    // state never aliases the caller's tensors.
+    const at::Tensor& param = slot->param->tensor;
+    if (!slot->target.is_same(param)) {
+      if (state.master.defined()) {
+        slot->target.copy_(state.master);
+        param.detach().copy_(slot->target);
+      } else {
+        slot->target.copy_(param);
+      }
+    }
+    // Fresh tensors laid out like the updated tensor (AdamW's own init uses zeros_like), so that
+    // the state never aliases the caller's tensors.
     auto adam = std::make_unique<torch::optim::AdamWParamState>();
     adam->step(state.step);
-    adam->exp_avg(at::empty_like(p->tensor, at::MemoryFormat::Preserve).copy_(state.exp_avg));
-    adam->exp_avg_sq(at::empty_like(p->tensor, at::MemoryFormat::Preserve).copy_(state.exp_avg_sq));
-    adamw_->state()[c10::guts::to_string(p->tensor.unsafeGetTensorImpl())] = std::move(adam);
+    adam->exp_avg(at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg));
+    adam->exp_avg_sq(
+        at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg_sq));
+    adamw_->state()[slot->target.unsafeGetTensorImpl()] = std::move(adam);
   });
 }
 
 void ModuleOptimizer::ClearState(const std::string& name) {
-  const nn::NamedParameter* p = TrainableParameter(name);
-  if (p == nullptr) return;
-  adamw_->state().erase(c10::guts::to_string(p->tensor.unsafeGetTensorImpl()));
+  const Slot* slot = SlotOf(name);
+  if (slot == nullptr) return;
+  adamw_->state().erase(slot->target.unsafeGetTensorImpl());
+  if (!slot->target.is_same(slot->param->tensor)) {
+    at::NoGradGuard no_grad;
+    slot->target.copy_(slot->param->tensor.detach());
+  }
 }
 
 }  // namespace hetpar::train

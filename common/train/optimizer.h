@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,18 +37,20 @@ OwnedSums OwnedGradSums(const nn::ParameterSet& params);
 // Of the parameter values.
 OwnedSums OwnedParamSums(const nn::ParameterSet& params);
 
-// Sums every trainable parameter's gradient over `group` (the module's DP group), in one flat
-// all-reduce. A parameter without a gradient contributes zeros and gets the sum. No-op for a
-// group of one.
-absl::Status SumGradients(nn::ParameterSet& params, nn::Communicator& group);
-
 // The factor gradients are scaled by: max_norm / (norm + 1e-6) when that is below 1, else 1
 // (and 1 when max_norm is 0, clipping off).
 double ClipCoefficient(double total_norm, double max_norm);
 
 // AdamW with linear warm-up over one module's trainable parameters (frozen ones get no state and
-// never change). Owns the optimizer state; keeps a
-// reference to the ParameterSet, which must outlive it. One thread calls it.
+// never change). Owns the optimizer state; keeps a reference to the ParameterSet, which must
+// outlive it. One thread calls it.
+//
+// Precision: a parameter of a low-precision dtype (bfloat16, float16) gets a float32 master copy;
+// AdamW runs on the masters with float32 moments and the float32 gradients the ParameterSet
+// accumulates (ParameterSet::grad_dtype), and each step rounds the masters into the parameters
+// once. float32 and float64 parameters are their own masters. Parameter groups: weight decay
+// applies to parameters of two or more dimensions only (not to norm scales and biases), and to
+// embedding tables unless options.no_decay_embeddings().
 class ModuleOptimizer {
  public:
   static absl::StatusOr<std::unique_ptr<ModuleOptimizer>> Create(
@@ -69,7 +72,18 @@ class ModuleOptimizer {
     at::Tensor exp_avg;
     at::Tensor exp_avg_sq;
     int64_t step = 0;
+    // The float32 master weights of a low-precision parameter (undefined for a parameter that is
+    // its own master). SetState without it takes the master from the parameter's value.
+    at::Tensor master;
   };
+  // The dtype of the masters and moments of this set's parameters (float32 for bfloat16 and
+  // float16 parameters, else the parameters' dtype).
+  at::ScalarType StateDtype() const { return state_dtype_; }
+  // Whether the parameters have master copies apart from them.
+  bool HasMasters() const { return state_dtype_ != params_->dtype(); }
+  // Whether parameter `name` decays (trainable, two or more dimensions, not an embedding table
+  // unless embeddings decay). False for unknown names.
+  bool Decays(const std::string& name) const;
   // The state of the parameter `name`; nullopt for a frozen or unknown parameter or before its
   // first step. The moments are the optimizer's own tensors, not copies: the next Step changes
   // them in place, so a caller that keeps them past it clones them.
@@ -78,22 +92,32 @@ class ModuleOptimizer {
   // or unknown name, undefined moments, moments of another shape than the parameter's, or a
   // negative step. Lets a caller validate a whole set of states before replacing any.
   absl::Status CheckState(const std::string& name, const ParamState& state) const;
-  // Replaces the state of trainable parameter `name` (the moments are copied, converted to the
-  // parameter's dtype and device); the next Step continues from it exactly as from the steps
-  // that produced it. Errors as CheckState, and then nothing changes.
+  // Replaces the state of trainable parameter `name` (the moments are copied, converted to
+  // StateDtype() and the parameter's device); the next Step continues from it exactly as from
+  // the steps that produced it. A master in `state` replaces the parameter's master (and the
+  // parameter takes its rounded value); without one the master is taken from the parameter.
+  // Errors as CheckState, and then nothing changes.
   absl::Status SetState(const std::string& name, const ParamState& state);
-  // Drops the state of `name` (its next Step starts from zero moments, as its first did). No-op
-  // for a parameter without state, a frozen or an unknown one.
+  // Drops the state of `name` (its next Step starts from zero moments, as its first did) and
+  // takes its master from the parameter's value. No-op for a frozen or an unknown parameter.
   void ClearState(const std::string& name);
 
  private:
   ModuleOptimizer(nn::ParameterSet* params, const hetpar::v1::Optimizer& options);
-  // The trainable parameter `name` that AdamW updates; nullptr when frozen, unknown or not
-  // registered with AdamW (nothing trainable, or made trainable after Create).
-  const nn::NamedParameter* TrainableParameter(const std::string& name) const;
+  bool Decays(const nn::NamedParameter& param) const;
+  // One trainable parameter and the tensor AdamW updates for it.
+  struct Slot {
+    const nn::NamedParameter* param = nullptr;
+    at::Tensor target;  // the master, or the parameter's own tensor
+  };
+  // The slot of trainable parameter `name`; nullptr when frozen, unknown or not registered with
+  // AdamW (nothing trainable, or made trainable after Create).
+  const Slot* SlotOf(const std::string& name) const;
 
   nn::ParameterSet* params_;
   hetpar::v1::Optimizer options_;
+  at::ScalarType state_dtype_;
+  std::vector<Slot> slots_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 

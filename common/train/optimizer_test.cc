@@ -78,10 +78,11 @@ TEST(OwnedSumsTest, SplitOnEveryRankReplicatedOnRankZeroOnly) {
 
 TEST(ModuleOptimizerTest, OneAdamWStepMatchesTheFormula) {
   nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
-  ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(1.0)).ok());
+  // A matrix: weight decay applies to parameters of two or more dimensions only.
+  ASSERT_TRUE(set.Add("p", {1, 1}, -1, nn::InitRule::Constant(1.0)).ok());
   auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.01));
   ASSERT_TRUE(opt.ok()) << opt.status();
-  set.parameters()[0].tensor.mutable_grad() = at::full({1}, 0.5, at::kDouble);
+  set.parameters()[0].tensor.mutable_grad() = at::full({1, 1}, 0.5, at::kDouble);
   ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
   // Decoupled decay, then the bias-corrected Adam update: m_hat = g, v_hat = g^2.
   const double expected = 1.0 * (1 - 0.1 * 0.01) - 0.1 * 0.5 / (std::sqrt(0.25) + 1e-8);
@@ -133,7 +134,7 @@ TEST(ModuleOptimizerTest, TpSlicesStepLikeTheFullParameter) {
 
 TEST(ModuleOptimizerTest, ParameterWithoutGradientStepsWithZero) {
   nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
-  ASSERT_TRUE(set.Add("p", {1}, -1, nn::InitRule::Constant(2.0)).ok());
+  ASSERT_TRUE(set.Add("p", {1, 1}, -1, nn::InitRule::Constant(2.0)).ok());
   auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.5));
   ASSERT_TRUE(opt.ok());
   ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
@@ -145,8 +146,8 @@ TEST(ModuleOptimizerTest, ParameterWithoutGradientStepsWithZero) {
 // while its trainable neighbour decays.
 TEST(ModuleOptimizerTest, FrozenParameterNeverChanges) {
   nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
-  ASSERT_TRUE(set.Add("tower.w", {1}, -1, nn::InitRule::Constant(2.0)).ok());
-  ASSERT_TRUE(set.Add("head.w", {1}, -1, nn::InitRule::Constant(2.0)).ok());
+  ASSERT_TRUE(set.Add("tower.w", {1, 1}, -1, nn::InitRule::Constant(2.0)).ok());
+  ASSERT_TRUE(set.Add("head.w", {1, 1}, -1, nn::InitRule::Constant(2.0)).ok());
   EXPECT_EQ(set.Freeze("tower."), 1);
   EXPECT_EQ(set.Freeze("tower."), 0);  // already frozen
   EXPECT_FALSE(set.parameters()[0].trainable);
@@ -225,7 +226,7 @@ TEST(ModuleOptimizerTest, SetStateRejectsFrozenUnknownAndMisshapen) {
   auto opt = ModuleOptimizer::Create(&set, Adam(0.1, 0.0));
   ASSERT_TRUE(opt.ok());
   const ModuleOptimizer::ParamState good{at::ones({2, 3}, at::kFloat),
-                                         at::full({2, 3}, 0.5, at::kFloat), 7};
+                                         at::full({2, 3}, 0.5, at::kFloat), 7, at::Tensor()};
   for (const std::string name : {"tower.w", "nope"}) {
     absl::Status status = (*opt)->SetState(name, good);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
@@ -247,6 +248,100 @@ TEST(ModuleOptimizerTest, SetStateRejectsFrozenUnknownAndMisshapen) {
   EXPECT_TRUE(at::equal(state->exp_avg_sq, at::full({2, 3}, 0.5, at::kDouble)));
   (*opt)->ClearState("head.w");
   EXPECT_FALSE((*opt)->StateOf("head.w").has_value());
+}
+
+TEST(ModuleOptimizerTest, NormsAndBiasesNeverDecayEmbeddingsDecayUnlessConfigured) {
+  for (const bool no_decay_embeddings : {false, true}) {
+    nn::ParameterSet set(1, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+    ASSERT_TRUE(set.Add("w", {2, 2}, -1, nn::InitRule::Constant(1.0)).ok());
+    ASSERT_TRUE(set.Add("norm", {2}, -1, nn::InitRule::Constant(1.0)).ok());
+    ASSERT_TRUE(set.Add("embed", {3, 2}, -1, nn::InitRule::Constant(1.0)).ok());
+    ASSERT_TRUE(set.MarkEmbedding("embed").ok());
+    EXPECT_EQ(set.MarkEmbedding("nope").code(), absl::StatusCode::kNotFound);
+    hetpar::v1::Optimizer options = Adam(0.1, 0.5);
+    options.set_no_decay_embeddings(no_decay_embeddings);
+    auto opt = ModuleOptimizer::Create(&set, options);
+    ASSERT_TRUE(opt.ok()) << opt.status();
+    EXPECT_TRUE((*opt)->Decays("w"));
+    EXPECT_FALSE((*opt)->Decays("norm"));
+    EXPECT_EQ((*opt)->Decays("embed"), !no_decay_embeddings);
+    // Zero gradients: Adam's update is 0, so whatever moves is weight decay, x (1 - lr wd).
+    ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
+    EXPECT_NEAR(set.Find("w")->tensor.sum().item<double>(), 4 * 0.95, 1e-12);
+    EXPECT_EQ(set.Find("norm")->tensor.sum().item<double>(), 2.0);
+    EXPECT_NEAR(set.Find("embed")->tensor.sum().item<double>(),
+                no_decay_embeddings ? 6.0 : 6 * 0.95, 1e-12);
+  }
+}
+
+TEST(ModuleOptimizerTest, Bfloat16ParametersStepOnFloat32Masters) {
+  nn::ParameterSet set(1, at::kBFloat16, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("w", {2, 2}, -1, nn::InitRule::Constant(1.0)).ok());
+  auto opt = ModuleOptimizer::Create(&set, Adam(1e-4, 0.0));
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  EXPECT_TRUE((*opt)->HasMasters());
+  EXPECT_EQ((*opt)->StateDtype(), at::kFloat);
+  const at::Tensor& w = set.Find("w")->tensor;
+  // A constant gradient: every bias-corrected Adam update is lr (m_hat / sqrt(v_hat) = 1). One
+  // update, 1e-4, is far below bfloat16's spacing below 1.0 (2^-8): bfloat16 weights updated in
+  // place would never move.
+  for (int step = 0; step < 40; ++step) {
+    w.mutable_grad() = at::ones({2, 2}, at::kFloat);
+    ASSERT_TRUE((*opt)->Step(step, 1.0).ok());
+  }
+  std::optional<ModuleOptimizer::ParamState> state = (*opt)->StateOf("w");
+  ASSERT_TRUE(state.has_value());
+  ASSERT_TRUE(state->master.defined());
+  EXPECT_EQ(state->master.scalar_type(), at::kFloat);
+  EXPECT_EQ(state->exp_avg.scalar_type(), at::kFloat);
+  EXPECT_NEAR(state->master[0][0].item<double>(), 1.0 - 40 * 1e-4, 1e-6);
+  // The parameter is the master rounded to bfloat16: 0.996 is nearest to 1 - 2^-8.
+  EXPECT_EQ(w.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(w[0][0].item<double>(), 1.0 - std::ldexp(1.0, -8));
+}
+
+TEST(ModuleOptimizerTest, Bfloat16GradientsAccumulateInFloat32) {
+  nn::ParameterSet set(1, at::kBFloat16, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("w", {1, 1}, -1, nn::InitRule::Constant(1.0)).ok());
+  EXPECT_EQ(set.grad_dtype(), at::kFloat);
+  const at::Tensor& w = set.Find("w")->tensor;
+  // Two waves: gradients 1 and 2^-9. Their sum is exact in float32; bfloat16 (8 significant
+  // bits) would round it back to 1.
+  for (const double x : {1.0, std::ldexp(1.0, -9)}) {
+    (w * at::full({1, 1}, x, at::kBFloat16)).sum().backward();
+  }
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+  EXPECT_EQ(w.grad().item<double>(), 1.0 + std::ldexp(1.0, -9));
+}
+
+TEST(ModuleOptimizerTest, Bfloat16SetStateTakesTheMasterAndClearStateTheParameter) {
+  nn::ParameterSet set(1, at::kBFloat16, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(set.Add("w", {1, 1}, -1, nn::InitRule::Constant(1.0)).ok());
+  auto opt = ModuleOptimizer::Create(&set, Adam(1e-3, 0.0));
+  ASSERT_TRUE(opt.ok()) << opt.status();
+  ModuleOptimizer::ParamState state;
+  state.exp_avg = at::full({1, 1}, 0.25, at::kFloat);
+  state.exp_avg_sq = at::full({1, 1}, 0.5, at::kFloat);
+  state.step = 5;
+  state.master = at::full({1, 1}, 0.999, at::kFloat);
+  ASSERT_TRUE((*opt)->SetState("w", state).ok());
+  const at::Tensor& w = set.Find("w")->tensor;
+  EXPECT_EQ(w.item<double>(), at::full({1, 1}, 0.999, at::kBFloat16).item<double>());
+  std::optional<ModuleOptimizer::ParamState> got = (*opt)->StateOf("w");
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->master.item<float>(), 0.999f);
+  EXPECT_FALSE(got->master.is_same(state.master));
+  {
+    at::NoGradGuard no_grad;
+    w.fill_(0.5);
+  }
+  (*opt)->ClearState("w");
+  EXPECT_FALSE((*opt)->StateOf("w").has_value());
+  // The next step starts from the parameter's value (0.5), not the old master.
+  w.mutable_grad() = at::ones({1, 1}, at::kFloat);
+  ASSERT_TRUE((*opt)->Step(0, 1.0).ok());
+  EXPECT_NEAR((*opt)->StateOf("w")->master.item<double>(), 0.5 - 1e-3, 1e-7);
 }
 
 TEST(ModuleOptimizerTest, LinearWarmup) {

@@ -190,21 +190,27 @@ absl::Status ModuleState::BroadcastState(int64_t root) {
     }
   }
   HETPAR_RETURN_IF_ERROR(dp_->Broadcast(steps, static_cast<int>(root)));
-  // One buffer: each parameter, then the moments of those with state, in the parameter's dtype.
+  // One buffer in the optimizer's state dtype: each parameter, then for those with state the
+  // float32 master (bfloat16 parameters) and the moments.
+  const at::ScalarType dtype = optimizer_->StateDtype();
+  const bool masters = optimizer_->HasMasters();
   std::vector<at::Tensor> parts;
   for (size_t i = 0; i < list.size(); ++i) {
     const at::Tensor& p = list[i].tensor;
-    parts.push_back(p.detach().reshape(-1));
+    parts.push_back(p.detach().to(dtype).reshape(-1));
     if (steps[i].item<int64_t>() <= 0) continue;
     std::optional<train::ModuleOptimizer::ParamState> state =
         source ? optimizer_->StateOf(list[i].name) : std::nullopt;
     if (source && !state.has_value()) {
       return absl::InternalError(absl::StrCat("parameter ", list[i].name, " lost its state"));
     }
-    parts.push_back(source ? state->exp_avg.to(p.scalar_type()).reshape(-1)
-                           : at::zeros({p.numel()}, p.options().requires_grad(false)));
-    parts.push_back(source ? state->exp_avg_sq.to(p.scalar_type()).reshape(-1)
-                           : at::zeros({p.numel()}, p.options().requires_grad(false)));
+    const auto part = [&](const at::Tensor& tensor) {
+      return source ? tensor.detach().to(dtype).reshape(-1)
+                    : at::zeros({p.numel()}, p.options().dtype(dtype).requires_grad(false));
+    };
+    if (masters) parts.push_back(part(source ? state->master : at::Tensor()));
+    parts.push_back(part(source ? state->exp_avg : at::Tensor()));
+    parts.push_back(part(source ? state->exp_avg_sq : at::Tensor()));
   }
   at::Tensor flat = at::cat(parts).contiguous();
   HETPAR_RETURN_IF_ERROR(dp_->Broadcast(flat, static_cast<int>(root)));
@@ -225,6 +231,7 @@ absl::Status ModuleState::BroadcastState(int64_t root) {
       continue;
     }
     train::ModuleOptimizer::ParamState state;
+    if (masters) state.master = take(p);
     state.exp_avg = take(p);
     state.exp_avg_sq = take(p);
     state.step = step;
