@@ -89,7 +89,6 @@ absl::Status GradientReducer::BeginStep(nn::Communicator* dp) {
     for (Bucket& bucket : buckets_) {
       bucket.buffer.zero_();
       bucket.ready = 0;
-      bucket.started = false;
     }
     for (Slot& slot : slots_) {
       slot.counted = false;
@@ -131,7 +130,6 @@ void GradientReducer::StartReady(bool all) {
       }
     }
     bucket.work = dp_->group()->StartAllReduce(bucket.buffer);
-    bucket.started = true;
     ++next_to_start_;
   }
 }
@@ -160,7 +158,8 @@ void GradientReducer::Abandon() {
   in_step_ = false;
   bool pending = false;
   for (Bucket& bucket : buckets_) {
-    if (bucket.work) pending = true;
+    // A collective that completed holds nothing back; only one still running does.
+    if (bucket.work && !bucket.work->isCompleted()) pending = true;
     bucket.work.reset();
   }
   if (!pending) return;

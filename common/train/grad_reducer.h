@@ -77,7 +77,6 @@ class GradientReducer {
     std::vector<int> slots;               // indices into slots_
     int ready = 0;                        // slots whose gradient is complete (armed only)
     c10::intrusive_ptr<c10d::Work> work;  // started and not waited for
-    bool started = false;
   };
   struct Slot {
     const nn::NamedParameter* param = nullptr;
