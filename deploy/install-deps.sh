@@ -2,7 +2,8 @@
 # Installs the Debian packages that hetpar's build, tests and benchmarks need, checks
 # for the CUDA toolkit, then creates the project-local Python environment <repo>/.venv
 # (system /usr/bin/python3, packages pinned in deploy/requirements.txt: libtorch, as
-# the torch wheel, and the deployment-file checks).
+# the torch wheel; UCX with CUDA support, as the libucx-cu13 wheel; and the
+# deployment-file checks).
 # Idempotent: packages already present are left alone and apt-get is not touched;
 # the venv is created only if absent and pip runs only when an installed version
 # differs from its pin.
@@ -10,7 +11,7 @@
 #
 # HETPAR_NO_VENV=1 skips the Python environment: for a build against a libtorch of
 # your own (cmake -DTorch_DIR=<libtorch>/share/cmake/Torch), without the tests that
-# use Python.
+# use Python; UCX is then Debian's (no CUDA) unless cmake -DHETPAR_UCX_PREFIX names one.
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,7 +21,9 @@ packages=(
   build-essential cmake make pkg-config ccache git clang clang-format clang-tidy
   # control plane
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev libabsl-dev libssl-dev openssl
-  # data plane
+  # data plane: hetpar links the libucx-cu13 wheel in .venv (deploy/requirements.txt); Debian's
+  # UCX 1.13 (no CUDA) is what a HETPAR_NO_VENV=1 build links, and ucx-utils' ucx_perftest is
+  # the transport benchmark's baseline
   libucx-dev ucx-utils
   # collectives: the Gloo headers that libtorch's c10d ProcessGroupGloo.hpp includes (libtorch
   # itself is the pinned PyPI torch wheel in .venv, deploy/requirements.txt)

@@ -184,7 +184,15 @@ class Core {
   // --- any thread ---
   const std::string& name() const { return options_.name; }
   std::string LocalAddress() const { return address_; }
-  bool SupportsCuda() const { return cuda_supported_; }
+  bool SupportsMemory(MemoryKind kind) const {
+    switch (kind) {
+      case MemoryKind::kHost:
+        return true;
+      case MemoryKind::kCuda:
+        return cuda_supported_;
+    }
+    return false;
+  }
   UcxTransport::Stats stats() const {
     UcxTransport::Stats stats;
     stats.sends = sends_ok_.load(std::memory_order_relaxed);
@@ -367,9 +375,14 @@ absl::Status Core::Init() {
     return UcsToStatus(st,
                        absl::StrCat(where, ": reading the UCX_* environment (ucp_config_read)"));
   }
-  // Faster failure detection than UCX's defaults, unless the user chose a value. Transport
-  // settings are named without their transport prefix in ucp_config_modify (KEEPIDLE reaches
-  // the tcp interfaces, whose variable is UCX_TCP_KEEPIDLE).
+  // Faster failure detection than UCX's defaults, unless the user chose a value. How
+  // ucp_config_modify names a transport's setting depends on the UCX that runs: up to 1.16 by its
+  // name in the transport's table (KEEPIDLE reaches the tcp interfaces), from 1.17 on with the
+  // transport's prefix, as in the variable (TCP_KEEPIDLE; 1.21 and newer reject KEEPIDLE, 1.17 to
+  // 1.20 would accept it and apply it nowhere).
+  unsigned ucx_major = 0, ucx_minor = 0, ucx_release = 0;
+  ucp_get_version(&ucx_major, &ucx_minor, &ucx_release);
+  const bool prefixed_keys = ucx_major > 1 || (ucx_major == 1 && ucx_minor >= 17);
   struct Default {
     const char* variable;  // what the user would set
     const char* key;       // what ucp_config_modify takes
@@ -377,8 +390,10 @@ absl::Status Core::Init() {
   };
   const Default defaults[] = {
       {"UCX_KEEPALIVE_INTERVAL", "KEEPALIVE_INTERVAL", UcxDuration(options_.keepalive_interval)},
-      {"UCX_TCP_KEEPIDLE", "KEEPIDLE", UcxDuration(options_.tcp_keepidle)},
-      {"UCX_TCP_KEEPINTVL", "KEEPINTVL", UcxDuration(options_.tcp_keepintvl)},
+      {"UCX_TCP_KEEPIDLE", prefixed_keys ? "TCP_KEEPIDLE" : "KEEPIDLE",
+       UcxDuration(options_.tcp_keepidle)},
+      {"UCX_TCP_KEEPINTVL", prefixed_keys ? "TCP_KEEPINTVL" : "KEEPINTVL",
+       UcxDuration(options_.tcp_keepintvl)},
   };
   for (const Default& d : defaults) {
     if (std::getenv(d.variable) != nullptr) continue;
@@ -628,10 +643,11 @@ absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag 
     }
     if (memory_kind == MemoryKind::kCuda) {
       if (!cuda_supported_) {
-        return absl::UnimplementedError(
-            absl::StrCat(what, ": this UCX (", ucp_get_version_string(),
-                         ") has no CUDA memory support (no cuda transports loaded); device ",
-                         device, " memory cannot be sent"));
+        return absl::UnimplementedError(absl::StrCat(
+            what, ": this UCX (", ucp_get_version_string(),
+            ") has no CUDA memory support: its CUDA transport module did not load (no GPU "
+            "driver, libcuda.so.1, on this machine, or a UCX built without CUDA); device ",
+            device, " memory cannot be moved"));
       }
       op->memory_type = UCS_MEMORY_TYPE_CUDA;
     }
@@ -1438,7 +1454,7 @@ const std::string& UcxTransport::name() const { return core_->name(); }
 
 std::string UcxTransport::LocalAddress() const { return core_->LocalAddress(); }
 
-bool UcxTransport::SupportsCuda() const { return core_->SupportsCuda(); }
+bool UcxTransport::SupportsMemory(MemoryKind kind) const { return core_->SupportsMemory(kind); }
 
 UcxTransport::Stats UcxTransport::stats() const { return core_->stats(); }
 

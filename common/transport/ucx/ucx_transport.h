@@ -1,4 +1,4 @@
-// UCX backend of the data plane (UCX 1.13 ucp, host memory; CUDA memory when UCX has it).
+// UCX backend of the data plane (UCX 1.13 or newer ucp, host memory; CUDA memory when UCX has it).
 //
 // Resources: one ucp context, one worker and one progress thread per UcxTransport. A process
 // normally creates one UcxTransport and connects it to all its peers; tests may create several.
@@ -113,8 +113,10 @@ class UcxTransport final : public Transport {
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
 
-  // Whether this UCX can move CUDA memory (it reports CUDA among its memory types).
-  bool SupportsCuda() const;
+  // Whether Send/Recv accept buffers of `kind`: host memory always; CUDA memory when UCX
+  // reports CUDA among its memory types (a UCX built with CUDA whose CUDA module loaded, which
+  // needs the GPU driver). Fixed for the transport's lifetime; any thread.
+  bool SupportsMemory(MemoryKind kind) const;
 
   // Operations that completed OK, and how many of them went by same-host zero copy.
   struct Stats {
