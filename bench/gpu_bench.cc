@@ -32,7 +32,6 @@
 // machine without a GPU; its figures say nothing about GPUs).
 // A figure that fails prints {"bench":"gpu","figure":...,"error":...} and the exit status is 1.
 #include <ATen/ATen.h>
-#include <ATen/SDPBackend.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -49,6 +48,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/nn/sdp_backend.h"
 #include "nlohmann/json.hpp"
 
 #if HETPAR_GPU_BENCH_HAS_CUDA_HEADERS
@@ -235,24 +235,6 @@ at::Tensor LayerForward(const at::Tensor& x, const LayerWeights& w, const LayerS
   return mid + at::linear(inner, w.down);
 }
 
-const char* BackendName(int64_t choice) {
-  switch (static_cast<at::SDPBackend>(choice)) {
-    case at::SDPBackend::error:
-      return "error";
-    case at::SDPBackend::math:
-      return "math";
-    case at::SDPBackend::flash_attention:
-      return "flash_attention";
-    case at::SDPBackend::efficient_attention:
-      return "efficient_attention";
-    case at::SDPBackend::cudnn_attention:
-      return "cudnn_attention";
-    case at::SDPBackend::overrideable:
-      return "overrideable";
-  }
-  return "unknown";
-}
-
 // Attention alone, forward + backward, on the layer's shapes.
 json AttentionFigure(const LayerShape& s, const Timing& timing) {
   const int64_t d = s.head_dim();
@@ -275,7 +257,7 @@ json AttentionFigure(const LayerShape& s, const Timing& timing) {
   line["units"] = "TFLOP/s";
   line["ms_per_iter"] = seconds * 1e3;
   line["flops_per_iter"] = flops;
-  line["backend"] = BackendName(choice);
+  line["backend"] = nn::SdpBackendName(choice);
   return line;
 }
 

@@ -4,7 +4,7 @@
 # CUDA device one "skipped" line and exit 0. Run by tools/gpu-check; see docs/gpu.md.
 add_executable(gpu_bench "${CMAKE_CURRENT_LIST_DIR}/gpu_bench.cc")
 hetpar_target_defaults(gpu_bench)
-target_link_libraries(gpu_bench PRIVATE ${TORCH_LIBRARIES} nlohmann_json::nlohmann_json
+target_link_libraries(gpu_bench PRIVATE hetpar_nn ${TORCH_LIBRARIES} nlohmann_json::nlohmann_json
                       CLI11::CLI11)
 if(HETPAR_TORCH_HAS_CUDA)
   # The device's name and size (at::cuda::getCurrentDeviceProperties): CUDA runtime headers, which

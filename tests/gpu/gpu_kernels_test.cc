@@ -17,7 +17,6 @@
 // that does not blow up at reference elements near zero); tolerances are next to each use.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/SDPBackend.h>
 #include <torch/cuda.h>
 
 #include <cmath>
@@ -36,6 +35,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
+#include "common/nn/sdp_backend.h"
 #include "common/nn/test_ranks.h"
 #include "common/nn/tp_ops.h"
 #include "common/status.h"
@@ -145,24 +145,6 @@ at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at
   return at::matmul(weights / weights.sum(-1, /*keepdim=*/true), values);
 }
 
-const char* BackendName(int64_t choice) {
-  switch (static_cast<at::SDPBackend>(choice)) {
-    case at::SDPBackend::error:
-      return "error";
-    case at::SDPBackend::math:
-      return "math";
-    case at::SDPBackend::flash_attention:
-      return "flash_attention";
-    case at::SDPBackend::efficient_attention:
-      return "efficient_attention";
-    case at::SDPBackend::cudnn_attention:
-      return "cudnn_attention";
-    case at::SDPBackend::overrideable:
-      return "overrideable";
-  }
-  return "unknown";
-}
-
 struct AttentionCase {
   at::ScalarType dtype;
   int64_t kv_heads;  // of 8 query heads: 8 is plain multi-head attention, 2 is GQA (groups of 4)
@@ -198,8 +180,8 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
   const int64_t choice = at::_fused_sdp_choice(qd, kd, vd, {}, 0.0, c.causal, std::nullopt,
                                                /*enable_gqa=*/true);
-  std::cout << "scaled_dot_product_attention backend: " << BackendName(choice) << "\n";
-  RecordProperty("sdp_backend", BackendName(choice));
+  std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";
+  RecordProperty("sdp_backend", nn::SdpBackendName(choice));
   const at::Tensor got = at::scaled_dot_product_attention(qd, kd, vd, /*attn_mask=*/{},
                                                           /*dropout_p=*/0.0, c.causal,
                                                           /*scale=*/std::nullopt,
