@@ -143,7 +143,9 @@ absl::Status VisionEncoder::Build() {
     if (options_.train_projector) keep.push_back(std::string(kProjectorPrefix));
     p.Freeze("encoder.", keep);
   }
-  return absl::OkStatus();
+  // Parameters are drawn on the host; the model computes on its device.
+  return nn::RunTorch("moving the encoder's parameters to " + options_.device.str(),
+                      [&] { p.MoveTo(options_.device); });
 }
 
 absl::Status VisionEncoder::CheckImages(const at::Tensor& images) const {
@@ -213,7 +215,7 @@ at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
   const bool grad_enabled = at::GradMode::is_enabled();
   const at::AutoGradMode tower_mode(grad_enabled && !options_.frozen);
   // [n, C, gy, py, gx, px] -> [n, gy, gx, C, py, px]: one row per patch, features in conv order.
-  at::Tensor patches = images.to(dtype)
+  at::Tensor patches = images.to(options_.device, dtype)
                            .reshape({n, channels, grid, patch, grid, patch})
                            .permute({0, 2, 4, 1, 3, 5})
                            .reshape({rows, channels * patch * patch});
@@ -264,8 +266,9 @@ absl::Status VisionEncoder::Backward(const at::Tensor& output, const at::Tensor&
         grad_output.defined() ? absl::StrJoin(grad_output.sizes(), ", ") : std::string("undefined"),
         "], expected the output's [", absl::StrJoin(output.sizes(), ", "), "]"));
   }
-  return nn::RunTorch(absl::StrCat("encoder backward on TP rank ", tp_.rank(), " of ", tp_.size()),
-                      [&] { output.backward(grad_output.to(output.scalar_type())); });
+  return nn::RunTorch(
+      absl::StrCat("encoder backward on TP rank ", tp_.rank(), " of ", tp_.size()),
+      [&] { output.backward(grad_output.to(output.device(), output.scalar_type())); });
 }
 
 absl::Status VisionEncoder::FinishGradients() {

@@ -35,6 +35,7 @@
 #define HETPAR_ENCODER_SERVICE_ENCODER_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <memory>
@@ -50,7 +51,10 @@ namespace hetpar::encoder {
 
 struct EncoderOptions {
   at::ScalarType dtype = at::kFloat;  // parameters and activations
-  int64_t seed = 1234;                // run seed; parameter seeds derive from it and their names
+  // Where the parameters live and the model computes (nn::ExecutionContext::device); images on
+  // the host are moved there, and the output is there.
+  c10::Device device = c10::kCPU;
+  int64_t seed = 1234;  // run seed; parameter seeds derive from it and their names
   bool sequence_parallel = false;
   nn::InitStyle init_style = nn::InitStyle::kTraining;
   // The vision tower (everything before the projector) is frozen: no gradients, no updates, and

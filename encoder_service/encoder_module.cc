@@ -16,6 +16,7 @@ absl::StatusOr<std::unique_ptr<EncoderModule>> EncoderModule::Create(
   std::unique_ptr<EncoderModule> m(new EncoderModule(&context, std::move(state)));
   const v1::RunSpec& spec = context.spec();
   HETPAR_ASSIGN_OR_RETURN(EncoderOptions model_options, EncoderOptionsFromSpec(spec));
+  model_options.device = context.execution().device();
   HETPAR_ASSIGN_OR_RETURN(
       m->model_, VisionEncoder::Create(spec.encoder().model(), model_options, m->state_.tp()));
   if (!spec.encoder().init_from().empty()) {

@@ -68,8 +68,10 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     const int64_t wave = job.job->wave;
     auto t0 = Clock::now();
     if (takes_gradients) {
-      at::Tensor grad = at::zeros_like(job.output);
+      // The gradient lands in host memory; the TP sum and backward run on the model's device.
+      at::Tensor grad = at::zeros(job.output.sizes(), job.output.options().device(at::kCPU));
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
+      grad = grad.to(job.output.device());
       stats.bridge_wait_s += Since(t0);
       trace::Record(trace::kEncoderLane, "wait for gradients", "bridge_wait", t0, {{"wave", wave}});
       t0 = Clock::now();

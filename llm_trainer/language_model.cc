@@ -123,6 +123,7 @@ absl::StatusOr<at::Tensor> VocabParallelArgmax(const at::Tensor& local_logits, i
             tp.AllReduce(vote, nn::ReduceOp::kMax);
             return vote;
           }));
+  winner = winner.to(at::kCPU);  // the rows' verdicts, read on the host
   const double* vote = winner.data_ptr<double>();
   for (int64_t row = 0; row < winner.size(0); ++row) {
     if (vote[row] > 0) {
@@ -281,8 +282,10 @@ absl::Status LanguageModel::Build() {
             .reciprocal();
     at::Tensor angles = at::outer(at::arange(model_.seq_len(), f64), inv_freq);
     at::Tensor table = at::cat({angles, angles}, -1);  // [seq_len, head_dim]
-    rope_cos_ = table.cos().to(options_.dtype);
-    rope_sin_ = table.sin().to(options_.dtype);
+    rope_cos_ = table.cos().to(options_.device, options_.dtype);
+    rope_sin_ = table.sin().to(options_.device, options_.dtype);
+    // Parameters are drawn on the host; the model computes on its device.
+    parameters_->MoveTo(options_.device);
   });
 }
 
@@ -356,6 +359,11 @@ absl::Status LanguageModel::Validate(const std::vector<LlmSample>& samples,
         absl::StrCat("llm forward: image rows have dtype ", nn::DtypeName(image_rows.scalar_type()),
                      ", expected the model dtype ", nn::DtypeName(options_.dtype)));
   }
+  if (image_rows.defined() && given_rows > 0 && image_rows.device() != options_.device) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("llm forward: image rows are on ", image_rows.device().str(),
+                     ", expected the model's device ", options_.device.str()));
+  }
   return absl::OkStatus();
 }
 
@@ -419,7 +427,7 @@ int64_t LanguageModel::StageRows(const std::vector<LlmSample>& samples) const {
 
 LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, const at::Tensor& h,
                                        int64_t n_global) {
-  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   std::vector<int64_t> loss_rows, loss_labels;
   const LocalLayout layout = LayOut(samples, model_.seq_len(), cp_size(), cp_rank());
@@ -444,7 +452,7 @@ LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, co
 
 at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
                                       const at::Tensor& image_rows, const at::Tensor& input) {
-  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
   const int64_t hidden = model_.hidden();
   const int64_t head_dim = hidden / model_.heads();
   const int64_t group = model_.heads() / model_.kv_heads();
@@ -609,6 +617,7 @@ absl::StatusOr<std::vector<std::vector<int32_t>>> LanguageModel::Predict(
   HETPAR_ASSIGN_OR_RETURN(at::Tensor logits, LocalLogits(samples, image_rows));
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   HETPAR_ASSIGN_OR_RETURN(at::Tensor ids, VocabParallelArgmax(logits, vocab_begin, *tp_.group));
+  ids = ids.to(at::kCPU);
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<std::vector<int32_t>> out;
   out.reserve(samples.size());

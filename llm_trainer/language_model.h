@@ -63,6 +63,7 @@
 #define HETPAR_LLM_TRAINER_LANGUAGE_MODEL_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <memory>
@@ -103,6 +104,9 @@ std::vector<int64_t> CpLocalPositions(int64_t length, int64_t seq_len, int64_t c
 
 struct LlmOptions {
   at::ScalarType dtype = at::kFloat;
+  // Where the parameters live and the model computes (nn::ExecutionContext::device); inputs
+  // (image rows, a later stage's input) must be there too.
+  c10::Device device = c10::kCPU;
   int64_t seed = 1234;  // run seed; parameter seeds derive from it and their names
   bool sequence_parallel = false;
   nn::InitStyle init_style = nn::InitStyle::kTraining;

@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   std::unique_ptr<LlmModule> m(new LlmModule(&context, colocated, std::move(state)));
   const v1::RunSpec& spec = context.spec();
   HETPAR_ASSIGN_OR_RETURN(LlmOptions model_options, LlmOptionsFromSpec(spec));
+  model_options.device = context.execution().device();
   const v1::RankCoordinates& coords = m->state_.coords();
   model_options.pp_stage = coords.pp();
   model_options.pp_stages = std::max<int64_t>(1, spec.llm().layout().pp());

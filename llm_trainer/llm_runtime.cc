@@ -95,7 +95,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   // A step that fails half-way gives up the gradient all-reduces it started.
   absl::Cleanup abandon_reduction = [this] { reducer_->Abandon(); };
   std::vector<train::PendingSends> sends;
-  const at::TensorOptions row_options = at::TensorOptions().dtype(model_->parameters().dtype());
+  // The data plane's messages land in host memory (pinned when the model is on a GPU); the
+  // model's tensors live on its device.
+  const c10::Device device = model_->options().device;
+  const at::TensorOptions row_options =
+      at::TensorOptions().dtype(model_->parameters().dtype()).device(device);
+  const at::TensorOptions host_rows =
+      at::TensorOptions().dtype(model_->parameters().dtype()).pinned_memory(device.is_cuda());
   // Later waves' image rows land in their buffers while earlier waves compute (receives posted
   // options_.post_ahead waves ahead); the samples' text is loaded while the encoder computes
   // the first wave. Only the first stage receives image rows.
@@ -106,7 +112,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     for (; first && posted < waves && posted <= last_mb; ++posted) {
       const plan::LlmMicrobatch& mb = plan.microbatches[posted];
       if (mb.image_rows <= 0) continue;
-      buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden}, row_options);
+      buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden}, host_rows);
       HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[posted]));
     }
     return absl::OkStatus();
@@ -141,7 +147,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     if (m >= waves) return absl::OkStatus();
     const bool forward = direction == plan::Direction::kForward;
     if (forward ? first : last) return absl::OkStatus();
-    at::Tensor rows = at::empty({model_->StageRows(wave_samples[m]), hidden}, row_options);
+    at::Tensor rows = at::empty({model_->StageRows(wave_samples[m]), hidden}, host_rows);
     return pipeline_.link->Post(forward ? pipeline_.previous_rank : pipeline_.next_rank, plan.step,
                                 direction, static_cast<int64_t>(m), rows);
   };
@@ -157,7 +163,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     stats.pipeline_wait_s += Since(t0);
     trace::Record(trace::kLlmLane, forward ? "wait for activations" : "wait for stage gradients",
                   "pipeline_wait", t0, {{"microbatch", static_cast<int64_t>(m)}});
-    return rows;
+    return rows.to(device);
   };
 
   // What a microbatch keeps from its forward to its backward.
@@ -190,7 +196,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
                                                 "holds ",
                                                 owned.size()));
       }
-      f.owned_index = at::tensor(owned, at::kLong);
+      f.owned_index = at::tensor(owned, at::kLong).to(device);
       if (mb.image_rows > 0) {
         at::Tensor& buffer = buffers[m];
         auto t0 = Clock::now();
@@ -200,7 +206,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
         // Every TP rank needs all rows of its CP rank: place ours, zeros elsewhere (and in rows
         // other CP ranks hold), and sum over the TP group.
         at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
-        if (buffer_rows > 0) full.index_copy_(0, f.owned_index, buffer);
+        if (buffer_rows > 0) full.index_copy_(0, f.owned_index, buffer.to(device));
         buffer = at::Tensor();
         t0 = Clock::now();
         HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));

@@ -646,6 +646,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Int("run.max_inflight", 2);
   d.Double("run.grad_clip", 1.0);
   d.Double("run.grad_bucket_mib", 25.0);
+  d.String("run.device", "cpu");
   d.Int("run.log_every", 1);
   d.String("run.out_dir", "runs/" + s.run().name());
   d.Enum("placement", hetpar::v1::PLACEMENT_NON_COLOCATED);
@@ -715,6 +716,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
   if (!(s.run().grad_bucket_mib() > 0)) {
     c.Fail("run.grad_bucket_mib",
            absl::StrCat("=", FormatDouble(s.run().grad_bucket_mib()), " must be > 0"));
+  }
+  if (s.run().device() != "cpu" && s.run().device() != "cuda") {
+    c.Fail("run.device",
+           absl::StrCat("=\"", s.run().device(),
+                        "\" is not a device; expected \"cpu\" or \"cuda\" (each worker then uses "
+                        "the GPU of its local rank)"));
   }
   if (s.run().name().empty()) c.Fail("run.name", "must not be empty");
   if (s.run().peak_tflops() < 0) {

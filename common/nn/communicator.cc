@@ -1,6 +1,7 @@
 #include "common/nn/communicator.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -50,6 +51,16 @@ void DisableFlightRecorder() {
 // Gloo has kernels for float, double, half and the integer types, not for bfloat16.
 bool NeedsUpcast(const at::Tensor& tensor, Backend backend) {
   return backend == Backend::kGloo && tensor.scalar_type() == at::kBFloat16;
+}
+
+// What the backend moves: `tensor` in float32 when Gloo cannot sum its bfloat16, and, for NCCL
+// (which moves only CUDA tensors), a host tensor (a flag, step counts) on the current GPU.
+at::Tensor ForBackend(const at::Tensor& tensor, Backend backend) {
+  at::Tensor out = NeedsUpcast(tensor, backend) ? tensor.to(at::kFloat) : tensor;
+  if (backend == Backend::kNccl && out.is_cpu()) {
+    out = out.to(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice());
+  }
+  return out.contiguous();
 }
 
 }  // namespace
@@ -164,27 +175,24 @@ CommGroup::~CommGroup() { Release(); }
 void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   if (size_ == 1) return;
   TORCH_CHECK(tensor.is_contiguous(), "AllReduce needs a contiguous tensor");
-  const bool upcast = NeedsUpcast(tensor, backend_);
-  std::vector<at::Tensor> buffers{upcast ? tensor.to(at::kFloat) : tensor};
+  std::vector<at::Tensor> buffers{ForBackend(tensor, backend_)};
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
   Wait(c10d_backend_->allreduce(buffers, options), "all-reduce");
-  if (upcast) tensor.copy_(buffers[0]);
+  if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
 
 at::Tensor CommGroup::AllGatherRows(const at::Tensor& tensor) const {
   if (size_ == 1) return tensor;
-  const bool upcast = NeedsUpcast(tensor, backend_);
-  at::Tensor input = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
+  at::Tensor input = ForBackend(tensor, backend_);
   std::vector<at::Tensor> inputs{input};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(input));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   Wait(c10d_backend_->allgather(outputs, inputs, options), "all-gather");
-  at::Tensor gathered = at::cat(outputs[0], 0);
-  return upcast ? gathered.to(tensor.scalar_type()) : gathered;
+  return at::cat(outputs[0], 0).to(tensor.device(), tensor.scalar_type());
 }
 
 at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
@@ -192,8 +200,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
   TORCH_CHECK(tensor.dim() >= 1 && tensor.size(0) % size_ == 0,
               "ReduceScatterRows: ", tensor.dim() >= 1 ? tensor.size(0) : 0,
               " rows do not split into ", size_, " equal parts");
-  const bool upcast = NeedsUpcast(tensor, backend_);
-  at::Tensor input = (upcast ? tensor.to(at::kFloat) : tensor).contiguous();
+  at::Tensor input = ForBackend(tensor, backend_);
   const int64_t rows = input.size(0) / size_;
   std::vector<int64_t> shape = input.sizes().vec();
   at::Tensor output;
@@ -216,7 +223,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     shape.insert(shape.begin(), size_);
     output = exchanged.view(shape).sum(0);
   }
-  return upcast ? output.to(tensor.scalar_type()) : output;
+  return output.to(tensor.device(), tensor.scalar_type());
 }
 
 c10::intrusive_ptr<c10d::Work> CommGroup::StartAllReduce(at::Tensor& tensor) const {
@@ -240,13 +247,12 @@ void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
   TORCH_CHECK(tensor.is_contiguous(), "Broadcast needs a contiguous tensor");
   TORCH_CHECK(root >= 0 && root < size_, "Broadcast root ", root, " is not a rank of a group of ",
               size_);
-  const bool upcast = NeedsUpcast(tensor, backend_);
-  std::vector<at::Tensor> buffers{upcast ? tensor.to(at::kFloat) : tensor};
+  std::vector<at::Tensor> buffers{ForBackend(tensor, backend_)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
   Wait(c10d_backend_->broadcast(buffers, options), "broadcast");
-  if (upcast) tensor.copy_(buffers[0]);
+  if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
 
 void CommGroup::Barrier() const {

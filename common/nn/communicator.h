@@ -13,7 +13,8 @@
 //
 // Backends: Gloo on CPU tensors; NCCL on CUDA tensors when libtorch is built with NCCL (the
 // USE_C10D_NCCL definition libtorch exports), else Create(kNccl) is Unimplemented. A group of
-// size 1 needs no store (CreateSingle) and all its collectives are the identity.
+// size 1 needs no store (CreateSingle) and all its collectives are the identity. An NCCL group
+// also takes host tensors (flags, step counts) and moves them through the current GPU.
 //
 // Tensors of any floating dtype are accepted; Gloo has no bfloat16 kernels, so bfloat16 tensors
 // are reduced in float32 and rounded back once (sums are then at least as accurate as in

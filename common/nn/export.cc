@@ -331,8 +331,9 @@ absl::Status SaveFullParameters(const ParameterSet& params, Communicator& tp,
   for (const NamedParameter& p : params.parameters()) {
     HETPAR_ASSIGN_OR_RETURN(at::Tensor full, GatherFullTensor(tp, p, p.tensor.detach()));
     if (writer && written.ok()) {
-      absl::StatusOr<at::Tensor> contiguous = RunTorchOr(
-          absl::StrCat("exporting parameter ", p.name), [&] { return full.contiguous(); });
+      absl::StatusOr<at::Tensor> contiguous =
+          RunTorchOr(absl::StrCat("exporting parameter ", p.name),
+                     [&] { return full.to(at::kCPU).contiguous(); });
       written = contiguous.ok() ? WriteEntry(*file, p.name, *contiguous) : contiguous.status();
     }
   }
@@ -381,7 +382,7 @@ absl::Status WriteFullParameters(const std::vector<FullParameter>& params, const
   for (const FullParameter& p : params) {
     HETPAR_ASSIGN_OR_RETURN(at::Tensor contiguous,
                             RunTorchOr(absl::StrCat("exporting parameter ", p.name),
-                                       [&] { return p.tensor.contiguous(); }));
+                                       [&] { return p.tensor.to(at::kCPU).contiguous(); }));
     const int64_t begin = static_cast<int64_t>(file->written().bytes);
     EntryRange range;
     HETPAR_RETURN_IF_ERROR(

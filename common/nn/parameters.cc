@@ -233,6 +233,15 @@ void ParameterSet::ZeroGrad() {
   for (auto& param : parameters_) param.tensor.mutable_grad() = at::Tensor();
 }
 
+void ParameterSet::MoveTo(const c10::Device& device) {
+  at::NoGradGuard no_grad;
+  for (auto& param : parameters_) {
+    param.tensor.mutable_grad() = at::Tensor();
+    if (param.tensor.device() == device) continue;
+    param.tensor.set_data(param.tensor.detach().to(device));
+  }
+}
+
 absl::Status ParameterSet::ReducePartialGrads(const CommGroup& tp) {
   if (tp.size() == 1) return absl::OkStatus();
   return RunTorch("summing sequence-parallel partial gradients over the TP group", [&] {

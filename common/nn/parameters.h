@@ -127,6 +127,10 @@ class ParameterSet {
 
   // Drops every gradient (grad() becomes undefined).
   void ZeroGrad();
+  // Moves every parameter to `device` in place (Tensor::set_data), so that every holder of a
+  // parameter's tensor (the model's layers, autograd) sees it there; drops the gradients. Models
+  // call it once built: parameters are drawn on the host.
+  void MoveTo(const c10::Device& device);
   // Sums over the TP group, in one all-reduce, the gradients of parameters marked
   // grad_partial_over_sequence (trainable ones). A parameter without a gradient counts as zero.
   absl::Status ReducePartialGrads(const CommGroup& tp);

@@ -123,14 +123,19 @@ absl::Status BoundaryCommunicator::ReceiveBackward(const plan::RankStepPlan& pla
 
 absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
-    const std::vector<plan::Transfer>& transfers, const at::Tensor& rows) {
+    const std::vector<plan::Transfer>& transfers, const at::Tensor& device_rows) {
   PendingSends pending;
   pending.interrupt_ = interrupt_;
   const int64_t row_bytes = plan.row_bytes;
   bool checked = false;
+  at::Tensor rows;  // on the host: messages are packed from it
   for (const plan::Transfer& transfer : transfers) {
     if (transfer.wave != wave) continue;
     if (!checked) {
+      // Rows on a GPU are copied to the host once, for all of the wave's messages.
+      rows = device_rows.defined() && !device_rows.device().is_cpu()
+                 ? device_rows.to(at::kCPU).contiguous()
+                 : device_rows;
       HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary send"));
       checked = true;
     }

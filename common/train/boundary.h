@@ -104,7 +104,9 @@ class BoundaryCommunicator {
       : transport_(transport), peers_(std::move(peers)), timeout_(timeout) {}
 
   // Encoder side: sends wave `wave`'s forward transfers of `plan`, reading each piece's rows at
-  // its src_offset in `job_rows` ([job rows, hidden], contiguous, row_bytes per row).
+  // its src_offset in `job_rows` ([job rows, hidden], contiguous, row_bytes per row). Messages
+  // are host buffers: rows on a GPU are copied to the host once per wave (both Send* calls);
+  // receives land in host tensors, which the caller moves to its device.
   absl::StatusOr<PendingSends> SendForward(const plan::RankStepPlan& plan, int64_t wave,
                                            const at::Tensor& job_rows);
   // LLM side: receives wave `wave`'s forward transfers into `buffer` ([image_rows[wave], hidden],

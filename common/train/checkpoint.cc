@@ -958,15 +958,18 @@ absl::StatusOr<ShardSnapshot> SnapshotShard(const ShardId& id, int64_t step,
       if (optimizer != nullptr) state = optimizer->StateOf(p.name);
       // A low-precision parameter's value is its float32 master (the parameter is its rounding).
       const bool master = state.has_value() && state->master.defined();
-      snapshot.entries.push_back({p.name, (master ? state->master : p.tensor).detach().clone()});
+      snapshot.entries.push_back(
+          {p.name, (master ? state->master : p.tensor).detach().to(at::kCPU).clone()});
       json entry{{"name", p.name},
                  {"full_shape", p.full_shape},
                  {"split_dim", p.slice.split_dim},
                  {"offset", p.slice.offset},
                  {"length", p.slice.length}};
       if (state.has_value()) {
-        snapshot.entries.push_back({p.name + "@exp_avg", state->exp_avg.detach().clone()});
-        snapshot.entries.push_back({p.name + "@exp_avg_sq", state->exp_avg_sq.detach().clone()});
+        snapshot.entries.push_back(
+            {p.name + "@exp_avg", state->exp_avg.detach().to(at::kCPU).clone()});
+        snapshot.entries.push_back(
+            {p.name + "@exp_avg_sq", state->exp_avg_sq.detach().to(at::kCPU).clone()});
         entry["adam_step"] = state->step;
       }
       snapshot.params.push_back(std::move(entry));

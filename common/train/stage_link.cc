@@ -48,12 +48,13 @@ absl::StatusOr<transport::PeerId> StageLink::Peer(int64_t rank) const {
 
 absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction direction,
                              int64_t microbatch, const at::Tensor& rows) {
-  if (!rows.defined() || rows.dim() != 2 || !rows.device().is_cpu()) {
-    return absl::InvalidArgumentError("stage send: expected a CPU tensor [rows, hidden]");
+  if (!rows.defined() || rows.dim() != 2) {
+    return absl::InvalidArgumentError("stage send: expected a tensor [rows, hidden]");
   }
   HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(dst));
   HETPAR_RETURN_IF_ERROR(Reap());
-  const at::Tensor data = rows.detach().contiguous();
+  // The message is a host buffer: rows on a GPU are copied to the host first.
+  const at::Tensor data = rows.detach().to(at::kCPU).contiguous();
   const size_t data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
   auto message = std::make_unique<std::string>(kHeaderBytes + data_bytes, '\0');
   const uint64_t header[kHeaderWords] = {kMagic,

@@ -54,12 +54,12 @@ class StageLink {
             absl::Duration timeout)
       : transport_(transport), peers_(std::move(peers)), timeout_(timeout) {}
 
-  // Posts the send of `rows` ([rows, hidden], any layout; copied into the message) to world rank
-  // `dst`.
+  // Posts the send of `rows` ([rows, hidden], any layout and device; copied into the message, a
+  // host buffer) to world rank `dst`.
   absl::Status Send(int64_t dst, int64_t step, plan::Direction direction, int64_t microbatch,
                     const at::Tensor& rows);
   // Posts the receive of the message from world rank `src` straight into `rows` (contiguous,
-  // [rows, hidden]; held until received). Posting a message twice posts it once.
+  // [rows, hidden], host memory; held until received). Posting a message twice posts it once.
   absl::Status Post(int64_t src, int64_t step, plan::Direction direction, int64_t microbatch,
                     const at::Tensor& rows);
   // Waits for the message Post posted and returns its rows tensor.

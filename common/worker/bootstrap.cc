@@ -70,6 +70,12 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   };
   ctx->peer_timeout_ = deadline(ctx->spec_.failure().peer_timeout_s());
   ctx->coordinator_timeout_ = deadline(ctx->spec_.failure().coordinator_timeout_s());
+  // Where this worker computes (run.device, run.dtype, the GPU of its local rank).
+  int cuda_index = options.cuda_device;
+  if (cuda_index < 0) {
+    HETPAR_ASSIGN_OR_RETURN(cuda_index, nn::LocalCudaIndexFromEnvironment());
+  }
+  HETPAR_ASSIGN_OR_RETURN(ctx->execution_, nn::ExecutionContext::FromSpec(ctx->spec_, cuda_index));
 
   // 2. Everyone is here: peers and the rendezvous store.
   HETPAR_ASSIGN_OR_RETURN(ctx->assignment_,
@@ -96,7 +102,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   SetLogTag(absl::StrCat("r", ctx->world_rank(), " ", tag));
   HETPAR_LOG(INFO) << "registered as world rank " << ctx->world_rank() << ", generation "
                    << ctx->assignment_.generation() << ", " << ctx->assignment_.peers_size()
-                   << " data-plane peers";
+                   << " data-plane peers; computing on " << ctx->execution_.Describe();
 
   for (const v1::PeerInfo& peer : ctx->assignment_.peers()) {
     HETPAR_ASSIGN_OR_RETURN(
@@ -162,6 +168,7 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   options.timeout = peer_timeout_;
   options.hostname = options_.host;
   options.interrupt = interrupt_.get();
+  options.backend = execution_.collective_backend();
   return nn::Communicator::Create(store_, options);
 }
 

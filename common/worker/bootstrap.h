@@ -28,6 +28,7 @@
 #include "common/control/client.h"
 #include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
+#include "common/nn/execution_context.h"
 #include "common/step_interrupt.h"
 #include "common/train/boundary.h"
 #include "common/transport/transport.h"
@@ -53,6 +54,9 @@ struct WorkerOptions {
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
   int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
+  // The GPU a run.device "cuda" run computes on; -1: HETPAR_CUDA_DEVICE, else LOCAL_RANK,
+  // else 0 (nn::LocalCudaIndexFromEnvironment).
+  int cuda_device = -1;
   // Called (on a gRPC thread) when the session loses the coordinator
   // (coordinator::WorkerSession::Options::on_lost); unset: the worker fails as the session
   // ends.
@@ -70,6 +74,9 @@ class WorkerContext {
 
   const WorkerOptions& options() const { return options_; }
   const v1::RunSpec& spec() const { return spec_; }
+  // Where this worker computes: run.device (cpu, or cuda:<cuda_device>), the precision policy of
+  // run.dtype, and the collective backend of the groups from Group (Gloo or NCCL).
+  const nn::ExecutionContext& execution() const { return execution_; }
   // The bound of each wait for peers (connections, the rendezvous, groups, boundary and pipeline
   // messages, collectives) and for the coordinator (its next message, an output written).
   absl::Duration peer_timeout() const { return peer_timeout_; }
@@ -132,6 +139,7 @@ class WorkerContext {
   std::shared_ptr<coordinator::CoordinatorConnection> connection_;
   std::unique_ptr<coordinator::WorkerSession> session_;
   v1::RunSpec spec_;
+  nn::ExecutionContext execution_ = nn::ExecutionContext::Cpu();
   absl::Duration peer_timeout_ = absl::Seconds(300);
   absl::Duration coordinator_timeout_ = absl::Seconds(300);
   v1::Assignment assignment_;

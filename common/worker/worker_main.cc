@@ -206,6 +206,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   app.add_option("--local-rank", rank.local_rank, "This worker's rank inside its replica")
       ->envname("HETPAR_LOCAL_RANK")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--cuda-device", options.cuda_device,
+                 "The GPU this worker computes on when the run's run.device is cuda (default: "
+                 "LOCAL_RANK, else 0: a container or Slurm task given one GPU)")
+      ->envname("HETPAR_CUDA_DEVICE")
+      ->check(CLI::NonNegativeNumber);
   CLI::Option* host =
       app.add_option("--host", options.host,
                      "Address this worker's process groups listen on and that it advertises to "

@@ -11,6 +11,7 @@
 #include "common/data/batch_source.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
+#include "common/nn/execution_context.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/plan/layout.h"
@@ -46,14 +47,20 @@ struct SingleProcessModels {
 
 absl::StatusOr<SingleProcessModels> CreateSingleProcessModels(const hetpar::v1::RunSpec& spec) {
   SingleProcessModels models;
+  // run.device: the reference computes where a worker would (the GPU of its local rank).
+  HETPAR_ASSIGN_OR_RETURN(const int cuda_index, nn::LocalCudaIndexFromEnvironment());
+  HETPAR_ASSIGN_OR_RETURN(const nn::ExecutionContext execution,
+                          nn::ExecutionContext::FromSpec(spec, cuda_index));
   HETPAR_ASSIGN_OR_RETURN(encoder::EncoderOptions encoder_options,
                           encoder::EncoderOptionsFromSpec(spec));
   encoder_options.sequence_parallel = false;  // tp = 1
+  encoder_options.device = execution.device();
   HETPAR_ASSIGN_OR_RETURN(
       models.encoder,
       encoder::VisionEncoder::Create(spec.encoder().model(), encoder_options, *models.single));
   HETPAR_ASSIGN_OR_RETURN(LlmOptions llm_options, LlmOptionsFromSpec(spec));
   llm_options.sequence_parallel = false;
+  llm_options.device = execution.device();
   HETPAR_ASSIGN_OR_RETURN(models.llm,
                           LanguageModel::Create(spec.llm().model(), llm_options, *models.single));
   // A run that starts from earlier parameters (encoder.init_from, llm.init_from).
