@@ -174,6 +174,14 @@ TEST_F(ParityTest, Float32TwentySteps) {
   const std::string dist = Train("f32", l, "float32", 20, false);
   const std::string ref = Train("f32_ref", l, "float32", 20, true);
   ExpectAgree(dist, ref, 20, 1e-4);
+  // Against the float64 reference (what tools/gpu-check holds a CUDA float32 run to): runs in two
+  // dtypes are compared at the looser one's tolerance.
+  const std::string ref64 = Train("f64_ref20", l, "float64", 20, true);
+  auto r = RunCommand({kBin, "compare", ref64, dist});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stdout_text << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("float64 against float32, tolerance 0.0001"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("runs agree"));
 }
 
 // Colocated: both modules on the same ranks, each with its own layout.
