@@ -20,7 +20,7 @@ struct DeployFlags {
   std::string config;
   std::vector<std::string> overrides;
   std::string out;
-  std::string device = "cpu";
+  std::string device;  // "cpu" or "gpu"; empty: the config's run.device
   std::string token_file;
   deploy::DeployOptions options;
 };
@@ -38,7 +38,18 @@ int Deploy(DeployFlags flags, bool kubernetes) {
     return kExitInvalidInput;
   }
   deploy::DeployOptions& options = flags.options;
-  options.device = flags.device == "gpu" ? deploy::Device::kGpu : deploy::Device::kCpu;
+  // The ranks request GPUs exactly when the workers compute on them (run.device).
+  const std::string& run_device = loaded->spec.run().device();
+  const std::string wanted = run_device == "cuda" ? "gpu" : "cpu";
+  if (!flags.device.empty() && flags.device != wanted) {
+    std::cerr << what << ": --device " << flags.device << " contradicts the config's run.device \""
+              << run_device << "\" (" << flags.config << "): the workers compute where run.device "
+              << "says; set run.device: " << (flags.device == "gpu" ? "cuda" : "cpu")
+              << " (--set run.device=" << (flags.device == "gpu" ? "cuda" : "cpu")
+              << ") or leave --device out\n";
+    return kExitInvalidInput;
+  }
+  options.device = wanted == "gpu" ? deploy::Device::kGpu : deploy::Device::kCpu;
   const std::string out = std::filesystem::absolute(flags.out).lexically_normal().string();
   absl::StatusOr<std::vector<deploy::RenderedFile>> files;
   if (kubernetes) {
@@ -106,10 +117,9 @@ void AddCommonFlags(CLI::App* command, DeployFlags* flags) {
                       "Override a field, e.g. --set llm.layout.tp=2 (repeatable)");
   command
       ->add_option("--device", flags->device,
-                   "What each rank computes on: cpu (this build), or gpu (requests one GPU "
-                   "per rank)")
-      ->check(CLI::IsMember({"cpu", "gpu"}))
-      ->capture_default_str();
+                   "What each rank computes on: gpu (requests one GPU per rank) or cpu; "
+                   "default: the config's run.device (cuda: gpu), which it must agree with")
+      ->check(CLI::IsMember({"cpu", "gpu"}));
   command
       ->add_option("--gpus-per-node", flags->options.gpus_per_node,
                    "GPUs of a node; a replica's ranks must fit on one (with --device gpu)")

@@ -8,8 +8,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
 #include "common/data/batch_source.h"
@@ -43,6 +46,22 @@
 
 namespace hetpar::cli {
 namespace {
+
+// The GPUs this machine shows its workers: CUDA_VISIBLE_DEVICES's entries when it is set, else
+// the NVIDIA driver's (/proc/driver/nvidia/gpus), else 1.
+int64_t VisibleGpus() {
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    const std::vector<std::string> ids = absl::StrSplit(visible, ',', absl::SkipEmpty());
+    return std::max<int64_t>(1, static_cast<int64_t>(ids.size()));
+  }
+  std::error_code error;
+  int64_t gpus = 0;
+  for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", error);
+       !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
+    ++gpus;
+  }
+  return std::max<int64_t>(1, gpus);
+}
 
 struct RunFlags {
   std::string config;
@@ -249,6 +268,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   // each has had.
   std::map<int64_t, LocalProcess*> process_of;
   std::map<int64_t, int> starts;
+  // run.device cuda: worker i computes on GPU i mod the visible GPUs (a module group's ranks
+  // need distinct GPUs: NCCL refuses two on one).
+  const int64_t gpus = spec.run().device() == "cuda" ? VisibleGpus() : 0;
+  if (gpus > 0) {
+    std::cerr << "hetpar run: " << workers << " workers on " << gpus
+              << " GPU(s), worker i on GPU i mod " << gpus << "\n";
+  }
   auto spawn = [&](int64_t i, const std::string& name) -> absl::Status {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;
@@ -260,6 +286,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         "--reconnect-timeout", "0"};
     if (colocated) argv.push_back("--colocated");
     if (!flags.trace.empty()) argv.insert(argv.end(), {"--trace", flags.trace});
+    if (gpus > 0) argv.insert(argv.end(), {"--cuda-device", std::to_string(i % gpus)});
     auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
     if (!process.ok()) return process.status();
     processes.push_back(std::move(process).value());

@@ -143,7 +143,8 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
 
 TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
   Rendered r;
-  RenderK8s("large-example.yaml", &r, {"--device", "gpu", "--gpus-per-node", "8"});
+  RenderK8s("large-example.yaml", &r,
+            {"--set", "run.device=cuda", "--device", "gpu", "--gpus-per-node", "8"});
   // configs/large-example.yaml: encoder dp 16 tp 1; LLM dp 8 tp 4.
   const YAML::Node encoder = Named(r.objects, "StatefulSet", "vit400m-llm8b-encoder");
   const YAML::Node llm = Named(r.objects, "StatefulSet", "vit400m-llm8b-llm");
@@ -165,6 +166,32 @@ TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
   }
   EXPECT_EQ(local_ranks, (std::set<std::string>{"0", "1", "2", "3"}));
   CheckContainers(llm["spec"]["template"]["spec"], "vit400m-llm8b-token");
+}
+
+TEST(DeployK8sTest, GpusFollowTheConfigsDeviceAndAContradictionIsRefused) {
+  // run.device cuda alone requests the GPUs.
+  Rendered gpu;
+  RenderK8s("tiny.yaml", &gpu, {"--set", "run.device=cuda"});
+  const YAML::Node llm = Named(gpu.objects, "StatefulSet", "tiny-llm");
+  ASSERT_TRUE(llm);
+  for (const YAML::Node& c : llm["spec"]["template"]["spec"]["containers"]) {
+    EXPECT_EQ(c["resources"]["limits"]["nvidia.com/gpu"].as<std::string>(), "1");
+  }
+  // GPUs the workers would not use (run.device cpu) are refused, and so is the reverse.
+  TempDir dir;
+  for (const auto& [flags, says] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--device", "gpu"}, "--device gpu contradicts the config's run.device \"cpu\""},
+           {{"--device", "cpu", "--set", "run.device=cuda"},
+            "--device cpu contradicts the config's run.device \"cuda\""}}) {
+    std::vector<std::string> argv = {
+        kHetparBin, "deploy", "k8s",   "--config",     kSourceDir + "/configs/tiny.yaml",
+        "--image",  "x",      "--out", dir.File("out")};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const CommandResult r = RunOk(argv);
+    EXPECT_EQ(r.exit_code, 2) << r.stderr_text;
+    EXPECT_THAT(r.stderr_text, HasSubstr(says));
+    EXPECT_FALSE(std::filesystem::exists(dir.File("out")));
+  }
 }
 
 TEST(DeployK8sTest, MetricsPortIsServedAndAnnotatedForPrometheus) {
@@ -204,7 +231,7 @@ TEST(DeployK8sTest, AReplicaLargerThanANodeIsRefusedWithFieldValueAndLine) {
   { std::ofstream(config) << text; }
   const CommandResult r =
       RunOk({kHetparBin, "deploy", "k8s", "--config", config, "--image", "x", "--out",
-             dir.File("out"), "--device", "gpu", "--gpus-per-node", "2"});
+             dir.File("out"), "--set", "run.device=cuda", "--gpus-per-node", "2"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.stderr_text, HasSubstr("encoder.layout.tp: =4 puts 4 GPUs in one encoder replica"));
   EXPECT_THAT(r.stderr_text, HasSubstr("--gpus-per-node 2"));

@@ -29,7 +29,7 @@ render() {  # NAME ARGS...
 }
 render tiny --config "$repo/configs/tiny.yaml"
 render tiny-colocated --config "$repo/configs/tiny-colocated.yaml" --namespace training
-render large --config "$repo/configs/large-example.yaml" --device gpu --gpus-per-node 8 \
+render large --config "$repo/configs/large-example.yaml" --set run.device=cuda --gpus-per-node 8 \
   --storage-class shared-fs --set coordinator.metrics_listen=0.0.0.0:9464
 
 for dir in "$work"/*/; do
