@@ -169,6 +169,19 @@ TEST(ConfigTest, BadEnumValueListsChoices) {
               "expected float32 | float64 | bfloat16 (did you mean 'float64'?)");
 }
 
+TEST(ConfigTest, DeviceIsCpuByDefaultCudaOrRefused) {
+  auto loaded = Load(kValid);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->spec.run().device(), "cpu");
+  const std::string cuda = Replace("dtype: float64", "dtype: float64\n  device: cuda");
+  auto on_gpu = Load(cuda);
+  ASSERT_TRUE(on_gpu.ok()) << on_gpu.status();
+  EXPECT_EQ(on_gpu->spec.run().device(), "cuda");
+  const std::string text = Replace("dtype: float64", "dtype: float64\n  device: gpu0");
+  ExpectIssue(Load(text), "run.device", LineOf(text, "device:"),
+              "=\"gpu0\" is not a device; expected \"cpu\" or \"cuda\"");
+}
+
 TEST(ConfigTest, ZeroSize) {
   const std::string text =
       Replace("  layout: {dp: 2, tp: 2}\nllm", "  layout: {dp: 0, tp: 2}\nllm");

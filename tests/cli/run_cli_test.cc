@@ -64,5 +64,37 @@ TEST(CliRunTest, LogEverySecondsAddsALineWhenTheTimeHasPassed) {
               ::testing::ElementsAre("1", "2", "3", "4", "5"));
 }
 
+// run.device cuda on a machine without a GPU: every worker fails as it registers, naming the
+// field, and the run stops with the worker's reason instead of waiting. On a GPU machine this
+// would train, so the test needs a machine without the NVIDIA driver.
+TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
+  if (std::filesystem::exists("/proc/driver/nvidia/gpus")) {
+    GTEST_SKIP() << "this machine has an NVIDIA driver (/proc/driver/nvidia/gpus)";
+  }
+  char pattern[] = "/tmp/hetpar-run-cuda-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  // Two visible GPUs named by CUDA_VISIBLE_DEVICES: the workers are spread over both.
+  auto r = RunCommand({"/usr/bin/env", "CUDA_VISIBLE_DEVICES=0,1",
+                       kBin,           "run",
+                       "--config",     kSource + "/configs/tiny.yaml",
+                       "--out",        dir + "/run",
+                       "--steps",      "2",
+                       "--threads",    "1",
+                       "--set",        "run.device=cuda",
+                       "--set",        "data.manifest=" + dir + "/data/train.jsonl",
+                       "--set",        "data.val_manifest=" + dir + "/data/val.jsonl",
+                       "--set",        "data.tokenizer=" + dir + "/data/tokenizer.model",
+                       "--set",        "data.synth.samples=64",
+                       "--set",        "data.synth.val_samples=4"},
+                      300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 1) << r->stderr_text;
+  EXPECT_THAT(r->stderr_text, HasSubstr("4 workers on 2 GPU(s), worker i on GPU i mod 2"));
+  EXPECT_THAT(r->stderr_text, HasSubstr("failed after 0 committed steps"));
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("run.device=\"cuda\", but this worker sees no CUDA device"));
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace hetpar
