@@ -4,7 +4,8 @@
 //   hetpar     the UCX backend of hetpar's Transport, one way and both ways at once
 //   ucx_raw    `ucx_perftest -t tag_bw` (server and client processes, same size), and as
 //              ucx_raw_peer the same with `-e`: endpoints in UCP_ERR_HANDLING_MODE_PEER like
-//              hetpar's, where UCX 1.13 has no shared-memory or CMA lanes (TCP only)
+//              hetpar's, where UCX (1.13 and 1.22 alike) has no shared-memory or CMA lanes (TCP
+//              only)
 //   gloo       c10d ProcessGroupGloo send/recv (libtorch), one way and both ways
 //   memcpy     a single-process memcpy of the same size
 // and prints one JSON object per size:
@@ -22,7 +23,8 @@
 //                [--zero-copy-threshold BYTES]
 //
 // The same binary is the worker process of each pair (--role hetpar|gloo --rank 0|1 --dir D).
-// The usual UCX_* environment reaches hetpar's workers and ucx_perftest alike.
+// The usual UCX_* environment reaches hetpar's workers and ucx_perftest alike; ucx_perftest is the
+// one of the UCX hetpar links (HETPAR_UCX_PERFTEST), so both run the same UCX.
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -36,6 +38,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <fstream>
@@ -454,11 +457,30 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     const std::string port = std::to_string(FreePort());
     const std::string n = std::to_string(count), s = std::to_string(size);
     const std::string warmup = std::to_string(std::max<int64_t>(2, count / 4));
-    std::vector<std::string> server_argv = {"ucx_perftest", "-t",   "tag_bw", "-s", s,   "-n", n,
-                                            "-w",           warmup, "-p",     port, "-f"};
+    // The ucx_perftest of the UCX hetpar links, its own libraries first (a wheel's binaries would
+    // otherwise find the system's UCX of the same soname).
+    const char* library_path = std::getenv("LD_LIBRARY_PATH");
+    std::vector<std::string> server_argv = {
+        "/usr/bin/env",
+        absl::StrCat("LD_LIBRARY_PATH=", HETPAR_UCX_LIBDIR,
+                     library_path != nullptr && *library_path != '\0'
+                         ? absl::StrCat(":", library_path)
+                         : std::string()),
+        HETPAR_UCX_PERFTEST,
+        "-t",
+        "tag_bw",
+        "-s",
+        s,
+        "-n",
+        n,
+        "-w",
+        warmup,
+        "-p",
+        port,
+        "-f"};
     if (error_handling) server_argv.push_back("-e");
     std::vector<std::string> client_argv = server_argv;
-    client_argv.insert(client_argv.begin() + 1, "127.0.0.1");
+    client_argv.insert(client_argv.begin() + 3, "127.0.0.1");
     auto server = Spawn(server_argv, dir + "/perftest.server.out");
     if (!server.ok()) return server.status();
     absl::SleepFor(absl::Milliseconds(300));

@@ -18,8 +18,9 @@
 # executable's RUNPATH (the UCX lib/ directory), and the modules UCX loads later reuse them. UCX
 # loads its modules from lib/ucx beside the libucs.so.0 it runs with.
 #
-# Sets HETPAR_UCX_VERSION and HETPAR_UCX_HAS_CUDA (whether this UCX has its CUDA transport
-# module; UCX loads it only where the GPU driver's libcuda.so.1 and libnvidia-ml.so.1 are).
+# Sets HETPAR_UCX_VERSION, HETPAR_UCX_HAS_CUDA (whether this UCX has its CUDA transport module;
+# UCX loads it only where the GPU driver's libcuda.so.1 and libnvidia-ml.so.1 are),
+# HETPAR_UCX_LIBDIR and HETPAR_UCX_PERFTEST (this UCX's ucx_perftest, else the one on PATH).
 
 if(TARGET hetpar::ucx)
   return()
@@ -112,6 +113,17 @@ add_library(hetpar::ucx ALIAS hetpar_ucx)
 if(HETPAR_UCX_VERSION VERSION_LESS 1.13)
   message(FATAL_ERROR "hetpar: UCX ${HETPAR_UCX_VERSION} (${_hetpar_ucx_found}) is too old; "
                       "hetpar needs UCX 1.13 or newer")
+endif()
+
+# The ucx_perftest of this UCX (bench/transport_bw's raw baseline), run with its libraries first on
+# the library path; the one on PATH otherwise.
+# Cached (internal) so that other directories, such as bench/, see them.
+set(HETPAR_UCX_LIBDIR "${_hetpar_ucx_libdir}" CACHE INTERNAL "")
+get_filename_component(_hetpar_ucx_bindir "${_hetpar_ucx_libdir}/../bin" ABSOLUTE)
+if(EXISTS "${_hetpar_ucx_bindir}/ucx_perftest")
+  set(HETPAR_UCX_PERFTEST "${_hetpar_ucx_bindir}/ucx_perftest" CACHE INTERNAL "")
+else()
+  set(HETPAR_UCX_PERFTEST "ucx_perftest" CACHE INTERNAL "")
 endif()
 
 file(GLOB _hetpar_ucx_cuda_module "${_hetpar_ucx_libdir}/ucx/libuct_cuda.so*")
