@@ -124,18 +124,20 @@ const LinkSpec& LinkFor(const ClusterSpec& cluster, int64_t span) {
 }
 
 // Activation bytes of one transformer layer for s positions x b sequences (Korthikanti et al.
-// 2022, eq. 2-4), scaled from 16-bit to the run's dtype.
-double LayerActivationBytes(double s, double b, double h, double heads, int64_t tp, bool sp,
+// 2022, eq. 2-4), scaled from 16-bit to the run's dtype. Without their 5 a s / h term: the models'
+// attention is at::scaled_dot_product_attention, whose flash and memory-efficient kernels (the
+// ones it picks for hetpar's calls, on the CPU and on GPUs) keep only the output and the
+// log-sum-exp for backward, not the s x s scores and softmax.
+double LayerActivationBytes(double s, double b, double h, int64_t tp, bool sp,
                             int64_t dtype_bytes) {
   const double t = static_cast<double>(tp);
-  const double attention = 5.0 * heads * s / (h * t);
   double per = 0;
   if (tp <= 1) {
-    per = 34.0 + 5.0 * heads * s / h;
+    per = 34.0;
   } else if (sp) {
-    per = 34.0 / t + attention;
+    per = 34.0 / t;
   } else {
-    per = 10.0 + 24.0 / t + attention;
+    per = 10.0 + 24.0 / t;
   }
   return s * b * h * per * static_cast<double>(dtype_bytes) / 2.0;
 }
@@ -605,7 +607,7 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
       training == EncoderTraining::kAll
           ? static_cast<double>(em.layers()) *
                 LayerActivationBytes(patches, static_cast<double>(max_job_images), em.hidden(),
-                                     std::max<int64_t>(1, em.heads()), el.tp, enc_sp, dtype_bytes)
+                                     el.tp, enc_sp, dtype_bytes)
       : training == EncoderTraining::kProjectorOnly
           ? job_rows * (static_cast<double>(em.hidden()) + 2.0 * o) * dtype_bytes
           : job_rows * o * dtype_bytes;
@@ -615,7 +617,7 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   out.encoder_module.activation_gib = job_activation * static_cast<double>(live_jobs) / kGiB;
   const double seq = static_cast<double>(plan.options.seq_len) / ll.cp;
   const double mb = static_cast<double>(plan.llm.micro_batch);
-  const double llm_layer = LayerActivationBytes(seq, mb, h, heads, ll.tp, llm_sp, dtype_bytes);
+  const double llm_layer = LayerActivationBytes(seq, mb, h, ll.tp, llm_sp, dtype_bytes);
   const double in_flight = static_cast<double>(std::min<int64_t>(ll.pp, waves));
   const double logits = 2.0 * seq * mb * lm.vocab() / ll.tp * 4.0;
   out.llm_module.activation_gib =
