@@ -1,8 +1,13 @@
 // model_bench: forward+backward throughput of the encoder and the LLM at tp=1 and tp=2, with the
 // achieved GFLOP/s as a ratio of plain at::matmul on the same GEMM shapes in the same run.
 //
-//   model_bench [--configs tiny,mid] [--modules encoder,llm] [--tp 1,2] [--iters N]
-//               [--dtype float32|float64|bfloat16] [--sp]
+//   model_bench [--configs tiny,mid,gpu] [--modules encoder,llm] [--tp 1,2] [--iters N]
+//               [--dtype float32|float64|bfloat16] [--sp] [--device cpu|cuda]
+//
+// --device cuda runs rank r on cuda:r (its TP group on NCCL) and the matmul baseline there too,
+// synchronising the device around every timed loop; the "gpu" config is sized for a GPU: 4
+// layers of a ViT-L/14-336-shaped encoder (8 images), 4 layers of a 1B-class LLM (2 samples of
+// 2048 positions).
 //
 // Each case starts `tp` worker processes (this binary again) joined by a Gloo group over a file
 // store; one JSON object per case is printed on stdout. Per rank, the model's GEMM FLOPs per
@@ -17,6 +22,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -61,13 +67,23 @@ struct BenchCase {
   int tp = 1;
   bool sp = false;
   at::ScalarType dtype = at::kFloat;
-  int iters = 0;  // 0: 20 for tiny, 3 for mid
+  int iters = 0;               // 0: 20 for tiny, 3 for mid, 10 for gpu
+  std::string device = "cpu";  // cpu | cuda
 };
 
 hetpar::v1::EncoderModel EncoderConfig(const std::string& config, int64_t* images) {
   hetpar::v1::EncoderModel m;
   if (config == "tiny") {
     m = TinyEncoder();
+    *images = 8;
+  } else if (config == "gpu") {
+    m.set_image_size(336);
+    m.set_patch(14);  // 24 x 24 = 576 patches
+    m.set_hidden(1024);
+    m.set_layers(4);
+    m.set_heads(16);
+    m.set_mlp(4096);
+    m.set_out_hidden(2048);
     *images = 8;
   } else {
     m.set_image_size(64);
@@ -90,6 +106,16 @@ hetpar::v1::LlmModel LlmConfig(const std::string& config, int64_t* samples,
     m = TinyLlm();
     *samples = 2;
     *image_rows_per_sample = 16;
+  } else if (config == "gpu") {
+    m.set_hidden(2048);
+    m.set_layers(4);
+    m.set_heads(16);
+    m.set_kv_heads(8);
+    m.set_ffn(8192);
+    m.set_vocab(32000);
+    m.set_seq_len(2048);
+    *samples = 2;
+    *image_rows_per_sample = 576;
   } else {
     m.set_hidden(512);
     m.set_layers(4);
@@ -154,8 +180,8 @@ std::vector<Gemm> LlmGemms(const hetpar::v1::LlmModel& m, const std::vector<int6
 // and of the two backward products.
 class MatmulBaseline {
  public:
-  MatmulBaseline(const std::vector<Gemm>& gemms, at::ScalarType dtype) {
-    const auto o = at::TensorOptions().dtype(dtype);
+  MatmulBaseline(const std::vector<Gemm>& gemms, at::ScalarType dtype, c10::Device device) {
+    const auto o = at::TensorOptions().dtype(dtype).device(device);
     for (const Gemm& g : gemms) {
       operands_.push_back({at::randn({g.batch, g.m, g.k}, o), at::randn({g.batch, g.k, g.n}, o)});
       if (g.passes >= 2) {
@@ -181,8 +207,9 @@ std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops
   std::ostringstream out;
   out.precision(6);
   out << "{\"bench\":\"model_bench\",\"module\":\"" << c.module << "\",\"config\":\"" << c.config
-      << "\",\"tp\":" << c.tp << ",\"sp\":" << (c.sp ? "true" : "false") << ",\"dtype\":\""
-      << nn::DtypeName(c.dtype) << "\",\"tokens_per_iter\":" << tokens << ",\"iters\":" << iters
+      << "\",\"device\":\"" << c.device << "\",\"tp\":" << c.tp
+      << ",\"sp\":" << (c.sp ? "true" : "false") << ",\"dtype\":\"" << nn::DtypeName(c.dtype)
+      << "\",\"tokens_per_iter\":" << tokens << ",\"iters\":" << iters
       << ",\"step_ms\":" << step_s * 1e3 << ",\"tokens_per_s\":" << tokens / step_s
       << ",\"gemm_gflop_per_rank_per_iter\":" << flops / 1e9
       << ",\"model_gflops_per_rank\":" << model_gflops
@@ -201,6 +228,18 @@ std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops
 absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int rank,
                        const std::string& out_path) {
   at::set_num_threads(1);
+  const bool cuda = c.device == "cuda";
+  if (cuda && rank >= static_cast<int>(torch::cuda::device_count())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--device cuda: rank ", rank, " needs cuda:", rank, "; this machine shows ",
+                     static_cast<int>(torch::cuda::device_count()), " CUDA device(s)"));
+  }
+  const c10::Device device =
+      cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)) : c10::Device(c10::kCPU);
+  // Waits for the device's queued work, so that host clocks time it.
+  const auto sync = [&] {
+    if (cuda) torch::cuda::synchronize(rank);
+  };
   std::unique_ptr<nn::Communicator> comm;
   if (c.tp == 1) {
     comm = nn::Communicator::CreateSingle();
@@ -210,6 +249,7 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     options.prefix = "model_bench/tp";
     options.rank = rank;
     options.size = c.tp;
+    options.backend = cuda ? nn::Backend::kNccl : nn::Backend::kGloo;
     options.timeout = absl::Seconds(300);
     HETPAR_ASSIGN_OR_RETURN(comm, nn::Communicator::Create(store, options));
   }
@@ -229,10 +269,11 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     encoder::EncoderOptions options;
     options.dtype = c.dtype;
     options.sequence_parallel = c.sp;
+    options.device = device;
     HETPAR_ASSIGN_OR_RETURN(vit, encoder::VisionEncoder::Create(model, options, *comm));
     images = at::randn({n, model.channels(), model.image_size(), model.image_size()});
     tokens = n * vit->tokens_per_image();
-    grad_output = at::randn({tokens, model.out_hidden()}).to(c.dtype);
+    grad_output = at::randn({tokens, model.out_hidden()}).to(device, c.dtype);
     gemms = EncoderGemms(model, n, c.tp);
     accounting_flops = static_cast<double>(n) * plan::EncoderImageFlops(model).total();
     step = [&]() -> absl::Status {
@@ -248,6 +289,7 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     llm::LlmOptions options;
     options.dtype = c.dtype;
     options.sequence_parallel = c.sp;
+    options.device = device;
     HETPAR_ASSIGN_OR_RETURN(lm, llm::LanguageModel::Create(model, options, *comm));
     std::vector<int64_t> lengths;
     int64_t loss_rows = 0;
@@ -274,7 +316,8 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
       tokens += length;
       samples.push_back(std::move(sample));
     }
-    image_rows = at::randn({n * rows_per_sample, model.hidden()}).to(c.dtype).requires_grad_(true);
+    image_rows =
+        at::randn({n * rows_per_sample, model.hidden()}).to(device, c.dtype).requires_grad_(true);
     gemms = LlmGemms(model, lengths, loss_rows, c.tp);
     step = [&, loss_rows]() -> absl::Status {
       HETPAR_ASSIGN_OR_RETURN(auto result, lm->Forward(samples, image_rows, loss_rows));
@@ -287,17 +330,20 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   }
   // Model steps and matmul rounds alternate, each between barriers, so that both see the same
   // background load on a shared machine.
-  const MatmulBaseline baseline(gemms, c.dtype);
+  const MatmulBaseline baseline(gemms, c.dtype, device);
   HETPAR_RETURN_IF_ERROR(step());  // warm-up
   baseline.Round();
+  sync();
   double step_s = 0, matmul_s = 0;
   for (int i = 0; i < c.iters; ++i) {
     HETPAR_RETURN_IF_ERROR(comm->Barrier());
     const auto t0 = Clock::now();
     HETPAR_RETURN_IF_ERROR(step());
+    sync();
     HETPAR_RETURN_IF_ERROR(comm->Barrier());
     const auto t1 = Clock::now();
     baseline.Round();
+    sync();
     HETPAR_RETURN_IF_ERROR(comm->Barrier());
     const auto t2 = Clock::now();
     step_s += std::chrono::duration<double>(t1 - t0).count();
@@ -336,10 +382,27 @@ absl::StatusOr<std::string> RunCase(const BenchCase& c, const fs::path& dir, dou
   const std::string log = (dir / (tag + ".log")).string();
   std::vector<pid_t> pids;
   for (int rank = 0; rank < c.tp; ++rank) {
-    pid_t pid = Spawn({"model_bench", "--worker", "--module", c.module, "--config", c.config,
-                       "--tp", std::to_string(c.tp), "--rank", std::to_string(rank), "--store",
-                       store, "--out", out, "--iters", std::to_string(c.iters), "--dtype",
-                       nn::DtypeName(c.dtype), c.sp ? "--sp" : "--no-sp"},
+    pid_t pid = Spawn({"model_bench",
+                       "--worker",
+                       "--module",
+                       c.module,
+                       "--config",
+                       c.config,
+                       "--tp",
+                       std::to_string(c.tp),
+                       "--rank",
+                       std::to_string(rank),
+                       "--store",
+                       store,
+                       "--out",
+                       out,
+                       "--iters",
+                       std::to_string(c.iters),
+                       "--dtype",
+                       nn::DtypeName(c.dtype),
+                       c.sp ? "--sp" : "--no-sp",
+                       "--device",
+                       c.device},
                       log);
     if (pid < 0) return absl::InternalError(absl::StrCat(tag, ": cannot start a worker"));
     pids.push_back(pid);
@@ -419,6 +482,12 @@ int Main(int argc, char** argv) {
       configs = absl::StrSplit(value(), ',');
     } else if (flag == "--modules") {
       modules = absl::StrSplit(value(), ',');
+    } else if (flag == "--device") {
+      worker.device = value();
+      if (worker.device != "cpu" && worker.device != "cuda") {
+        std::cerr << "model_bench: --device " << worker.device << ": expected cpu or cuda\n";
+        return 2;
+      }
     } else if (flag == "--dtype") {
       const std::string name = value();
       if (name == "float64") {
@@ -433,8 +502,9 @@ int Main(int argc, char** argv) {
       }
     } else {
       std::cerr << "model_bench: unknown flag " << flag << "\n"
-                << "usage: model_bench [--configs tiny,mid] [--modules encoder,llm] [--tp 1,2] "
-                   "[--iters N] [--dtype float32|float64|bfloat16] [--sp]\n";
+                << "usage: model_bench [--configs tiny,mid,gpu] [--modules encoder,llm] "
+                   "[--tp 1,2] [--iters N] [--dtype float32|float64|bfloat16] [--sp] "
+                   "[--device cpu|cuda]\n";
       return 2;
     }
   }
@@ -461,7 +531,7 @@ int Main(int argc, char** argv) {
         c.module = module;
         c.config = config;
         c.tp = tp;
-        if (c.iters == 0) c.iters = config == "tiny" ? 20 : 3;
+        if (c.iters == 0) c.iters = config == "tiny" ? 20 : config == "gpu" ? 10 : 3;
         auto line = RunCase(c, dir, 600);
         if (!line.ok()) {
           std::cerr << "model_bench: " << line.status().message() << "\n";
