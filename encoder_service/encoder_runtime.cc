@@ -68,8 +68,11 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     const int64_t wave = job.job->wave;
     auto t0 = Clock::now();
     if (takes_gradients) {
-      // The gradient lands in host memory; the TP sum and backward run on the model's device.
-      at::Tensor grad = at::zeros(job.output.sizes(), job.output.options().device(at::kCPU));
+      // The gradient lands in host memory, or on the device when the boundary moves device
+      // memory; the TP sum and backward run on the model's device.
+      at::Tensor grad = at::zeros(job.output.sizes(), boundary_->device_direct()
+                                                          ? job.output.options()
+                                                          : job.output.options().device(at::kCPU));
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
       grad = grad.to(job.output.device());
       stats.bridge_wait_s += Since(t0);

@@ -95,8 +95,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   // A step that fails half-way gives up the gradient all-reduces it started.
   absl::Cleanup abandon_reduction = [this] { reducer_->Abandon(); };
   std::vector<train::PendingSends> sends;
-  // The data plane's messages land in host memory (pinned when the model is on a GPU); the
-  // model's tensors live on its device.
+  // The data plane's messages land in host memory (pinned when the model is on a GPU), or on the
+  // device when the boundary moves device memory; the model's tensors live on its device.
   const c10::Device device = model_->options().device;
   const at::TensorOptions row_options =
       at::TensorOptions().dtype(model_->parameters().dtype()).device(device);
@@ -112,7 +112,8 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     for (; first && posted < waves && posted <= last_mb; ++posted) {
       const plan::LlmMicrobatch& mb = plan.microbatches[posted];
       if (mb.image_rows <= 0) continue;
-      buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden}, host_rows);
+      buffers[posted] = at::zeros({BufferRowsOfWave(plan, mb.wave), hidden},
+                                  boundary_->device_direct() ? row_options : host_rows);
       HETPAR_RETURN_IF_ERROR(boundary_->PostForwardReceives(plan, mb.wave, buffers[posted]));
     }
     return absl::OkStatus();

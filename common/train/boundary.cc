@@ -1,12 +1,14 @@
 #include "common/train/boundary.h"
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "common/nn/torch_status.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
 #include "common/train/little_endian.h"
@@ -52,13 +54,17 @@ absl::Status CheckPiece(int64_t offset, int64_t rows, int64_t size, int64_t wave
   return absl::OkStatus();
 }
 
-absl::Status CheckRows(const at::Tensor& rows, int64_t row_bytes, std::string_view what) {
-  if (!rows.defined() || rows.dim() != 2 || !rows.is_contiguous() || !rows.device().is_cpu() ||
+// InvalidArgument unless `rows` is a contiguous [rows, hidden] tensor of row_bytes per row on
+// `device`.
+absl::Status CheckRows(const at::Tensor& rows, int64_t row_bytes, std::string_view what,
+                       const c10::Device& device = c10::Device(c10::kCPU)) {
+  if (!rows.defined() || rows.dim() != 2 || !rows.is_contiguous() || rows.device() != device ||
       rows.size(1) * static_cast<int64_t>(rows.element_size()) != row_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(std::string(what), ": expected a contiguous CPU tensor [rows, hidden] of ",
-                     row_bytes, " bytes per row",
-                     rows.defined() ? absl::StrCat(", got ", rows.dim(), " dims") : std::string()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        std::string(what), ": expected a contiguous tensor [rows, hidden] on ", device.str(),
+        " of ", row_bytes, " bytes per row",
+        rows.defined() ? absl::StrCat(", got ", rows.dim(), " dims on ", rows.device().str())
+                       : std::string()));
   }
   return absl::OkStatus();
 }
@@ -79,14 +85,33 @@ void PendingSends::Add(std::unique_ptr<std::string> buffer,
   ops_.push_back(std::move(op));
 }
 
+void PendingSends::Add(at::Tensor device_buffer, std::unique_ptr<transport::Operation> op) {
+  bytes_ += device_buffer.numel();
+  device_buffers_.push_back(std::move(device_buffer));
+  ops_.push_back(std::move(op));
+}
+
 absl::Status PendingSends::Wait(absl::Time deadline) {
   absl::Status status = transport::WaitAll(ops_, deadline, interrupt_);
   if (status.ok()) {
     ops_.clear();
     buffers_.clear();
+    device_buffers_.clear();
   }
   return status;
 }
+
+void BoundaryCommunicator::UseDevice(const c10::Device& device, bool tensor_messages) {
+  device_ = device;
+  device_direct_ = device.is_cuda() ? transport_->CanMove(transport::MemoryKind::kCuda)
+                                    : tensor_messages && device.is_cpu();
+}
+
+transport::MemoryKind BoundaryCommunicator::MessageMemory() const {
+  return device_.is_cuda() ? transport::MemoryKind::kCuda : transport::MemoryKind::kHost;
+}
+
+int BoundaryCommunicator::MessageDevice() const { return device_.is_cuda() ? device_.index() : -1; }
 
 absl::StatusOr<transport::PeerId> BoundaryCommunicator::Peer(int64_t rank) const {
   auto it = peers_.find(rank);
@@ -128,15 +153,19 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
   pending.interrupt_ = interrupt_;
   const int64_t row_bytes = plan.row_bytes;
   bool checked = false;
-  at::Tensor rows;  // on the host: messages are packed from it
+  // Messages are packed from `rows`: on the device when the transport moves its memory
+  // (device_direct_), else on the host.
+  const bool on_device = device_direct_ && device_rows.defined() && device_rows.device() == device_;
+  at::Tensor rows;
   for (const plan::Transfer& transfer : transfers) {
     if (transfer.wave != wave) continue;
     if (!checked) {
       // Rows on a GPU are copied to the host once, for all of the wave's messages.
-      rows = device_rows.defined() && !device_rows.device().is_cpu()
-                 ? device_rows.to(at::kCPU).contiguous()
-                 : device_rows;
-      HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary send"));
+      rows = on_device                                                 ? device_rows
+             : device_rows.defined() && !device_rows.device().is_cpu() ? device_rows.to(at::kCPU)
+                                                                       : device_rows;
+      HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary send",
+                                       on_device ? device_ : c10::Device(c10::kCPU)));
       checked = true;
     }
     if (transfer.dst_rank == plan.rank) {
@@ -147,6 +176,11 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
       continue;
     }
     const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
+    if (on_device) {
+      HETPAR_ASSIGN_OR_RETURN(auto op, SendOnDevice(plan, direction, wave, transfer, header, rows));
+      pending.Add(std::move(op.first), std::move(op.second));
+      continue;
+    }
     auto message = std::make_unique<std::string>();
     message->reserve(kPrefixBytes + header.size() + transfer.rows * row_bytes);
     message->resize(kPrefixBytes);  // the post time is written just before the send is posted
@@ -180,12 +214,54 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
   return pending;
 }
 
+absl::StatusOr<std::pair<at::Tensor, std::unique_ptr<transport::Operation>>>
+BoundaryCommunicator::SendOnDevice(const plan::RankStepPlan& plan, plan::Direction direction,
+                                   int64_t wave, const plan::Transfer& transfer,
+                                   const std::string& header, const at::Tensor& rows) {
+  const int64_t row_bytes = plan.row_bytes;
+  const int64_t head_bytes = static_cast<int64_t>(kPrefixBytes + header.size());
+  for (const plan::BlockPiece& piece : transfer.pieces) {
+    HETPAR_RETURN_IF_ERROR(CheckPiece(piece.src_offset, piece.rows, rows.size(0), wave));
+  }
+  at::Tensor message;
+  HETPAR_RETURN_IF_ERROR(nn::RunTorch("packing a boundary message on the device", [&] {
+    message = at::empty({head_bytes + transfer.rows * row_bytes},
+                        at::TensorOptions().dtype(at::kByte).device(device_));
+    // The pieces' rows, gathered on the device after the framing and header.
+    const at::Tensor bytes = rows.view(at::kByte);  // [rows, row_bytes]
+    int64_t offset = head_bytes;
+    for (const plan::BlockPiece& piece : transfer.pieces) {
+      message.narrow(0, offset, piece.rows * row_bytes)
+          .copy_(bytes.narrow(0, piece.src_offset, piece.rows).reshape({-1}));
+      offset += piece.rows * row_bytes;
+    }
+  }));
+  HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
+  std::string head(kPrefixBytes, '\0');
+  StoreU64(head.data(), header.size());
+  head.append(header);
+  StoreU64(head.data() + kLengthBytes, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  HETPAR_RETURN_IF_ERROR(nn::RunTorch("packing a boundary message on the device", [&] {
+    message.narrow(0, 0, head_bytes)
+        .copy_(at::from_blob(head.data(), {head_bytes}, at::TensorOptions().dtype(at::kByte)));
+    // The transport reads the message on its own streams: the copies above must be done.
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+  }));
+  const transport::ConstBuffer buffer{message.data_ptr(), static_cast<size_t>(message.numel()),
+                                      MessageMemory(), MessageDevice()};
+  HETPAR_ASSIGN_OR_RETURN(
+      auto op,
+      transport_->Send(peer, BoundaryTag(plan.step, plan.attempt, direction, wave), buffer));
+  bytes_sent_ += transfer.rows * row_bytes;
+  return std::make_pair(std::move(message), std::move(op));
+}
+
 absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommunicator::Post(
     const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
     const std::vector<plan::Transfer>& transfers, const at::Tensor& straight) {
   const int64_t row_bytes = plan.row_bytes;
   if (straight.defined()) {
-    HETPAR_RETURN_IF_ERROR(CheckRows(straight, row_bytes, "boundary receive"));
+    HETPAR_RETURN_IF_ERROR(CheckRows(straight, row_bytes, "boundary receive", ReceiveDevice()));
   }
   std::vector<PostedReceive> posted;
   for (const plan::Transfer& transfer : transfers) {
@@ -195,6 +271,22 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
     if (transfer.src_rank == plan.rank) continue;  // handed over in memory by Receive
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
     const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
+    if (device_direct_) {
+      // The whole message lands on the device; Receive checks its header there and places
+      // (or adds) the rows with device copies.
+      const size_t size = MessageSize(transfer, row_bytes);
+      HETPAR_RETURN_IF_ERROR(nn::RunTorch("allocating a boundary receive on the device", [&] {
+        r.device_message = at::empty({static_cast<int64_t>(size)},
+                                     at::TensorOptions().dtype(at::kByte).device(device_));
+      }));
+      r.rows = straight;
+      r.posted = absl::Now();
+      HETPAR_ASSIGN_OR_RETURN(
+          r.op, transport_->Recv(peer, tag,
+                                 transport::MutableBuffer{r.device_message.data_ptr(), size,
+                                                          MessageMemory(), MessageDevice()}));
+      continue;
+    }
     if (!straight.defined()) {
       const size_t size = MessageSize(transfer, row_bytes);
       r.buffer.assign(size, 0);
@@ -310,7 +402,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     expected.push_back(&transfer);
   }
   if (expected.empty()) return absl::OkStatus();
-  HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary receive"));
+  HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary receive", ReceiveDevice()));
   // Forward rows go straight into `rows`; gradients are added, so they are staged.
   const at::Tensor straight = add ? at::Tensor() : rows;
   std::vector<PostedReceive> posted;
@@ -379,7 +471,6 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
                                    " rows of step ", plan.step, " wave ", wave, " from rank ",
                                    transfer.src_rank));
     }
-    const std::string_view message(receive.buffer.data(), receive.buffer.size());
     const size_t expected_size = MessageSize(transfer, row_bytes);
     const size_t bytes = receive.op->bytes();
     if (bytes != expected_size) {
@@ -387,6 +478,22 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
                                               " has ", bytes, " bytes; the plan says ",
                                               expected_size));
     }
+    // A message on the device: its framing and header (as long as the plan's) come to the host.
+    std::string device_head;
+    if (receive.device_message.defined()) {
+      const int64_t head_bytes =
+          static_cast<int64_t>(kPrefixBytes) +
+          plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()));
+      HETPAR_RETURN_IF_ERROR(nn::RunTorch("reading a boundary header from the device", [&] {
+        const at::Tensor head = receive.device_message.narrow(0, 0, head_bytes).to(at::kCPU);
+        device_head.assign(static_cast<const char*>(head.data_ptr()),
+                           static_cast<size_t>(head_bytes));
+      }));
+    }
+    const std::string_view message =
+        receive.device_message.defined()
+            ? std::string_view(device_head)
+            : std::string_view(receive.buffer.data(), receive.buffer.size());
     const uint64_t header_size = GetU64(message.data());
     if (header_size > message.size() - kPrefixBytes) {
       return absl::DataLossError(absl::StrCat("boundary message from rank ", transfer.src_rank,
@@ -413,6 +520,11 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
           {{"peer", transfer.src_rank}, {"bytes", static_cast<int64_t>(bytes)}, {"wave", wave}});
     }
     bytes_received_ += transfer.rows * row_bytes;
+    if (receive.device_message.defined()) {
+      HETPAR_RETURN_IF_ERROR(PlaceFromDevice(receive.device_message, kPrefixBytes + header_size,
+                                             transfer, wave, row_bytes, rows, add));
+      continue;
+    }
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;
     for (const plan::BlockPiece& piece : transfer.pieces) {
@@ -425,6 +537,31 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status BoundaryCommunicator::PlaceFromDevice(const at::Tensor& message, size_t payload_offset,
+                                                   const plan::Transfer& transfer, int64_t wave,
+                                                   int64_t row_bytes, at::Tensor& rows, bool add) {
+  for (const plan::BlockPiece& piece : transfer.pieces) {
+    HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, rows.size(0), wave));
+  }
+  return nn::RunTorch("placing boundary rows on the device", [&] {
+    int64_t offset = static_cast<int64_t>(payload_offset);
+    for (const plan::BlockPiece& piece : transfer.pieces) {
+      const int64_t n = piece.rows * row_bytes;
+      const at::Tensor incoming = message.narrow(0, offset, n);
+      at::Tensor to = rows.narrow(0, piece.dst_offset, piece.rows);
+      if (add) {
+        // Gradients are added: the bytes go to an aligned buffer first, then read as rows.
+        at::Tensor aligned = at::empty({n}, message.options());
+        aligned.copy_(incoming);
+        to.add_(aligned.view(rows.scalar_type()).view({piece.rows, rows.size(1)}));
+      } else {
+        to.view(at::kByte).view({-1}).copy_(incoming);
+      }
+      offset += n;
+    }
+  });
 }
 
 }  // namespace hetpar::train

@@ -41,6 +41,7 @@
 #define HETPAR_COMMON_TRAIN_BOUNDARY_H_
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <map>
@@ -81,6 +82,8 @@ class PendingSends {
   PendingSends& operator=(PendingSends&&) = default;
 
   void Add(std::unique_ptr<std::string> buffer, std::unique_ptr<transport::Operation> op);
+  // A message in device memory (BoundaryCommunicator::device_direct).
+  void Add(at::Tensor device_buffer, std::unique_ptr<transport::Operation> op);
   // Waits for every send; the first failure (naming the peer) otherwise; Aborted when the step
   // is interrupted first.
   absl::Status Wait(absl::Time deadline);
@@ -89,6 +92,7 @@ class PendingSends {
 
  private:
   std::vector<std::unique_ptr<std::string>> buffers_;
+  std::vector<at::Tensor> device_buffers_;
   std::vector<std::unique_ptr<transport::Operation>> ops_;
   int64_t bytes_ = 0;
   const StepInterrupt* interrupt_ = nullptr;
@@ -103,10 +107,20 @@ class BoundaryCommunicator {
                        absl::Duration timeout)
       : transport_(transport), peers_(std::move(peers)), timeout_(timeout) {}
 
+  // Where the caller's tensors live (nn::ExecutionContext::device). On a GPU whose memory the
+  // transport moves (Transport::CanMove: UCX built with CUDA, on a machine with the driver),
+  // the communicator turns device_direct(): each message is packed and received in device memory
+  // (the same bytes as below), sends read the caller's device rows and receives take device
+  // tensors, with no copy through the host but the header's. Otherwise messages are host
+  // buffers: rows on a GPU are copied to the host once per wave (both Send* calls), and receives
+  // take host tensors, which the caller moves to its device. Call before the first step.
+  // `tensor_messages` packs and receives messages as tensors on `device` even where it is the CPU
+  // (host memory), the way device_direct() does on a GPU: tests check that path without one.
+  void UseDevice(const c10::Device& device, bool tensor_messages = false);
+  bool device_direct() const { return device_direct_; }
+
   // Encoder side: sends wave `wave`'s forward transfers of `plan`, reading each piece's rows at
-  // its src_offset in `job_rows` ([job rows, hidden], contiguous, row_bytes per row). Messages
-  // are host buffers: rows on a GPU are copied to the host once per wave (both Send* calls);
-  // receives land in host tensors, which the caller moves to its device.
+  // its src_offset in `job_rows` ([job rows, hidden], contiguous, row_bytes per row).
   absl::StatusOr<PendingSends> SendForward(const plan::RankStepPlan& plan, int64_t wave,
                                            const at::Tensor& job_rows);
   // LLM side: receives wave `wave`'s forward transfers into `buffer` ([image_rows[wave], hidden],
@@ -161,7 +175,8 @@ class BoundaryCommunicator {
     // The whole message (staging), or only its framing and header when the rows go straight
     // to `rows`. Its storage does not move with the struct.
     std::vector<char> buffer;
-    at::Tensor rows;  // a straight receive's destination, held until received
+    at::Tensor rows;            // a straight receive's destination, held until received
+    at::Tensor device_message;  // device_direct(): the whole message, in device memory
     std::unique_ptr<transport::Operation> op;
     absl::Time posted;
   };
@@ -178,6 +193,21 @@ class BoundaryCommunicator {
   absl::Status Receive(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
                        const std::vector<plan::Transfer>& transfers, at::Tensor& rows, bool add);
   absl::StatusOr<transport::PeerId> Peer(int64_t rank) const;
+  // The memory kind and device of messages packed as tensors on device_.
+  transport::MemoryKind MessageMemory() const;
+  int MessageDevice() const;
+  // Where receives land: device_ when device_direct_, else the host.
+  c10::Device ReceiveDevice() const { return device_direct_ ? device_ : c10::Device(c10::kCPU); }
+  // One transfer's message packed in device memory from `rows` (on device_) and posted; the
+  // message must stay alive until the send is done.
+  absl::StatusOr<std::pair<at::Tensor, std::unique_ptr<transport::Operation>>> SendOnDevice(
+      const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
+      const plan::Transfer& transfer, const std::string& header, const at::Tensor& rows);
+  // Copies (or adds) the pieces of a device message's payload, which starts at `payload_offset`,
+  // into `rows` at their dst_offset.
+  absl::Status PlaceFromDevice(const at::Tensor& message, size_t payload_offset,
+                               const plan::Transfer& transfer, int64_t wave, int64_t row_bytes,
+                               at::Tensor& rows, bool add);
   // The receives of (direction, wave) in plan order; a same-rank transfer has no op. With
   // `straight` defined, each message's rows are scattered straight into it.
   absl::StatusOr<std::vector<PostedReceive>> Post(const plan::RankStepPlan& plan,
@@ -202,6 +232,8 @@ class BoundaryCommunicator {
   transport::Transport* transport_;
   std::map<int64_t, transport::PeerId> peers_;
   absl::Duration timeout_;
+  c10::Device device_ = c10::Device(c10::kCPU);
+  bool device_direct_ = false;
   int64_t bytes_sent_ = 0;
   int64_t bytes_received_ = 0;
 };

@@ -381,4 +381,6 @@ absl::Status FaultyTransport::Disconnect(PeerId peer, absl::Time deadline) {
 
 std::string FaultyTransport::PeerName(PeerId peer) const { return state_->inner().PeerName(peer); }
 
+bool FaultyTransport::CanMove(MemoryKind kind) const { return state_->inner().CanMove(kind); }
+
 }  // namespace hetpar::transport

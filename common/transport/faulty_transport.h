@@ -64,6 +64,7 @@ class FaultyTransport final : public Transport {
       PeerId peer, Tag tag, std::vector<MutableBuffer> segments) override;
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
+  bool CanMove(MemoryKind kind) const override;
 
  private:
   explicit FaultyTransport(std::shared_ptr<internal::FaultyState> state);

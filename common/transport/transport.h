@@ -187,6 +187,10 @@ class Transport {
 
   // The peer's name from its address ("enc r1"), or "<unknown peer N>".
   virtual std::string PeerName(PeerId peer) const = 0;
+
+  // Whether Send and Recv take buffers of `kind` (host memory always). Fixed for the transport's
+  // lifetime. Callers stage other kinds through host memory.
+  virtual bool CanMove(MemoryKind kind) const = 0;
 };
 
 // Waits for every operation with one shared deadline. Returns OK when all completed OK, else

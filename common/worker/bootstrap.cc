@@ -113,6 +113,13 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   ctx->boundary_ = std::make_unique<train::BoundaryCommunicator>(ctx->transport_.get(), ctx->peers_,
                                                                  ctx->peer_timeout_);
   ctx->boundary_->SetInterrupt(ctx->interrupt_.get());
+  ctx->boundary_->UseDevice(ctx->execution_.device());
+  if (ctx->execution_.is_cuda()) {
+    HETPAR_LOG(INFO) << "boundary messages "
+                     << (ctx->boundary_->device_direct()
+                             ? "in device memory, straight over the data plane"
+                             : "through host memory (the data plane moves no CUDA memory here)");
+  }
   HETPAR_RETURN_IF_ERROR(ctx->OpenStore(ctx->assignment_.generation()));
   return ctx;
 }

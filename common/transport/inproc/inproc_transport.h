@@ -53,6 +53,8 @@ class InprocTransport final : public Transport {
       PeerId peer, Tag tag, std::vector<MutableBuffer> segments) override;
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
+  // Host memory only.
+  bool CanMove(MemoryKind kind) const override { return kind == MemoryKind::kHost; }
 
  private:
   explicit InprocTransport(std::shared_ptr<internal::Endpoint> endpoint);

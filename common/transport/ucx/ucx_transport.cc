@@ -1454,7 +1454,7 @@ const std::string& UcxTransport::name() const { return core_->name(); }
 
 std::string UcxTransport::LocalAddress() const { return core_->LocalAddress(); }
 
-bool UcxTransport::SupportsMemory(MemoryKind kind) const { return core_->SupportsMemory(kind); }
+bool UcxTransport::CanMove(MemoryKind kind) const { return core_->SupportsMemory(kind); }
 
 UcxTransport::Stats UcxTransport::stats() const { return core_->stats(); }
 

@@ -116,7 +116,7 @@ class UcxTransport final : public Transport {
   // Whether Send/Recv accept buffers of `kind`: host memory always; CUDA memory when UCX
   // reports CUDA among its memory types (a UCX built with CUDA whose CUDA module loaded, which
   // needs the GPU driver). Fixed for the transport's lifetime; any thread.
-  bool SupportsMemory(MemoryKind kind) const;
+  bool CanMove(MemoryKind kind) const override;
 
   // Operations that completed OK, and how many of them went by same-host zero copy.
   struct Stats {

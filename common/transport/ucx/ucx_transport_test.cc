@@ -155,8 +155,8 @@ TEST(UcxTransportTest, ReportsWhetherItCanMoveCudaMemory) {
   ASSERT_TRUE(peer.ok());
   int dummy = 0;
   auto send = (*a)->Send(*peer, 1, ConstBuffer{&dummy, sizeof(dummy), MemoryKind::kCuda, 0});
-  EXPECT_TRUE((*a)->SupportsMemory(MemoryKind::kHost));
-  if ((*a)->SupportsMemory(MemoryKind::kCuda)) {
+  EXPECT_TRUE((*a)->CanMove(MemoryKind::kHost));
+  if ((*a)->CanMove(MemoryKind::kCuda)) {
     GTEST_SKIP() << "this UCX has CUDA support; host memory tagged as CUDA is not a valid test";
   }
   EXPECT_EQ(send.status().code(), absl::StatusCode::kUnimplemented);

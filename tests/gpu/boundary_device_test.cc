@@ -1,0 +1,150 @@
+// The boundary in device memory (label gpu): an encoder rank's rows on cuda:0 cross to an LLM
+// rank's buffer on cuda:0 and the gradients come back, through two UCX transports of this process
+// with no copy through the host but the headers'. Needs a GPU and a UCX whose CUDA transport
+// loads (the libucx-cu13 wheel, with the GPU driver); skips, saying which is missing, otherwise.
+// The same checks run on every machine with the messages as CPU tensors (UseDevice's
+// tensor_messages): the packing, header checks and placing of the device path, in host memory.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/config/config.h"
+#include "common/plan/layout.h"
+#include "common/plan/sample.h"
+#include "common/plan/step_plan.h"
+#include "common/train/boundary.h"
+#include "common/transport/factory.h"
+
+namespace hetpar {
+namespace {
+
+constexpr char kSpec[] = R"(
+run: {name: t, steps: 1, global_batch: 4, micro_batch: 2, dtype: float32, seed: 5}
+placement: non_colocated
+encoder:
+  model: {image_size: 16, patch: 8, hidden: 16, layers: 1, heads: 2, mlp: 32, out_hidden: 32}
+  layout: {dp: 1, tp: 1}
+llm:
+  model: {hidden: 32, layers: 1, heads: 4, kv_heads: 2, ffn: 64, vocab: 256, seq_len: 128}
+  layout: {dp: 1, tp: 1}
+data: {manifest: unused.jsonl, tokenizer: unused.model}
+)";
+
+// Rows whose values name their row and column.
+at::Tensor Pattern(int64_t rows, int64_t hidden, double base) {
+  return (at::arange(rows, at::kFloat).unsqueeze(1) * 100 +
+          at::arange(hidden, at::kFloat).unsqueeze(0) + base)
+      .contiguous();
+}
+
+// One wave's rows forward and gradients back between two UCX transports of this process, the
+// messages packed and received as tensors on `device`.
+void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
+                     const c10::Device& gpu) {
+  config::LoadOptions load;
+  load.check_files = false;
+  auto loaded = config::LoadRunSpecFromString(kSpec, "boundary_device_test.yaml", load);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const v1::RunSpec& spec = loaded->spec;
+  auto placement = plan::PlacementFromRunSpec(spec);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  // Four samples of one or two images of 4 patches each.
+  std::vector<plan::SampleDescriptor> samples;
+  for (int64_t i = 0; i < 4; ++i) samples.push_back(plan::MakeSample(i, 1 + i % 2, 4, 40, 20));
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(options.ok()) << options.status();
+  auto step_plan = plan::BuildStepPlan(*placement, samples, *options);
+  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
+  auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
+  ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  auto to_llm = enc_t->Connect(llm_t->LocalAddress(), deadline);
+  auto to_enc = llm_t->Connect(enc_t->LocalAddress(), deadline);
+  ASSERT_TRUE(to_llm.ok() && to_enc.ok());
+  train::BoundaryCommunicator enc(enc_t, {{1, *to_llm}}, absl::Seconds(30));
+  train::BoundaryCommunicator llm(llm_t, {{0, *to_enc}}, absl::Seconds(30));
+  enc.UseDevice(gpu, /*tensor_messages=*/true);
+  llm.UseDevice(gpu, /*tensor_messages=*/true);
+  ASSERT_TRUE(enc.device_direct() && llm.device_direct());
+
+  const plan::EncoderJob* job = nullptr;
+  for (const auto& j : enc_plan->encoder_jobs) {
+    if (j.rows > 0) {
+      job = &j;
+      break;
+    }
+  }
+  ASSERT_NE(job, nullptr);
+  const int64_t wave = job->wave;
+  const int64_t hidden = spec.llm().model().hidden();
+  const int64_t buffer_rows = llm_plan->image_rows[wave];
+
+  // Forward: the job's rows land at their places in the LLM's buffer; nothing else is written.
+  const at::Tensor job_rows = Pattern(job->rows, hidden, 0.5);
+  at::Tensor buffer = at::full({buffer_rows, hidden}, -1.0, at::TensorOptions().device(gpu));
+  ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, buffer).ok());
+  auto sent = enc.SendForward(*enc_plan, wave, job_rows.to(gpu));
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  absl::Status received = llm.ReceiveForward(*llm_plan, wave, buffer);
+  ASSERT_TRUE(received.ok()) << received;
+  ASSERT_TRUE(sent->Wait(absl::Now() + absl::Seconds(30)).ok());
+  at::Tensor expected = at::full({buffer_rows, hidden}, -1.0);
+  for (const plan::Transfer& t : llm_plan->forward_receives) {
+    if (t.wave != wave) continue;
+    for (const plan::BlockPiece& piece : t.pieces) {
+      expected.narrow(0, piece.dst_offset, piece.rows)
+          .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
+    }
+  }
+  EXPECT_TRUE(at::equal(buffer.cpu(), expected));
+
+  // Backward: the LLM's gradient rows are added into the encoder's gradient on the device.
+  const at::Tensor grad = Pattern(buffer_rows, hidden, 0.25);
+  ASSERT_TRUE(enc.PostBackwardReceives(*enc_plan, wave).ok());
+  auto back = llm.SendBackward(*llm_plan, wave, grad.to(gpu));
+  ASSERT_TRUE(back.ok()) << back.status();
+  at::Tensor job_grad = at::ones({job->rows, hidden}, at::TensorOptions().device(gpu));
+  absl::Status got = enc.ReceiveBackward(*enc_plan, wave, job_grad);
+  ASSERT_TRUE(got.ok()) << got;
+  ASSERT_TRUE(back->Wait(absl::Now() + absl::Seconds(30)).ok());
+  at::Tensor expected_grad = at::ones({job->rows, hidden});
+  for (const plan::Transfer& t : enc_plan->backward_receives) {
+    if (t.wave != wave) continue;
+    for (const plan::BlockPiece& piece : t.pieces) {
+      expected_grad.narrow(0, piece.dst_offset, piece.rows)
+          .add_(grad.narrow(0, piece.src_offset, piece.rows));
+    }
+  }
+  EXPECT_TRUE(at::equal(job_grad.cpu(), expected_grad));
+  EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 1);
+  EXPECT_EQ(enc.Stats(plan::Direction::kBackward).messages, 1);
+}
+
+TEST(BoundaryDeviceTest, RowsAndGradientsCrossAsTensorMessagesOnTheCpu) {
+  auto enc_t = transport::CreateTransport(transport::Backend::kUcx, "enc");
+  auto llm_t = transport::CreateTransport(transport::Backend::kUcx, "llm");
+  ASSERT_TRUE(enc_t.ok() && llm_t.ok()) << enc_t.status() << llm_t.status();
+  CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCPU));
+}
+
+TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device: torch::cuda::is_available() is false";
+  }
+  auto enc_t = transport::CreateTransport(transport::Backend::kUcx, "enc");
+  auto llm_t = transport::CreateTransport(transport::Backend::kUcx, "llm");
+  ASSERT_TRUE(enc_t.ok() && llm_t.ok()) << enc_t.status() << llm_t.status();
+  if (!(*enc_t)->CanMove(transport::MemoryKind::kCuda)) {
+    GTEST_SKIP() << "this UCX moves no CUDA memory (its CUDA transport module did not load)";
+  }
+  CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCUDA, 0));
+}
+
+}  // namespace
+}  // namespace hetpar
