@@ -8,9 +8,12 @@
 #include <string>
 
 #include "common/nn/parameters.h"
+#include "tests/util/scoped_env.h"
 
 namespace hetpar::nn {
 namespace {
+
+using ::hetpar::testing::ScopedEnv;
 
 hetpar::v1::RunSpec Spec(const std::string& device, hetpar::v1::Dtype dtype) {
   hetpar::v1::RunSpec spec;
@@ -77,30 +80,6 @@ TEST(ExecutionContextTest, CudaIsTheLocalGpuOnNcclOrRefusedWithoutOne) {
   ASSERT_FALSE(beyond.ok());
   EXPECT_NE(beyond.status().message().find("LOCAL_RANK"), std::string::npos) << beyond.status();
 }
-
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value != nullptr) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 TEST(ExecutionContextTest, LocalGpuIndexFollowsTheLaunchersVariablesInOrder) {
   ScopedEnv hetpar("HETPAR_CUDA_DEVICE", nullptr);

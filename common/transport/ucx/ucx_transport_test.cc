@@ -10,9 +10,12 @@
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/scoped_env.h"
 
 namespace hetpar::transport::ucx {
 namespace {
+
+using ::hetpar::testing::ScopedEnv;
 
 using ::testing::HasSubstr;
 
@@ -23,29 +26,6 @@ std::vector<uint8_t> Bytes(uint8_t seed, size_t size) {
   for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>(seed + i * 7 + (i >> 12));
   return bytes;
 }
-
-// Sets an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    if (old != nullptr) old_ = old;
-    had_ = old != nullptr;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 UcxTransport::Options Named(const std::string& name) {
   UcxTransport::Options options;
