@@ -70,9 +70,10 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     if (takes_gradients) {
       // The gradient lands in host memory, or on the device when the boundary moves device
       // memory; the TP sum and backward run on the model's device.
-      at::Tensor grad = at::zeros(job.output.sizes(), boundary_->device_direct()
-                                                          ? job.output.options()
-                                                          : job.output.options().device(at::kCPU));
+      at::Tensor grad =
+          at::zeros(job.output.sizes(), job.output.options().device(boundary_->device_direct()
+                                                                        ? job.output.device()
+                                                                        : c10::Device(c10::kCPU)));
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
       grad = grad.to(job.output.device());
       stats.bridge_wait_s += Since(t0);

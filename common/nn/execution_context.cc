@@ -54,15 +54,6 @@ at::ScalarType ExecutionContext::grad_dtype() const {
   return ParameterSet::GradDtypeOf(compute_dtype_);
 }
 
-at::TensorOptions ExecutionContext::options() const {
-  return at::TensorOptions().dtype(compute_dtype_).device(device_);
-}
-
-at::Tensor ExecutionContext::ToDevice(const at::Tensor& tensor) const {
-  if (!tensor.defined() || tensor.device() == device_) return tensor;
-  return tensor.to(device_, /*non_blocking=*/false);
-}
-
 std::string ExecutionContext::Describe() const {
   std::string precision = DtypeName(compute_dtype_);
   if (master_weights()) {

@@ -17,7 +17,6 @@
 #ifndef HETPAR_COMMON_NN_EXECUTION_CONTEXT_H_
 #define HETPAR_COMMON_NN_EXECUTION_CONTEXT_H_
 
-#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -50,11 +49,6 @@ class ExecutionContext {
   // Gloo for a CPU device, NCCL for a CUDA device.
   Backend collective_backend() const { return is_cuda() ? Backend::kNccl : Backend::kGloo; }
 
-  // compute_dtype() on device().
-  at::TensorOptions options() const;
-  // `tensor` on device() (no copy when it is there already). For host-built inputs.
-  at::Tensor ToDevice(const at::Tensor& tensor) const;
-
   // "cpu, float32, gloo" or "cuda:0, bfloat16 with float32 master weights, nccl".
   std::string Describe() const;
 
@@ -67,7 +61,7 @@ class ExecutionContext {
 };
 
 // The rank's local GPU index as launchers give it: HETPAR_CUDA_DEVICE, else LOCAL_RANK
-// (torchrun), else 0 (a Kubernetes container or a Slurm task given one GPU sees it as 0);
+// (torchrun), else 0 (a Kubernetes container given one GPU sees it as 0);
 // InvalidArgument naming the variable when it is not an index.
 absl::StatusOr<int> LocalCudaIndexFromEnvironment();
 

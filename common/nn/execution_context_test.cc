@@ -43,11 +43,6 @@ TEST(ExecutionContextTest, Bfloat16KeepsFloat32MastersAndGradients) {
   EXPECT_EQ(context->grad_dtype(), at::kFloat);
   EXPECT_TRUE(context->master_weights());
   EXPECT_EQ(context->Describe(), "cpu, bfloat16 with float32 master weights, gloo");
-  const at::Tensor t = at::ones({2, 3}, context->options());
-  EXPECT_EQ(t.scalar_type(), at::kBFloat16);
-  EXPECT_TRUE(t.is_cpu());
-  // A tensor already on the device is not copied.
-  EXPECT_TRUE(context->ToDevice(t).is_same(t));
 }
 
 TEST(ExecutionContextTest, UnknownDeviceIsRefused) {

@@ -20,6 +20,11 @@ namespace {
 constexpr size_t kLengthBytes = 8;
 constexpr size_t kPrefixBytes = 16;
 
+// Writes the sender's post time (Unix nanoseconds) into a message's framing.
+void StampPostTime(char* framing) {
+  StoreU64(framing + kLengthBytes, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+}
+
 size_t MessageSize(const plan::Transfer& transfer, int64_t row_bytes) {
   return kPrefixBytes +
          static_cast<size_t>(
@@ -175,26 +180,33 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
       bytes_sent_ += transfer.rows * row_bytes;
       continue;
     }
-    const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
-    if (on_device) {
-      HETPAR_ASSIGN_OR_RETURN(auto op, SendOnDevice(plan, direction, wave, transfer, header, rows));
-      pending.Add(std::move(op.first), std::move(op.second));
-      continue;
-    }
-    auto message = std::make_unique<std::string>();
-    message->reserve(kPrefixBytes + header.size() + transfer.rows * row_bytes);
-    message->resize(kPrefixBytes);  // the post time is written just before the send is posted
-    StoreU64(message->data(), header.size());
-    message->append(header);
-    const char* base = static_cast<const char*>(rows.data_ptr());
     for (const plan::BlockPiece& piece : transfer.pieces) {
       HETPAR_RETURN_IF_ERROR(CheckPiece(piece.src_offset, piece.rows, rows.size(0), wave));
-      message->append(base + piece.src_offset * row_bytes, piece.rows * row_bytes);
     }
     HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
-    StoreU64(message->data() + kLengthBytes, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
-    const transport::ConstBuffer buffer =
-        transport::ConstBuffer::Host(message->data(), message->size());
+    // The framing (the header's length; the post time is written just before the send is
+    // posted), then the header, then the pieces' rows.
+    const std::string header = plan::EncodeHeader(plan::HeaderFor(plan, direction, transfer));
+    std::string framing(kPrefixBytes, '\0');
+    StoreU64(framing.data(), header.size());
+    framing.append(header);
+    std::unique_ptr<std::string> message;
+    at::Tensor device_message;
+    transport::ConstBuffer buffer;
+    if (on_device) {
+      HETPAR_ASSIGN_OR_RETURN(device_message, PackOnDevice(std::move(framing), transfer, rows));
+      buffer = {device_message.data_ptr(), static_cast<size_t>(device_message.numel()),
+                MessageMemory(), MessageDevice()};
+    } else {
+      message = std::make_unique<std::string>(std::move(framing));
+      message->reserve(message->size() + transfer.rows * row_bytes);
+      const char* base = static_cast<const char*>(rows.data_ptr());
+      for (const plan::BlockPiece& piece : transfer.pieces) {
+        message->append(base + piece.src_offset * row_bytes, piece.rows * row_bytes);
+      }
+      StampPostTime(message->data());
+      buffer = transport::ConstBuffer::Host(message->data(), message->size());
+    }
     HETPAR_ASSIGN_OR_RETURN(
         auto op,
         transport_->Send(peer, BoundaryTag(plan.step, plan.attempt, direction, wave), buffer));
@@ -209,20 +221,20 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
            {"bytes", static_cast<int64_t>(buffer.size)},
            {"wave", wave}});
     }
-    pending.Add(std::move(message), std::move(op));
+    if (on_device) {
+      pending.Add(std::move(device_message), std::move(op));
+    } else {
+      pending.Add(std::move(message), std::move(op));
+    }
   }
   return pending;
 }
 
-absl::StatusOr<std::pair<at::Tensor, std::unique_ptr<transport::Operation>>>
-BoundaryCommunicator::SendOnDevice(const plan::RankStepPlan& plan, plan::Direction direction,
-                                   int64_t wave, const plan::Transfer& transfer,
-                                   const std::string& header, const at::Tensor& rows) {
-  const int64_t row_bytes = plan.row_bytes;
-  const int64_t head_bytes = static_cast<int64_t>(kPrefixBytes + header.size());
-  for (const plan::BlockPiece& piece : transfer.pieces) {
-    HETPAR_RETURN_IF_ERROR(CheckPiece(piece.src_offset, piece.rows, rows.size(0), wave));
-  }
+absl::StatusOr<at::Tensor> BoundaryCommunicator::PackOnDevice(std::string framing,
+                                                              const plan::Transfer& transfer,
+                                                              const at::Tensor& rows) const {
+  const int64_t row_bytes = rows.size(1) * static_cast<int64_t>(rows.element_size());
+  const int64_t head_bytes = static_cast<int64_t>(framing.size());
   at::Tensor message;
   HETPAR_RETURN_IF_ERROR(nn::RunTorch("packing a boundary message on the device", [&] {
     message = at::empty({head_bytes + transfer.rows * row_bytes},
@@ -235,25 +247,13 @@ BoundaryCommunicator::SendOnDevice(const plan::RankStepPlan& plan, plan::Directi
           .copy_(bytes.narrow(0, piece.src_offset, piece.rows).reshape({-1}));
       offset += piece.rows * row_bytes;
     }
-  }));
-  HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.dst_rank));
-  std::string head(kPrefixBytes, '\0');
-  StoreU64(head.data(), header.size());
-  head.append(header);
-  StoreU64(head.data() + kLengthBytes, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
-  HETPAR_RETURN_IF_ERROR(nn::RunTorch("packing a boundary message on the device", [&] {
+    StampPostTime(framing.data());
     message.narrow(0, 0, head_bytes)
-        .copy_(at::from_blob(head.data(), {head_bytes}, at::TensorOptions().dtype(at::kByte)));
+        .copy_(at::from_blob(framing.data(), {head_bytes}, at::TensorOptions().dtype(at::kByte)));
     // The transport reads the message on its own streams: the copies above must be done.
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
   }));
-  const transport::ConstBuffer buffer{message.data_ptr(), static_cast<size_t>(message.numel()),
-                                      MessageMemory(), MessageDevice()};
-  HETPAR_ASSIGN_OR_RETURN(
-      auto op,
-      transport_->Send(peer, BoundaryTag(plan.step, plan.attempt, direction, wave), buffer));
-  bytes_sent_ += transfer.rows * row_bytes;
-  return std::make_pair(std::move(message), std::move(op));
+  return message;
 }
 
 absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommunicator::Post(

@@ -198,11 +198,10 @@ class BoundaryCommunicator {
   int MessageDevice() const;
   // Where receives land: device_ when device_direct_, else the host.
   c10::Device ReceiveDevice() const { return device_direct_ ? device_ : c10::Device(c10::kCPU); }
-  // One transfer's message packed in device memory from `rows` (on device_) and posted; the
-  // message must stay alive until the send is done.
-  absl::StatusOr<std::pair<at::Tensor, std::unique_ptr<transport::Operation>>> SendOnDevice(
-      const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
-      const plan::Transfer& transfer, const std::string& header, const at::Tensor& rows);
+  // One transfer's message in device memory: `framing` (its post time stamped here), then the
+  // pieces' rows gathered from `rows` (on device_); the device is synchronised before it returns.
+  absl::StatusOr<at::Tensor> PackOnDevice(std::string framing, const plan::Transfer& transfer,
+                                          const at::Tensor& rows) const;
   // Copies (or adds) the pieces of a device message's payload, which starts at `payload_offset`,
   // into `rows` at their dst_offset.
   absl::Status PlaceFromDevice(const at::Tensor& message, size_t payload_offset,

@@ -208,7 +208,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->check(CLI::NonNegativeNumber);
   app.add_option("--cuda-device", options.cuda_device,
                  "The GPU this worker computes on when the run's run.device is cuda (default: "
-                 "LOCAL_RANK, else 0: a container or Slurm task given one GPU)")
+                 "LOCAL_RANK, else 0: a container given one GPU)")
       ->envname("HETPAR_CUDA_DEVICE")
       ->check(CLI::NonNegativeNumber);
   CLI::Option* host =
