@@ -34,10 +34,13 @@ namespace internal {
 namespace {
 
 constexpr std::string_view kBackend = "ucx";
-// Wire tag: bit 63 control | bit 62 zero-copy descriptor | bits 40..61 sender slot | user tag.
+// Wire tag: bit 63 control | bit 62 zero-copy descriptor | bit 61 service | bits 40..60 sender
+// slot | user tag.
 constexpr ucp_tag_t kControlTag = ucp_tag_t{1} << 63;
 constexpr ucp_tag_t kZeroCopyBit = ucp_tag_t{1} << 62;
-constexpr int kSlotBits = 22;
+constexpr ucp_tag_t kServiceBit = ucp_tag_t{1} << 61;
+constexpr int kSlotBits = 21;
+static_assert(kTagBits + kSlotBits == 61, "the slot must end below the service bit");
 constexpr uint64_t kMaxSlot = (uint64_t{1} << kSlotBits) - 1;
 constexpr ucp_tag_t kFullMask = ~ucp_tag_t{0};
 // Receives match a message whether it carries data or a zero-copy descriptor, in send order.
@@ -45,7 +48,9 @@ constexpr ucp_tag_t kDataMask = kFullMask & ~kZeroCopyBit;
 constexpr uint32_t kControlMagic = 0x54435048;     // "HPCT"
 constexpr uint32_t kDescriptorMagic = 0x44435048;  // "HPCD"
 
-ucp_tag_t WireTag(uint64_t slot, Tag tag) { return (slot << kTagBits) | tag; }
+ucp_tag_t WireTag(uint64_t slot, Tag tag, bool service) {
+  return (slot << kTagBits) | tag | (service ? kServiceBit : 0);
+}
 
 enum class ControlKind : uint32_t {
   kHello = 1,          // arg0/arg1: address and value of the sender's probe word; pid
@@ -110,9 +115,10 @@ int ReadPeerMemoryScatter(uint32_t pid, uint64_t address,
 
 enum class OpKind { kSend, kRecv, kControlSend };
 
-std::string Describe(OpKind kind, std::string_view peer_name, Tag tag, size_t size) {
-  return absl::StrCat(kind == OpKind::kRecv ? "receive from" : "send to", " peer '",
-                      std::string(peer_name), "' tag ", tag, " (", size, " bytes)");
+std::string Describe(OpKind kind, std::string_view peer_name, Tag tag, size_t size,
+                     bool service = false) {
+  return absl::StrCat(service ? "service " : "", kind == OpKind::kRecv ? "receive from" : "send to",
+                      " peer '", std::string(peer_name), "' tag ", tag, " (", size, " bytes)");
 }
 
 std::string UcxDuration(absl::Duration duration) {
@@ -129,6 +135,7 @@ struct UcxOp {
   OpKind kind = OpKind::kSend;
   PeerId peer = 0;
   Tag tag = 0;
+  bool service = false;  // in the service tag space (SendService/RecvService)
   const void* src = nullptr;
   void* dst = nullptr;
   size_t size = 0;
@@ -202,10 +209,12 @@ class Core {
     return stats;
   }
   absl::StatusOr<PeerId> Connect(std::string_view peer_address, absl::Time deadline);
-  // A scatter receive passes its (validated) segments and a null `dst`.
-  absl::StatusOr<std::shared_ptr<UcxOp>> Post(OpKind kind, PeerId peer, Tag tag, const void* src,
-                                              void* dst, size_t size, MemoryKind memory_kind,
-                                              int device, std::vector<MutableBuffer> segments = {});
+  // A scatter receive passes its (validated) segments and a null `dst`. `service` picks the
+  // service tag space.
+  absl::StatusOr<std::shared_ptr<UcxOp>> Post(OpKind kind, bool service, PeerId peer, Tag tag,
+                                              const void* src, void* dst, size_t size,
+                                              MemoryKind memory_kind, int device,
+                                              std::vector<MutableBuffer> segments = {});
   absl::Status Disconnect(PeerId peer, absl::Time deadline);
   std::string PeerName(PeerId peer) const;
   void Cancel(const std::shared_ptr<UcxOp>& op);
@@ -606,7 +615,7 @@ absl::StatusOr<PeerId> Core::Connect(std::string_view peer_address, absl::Time d
   return peer;
 }
 
-absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag tag,
+absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, bool service, PeerId peer, Tag tag,
                                                   const void* src, void* dst, size_t size,
                                                   MemoryKind memory_kind, int device,
                                                   std::vector<MutableBuffer> segments) {
@@ -614,6 +623,7 @@ absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag 
   op->kind = kind;
   op->peer = peer;
   op->tag = tag;
+  op->service = service;
   op->src = src;
   op->dst = dst;
   op->size = size;
@@ -629,7 +639,7 @@ absl::StatusOr<std::shared_ptr<UcxOp>> Core::Post(OpKind kind, PeerId peer, Tag 
     const std::string what = Describe(
         kind,
         info == peer_info_.end() ? absl::StrCat("<unknown peer ", peer, ">") : info->second.name,
-        tag, size);
+        tag, size, service);
     if (info == peer_info_.end()) {
       return absl::InvalidArgumentError(absl::StrCat(what, ": '", options_.name, "' has no peer ",
                                                      peer, "; expected a PeerId from Connect"));
@@ -920,7 +930,7 @@ void Core::IssueSend(PeerConn* conn, const std::shared_ptr<UcxOp>& op) {
   const void* data = &op->control;
   size_t length = op->size;
   if (op->kind == OpKind::kSend) {
-    wire_tag = WireTag(static_cast<uint64_t>(conn->remote_slot), op->tag);
+    wire_tag = WireTag(static_cast<uint64_t>(conn->remote_slot), op->tag, op->service);
     data = op->src;
     if (conn->zero_copy_to_peer && op->memory_type == UCS_MEMORY_TYPE_HOST &&
         op->size >= options_.zero_copy_threshold) {
@@ -1001,7 +1011,7 @@ void Core::PostRecv(const std::shared_ptr<UcxOp>& op) {
     landing_size = op->iov.size();
   }
   void* request =
-      ucp_tag_recv_nbx(worker_, landing, landing_size, WireTag(op->peer, op->tag),
+      ucp_tag_recv_nbx(worker_, landing, landing_size, WireTag(op->peer, op->tag, op->service),
                        op->memory_type == UCS_MEMORY_TYPE_HOST ? kDataMask : kFullMask, &param);
   if (UCS_PTR_IS_ERR(request)) {
     OnOpDone(op.get(), nullptr, UCS_PTR_STATUS(request), 0, 0);
@@ -1369,6 +1379,12 @@ bool Core::HandleControl() {
     }
     switch (static_cast<ControlKind>(message.kind)) {
       case ControlKind::kHello: {
+        if (message.slot == 0 || message.slot > kMaxSlot) {
+          HETPAR_LOG(WARNING) << "ucx transport '" << options_.name
+                              << "': ignoring a hello naming slot " << message.slot
+                              << "; expected 1.." << kMaxSlot;
+          break;
+        }
         PeerConn* target = nullptr;
         for (auto& [id, conn] : conns_) {
           if (conn->instance_id == message.instance_id && conn->remote_slot < 0 &&
@@ -1464,29 +1480,60 @@ absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view peer_address, absl
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::Send(PeerId peer, Tag tag,
                                                               ConstBuffer buffer) {
-  auto op = core_->Post(internal::OpKind::kSend, peer, tag, buffer.data, nullptr, buffer.size,
-                        buffer.kind, buffer.device);
-  if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+  return PostSend(/*service=*/false, peer, tag, buffer);
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::Recv(PeerId peer, Tag tag,
                                                               MutableBuffer buffer) {
-  auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, buffer.data, buffer.size,
-                        buffer.kind, buffer.device);
-  if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+  return PostRecv(/*service=*/false, peer, tag, buffer);
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::RecvScatter(
     PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
+  return PostRecvScatter(/*service=*/false, peer, tag, std::move(segments));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::SendService(PeerId peer, Tag tag,
+                                                                     ConstBuffer buffer) {
+  return PostSend(/*service=*/true, peer, tag, buffer);
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::RecvService(PeerId peer, Tag tag,
+                                                                     MutableBuffer buffer) {
+  return PostRecv(/*service=*/true, peer, tag, buffer);
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::RecvScatterService(
+    PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
+  return PostRecvScatter(/*service=*/true, peer, tag, std::move(segments));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostSend(bool service, PeerId peer,
+                                                                  Tag tag, ConstBuffer buffer) {
+  auto op = core_->Post(internal::OpKind::kSend, service, peer, tag, buffer.data, nullptr,
+                        buffer.size, buffer.kind, buffer.device);
+  if (!op.ok()) return op.status();
+  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecv(bool service, PeerId peer,
+                                                                  Tag tag, MutableBuffer buffer) {
+  auto op = core_->Post(internal::OpKind::kRecv, service, peer, tag, nullptr, buffer.data,
+                        buffer.size, buffer.kind, buffer.device);
+  if (!op.ok()) return op.status();
+  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+}
+
+absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecvScatter(
+    bool service, PeerId peer, Tag tag, std::vector<MutableBuffer> segments) {
   const size_t total = TotalSize(segments);
   if (absl::Status s = ValidateSegments(
-          segments, internal::Describe(internal::OpKind::kRecv, core_->PeerName(peer), tag, total));
+          segments,
+          internal::Describe(internal::OpKind::kRecv, core_->PeerName(peer), tag, total, service));
       !s.ok()) {
     return s;
   }
-  auto op = core_->Post(internal::OpKind::kRecv, peer, tag, nullptr, nullptr, total,
+  auto op = core_->Post(internal::OpKind::kRecv, service, peer, tag, nullptr, nullptr, total,
                         MemoryKind::kHost, -1, std::move(segments));
   if (!op.ok()) return op.status();
   return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));

@@ -24,13 +24,15 @@
 // ptrace policy that forbids it fall back to UCX's own path. Descriptor and data messages of one
 // tag keep their order: receives match both (the descriptor flag is masked out).
 //
-// Tags on the wire: bit 63 marks control messages; bit 62 marks a zero-copy descriptor; bits
-// 40..61 carry the sender slot, the PeerId that the *receiver* gave the sender; bits 0..39 are
-// the user tag. A hello control message, sent when Connect creates the endpoint, tells the peer
-// which slot to use; sends to a peer wait in a local queue until its hello has arrived (receives
-// can be posted at once). A goodbye control message on Disconnect or destruction tells the peer
-// to fail its operations with us; the peer acknowledges it once it will read no more of our
-// memory, and only then (or at the deadline) do zero-copy sends release their buffers.
+// Tags on the wire: bit 63 marks control messages; bit 62 marks a zero-copy descriptor; bit 61
+// marks the service tag space (SendService/RecvService, for backends layered on this one); bits
+// 40..60 carry the sender slot, the PeerId that the *receiver* gave the sender (so a transport
+// makes at most 2^21 - 1 connections); bits 0..39 are the user or service tag. A hello control
+// message, sent when Connect creates the endpoint, tells the peer which slot to use; sends to a
+// peer wait in a local queue until its hello has arrived (receives can be posted at once). A
+// goodbye control message on Disconnect or destruction tells the peer to fail its operations with
+// us; the peer acknowledges it once it will read no more of our memory, and only then (or at the
+// deadline) do zero-copy sends release their buffers.
 //
 // Progress. The progress thread is the only thread that calls into UCX (worker in
 // UCS_THREAD_MODE_SINGLE, no UCX locks). Callers' Send/Recv/Cancel/Connect/Disconnect queue a
@@ -113,6 +115,16 @@ class UcxTransport final : public Transport {
   absl::Status Disconnect(PeerId peer, absl::Time deadline) override;
   std::string PeerName(PeerId peer) const override;
 
+  // A second tag space for backends layered on this transport (the NCCL backend's control
+  // channel): the same semantics as Send/Recv/RecvScatter, tags up to kMaxTag, but a service
+  // message never matches a user receive and a user message never matches a service receive,
+  // whatever their tags. Peer failure, Disconnect and destruction treat both spaces alike.
+  absl::StatusOr<std::unique_ptr<Operation>> SendService(PeerId peer, Tag tag, ConstBuffer buffer);
+  absl::StatusOr<std::unique_ptr<Operation>> RecvService(PeerId peer, Tag tag,
+                                                         MutableBuffer buffer);
+  absl::StatusOr<std::unique_ptr<Operation>> RecvScatterService(
+      PeerId peer, Tag tag, std::vector<MutableBuffer> segments);
+
   // Whether Send/Recv accept buffers of `kind`: host memory always; CUDA memory when UCX
   // reports CUDA among its memory types (a UCX built with CUDA whose CUDA module loaded, which
   // needs the GPU driver). Fixed for the transport's lifetime; any thread.
@@ -129,6 +141,12 @@ class UcxTransport final : public Transport {
 
  private:
   explicit UcxTransport(std::shared_ptr<internal::Core> core);
+  absl::StatusOr<std::unique_ptr<Operation>> PostSend(bool service, PeerId peer, Tag tag,
+                                                      ConstBuffer buffer);
+  absl::StatusOr<std::unique_ptr<Operation>> PostRecv(bool service, PeerId peer, Tag tag,
+                                                      MutableBuffer buffer);
+  absl::StatusOr<std::unique_ptr<Operation>> PostRecvScatter(bool service, PeerId peer, Tag tag,
+                                                             std::vector<MutableBuffer> segments);
 
   std::shared_ptr<internal::Core> core_;
 };

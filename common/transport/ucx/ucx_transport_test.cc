@@ -228,6 +228,70 @@ TEST(UcxTransportTest, ZeroCopyIntoATooSmallBufferIsTruncation) {
   Transfer(pair, 1 << 20, 6);  // the connection still works
 }
 
+// The service tag space (for layered backends) and the user one share tags' values but never
+// match each other: each receive, posted before any message and before the other space's message
+// is sent, gets the message of its own space. Small (eager) and large (zero-copy) messages.
+TEST(UcxTransportTest, ServiceAndUserMessagesWithEqualTagsNeverMatchEachOther) {
+  Pair pair = Connected(Named("a"), Named("b"));
+  ASSERT_NE(pair.a, nullptr);
+  for (Tag tag : {Tag{0}, Tag{7}, kMaxTag}) {
+    for (size_t size : {size_t{16}, size_t{1} << 20}) {
+      for (bool service_first : {true, false}) {
+        const std::string what = absl::StrCat("tag ", tag, ", ", size, " bytes, ",
+                                              service_first ? "service" : "user", " message first");
+        std::vector<uint8_t> user_out = Bytes(1, size), service_out = Bytes(2, size);
+        std::vector<uint8_t> user_in(size, 0), service_in(size, 0);
+        // The receive of the space whose message comes second is posted first.
+        std::unique_ptr<Operation> user_recv, service_recv, user_send, service_send;
+        auto post_user_recv = [&] {
+          auto op = pair.b->Recv(pair.a_at_b, tag, MutableBuffer::Host(user_in.data(), size));
+          ASSERT_TRUE(op.ok()) << op.status();
+          user_recv = std::move(op).value();
+        };
+        auto post_service_recv = [&] {
+          auto op =
+              pair.b->RecvService(pair.a_at_b, tag, MutableBuffer::Host(service_in.data(), size));
+          ASSERT_TRUE(op.ok()) << op.status();
+          service_recv = std::move(op).value();
+        };
+        auto send_user = [&] {
+          auto op = pair.a->Send(pair.b_at_a, tag, ConstBuffer::Host(user_out.data(), size));
+          ASSERT_TRUE(op.ok()) << op.status();
+          user_send = std::move(op).value();
+        };
+        auto send_service = [&] {
+          auto op =
+              pair.a->SendService(pair.b_at_a, tag, ConstBuffer::Host(service_out.data(), size));
+          ASSERT_TRUE(op.ok()) << op.status();
+          service_send = std::move(op).value();
+        };
+        if (service_first) {
+          post_user_recv();
+          send_service();
+          send_user();
+          post_service_recv();
+        } else {
+          post_service_recv();
+          send_user();
+          send_service();
+          post_user_recv();
+        }
+        for (auto* op : {&user_recv, &service_recv, &user_send, &service_send}) {
+          absl::Status status = (*op)->Wait(absl::Now() + kWait);
+          ASSERT_TRUE(status.ok()) << what << ": " << status;
+        }
+        EXPECT_EQ(user_in, user_out) << what;
+        EXPECT_EQ(service_in, service_out) << what;
+      }
+    }
+  }
+  // Service operations validate their arguments like user ones and name themselves.
+  std::vector<uint8_t> buffer(8);
+  auto big_tag = pair.a->SendService(pair.b_at_a, kMaxTag + 1, ConstBuffer::Host(buffer.data(), 8));
+  EXPECT_EQ(big_tag.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(big_tag.status().message()), HasSubstr("service send to peer 'b'"));
+}
+
 TEST(UcxTransportTest, LoopbackToItself) {
   auto a = UcxTransport::Create(Named("self"));
   ASSERT_TRUE(a.ok());
