@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/transport/factory.h"
+#include "common/transport/nccl/nccl_transport.h"
 #include "common/transport/transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "gmock/gmock.h"
@@ -29,7 +30,9 @@ constexpr size_t kMiB = size_t{1} << 20;
 
 // The backends under test. UCX runs twice: with its same-host zero copy (large messages are
 // copied straight out of the sender's buffer) and without (UCX's own protocols carry them).
-enum class Flavor { kInproc, kUcx, kUcxWithoutZeroCopy };
+// nccl_protocol is the NCCL backend's tag-matching protocol with host memory routed through it
+// and its bytes moved over UCX's service tags instead of NCCL (no GPU needed).
+enum class Flavor { kInproc, kUcx, kUcxWithoutZeroCopy, kNcclProtocol };
 
 std::string FlavorName(Flavor flavor) {
   switch (flavor) {
@@ -39,6 +42,8 @@ std::string FlavorName(Flavor flavor) {
       return "ucx";
     case Flavor::kUcxWithoutZeroCopy:
       return "ucx_nozerocopy";
+    case Flavor::kNcclProtocol:
+      return "nccl_protocol";
   }
   return "unknown";
 }
@@ -54,6 +59,17 @@ absl::StatusOr<std::unique_ptr<Transport>> Create(Flavor flavor, const std::stri
       options.name = name;
       options.same_host_zero_copy = false;
       auto transport = ucx::UcxTransport::Create(options);
+      if (!transport.ok()) return transport.status();
+      return std::unique_ptr<Transport>(std::move(transport).value());
+    }
+    case Flavor::kNcclProtocol: {
+      ucx::UcxTransport::Options options;
+      options.name = name;
+      auto ucx = ucx::UcxTransport::Create(options);
+      if (!ucx.ok()) return ucx.status();
+      nccl::NcclTransport::Options nccl_options;
+      nccl_options.host_through_protocol_for_testing = true;
+      auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), nccl_options);
       if (!transport.ok()) return transport.status();
       return std::unique_ptr<Transport>(std::move(transport).value());
     }
@@ -563,6 +579,11 @@ std::vector<Param> Params() {
   // UCX's own large-message path: sizes above the zero-copy threshold.
   params.push_back({Flavor::kUcxWithoutZeroCopy, 256 * 1024 + 5, 3});
   params.push_back({Flavor::kUcxWithoutZeroCopy, 64 * kMiB, 2});
+  // The NCCL backend's protocol: few sizes, as each message takes three control hops.
+  params.push_back({Flavor::kNcclProtocol, 0, 2});
+  params.push_back({Flavor::kNcclProtocol, 4097, 3});
+  params.push_back({Flavor::kNcclProtocol, 256 * 1024 + 5, 4});
+  params.push_back({Flavor::kNcclProtocol, kMiB + 3, 2});
   return params;
 }
 

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/transport/inproc/inproc_transport.h"
+#include "common/transport/nccl/nccl_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 
 namespace hetpar::transport {
@@ -12,6 +13,8 @@ std::string_view BackendName(Backend backend) {
       return "inproc";
     case Backend::kUcx:
       return "ucx";
+    case Backend::kNccl:
+      return "nccl";
   }
   return "unknown";
 }
@@ -19,8 +22,10 @@ std::string_view BackendName(Backend backend) {
 absl::StatusOr<Backend> ParseBackend(std::string_view name) {
   if (name == "ucx") return Backend::kUcx;
   if (name == "inproc") return Backend::kInproc;
-  return absl::InvalidArgumentError(absl::StrCat("transport backend '", std::string(name),
-                                                 "' is not known; expected 'ucx' or 'inproc'"));
+  if (name == "nccl") return Backend::kNccl;
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport backend '", std::string(name),
+                   "' is not known; expected 'ucx', 'inproc' or 'nccl'"));
 }
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(Backend backend,
@@ -37,6 +42,16 @@ absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(Backend backend,
       ucx::UcxTransport::Options options;
       options.name = name;
       auto transport = ucx::UcxTransport::Create(options);
+      if (!transport.ok()) return transport.status();
+      return std::unique_ptr<Transport>(std::move(transport).value());
+    }
+    case Backend::kNccl: {
+      ucx::UcxTransport::Options options;
+      options.name = name;
+      auto ucx = ucx::UcxTransport::Create(options);
+      if (!ucx.ok()) return ucx.status();
+      auto transport =
+          nccl::NcclTransport::Wrap(std::move(ucx).value(), nccl::NcclTransport::Options());
       if (!transport.ok()) return transport.status();
       return std::unique_ptr<Transport>(std::move(transport).value());
     }

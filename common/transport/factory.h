@@ -11,14 +11,16 @@
 
 namespace hetpar::transport {
 
-enum class Backend { kInproc, kUcx };
+enum class Backend { kInproc, kUcx, kNccl };
 
 std::string_view BackendName(Backend backend);
 
-// "ucx" or "inproc"; anything else is kInvalidArgument listing the choices.
+// "ucx", "inproc" or "nccl"; anything else is kInvalidArgument listing the choices.
 absl::StatusOr<Backend> ParseBackend(std::string_view name);
 
-// Creates a transport of `backend` named `name` with that backend's default options.
+// Creates a transport of `backend` named `name` with that backend's default options. kNccl
+// wraps a fresh UcxTransport with NcclTransport's defaults (CUDA device 0); a worker that picks
+// its GPU wraps its own UcxTransport with nccl::NcclTransport::Wrap instead.
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(Backend backend,
                                                            const std::string& name);
 

@@ -1,0 +1,177 @@
+// The NCCL backend on real GPUs (label gpu): this process (cuda:0) and a peer process
+// (nccl_device_peer, cuda:1) move device buffers over NCCL send/recv. Every byte of messages of
+// several sizes arrives and comes back, messages of one tag in order; a message larger than the
+// device receive fails that receive with kOutOfRange while the send completes; a peer killed with
+// SIGKILL fails the pending and later device operations with kUnavailable naming it. Skips, saying
+// why, with fewer than two CUDA devices or a build without NCCL. The protocol itself is checked on
+// every machine by the conformance suite (flavor nccl_protocol).
+#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/transport/nccl/nccl_transport.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/nccl_device_script.h"
+#include "tests/util/subprocess.h"
+
+namespace hetpar::transport {
+namespace {
+
+using ::hetpar::testing::ChildProcess;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kWait = absl::Seconds(120);
+
+bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    std::ifstream in(path, std::ios::binary);
+    if (in) {
+      std::stringstream content;
+      content << in.rdbuf();
+      *bytes = content.str();
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// A device buffer freed on destruction.
+struct DeviceBuffer {
+  explicit DeviceBuffer(size_t n) : size(n) { EXPECT_EQ(cudaMalloc(&data, n), cudaSuccess); }
+  ~DeviceBuffer() { cudaFree(data); }
+  void* data = nullptr;
+  size_t size = 0;
+};
+
+TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
+  if (!nccl::NcclTransport::BuiltWithNccl()) {
+    GTEST_SKIP() << "this build has no NCCL (configured without libtorch's CUDA or NCCL)";
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) {
+    GTEST_SKIP() << "needs 2 CUDA devices (one per process: NCCL refuses two ranks on one GPU); "
+                 << "this machine has " << devices;
+  }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  char pattern[] = "/tmp/hetpar-nccl-XXXXXX";
+  ASSERT_NE(mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+
+  ucx::UcxTransport::Options ucx_options;
+  ucx_options.name = "nccl-test";
+  auto ucx = ucx::UcxTransport::Create(ucx_options);
+  ASSERT_TRUE(ucx.ok()) << ucx.status();
+  nccl::NcclTransport::Options options;
+  options.cuda_device = 0;
+  options.init_timeout = absl::Seconds(60);
+  auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), options);
+  ASSERT_TRUE(transport.ok()) << transport.status();
+  ASSERT_TRUE((*transport)->CanMove(MemoryKind::kCuda));
+  {
+    std::ofstream out(dir + "/test.addr.tmp", std::ios::binary);
+    out << (*transport)->LocalAddress();
+  }
+  ASSERT_EQ(std::rename((dir + "/test.addr.tmp").c_str(), (dir + "/test.addr").c_str()), 0);
+  auto child = ChildProcess::Start({HETPAR_NCCL_DEVICE_PEER, "--dir", dir, "--device", "1"},
+                                   dir + "/peer.log");
+  ASSERT_TRUE(child.ok()) << child.status();
+  std::string peer_address;
+  ASSERT_TRUE(WaitForFile(dir + "/peer.addr", absl::Seconds(60), &peer_address))
+      << testing::ReadTextFile(dir + "/peer.log");
+  auto peer = (*transport)->Connect(peer_address, absl::Now() + kWait);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ((*transport)->PeerName(*peer), "nccl-peer");
+
+  // 1. Every byte goes out and comes back; replies of one tag in order.
+  std::vector<std::unique_ptr<DeviceBuffer>> outs, ins;
+  std::vector<std::vector<uint8_t>> expected;
+  std::vector<std::unique_ptr<Operation>> recvs, sends;
+  for (int k = 0; k < kEchoCount; ++k) {
+    const size_t size = kEchoSizes[k];
+    expected.emplace_back(size);
+    for (size_t i = 0; i < size; ++i) expected[k][i] = EchoByte(k, i);
+    outs.push_back(std::make_unique<DeviceBuffer>(size));
+    ins.push_back(std::make_unique<DeviceBuffer>(size));
+    ASSERT_EQ(cudaMemcpy(outs[k]->data, expected[k].data(), size, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(ins[k]->data, 0xEE, size), cudaSuccess);
+    auto recv = (*transport)
+                    ->Recv(*peer, kEchoTags[k] + kEchoReply,
+                           MutableBuffer{ins[k]->data, size, MemoryKind::kCuda, 0});
+    ASSERT_TRUE(recv.ok()) << recv.status();
+    recvs.push_back(std::move(recv).value());
+  }
+  for (int k = 0; k < kEchoCount; ++k) {
+    auto send = (*transport)
+                    ->Send(*peer, kEchoTags[k],
+                           ConstBuffer{outs[k]->data, kEchoSizes[k], MemoryKind::kCuda, 0});
+    ASSERT_TRUE(send.ok()) << send.status();
+    sends.push_back(std::move(send).value());
+  }
+  absl::Status sent = WaitAll(sends, absl::Now() + kWait);
+  ASSERT_TRUE(sent.ok()) << sent << "\n" << testing::ReadTextFile(dir + "/peer.log");
+  for (int k = 0; k < kEchoCount; ++k) {
+    absl::Status status = recvs[k]->Wait(absl::Now() + kWait);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_EQ(recvs[k]->bytes(), kEchoSizes[k]);
+    std::vector<uint8_t> back(kEchoSizes[k]);
+    ASSERT_EQ(cudaMemcpy(back.data(), ins[k]->data, back.size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (size_t i = 0; i < back.size(); ++i) {
+      ASSERT_EQ(back[i], expected[k][i])
+          << "message " << k << " (tag " << kEchoTags[k] << "): mismatch at byte " << i;
+    }
+  }
+
+  // 2. Truncation: the peer's receive fails kOutOfRange; the send completes.
+  DeviceBuffer big(kTruncMessage);
+  uint8_t report = 0xFF;
+  auto report_recv = (*transport)->Recv(*peer, kReportTag, MutableBuffer::Host(&report, 1));
+  ASSERT_TRUE(report_recv.ok());
+  auto trunc_send =
+      (*transport)
+          ->Send(*peer, kTruncTag, ConstBuffer{big.data, kTruncMessage, MemoryKind::kCuda, 0});
+  ASSERT_TRUE(trunc_send.ok()) << trunc_send.status();
+  EXPECT_TRUE((*trunc_send)->Wait(absl::Now() + kWait).ok());
+  ASSERT_TRUE((*report_recv)->Wait(absl::Now() + kWait).ok());
+  EXPECT_EQ(report, static_cast<uint8_t>(absl::StatusCode::kOutOfRange))
+      << testing::ReadTextFile(dir + "/peer.log");
+  EXPECT_THAT(testing::ReadTextFile(dir + "/peer.log"),
+              HasSubstr(absl::StrCat("larger than the ", kTruncBuffer, "-byte receive buffer")));
+
+  // 3. The peer is killed: a pending device receive and a later device send fail kUnavailable.
+  DeviceBuffer never(64);
+  auto pending =
+      (*transport)->Recv(*peer, kIdleTag, MutableBuffer{never.data, 64, MemoryKind::kCuda, 0});
+  ASSERT_TRUE(pending.ok());
+  ASSERT_TRUE(child->Signal(SIGKILL));
+  const absl::Time killed = absl::Now();
+  absl::Status status = (*pending)->Wait(killed + absl::Seconds(30));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("peer 'nccl-peer'"));
+  auto later =
+      (*transport)->Send(*peer, kIdleTag, ConstBuffer{never.data, 64, MemoryKind::kCuda, 0});
+  absl::Status later_status = later.ok() ? (*later)->Wait(absl::Now() + kWait) : later.status();
+  EXPECT_EQ(later_status.code(), absl::StatusCode::kUnavailable) << later_status;
+  EXPECT_TRUE(child->Wait(30).ok());
+  for (const char* file : {"peer.addr", "test.addr", "peer.log"}) {
+    std::remove((dir + "/" + file).c_str());
+  }
+  rmdir(dir.c_str());
+}
+
+}  // namespace
+}  // namespace hetpar::transport
