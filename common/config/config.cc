@@ -955,6 +955,18 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
            "inproc needs placement: colocated (non-colocated modules run in "
            "separate processes); expected ucx");
   }
+  if (s.transport() == hetpar::v1::TRANSPORT_KIND_NCCL) {
+    if (s.run().device() != "cuda") {
+      c.Fail("transport", absl::StrCat("nccl moves CUDA tensors and needs run.device: cuda (got \"",
+                                       s.run().device(), "\"); expected ucx"));
+    }
+    if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED) {
+      c.Fail("transport",
+             "nccl needs placement: non_colocated: a colocated worker holds an encoder and an LLM "
+             "rank on one GPU, and NCCL refuses two ranks on one GPU; expected ucx (CUDA IPC "
+             "between processes on one GPU)");
+    }
+  }
   if (s.checkpoint().every() < 0) c.Fail("checkpoint.every", "must be >= 0");
   c.AtLeast("checkpoint.keep", s.checkpoint().keep(), 1);
   if (s.checkpoint().every() > 0 && s.checkpoint().dir().empty()) {

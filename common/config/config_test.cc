@@ -182,6 +182,17 @@ TEST(ConfigTest, DeviceIsCpuByDefaultCudaOrRefused) {
               "=\"gpu0\" is not a device; expected \"cpu\" or \"cuda\"");
 }
 
+TEST(ConfigTest, NcclTransportNeedsCudaAndSeparateProcesses) {
+  const std::string cuda = Replace("dtype: float64", "dtype: float64\n  device: cuda");
+  auto nccl = Load(cuda, {"transport=nccl"});
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  EXPECT_EQ(nccl->spec.transport(), hetpar::v1::TRANSPORT_KIND_NCCL);
+  ExpectIssue(Load(kValid, {"transport=nccl"}), "transport", 0,
+              "nccl moves CUDA tensors and needs run.device: cuda (got \"cpu\")");
+  ExpectIssue(Load(cuda, {"transport=nccl", "placement=colocated"}), "transport", 0,
+              "nccl needs placement: non_colocated");
+}
+
 TEST(ConfigTest, ZeroSize) {
   const std::string text =
       Replace("  layout: {dp: 2, tp: 2}\nllm", "  layout: {dp: 0, tp: 2}\nllm");

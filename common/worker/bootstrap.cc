@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "common/rendezvous/c10d_store.h"
 #include "common/status.h"
+#include "common/transport/nccl/nccl_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 
 namespace hetpar::worker {
@@ -33,7 +34,10 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   // 1. Data plane, then registration.
   transport::ucx::UcxTransport::Options transport_options;
   transport_options.name = absl::StrCat(role_name, " on ", options.host);
-  HETPAR_ASSIGN_OR_RETURN(ctx->transport_, transport::ucx::UcxTransport::Create(transport_options));
+  // UCX always: its address is registered before the RunSpec is known. transport: nccl wraps it
+  // below (same address; CUDA tensors then move by NCCL).
+  std::unique_ptr<transport::ucx::UcxTransport> ucx;
+  HETPAR_ASSIGN_OR_RETURN(ucx, transport::ucx::UcxTransport::Create(transport_options));
 
   coordinator::ClientOptions client;
   client.address = options.coordinator;
@@ -51,7 +55,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
                    : options.role == Role::kLlm   ? v1::WORKER_ROLE_LLM
                                                   : v1::WORKER_ROLE_COLOCATED);
   request.set_host(options.host);
-  request.set_data_address(ctx->transport_->LocalAddress());
+  request.set_data_address(ucx->LocalAddress());
   request.add_capabilities("cpu");
   request.add_capabilities("ucx");
   if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
@@ -76,6 +80,21 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     HETPAR_ASSIGN_OR_RETURN(cuda_index, nn::LocalCudaIndexFromEnvironment());
   }
   HETPAR_ASSIGN_OR_RETURN(ctx->execution_, nn::ExecutionContext::FromSpec(ctx->spec_, cuda_index));
+  if (ctx->spec_.transport() == v1::TRANSPORT_KIND_NCCL) {
+    transport::nccl::NcclTransport::Options nccl_options;
+    nccl_options.cuda_device = ctx->execution_.device().index();
+    nccl_options.init_timeout = ctx->peer_timeout_;
+    HETPAR_ASSIGN_OR_RETURN(ctx->transport_,
+                            transport::nccl::NcclTransport::Wrap(std::move(ucx), nccl_options));
+    // Not a silent fall-back to host staging: the RunSpec asked for NCCL.
+    if (!ctx->transport_->CanMove(transport::MemoryKind::kCuda)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "transport: nccl, but this worker cannot move CUDA memory by NCCL on ",
+          ctx->execution_.device().str(), " (NCCL found no usable CUDA device); expected ucx"));
+    }
+  } else {
+    ctx->transport_ = std::move(ucx);
+  }
 
   // 2. Everyone is here: peers and the rendezvous store.
   HETPAR_ASSIGN_OR_RETURN(ctx->assignment_,

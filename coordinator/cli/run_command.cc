@@ -275,6 +275,15 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: " << workers << " workers on " << gpus
               << " GPU(s), worker i on GPU i mod " << gpus << "\n";
   }
+  // NCCL refuses two ranks on one GPU, and every boundary pair is an NCCL communicator.
+  if (spec.transport() == v1::TRANSPORT_KIND_NCCL && workers > gpus) {
+    std::cerr << "hetpar run: transport: nccl needs a GPU per worker process, and this run "
+                 "starts "
+              << workers << " workers on " << gpus
+              << " visible GPU(s) (NCCL refuses two ranks on one GPU); use transport: ucx, which "
+                 "moves CUDA memory between processes on one GPU by CUDA IPC\n";
+    return kExitInvalidInput;
+  }
   auto spawn = [&](int64_t i, const std::string& name) -> absl::Status {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;

@@ -96,5 +96,39 @@ TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
   std::filesystem::remove_all(dir);
 }
 
+// transport: nccl with fewer visible GPUs than worker processes: refused before any worker
+// starts (NCCL would refuse two ranks on one GPU at the first boundary connection), naming the
+// field and the way out. Holds on any machine: CUDA_VISIBLE_DEVICES decides the count.
+TEST(CliRunTest, NcclWithFewerGpusThanWorkersIsRefusedBeforeAnyWorkerStarts) {
+  char pattern[] = "/tmp/hetpar-run-nccl-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  auto r = RunCommand({"/usr/bin/env", "CUDA_VISIBLE_DEVICES=0,1",
+                       kBin,           "run",
+                       "--config",     kSource + "/configs/tiny.yaml",
+                       "--out",        dir + "/run",
+                       "--steps",      "2",
+                       "--threads",    "1",
+                       "--set",        "run.device=cuda",
+                       "--set",        "transport=nccl",
+                       "--set",        "data.manifest=" + dir + "/data/train.jsonl",
+                       "--set",        "data.val_manifest=" + dir + "/data/val.jsonl",
+                       "--set",        "data.tokenizer=" + dir + "/data/tokenizer.model",
+                       "--set",        "data.synth.samples=64",
+                       "--set",        "data.synth.val_samples=4"},
+                      300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2) << r->stderr_text;
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("transport: nccl needs a GPU per worker process, and this run starts 4 "
+                        "workers on 2 visible GPU(s)"));
+  EXPECT_THAT(r->stderr_text, HasSubstr("use transport: ucx"));
+  // No worker ran: the run directory holds no worker log.
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir + "/run/log", error)) {
+    ADD_FAILURE() << "a worker started: " << entry.path();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace hetpar
