@@ -16,11 +16,15 @@
 //   figure "layer_bf16"         TFLOP/s of one layer forward + backward (RMSNorm, QKV, causal GQA
 //                               attention, output projection, SwiGLU MLP, residuals; no RoPE)
 //                               written with ATen ops here, and layer_vs_matmul, its ratio to
-//                               matmul_bf16. hetpar's own models do not run on CUDA yet: this is
-//                               the ceiling a CUDA port of the LLM layer should approach
+//                               matmul_bf16: the ATen-only ceiling for hetpar's LLM layer on CUDA.
+//                               hetpar's own models run on CUDA (run.device: cuda trains them);
+//                               their figure is model_bench --device cuda (ratio_vs_matmul)
 //   figure "d2d_copy"           GB/s of at::Tensor::copy_ between two CUDA tensors of --copy-mib
 //                               MiB (bytes copied per second; each byte is read once and written
-//                               once): the baseline of a device-to-device boundary transfer
+//                               once): the baseline of a device-to-device boundary transfer. The
+//                               boundary figure itself is transport_bw --memory cuda: two
+//                               processes on one GPU over hetpar's CUDA UCX transport against the
+//                               same copy of the same bytes, in one run (hetpar_vs_d2d)
 //
 // FLOPs are counted from the shapes (2 m k n per GEMM; the layer's backward as twice its forward
 // GEMMs and 2.5 times its forward attention, FlashAttention's convention); elementwise work is

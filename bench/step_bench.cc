@@ -39,6 +39,13 @@
 //
 // The first --warmup steps are excluded. Baseline for the efficiency: the busier module's own
 // busy time in the same run.
+//
+// --set KEY=VALUE (repeatable) passes an override to every case's `hetpar run`, and --cases picks
+// cases by name (default: all), e.g. the step split of a CUDA run, as tools/gpu-check takes it:
+//   step_bench --cases as_configured,micro_batch_1 --no-bridge-baseline
+//              --set run.device=cuda --set run.dtype=bfloat16 --set encoder.layout.dp=1 ...
+// --no-bridge-baseline leaves out the step_bridge lines (transport_bw moves host memory: no
+// baseline for a bridge that moves device memory).
 #include <unistd.h>
 
 #include <algorithm>
@@ -119,7 +126,16 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "Steps per case")->capture_default_str();
   app.add_option("--warmup", warmup, "Leading steps left out")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads per worker")->capture_default_str();
+  std::vector<std::string> overrides;
+  app.add_option("--set", overrides, "KEY=VALUE override passed to every case (repeatable)");
+  std::vector<std::string> only;
+  app.add_option("--cases", only, "Cases to run, comma-separated (default: all)")->delimiter(',');
+  bool bridge_baseline = true;
+  app.add_flag("!--no-bridge-baseline", bridge_baseline,
+               "Leave out the step_bridge lines (transport_bw at the bridge's message sizes)");
   CLI11_PARSE(app, argc, argv);
+  std::string common_extra;
+  for (const std::string& o : overrides) common_extra += " --set " + Quote(o);
 
   const std::string dir =
       (std::filesystem::temp_directory_path() / ("hetpar_step_bench_" + std::to_string(::getpid())))
@@ -140,6 +156,18 @@ int main(int argc, char** argv) {
                                    {"pipeline_pp1", pipeline + "1"},
                                    {"pipeline_pp2", pipeline + "2"},
                                    {"pipeline_pp4", pipeline + "4"}};
+  for (const std::string& name : only) {
+    if (std::none_of(cases.begin(), cases.end(), [&](const Case& c) { return c.name == name; })) {
+      std::string known;
+      for (const Case& c : cases) known += (known.empty() ? "" : ", ") + c.name;
+      std::fprintf(stderr, "step_bench: --cases: '%s' is not a case; expected some of %s\n",
+                   name.c_str(), known.c_str());
+      return 2;
+    }
+  }
+  const auto selected = [&](const std::string& name) {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  };
   std::map<std::string, double> median_step_time;
   struct Bridge {
     std::string name;
@@ -148,12 +176,13 @@ int main(int argc, char** argv) {
   };
   std::vector<Bridge> bridges;
   for (const Case& c : cases) {
+    if (!selected(c.name)) continue;
     const std::string out = dir + "/" + c.name;
     std::filesystem::create_directories(dir);
     if (!hetpar::bench::RunHetpar(HETPAR_BIN,
                                   "--config " + Quote(config) + " --steps " +
                                       std::to_string(steps) + " --threads " +
-                                      std::to_string(threads) + c.extra,
+                                      std::to_string(threads) + common_extra + c.extra,
                                   out)) {
       return 1;
     }
@@ -224,7 +253,7 @@ int main(int argc, char** argv) {
       std::printf("%s\n", line.dump().c_str());
       std::fflush(stdout);
     }
-    if (c.name == "traced") {
+    if (c.name == "traced" && median_step_time.count("as_configured") > 0) {
       const double off = median_step_time["as_configured"];
       const nlohmann::json line = {
           {"bench", "step_trace"},
@@ -236,7 +265,8 @@ int main(int argc, char** argv) {
       continue;  // the same bridge as the first case
     }
     // The pipeline cases move the same image rows as micro_batch_1: no bridge line of their own.
-    if (bridge_messages > 0 && bridge_time > 0 && c.name.rfind("pipeline_pp", 0) != 0) {
+    if (bridge_baseline && bridge_messages > 0 && bridge_time > 0 && c.name != "traced" &&
+        c.name.rfind("pipeline_pp", 0) != 0) {
       bridges.push_back({c.name, static_cast<int64_t>(bridge_bytes / bridge_messages),
                          bridge_bytes / bridge_time / 1e9});
     }

@@ -9,19 +9,44 @@
 //   gloo       c10d ProcessGroupGloo send/recv (libtorch), one way and both ways
 //   memcpy     a single-process memcpy of the same size
 // and prints one JSON object per size:
-//   {"size": 33554432, "hetpar_gbps": ..., "ucx_raw_gbps": ..., "gloo_gbps": ...,
-//    "memcpy_gbps": ..., "hetpar_bidir_gbps": ..., "gloo_bidir_gbps": ...,
-//    "ucx_raw_peer_gbps": ..., "hetpar_vs_ucx_raw": ..., "hetpar_vs_gloo": ...}
+//   {"bench": "transport_bw", "memory": "host", "size": 33554432, "hetpar_gbps": ...,
+//    "ucx_raw_gbps": ..., "gloo_gbps": ..., "memcpy_gbps": ..., "hetpar_bidir_gbps": ...,
+//    "gloo_bidir_gbps": ..., "ucx_raw_peer_gbps": ..., "hetpar_vs_ucx_raw": ...,
+//    "hetpar_vs_gloo": ...}
 // Rates are GB/s (1e9 bytes per second). One-way rates count the bytes of one direction;
 // "bidir" rates count the bytes moved in both directions together. Every rate is the best of
 // --reps repetitions of --budget bytes (at least 8 and at most 8192 messages) after a warm-up,
 // with --window messages in flight; each repetition measures every system at that size in turn
 // (fresh process pairs), so they see the same machine load.
 //
+// --memory cuda puts both hetpar workers' send and receive buffers in CUDA memory on the one GPU
+// --cuda-device (both processes on the same device; UCX moves them with cuda_ipc/cuda_copy), runs
+// ucx_perftest with `-m cuda,cuda` on that device, skips Gloo (host memory only), and replaces
+// memcpy with d2d: at::Tensor::copy_ between two CUDA tensors of the same size in one process,
+// synchronised (bytes copied per second, as gpu_bench's d2d_copy). Its line:
+//   {"bench": "transport_bw", "memory": "cuda", "device": 0, "size": 33554432,
+//    "hetpar_gbps": ..., "hetpar_bidir_gbps": ..., "ucx_raw_gbps": ..., "ucx_raw_peer_gbps": ...,
+//    "d2d_gbps": ..., "hetpar_vs_d2d": ..., "hetpar_vs_ucx_raw": ...,
+//    "gloo": "skipped: host memory only"}
+// Without a CUDA device it prints {"bench":"transport_bw","skipped":"no CUDA device: ..."} and
+// exits 0; when hetpar's UCX transport cannot move CUDA memory (CanMove(kCuda) false: a UCX
+// without CUDA, or its CUDA module did not load) it prints
+// {"bench":"transport_bw","memory":"cuda","error":...} and exits 1.
+//
+// The data is checked in both modes: each window slot of each sender has its own byte pattern;
+// the receiver checks every byte of every warm-up message and, after each timed run (outside the
+// timing), every byte of the run's last --window messages (the last one included), its receive
+// buffers zeroed before the run. CUDA buffers are copied to the host to be checked. A mismatch
+// fails the worker, naming the message, the byte and both values.
+//
+// A ucx_perftest that fails leaves its figure at 0 with "ucx_raw_error" in the line, and the exit
+// status 1; a failing hetpar or Gloo pair ends the run at once (exit status 1).
+//
 //   transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] [--window N]
 //                [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off]
-//                [--zero-copy-threshold BYTES]
+//                [--zero-copy-threshold BYTES] [--memory host|cuda] [--cuda-device N]
 //
+// (--skip memcpy skips the d2d baseline under --memory cuda.)
 // The same binary is the worker process of each pair (--role hetpar|gloo --rank 0|1 --dir D).
 // The usual UCX_* environment reaches hetpar's workers and ucx_perftest alike; ucx_perftest is the
 // one of the UCX hetpar links (HETPAR_UCX_PERFTEST), so both run the same UCX.
@@ -33,6 +58,7 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -58,11 +84,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "common/transport/ucx/ucx_transport.h"
+#include "nlohmann/json.hpp"
 
 namespace hetpar::bench {
 namespace {
 
 using transport::ConstBuffer;
+using transport::MemoryKind;
 using transport::MutableBuffer;
 using transport::Operation;
 using transport::PeerId;
@@ -84,6 +112,9 @@ struct Config {
   // hetpar's same-host zero copy (UcxTransport::Options) and its threshold in bytes.
   bool zero_copy = true;
   size_t zero_copy_threshold = transport::ucx::UcxTransport::Options().zero_copy_threshold;
+  // Where the hetpar workers' send and receive buffers live (--memory), and the GPU for kCuda.
+  MemoryKind memory = MemoryKind::kHost;
+  int cuda_device = 0;
   // worker mode
   std::string role;
   int rank = -1;
@@ -92,6 +123,7 @@ struct Config {
   bool Skipped(const std::string& what) const {
     return std::find(skip.begin(), skip.end(), what) != skip.end();
   }
+  bool cuda() const { return memory == MemoryKind::kCuda; }
 };
 
 int64_t Messages(const Config& config, size_t size) {
@@ -134,9 +166,33 @@ absl::StatusOr<std::string> ReadFileWithin(const std::string& path, absl::Durati
       absl::StrCat(path, " did not appear within ", absl::FormatDuration(timeout)));
 }
 
+// The byte at `index` of the message that rank `sender` sends from window slot `slot`: it differs
+// per slot, per sender and along the message (not only with period 256), so a receiver sees a
+// message from the wrong slot or direction, a stale buffer or a shifted range.
+uint8_t PatternByte(size_t index, int slot, int sender) {
+  return static_cast<uint8_t>(index * 7 + (index >> 8) * 13 + static_cast<size_t>(slot) * 29 +
+                              static_cast<size_t>(sender) * 101 + 1);
+}
+
+// Checks every byte of a received message against the pattern of (`slot`, `sender`).
+absl::Status CheckPattern(const uint8_t* data, size_t size, int slot, int sender, int64_t message) {
+  for (size_t i = 0; i < size; ++i) {
+    if (data[i] != PatternByte(i, slot, sender)) {
+      return absl::DataLossError(absl::StrCat(
+          "message ", message, " from rank ", sender, " (", size, " bytes, window slot ", slot,
+          "): mismatch at byte ", i, ": got ", static_cast<int>(data[i]), ", expected ",
+          static_cast<int>(PatternByte(i, slot, sender))));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // ------------------------------------------------------------------------------------------
 // hetpar worker
 
+// One rank of a hetpar pair: a UcxTransport connected to the other rank, and --window send and
+// receive buffers per rank in host memory or, under --memory cuda, CUDA memory on --cuda-device.
+// Used by the worker's main thread only.
 class HetparPair {
  public:
   static absl::StatusOr<std::unique_ptr<HetparPair>> Create(const Config& config) {
@@ -146,6 +202,12 @@ class HetparPair {
     options.zero_copy_threshold = config.zero_copy_threshold;
     auto transport = transport::ucx::UcxTransport::Create(options);
     if (!transport.ok()) return transport.status();
+    if (!(*transport)->CanMove(config.memory)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("hetpar's UCX transport cannot move ",
+                       std::string(transport::MemoryKindName(config.memory)),
+                       " memory (CanMove is false): its CUDA transport module did not load"));
+    }
     auto pair = std::unique_ptr<HetparPair>(new HetparPair(config));
     pair->transport_ = std::move(transport).value();
     const std::string mine = absl::StrCat(config.dir, "/hetpar.", config.rank, ".addr");
@@ -174,9 +236,13 @@ class HetparPair {
   }
 
   // Moves `count` messages of `size` with `window` in flight per direction; `send` and `recv`
-  // choose the directions of this rank. Returns the seconds from start to the peer's ack.
-  absl::StatusOr<double> Run(size_t size, int64_t count, bool send, bool recv) {
+  // choose the directions of this rank. Returns the seconds from start to the peer's ack. The
+  // received bytes are checked (outside the timing): with `check_every`, every message as it
+  // arrives (for the warm-up: it delays the next receive); always the last `window` messages.
+  absl::StatusOr<double> Run(size_t size, int64_t count, bool send, bool recv, bool check_every) {
     Buffers(size);
+    for (at::Tensor& buffer : in_) buffer.zero_();
+    Synchronize();
     if (absl::Status s = Sync(); !s.ok()) return s;
     uint8_t ack_in = 0, ack_out = 1;
     auto ack = transport_->Recv(peer_, kAckTag, MutableBuffer::Host(&ack_in, 1));
@@ -187,25 +253,33 @@ class HetparPair {
     const int64_t send_total = send ? count : 0, recv_total = recv ? count : 0;
     while (sent < send_total || received < recv_total || !sends.empty() || !recvs.empty()) {
       while (received < recv_total && static_cast<int>(recvs.size()) < window_) {
-        auto op = transport_->Recv(peer_, kDataTag,
-                                   MutableBuffer::Host(in_[received % window_].data(), size));
+        auto op = transport_->Recv(
+            peer_, kDataTag,
+            MutableBuffer{in_[received % window_].data_ptr(), size, memory_, device_});
         if (!op.ok()) return op.status();
         recvs.push_back(std::move(op).value());
         ++received;
       }
       while (sent < send_total && static_cast<int>(sends.size()) < window_) {
-        auto op =
-            transport_->Send(peer_, kDataTag, ConstBuffer::Host(out_[sent % window_].data(), size));
+        auto op = transport_->Send(
+            peer_, kDataTag, ConstBuffer{out_[sent % window_].data_ptr(), size, memory_, device_});
         if (!op.ok()) return op.status();
         sends.push_back(std::move(op).value());
         ++sent;
       }
       // Wait for the oldest receive, then the oldest send (the same discipline as the Gloo
       // baseline); the progress thread moves every posted operation meanwhile.
-      for (auto* oldest : {&recvs, &sends}) {
-        if (oldest->empty()) continue;
-        if (absl::Status s = oldest->front()->Wait(absl::Now() + kWait); !s.ok()) return s;
-        oldest->pop_front();
+      if (!recvs.empty()) {
+        const int64_t message = received - static_cast<int64_t>(recvs.size());
+        if (absl::Status s = recvs.front()->Wait(absl::Now() + kWait); !s.ok()) return s;
+        recvs.pop_front();
+        if (check_every) {
+          if (absl::Status s = Check(message, size); !s.ok()) return s;
+        }
+      }
+      if (!sends.empty()) {
+        if (absl::Status s = sends.front()->Wait(absl::Now() + kWait); !s.ok()) return s;
+        sends.pop_front();
       }
     }
     auto done = transport_->Send(peer_, kAckTag, ConstBuffer::Host(&ack_out, 1));
@@ -213,25 +287,62 @@ class HetparPair {
     if (absl::Status s = (*ack)->Wait(absl::Now() + kWait); !s.ok()) return s;
     const double seconds = Seconds(std::chrono::steady_clock::now() - start);
     if (absl::Status s = (*done)->Wait(absl::Now() + kWait); !s.ok()) return s;
+    for (int64_t message = std::max<int64_t>(0, recv_total - window_); message < recv_total;
+         ++message) {
+      if (absl::Status s = Check(message, size); !s.ok()) return s;
+    }
     return seconds;
   }
 
  private:
-  explicit HetparPair(const Config& config) : window_(config.window) {}
+  explicit HetparPair(const Config& config)
+      : rank_(config.rank),
+        window_(config.window),
+        memory_(config.memory),
+        device_(config.cuda() ? config.cuda_device : -1) {}
+
+  at::TensorOptions Options() const {
+    at::TensorOptions options = at::TensorOptions().dtype(at::kByte);
+    return memory_ == MemoryKind::kCuda
+               ? options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)))
+               : options;
+  }
+
+  // Waits for the device's queued work (the buffers' fills) before UCX reads or writes them on
+  // its own streams.
+  void Synchronize() const {
+    if (memory_ == MemoryKind::kCuda) torch::cuda::synchronize(device_);
+  }
 
   void Buffers(size_t size) {
-    if (!out_.empty() && out_[0].size() == size) return;
-    out_.assign(window_, std::vector<uint8_t>(size));
-    in_.assign(window_, std::vector<uint8_t>(size));
-    for (auto& buffer : out_) {
-      for (size_t i = 0; i < size; ++i) buffer[i] = static_cast<uint8_t>(i * 7);
+    if (!out_.empty() && static_cast<size_t>(out_[0].numel()) == size) return;
+    out_.clear();
+    in_.clear();
+    for (int slot = 0; slot < window_; ++slot) {
+      at::Tensor pattern = at::empty({static_cast<int64_t>(size)}, at::kByte);
+      uint8_t* bytes = pattern.data_ptr<uint8_t>();
+      for (size_t i = 0; i < size; ++i) bytes[i] = PatternByte(i, slot, rank_);
+      out_.push_back(memory_ == MemoryKind::kCuda ? pattern.to(Options()) : pattern);
+      in_.push_back(at::empty({static_cast<int64_t>(size)}, Options()));
     }
+    Synchronize();
+  }
+
+  // Checks received message `message` (0-based), which sits in its window slot (copied to the
+  // host first when it is in CUDA memory).
+  absl::Status Check(int64_t message, size_t size) const {
+    const int slot = static_cast<int>(message % window_);
+    at::Tensor host = in_[slot].is_cuda() ? in_[slot].cpu() : in_[slot];
+    return CheckPattern(host.data_ptr<uint8_t>(), size, slot, 1 - rank_, message);
   }
 
   std::unique_ptr<transport::ucx::UcxTransport> transport_;
   PeerId peer_ = 0;
-  int window_;
-  std::vector<std::vector<uint8_t>> out_, in_;
+  const int rank_;
+  const int window_;
+  const MemoryKind memory_;
+  const int device_;  // CUDA device ordinal for kCuda; -1 for host memory
+  std::vector<at::Tensor> out_, in_;
 };
 
 absl::Status RunHetparWorker(const Config& config) {
@@ -240,14 +351,14 @@ absl::Status RunHetparWorker(const Config& config) {
   const bool sender = config.rank == 0;
   for (size_t size : config.sizes) {
     const int64_t count = Messages(config, size);
-    auto warm = (*pair)->Run(size, count / 4 + 1, sender, !sender);
+    auto warm = (*pair)->Run(size, count / 4 + 1, sender, !sender, /*check_every=*/true);
     if (!warm.ok()) return warm.status();
     double best_oneway = 0, best_bidir = 0;
     for (int rep = 0; rep < config.reps; ++rep) {
-      auto oneway = (*pair)->Run(size, count, sender, !sender);
+      auto oneway = (*pair)->Run(size, count, sender, !sender, /*check_every=*/false);
       if (!oneway.ok()) return oneway.status();
       best_oneway = std::max(best_oneway, Gbps(double(size) * count, *oneway));
-      auto bidir = (*pair)->Run(size, count, true, true);
+      auto bidir = (*pair)->Run(size, count, true, true, /*check_every=*/false);
       if (!bidir.ok()) return bidir.status();
       best_bidir = std::max(best_bidir, Gbps(2.0 * size * count, *bidir));
     }
@@ -401,21 +512,28 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
   for (size_t size : config.sizes) absl::StrAppend(&sizes, sizes.empty() ? "" : ",", size);
   std::vector<Child> children;
   for (int rank = 0; rank < 2; ++rank) {
-    auto child = Spawn(
+    std::vector<std::string> argv(
         {self, "--role", role, "--rank", std::to_string(rank), "--dir", dir, "--sizes", sizes,
          "--budget", std::to_string(config.budget), "--reps", std::to_string(config.reps),
          "--window", std::to_string(config.window), "--zero-copy", config.zero_copy ? "on" : "off",
-         "--zero-copy-threshold", std::to_string(config.zero_copy_threshold)},
-        absl::StrCat(dir, "/", role, ".", rank, ".out"));
+         "--zero-copy-threshold", std::to_string(config.zero_copy_threshold)});
+    argv.push_back("--memory");
+    argv.push_back(std::string(transport::MemoryKindName(config.memory)));
+    argv.push_back("--cuda-device");
+    argv.push_back(std::to_string(config.cuda_device));
+    auto child = Spawn(argv, absl::StrCat(dir, "/", role, ".", rank, ".out"));
     if (!child.ok()) return child.status();
     children.push_back(*child);
   }
   PairResults results;
+  // Both ranks' failures: the one that saw the cause (a wrong byte) may not be the first rank.
   absl::Status first_error;
+  std::string errors;
   for (int rank = 0; rank < 2; ++rank) {
     auto output = Finish(children[rank], absl::Minutes(10), absl::StrCat(role, " rank ", rank));
     if (!output.ok()) {
       if (first_error.ok()) first_error = output.status();
+      absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
       continue;
     }
     for (absl::string_view line : absl::StrSplit(*output, '\n')) {
@@ -429,7 +547,7 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
       }
     }
   }
-  if (!first_error.ok()) return first_error;
+  if (!first_error.ok()) return absl::Status(first_error.code(), errors);
   return results;
 }
 
@@ -449,10 +567,23 @@ int FreePort() {
   return port;
 }
 
+// The CUDA_VISIBLE_DEVICES that shows a child process this process's CUDA device `device` as its
+// device 0: the device-th entry of ours when it is set, else `device`.
+std::string VisibleDevice(int device) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible != nullptr && *visible != '\0') {
+    std::vector<std::string> entries = absl::StrSplit(visible, ',');
+    if (device < static_cast<int>(entries.size())) return entries[device];
+  }
+  return std::to_string(device);
+}
+
 // One ucx_perftest tag_bw run; returns GB/s from the client's final "overall" bandwidth
-// (ucx_perftest prints MB/s with MB = 2^20 bytes).
+// (ucx_perftest prints MB/s with MB = 2^20 bytes). With config.cuda(), both sides' buffers are
+// CUDA memory (`-m cuda,cuda`) on config.cuda_device (shown to ucx_perftest as its device 0).
 absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handling,
-                                   const std::string& dir) {
+                                   const Config& config, const std::string& dir) {
+  absl::Status last_error;
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::string port = std::to_string(FreePort());
     const std::string n = std::to_string(count), s = std::to_string(size);
@@ -461,26 +592,25 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     // otherwise find the system's UCX of the same soname).
     const char* library_path = std::getenv("LD_LIBRARY_PATH");
     std::vector<std::string> server_argv = {
-        "/usr/bin/env",
-        absl::StrCat("LD_LIBRARY_PATH=", HETPAR_UCX_LIBDIR,
-                     library_path != nullptr && *library_path != '\0'
-                         ? absl::StrCat(":", library_path)
-                         : std::string()),
-        HETPAR_UCX_PERFTEST,
-        "-t",
-        "tag_bw",
-        "-s",
-        s,
-        "-n",
-        n,
-        "-w",
-        warmup,
-        "-p",
-        port,
-        "-f"};
+        "/usr/bin/env", absl::StrCat("LD_LIBRARY_PATH=", HETPAR_UCX_LIBDIR,
+                                     library_path != nullptr && *library_path != '\0'
+                                         ? absl::StrCat(":", library_path)
+                                         : std::string())};
+    if (config.cuda()) {
+      server_argv.push_back(
+          absl::StrCat("CUDA_VISIBLE_DEVICES=", VisibleDevice(config.cuda_device)));
+    }
+    const size_t program = server_argv.size();
+    server_argv.insert(server_argv.end(), {HETPAR_UCX_PERFTEST, "-t", "tag_bw", "-s", s, "-n", n,
+                                           "-w", warmup, "-p", port, "-f"});
     if (error_handling) server_argv.push_back("-e");
+    if (config.cuda()) {
+      server_argv.push_back("-m");
+      server_argv.push_back("cuda,cuda");
+    }
+    // The client names the server's address right after the program.
     std::vector<std::string> client_argv = server_argv;
-    client_argv.insert(client_argv.begin() + 3, "127.0.0.1");
+    client_argv.insert(client_argv.begin() + program + 1, "127.0.0.1");
     auto server = Spawn(server_argv, dir + "/perftest.server.out");
     if (!server.ok()) return server.status();
     absl::SleepFor(absl::Milliseconds(300));
@@ -488,7 +618,10 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     if (!client.ok()) return client.status();
     auto client_output = Finish(*client, absl::Minutes(5), "ucx_perftest client");
     auto server_output = Finish(*server, absl::Seconds(30), "ucx_perftest server");
-    if (!client_output.ok() || !server_output.ok()) continue;  // e.g. the port was taken
+    if (!client_output.ok() || !server_output.ok()) {  // e.g. the port was taken
+      last_error = !client_output.ok() ? client_output.status() : server_output.status();
+      continue;
+    }
     // The final line: iterations, latency 50%ile/average/overall, bandwidth average/overall,
     // message rate average/overall.
     for (absl::string_view line : absl::StrSplit(*client_output, '\n')) {
@@ -503,7 +636,8 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     }
     return absl::InternalError(absl::StrCat("cannot parse ucx_perftest output:\n", *client_output));
   }
-  return absl::UnavailableError("ucx_perftest failed 3 times; see " + dir + "/perftest.*.out");
+  return absl::UnavailableError(absl::StrCat("ucx_perftest", error_handling ? " -e" : "",
+                                             " failed 3 times; the last: ", last_error.message()));
 }
 
 double MemcpyGbps(size_t size, int64_t count, int reps) {
@@ -523,13 +657,85 @@ double MemcpyGbps(size_t size, int64_t count, int reps) {
   return best;
 }
 
+// GB/s of at::Tensor::copy_ between two CUDA tensors of `size` bytes on `device` in this process
+// (bytes copied per second: each byte read once and written once, as gpu_bench's d2d_copy), the
+// best of `reps` loops of `count` copies, each loop between two device synchronisations.
+double DeviceCopyGbps(size_t size, int64_t count, int reps, int device) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(
+      at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  at::Tensor src = at::full({static_cast<int64_t>(size)}, 3, options);
+  at::Tensor dst = at::empty({static_cast<int64_t>(size)}, options);
+  for (int i = 0; i < 3; ++i) dst.copy_(src);  // warm-up
+  torch::cuda::synchronize(device);
+  double best = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < count; ++i) dst.copy_(src);
+    torch::cuda::synchronize(device);
+    const double seconds = Seconds(std::chrono::steady_clock::now() - start);
+    best = std::max(best, Gbps(double(size) * count, seconds));
+  }
+  return best;
+}
+
 std::string Json(double value) {
   char buffer[32];
   std::snprintf(buffer, sizeof(buffer), "%.3f", value);
   return buffer;
 }
 
+std::string JsonString(const std::string& text) { return nlohmann::json(text).dump(); }
+
+// Why --memory cuda has nothing to measure here; empty when a CUDA device is visible.
+std::string NoCudaReason() {
+  if (torch::cuda::is_available()) return "";
+  std::string reason = absl::StrCat(
+      "no CUDA device: torch::cuda::is_available() is false, torch::cuda::device_count() = ",
+      static_cast<int>(torch::cuda::device_count()));
+  if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
+    absl::StrAppend(&reason, " (CUDA_VISIBLE_DEVICES=\"", visible, "\")");
+  }
+  return reason;
+}
+
+// Before any pair runs under --memory cuda: the device exists and hetpar's UCX transport can move
+// CUDA memory. The transport is destroyed (its progress thread ended) before the driver forks.
+absl::Status CheckCudaTransport(const Config& config) {
+  const int devices = static_cast<int>(torch::cuda::device_count());
+  if (config.cuda_device >= devices) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda-device ", config.cuda_device, ": only ",
+                                                   devices, " CUDA device(s) are visible"));
+  }
+  transport::ucx::UcxTransport::Options options;
+  options.name = "transport_bw check";
+  auto transport = transport::ucx::UcxTransport::Create(options);
+  if (!transport.ok()) return transport.status();
+  if (!(*transport)->CanMove(MemoryKind::kCuda)) {
+    return absl::FailedPreconditionError(
+        "--memory cuda: hetpar's UCX transport cannot move CUDA memory "
+        "(UcxTransport::CanMove(kCuda) is false): the UCX it loaded has no CUDA memory type, "
+        "either built without CUDA or its CUDA transport module (libuct_cuda, which needs the "
+        "GPU driver's libcuda.so.1 and libnvidia-ml.so.1) did not load; build against the "
+        "libucx-cu13 wheel (docs/transport.md, \"Which UCX\") and check with "
+        "UCX_LOG_LEVEL=debug");
+  }
+  return absl::OkStatus();
+}
+
 int RunDriver(const std::string& self, const Config& config) {
+  if (config.cuda()) {
+    if (const std::string reason = NoCudaReason(); !reason.empty()) {
+      std::cout << "{\"bench\":\"transport_bw\",\"skipped\":" << JsonString(reason) << "}"
+                << std::endl;
+      return 0;
+    }
+    if (absl::Status s = CheckCudaTransport(config); !s.ok()) {
+      std::cout << "{\"bench\":\"transport_bw\",\"memory\":\"cuda\",\"error\":"
+                << JsonString(std::string(s.message())) << "}" << std::endl;
+      std::cerr << "transport_bw: " << s.message() << "\n";
+      return 1;
+    }
+  }
   char pattern[] = "/tmp/hetpar-transport-bw-XXXXXX";
   if (mkdtemp(pattern) == nullptr) {
     std::cerr << "transport_bw: mkdtemp: " << std::strerror(errno) << "\n";
@@ -541,6 +747,9 @@ int RunDriver(const std::string& self, const Config& config) {
       std::remove(absl::StrCat(dir, "/", file).c_str());
     }
   };
+  // Gloo moves host memory only.
+  const bool gloo = !config.cuda() && !config.Skipped("gloo");
+  int exit_code = 0;
   // Every system is measured once per repetition, size by size, so all see the same load.
   for (size_t size : config.sizes) {
     const int64_t count = Messages(config, size);
@@ -548,9 +757,10 @@ int RunDriver(const std::string& self, const Config& config) {
     one.sizes = {size};
     one.reps = 1;
     double h = 0, hb = 0, g = 0, gb = 0, ucx_raw = 0, ucx_raw_peer = 0;
+    std::string ucx_raw_error;
     for (int rep = 0; rep < config.reps; ++rep) {
       for (const char* role : {"hetpar", "gloo"}) {
-        if (config.Skipped(role)) continue;
+        if (std::string(role) == "gloo" ? !gloo : config.Skipped(role)) continue;
         clear();
         auto results = RunPair(self, role, one, dir);
         if (!results.ok()) {
@@ -565,24 +775,48 @@ int RunDriver(const std::string& self, const Config& config) {
       }
       if (!config.Skipped("ucx_raw")) {
         for (bool error_handling : {false, true}) {
-          auto gbps = UcxPerftest(size, count, error_handling, dir);
+          auto gbps = UcxPerftest(size, count, error_handling, config, dir);
           if (!gbps.ok()) {
             std::cerr << "transport_bw: " << gbps.status() << "\n";
-            return 1;
+            if (ucx_raw_error.empty()) ucx_raw_error = std::string(gbps.status().message());
+            exit_code = 1;
+            continue;
           }
           double& best = error_handling ? ucx_raw_peer : ucx_raw;
           best = std::max(best, *gbps);
         }
       }
     }
-    const double memcpy_gbps = config.Skipped("memcpy") ? 0 : MemcpyGbps(size, count, config.reps);
-    std::cout << "{\"size\": " << size << ", \"hetpar_gbps\": " << Json(h)
-              << ", \"ucx_raw_gbps\": " << Json(ucx_raw) << ", \"gloo_gbps\": " << Json(g)
-              << ", \"memcpy_gbps\": " << Json(memcpy_gbps)
-              << ", \"hetpar_bidir_gbps\": " << Json(hb) << ", \"gloo_bidir_gbps\": " << Json(gb)
-              << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
-              << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
-              << ", \"hetpar_vs_gloo\": " << Json(g > 0 ? h / g : 0) << "}" << std::endl;
+    // The single-process baseline: d2d for CUDA memory, memcpy for host memory.
+    const double baseline =
+        config.Skipped("memcpy")
+            ? 0
+            : (config.cuda() ? DeviceCopyGbps(size, count, config.reps, config.cuda_device)
+                             : MemcpyGbps(size, count, config.reps));
+    std::cout << "{\"bench\": \"transport_bw\", \"memory\": "
+              << JsonString(std::string(transport::MemoryKindName(config.memory)));
+    if (config.cuda()) {
+      const double d2d = baseline;
+      std::cout << ", \"device\": " << config.cuda_device << ", \"size\": " << size
+                << ", \"hetpar_gbps\": " << Json(h) << ", \"hetpar_bidir_gbps\": " << Json(hb)
+                << ", \"ucx_raw_gbps\": " << Json(ucx_raw)
+                << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
+                << ", \"d2d_gbps\": " << Json(d2d)
+                << ", \"hetpar_vs_d2d\": " << Json(d2d > 0 ? h / d2d : 0)
+                << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
+                << ", \"gloo\": \"skipped: host memory only\"";
+    } else {
+      const double memcpy_gbps = baseline;
+      std::cout << ", \"size\": " << size << ", \"hetpar_gbps\": " << Json(h)
+                << ", \"ucx_raw_gbps\": " << Json(ucx_raw) << ", \"gloo_gbps\": " << Json(g)
+                << ", \"memcpy_gbps\": " << Json(memcpy_gbps)
+                << ", \"hetpar_bidir_gbps\": " << Json(hb) << ", \"gloo_bidir_gbps\": " << Json(gb)
+                << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
+                << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
+                << ", \"hetpar_vs_gloo\": " << Json(g > 0 ? h / g : 0);
+    }
+    if (!ucx_raw_error.empty()) std::cout << ", \"ucx_raw_error\": " << JsonString(ucx_raw_error);
+    std::cout << "}" << std::endl;
   }
   for (const char* file :
        {"hetpar.0.addr", "hetpar.1.addr", "hetpar.0.out", "hetpar.1.out", "gloo.0.out",
@@ -590,7 +824,7 @@ int RunDriver(const std::string& self, const Config& config) {
     std::remove(absl::StrCat(dir, "/", file).c_str());
   }
   rmdir(dir.c_str());
-  return 0;
+  return exit_code;
 }
 
 absl::StatusOr<Config> ParseFlags(int argc, char** argv) {
@@ -618,6 +852,11 @@ absl::StatusOr<Config> ParseFlags(int argc, char** argv) {
       config.zero_copy = value == "on";
     } else if (flag == "--zero-copy-threshold") {
       ok = absl::SimpleAtoi(value, &config.zero_copy_threshold);
+    } else if (flag == "--memory") {
+      ok = value == "host" || value == "cuda";
+      config.memory = value == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost;
+    } else if (flag == "--cuda-device") {
+      ok = absl::SimpleAtoi(value, &config.cuda_device) && config.cuda_device >= 0;
     } else if (flag == "--skip") {
       config.skip = absl::StrSplit(value, ',');
     } else if (flag == "--role") {
