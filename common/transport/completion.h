@@ -7,12 +7,17 @@
 
 #include <atomic>
 #include <cstddef>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/logging.h"
+#include "common/transport/transport.h"
 
 namespace hetpar::transport {
 
@@ -49,6 +54,48 @@ class Completion {
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time completed_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   std::atomic<bool> done_flag_{false};
+};
+
+// The Operation a backend with a progress thread hands out: the caller's view of one `Op` (which
+// holds `std::shared_ptr<Completion> completion`), kept alive with the backend's `Core` (which
+// has Cancel(op) and Abandon(op)). Destroying it unfinished cancels the operation, waits up to
+// `abandon_timeout`, then abandons it (the backend tears down the peer's connection to release
+// the buffer) and waits up to `release_timeout` for the backend to let go.
+template <class Core, class Op>
+class CompletionOperation final : public Operation {
+ public:
+  CompletionOperation(std::shared_ptr<Core> core, std::shared_ptr<Op> op,
+                      absl::Duration abandon_timeout, absl::Duration release_timeout)
+      : core_(std::move(core)),
+        op_(std::move(op)),
+        abandon_timeout_(abandon_timeout),
+        release_timeout_(release_timeout) {}
+
+  ~CompletionOperation() override {
+    if (op_->completion->done()) return;
+    core_->Cancel(op_);
+    if (op_->completion->WaitUntil(absl::Now() + abandon_timeout_)) return;
+    HETPAR_LOG(WARNING) << op_->completion->description()
+                        << ": destroyed before it finished and could not be cancelled; tearing "
+                           "down the connection to release the buffer";
+    core_->Abandon(op_);
+    if (!op_->completion->WaitUntil(absl::Now() + release_timeout_)) {
+      HETPAR_LOG(ERROR) << op_->completion->description()
+                        << ": still held by the backend after the connection was torn down";
+    }
+  }
+
+  bool Done() const override { return op_->completion->done(); }
+  absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
+  void Cancel() override { core_->Cancel(op_); }
+  size_t bytes() const override { return op_->completion->bytes(); }
+  absl::Time completed_at() const override { return op_->completion->completed_at(); }
+
+ private:
+  std::shared_ptr<Core> core_;
+  std::shared_ptr<Op> op_;
+  const absl::Duration abandon_timeout_;
+  const absl::Duration release_timeout_;
 };
 
 }  // namespace hetpar::transport

@@ -64,6 +64,26 @@ TEST(CliRunTest, LogEverySecondsAddsALineWhenTheTimeHasPassed) {
               ::testing::ElementsAre("1", "2", "3", "4", "5"));
 }
 
+// `hetpar run` of 2 steps of configs/tiny.yaml with run.device cuda, two GPUs visible
+// (CUDA_VISIBLE_DEVICES=0,1), its data and outputs under `dir`, and `extra` flags.
+std::vector<std::string> CudaRun(const std::string& dir, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {
+      "/usr/bin/env", "CUDA_VISIBLE_DEVICES=0,1",
+      kBin,           "run",
+      "--config",     kSource + "/configs/tiny.yaml",
+      "--out",        dir + "/run",
+      "--steps",      "2",
+      "--threads",    "1",
+      "--set",        "run.device=cuda",
+      "--set",        "data.manifest=" + dir + "/data/train.jsonl",
+      "--set",        "data.val_manifest=" + dir + "/data/val.jsonl",
+      "--set",        "data.tokenizer=" + dir + "/data/tokenizer.model",
+      "--set",        "data.synth.samples=64",
+      "--set",        "data.synth.val_samples=4"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  return argv;
+}
+
 // run.device cuda on a machine without a GPU: every worker fails as it registers, naming the
 // field, and the run stops with the worker's reason instead of waiting. On a GPU machine this
 // would train, so the test needs a machine without the NVIDIA driver.
@@ -74,19 +94,7 @@ TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
   char pattern[] = "/tmp/hetpar-run-cuda-XXXXXX";
   const std::string dir = ::mkdtemp(pattern);
   // Two visible GPUs named by CUDA_VISIBLE_DEVICES: the workers are spread over both.
-  auto r = RunCommand({"/usr/bin/env", "CUDA_VISIBLE_DEVICES=0,1",
-                       kBin,           "run",
-                       "--config",     kSource + "/configs/tiny.yaml",
-                       "--out",        dir + "/run",
-                       "--steps",      "2",
-                       "--threads",    "1",
-                       "--set",        "run.device=cuda",
-                       "--set",        "data.manifest=" + dir + "/data/train.jsonl",
-                       "--set",        "data.val_manifest=" + dir + "/data/val.jsonl",
-                       "--set",        "data.tokenizer=" + dir + "/data/tokenizer.model",
-                       "--set",        "data.synth.samples=64",
-                       "--set",        "data.synth.val_samples=4"},
-                      300);
+  auto r = RunCommand(CudaRun(dir, {}), 300);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 1) << r->stderr_text;
   EXPECT_THAT(r->stderr_text, HasSubstr("4 workers on 2 GPU(s), worker i on GPU i mod 2"));
@@ -102,20 +110,7 @@ TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
 TEST(CliRunTest, NcclWithFewerGpusThanWorkersIsRefusedBeforeAnyWorkerStarts) {
   char pattern[] = "/tmp/hetpar-run-nccl-XXXXXX";
   const std::string dir = ::mkdtemp(pattern);
-  auto r = RunCommand({"/usr/bin/env", "CUDA_VISIBLE_DEVICES=0,1",
-                       kBin,           "run",
-                       "--config",     kSource + "/configs/tiny.yaml",
-                       "--out",        dir + "/run",
-                       "--steps",      "2",
-                       "--threads",    "1",
-                       "--set",        "run.device=cuda",
-                       "--set",        "transport=nccl",
-                       "--set",        "data.manifest=" + dir + "/data/train.jsonl",
-                       "--set",        "data.val_manifest=" + dir + "/data/val.jsonl",
-                       "--set",        "data.tokenizer=" + dir + "/data/tokenizer.model",
-                       "--set",        "data.synth.samples=64",
-                       "--set",        "data.synth.val_samples=4"},
-                      300);
+  auto r = RunCommand(CudaRun(dir, {"--set", "transport=nccl"}), 300);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 2) << r->stderr_text;
   EXPECT_THAT(r->stderr_text,

@@ -217,40 +217,6 @@ class Core {
   bool stop_ = false;
 };
 
-namespace {
-
-class NcclOperation final : public Operation {
- public:
-  NcclOperation(std::shared_ptr<Core> core, std::shared_ptr<ProtoOp> op)
-      : core_(std::move(core)), op_(std::move(op)) {}
-
-  ~NcclOperation() override {
-    if (op_->completion->done()) return;
-    core_->Cancel(op_);
-    if (op_->completion->WaitUntil(absl::Now() + core_->options().abandon_timeout)) return;
-    HETPAR_LOG(WARNING) << op_->completion->description()
-                        << ": destroyed before it finished and could not be cancelled; tearing "
-                           "down the connection to release the buffer";
-    core_->Abandon(op_);
-    if (!op_->completion->WaitUntil(absl::Now() + core_->options().abandon_timeout)) {
-      HETPAR_LOG(ERROR) << op_->completion->description()
-                        << ": still pending after the connection was torn down";
-    }
-  }
-
-  bool Done() const override { return op_->completion->done(); }
-  absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
-  void Cancel() override { core_->Cancel(op_); }
-  size_t bytes() const override { return op_->completion->bytes(); }
-  absl::Time completed_at() const override { return op_->completion->completed_at(); }
-
- private:
-  std::shared_ptr<Core> core_;
-  std::shared_ptr<ProtoOp> op_;
-};
-
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // Calls from user threads
 
@@ -997,7 +963,9 @@ absl::StatusOr<std::unique_ptr<Operation>> NcclTransport::Send(PeerId peer, Tag 
   auto op = core_->Post(/*is_send=*/true, peer, tag, buffer.data, {}, buffer.size, buffer.kind,
                         buffer.device, /*scatter=*/false);
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::NcclOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::ProtoOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().abandon_timeout));
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> NcclTransport::Recv(PeerId peer, Tag tag,
@@ -1008,7 +976,9 @@ absl::StatusOr<std::unique_ptr<Operation>> NcclTransport::Recv(PeerId peer, Tag 
   auto op = core_->Post(/*is_send=*/false, peer, tag, nullptr, {buffer}, buffer.size, buffer.kind,
                         buffer.device, /*scatter=*/false);
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::NcclOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::ProtoOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().abandon_timeout));
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> NcclTransport::RecvScatter(
@@ -1024,7 +994,9 @@ absl::StatusOr<std::unique_ptr<Operation>> NcclTransport::RecvScatter(
   auto op = core_->Post(/*is_send=*/false, peer, tag, nullptr, std::move(segments), total,
                         MemoryKind::kHost, -1, /*scatter=*/true);
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::NcclOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::ProtoOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().abandon_timeout));
 }
 
 absl::Status NcclTransport::Disconnect(PeerId peer, absl::Time deadline) {

@@ -324,40 +324,6 @@ class Core {
   bool released_ = false;
 };
 
-namespace {
-
-class UcxOperation final : public Operation {
- public:
-  UcxOperation(std::shared_ptr<Core> core, std::shared_ptr<UcxOp> op)
-      : core_(std::move(core)), op_(std::move(op)) {}
-
-  ~UcxOperation() override {
-    if (op_->completion->done()) return;
-    core_->Cancel(op_);
-    if (op_->completion->WaitUntil(absl::Now() + core_->options().abandon_timeout)) return;
-    HETPAR_LOG(WARNING) << op_->completion->description()
-                        << ": destroyed before it finished and could not be cancelled; tearing "
-                           "down the connection to release the buffer";
-    core_->Abandon(op_);
-    if (!op_->completion->WaitUntil(absl::Now() + core_->options().shutdown_timeout)) {
-      HETPAR_LOG(ERROR) << op_->completion->description()
-                        << ": still held by UCX after the connection was torn down";
-    }
-  }
-
-  bool Done() const override { return op_->completion->done(); }
-  absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
-  void Cancel() override { core_->Cancel(op_); }
-  size_t bytes() const override { return op_->completion->bytes(); }
-  absl::Time completed_at() const override { return op_->completion->completed_at(); }
-
- private:
-  std::shared_ptr<Core> core_;
-  std::shared_ptr<UcxOp> op_;
-};
-
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------
 // Set-up and tear-down
 
@@ -1513,7 +1479,9 @@ absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostSend(bool service, 
   auto op = core_->Post(internal::OpKind::kSend, service, peer, tag, buffer.data, nullptr,
                         buffer.size, buffer.kind, buffer.device);
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::UcxOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().shutdown_timeout));
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecv(bool service, PeerId peer,
@@ -1521,7 +1489,9 @@ absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecv(bool service, 
   auto op = core_->Post(internal::OpKind::kRecv, service, peer, tag, nullptr, buffer.data,
                         buffer.size, buffer.kind, buffer.device);
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::UcxOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().shutdown_timeout));
 }
 
 absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecvScatter(
@@ -1536,7 +1506,9 @@ absl::StatusOr<std::unique_ptr<Operation>> UcxTransport::PostRecvScatter(
   auto op = core_->Post(internal::OpKind::kRecv, service, peer, tag, nullptr, nullptr, total,
                         MemoryKind::kHost, -1, std::move(segments));
   if (!op.ok()) return op.status();
-  return std::unique_ptr<Operation>(new internal::UcxOperation(core_, std::move(op).value()));
+  return std::unique_ptr<Operation>(new CompletionOperation<internal::Core, internal::UcxOp>(
+      core_, std::move(op).value(), core_->options().abandon_timeout,
+      core_->options().shutdown_timeout));
 }
 
 absl::Status UcxTransport::Disconnect(PeerId peer, absl::Time deadline) {
