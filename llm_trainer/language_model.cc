@@ -560,29 +560,42 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
       all_v = gathered.select(1, 1);
       kv_starts = full_starts;
     }
-    // One at::scaled_dot_product_attention per packed sample, so that a sample attends only
-    // within itself. enable_gqa: query head h reads kv head h / group (the fused QKV weight's
-    // grouping) without copying K and V. On the CPU this is ATen's flash kernel: its softmax
-    // accumulates in float32 for bfloat16 and in the dtype for float32 and float64, and only the
-    // output and the log-sum-exp are kept for backward. On CUDA it is one flash or
-    // memory-efficient kernel launch per sample; a varlen kernel (cumulative sequence lengths)
-    // would batch the samples into one.
+    // at::scaled_dot_product_attention per packed sample, so that a sample attends only within
+    // itself; a run of consecutive samples of one length (and, with CP, one key length) is one
+    // call over a batch dimension, a view of the packed rows without a copy. enable_gqa: query
+    // head h reads kv head h / group (the fused QKV weight's grouping) without copying K and V.
+    // On the CPU this is ATen's flash kernel: its softmax accumulates in float32 for bfloat16 and
+    // in the dtype for float32 and float64, and only the output and the log-sum-exp are kept for
+    // backward. On CUDA it is one flash or memory-efficient kernel launch per run; a varlen
+    // kernel (cumulative sequence lengths) would batch samples of different lengths too.
     std::vector<at::Tensor> outputs;
     outputs.reserve(samples.size());
-    for (size_t s = 0; s < samples.size(); ++s) {
-      const int64_t start = starts[s];
-      const int64_t length = starts[s + 1] - start;
+    for (size_t s = 0; s < samples.size();) {
+      const int64_t length = starts[s + 1] - starts[s];
       const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
-      // [1, heads, L, d] queries; [1, kv, Lk, d] keys and values.
-      const at::Tensor qs = q.narrow(0, start, length).transpose(0, 1).unsqueeze(0);
-      const at::Tensor ks = all_k.narrow(0, kv_starts[s], kv_length).transpose(0, 1).unsqueeze(0);
-      const at::Tensor vs = all_v.narrow(0, kv_starts[s], kv_length).transpose(0, 1).unsqueeze(0);
+      // CP masks differ per sample: one sample per call there.
+      size_t end = s + 1;
+      while (cp == 1 && end < samples.size() && starts[end + 1] - starts[end] == length &&
+             kv_starts[end + 1] - kv_starts[end] == kv_length) {
+        ++end;
+      }
+      const int64_t n = static_cast<int64_t>(end - s);
+      // [n, heads, L, d] queries; [n, kv, Lk, d] keys and values.
+      const at::Tensor qs = q.narrow(0, starts[s], n * length)
+                                .view({n, length, local_heads, head_dim})
+                                .transpose(1, 2);
+      const at::Tensor ks = all_k.narrow(0, kv_starts[s], n * kv_length)
+                                .view({n, kv_length, local_kv, head_dim})
+                                .transpose(1, 2);
+      const at::Tensor vs = all_v.narrow(0, kv_starts[s], n * kv_length)
+                                .view({n, kv_length, local_kv, head_dim})
+                                .transpose(1, 2);
       const std::optional<at::Tensor> mask =
           cp > 1 ? std::optional<at::Tensor>(cp_masks[s]) : std::nullopt;
       const at::Tensor attended = at::scaled_dot_product_attention(
           qs, ks, vs, mask, /*dropout_p=*/0.0, /*is_causal=*/cp == 1, scale, /*enable_gqa=*/true);
-      outputs.push_back(
-          attended.squeeze(0).transpose(0, 1).reshape({length, local_heads * head_dim}));
+      outputs.push_back(attended.transpose(1, 2).reshape({n * length, local_heads * head_dim}));
+      s = end;
     }
     x = x + nn::RowParallelLinear(at::cat(outputs, 0), layer.proj, at::Tensor(), tp_);
 

@@ -230,6 +230,20 @@ TEST(LanguageModelTest, AttentionIsCausalAndStaysInsideItsSample) {
   EXPECT_NE(Loss(*lm, {early}, at::Tensor()), Loss(*lm, {early_changed}, at::Tensor()));
 }
 
+// Consecutive samples of one length run as one attention call over a batch dimension: the
+// microbatch's loss is still the sum of each sample's loss alone (float64, where reordering the
+// same operations moves the result by rounding only).
+TEST(LanguageModelTest, RunsOfEqualLengthSamplesAttendAsIfAlone) {
+  auto lm = Make();
+  const std::vector<LlmSample> batch = {
+      MakeSample("a", Tokens(10, 4)), MakeSample("b", Tokens(10, 5)),
+      MakeSample("c", Tokens(10, 6)), MakeSample("short", Tokens(7, 7)),
+      MakeSample("d", Tokens(10, 8))};
+  double alone = 0;
+  for (const LlmSample& sample : batch) alone += Loss(*lm, {sample}, at::Tensor());
+  EXPECT_NEAR(Loss(*lm, batch, at::Tensor()), alone, 1e-12 * std::abs(alone));
+}
+
 TEST(LanguageModelTest, MismatchesAreErrorsNamingTheSample) {
   auto lm = Make();
   std::vector<LlmSample> batch = MixedBatch();
