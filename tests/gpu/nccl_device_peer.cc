@@ -15,15 +15,14 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "tests/gpu/nccl_device_script.h"
+#include "tests/util/subprocess.h"
 
 namespace hetpar::transport {
 namespace {
@@ -31,21 +30,6 @@ namespace {
 int Fail(const std::string& what) {
   std::cout << "error: " << what << std::endl;
   return 3;
-}
-
-bool ReadFileWithin(const std::string& path, absl::Duration timeout, std::string* bytes) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      std::stringstream content;
-      content << in.rdbuf();
-      *bytes = content.str();
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
 }
 
 int Run(int argc, char** argv) {
@@ -71,15 +55,11 @@ int Run(int argc, char** argv) {
   options.cuda_device = device;
   auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), options);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
-  {
-    std::ofstream out(dir + "/peer.addr.tmp", std::ios::binary);
-    out << (*transport)->LocalAddress();
-  }
-  if (std::rename((dir + "/peer.addr.tmp").c_str(), (dir + "/peer.addr").c_str()) != 0) {
+  if (!testing::WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress())) {
     return Fail("cannot write " + dir + "/peer.addr");
   }
   std::string test_address;
-  if (!ReadFileWithin(dir + "/test.addr", absl::Seconds(60), &test_address)) {
+  if (!testing::WaitForFile(dir + "/test.addr", absl::Seconds(60), &test_address)) {
     return Fail("no " + dir + "/test.addr within 60 s");
   }
   auto peer = (*transport)->Connect(test_address, absl::Now() + absl::Seconds(60));

@@ -11,9 +11,7 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,21 +30,6 @@ using ::hetpar::testing::ChildProcess;
 using ::testing::HasSubstr;
 
 constexpr absl::Duration kWait = absl::Seconds(120);
-
-bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      std::stringstream content;
-      content << in.rdbuf();
-      *bytes = content.str();
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
-}
 
 // A device buffer freed on destruction.
 struct DeviceBuffer {
@@ -80,16 +63,12 @@ TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
   auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), options);
   ASSERT_TRUE(transport.ok()) << transport.status();
   ASSERT_TRUE((*transport)->CanMove(MemoryKind::kCuda));
-  {
-    std::ofstream out(dir + "/test.addr.tmp", std::ios::binary);
-    out << (*transport)->LocalAddress();
-  }
-  ASSERT_EQ(std::rename((dir + "/test.addr.tmp").c_str(), (dir + "/test.addr").c_str()), 0);
+  ASSERT_TRUE(testing::WriteFileAtomically(dir + "/test.addr", (*transport)->LocalAddress()));
   auto child = ChildProcess::Start({HETPAR_NCCL_DEVICE_PEER, "--dir", dir, "--device", "1"},
                                    dir + "/peer.log");
   ASSERT_TRUE(child.ok()) << child.status();
   std::string peer_address;
-  ASSERT_TRUE(WaitForFile(dir + "/peer.addr", absl::Seconds(60), &peer_address))
+  ASSERT_TRUE(testing::WaitForFile(dir + "/peer.addr", absl::Seconds(60), &peer_address))
       << testing::ReadTextFile(dir + "/peer.log");
   auto peer = (*transport)->Connect(peer_address, absl::Now() + kWait);
   ASSERT_TRUE(peer.ok()) << peer.status();

@@ -12,15 +12,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "tests/transport/fault_message.h"
+#include "tests/util/subprocess.h"
 
 namespace hetpar::transport {
 namespace {
@@ -28,31 +27,6 @@ namespace {
 int Fail(const std::string& what) {
   std::cout << "error: " << what << std::endl;
   return 3;
-}
-
-bool WriteFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    out << bytes;
-    if (!out) return false;
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
-}
-
-bool ReadFileWithin(const std::string& path, absl::Duration timeout, std::string* bytes) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    std::ifstream in(path, std::ios::binary);
-    if (in) {
-      std::stringstream content;
-      content << in.rdbuf();
-      *bytes = content.str();
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
 }
 
 int Run(int argc, char** argv) {
@@ -80,11 +54,11 @@ int Run(int argc, char** argv) {
   options.name = "fault-peer";
   auto transport = ucx::UcxTransport::Create(options);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
-  if (!WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress())) {
+  if (!testing::WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress())) {
     return Fail("cannot write " + dir + "/peer.addr");
   }
   std::string test_address;
-  if (!ReadFileWithin(dir + "/test.addr", absl::Seconds(30), &test_address)) {
+  if (!testing::WaitForFile(dir + "/test.addr", absl::Seconds(30), &test_address)) {
     return Fail("no " + dir + "/test.addr within 30 s");
   }
   auto peer = (*transport)->Connect(test_address, absl::Now() + absl::Seconds(30));

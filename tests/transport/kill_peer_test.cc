@@ -89,18 +89,6 @@ std::string ReadFile(const std::string& path) {
   return content.str();
 }
 
-bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (access(path.c_str(), R_OK) == 0) {
-      *bytes = ReadFile(path);
-      return true;
-    }
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return false;
-}
-
 bool WaitForLogLine(const std::string& path, const std::string& line, absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
@@ -139,18 +127,14 @@ class KillPeerTest : public ::testing::Test {
     transport_ = std::move(transport).value();
     idle_ = ResourceCount();
     idle_fds_ = OpenFds();
-    {
-      std::ofstream out(dir_ + "/test.addr.tmp", std::ios::binary);
-      out << transport_->LocalAddress();
-    }
-    ASSERT_EQ(std::rename((dir_ + "/test.addr.tmp").c_str(), (dir_ + "/test.addr").c_str()), 0);
+    ASSERT_TRUE(testing::WriteFileAtomically(dir_ + "/test.addr", transport_->LocalAddress()));
     auto child = ChildProcess::Start({HETPAR_TRANSPORT_FAULT_PEER, "--role", role, "--size",
                                       std::to_string(kMessageSize), "--dir", dir_},
                                      dir_ + "/peer.log");
     ASSERT_TRUE(child.ok()) << child.status();
     child_ = std::make_unique<ChildProcess>(std::move(child).value());
     std::string peer_address;
-    ASSERT_TRUE(WaitForFile(dir_ + "/peer.addr", absl::Seconds(30), &peer_address))
+    ASSERT_TRUE(testing::WaitForFile(dir_ + "/peer.addr", absl::Seconds(30), &peer_address))
         << "the peer process wrote no address; its log:\n"
         << ReadFile(dir_ + "/peer.log");
     auto peer = transport_->Connect(peer_address, absl::Now() + absl::Seconds(30));

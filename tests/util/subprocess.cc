@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace hetpar::testing {
 namespace {
@@ -162,6 +163,31 @@ std::string ReadTextFile(const std::string& path) {
   return s.str();
 }
 
+bool WriteFileAtomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << bytes;
+    if (!out) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    std::ifstream in(path, std::ios::binary);
+    if (in) {
+      std::stringstream content;
+      content << in.rdbuf();
+      *bytes = content.str();
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(5));  // polls for a file another process writes
+  }
+  return false;
+}
+
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   std::vector<pid_t> pids;
   std::error_code ec;
@@ -176,7 +202,8 @@ std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
       if (c == '\0') c = ' ';
     }
     bool all = true;
-    for (const std::string& needle : needles) all = all && cmdline.find(needle) != std::string::npos;
+    for (const std::string& needle : needles)
+      all = all && cmdline.find(needle) != std::string::npos;
     if (all) pids.push_back(pid);
   }
   return pids;
