@@ -83,6 +83,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "nlohmann/json.hpp"
 
@@ -139,16 +140,6 @@ double Gbps(double bytes, double seconds) { return bytes / seconds / 1e9; }
 // Worker output: "<size> <oneway_gbps> <bidir_gbps>" lines from rank 0.
 void Report(size_t size, double oneway, double bidir) {
   std::cout << "result " << size << " " << oneway << " " << bidir << std::endl;
-}
-
-bool WriteFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    out << bytes;
-    if (!out) return false;
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
 }
 
 absl::StatusOr<std::string> ReadFileWithin(const std::string& path, absl::Duration timeout) {
@@ -212,7 +203,7 @@ class HetparPair {
     pair->transport_ = std::move(transport).value();
     const std::string mine = absl::StrCat(config.dir, "/hetpar.", config.rank, ".addr");
     const std::string theirs = absl::StrCat(config.dir, "/hetpar.", 1 - config.rank, ".addr");
-    if (!WriteFileAtomically(mine, pair->transport_->LocalAddress())) {
+    if (!WriteFileAtomically(mine, pair->transport_->LocalAddress()).ok()) {
       return absl::InternalError(absl::StrCat("cannot write ", mine));
     }
     auto address = ReadFileWithin(theirs, absl::Seconds(60));

@@ -4,7 +4,7 @@
 # only, for the Gloo baseline and the CUDA buffers; the transport targets never link it.
 add_executable(transport_bw "${CMAKE_CURRENT_LIST_DIR}/transport_bw.cc")
 hetpar_target_defaults(transport_bw)
-target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx ${TORCH_LIBRARIES}
+target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx hetpar_common ${TORCH_LIBRARIES}
                                            nlohmann_json::nlohmann_json)
 # The raw baseline is the ucx_perftest of the UCX hetpar links, with that UCX's libraries.
 target_compile_definitions(transport_bw PRIVATE HETPAR_UCX_PERFTEST="${HETPAR_UCX_PERFTEST}"

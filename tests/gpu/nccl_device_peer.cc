@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "tests/gpu/nccl_device_script.h"
 #include "tests/util/subprocess.h"
@@ -55,7 +56,7 @@ int Run(int argc, char** argv) {
   options.cuda_device = device;
   auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), options);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
-  if (!testing::WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress())) {
+  if (!WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress()).ok()) {
     return Fail("cannot write " + dir + "/peer.addr");
   }
   std::string test_address;

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -63,7 +64,7 @@ TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
   auto transport = nccl::NcclTransport::Wrap(std::move(ucx).value(), options);
   ASSERT_TRUE(transport.ok()) << transport.status();
   ASSERT_TRUE((*transport)->CanMove(MemoryKind::kCuda));
-  ASSERT_TRUE(testing::WriteFileAtomically(dir + "/test.addr", (*transport)->LocalAddress()));
+  ASSERT_TRUE(WriteFileAtomically(dir + "/test.addr", (*transport)->LocalAddress()).ok());
   auto child = ChildProcess::Start({HETPAR_NCCL_DEVICE_PEER, "--dir", dir, "--device", "1"},
                                    dir + "/peer.log");
   ASSERT_TRUE(child.ok()) << child.status();

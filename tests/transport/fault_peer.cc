@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "tests/transport/fault_message.h"
 #include "tests/util/subprocess.h"
@@ -54,7 +55,7 @@ int Run(int argc, char** argv) {
   options.name = "fault-peer";
   auto transport = ucx::UcxTransport::Create(options);
   if (!transport.ok()) return Fail(std::string(transport.status().message()));
-  if (!testing::WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress())) {
+  if (!WriteFileAtomically(dir + "/peer.addr", (*transport)->LocalAddress()).ok()) {
     return Fail("cannot write " + dir + "/peer.addr");
   }
   std::string test_address;

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/atomic_file.h"
 #include "common/transport/inproc/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "gmock/gmock.h"
@@ -127,7 +128,7 @@ class KillPeerTest : public ::testing::Test {
     transport_ = std::move(transport).value();
     idle_ = ResourceCount();
     idle_fds_ = OpenFds();
-    ASSERT_TRUE(testing::WriteFileAtomically(dir_ + "/test.addr", transport_->LocalAddress()));
+    ASSERT_TRUE(WriteFileAtomically(dir_ + "/test.addr", transport_->LocalAddress()).ok());
     auto child = ChildProcess::Start({HETPAR_TRANSPORT_FAULT_PEER, "--role", role, "--size",
                                       std::to_string(kMessageSize), "--dir", dir_},
                                      dir_ + "/peer.log");

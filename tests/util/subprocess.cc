@@ -163,16 +163,6 @@ std::string ReadTextFile(const std::string& path) {
   return s.str();
 }
 
-bool WriteFileAtomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    out << bytes;
-    if (!out) return false;
-  }
-  return std::rename(tmp.c_str(), path.c_str()) == 0;
-}
-
 bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {

@@ -50,11 +50,10 @@ class ChildProcess {
 // The whole text of `path` ("" when it cannot be read).
 std::string ReadTextFile(const std::string& path);
 
-// How a test and the peer process it starts swap addresses: each writes its own file atomically
-// (`path`.tmp, then a rename, so a reader never sees half of it) and waits for the other's.
-// WriteFileAtomically is false when either step fails; WaitForFile reads `path` into `bytes`
-// once it exists, false if it did not appear within `timeout`.
-bool WriteFileAtomically(const std::string& path, const std::string& bytes);
+// How a test and the peer process it starts swap addresses: each writes its own file with
+// hetpar::WriteFileAtomically (common/atomic_file.h: a reader never sees half of it) and waits
+// for the other's. WaitForFile reads `path` into `bytes` once it exists, false if it did not
+// appear within `timeout`.
 bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes);
 
 // Pids of the processes whose command line (arguments joined by spaces) contains every one of

@@ -10,6 +10,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
@@ -61,6 +62,11 @@ std::string Describe(bool is_send, std::string_view peer_name, Tag tag, size_t s
 
 absl::Status Prefixed(const absl::Status& why, const std::string& what) {
   return absl::Status(why.code(), absl::StrCat(what, ": ", std::string(why.message())));
+}
+
+// kUnavailable naming the peer: "peer 'b' is unavailable: <detail>".
+absl::Status PeerUnavailable(const std::string& peer_name, absl::string_view detail) {
+  return absl::UnavailableError(absl::StrCat("peer '", peer_name, "' is unavailable: ", detail));
 }
 
 }  // namespace
@@ -195,6 +201,8 @@ class Core {
   // Ends the protocol with `s` for `why` (kUnavailable: the peer is unusable; kCancelled: local
   // disconnect or shutdown): aborts its channels and fails every operation with it.
   void ClosePeer(PeerState* s, const absl::Status& why, bool tell_peer);
+  // The mover refused to post `op`'s transfer: `op` fails kUnavailable and the peer closes.
+  void FailPost(PeerState* s, ProtoOp& op, absl::string_view what, const absl::Status& refused);
   void SetPublicDead(PeerId peer, const absl::Status& status);
 
   const Options options_;
@@ -355,9 +363,9 @@ void Core::Abandon(const std::shared_ptr<ProtoOp>& op) {
   Enqueue([this, op] {
     PeerState* s = FindState(op->peer);
     if (s == nullptr || op->completion->done()) return;
-    const absl::Status why = absl::UnavailableError(
-        absl::StrCat("peer '", s->name, "' is unavailable: the connection was torn down because ",
-                     op->completion->description(), " was destroyed before it finished"));
+    const absl::Status why = PeerUnavailable(
+        s->name, absl::StrCat("the connection was torn down because ",
+                              op->completion->description(), " was destroyed before it finished"));
     ClosePeer(s, why, /*tell_peer=*/true);
     // Ends the UCX operations that still hold buffers (bounded by the deadline).
     absl::Status disconnected = ucx_->Disconnect(op->peer, absl::Now() + options_.abandon_timeout);
@@ -482,10 +490,8 @@ void Core::PostControlRecv(PeerState* s) {
                               MutableBuffer::Host(&s->control_in, sizeof(s->control_in)));
   if (!op.ok()) {
     ClosePeer(s,
-              absl::UnavailableError(absl::StrCat("peer '", s->name,
-                                                  "' is unavailable: cannot receive on the "
-                                                  "control channel: ",
-                                                  std::string(op.status().message()))),
+              PeerUnavailable(s->name, absl::StrCat("cannot receive on the control channel: ",
+                                                    std::string(op.status().message()))),
               /*tell_peer=*/false);
     return;
   }
@@ -695,10 +701,7 @@ bool Core::AdvanceChannels(PeerState* s) {
   if (s->channels == PeerState::Channels::kReady && s->moving.empty()) return false;
   auto ready = mover_->PollPeer(s->id);
   if (!ready.ok()) {
-    ClosePeer(s,
-              absl::UnavailableError(absl::StrCat(
-                  "peer '", s->name, "' is unavailable: ", std::string(ready.status().message()))),
-              /*tell_peer=*/true);
+    ClosePeer(s, PeerUnavailable(s->name, ready.status().message()), /*tell_peer=*/true);
     return true;
   }
   if (s->channels == PeerState::Channels::kReady) return false;
@@ -815,11 +818,7 @@ void Core::Match(PeerState* s, const std::shared_ptr<ProtoOp>& recv,
   }
   auto transfer = mover_->PostRecv(s->id, recv->segments, announcement.size, recv->device);
   if (!transfer.ok()) {
-    const absl::Status why = absl::UnavailableError(absl::StrCat(
-        "peer '", s->name,
-        "' is unavailable: posting a receive failed: ", std::string(transfer.status().message())));
-    recv->completion->Complete(Prefixed(why, recv->completion->description()));
-    ClosePeer(s, why, /*tell_peer=*/true);
+    FailPost(s, *recv, "posting a receive", transfer.status());
     return;
   }
   recv->transfer = std::move(transfer).value();
@@ -833,11 +832,7 @@ void Core::DrainCleared(PeerState* s) {
     s->cleared.pop_front();
     auto transfer = mover_->PostSend(s->id, op->src, op->size, op->device);
     if (!transfer.ok()) {
-      const absl::Status why = absl::UnavailableError(absl::StrCat(
-          "peer '", s->name,
-          "' is unavailable: posting a send failed: ", std::string(transfer.status().message())));
-      op->completion->Complete(Prefixed(why, op->completion->description()));
-      ClosePeer(s, why, /*tell_peer=*/true);
+      FailPost(s, *op, "posting a send", transfer.status());
       return;
     }
     op->transfer = std::move(transfer).value();
@@ -861,8 +856,7 @@ bool Core::PollMoving(PeerState* s) {
     } else if (result->ok()) {
       op.completion->Complete(absl::OkStatus(), op.is_send ? op.size : op.message_size);
     } else {
-      const absl::Status why = absl::UnavailableError(
-          absl::StrCat("peer '", s->name, "' is unavailable: ", std::string(result->message())));
+      const absl::Status why = PeerUnavailable(s->name, result->message());
       op.completion->Complete(Prefixed(why, op.completion->description()));
       if (failure.ok()) failure = why;
     }
@@ -870,6 +864,14 @@ bool Core::PollMoving(PeerState* s) {
   }
   if (!failure.ok()) ClosePeer(s, failure, /*tell_peer=*/true);
   return active;
+}
+
+void Core::FailPost(PeerState* s, ProtoOp& op, absl::string_view what,
+                    const absl::Status& refused) {
+  const absl::Status why =
+      PeerUnavailable(s->name, absl::StrCat(what, " failed: ", refused.message()));
+  op.completion->Complete(Prefixed(why, op.completion->description()));
+  ClosePeer(s, why, /*tell_peer=*/true);
 }
 
 void Core::ClosePeer(PeerState* s, const absl::Status& why, bool tell_peer) {
