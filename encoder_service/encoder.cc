@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/nn/device_copy.h"
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -215,7 +216,8 @@ at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
   const bool grad_enabled = at::GradMode::is_enabled();
   const at::AutoGradMode tower_mode(grad_enabled && !options_.frozen);
   // [n, C, gy, py, gx, px] -> [n, gy, gx, C, py, px]: one row per patch, features in conv order.
-  at::Tensor patches = images.to(options_.device, dtype)
+  at::Tensor patches = nn::ToDevice(images, options_.device)
+                           .to(dtype)
                            .reshape({n, channels, grid, patch, grid, patch})
                            .permute({0, 2, 4, 1, 3, 5})
                            .reshape({rows, channels * patch * patch});

@@ -43,6 +43,8 @@ absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
                               train::GradBucketBytes(context_->spec())});
   }
   HETPAR_ASSIGN_OR_RETURN(EncoderStepStats stats, runtime_->RunStepAround(plan, between));
+  // The step's one wait for the device: its gradient norm share comes to the host.
+  HETPAR_RETURN_IF_ERROR(state_.EndStep(at::Tensor()).status());
   worker::ModuleTimings timings;
   timings.module = "encoder";
   timings.values = {{"compute_s", stats.compute_s},
@@ -62,6 +64,10 @@ absl::StatusOr<worker::StepOutcome> EncoderModule::RunStep(const plan::RankStepP
   if (!part.ok()) {
     context_->boundary().Abandon(plan);
     return part.status();
+  }
+  if (absl::Status checked = context_->boundary().CheckDeviceHeaders(); !checked.ok()) {
+    context_->boundary().Abandon(plan);
+    return checked;
   }
   worker::ModuleTimings timings = *std::move(part);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &timings);

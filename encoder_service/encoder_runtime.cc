@@ -10,6 +10,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/nn/device_copy.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
 #include "common/train/batch.h"
@@ -68,14 +69,15 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     const int64_t wave = job.job->wave;
     auto t0 = Clock::now();
     if (takes_gradients) {
-      // The gradient lands in host memory, or on the device when the boundary moves device
-      // memory; the TP sum and backward run on the model's device.
-      at::Tensor grad =
-          at::zeros(job.output.sizes(), job.output.options().device(boundary_->device_direct()
-                                                                        ? job.output.device()
-                                                                        : c10::Device(c10::kCPU)));
+      // The gradient lands in host memory (pinned for a model on a GPU), or on the device when
+      // the boundary moves device memory; the TP sum and backward run on the model's device.
+      const bool on_host = !boundary_->device_direct();
+      at::Tensor grad = at::zeros(
+          job.output.sizes(), job.output.options()
+                                  .device(on_host ? c10::Device(c10::kCPU) : job.output.device())
+                                  .pinned_memory(on_host && job.output.is_cuda()));
       HETPAR_RETURN_IF_ERROR(boundary_->ReceiveBackward(plan, wave, grad));
-      grad = grad.to(job.output.device());
+      grad = nn::ToDevice(grad, job.output.device());
       stats.bridge_wait_s += Since(t0);
       trace::Record(trace::kEncoderLane, "wait for gradients", "bridge_wait", t0, {{"wave", wave}});
       t0 = Clock::now();

@@ -25,6 +25,7 @@ absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankSt
         return absl::OkStatus();
       });
   absl::Status sent = encoder_part.ok() ? llm_->WaitForSends() : encoder_part.status();
+  if (sent.ok()) sent = context_->boundary().CheckDeviceHeaders();
   if (!sent.ok()) {
     context_->boundary().Abandon(plan);
     return sent;

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/nn/device_copy.h"
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
 #include "common/plan/layout.h"
@@ -427,7 +428,6 @@ int64_t LanguageModel::StageRows(const std::vector<LlmSample>& samples) const {
 
 LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, const at::Tensor& h,
                                        int64_t n_global) {
-  const auto i64 = at::TensorOptions().dtype(at::kLong).device(options_.device);
   const int64_t vocab_begin = model_.vocab() / tp_.size() * tp_.rank();
   std::vector<int64_t> loss_rows, loss_labels;
   const LocalLayout layout = LayOut(samples, model_.seq_len(), cp_size(), cp_rank());
@@ -440,10 +440,10 @@ LlmForwardResult LanguageModel::LossOf(const std::vector<LlmSample>& samples, co
       }
     }
   }
-  at::Tensor selected = h.index_select(0, at::tensor(loss_rows, i64));
+  at::Tensor selected = h.index_select(0, nn::IndexTensor(loss_rows, options_.device));
   at::Tensor logits = nn::ColumnParallelLinear(selected, output_, at::Tensor());
-  at::Tensor token_loss =
-      nn::VocabParallelCrossEntropy(logits, at::tensor(loss_labels, i64), vocab_begin, tp_.group);
+  at::Tensor token_loss = nn::VocabParallelCrossEntropy(
+      logits, nn::IndexTensor(loss_labels, options_.device), vocab_begin, tp_.group);
   LlmForwardResult result;
   result.loss = token_loss.sum().div(static_cast<double>(n_global));
   result.loss_tokens = static_cast<int64_t>(loss_rows.size());
@@ -508,16 +508,18 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
   at::Tensor x = input;
   if (first_stage()) {
     x = nn::LeaveTensorParallel(
-        nn::VocabParallelEmbedding(at::tensor(ids, i64), embed_, vocab_begin), tp_);
+        nn::VocabParallelEmbedding(nn::IndexTensor(ids, options_.device), embed_, vocab_begin),
+        tp_);
     const SpliceMap splice =
         MapSplice(samples, layout, tp_.rank(), tp_.size(), tp_.sequence_parallel);
     if (!splice.targets.empty()) {
-      x = x.index_copy(0, at::tensor(splice.targets, i64),
-                       image_rows.index_select(0, at::tensor(splice.sources, i64)));
+      x = x.index_copy(
+          0, nn::IndexTensor(splice.targets, options_.device),
+          image_rows.index_select(0, nn::IndexTensor(splice.sources, options_.device)));
     }
   }
 
-  const at::Tensor position_ids = at::tensor(positions, i64);
+  const at::Tensor position_ids = nn::IndexTensor(positions, options_.device);
   const at::Tensor cos = rope_cos_.index_select(0, position_ids).unsqueeze(1);
   const at::Tensor sin = rope_sin_.index_select(0, position_ids).unsqueeze(1);
   // Without CP a sample's queries and keys are its positions in order, and attention is causal
@@ -534,7 +536,7 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
       cp_masks.push_back(key.unsqueeze(0).le(query.unsqueeze(1)));
     }
   }
-  const at::Tensor full_rows = at::tensor(full_index, i64);
+  const at::Tensor full_rows = nn::IndexTensor(full_index, options_.device);
 
   for (const Layer& layer : layers_) {
     at::Tensor h =

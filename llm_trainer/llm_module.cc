@@ -74,10 +74,12 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
                      pipeline_);
   }
   HETPAR_ASSIGN_OR_RETURN(LlmStepStats stats, runtime_->RunStep(plan));
+  // The step's one wait for the device: its loss and gradient norm share come to the host.
+  HETPAR_ASSIGN_OR_RETURN(const double loss, state_.EndStep(stats.loss));
   worker::StepOutcome outcome;
   // TP ranks of a replica compute the same loss: one of them reports it (on the last stage).
   outcome.reports_loss = state_.coords().tp() == 0 && model_->last_stage();
-  outcome.loss_sum = stats.loss_sum;
+  outcome.loss_sum = loss * static_cast<double>(plan.n_global);
   outcome.loss_tokens = stats.loss_tokens;
   worker::ModuleTimings& timings = outcome.modules.emplace_back();
   timings.module = "llm";
@@ -106,6 +108,10 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunStep(const plan::RankStepPlan&
   if (!part.ok()) {
     context_->boundary().Abandon(plan);
     return part.status();
+  }
+  if (absl::Status checked = context_->boundary().CheckDeviceHeaders(); !checked.ok()) {
+    context_->boundary().Abandon(plan);
+    return checked;
   }
   worker::StepOutcome outcome = *std::move(part);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);

@@ -8,6 +8,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/nn/device_copy.h"
 #include "common/plan/sequence_sharding.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
@@ -164,7 +165,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     stats.pipeline_wait_s += Since(t0);
     trace::Record(trace::kLlmLane, forward ? "wait for activations" : "wait for stage gradients",
                   "pipeline_wait", t0, {{"microbatch", static_cast<int64_t>(m)}});
-    return rows.to(device);
+    return nn::ToDevice(rows, device);
   };
 
   // What a microbatch keeps from its forward to its backward.
@@ -197,7 +198,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
                                                 "holds ",
                                                 owned.size()));
       }
-      f.owned_index = at::tensor(owned, at::kLong).to(device);
+      f.owned_index = nn::IndexTensor(owned, device);
       if (mb.image_rows > 0) {
         at::Tensor& buffer = buffers[m];
         auto t0 = Clock::now();
@@ -207,7 +208,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
         // Every TP rank needs all rows of its CP rank: place ours, zeros elsewhere (and in rows
         // other CP ranks hold), and sum over the TP group.
         at::Tensor full = at::zeros({mb.image_rows, hidden}, row_options);
-        if (buffer_rows > 0) full.index_copy_(0, f.owned_index, buffer.to(device));
+        if (buffer_rows > 0) full.index_copy_(0, f.owned_index, nn::ToDevice(buffer, device));
         buffer = at::Tensor();
         t0 = Clock::now();
         HETPAR_RETURN_IF_ERROR(tp_->AllReduce(full));
@@ -228,7 +229,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
                   {{"wave", wave}, {"samples", static_cast<int64_t>(samples.size())}});
     if (last) {
       f.loss = result.loss;
-      // Summed in float64 on the loss's device; read once after the waves (one host sync).
+      // Summed in float64 on the loss's device; read with the step's gradient norm.
       const at::Tensor wave_loss = result.loss.detach().to(at::kDouble);
       loss_total = loss_total.defined() ? loss_total + wave_loss : wave_loss;
       stats.loss_tokens += result.loss_tokens;
@@ -292,7 +293,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     HETPAR_RETURN_IF_ERROR(backward(backwards));
   }
   for (; backwards < waves; ++backwards) HETPAR_RETURN_IF_ERROR(backward(backwards));
-  if (loss_total.defined()) stats.loss = loss_total.item<double>();
+  stats.loss = loss_total;
 
   auto t0 = Clock::now();
   if (options_.defer_send_wait) {
@@ -318,7 +319,6 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
   stats.collective_s += Since(t0);
   trace::Record(trace::kLlmLane, "gradient all-reduce", "collective", t0);
-  stats.loss_sum = stats.loss * static_cast<double>(plan.n_global);
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
   stats.bytes_received = boundary_->bytes_received() - bytes_received0;
   return stats;

@@ -42,8 +42,10 @@
 namespace hetpar::llm {
 
 struct LlmStepStats {
-  double loss = 0;          // sum over this replica's microbatches of sum(token losses)/N_global
-  double loss_sum = 0;      // the same times N_global: the replica's summed token losses
+  // The sum over this replica's microbatches of sum(token losses)/N_global, a float64 scalar on
+  // the model's device (undefined off the last pipeline stage): RunStep does not wait for the
+  // device to compute it; the module reads it with the step's gradient norm (one host sync).
+  at::Tensor loss;
   int64_t loss_tokens = 0;  // loss tokens of this replica's microbatches
   int64_t tokens = 0;       // sequence positions of this replica's microbatches
   int64_t images = 0;

@@ -66,6 +66,19 @@ at::Tensor ForBackend(const at::Tensor& tensor, Backend backend) {
 }  // namespace
 
 void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+  if (backend_ == Backend::kNccl) {
+    // NCCL: the caller's stream waits for the collective (Work::wait without a timeout) and the
+    // host goes on queueing work. With a timeout, ProcessGroupNCCL's wait would hold the host
+    // until the device had caught up, once per collective. A collective that never completes
+    // is caught by ProcessGroupNCCL's watchdog after this group's timeout (its Options), and
+    // the step's host read waits for the device meanwhile.
+    if (interrupt_ != nullptr && interrupt_->raised()) {
+      abandoned_.store(true);
+      TORCH_CHECK(false, what, " interrupted: the coordinator aborted the step");
+    }
+    work->wait();
+    return;
+  }
   if (interrupt_ == nullptr) {
     if (!work->wait(timeout_)) {
       abandoned_.store(true);

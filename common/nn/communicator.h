@@ -109,8 +109,8 @@ class CommGroup : public torch::CustomClassHolder {
   // returns at once; `tensor` must not be touched until WaitFor(work) returns. Null work (the
   // identity) for a group of one. Started collectives run in the order they were started.
   c10::intrusive_ptr<c10d::Work> StartAllReduce(at::Tensor& tensor) const;
-  // Waits for a started collective like the blocking ones wait (deadline, interrupt); a null
-  // work returns at once.
+  // Waits for a started collective like the blocking ones wait (deadline, interrupt; on NCCL
+  // the stream waits, not the host); a null work returns at once.
   void WaitFor(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
   // Gives up the collectives started and not waited for (a step that failed half-way): the
   // backend may still run them, so the group is abandoned (see Adopt).
@@ -132,7 +132,10 @@ class CommGroup : public torch::CustomClassHolder {
   void Adopt(CommGroup& fresh);
 
  private:
-  // Waits for `work` within timeout_, in slices when an interrupt is set.
+  // Gloo: waits for `work` within timeout_, in slices when an interrupt is set. NCCL: makes the
+  // current CUDA stream wait for it and returns without waiting on the host (the result is
+  // there for work queued after it on that stream); a collective that hangs is
+  // ProcessGroupNCCL's watchdog's, after timeout_.
   void Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
   void Release();
 

@@ -1,7 +1,6 @@
 #include "common/train/boundary.h"
 
 #include <ATen/ATen.h>
-#include <torch/cuda.h>
 
 #include <algorithm>
 #include <cstring>
@@ -110,6 +109,9 @@ void BoundaryCommunicator::UseDevice(const c10::Device& device, bool tensor_mess
   device_ = device;
   device_direct_ = device.is_cuda() ? transport_->CanMove(transport::MemoryKind::kCuda)
                                     : tensor_messages && device.is_cpu();
+  ordered_sender_ = device_direct_ && device.is_cuda()
+                        ? std::make_unique<StreamOrderedSender>(transport_)
+                        : nullptr;
 }
 
 transport::MemoryKind BoundaryCommunicator::MessageMemory() const {
@@ -193,10 +195,19 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     std::unique_ptr<std::string> message;
     at::Tensor device_message;
     transport::ConstBuffer buffer;
+    std::unique_ptr<transport::Operation> op;
+    const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
     if (on_device) {
       HETPAR_ASSIGN_OR_RETURN(device_message, PackOnDevice(std::move(framing), transfer, rows));
       buffer = {device_message.data_ptr(), static_cast<size_t>(device_message.numel()),
                 MessageMemory(), MessageDevice()};
+      if (ordered_sender_ != nullptr) {
+        // The transport reads the message outside the stream's order: the send is posted once
+        // the device has packed it, by the sender's thread; this one goes on queueing work.
+        const nn::StreamMark packed = nn::StreamMark::After(device_);
+        op = ordered_sender_->Post(peer, tag, buffer, device_message,
+                                   [packed] { return packed.Reached(); });
+      }
     } else {
       message = std::make_unique<std::string>(std::move(framing));
       message->reserve(message->size() + transfer.rows * row_bytes);
@@ -207,9 +218,9 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
       StampPostTime(message->data());
       buffer = transport::ConstBuffer::Host(message->data(), message->size());
     }
-    HETPAR_ASSIGN_OR_RETURN(
-        auto op,
-        transport_->Send(peer, BoundaryTag(plan.step, plan.attempt, direction, wave), buffer));
+    if (op == nullptr) {
+      HETPAR_ASSIGN_OR_RETURN(op, transport_->Send(peer, tag, buffer));
+    }
     bytes_sent_ += transfer.rows * row_bytes;
     if (trace::Recorder::Process().on()) {
       const double now_us = trace::NowMicros();
@@ -249,9 +260,9 @@ absl::StatusOr<at::Tensor> BoundaryCommunicator::PackOnDevice(std::string framin
     }
     StampPostTime(framing.data());
     message.narrow(0, 0, head_bytes)
-        .copy_(at::from_blob(framing.data(), {head_bytes}, at::TensorOptions().dtype(at::kByte)));
-    // The transport reads the message on its own streams: the copies above must be done.
-    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+        .copy_(nn::ToDevice(
+            at::from_blob(framing.data(), {head_bytes}, at::TensorOptions().dtype(at::kByte)),
+            device_));
   }));
   return message;
 }
@@ -375,6 +386,7 @@ void BoundaryCommunicator::BeginStep() {
   }
   posted_.clear();
   local_.clear();
+  device_headers_.clear();
   for (auto& intervals : intervals_) intervals.clear();
 }
 
@@ -478,53 +490,39 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
                                               " has ", bytes, " bytes; the plan says ",
                                               expected_size));
     }
-    // A message on the device: its framing and header (as long as the plan's) come to the host.
-    std::string device_head;
     if (receive.device_message.defined()) {
+      // A message on the device: its framing and header (as long as the plan's) start for the
+      // host behind the work queued so far and are checked after the step's host sync
+      // (CheckDeviceHeaders); the rows are placed at the plan's offsets meanwhile.
       const int64_t head_bytes =
           static_cast<int64_t>(kPrefixBytes) +
           plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()));
-      HETPAR_RETURN_IF_ERROR(nn::RunTorch("reading a boundary header from the device", [&] {
-        const at::Tensor head = receive.device_message.narrow(0, 0, head_bytes).to(at::kCPU);
-        device_head.assign(static_cast<const char*>(head.data_ptr()),
-                           static_cast<size_t>(head_bytes));
+      DeviceHeader& header = device_headers_.emplace_back();
+      HETPAR_RETURN_IF_ERROR(nn::RunTorch("copying a boundary header from the device", [&] {
+        header.head = nn::HostBytesFor(head_bytes, device_);
+        header.head.copy_(receive.device_message.narrow(0, 0, head_bytes), /*non_blocking=*/true);
       }));
-    }
-    const std::string_view message =
-        receive.device_message.defined()
-            ? std::string_view(device_head)
-            : std::string_view(receive.buffer.data(), receive.buffer.size());
-    const uint64_t header_size = GetU64(message.data());
-    if (header_size > message.size() - kPrefixBytes) {
-      return absl::DataLossError(absl::StrCat("boundary message from rank ", transfer.src_rank,
-                                              ": header length ", header_size, " exceeds the ",
-                                              message.size(), "-byte message"));
-    }
-    HETPAR_ASSIGN_OR_RETURN(plan::MessageHeader header,
-                            plan::DecodeHeader(message.substr(kPrefixBytes, header_size)));
-    HETPAR_RETURN_IF_ERROR(
-        plan::ValidateHeader(header, plan::HeaderFor(plan, direction, transfer)));
-    const absl::Time sent =
-        absl::FromUnixNanos(static_cast<int64_t>(GetU64(message.data() + kLengthBytes)));
-    const absl::Time end = receive.op->completed_at();
-    intervals_[static_cast<int>(direction)].push_back(
-        {std::min(std::max(sent, receive.posted), end), end, static_cast<int64_t>(bytes)});
-    if (trace::Recorder::Process().on()) {
-      trace::Recorder::Process().CompleteAt(
-          trace::kBridgeLane,
-          direction == plan::Direction::kForward ? "receive image rows" : "receive gradients",
-          "bridge",
-          absl::ToDoubleMicroseconds(intervals_[static_cast<int>(direction)].back().start -
-                                     absl::UnixEpoch()),
-          absl::ToDoubleMicroseconds(end - absl::UnixEpoch()),
-          {{"peer", transfer.src_rank}, {"bytes", static_cast<int64_t>(bytes)}, {"wave", wave}});
-    }
-    bytes_received_ += transfer.rows * row_bytes;
-    if (receive.device_message.defined()) {
-      HETPAR_RETURN_IF_ERROR(PlaceFromDevice(receive.device_message, kPrefixBytes + header_size,
-                                             transfer, wave, row_bytes, rows, add));
+      header.copied = nn::StreamMark::After(device_);
+      header.expected = plan::HeaderFor(plan, direction, transfer);
+      header.direction = direction;
+      header.src_rank = transfer.src_rank;
+      header.step = plan.step;
+      header.wave = wave;
+      header.posted = receive.posted;
+      header.end = receive.op->completed_at();
+      header.bytes = static_cast<int64_t>(bytes);
+      bytes_received_ += transfer.rows * row_bytes;
+      HETPAR_RETURN_IF_ERROR(PlaceFromDevice(receive.device_message,
+                                             static_cast<size_t>(head_bytes), transfer, wave,
+                                             row_bytes, rows, add));
       continue;
     }
+    const std::string_view message(receive.buffer.data(), receive.buffer.size());
+    HETPAR_ASSIGN_OR_RETURN(const uint64_t header_size,
+                            CheckHeader(message, plan::HeaderFor(plan, direction, transfer),
+                                        direction, transfer.src_rank, receive.posted,
+                                        receive.op->completed_at(), static_cast<int64_t>(bytes)));
+    bytes_received_ += transfer.rows * row_bytes;
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;
     for (const plan::BlockPiece& piece : transfer.pieces) {
@@ -534,6 +532,69 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
           at::from_blob(const_cast<char*>(payload), {piece.rows, rows.size(1)}, rows.options());
       rows.narrow(0, piece.dst_offset, piece.rows).add_(incoming);
       payload += piece.rows * row_bytes;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> BoundaryCommunicator::CheckHeader(std::string_view message,
+                                                           const plan::MessageHeader& expected,
+                                                           plan::Direction direction,
+                                                           int64_t src_rank, absl::Time posted,
+                                                           absl::Time end, int64_t bytes) {
+  if (message.size() < kPrefixBytes) {
+    return absl::DataLossError(absl::StrCat("boundary message from rank ", src_rank, " has ",
+                                            message.size(), " bytes, less than its framing"));
+  }
+  const uint64_t header_size = GetU64(message.data());
+  if (header_size > message.size() - kPrefixBytes) {
+    return absl::DataLossError(absl::StrCat("boundary message from rank ", src_rank,
+                                            ": header length ", header_size, " exceeds the ",
+                                            message.size(), "-byte message"));
+  }
+  HETPAR_ASSIGN_OR_RETURN(plan::MessageHeader header,
+                          plan::DecodeHeader(message.substr(kPrefixBytes, header_size)));
+  HETPAR_RETURN_IF_ERROR(plan::ValidateHeader(header, expected));
+  const absl::Time sent =
+      absl::FromUnixNanos(static_cast<int64_t>(GetU64(message.data() + kLengthBytes)));
+  intervals_[static_cast<int>(direction)].push_back(
+      {std::min(std::max(sent, posted), end), end, bytes});
+  if (trace::Recorder::Process().on()) {
+    trace::Recorder::Process().CompleteAt(
+        trace::kBridgeLane,
+        direction == plan::Direction::kForward ? "receive image rows" : "receive gradients",
+        "bridge",
+        absl::ToDoubleMicroseconds(intervals_[static_cast<int>(direction)].back().start -
+                                   absl::UnixEpoch()),
+        absl::ToDoubleMicroseconds(end - absl::UnixEpoch()),
+        {{"peer", src_rank}, {"bytes", bytes}, {"wave", expected.wave}});
+  }
+  return header_size;
+}
+
+absl::Status BoundaryCommunicator::CheckDeviceHeaders() {
+  std::vector<DeviceHeader> headers = std::move(device_headers_);
+  device_headers_.clear();
+  for (const DeviceHeader& h : headers) {
+    // After the step's host sync the copy is done; otherwise this waits for it.
+    HETPAR_RETURN_IF_ERROR(
+        nn::RunTorch("waiting for a boundary header from the device", [&] { h.copied.Wait(); }));
+    const std::string_view message(static_cast<const char*>(h.head.data_ptr()),
+                                   static_cast<size_t>(h.head.numel()));
+    const absl::StatusOr<uint64_t> header_size =
+        CheckHeader(message, h.expected, h.direction, h.src_rank, h.posted, h.end, h.bytes);
+    if (!header_size.ok()) {
+      return Annotate(
+          header_size.status(),
+          absl::StrCat("the ", std::string(plan::DirectionName(h.direction)), " rows of step ",
+                       h.step, " wave ", h.wave, " from rank ", h.src_rank));
+    }
+    // The rows were placed after a header of the plan's size.
+    if (*header_size != message.size() - kPrefixBytes) {
+      return absl::DataLossError(
+          absl::StrCat("boundary message from rank ", h.src_rank, ": header length ", *header_size,
+                       ", but the plan's header for step ", h.step, " wave ", h.wave, " has ",
+                       message.size() - kPrefixBytes, " bytes"));
     }
   }
   return absl::OkStatus();

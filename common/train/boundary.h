@@ -48,14 +48,18 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/nn/device_copy.h"
 #include "common/plan/message_header.h"
 #include "common/plan/step_plan.h"
 #include "common/step_interrupt.h"
+#include "common/train/stream_ordered_sender.h"
 #include "common/transport/transport.h"
 
 namespace hetpar::train {
@@ -111,7 +115,10 @@ class BoundaryCommunicator {
   // transport moves (Transport::CanMove: UCX built with CUDA, on a machine with the driver),
   // the communicator turns device_direct(): each message is packed and received in device memory
   // (the same bytes as below), sends read the caller's device rows and receives take device
-  // tensors, with no copy through the host but the header's. Otherwise messages are host
+  // tensors, with no copy through the host but the header's. Neither side waits for the device
+  // per message: a send is posted by a thread of its own once the device has packed it
+  // (StreamOrderedSender), and a received header is checked after the step's host sync
+  // (CheckDeviceHeaders). Otherwise messages are host
   // buffers: rows on a GPU are copied to the host once per wave (both Send* calls), and receives
   // take host tensors, which the caller moves to its device. Call before the first step.
   // `tensor_messages` packs and receives messages as tensors on `device` even where it is the CPU
@@ -161,6 +168,16 @@ class BoundaryCommunicator {
   // lost one). Receives still posted on the old peer stay as they are until withdrawn.
   void SetPeer(int64_t rank, transport::PeerId peer) { peers_[rank] = peer; }
 
+  // Checks the headers of the messages this step received in device memory (device_direct()).
+  // Receive* copies each one's framing and header to the host behind the device work queued so
+  // far and places the rows where the plan puts them (the message's size matched the plan's),
+  // so that the step's one host sync (ModuleState::EndStep) brings the headers too. Call after
+  // that sync: each header is compared with the plan's here, failing as Receive* fails for a
+  // host message (DataLoss, or the plan's header check), and Stats gets the messages' transfer
+  // records. Waits for the device only where it has not caught up yet. Messages in host memory
+  // are checked by Receive* itself.
+  absl::Status CheckDeviceHeaders();
+
   // Transfer records of one direction since BeginStep.
   BridgeStats Stats(plan::Direction direction) const;
 
@@ -179,6 +196,19 @@ class BoundaryCommunicator {
     at::Tensor device_message;  // device_direct(): the whole message, in device memory
     std::unique_ptr<transport::Operation> op;
     absl::Time posted;
+  };
+  // A device message's header, on its way to the host (CheckDeviceHeaders).
+  struct DeviceHeader {
+    at::Tensor head;        // the framing and header, on the host (pinned on a GPU)
+    nn::StreamMark copied;  // reached once `head` holds them
+    plan::MessageHeader expected;
+    plan::Direction direction = plan::Direction::kForward;
+    int64_t src_rank = 0;
+    int64_t step = 0;
+    int64_t wave = 0;
+    absl::Time posted;
+    absl::Time end;
+    int64_t bytes = 0;
   };
   // Transfer intervals of received messages.
   struct Interval {
@@ -199,9 +229,15 @@ class BoundaryCommunicator {
   // Where receives land: device_ when device_direct_, else the host.
   c10::Device ReceiveDevice() const { return device_direct_ ? device_ : c10::Device(c10::kCPU); }
   // One transfer's message in device memory: `framing` (its post time stamped here), then the
-  // pieces' rows gathered from `rows` (on device_); the device is synchronised before it returns.
+  // pieces' rows gathered from `rows` (on device_), by copies queued on the device's stream.
   absl::StatusOr<at::Tensor> PackOnDevice(std::string framing, const plan::Transfer& transfer,
                                           const at::Tensor& rows) const;
+  // Decodes `message`'s framing and header (its first bytes), checks the header against
+  // `expected` and records the transfer (Stats, trace); the header's size.
+  absl::StatusOr<uint64_t> CheckHeader(std::string_view message,
+                                       const plan::MessageHeader& expected,
+                                       plan::Direction direction, int64_t src_rank,
+                                       absl::Time posted, absl::Time end, int64_t bytes);
   // Copies (or adds) the pieces of a device message's payload, which starts at `payload_offset`,
   // into `rows` at their dst_offset.
   absl::Status PlaceFromDevice(const at::Tensor& message, size_t payload_offset,
@@ -223,7 +259,8 @@ class BoundaryCommunicator {
   std::set<transport::Tag> taken_;  // (direction, wave) receives taken by this step
   int64_t steps_begun_ = 0;
   const StepInterrupt* interrupt_ = nullptr;
-  std::vector<Interval> intervals_[2];  // by direction
+  std::vector<Interval> intervals_[2];        // by direction
+  std::vector<DeviceHeader> device_headers_;  // received this step, not checked yet
 
   // Source buffers of transfers a rank sent to itself, by (tag, rank), waiting to be received.
   std::map<std::pair<transport::Tag, int64_t>, at::Tensor> local_;
@@ -233,6 +270,8 @@ class BoundaryCommunicator {
   absl::Duration timeout_;
   c10::Device device_ = c10::Device(c10::kCPU);
   bool device_direct_ = false;
+  // Posts device messages once packed (device_direct_ on a GPU).
+  std::unique_ptr<StreamOrderedSender> ordered_sender_;
   int64_t bytes_sent_ = 0;
   int64_t bytes_received_ = 0;
 };

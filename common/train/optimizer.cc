@@ -19,35 +19,50 @@ bool Owned(const nn::NamedParameter& p, int tp_rank) {
   return p.slice.split_dim >= 0 || tp_rank == 0;
 }
 
-// The owned sums of `tensors` with one transfer to the host: each tensor's sum and sum of
-// squares in float64 on its device, then added in order here.
-OwnedSums SumsOf(const std::vector<at::Tensor>& tensors) {
-  OwnedSums sums;
-  if (tensors.empty()) return sums;
+// Each tensor's sum and sum of squares in float64 on its device: [2n], undefined without any.
+at::Tensor SumPartsOf(const std::vector<at::Tensor>& tensors) {
+  if (tensors.empty()) return at::Tensor();
   std::vector<at::Tensor> parts;
   for (const at::Tensor& t : tensors) {
     const at::Tensor d = t.detach().to(at::kDouble);
     parts.push_back(at::stack({d.sum(), d.square().sum()}));
   }
-  const at::Tensor host = at::stack(parts).cpu().contiguous();
-  const double* values = host.const_data_ptr<double>();
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    sums.sum += values[2 * i];
-    sums.square_sum += values[2 * i + 1];
-  }
-  return sums;
+  return at::cat(parts);
 }
 
-}  // namespace
+// The owned sums of `tensors` with one transfer to the host, added in order here.
+OwnedSums SumsOf(const std::vector<at::Tensor>& tensors) {
+  const at::Tensor parts = SumPartsOf(tensors);
+  if (!parts.defined()) return OwnedSums();
+  const at::Tensor host = parts.cpu().contiguous();
+  return AddSumParts(host.const_data_ptr<double>(), host.numel());
+}
 
-OwnedSums OwnedGradSums(const nn::ParameterSet& params) {
+std::vector<at::Tensor> OwnedGrads(const nn::ParameterSet& params) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params.parameters()) {
     const at::Tensor& grad = p.tensor.grad();
     if (Owned(p, params.tp_rank()) && grad.defined()) grads.push_back(grad);
   }
-  return SumsOf(grads);
+  return grads;
 }
+
+}  // namespace
+
+OwnedSums AddSumParts(const double* parts, int64_t count) {
+  OwnedSums sums;
+  for (int64_t i = 0; i + 1 < count; i += 2) {
+    sums.sum += parts[i];
+    sums.square_sum += parts[i + 1];
+  }
+  return sums;
+}
+
+at::Tensor OwnedGradSumParts(const nn::ParameterSet& params) {
+  return SumPartsOf(OwnedGrads(params));
+}
+
+OwnedSums OwnedGradSums(const nn::ParameterSet& params) { return SumsOf(OwnedGrads(params)); }
 
 OwnedSums OwnedParamSums(const nn::ParameterSet& params) {
   std::vector<at::Tensor> values;

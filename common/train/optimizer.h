@@ -37,6 +37,13 @@ OwnedSums OwnedGradSums(const nn::ParameterSet& params);
 // Of the parameter values.
 OwnedSums OwnedParamSums(const nn::ParameterSet& params);
 
+// OwnedGradSums in two halves, for a caller that brings other values to the host in the same
+// copy (one host sync): each owned gradient's sum and sum of squares, [2n] float64 on the
+// gradients' device (undefined without any), and the host side that adds those parts up in
+// order (`parts`: the [2n] values on the host).
+at::Tensor OwnedGradSumParts(const nn::ParameterSet& params);
+OwnedSums AddSumParts(const double* parts, int64_t count);
+
 // The factor gradients are scaled by: max_norm / (norm + 1e-6) when that is below 1, else 1
 // (and 1 when max_norm is 0, clipping off).
 double ClipCoefficient(double total_norm, double max_norm);

@@ -38,6 +38,7 @@
 #include "common/plan/step_plan.h"
 #include "common/step_interrupt.h"
 #include "common/train/boundary.h"
+#include "common/train/stream_ordered_sender.h"
 #include "common/transport/transport.h"
 
 namespace hetpar::train {
@@ -55,7 +56,9 @@ class StageLink {
       : transport_(transport), peers_(std::move(peers)), timeout_(timeout) {}
 
   // Posts the send of `rows` ([rows, hidden], any layout and device; copied into the message, a
-  // host buffer) to world rank `dst`.
+  // host buffer) to world rank `dst`. Rows on a GPU are copied into pinned memory behind the
+  // work queued on the device's stream and the send is posted once they are there (a
+  // StreamOrderedSender), so Send does not wait for the device.
   absl::Status Send(int64_t dst, int64_t step, plan::Direction direction, int64_t microbatch,
                     const at::Tensor& rows);
   // Posts the receive of the message from world rank `src` straight into `rows` (contiguous,
@@ -96,14 +99,17 @@ class StageLink {
   absl::Duration timeout_;
   const StepInterrupt* interrupt_ = nullptr;
   struct Sent {
-    std::unique_ptr<std::string> message;
+    std::unique_ptr<std::string> message;  // rows from the host
     std::unique_ptr<transport::Operation> op;
+    at::Tensor owner;  // rows from a GPU: the pinned message
   };
   // Drops completed sends; the first failure, naming the peer.
   absl::Status Reap();
 
   std::map<Key, Posted> posted_;
   std::vector<Sent> sends_;
+  // Posts the messages of rows from a GPU once they are copied (created by the first).
+  std::unique_ptr<StreamOrderedSender> ordered_sender_;
   int64_t bytes_sent_ = 0;
   int64_t bytes_received_ = 0;
 };

@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "common/config/config.h"
 #include "common/logging.h"
+#include "common/nn/torch_status.h"
 #include "common/status.h"
 #include "common/train/checkpoint.h"
 #include "common/worker/outputs.h"
@@ -240,13 +241,37 @@ absl::Status ModuleState::BroadcastState(int64_t root) {
   return absl::OkStatus();
 }
 
-std::vector<GradNormShare> ModuleState::GradNormShares() const {
+absl::StatusOr<double> ModuleState::EndStep(const at::Tensor& extra) {
+  grad_square_sum_.reset();
   // The partials of DP replica 0 (CP rank 0) add up to the module's squared norm.
+  const at::Tensor grads = gradient_rank_ == 0 ? train::OwnedGradSumParts(*params_) : at::Tensor();
+  std::vector<at::Tensor> parts;
+  if (extra.defined()) parts.push_back(extra.detach().to(at::kDouble).reshape({1}));
+  if (grads.defined()) parts.push_back(grads);
+  at::Tensor host;
+  if (!parts.empty()) {
+    HETPAR_RETURN_IF_ERROR(nn::RunTorch(
+        absl::StrCat("reading the ", name_, " step's loss and gradient norm to the host"),
+        [&] { host = at::cat(parts).cpu().contiguous(); }));
+  }
+  const double* values = host.defined() ? host.const_data_ptr<double>() : nullptr;
+  const int64_t offset = extra.defined() ? 1 : 0;
+  if (gradient_rank_ == 0) {
+    grad_square_sum_ = grads.defined()
+                           ? train::AddSumParts(values + offset, host.numel() - offset).square_sum
+                           : 0.0;
+  }
+  return extra.defined() ? values[0] : 0.0;
+}
+
+std::vector<GradNormShare> ModuleState::GradNormShares() const {
   if (gradient_rank_ != 0) return {};
-  return {{module_, train::OwnedGradSums(*params_).square_sum}};
+  return {{module_, grad_square_sum_.has_value() ? *grad_square_sum_
+                                                 : train::OwnedGradSums(*params_).square_sum}};
 }
 
 absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool checkpoint_now) {
+  grad_square_sum_.reset();
   HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const int64_t committed = step + 1;
@@ -325,7 +350,10 @@ ModuleState::~ModuleState() {
   if (!status.ok()) HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
 }
 
-void ModuleState::Discard() { params_->ZeroGrad(); }
+void ModuleState::Discard() {
+  grad_square_sum_.reset();
+  params_->ZeroGrad();
+}
 
 absl::Status ModuleState::WriteOutputs(const OutputSender& send, int64_t world_rank) {
   const absl::Status saved = FinishCheckpoint();

@@ -16,6 +16,7 @@
 #include <future>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +75,13 @@ class ModuleState {
   // asks for one (the coordinator's stop with a checkpoint), Apply also copies
   // this rank's checkpoint shard and starts writing it in the background: the rank of DP replica
   // 0 (CP rank 0) of each TP rank and stage writes, and the last writer completes the manifest.
+  //
+  // EndStep is the step's one read of the device, after the runtime has queued all of the
+  // step's work: this rank's gradient norm share (where GradNormShares sends one) and `extra`
+  // (a scalar on the module's device, such as the LLM's loss; undefined: none) come to the host
+  // in one copy. Returns `extra`'s value (0 without it); GradNormShares then sends what it read
+  // (and reads the gradients itself without an EndStep first). Apply and Discard drop it.
+  absl::StatusOr<double> EndStep(const at::Tensor& extra);
   std::vector<GradNormShare> GradNormShares() const;
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint);
   void Discard();
@@ -107,6 +115,7 @@ class ModuleState {
   absl::Status FinishCheckpoint();
 
   nn::ParameterSet* params_ = nullptr;
+  std::optional<double> grad_square_sum_;  // EndStep's read of this step's share
   std::unique_ptr<train::ModuleOptimizer> optimizer_;
   v1::RunSpec spec_;  // the checkpoint section, the run's steps and batch, both layouts
   std::future<absl::Status> pending_checkpoint_;  // the save in progress

@@ -1,0 +1,44 @@
+#include "common/nn/device_copy.h"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <cstring>
+
+namespace hetpar::nn {
+
+at::Tensor ToDevice(const at::Tensor& host, const c10::Device& device) {
+  if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
+  // pin_memory() copies pageable memory into a pinned block on the host (no device work); a
+  // pinned tensor is used as it is.
+  const at::Tensor pinned = host.is_pinned() ? host : host.pin_memory();
+  return pinned.to(device, /*non_blocking=*/true);
+}
+
+at::Tensor IndexTensor(const std::vector<int64_t>& values, const c10::Device& device) {
+  const int64_t n = static_cast<int64_t>(values.size());
+  at::Tensor host =
+      at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
+  if (n > 0) std::memcpy(host.data_ptr<int64_t>(), values.data(), sizeof(int64_t) * values.size());
+  return device.is_cuda() ? host.to(device, /*non_blocking=*/true) : host;
+}
+
+at::Tensor HostBytesFor(int64_t size, const c10::Device& device) {
+  return at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(device.is_cuda()));
+}
+
+StreamMark StreamMark::After(const c10::Device& device) {
+  StreamMark mark;
+  if (!device.is_cuda()) return mark;
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  mark.event_ = std::make_shared<c10::Event>(device.type());
+  mark.event_->record(guard.getStream(device));
+  return mark;
+}
+
+bool StreamMark::Reached() const { return event_ == nullptr || event_->query(); }
+
+void StreamMark::Wait() const {
+  if (!Reached()) event_->synchronize();
+}
+
+}  // namespace hetpar::nn
