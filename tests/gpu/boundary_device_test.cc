@@ -1,23 +1,31 @@
 // The boundary in device memory (label gpu): an encoder rank's rows on cuda:0 cross to an LLM
 // rank's buffer on cuda:0 and the gradients come back, through two UCX transports of this process
-// with no copy through the host but the headers'. Needs a GPU and a UCX whose CUDA transport
+// with no copy through the host but the headers', and with no host sync on the calling thread
+// (the headers are checked after it reads the results). Needs a GPU and a UCX whose CUDA transport
 // loads (the libucx-cu13 wheel, with the GPU driver); skips, saying which is missing, otherwise.
 // The same checks run on every machine with the messages as CPU tensors (UseDevice's
 // tensor_messages): the packing, header checks and placing of the device path, in host memory.
 #include <ATen/ATen.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/plan/layout.h"
 #include "common/plan/sample.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
 #include "common/transport/factory.h"
+
+#if HETPAR_GPU_HAS_C10_CUDA
+#include "tests/gpu/host_sync_counter.h"
+#endif
 
 namespace hetpar {
 namespace {
@@ -42,9 +50,12 @@ at::Tensor Pattern(int64_t rows, int64_t hidden, double base) {
 }
 
 // One wave's rows forward and gradients back between two UCX transports of this process, the
-// messages packed and received as tensors on `device`.
+// messages packed and received as tensors on `device`. On a GPU, neither side waits for the
+// device on this thread (no host sync from the sends and receives); the headers are checked by
+// CheckDeviceHeaders after the test reads the results. `sender_generation` other than the plan's
+// makes the encoder's headers disagree with what the LLM expects.
 void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
-                     const c10::Device& gpu) {
+                     const c10::Device& gpu, int64_t sender_generation = -1) {
   config::LoadOptions load;
   load.check_files = false;
   auto loaded = config::LoadRunSpecFromString(kSpec, "boundary_device_test.yaml", load);
@@ -62,6 +73,7 @@ void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
   auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
   auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
   ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+  if (sender_generation >= 0) enc_plan->generation = sender_generation;
 
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   auto to_llm = enc_t->Connect(llm_t->LocalAddress(), deadline);
@@ -84,16 +96,60 @@ void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
   const int64_t wave = job->wave;
   const int64_t hidden = spec.llm().model().hidden();
   const int64_t buffer_rows = llm_plan->image_rows[wave];
-
-  // Forward: the job's rows land at their places in the LLM's buffer; nothing else is written.
   const at::Tensor job_rows = Pattern(job->rows, hidden, 0.5);
+  const at::Tensor grad = Pattern(buffer_rows, hidden, 0.25);
+  const at::Tensor device_job_rows = job_rows.to(gpu);
+  const at::Tensor device_grad = grad.to(gpu);
   at::Tensor buffer = at::full({buffer_rows, hidden}, -1.0, at::TensorOptions().device(gpu));
-  ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, buffer).ok());
-  auto sent = enc.SendForward(*enc_plan, wave, job_rows.to(gpu));
-  ASSERT_TRUE(sent.ok()) << sent.status();
-  absl::Status received = llm.ReceiveForward(*llm_plan, wave, buffer);
-  ASSERT_TRUE(received.ok()) << received;
-  ASSERT_TRUE(sent->Wait(absl::Now() + absl::Seconds(30)).ok());
+  at::Tensor job_grad = at::ones({job->rows, hidden}, at::TensorOptions().device(gpu));
+
+  int syncs = 0;
+  std::vector<std::string> where;
+  {
+#if HETPAR_GPU_HAS_C10_CUDA
+    std::optional<testing::HostSyncCounter> counter;
+    if (gpu.is_cuda()) counter.emplace();
+#endif
+    // Forward: the job's rows land at their places in the LLM's buffer; nothing else is written.
+    ASSERT_TRUE(llm.PostForwardReceives(*llm_plan, wave, buffer).ok());
+    auto sent = enc.SendForward(*enc_plan, wave, device_job_rows);
+    ASSERT_TRUE(sent.ok()) << sent.status();
+    absl::Status received = llm.ReceiveForward(*llm_plan, wave, buffer);
+    ASSERT_TRUE(received.ok()) << received;
+    ASSERT_TRUE(sent->Wait(absl::Now() + absl::Seconds(30)).ok());
+    // Backward: the LLM's gradient rows are added into the encoder's gradient on the device.
+    ASSERT_TRUE(enc.PostBackwardReceives(*enc_plan, wave).ok());
+    auto back = llm.SendBackward(*llm_plan, wave, device_grad);
+    ASSERT_TRUE(back.ok()) << back.status();
+    absl::Status got = enc.ReceiveBackward(*enc_plan, wave, job_grad);
+    ASSERT_TRUE(got.ok()) << got;
+    ASSERT_TRUE(back->Wait(absl::Now() + absl::Seconds(30)).ok());
+#if HETPAR_GPU_HAS_C10_CUDA
+    if (counter.has_value()) {
+      syncs = counter->syncs();
+      where = counter->where();
+    }
+#endif
+  }
+  EXPECT_EQ(syncs, 0) << "host syncs on the training thread: " << ::testing::PrintToString(where);
+  // The headers are checked once the device has caught up (here: the reads of the results).
+  EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 0);
+  const at::Tensor buffer_on_host = buffer.cpu();
+  const at::Tensor job_grad_on_host = job_grad.cpu();
+  const absl::Status forward_headers = llm.CheckDeviceHeaders();
+  if (sender_generation >= 0) {
+    EXPECT_EQ(forward_headers.code(), absl::StatusCode::kFailedPrecondition) << forward_headers;
+    EXPECT_THAT(std::string(forward_headers.message()),
+                ::testing::HasSubstr(absl::StrCat("generation is ", sender_generation,
+                                                  " in the header but 0 in the plan")));
+    EXPECT_THAT(std::string(forward_headers.message()), ::testing::HasSubstr("from rank 0"));
+    return;
+  }
+  ASSERT_TRUE(forward_headers.ok()) << forward_headers;
+  ASSERT_TRUE(enc.CheckDeviceHeaders().ok());
+  EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 1);
+  EXPECT_EQ(enc.Stats(plan::Direction::kBackward).messages, 1);
+
   at::Tensor expected = at::full({buffer_rows, hidden}, -1.0);
   for (const plan::Transfer& t : llm_plan->forward_receives) {
     if (t.wave != wave) continue;
@@ -102,17 +158,7 @@ void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
           .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
     }
   }
-  EXPECT_TRUE(at::equal(buffer.cpu(), expected));
-
-  // Backward: the LLM's gradient rows are added into the encoder's gradient on the device.
-  const at::Tensor grad = Pattern(buffer_rows, hidden, 0.25);
-  ASSERT_TRUE(enc.PostBackwardReceives(*enc_plan, wave).ok());
-  auto back = llm.SendBackward(*llm_plan, wave, grad.to(gpu));
-  ASSERT_TRUE(back.ok()) << back.status();
-  at::Tensor job_grad = at::ones({job->rows, hidden}, at::TensorOptions().device(gpu));
-  absl::Status got = enc.ReceiveBackward(*enc_plan, wave, job_grad);
-  ASSERT_TRUE(got.ok()) << got;
-  ASSERT_TRUE(back->Wait(absl::Now() + absl::Seconds(30)).ok());
+  EXPECT_TRUE(at::equal(buffer_on_host, expected));
   at::Tensor expected_grad = at::ones({job->rows, hidden});
   for (const plan::Transfer& t : enc_plan->backward_receives) {
     if (t.wave != wave) continue;
@@ -121,9 +167,7 @@ void CrossAndCompare(transport::Transport* enc_t, transport::Transport* llm_t,
           .add_(grad.narrow(0, piece.src_offset, piece.rows));
     }
   }
-  EXPECT_TRUE(at::equal(job_grad.cpu(), expected_grad));
-  EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 1);
-  EXPECT_EQ(enc.Stats(plan::Direction::kBackward).messages, 1);
+  EXPECT_TRUE(at::equal(job_grad_on_host, expected_grad));
 }
 
 TEST(BoundaryDeviceTest, RowsAndGradientsCrossAsTensorMessagesOnTheCpu) {
@@ -131,6 +175,16 @@ TEST(BoundaryDeviceTest, RowsAndGradientsCrossAsTensorMessagesOnTheCpu) {
   auto llm_t = transport::CreateTransport(transport::Backend::kUcx, "llm");
   ASSERT_TRUE(enc_t.ok() && llm_t.ok()) << enc_t.status() << llm_t.status();
   CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCPU));
+}
+
+// A message whose header disagrees with the receiver's plan (another generation, same tag) is
+// placed, as the device path does before its header is back on the host, and then refused by
+// CheckDeviceHeaders, naming the field and the sender.
+TEST(BoundaryDeviceTest, AHeaderOfAnotherGenerationFailsTheDeferredCheck) {
+  auto enc_t = transport::CreateTransport(transport::Backend::kUcx, "enc");
+  auto llm_t = transport::CreateTransport(transport::Backend::kUcx, "llm");
+  ASSERT_TRUE(enc_t.ok() && llm_t.ok()) << enc_t.status() << llm_t.status();
+  CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCPU), /*sender_generation=*/7);
 }
 
 TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {

@@ -1,0 +1,144 @@
+// The hot loop on a GPU queues work without waiting for the device (label gpu): an LLM
+// microbatch's forward and backward (packed samples of different lengths, with image rows), an
+// encoder job's forward and backward, and the step-end read of the loss and the gradient norm
+// parts, counted with libtorch's CUDA sync debug mode (tests/gpu/host_sync_counter.h). The
+// training thread may wait for the device once per step: that read.
+//
+// Skips, saying why, where no CUDA device is visible or this libtorch has no CUDA.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/cuda.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/nn/communicator.h"
+#include "common/train/optimizer.h"
+#include "encoder_service/encoder.h"
+#include "llm_trainer/language_model.h"
+
+#if HETPAR_GPU_HAS_C10_CUDA
+#include "tests/gpu/host_sync_counter.h"
+#endif
+
+namespace hetpar {
+namespace {
+
+constexpr int64_t kVocab = 64;
+
+v1::LlmModel TinyLlm() {
+  v1::LlmModel m;
+  m.set_hidden(32);
+  m.set_layers(2);
+  m.set_heads(8);
+  m.set_kv_heads(4);
+  m.set_ffn(48);
+  m.set_vocab(kVocab);
+  m.set_seq_len(24);
+  m.set_rope_theta(10000);
+  m.set_norm_eps(1e-5);
+  return m;
+}
+
+v1::EncoderModel TinyEncoder() {
+  v1::EncoderModel m;
+  m.set_image_size(8);
+  m.set_patch(4);  // 4 tokens per image
+  m.set_hidden(16);
+  m.set_layers(2);
+  m.set_heads(4);
+  m.set_mlp(32);
+  m.set_out_hidden(32);
+  m.set_channels(3);
+  return m;
+}
+
+// Labels are the next tokens; image placeholders and the last position do not count.
+llm::LlmSample Sample(int64_t length, int64_t salt, std::vector<int64_t> image_positions) {
+  llm::LlmSample s;
+  s.id = "s" + std::to_string(salt);
+  for (int64_t i = 0; i < length; ++i) s.tokens.push_back((i * 7 + salt * 13 + 3) % (kVocab - 1));
+  s.labels.assign(length, 0);
+  s.loss_mask.assign(length, 1);
+  for (int64_t i = 0; i + 1 < length; ++i) s.labels[i] = s.tokens[i + 1];
+  s.loss_mask[length - 1] = 0;
+  for (int64_t p : image_positions) s.loss_mask[p] = 0;
+  s.image_positions = std::move(image_positions);
+  s.image_rows = static_cast<int64_t>(s.image_positions.size());
+  return s;
+}
+
+bool SkipWithoutCuda(std::string* why) {
+#if !HETPAR_GPU_HAS_C10_CUDA
+  *why = "this libtorch has no CUDA (built without c10_cuda)";
+  return true;
+#else
+  if (!torch::cuda::is_available()) {
+    *why = "no CUDA device: torch::cuda::is_available() is false";
+    return true;
+  }
+  return false;
+#endif
+}
+
+#if HETPAR_GPU_HAS_C10_CUDA
+std::string Where(const testing::HostSyncCounter& counter) {
+  std::string out;
+  for (const std::string& w : counter.where()) out += "\n  " + w;
+  return out;
+}
+#endif
+
+TEST(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevice) {
+  std::string why;
+  if (SkipWithoutCuda(&why)) GTEST_SKIP() << why;
+#if HETPAR_GPU_HAS_C10_CUDA
+  const c10::Device gpu(c10::kCUDA, 0);
+  static auto single = nn::Communicator::CreateSingle();
+  encoder::EncoderOptions encoder_options;
+  encoder_options.device = gpu;
+  auto encoder = encoder::VisionEncoder::Create(TinyEncoder(), encoder_options, *single);
+  ASSERT_TRUE(encoder.ok()) << encoder.status();
+  llm::LlmOptions llm_options;
+  llm_options.device = gpu;
+  llm_options.seed = 11;
+  auto lm = llm::LanguageModel::Create(TinyLlm(), llm_options, *single);
+  ASSERT_TRUE(lm.ok()) << lm.status();
+
+  // Three samples of two lengths (one SDPA call for the equal pair, one for the other), the
+  // second with one image (4 rows) and the third with two (8 rows).
+  const std::vector<llm::LlmSample> samples = {Sample(9, 1, {}), Sample(14, 2, {2, 3, 4, 5}),
+                                               Sample(14, 3, {1, 2, 3, 4, 8, 9, 10, 11})};
+  const at::Tensor images = at::randn({3, 3, 8, 8});  // on the host, as the data loader makes them
+
+  auto run_step = [&]() -> at::Tensor {
+    auto rows = (*encoder)->Forward(images);
+    EXPECT_TRUE(rows.ok()) << rows.status();
+    // The LLM takes the encoder's rows as a leaf, as across the boundary.
+    const at::Tensor image_rows = rows->detach().requires_grad_(true);
+    auto result = (*lm)->ForwardStage(samples, image_rows, at::Tensor(), /*n_global=*/3);
+    EXPECT_TRUE(result.ok()) << result.status();
+    EXPECT_TRUE((*lm)->Backward(result->loss).ok());
+    EXPECT_TRUE((*encoder)->Backward(*rows, image_rows.grad()).ok());
+    return result->loss.detach().to(at::kDouble).reshape({1});
+  };
+  // A first step outside the count: one-time set-up (cuBLAS handles, the pinned memory pool).
+  (void)run_step().cpu();
+
+  testing::HostSyncCounter counter;
+  const at::Tensor loss = run_step();
+  EXPECT_EQ(counter.syncs(), 0) << "host syncs in the step's compute:" << Where(counter);
+  // The step end: the loss and both models' gradient norm parts in one read.
+  const at::Tensor parts = at::cat({loss, train::OwnedGradSumParts((*lm)->parameters()),
+                                    train::OwnedGradSumParts((*encoder)->parameters())});
+  const at::Tensor host = parts.cpu();
+  EXPECT_EQ(counter.syncs(), 1) << "host syncs up to the step end:" << Where(counter);
+  EXPECT_TRUE(std::isfinite(host[0].item<double>()));
+  EXPECT_GT(host[0].item<double>(), 0.0);
+#endif
+}
+
+}  // namespace
+}  // namespace hetpar
