@@ -19,7 +19,7 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const c10::Device& de
   at::Tensor host =
       at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
   if (n > 0) std::memcpy(host.data_ptr<int64_t>(), values.data(), sizeof(int64_t) * values.size());
-  return device.is_cuda() ? host.to(device, /*non_blocking=*/true) : host;
+  return ToDevice(host, device);
 }
 
 at::Tensor HostBytesFor(int64_t size, const c10::Device& device) {

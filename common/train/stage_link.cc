@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
 #include <string>
 #include <utility>
 
@@ -63,44 +62,36 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
                                          static_cast<uint64_t>(direction),
                                          static_cast<uint64_t>(microbatch),
                                          static_cast<uint64_t>(row_count)};
+  // The message is host memory (pinned for rows on a GPU): the header, then the rows copied in
+  // (behind the work queued on the GPU's stream, without waiting for it).
+  Sent sent;
+  size_t data_bytes = 0;
+  HETPAR_RETURN_IF_ERROR(nn::RunTorch("copying stage rows into their message", [&] {
+    const at::Tensor data = rows.detach().contiguous();
+    data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
+    sent.message = nn::HostBytesFor(static_cast<int64_t>(kHeaderBytes + data_bytes), rows.device());
+    char* bytes = static_cast<char*>(sent.message.data_ptr());
+    for (size_t i = 0; i < kHeaderWords; ++i) StoreU64(bytes + 8 * i, header[i]);
+    if (data_bytes > 0) {
+      sent.message.narrow(0, kHeaderBytes, static_cast<int64_t>(data_bytes))
+          .copy_(data.view(at::kByte).reshape({-1}), /*non_blocking=*/true);
+    }
+  }));
+  const transport::ConstBuffer buffer =
+      transport::ConstBuffer::Host(sent.message.data_ptr(), kHeaderBytes + data_bytes);
   if (rows.is_cuda()) {
-    // Rows on a GPU: the message is pinned host memory that the rows are copied into behind the
-    // work queued on the stream, and the ordered sender posts it once they are there; this
-    // thread does not wait for the device.
-    Sent sent;
-    std::unique_ptr<transport::Operation> op;
-    size_t data_bytes = 0;
-    HETPAR_RETURN_IF_ERROR(nn::RunTorch("copying stage rows to the host", [&] {
-      const at::Tensor data = rows.detach().contiguous();
-      data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
-      sent.owner = nn::HostBytesFor(static_cast<int64_t>(kHeaderBytes + data_bytes), rows.device());
-      char* bytes = static_cast<char*>(sent.owner.data_ptr());
-      for (size_t i = 0; i < kHeaderWords; ++i) StoreU64(bytes + 8 * i, header[i]);
-      if (data_bytes > 0) {
-        sent.owner.narrow(0, kHeaderBytes, static_cast<int64_t>(data_bytes))
-            .copy_(data.view(at::kByte).reshape({-1}), /*non_blocking=*/true);
-      }
-    }));
+    // Posted by the ordered sender once the copy is done; this thread does not wait for it.
     const nn::StreamMark copied = nn::StreamMark::After(rows.device());
-    if (ordered_sender_ == nullptr)
+    if (ordered_sender_ == nullptr) {
       ordered_sender_ = std::make_unique<StreamOrderedSender>(transport_);
-    sent.op = ordered_sender_->Post(
-        peer, tag, transport::ConstBuffer::Host(sent.owner.data_ptr(), kHeaderBytes + data_bytes),
-        sent.owner, [copied] { return copied.Reached(); });
-    bytes_sent_ += static_cast<int64_t>(data_bytes);
-    sends_.push_back(std::move(sent));
-    return absl::OkStatus();
+    }
+    sent.op = ordered_sender_->Post(peer, tag, buffer, sent.message,
+                                    [copied] { return copied.Reached(); });
+  } else {
+    HETPAR_ASSIGN_OR_RETURN(sent.op, transport_->Send(peer, tag, buffer));
   }
-  const at::Tensor data = rows.detach().contiguous();
-  const size_t data_bytes = static_cast<size_t>(data.numel()) * data.element_size();
-  auto message = std::make_unique<std::string>(kHeaderBytes + data_bytes, '\0');
-  for (size_t i = 0; i < kHeaderWords; ++i) StoreU64(message->data() + 8 * i, header[i]);
-  if (data_bytes > 0) std::memcpy(message->data() + kHeaderBytes, data.data_ptr(), data_bytes);
-  HETPAR_ASSIGN_OR_RETURN(
-      auto op,
-      transport_->Send(peer, tag, transport::ConstBuffer::Host(message->data(), message->size())));
   bytes_sent_ += static_cast<int64_t>(data_bytes);
-  sends_.push_back({std::move(message), std::move(op), at::Tensor()});
+  sends_.push_back(std::move(sent));
   return absl::OkStatus();
 }
 

@@ -99,9 +99,8 @@ class StageLink {
   absl::Duration timeout_;
   const StepInterrupt* interrupt_ = nullptr;
   struct Sent {
-    std::unique_ptr<std::string> message;  // rows from the host
+    at::Tensor message;  // bytes on the host, pinned for rows from a GPU
     std::unique_ptr<transport::Operation> op;
-    at::Tensor owner;  // rows from a GPU: the pinned message
   };
   // Drops completed sends; the first failure, naming the peer.
   absl::Status Reap();
