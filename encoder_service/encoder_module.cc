@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<EncoderModule>> EncoderModule::Create(
   return m;
 }
 
-absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
+absl::StatusOr<EncoderStepStats> EncoderModule::RunModel(
     const plan::RankStepPlan& plan, const std::function<absl::Status()>& between) {
   if (!runtime_.has_value()) {
     HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
@@ -42,9 +42,10 @@ absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
         EncoderRuntimeOptions{context_->spec().run().max_inflight(), context_->peer_timeout(),
                               train::GradBucketBytes(context_->spec())});
   }
-  HETPAR_ASSIGN_OR_RETURN(EncoderStepStats stats, runtime_->RunStepAround(plan, between));
-  // The step's one wait for the device: its gradient norm share comes to the host.
-  HETPAR_RETURN_IF_ERROR(state_.EndStep(at::Tensor()).status());
+  return runtime_->RunStepAround(plan, between);
+}
+
+worker::ModuleTimings EncoderModule::Timings(const EncoderStepStats& stats) {
   worker::ModuleTimings timings;
   timings.module = "encoder";
   timings.values = {{"compute_s", stats.compute_s},
@@ -60,16 +61,17 @@ absl::StatusOr<worker::ModuleTimings> EncoderModule::RunPart(
 
 absl::StatusOr<worker::StepOutcome> EncoderModule::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
-  absl::StatusOr<worker::ModuleTimings> part = RunPart(plan, nullptr);
-  if (!part.ok()) {
-    context_->boundary().Abandon(plan);
-    return part.status();
-  }
-  if (absl::Status checked = context_->boundary().CheckDeviceHeaders(); !checked.ok()) {
+  absl::StatusOr<EncoderStepStats> stats = RunModel(plan, nullptr);
+  // The step's one wait for the device: its gradient norm share comes to the host, and with it
+  // the headers of the device messages received, checked next.
+  absl::Status checked = stats.status();
+  if (checked.ok()) checked = state_.EndStep(at::Tensor()).status();
+  if (checked.ok()) checked = context_->boundary().CheckDeviceHeaders();
+  if (!checked.ok()) {
     context_->boundary().Abandon(plan);
     return checked;
   }
-  worker::ModuleTimings timings = *std::move(part);
+  worker::ModuleTimings timings = Timings(*stats);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &timings);
   worker::StepOutcome outcome;
   outcome.modules.push_back(std::move(timings));

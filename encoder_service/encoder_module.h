@@ -27,11 +27,14 @@ class EncoderModule : public worker::SingleModuleRuntime {
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
 
-  // This rank's encoder part of a step whose boundary step has begun, without the bridge
-  // figures: 1F1B over the jobs, or with `between` the colocated schedule (every forward,
-  // `between`, every backward).
-  absl::StatusOr<worker::ModuleTimings> RunPart(const plan::RankStepPlan& plan,
-                                                const std::function<absl::Status()>& between);
+  // This rank's encoder part of a step whose boundary step has begun, without the step's read of
+  // the device (ModuleState::EndSteps, with the LLM's when colocated): 1F1B over the jobs, or
+  // with `between` the colocated schedule (every forward, `between`, every backward).
+  absl::StatusOr<EncoderStepStats> RunModel(const plan::RankStepPlan& plan,
+                                            const std::function<absl::Status()>& between);
+  // The step's figures, without the bridge figures, from RunModel's stats.
+  static worker::ModuleTimings Timings(const EncoderStepStats& stats);
+  worker::ModuleState& state() { return state_; }
 
  private:
   EncoderModule(worker::WorkerContext* context, worker::ModuleState state)

@@ -1,6 +1,7 @@
 #include "llm_trainer/colocated_modules.h"
 
 #include <utility>
+#include <vector>
 
 #include "common/status.h"
 #include "common/worker/outputs.h"
@@ -18,20 +19,29 @@ absl::StatusOr<std::unique_ptr<ColocatedModules>> ColocatedModules::Create(
 
 absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
-  worker::StepOutcome llm_outcome;
-  absl::StatusOr<worker::ModuleTimings> encoder_part =
-      encoder_->RunPart(plan, [&]() -> absl::Status {
-        HETPAR_ASSIGN_OR_RETURN(llm_outcome, llm_->RunPart(plan));
+  LlmStepStats llm_stats;
+  absl::StatusOr<encoder::EncoderStepStats> encoder_stats =
+      encoder_->RunModel(plan, [&]() -> absl::Status {
+        HETPAR_ASSIGN_OR_RETURN(llm_stats, llm_->RunModel(plan));
         return absl::OkStatus();
       });
-  absl::Status sent = encoder_part.ok() ? llm_->WaitForSends() : encoder_part.status();
-  if (sent.ok()) sent = context_->boundary().CheckDeviceHeaders();
-  if (!sent.ok()) {
-    context_->boundary().Abandon(plan);
-    return sent;
+  absl::Status done = encoder_stats.ok() ? llm_->WaitForSends() : encoder_stats.status();
+  // The step's one wait for the device, for both modules: the LLM's loss and both gradient norm
+  // shares come to the host in one copy, and with them the device messages' headers.
+  double loss = 0;
+  if (done.ok()) {
+    absl::StatusOr<std::vector<double>> read = worker::ModuleState::EndSteps(
+        {{&encoder_->state(), at::Tensor()}, {&llm_->state(), llm_stats.loss}});
+    done = read.status();
+    if (read.ok()) loss = (*read)[1];
   }
-  worker::ModuleTimings encoder_timings = *std::move(encoder_part);
-  worker::StepOutcome outcome = std::move(llm_outcome);
+  if (done.ok()) done = context_->boundary().CheckDeviceHeaders();
+  if (!done.ok()) {
+    context_->boundary().Abandon(plan);
+    return done;
+  }
+  worker::ModuleTimings encoder_timings = encoder::EncoderModule::Timings(*encoder_stats);
+  worker::StepOutcome outcome = llm_->Outcome(plan, llm_stats, loss);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kBackward, &encoder_timings);
   outcome.modules.insert(outcome.modules.begin(), std::move(encoder_timings));

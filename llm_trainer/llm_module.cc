@@ -63,7 +63,7 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   return m;
 }
 
-absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan& plan) {
+absl::StatusOr<LlmStepStats> LlmModule::RunModel(const plan::RankStepPlan& plan) {
   if (!runtime_.has_value()) {
     HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
     runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
@@ -73,9 +73,11 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunPart(const plan::RankStepPlan&
                                        train::GradBucketBytes(context_->spec())},
                      pipeline_);
   }
-  HETPAR_ASSIGN_OR_RETURN(LlmStepStats stats, runtime_->RunStep(plan));
-  // The step's one wait for the device: its loss and gradient norm share come to the host.
-  HETPAR_ASSIGN_OR_RETURN(const double loss, state_.EndStep(stats.loss));
+  return runtime_->RunStep(plan);
+}
+
+worker::StepOutcome LlmModule::Outcome(const plan::RankStepPlan& plan, const LlmStepStats& stats,
+                                       double loss) const {
   worker::StepOutcome outcome;
   // TP ranks of a replica compute the same loss: one of them reports it (on the last stage).
   outcome.reports_loss = state_.coords().tp() == 0 && model_->last_stage();
@@ -104,16 +106,18 @@ absl::Status LlmModule::WaitForSends() {
 
 absl::StatusOr<worker::StepOutcome> LlmModule::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
-  absl::StatusOr<worker::StepOutcome> part = RunPart(plan);
-  if (!part.ok()) {
-    context_->boundary().Abandon(plan);
-    return part.status();
-  }
-  if (absl::Status checked = context_->boundary().CheckDeviceHeaders(); !checked.ok()) {
+  absl::StatusOr<LlmStepStats> stats = RunModel(plan);
+  // The step's one wait for the device: its loss and gradient norm share come to the host.
+  absl::StatusOr<double> loss =
+      stats.ok() ? state_.EndStep(stats->loss) : absl::StatusOr<double>(stats.status());
+  // A device message's header is checked once the read has brought it to the host.
+  absl::Status checked = loss.status();
+  if (checked.ok()) checked = context_->boundary().CheckDeviceHeaders();
+  if (!checked.ok()) {
     context_->boundary().Abandon(plan);
     return checked;
   }
-  worker::StepOutcome outcome = *std::move(part);
+  worker::StepOutcome outcome = Outcome(plan, *stats, *loss);
   worker::AddBridgeStats(context_->boundary(), plan::Direction::kForward, &outcome.modules[0]);
   return outcome;
 }

@@ -29,10 +29,16 @@ class LlmModule : public worker::SingleModuleRuntime {
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
 
-  // This rank's LLM part of a step whose boundary step has begun, without the bridge figures.
-  absl::StatusOr<worker::StepOutcome> RunPart(const plan::RankStepPlan& plan);
-  // Colocated: waits for the gradient sends RunPart left pending.
+  // This rank's LLM part of a step whose boundary step has begun, without the step's read of
+  // the device: the loss stays on the device (stats.loss) for the caller's read
+  // (ModuleState::EndSteps, with the encoder's share when colocated).
+  absl::StatusOr<LlmStepStats> RunModel(const plan::RankStepPlan& plan);
+  // The step's outcome, without the bridge figures, from RunModel's stats and the loss read.
+  worker::StepOutcome Outcome(const plan::RankStepPlan& plan, const LlmStepStats& stats,
+                              double loss) const;
+  // Colocated: waits for the gradient sends RunModel left pending.
   absl::Status WaitForSends();
+  worker::ModuleState& state() { return state_; }
 
  private:
   LlmModule(worker::WorkerContext* context, bool colocated, worker::ModuleState state)

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <future>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -242,26 +243,58 @@ absl::Status ModuleState::BroadcastState(int64_t root) {
 }
 
 absl::StatusOr<double> ModuleState::EndStep(const at::Tensor& extra) {
-  grad_square_sum_.reset();
-  // The partials of DP replica 0 (CP rank 0) add up to the module's squared norm.
-  const at::Tensor grads = gradient_rank_ == 0 ? train::OwnedGradSumParts(*params_) : at::Tensor();
+  HETPAR_ASSIGN_OR_RETURN(const std::vector<double> values, EndSteps({{this, extra}}));
+  return values[0];
+}
+
+absl::StatusOr<std::vector<double>> ModuleState::EndSteps(
+    const std::vector<std::pair<ModuleState*, at::Tensor>>& states) {
+  // Each state's parts: its extra (if any), then its gradient partials (if it holds a share).
+  struct Offsets {
+    int64_t extra = -1;  // offset of the extra's value, -1 without one
+    int64_t grads = -1;  // offset of the gradient partials, -1 without a share
+    int64_t grads_count = 0;
+  };
+  std::vector<Offsets> spans(states.size());
   std::vector<at::Tensor> parts;
-  if (extra.defined()) parts.push_back(extra.detach().to(at::kDouble).reshape({1}));
-  if (grads.defined()) parts.push_back(grads);
+  int64_t offset = 0;
+  std::string names;
+  for (size_t i = 0; i < states.size(); ++i) {
+    ModuleState& state = *states[i].first;
+    const at::Tensor& extra = states[i].second;
+    state.grad_square_sum_.reset();
+    absl::StrAppend(&names, names.empty() ? "" : " and ", state.name_);
+    if (extra.defined()) {
+      parts.push_back(extra.detach().to(at::kDouble).reshape({1}));
+      spans[i].extra = offset++;
+    }
+    // The partials of DP replica 0 (CP rank 0) add up to the module's squared norm.
+    if (state.gradient_rank_ != 0) continue;
+    at::Tensor grads = train::OwnedGradSumParts(*state.params_);
+    if (!grads.defined()) continue;
+    spans[i].grads = offset;
+    spans[i].grads_count = grads.numel();
+    offset += grads.numel();
+    parts.push_back(std::move(grads));
+  }
   at::Tensor host;
   if (!parts.empty()) {
     HETPAR_RETURN_IF_ERROR(nn::RunTorch(
-        absl::StrCat("reading the ", name_, " step's loss and gradient norm to the host"),
+        absl::StrCat("reading the ", names, " step's loss and gradient norm to the host"),
         [&] { host = at::cat(parts).cpu().contiguous(); }));
   }
   const double* values = host.defined() ? host.const_data_ptr<double>() : nullptr;
-  const int64_t offset = extra.defined() ? 1 : 0;
-  if (gradient_rank_ == 0) {
-    grad_square_sum_ = grads.defined()
-                           ? train::AddSumParts(values + offset, host.numel() - offset).square_sum
-                           : 0.0;
+  std::vector<double> extras(states.size(), 0.0);
+  for (size_t i = 0; i < states.size(); ++i) {
+    ModuleState& state = *states[i].first;
+    if (spans[i].extra >= 0) extras[i] = values[spans[i].extra];
+    if (state.gradient_rank_ != 0) continue;
+    state.grad_square_sum_ =
+        spans[i].grads >= 0
+            ? train::AddSumParts(values + spans[i].grads, spans[i].grads_count).square_sum
+            : 0.0;
   }
-  return extra.defined() ? values[0] : 0.0;
+  return extras;
 }
 
 std::vector<GradNormShare> ModuleState::GradNormShares() const {

@@ -82,6 +82,10 @@ class ModuleState {
   // in one copy. Returns `extra`'s value (0 without it); GradNormShares then sends what it read
   // (and reads the gradients itself without an EndStep first). Apply and Discard drop it.
   absl::StatusOr<double> EndStep(const at::Tensor& extra);
+  // EndStep for the module states of one worker (colocated: the encoder's and the LLM's), in one
+  // copy for all of them. Returns each state's `extra` value, in order.
+  static absl::StatusOr<std::vector<double>> EndSteps(
+      const std::vector<std::pair<ModuleState*, at::Tensor>>& states);
   std::vector<GradNormShare> GradNormShares() const;
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint);
   void Discard();
