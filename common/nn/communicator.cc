@@ -13,11 +13,13 @@
 #endif
 
 #include <cstdlib>
+#include <exception>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/nn/torch_status.h"
 
 namespace hetpar::nn {
@@ -111,8 +113,20 @@ void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* wha
 }
 
 void CommGroup::Release() {
-  // Leaked on purpose when abandoned: see Adopt.
-  if (abandoned_.load() && c10d_backend_) (void)c10d_backend_.release();
+  if (abandoned_.load() && c10d_backend_) {
+    if (backend_ == Backend::kNccl) {
+      // ncclCommAbort ends the collectives given up, so the group can be destroyed (a second
+      // abort, after CollectiveAborter's, finds no communicator left).
+      try {
+        c10d_backend_->abort();
+      } catch (const std::exception& e) {
+        HETPAR_LOG(WARNING) << "aborting an abandoned NCCL group failed: " << e.what();
+      }
+    } else {
+      // Gloo cannot abort: leaked on purpose, see Adopt.
+      (void)c10d_backend_.release();
+    }
+  }
   c10d_backend_.reset();
 }
 

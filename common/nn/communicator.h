@@ -126,9 +126,10 @@ class CommGroup : public torch::CustomClassHolder {
   bool abandoned() const { return abandoned_.load(); }
   // Takes over `fresh`'s process group, rank and size (a group formed anew for a new
   // generation), so that everything holding this group (models, autograd nodes) uses the new
-  // one; `fresh` is left empty. Call between steps. An abandoned process group is never
+  // one; `fresh` is left empty. Call between steps. An abandoned Gloo process group is never
   // destroyed: its backend thread may still be blocked in the collective given up, and
-  // destroying it would wait for that thread.
+  // destroying it would wait for that thread. An abandoned NCCL one is aborted
+  // (ProcessGroupNCCL::abort, ncclCommAbort), then destroyed.
   void Adopt(CommGroup& fresh);
 
  private:

@@ -60,8 +60,11 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   request.add_capabilities("ucx");
   if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
   session_options.on_lost = options.on_coordinator_lost;
-  session_options.on_arrival = [interrupt = ctx->interrupt_](const v1::CoordinatorMessage& m) {
+  session_options.on_arrival = [interrupt = ctx->interrupt_,
+                                aborter = ctx->aborter_](const v1::CoordinatorMessage& m) {
     if (m.has_abort() || m.has_stop()) interrupt->Raise();
+    // Does not block: the aborts run on the aborter's thread.
+    if (m.has_abort()) aborter->AbortGeneration(m.abort().generation());
   };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
@@ -195,7 +198,12 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   options.hostname = options_.host;
   options.interrupt = interrupt_.get();
   options.backend = execution_.collective_backend();
-  return nn::Communicator::Create(store_, options);
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<nn::Communicator> group,
+                          nn::Communicator::Create(store_, options));
+  if (options.backend == nn::Backend::kNccl) {
+    aborter_->Track(group->group()->c10d_backend(), store_generation_);
+  }
+  return group;
 }
 
 absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {

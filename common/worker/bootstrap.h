@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "common/control/client.h"
 #include "common/data/batch_source.h"
+#include "common/nn/collective_aborter.h"
 #include "common/nn/communicator.h"
 #include "common/nn/execution_context.h"
 #include "common/step_interrupt.h"
@@ -114,7 +115,8 @@ class WorkerContext {
   int64_t store_generation() const { return store_generation_; }
 
   // The c10d group `prefix` in which this worker is `rank` of `size`, formed through the run's
-  // rendezvous store (a group of one needs no store); waits at most peer_timeout().
+  // rendezvous store (a group of one needs no store); waits at most peer_timeout(). An NCCL
+  // group is aborted when the coordinator aborts a step of store_generation().
   absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(const std::string& prefix, int64_t rank,
                                                           int64_t size) const;
 
@@ -148,6 +150,9 @@ class WorkerContext {
   c10::intrusive_ptr<c10d::Store> store_;
   int64_t store_generation_ = 0;
   std::shared_ptr<StepInterrupt> interrupt_ = std::make_shared<StepInterrupt>();
+  // Aborts the NCCL groups of a generation whose step the coordinator aborted (on NCCL no wait
+  // of this worker sees the interrupt once a collective is queued; see nn::CollectiveAborter).
+  std::shared_ptr<nn::CollectiveAborter> aborter_ = std::make_shared<nn::CollectiveAborter>();
   std::unique_ptr<data::BatchSource> data_;
 };
 
