@@ -14,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "llm_trainer/language_model.h"
+#include "tests/util/tiny_llm.h"
 
 namespace hetpar::llm {
 namespace {
@@ -22,21 +23,9 @@ using ::testing::HasSubstr;
 
 constexpr int64_t kVocab = 40;
 constexpr int64_t kPlaceholder = 39;
-constexpr int64_t kHidden = 32;
+constexpr int64_t kHidden = testing::kTinyLlmHidden;
 
-hetpar::v1::LlmModel TinyModel() {
-  hetpar::v1::LlmModel m;
-  m.set_hidden(kHidden);
-  m.set_layers(2);
-  m.set_heads(8);
-  m.set_kv_heads(4);
-  m.set_ffn(48);
-  m.set_vocab(kVocab);
-  m.set_seq_len(24);
-  m.set_rope_theta(10000);
-  m.set_norm_eps(1e-5);
-  return m;
-}
+hetpar::v1::LlmModel TinyModel() { return testing::TinyLlm(kVocab); }
 
 LlmOptions Options(bool sequence_parallel = false) {
   LlmOptions options;

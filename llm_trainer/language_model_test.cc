@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/util/tiny_llm.h"
 
 namespace hetpar::llm {
 namespace {
@@ -19,19 +20,7 @@ using ::testing::HasSubstr;
 constexpr int64_t kVocab = 40;
 constexpr int64_t kPlaceholder = 39;
 
-hetpar::v1::LlmModel TinyModel() {
-  hetpar::v1::LlmModel m;
-  m.set_hidden(32);
-  m.set_layers(2);
-  m.set_heads(8);
-  m.set_kv_heads(4);
-  m.set_ffn(48);
-  m.set_vocab(kVocab);
-  m.set_seq_len(24);
-  m.set_rope_theta(10000);
-  m.set_norm_eps(1e-5);
-  return m;
-}
+hetpar::v1::LlmModel TinyModel() { return testing::TinyLlm(kVocab); }
 
 std::unique_ptr<LanguageModel> Make(at::ScalarType dtype = at::kDouble,
                                     nn::InitStyle style = nn::InitStyle::kAllRandom) {

@@ -9,7 +9,7 @@
 #include <map>
 #include <memory>
 
-#include "common/transport/inproc/inproc_transport.h"
+#include "tests/util/inproc_pair.h"
 
 namespace hetpar::train {
 namespace {
@@ -19,19 +19,15 @@ using ::testing::HasSubstr;
 class StageLinkTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto a = transport::inproc::InprocTransport::Create({"stage 0"});
-    auto b = transport::inproc::InprocTransport::Create({"stage 1"});
-    ASSERT_TRUE(a.ok() && b.ok());
-    a_ = *std::move(a);
-    b_ = *std::move(b);
-    auto to_b = a_->Connect(b_->LocalAddress(), absl::Now() + absl::Seconds(10));
-    auto to_a = b_->Connect(a_->LocalAddress(), absl::Now() + absl::Seconds(10));
-    ASSERT_TRUE(to_b.ok() && to_a.ok());
+    auto pair = testing::ConnectInprocPair("stage 0", "stage 1");
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    a_ = std::move(pair->a);
+    b_ = std::move(pair->b);
     // World ranks 4 (stage 0) and 6 (stage 1).
-    first_ = std::make_unique<StageLink>(a_.get(), std::map<int64_t, transport::PeerId>{{6, *to_b}},
-                                         absl::Seconds(10));
+    first_ = std::make_unique<StageLink>(
+        a_.get(), std::map<int64_t, transport::PeerId>{{6, pair->a_to_b}}, absl::Seconds(10));
     second_ = std::make_unique<StageLink>(
-        b_.get(), std::map<int64_t, transport::PeerId>{{4, *to_a}}, absl::Seconds(10));
+        b_.get(), std::map<int64_t, transport::PeerId>{{4, pair->b_to_a}}, absl::Seconds(10));
   }
 
   std::unique_ptr<transport::Transport> a_, b_;
@@ -108,7 +104,8 @@ TEST_F(StageLinkTest, ALateMessageOfAnAbortedAttemptIsNotTakenForTheRetrys) {
   // coordinator aborted the attempt).
   first_->BeginAttempt(1);
   second_->BeginAttempt(1);
-  const absl::Status late = first_->Send(6, 4, plan::Direction::kForward, 0, at::full({3, 4}, -1.0));
+  const absl::Status late =
+      first_->Send(6, 4, plan::Direction::kForward, 0, at::full({3, 4}, -1.0));
   ASSERT_TRUE(late.ok()) << late;
   // Attempt 2 of the same step: the receiver posts first, so the old message (already there)
   // would be matched if it could.

@@ -11,7 +11,7 @@
 #include <memory>
 #include <string>
 
-#include "common/transport/inproc/inproc_transport.h"
+#include "tests/util/inproc_pair.h"
 
 namespace hetpar::train {
 namespace {
@@ -21,16 +21,12 @@ using ::testing::HasSubstr;
 class StreamOrderedSenderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    auto a = transport::inproc::InprocTransport::Create({"sender"});
-    auto b = transport::inproc::InprocTransport::Create({"receiver"});
-    ASSERT_TRUE(a.ok() && b.ok());
-    a_ = *std::move(a);
-    b_ = *std::move(b);
-    auto to_b = a_->Connect(b_->LocalAddress(), absl::Now() + absl::Seconds(10));
-    auto to_a = b_->Connect(a_->LocalAddress(), absl::Now() + absl::Seconds(10));
-    ASSERT_TRUE(to_b.ok() && to_a.ok());
-    to_b_ = *to_b;
-    to_a_ = *to_a;
+    auto pair = testing::ConnectInprocPair("sender", "receiver");
+    ASSERT_TRUE(pair.ok()) << pair.status();
+    a_ = std::move(pair->a);
+    b_ = std::move(pair->b);
+    to_b_ = pair->a_to_b;
+    to_a_ = pair->b_to_a;
     sender_ = std::make_unique<StreamOrderedSender>(a_.get());
   }
 

@@ -18,6 +18,7 @@
 #include "common/train/optimizer.h"
 #include "encoder_service/encoder.h"
 #include "llm_trainer/language_model.h"
+#include "tests/util/tiny_llm.h"
 
 #if HETPAR_GPU_HAS_C10_CUDA
 #include "tests/gpu/host_sync_counter.h"
@@ -28,19 +29,7 @@ namespace {
 
 constexpr int64_t kVocab = 64;
 
-v1::LlmModel TinyLlm() {
-  v1::LlmModel m;
-  m.set_hidden(32);
-  m.set_layers(2);
-  m.set_heads(8);
-  m.set_kv_heads(4);
-  m.set_ffn(48);
-  m.set_vocab(kVocab);
-  m.set_seq_len(24);
-  m.set_rope_theta(10000);
-  m.set_norm_eps(1e-5);
-  return m;
-}
+v1::LlmModel TinyLlm() { return testing::TinyLlm(kVocab); }
 
 v1::EncoderModel TinyEncoder() {
   v1::EncoderModel m;

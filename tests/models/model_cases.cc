@@ -12,6 +12,7 @@
 #include "common/status.h"
 #include "encoder_service/encoder.h"
 #include "llm_trainer/language_model.h"
+#include "tests/util/tiny_llm.h"
 
 namespace hetpar::models_test {
 namespace {
@@ -58,19 +59,7 @@ hetpar::v1::EncoderModel EncoderModel() {
   return m;
 }
 
-hetpar::v1::LlmModel LlmModel() {
-  hetpar::v1::LlmModel m;
-  m.set_hidden(32);
-  m.set_layers(2);
-  m.set_heads(8);
-  m.set_kv_heads(4);
-  m.set_ffn(48);
-  m.set_vocab(40);
-  m.set_seq_len(24);
-  m.set_rope_theta(10000);
-  m.set_norm_eps(1e-5);
-  return m;
-}
+hetpar::v1::LlmModel LlmModel() { return testing::TinyLlm(40); }
 
 llm::LlmSample Sample(std::string id, int64_t length, int64_t salt,
                       std::vector<int64_t> image_positions) {
