@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/logging.h"
 #include "common/nn/device_copy.h"
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
@@ -538,6 +539,23 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
   }
   const at::Tensor full_rows = nn::IndexTensor(full_index, options_.device);
 
+  // Varlen flash attention: the samples' cumulative row starts (int32, on the device) and the
+  // longest sample; undefined where the per-run path computes attention instead.
+  at::Tensor varlen_starts;
+  int64_t longest = 0;
+  const bool flash_dtype = options_.dtype == at::kBFloat16 || options_.dtype == at::kHalf;
+  if (options_.varlen_attention && !varlen_failed_ && options_.device.is_cuda() && cp == 1 &&
+      flash_dtype && head_dim % 8 == 0 && head_dim <= 256) {
+    std::vector<int32_t> starts32(starts.begin(), starts.end());
+    for (size_t s = 0; s + 1 < starts.size(); ++s) {
+      longest = std::max(longest, starts[s + 1] - starts[s]);
+    }
+    // ToDevice copies the host values into pinned memory before it returns.
+    varlen_starts = nn::ToDevice(
+        at::from_blob(starts32.data(), {static_cast<int64_t>(starts32.size())}, at::kInt),
+        options_.device);
+  }
+
   for (const Layer& layer : layers_) {
     at::Tensor h =
         nn::EnterTensorParallel(nn::RmsNorm(x, layer.attn_norm, model_.norm_eps()), rows, tp_);
@@ -562,44 +580,69 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
       all_v = gathered.select(1, 1);
       kv_starts = full_starts;
     }
+    // On CUDA (bfloat16, float16, no CP) one varlen flash kernel over the packed rows: the
+    // cumulative starts keep each sample's causal attention within itself, query head h reads kv
+    // head h / group, and the output is already in the packed layout. Its backward is ATen's
+    // (_flash_attention_backward). A GPU without the kernel fails the first call: the per-run
+    // path below from then on.
+    at::Tensor attended;  // [rows, local_heads * head_dim]
+    if (varlen_starts.defined()) {
+      try {
+        attended = std::get<0>(at::_flash_attention_forward(q, k, v, varlen_starts, varlen_starts,
+                                                            longest, longest,
+                                                            /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                            /*return_debug_mask=*/false, scale))
+                       .reshape({rows, local_heads * head_dim});
+      } catch (const c10::Error& e) {
+        if (&layer != &layers_.front()) throw;  // it ran on this GPU: a real failure
+        HETPAR_LOG(WARNING) << "llm attention: the varlen flash kernel does not run here ("
+                            << e.what_without_backtrace()
+                            << "); one SDPA call per run of equal-length samples instead";
+        varlen_failed_ = true;
+        varlen_starts = at::Tensor();
+      }
+    }
     // at::scaled_dot_product_attention per packed sample, so that a sample attends only within
     // itself; a run of consecutive samples of one length (and, with CP, one key length) is one
     // call over a batch dimension, a view of the packed rows without a copy. enable_gqa: query
     // head h reads kv head h / group (the fused QKV weight's grouping) without copying K and V.
     // On the CPU this is ATen's flash kernel: its softmax accumulates in float32 for bfloat16 and
     // in the dtype for float32 and float64, and only the output and the log-sum-exp are kept for
-    // backward. On CUDA it is one flash or memory-efficient kernel launch per run; a varlen
-    // kernel (cumulative sequence lengths) would batch samples of different lengths too.
-    std::vector<at::Tensor> outputs;
-    outputs.reserve(samples.size());
-    for (size_t s = 0; s < samples.size();) {
-      const int64_t length = starts[s + 1] - starts[s];
-      const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
-      // CP masks differ per sample: one sample per call there.
-      size_t end = s + 1;
-      while (cp == 1 && end < samples.size() && starts[end + 1] - starts[end] == length &&
-             kv_starts[end + 1] - kv_starts[end] == kv_length) {
-        ++end;
+    // backward. On CUDA (float32, CP, or without the varlen kernel) it is one flash,
+    // memory-efficient or cuDNN kernel launch per run.
+    if (!attended.defined()) {
+      std::vector<at::Tensor> outputs;
+      outputs.reserve(samples.size());
+      for (size_t s = 0; s < samples.size();) {
+        const int64_t length = starts[s + 1] - starts[s];
+        const int64_t kv_length = kv_starts[s + 1] - kv_starts[s];
+        // CP masks differ per sample: one sample per call there.
+        size_t end = s + 1;
+        while (cp == 1 && end < samples.size() && starts[end + 1] - starts[end] == length &&
+               kv_starts[end + 1] - kv_starts[end] == kv_length) {
+          ++end;
+        }
+        const int64_t n = static_cast<int64_t>(end - s);
+        // [n, heads, L, d] queries; [n, kv, Lk, d] keys and values.
+        const at::Tensor qs = q.narrow(0, starts[s], n * length)
+                                  .view({n, length, local_heads, head_dim})
+                                  .transpose(1, 2);
+        const at::Tensor ks = all_k.narrow(0, kv_starts[s], n * kv_length)
+                                  .view({n, kv_length, local_kv, head_dim})
+                                  .transpose(1, 2);
+        const at::Tensor vs = all_v.narrow(0, kv_starts[s], n * kv_length)
+                                  .view({n, kv_length, local_kv, head_dim})
+                                  .transpose(1, 2);
+        const std::optional<at::Tensor> mask =
+            cp > 1 ? std::optional<at::Tensor>(cp_masks[s]) : std::nullopt;
+        const at::Tensor run = at::scaled_dot_product_attention(
+            qs, ks, vs, mask, /*dropout_p=*/0.0, /*is_causal=*/cp == 1, scale, /*enable_gqa=*/true);
+        outputs.push_back(run.transpose(1, 2).reshape({n * length, local_heads * head_dim}));
+        s = end;
       }
-      const int64_t n = static_cast<int64_t>(end - s);
-      // [n, heads, L, d] queries; [n, kv, Lk, d] keys and values.
-      const at::Tensor qs = q.narrow(0, starts[s], n * length)
-                                .view({n, length, local_heads, head_dim})
-                                .transpose(1, 2);
-      const at::Tensor ks = all_k.narrow(0, kv_starts[s], n * kv_length)
-                                .view({n, kv_length, local_kv, head_dim})
-                                .transpose(1, 2);
-      const at::Tensor vs = all_v.narrow(0, kv_starts[s], n * kv_length)
-                                .view({n, kv_length, local_kv, head_dim})
-                                .transpose(1, 2);
-      const std::optional<at::Tensor> mask =
-          cp > 1 ? std::optional<at::Tensor>(cp_masks[s]) : std::nullopt;
-      const at::Tensor attended = at::scaled_dot_product_attention(
-          qs, ks, vs, mask, /*dropout_p=*/0.0, /*is_causal=*/cp == 1, scale, /*enable_gqa=*/true);
-      outputs.push_back(attended.transpose(1, 2).reshape({n * length, local_heads * head_dim}));
-      s = end;
+      attended = at::cat(outputs, 0);
     }
-    x = x + nn::RowParallelLinear(at::cat(outputs, 0), layer.proj, at::Tensor(), tp_);
+    x = x + nn::RowParallelLinear(attended, layer.proj, at::Tensor(), tp_);
 
     h = nn::EnterTensorParallel(nn::RmsNorm(x, layer.mlp_norm, model_.norm_eps()), rows, tp_);
     at::Tensor inner = at::silu(nn::ColumnParallelLinear(h, layer.gate, at::Tensor())) *

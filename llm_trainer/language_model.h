@@ -115,6 +115,11 @@ struct LlmOptions {
   // is the whole model.
   int64_t pp_stage = 0;
   int64_t pp_stages = 1;
+  // On CUDA in bfloat16 or float16 without CP: the attention of all of a microbatch's packed
+  // samples in one varlen flash kernel (cumulative sequence lengths, no mask, no padding). False,
+  // or where that kernel cannot run (another dtype, CP, a head size it lacks, a GPU without
+  // it): one SDPA call per run of equal-length samples, as on the CPU.
+  bool varlen_attention = true;
 };
 
 // Options of a RunSpec: run.dtype, run.seed and llm.layout.sequence_parallel.
@@ -208,6 +213,9 @@ class LanguageModel {
   int64_t cp_size() const { return cp_.defined() ? cp_->size() : 1; }
   int64_t cp_rank() const { return cp_.defined() ? cp_->rank() : 0; }
 
+  // The varlen flash kernel (LlmOptions::varlen_attention) failed on its first call here, and
+  // attention runs one SDPA call per run of equal-length samples instead.
+  bool varlen_attention_failed() const { return varlen_failed_; }
   nn::ParameterSet& parameters() { return *parameters_; }
   const nn::ParameterSet& parameters() const { return *parameters_; }
   const hetpar::v1::LlmModel& model() const { return model_; }
@@ -242,6 +250,8 @@ class LanguageModel {
   at::Tensor norm_;
   at::Tensor output_;
   at::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim] in the model dtype
+  // The varlen kernel failed once (a GPU without flash attention): the per-run path from then on.
+  bool varlen_failed_ = false;
 };
 
 }  // namespace hetpar::llm

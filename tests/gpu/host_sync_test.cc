@@ -1,8 +1,9 @@
-// The hot loop on a GPU queues work without waiting for the device (label gpu): an LLM
-// microbatch's forward and backward (packed samples of different lengths, with image rows), an
-// encoder job's forward and backward, and the step-end read of the loss and the gradient norm
-// parts, counted with libtorch's CUDA sync debug mode (tests/gpu/host_sync_counter.h). The
-// training thread may wait for the device once per step: that read.
+// The hot loop on a GPU queues work without waiting for the device (label gpu), in float32 and
+// bfloat16: an LLM microbatch's forward and backward (packed samples of different lengths, with
+// image rows), an encoder job's forward and backward, and the step-end read of the loss and the
+// gradient norm parts, counted with libtorch's CUDA sync debug mode
+// (tests/gpu/host_sync_counter.h). The training thread may wait for the device once per step:
+// that read.
 //
 // Skips, saying why, where no CUDA device is visible or this libtorch has no CUDA.
 #include <ATen/ATen.h>
@@ -44,19 +45,8 @@ v1::EncoderModel TinyEncoder() {
   return m;
 }
 
-// Labels are the next tokens; image placeholders and the last position do not count.
 llm::LlmSample Sample(int64_t length, int64_t salt, std::vector<int64_t> image_positions) {
-  llm::LlmSample s;
-  s.id = "s" + std::to_string(salt);
-  for (int64_t i = 0; i < length; ++i) s.tokens.push_back((i * 7 + salt * 13 + 3) % (kVocab - 1));
-  s.labels.assign(length, 0);
-  s.loss_mask.assign(length, 1);
-  for (int64_t i = 0; i + 1 < length; ++i) s.labels[i] = s.tokens[i + 1];
-  s.loss_mask[length - 1] = 0;
-  for (int64_t p : image_positions) s.loss_mask[p] = 0;
-  s.image_positions = std::move(image_positions);
-  s.image_rows = static_cast<int64_t>(s.image_positions.size());
-  return s;
+  return testing::TinyLlmSample(length, salt, kVocab, std::move(image_positions));
 }
 
 bool SkipWithoutCuda(std::string* why) {
@@ -80,7 +70,11 @@ std::string Where(const testing::HostSyncCounter& counter) {
 }
 #endif
 
-TEST(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevice) {
+// float32 (attention: one SDPA call per run of equal-length samples) and bfloat16 (one varlen
+// flash kernel over the packed samples).
+class HostSyncTest : public ::testing::TestWithParam<at::ScalarType> {};
+
+TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevice) {
   std::string why;
   if (SkipWithoutCuda(&why)) GTEST_SKIP() << why;
 #if HETPAR_GPU_HAS_C10_CUDA
@@ -88,10 +82,12 @@ TEST(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevice
   static auto single = nn::Communicator::CreateSingle();
   encoder::EncoderOptions encoder_options;
   encoder_options.device = gpu;
+  encoder_options.dtype = GetParam();
   auto encoder = encoder::VisionEncoder::Create(TinyEncoder(), encoder_options, *single);
   ASSERT_TRUE(encoder.ok()) << encoder.status();
   llm::LlmOptions llm_options;
   llm_options.device = gpu;
+  llm_options.dtype = GetParam();
   llm_options.seed = 11;
   auto lm = llm::LanguageModel::Create(TinyLlm(), llm_options, *single);
   ASSERT_TRUE(lm.ok()) << lm.status();
@@ -128,6 +124,11 @@ TEST(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevice
   EXPECT_GT(host[0].item<double>(), 0.0);
 #endif
 }
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, HostSyncTest, ::testing::Values(at::kFloat, at::kBFloat16),
+                         [](const ::testing::TestParamInfo<at::ScalarType>& info) {
+                           return std::string(info.param == at::kFloat ? "float32" : "bfloat16");
+                         });
 
 }  // namespace
 }  // namespace hetpar

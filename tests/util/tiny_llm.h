@@ -1,11 +1,15 @@
-// The tiny decoder the model tests share: 32 wide, 2 layers, 8 query heads over 4 key/value
-// heads (GQA), a 48-wide SwiGLU, 24 positions. Small enough for float64 on 2 cores.
+// The tiny decoder the model tests share, and its samples: 32 wide, 2 layers, 8 query heads over 4
+// key/value heads (GQA), a 48-wide SwiGLU, 24 positions. Small enough for float64 on 2 cores.
 #ifndef HETPAR_TESTS_UTIL_TINY_LLM_H_
 #define HETPAR_TESTS_UTIL_TINY_LLM_H_
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "hetpar/v1/run_spec.pb.h"
+#include "llm_trainer/language_model.h"
 
 namespace hetpar::testing {
 
@@ -23,6 +27,23 @@ inline v1::LlmModel TinyLlm(int64_t vocab) {
   m.set_rope_theta(10000);
   m.set_norm_eps(1e-5);
   return m;
+}
+
+// A sample of `length` tokens below vocab - 1 (drawn from `salt`) whose labels are the next
+// tokens; the image placeholders at `image_positions` and the last position carry no loss.
+inline llm::LlmSample TinyLlmSample(int64_t length, int64_t salt, int64_t vocab,
+                                    std::vector<int64_t> image_positions = {}) {
+  llm::LlmSample s;
+  s.id = "s" + std::to_string(salt);
+  for (int64_t i = 0; i < length; ++i) s.tokens.push_back((i * 7 + salt * 13 + 3) % (vocab - 1));
+  s.labels.assign(length, 0);
+  s.loss_mask.assign(length, 1);
+  for (int64_t i = 0; i + 1 < length; ++i) s.labels[i] = s.tokens[i + 1];
+  s.loss_mask[length - 1] = 0;
+  for (int64_t p : image_positions) s.loss_mask[p] = 0;
+  s.image_positions = std::move(image_positions);
+  s.image_rows = static_cast<int64_t>(s.image_positions.size());
+  return s;
 }
 
 }  // namespace hetpar::testing
