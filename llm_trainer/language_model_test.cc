@@ -38,18 +38,7 @@ std::unique_ptr<LanguageModel> Make(at::ScalarType dtype = at::kDouble,
 // placeholders counts in the loss.
 LlmSample MakeSample(std::string id, std::vector<int64_t> tokens,
                      std::vector<int64_t> image_positions = {}) {
-  LlmSample s;
-  s.id = std::move(id);
-  s.tokens = std::move(tokens);
-  const size_t n = s.tokens.size();
-  s.labels.assign(n, 0);
-  s.loss_mask.assign(n, 1);
-  for (size_t i = 0; i + 1 < n; ++i) s.labels[i] = s.tokens[i + 1];
-  s.loss_mask[n - 1] = 0;
-  for (int64_t p : image_positions) s.loss_mask[p] = 0;
-  s.image_positions = std::move(image_positions);
-  s.image_rows = static_cast<int64_t>(s.image_positions.size());
-  return s;
+  return testing::LabeledSample(std::move(id), std::move(tokens), std::move(image_positions));
 }
 
 std::vector<int64_t> Tokens(int64_t n, int64_t salt) {

@@ -29,21 +29,30 @@ inline v1::LlmModel TinyLlm(int64_t vocab) {
   return m;
 }
 
-// A sample of `length` tokens below vocab - 1 (drawn from `salt`) whose labels are the next
-// tokens; the image placeholders at `image_positions` and the last position carry no loss.
-inline llm::LlmSample TinyLlmSample(int64_t length, int64_t salt, int64_t vocab,
+// A sample of `tokens` whose labels are the next tokens; the image placeholders at
+// `image_positions` and the last position carry no loss.
+inline llm::LlmSample LabeledSample(std::string id, std::vector<int64_t> tokens,
                                     std::vector<int64_t> image_positions = {}) {
   llm::LlmSample s;
-  s.id = "s" + std::to_string(salt);
-  for (int64_t i = 0; i < length; ++i) s.tokens.push_back((i * 7 + salt * 13 + 3) % (vocab - 1));
-  s.labels.assign(length, 0);
-  s.loss_mask.assign(length, 1);
-  for (int64_t i = 0; i + 1 < length; ++i) s.labels[i] = s.tokens[i + 1];
-  s.loss_mask[length - 1] = 0;
+  s.id = std::move(id);
+  s.tokens = std::move(tokens);
+  const size_t n = s.tokens.size();
+  s.labels.assign(n, 0);
+  s.loss_mask.assign(n, 1);
+  for (size_t i = 0; i + 1 < n; ++i) s.labels[i] = s.tokens[i + 1];
+  s.loss_mask[n - 1] = 0;
   for (int64_t p : image_positions) s.loss_mask[p] = 0;
   s.image_positions = std::move(image_positions);
   s.image_rows = static_cast<int64_t>(s.image_positions.size());
   return s;
+}
+
+// A LabeledSample of `length` tokens below vocab - 1, drawn from `salt`.
+inline llm::LlmSample TinyLlmSample(int64_t length, int64_t salt, int64_t vocab,
+                                    std::vector<int64_t> image_positions = {}) {
+  std::vector<int64_t> tokens;
+  for (int64_t i = 0; i < length; ++i) tokens.push_back((i * 7 + salt * 13 + 3) % (vocab - 1));
+  return LabeledSample("s" + std::to_string(salt), std::move(tokens), std::move(image_positions));
 }
 
 }  // namespace hetpar::testing
