@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "bench/built_path.h"
 #include "bench/hetpar_run_util.h"
 #include "nlohmann/json.hpp"
 
@@ -69,7 +70,8 @@ namespace {
 // hetpar's one-way rate from `transport_bw --sizes <size>` with `window` messages in flight;
 // negative when it fails.
 double TransportGbps(int64_t size, int window) {
-  const std::string command = std::string(TRANSPORT_BW_BIN) + " --sizes " + std::to_string(size) +
+  const std::string command = hetpar::bench::BuiltPath("TRANSPORT_BW_BIN", TRANSPORT_BW_BIN) +
+                              " --sizes " + std::to_string(size) +
                               " --skip ucx_raw,gloo,memcpy --reps 3 --window " +
                               std::to_string(window) + " 2>/dev/null";
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -118,7 +120,8 @@ double PipelineBubble(const std::string& out, int warmup) {
 
 int main(int argc, char** argv) {
   CLI::App app{"step_bench: decomposed step time of hetpar run"};
-  std::string config = std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
+  std::string config =
+      hetpar::bench::BuiltPath("HETPAR_SOURCE_DIR", HETPAR_SOURCE_DIR) + "/configs/tiny.yaml";
   int steps = 12;
   int warmup = 2;
   int threads = 1;
@@ -179,7 +182,7 @@ int main(int argc, char** argv) {
     if (!selected(c.name)) continue;
     const std::string out = dir + "/" + c.name;
     std::filesystem::create_directories(dir);
-    if (!hetpar::bench::RunHetpar(HETPAR_BIN,
+    if (!hetpar::bench::RunHetpar(hetpar::bench::BuiltPath("HETPAR_BIN", HETPAR_BIN),
                                   "--config " + Quote(config) + " --steps " +
                                       std::to_string(steps) + " --threads " +
                                       std::to_string(threads) + common_extra + c.extra,

@@ -49,7 +49,8 @@
 // (--skip memcpy skips the d2d baseline under --memory cuda.)
 // The same binary is the worker process of each pair (--role hetpar|gloo --rank 0|1 --dir D).
 // The usual UCX_* environment reaches hetpar's workers and ucx_perftest alike; ucx_perftest is the
-// one of the UCX hetpar links (HETPAR_UCX_PERFTEST), so both run the same UCX.
+// one of the UCX hetpar links (HETPAR_UCX_PERFTEST; the environment variables HETPAR_UCX_PERFTEST
+// and HETPAR_UCX_LIBDIR replace it and its libraries), so both run the same UCX.
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -83,6 +84,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "bench/built_path.h"
 #include "common/atomic_file.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "nlohmann/json.hpp"
@@ -583,17 +585,19 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     // otherwise find the system's UCX of the same soname).
     const char* library_path = std::getenv("LD_LIBRARY_PATH");
     std::vector<std::string> server_argv = {
-        "/usr/bin/env", absl::StrCat("LD_LIBRARY_PATH=", HETPAR_UCX_LIBDIR,
-                                     library_path != nullptr && *library_path != '\0'
-                                         ? absl::StrCat(":", library_path)
-                                         : std::string())};
+        "/usr/bin/env",
+        absl::StrCat(
+            "LD_LIBRARY_PATH=", hetpar::bench::BuiltPath("HETPAR_UCX_LIBDIR", HETPAR_UCX_LIBDIR),
+            library_path != nullptr && *library_path != '\0' ? absl::StrCat(":", library_path)
+                                                             : std::string())};
     if (config.cuda()) {
       server_argv.push_back(
           absl::StrCat("CUDA_VISIBLE_DEVICES=", VisibleDevice(config.cuda_device)));
     }
     const size_t program = server_argv.size();
-    server_argv.insert(server_argv.end(), {HETPAR_UCX_PERFTEST, "-t", "tag_bw", "-s", s, "-n", n,
-                                           "-w", warmup, "-p", port, "-f"});
+    server_argv.insert(server_argv.end(),
+                       {hetpar::bench::BuiltPath("HETPAR_UCX_PERFTEST", HETPAR_UCX_PERFTEST), "-t",
+                        "tag_bw", "-s", s, "-n", n, "-w", warmup, "-p", port, "-f"});
     if (error_handling) server_argv.push_back("-e");
     if (config.cuda()) {
       server_argv.push_back("-m");

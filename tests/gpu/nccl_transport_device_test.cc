@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "bench/built_path.h"
 #include "common/atomic_file.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "gmock/gmock.h"
@@ -65,8 +66,10 @@ TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
   ASSERT_TRUE(transport.ok()) << transport.status();
   ASSERT_TRUE((*transport)->CanMove(MemoryKind::kCuda));
   ASSERT_TRUE(WriteFileAtomically(dir + "/test.addr", (*transport)->LocalAddress()).ok());
-  auto child = ChildProcess::Start({HETPAR_NCCL_DEVICE_PEER, "--dir", dir, "--device", "1"},
-                                   dir + "/peer.log");
+  auto child = ChildProcess::Start(
+      {hetpar::bench::BuiltPath("HETPAR_NCCL_DEVICE_PEER", HETPAR_NCCL_DEVICE_PEER), "--dir", dir,
+       "--device", "1"},
+      dir + "/peer.log");
   ASSERT_TRUE(child.ok()) << child.status();
   std::string peer_address;
   ASSERT_TRUE(testing::WaitForFile(dir + "/peer.addr", absl::Seconds(60), &peer_address))
