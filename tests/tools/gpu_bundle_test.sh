@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# tools/gpu-bundle and tools/gpu-check --bundle, as on a GPU machine that cannot build hetpar: packs
+# the build folder's binaries, then (as root, in a private mount namespace) hides the build folder,
+# the venv's UCX wheel and every system copy of a library the bundle carries, and runs gpu-check
+# from the bundle with --cpu-train: the gpu tests (they skip without a GPU), three 4-step training
+# runs compared with the float64 reference, and step_bench. Then the two refusals: a bundle built
+# against another libtorch, and a bundle missing one of its libraries.
+# Usage: gpu_bundle_test.sh BUILD_DIR REPO_ROOT
+set -euo pipefail
+
+build="$(realpath "$1")"
+repo="$(realpath "$2")"
+python="$repo/.venv/bin/python"
+[ -x "$python" ] || { echo "gpu_bundle_test: $python is missing: run deploy/install-deps.sh" >&2; exit 1; }
+
+work="$(mktemp -d /tmp/hetpar-gpu-bundle-test.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+fail() {
+  echo "gpu_bundle_test: FAIL: $*" >&2
+  exit 1
+}
+
+# ---- Pack ----
+"$repo/tools/gpu-bundle" --no-build --build-dir "$build" --out "$work/bundle" >"$work/pack.json" ||
+  fail "tools/gpu-bundle failed"
+"$python" - "$work/pack.json" "$work/bundle" <<'EOF' || fail "the bundle is not what was asked for"
+import json, os, sys
+line = json.loads(open(sys.argv[1]).read())
+bundle = sys.argv[2]
+assert line["bundle"] == bundle, line
+manifest = json.load(open(os.path.join(bundle, "bundle.json")))
+names = {t["name"] for t in manifest["tests"]}
+for name in ("gpu_kernels_test", "host_sync_test", "llm_attention_test", "boundary_device_test"):
+    assert name in names, f"{name} missing from bundle.json's tests {sorted(names)}"
+for t in manifest["tests"]:
+    assert os.access(os.path.join(bundle, t["binary"]), os.X_OK), t
+for f in ("bin/hetpar", "bin/hetpar-encoder", "bin/hetpar-llm", "bin/hetpar-reference",
+          "bin/libhetpar_sentencepiece.so",
+          "bench/gpu_bench", "bench/transport_bw",
+          "bench/step_bench", "bench/model_bench", "site/libucx/bin/ucx_perftest",
+          "site/libucx/lib/libucp.so.0", "lib/libgrpc++.so.1.51"):
+    assert os.path.exists(os.path.join(bundle, f)), f"{f} missing from the bundle"
+# libtorch and the C runtime come from the machine that runs it.
+for f in os.listdir(os.path.join(bundle, "lib")):
+    assert not f.startswith(("libtorch", "libc10", "libc.so", "libstdc++", "libcuda.so")), f
+assert manifest["torch"].startswith("2."), manifest["torch"]
+EOF
+
+# ---- Run it where nothing else is left to find ----
+# The UCX wheel's folders (<site>/libucx and <site>/libucx_cu13.libs), when the build linked it.
+ucx_libdir="$(sed -n 's/^HETPAR_UCX_LIBDIR:[A-Z]*=//p' "$build/CMakeCache.txt")"
+ucx_wheel=""
+if [[ "$ucx_libdir" == */site-packages/libucx/lib ]]; then
+  site="${ucx_libdir%/libucx/lib}"
+  ucx_wheel="$site/libucx $site/libucx_cu13.libs"
+fi
+# The libraries the bundle carries, as packed (the last case below removes one).
+ls "$work/bundle/lib" >"$work/libraries"
+cat >"$work/hidden.sh" <<EOF
+set -euo pipefail
+# The libraries python3 and mount(8) load themselves stay: a GPU machine has its own of those.
+mount -t tmpfs none "$build"
+for d in $ucx_wheel; do
+  if [ -d "\$d" ]; then mount -t tmpfs none "\$d"; fi
+done
+hidden=0
+for name in \$(cat "$work/libraries") libucp.so.0 libucs.so.0; do
+  case "\$name" in libz.so* | libssl.so* | libcrypto.so* | libpcre2-8.so*) continue ;; esac
+  for dir in /lib/x86_64-linux-gnu /usr/lib/x86_64-linux-gnu; do
+    if [ -e "\$dir/\$name" ]; then
+      mount --bind /dev/null "\$dir/\$name"
+      hidden=\$((hidden + 1))
+    fi
+  done
+done
+echo "gpu_bundle_test: hid \$hidden system libraries, $build, and the UCX wheel" >&2
+cd "$repo"
+"\$@"
+EOF
+hide=(unshare -m --propagation private bash "$work/hidden.sh")
+if [ "$(id -u)" != 0 ] || ! unshare -m --propagation private true 2>/dev/null; then
+  echo "gpu_bundle_test: no private mount namespace here (not root, or unshare refused):" \
+    "running the bundle with the build folder and system libraries still in view" >&2
+  hide=()
+fi
+
+status=0
+"${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 \
+  >"$work/check.jsonl" 2>"$work/check.log" || status=$?
+if [ "$status" != 0 ]; then
+  tail -n 60 "$work/check.log" >&2
+  cat "$work/check.jsonl" >&2
+  fail "tools/gpu-check --bundle exited $status"
+fi
+"$python" - "$work/check.jsonl" <<'EOF' || { cat "$work/check.jsonl" >&2; fail "gpu-check's lines"; }
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+checks = {l["check"]: l for l in lines if "check" in l}
+assert checks["bundle"]["ok"] is True, checks["bundle"]
+tests = checks["gpu_tests"]
+assert tests["failed"] == 0 and tests["passed"] + tests["skipped"] > 10, tests
+runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
+assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "reference_float64_cpu"], sorted(runs)
+for name, run in runs.items():
+    assert run["rc"] == 0, run
+    if name != "reference_float64_cpu":
+        assert run["compare_rc"] == 0 and "compared 4 steps" in run["compare"], run
+steps = [l for l in lines if l.get("bench") == "step"]
+assert sorted(s["case"] for s in steps) == ["as_configured", "micro_batch_1"], steps
+for s in steps:
+    assert s["steps_measured"] >= 1 and s["step_time_s"] > 0 and s["llm_compute_s"] > 0, s
+summary = checks["gpu_check"]
+assert summary["ok"] is True and summary["train_rc"] == 0 and summary["step_rc"] == 0, summary
+EOF
+
+# ---- Refusals ----
+# Another libtorch's bundle: refused before anything runs, naming both versions.
+cp -a "$work/bundle" "$work/other-torch"
+sed -i 's/"torch": "[^"]*"/"torch": "1.13.1"/' "$work/other-torch/bundle.json"
+status=0
+"$repo/tools/gpu-check" --bundle "$work/other-torch" --no-train >"$work/other.jsonl" \
+  2>"$work/other.log" || status=$?
+[ "$status" = 1 ] || fail "a bundle for libtorch 1.13.1 gave status $status, not 1"
+grep -q '"check":"bundle","ok":false,"error":"the bundle was built against libtorch 1.13.1' \
+  "$work/other.jsonl" || { cat "$work/other.jsonl" >&2; fail "no refusal naming libtorch 1.13.1"; }
+grep -q '"check":"gpu_tests"' "$work/other.jsonl" && fail "the gpu tests ran from a refused bundle"
+
+# A bundle without one of its libraries: gpu-check names the binary and the library.
+if [ "${#hide[@]}" != 0 ]; then
+  rm "$work/bundle/lib/libyaml-cpp.so.0.7"
+  status=0
+  "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --no-train >"$work/missing.jsonl" \
+    2>"$work/missing.log" || status=$?
+  [ "$status" = 1 ] || fail "a bundle without libyaml-cpp gave status $status, not 1"
+  # (Here the hidden system copy is an empty file, so ldd says it cannot load it; where the
+  # library is absent it says "not found".)
+  grep -q '"error":"binaries that cannot load their libraries: .*hetpar: .*libyaml-cpp.so.0.7' \
+    "$work/missing.jsonl" || { cat "$work/missing.jsonl" >&2; fail "no refusal naming libyaml-cpp"; }
+fi
+echo "gpu_bundle_test: passed"
