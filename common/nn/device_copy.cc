@@ -1,8 +1,11 @@
 #include "common/nn/device_copy.h"
 
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace hetpar::nn {
 
@@ -20,6 +23,34 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const c10::Device& de
       at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(device.is_cuda()));
   if (n > 0) std::memcpy(host.data_ptr<int64_t>(), values.data(), sizeof(int64_t) * values.size());
   return ToDevice(host, device);
+}
+
+at::Tensor EmptyForTransport(int64_t size, const c10::Device& device) {
+  const at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(device);
+  if (!device.is_cuda()) return at::empty({size}, options);
+  // One stream per device from the global pool, kept for every receive: its pool holds only
+  // transport buffers, and no kernel of hetpar's runs on it.
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::Stream>* const side_streams =
+      new std::map<c10::DeviceIndex, c10::Stream>();
+  c10::Stream side(c10::Stream::DEFAULT, device);
+  {
+    const std::lock_guard<std::mutex> lock(mu);
+    auto it = side_streams->find(device.index());
+    if (it == side_streams->end()) {
+      const c10::impl::VirtualGuardImpl guard(device.type());
+      it = side_streams->emplace(device.index(), guard.getStreamFromGlobalPool(device)).first;
+    }
+    side = it->second;
+  }
+  const c10::StreamGuard on_side(side);
+  return at::empty({size}, options);
+}
+
+void RecordStreamUse(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.is_cuda()) return;
+  const c10::impl::VirtualGuardImpl guard(tensor.device().type());
+  tensor.record_stream(guard.getStream(tensor.device()));
 }
 
 at::Tensor HostBytesFor(int64_t size, const c10::Device& device) {

@@ -20,11 +20,27 @@
 namespace hetpar::nn {
 
 // `host` (a CPU tensor) on `device`. On CUDA the copy is queued on the device's current stream
-// and the call returns without waiting for it; `host` may be changed or freed at once.
+// and the call returns without waiting for it. A pageable `host` is first copied into pinned
+// memory, so it may be changed or freed at once; a pinned `host` is read by the copy itself: it
+// may be freed at once (the caching host allocator keeps it until the copy is done) but not
+// written until the stream has passed the copy.
 at::Tensor ToDevice(const at::Tensor& host, const c10::Device& device);
 
 // `values` as an int64 tensor on `device`, as ToDevice copies it.
 at::Tensor IndexTensor(const std::vector<int64_t>& values, const c10::Device& device);
+
+// `size` bytes on `device` for a transport to write into outside the current stream's order (a
+// received message). On CUDA they come from a side stream's pool: the caching allocator hands a
+// block freed on the current stream straight to the next tensor of that stream, even while
+// kernels queued before still use it, which is safe for kernels on that stream and not for a
+// transport writing whenever the data arrives. Once the current stream's work that reads the
+// tensor is queued, RecordStreamUse(tensor) keeps the block from the side stream's next tensors
+// until that work is done. On the CPU a plain tensor.
+at::Tensor EmptyForTransport(int64_t size, const c10::Device& device);
+
+// Marks `tensor` (a CUDA tensor from EmptyForTransport) as used by the work queued so far on its
+// device's current stream; nothing on the CPU.
+void RecordStreamUse(const at::Tensor& tensor);
 
 // A host tensor of `size` bytes that a non-blocking device-to-host copy may write into: pinned
 // when `device` is a GPU (a pageable destination would make the copy blocking), else plain.

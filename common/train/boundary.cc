@@ -110,7 +110,7 @@ void BoundaryCommunicator::UseDevice(const c10::Device& device, bool tensor_mess
   device_direct_ = device.is_cuda() ? transport_->CanMove(transport::MemoryKind::kCuda)
                                     : tensor_messages && device.is_cpu();
   ordered_sender_ = device_direct_ && device.is_cuda()
-                        ? std::make_unique<StreamOrderedSender>(transport_)
+                        ? std::make_unique<StreamOrderedSender>(transport_, device)
                         : nullptr;
 }
 
@@ -285,10 +285,11 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
     if (device_direct_) {
       // The whole message lands on the device; Receive checks its header there and places
       // (or adds) the rows with device copies.
+      // From memory no queued kernel still uses: the transport writes it whenever the data
+      // arrives, outside the stream's order (nn::EmptyForTransport).
       const size_t size = MessageSize(transfer, row_bytes);
       HETPAR_RETURN_IF_ERROR(nn::RunTorch("allocating a boundary receive on the device", [&] {
-        r.device_message = at::empty({static_cast<int64_t>(size)},
-                                     at::TensorOptions().dtype(at::kByte).device(device_));
+        r.device_message = nn::EmptyForTransport(static_cast<int64_t>(size), device_);
       }));
       r.rows = straight;
       r.posted = absl::Now();
@@ -515,6 +516,10 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
       HETPAR_RETURN_IF_ERROR(PlaceFromDevice(receive.device_message,
                                              static_cast<size_t>(head_bytes), transfer, wave,
                                              row_bytes, rows, add));
+      // The copies just queued read the message: its block is not handed to a later receive
+      // before they are done.
+      HETPAR_RETURN_IF_ERROR(nn::RunTorch("recording the use of a boundary receive",
+                                          [&] { nn::RecordStreamUse(receive.device_message); }));
       continue;
     }
     const std::string_view message(receive.buffer.data(), receive.buffer.size());

@@ -83,7 +83,7 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
     // Posted by the ordered sender once the copy is done; this thread does not wait for it.
     const nn::StreamMark copied = nn::StreamMark::After(rows.device());
     if (ordered_sender_ == nullptr) {
-      ordered_sender_ = std::make_unique<StreamOrderedSender>(transport_);
+      ordered_sender_ = std::make_unique<StreamOrderedSender>(transport_, rows.device());
     }
     sent.op = ordered_sender_->Post(peer, tag, buffer, sent.message,
                                     [copied] { return copied.Reached(); });

@@ -1,11 +1,15 @@
 #include "common/train/stream_ordered_sender.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <algorithm>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/nn/torch_status.h"
 
 namespace hetpar::train {
 
@@ -99,8 +103,8 @@ class OrderedSendOperation final : public transport::Operation {
 
 }  // namespace
 
-StreamOrderedSender::StreamOrderedSender(transport::Transport* transport)
-    : transport_(transport), poster_([this] { Run(); }) {}
+StreamOrderedSender::StreamOrderedSender(transport::Transport* transport, c10::Device device)
+    : transport_(transport), device_(device), poster_([this] { Run(); }) {}
 
 StreamOrderedSender::~StreamOrderedSender() {
   {
@@ -140,6 +144,12 @@ size_t StreamOrderedSender::pending() const {
 }
 
 void StreamOrderedSender::Run() {
+  if (device_.is_cuda()) {
+    const absl::Status selected = nn::RunTorch("selecting the stream-ordered sender's device", [&] {
+      c10::impl::getDeviceGuardImpl(device_.type())->setDevice(device_);
+    });
+    if (!selected.ok()) HETPAR_LOG(ERROR) << selected;
+  }
   constexpr absl::Duration kFirstPoll = absl::Microseconds(10);
   constexpr absl::Duration kLongestPoll = absl::Microseconds(200);
   while (true) {

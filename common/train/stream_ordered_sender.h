@@ -42,7 +42,11 @@ namespace hetpar::train {
 
 class StreamOrderedSender {
  public:
-  explicit StreamOrderedSender(transport::Transport* transport);
+  // `device`: where the marks are recorded. On CUDA the poster thread makes it its current device
+  // before anything else (a new thread's current device is 0, and querying an event or freeing
+  // a tensor there would create a context on GPU 0 for this process).
+  explicit StreamOrderedSender(transport::Transport* transport,
+                               c10::Device device = c10::Device(c10::kCPU));
   ~StreamOrderedSender();
   StreamOrderedSender(const StreamOrderedSender&) = delete;
   StreamOrderedSender& operator=(const StreamOrderedSender&) = delete;
@@ -63,6 +67,7 @@ class StreamOrderedSender {
   void Run();
 
   transport::Transport* const transport_;
+  const c10::Device device_;
   mutable absl::Mutex mu_;
   std::deque<std::shared_ptr<Send>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
