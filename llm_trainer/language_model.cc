@@ -593,6 +593,7 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
                                                             /*dropout_p=*/0.0, /*is_causal=*/true,
                                                             /*return_debug_mask=*/false, scale))
                        .reshape({rows, local_heads * head_dim});
+        ++varlen_layers_;
       } catch (const c10::Error& e) {
         if (&layer != &layers_.front()) throw;  // it ran on this GPU: a real failure
         HETPAR_LOG(WARNING) << "llm attention: the varlen flash kernel does not run here ("

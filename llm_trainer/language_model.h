@@ -216,6 +216,8 @@ class LanguageModel {
   // The varlen flash kernel (LlmOptions::varlen_attention) failed on its first call here, and
   // attention runs one SDPA call per run of equal-length samples instead.
   bool varlen_attention_failed() const { return varlen_failed_; }
+  // Layer calls that ran the varlen flash kernel so far (tests: the kernel did run).
+  int64_t varlen_attention_layers() const { return varlen_layers_; }
   nn::ParameterSet& parameters() { return *parameters_; }
   const nn::ParameterSet& parameters() const { return *parameters_; }
   const hetpar::v1::LlmModel& model() const { return model_; }
@@ -252,6 +254,7 @@ class LanguageModel {
   at::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim] in the model dtype
   // The varlen kernel failed once (a GPU without flash attention): the per-run path from then on.
   bool varlen_failed_ = false;
+  int64_t varlen_layers_ = 0;
 };
 
 }  // namespace hetpar::llm

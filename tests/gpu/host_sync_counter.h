@@ -3,7 +3,8 @@
 // libtorch's CUDA sync debug mode (the switch behind torch.cuda.set_sync_debug_mode), which
 // reports each such call as a warning, and counts those warnings with a warning handler of this
 // thread. A wait inside the CUDA runtime that ATen does not route through its sync check (e.g.
-// the first cudaHostAlloc) is not seen.
+// the first cudaHostAlloc) is not seen. Nor is a sync on another thread, such as autograd's
+// device thread, which runs a CUDA backward: for those, SyncsThrow.
 #ifndef HETPAR_TESTS_GPU_HOST_SYNC_COUNTER_H_
 #define HETPAR_TESTS_GPU_HOST_SYNC_COUNTER_H_
 
@@ -14,6 +15,22 @@
 #include <vector>
 
 namespace hetpar::testing {
+
+// While alive, every host sync that ATen's CUDA code makes, on any thread, throws (sync debug
+// mode L_ERROR): autograd carries an error of its device thread back to the caller of
+// backward(), so a step's compute that syncs anywhere fails, naming the call.
+class SyncsThrow {
+ public:
+  SyncsThrow() : previous_(c10::cuda::warning_state().get_sync_debug_mode()) {
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+  }
+  ~SyncsThrow() { c10::cuda::warning_state().set_sync_debug_mode(previous_); }
+  SyncsThrow(const SyncsThrow&) = delete;
+  SyncsThrow& operator=(const SyncsThrow&) = delete;
+
+ private:
+  c10::cuda::SyncDebugMode previous_;
+};
 
 class HostSyncCounter {
  public:

@@ -1,9 +1,10 @@
 // The hot loop on a GPU queues work without waiting for the device (label gpu), in float32 and
 // bfloat16: an LLM microbatch's forward and backward (packed samples of different lengths, with
 // image rows), an encoder job's forward and backward, and the step-end read of the loss and the
-// gradient norm parts, counted with libtorch's CUDA sync debug mode
-// (tests/gpu/host_sync_counter.h). The training thread may wait for the device once per step:
-// that read.
+// gradient norm parts, checked with libtorch's CUDA sync debug mode
+// (tests/gpu/host_sync_counter.h): the compute with syncs made to throw on every thread
+// (autograd runs a CUDA backward on its own device thread), the read with them counted. The
+// training thread may wait for the device once per step: that read.
 //
 // Skips, saying why, where no CUDA device is visible or this libtorch has no CUDA.
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "common/nn/communicator.h"
 #include "common/train/optimizer.h"
 #include "encoder_service/encoder.h"
@@ -30,7 +32,8 @@ namespace {
 
 constexpr int64_t kVocab = 64;
 
-v1::LlmModel TinyLlm() { return testing::TinyLlm(kVocab); }
+// head_dim 8, so that bfloat16 takes the varlen flash kernel.
+v1::LlmModel TinyLlm() { return testing::TinyLlmForFlash(kVocab); }
 
 v1::EncoderModel TinyEncoder() {
   v1::EncoderModel m;
@@ -98,28 +101,48 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
                                                Sample(14, 3, {1, 2, 3, 4, 8, 9, 10, 11})};
   const at::Tensor images = at::randn({3, 3, 8, 8});  // on the host, as the data loader makes them
 
+  // The step's loss, or undefined after a failure (reported).
   auto run_step = [&]() -> at::Tensor {
     auto rows = (*encoder)->Forward(images);
-    EXPECT_TRUE(rows.ok()) << rows.status();
+    if (!rows.ok()) {
+      ADD_FAILURE() << "encoder forward: " << rows.status();
+      return at::Tensor();
+    }
     // The LLM takes the encoder's rows as a leaf, as across the boundary.
     const at::Tensor image_rows = rows->detach().requires_grad_(true);
     auto result = (*lm)->ForwardStage(samples, image_rows, at::Tensor(), /*n_global=*/3);
-    EXPECT_TRUE(result.ok()) << result.status();
-    EXPECT_TRUE((*lm)->Backward(result->loss).ok());
-    EXPECT_TRUE((*encoder)->Backward(*rows, image_rows.grad()).ok());
+    if (!result.ok()) {
+      ADD_FAILURE() << "llm forward: " << result.status();
+      return at::Tensor();
+    }
+    // Backward runs on autograd's device thread: a sync there fails it (SyncsThrow).
+    if (const absl::Status s = (*lm)->Backward(result->loss); !s.ok()) {
+      ADD_FAILURE() << "llm backward: " << s;
+      return at::Tensor();
+    }
+    if (const absl::Status s = (*encoder)->Backward(*rows, image_rows.grad()); !s.ok()) {
+      ADD_FAILURE() << "encoder backward: " << s;
+      return at::Tensor();
+    }
     return result->loss.detach().to(at::kDouble).reshape({1});
   };
-  // A first step outside the count: one-time set-up (cuBLAS handles, the pinned memory pool).
-  (void)run_step().cpu();
+  // A first step outside the check: one-time set-up (cuBLAS handles, the pinned memory pool).
+  ASSERT_TRUE(run_step().defined());
 
+  at::Tensor loss;
+  {
+    // No host sync in the step's compute, on this thread or autograd's: one throws, and the
+    // step fails naming it.
+    testing::SyncsThrow syncs_throw;
+    loss = run_step();
+  }
+  ASSERT_TRUE(loss.defined()) << "the step's compute made a host sync (above)";
   testing::HostSyncCounter counter;
-  const at::Tensor loss = run_step();
-  EXPECT_EQ(counter.syncs(), 0) << "host syncs in the step's compute:" << Where(counter);
   // The step end: the loss and both models' gradient norm parts in one read.
   const at::Tensor parts = at::cat({loss, train::OwnedGradSumParts((*lm)->parameters()),
                                     train::OwnedGradSumParts((*encoder)->parameters())});
   const at::Tensor host = parts.cpu();
-  EXPECT_EQ(counter.syncs(), 1) << "host syncs up to the step end:" << Where(counter);
+  EXPECT_EQ(counter.syncs(), 1) << "host syncs in the step end's read:" << Where(counter);
   EXPECT_TRUE(std::isfinite(host[0].item<double>()));
   EXPECT_GT(host[0].item<double>(), 0.0);
 #endif

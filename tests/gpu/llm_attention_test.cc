@@ -1,9 +1,11 @@
 // The LLM's attention on CUDA in bfloat16 (label gpu): one varlen flash kernel over a
 // microbatch's packed samples (LlmOptions::varlen_attention) against the same model's per-run
 // path (one SDPA call per run of equal-length samples), both against a float64 CPU model of the
-// same parameters. Samples of lengths 9, 14, 5 and 14 (the two 14s apart: four calls on the
-// per-run path), the second with an image's 4 rows. A sample attending to its neighbours, or a
-// wrong causal boundary, moves the loss and the gradients far beyond bfloat16's rounding.
+// same parameters (the tiny decoder with head_dim 8, which the flash kernels need; the test
+// checks that both layers ran the kernel). Samples of lengths 9, 14, 5 and 14 (the two 14s apart:
+// four calls on the per-run path), the second with an image's 4 rows. A sample attending to its
+// neighbours, or a wrong causal boundary, moves the loss and the gradients far beyond bfloat16's
+// rounding.
 //
 // Skips, saying why, where no CUDA device is visible, this libtorch has no CUDA, or the GPU is
 // older than the flash kernels (compute capability 8.0).
@@ -51,7 +53,7 @@ TrainedModel Train(const c10::Device& device, at::ScalarType dtype, bool varlen,
   options.dtype = dtype;
   options.seed = 11;
   options.varlen_attention = varlen;
-  auto model = llm::LanguageModel::Create(testing::TinyLlm(kVocab), options, *single);
+  auto model = llm::LanguageModel::Create(testing::TinyLlmForFlash(kVocab), options, *single);
   EXPECT_TRUE(model.ok()) << model.status();
   TrainedModel run;
   run.model = *std::move(model);
@@ -88,6 +90,9 @@ TEST(LlmAttentionTest, VarlenFlashMatchesThePerRunPathAndTheFloat64Reference) {
   TrainedModel per_run = Train(gpu, at::kBFloat16, /*varlen=*/false, samples, image_rows);
   ASSERT_FALSE(varlen.model->varlen_attention_failed())
       << "the varlen flash kernel failed on a GPU that has flash attention (see the log)";
+  // Each of the two layers through the kernel; the per-run model never.
+  ASSERT_GE(varlen.model->varlen_attention_layers(), 2);
+  ASSERT_EQ(per_run.model->varlen_attention_layers(), 0);
 
   // The bfloat16 losses are within bfloat16's rounding of the float64 one, and of each other.
   ASSERT_GT(reference.loss, 0.0);

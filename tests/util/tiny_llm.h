@@ -29,6 +29,15 @@ inline v1::LlmModel TinyLlm(int64_t vocab) {
   return m;
 }
 
+// TinyLlm with 4 query heads over 2 key/value heads: head_dim 8, the least CUDA's flash kernels
+// take (TinyLlm's head_dim 4 sends attention to the per-run path).
+inline v1::LlmModel TinyLlmForFlash(int64_t vocab) {
+  v1::LlmModel m = TinyLlm(vocab);
+  m.set_heads(4);
+  m.set_kv_heads(2);
+  return m;
+}
+
 // A sample of `tokens` whose labels are the next tokens; the image placeholders at
 // `image_positions` and the last position carry no loss.
 inline llm::LlmSample LabeledSample(std::string id, std::vector<int64_t> tokens,
