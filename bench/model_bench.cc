@@ -5,7 +5,8 @@
 //               [--dtype float32|float64|bfloat16] [--sp] [--device cpu|cuda]
 //
 // --device cuda runs rank r on cuda:r (its TP group on NCCL) and the matmul baseline there too,
-// synchronising the device around every timed loop; the "gpu" config is sized for a GPU: 4
+// synchronising the device around every timed loop (a tp above the visible GPUs prints a
+// "skipped" line); the "gpu" config is sized for a GPU: 4
 // layers of a ViT-L/14-336-shaped encoder (8 images), 4 layers of a 1B-class LLM (2 samples of
 // 2048 positions).
 //
@@ -18,6 +19,7 @@
 // TP group (one replica) per second.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -236,6 +238,9 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   }
   const c10::Device device =
       cuda ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(rank)) : c10::Device(c10::kCPU);
+  // The rank's GPU as the current device: NCCL's group and the tensors the communicator moves to
+  // "the current GPU" are there, not on GPU 0.
+  if (cuda) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
   // Waits for the device's queued work, so that host clocks time it.
   const auto sync = [&] {
     if (cuda) torch::cuda::synchronize(rank);
@@ -532,6 +537,16 @@ int Main(int argc, char** argv) {
         c.config = config;
         c.tp = tp;
         if (c.iters == 0) c.iters = config == "tiny" ? 20 : config == "gpu" ? 10 : 3;
+        // A rank per GPU: a tp the machine cannot hold is skipped, saying so, rather than left
+        // to wait for ranks that cannot start.
+        if (c.device == "cuda" && tp > static_cast<int>(torch::cuda::device_count())) {
+          std::cout << "{\"bench\": \"model_bench\", \"module\": \"" << module
+                    << "\", \"config\": \"" << config << "\", \"device\": \"cuda\", \"tp\": " << tp
+                    << ", \"skipped\": \"tp " << tp << " runs a rank per GPU; this machine shows "
+                    << static_cast<int>(torch::cuda::device_count()) << " CUDA device(s)\"}"
+                    << std::endl;
+          continue;
+        }
         auto line = RunCase(c, dir, 600);
         if (!line.ok()) {
           std::cerr << "model_bench: " << line.status().message() << "\n";
