@@ -4,6 +4,7 @@
 #include <exception>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "common/logging.h"
 
 namespace hetpar::nn {
@@ -58,6 +59,36 @@ int CollectiveAborter::AbortGeneration(int64_t generation) {
   }
   tracked_ = std::move(kept);
   return started;
+}
+
+absl::Status CollectiveAborter::CheckGeneration(int64_t generation) {
+  std::vector<c10::intrusive_ptr<c10d::Backend>> live;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Tracked& t : tracked_) {
+      if (t.generation != generation) continue;
+      if (c10::intrusive_ptr<c10d::Backend> backend = t.backend.lock()) {
+        live.push_back(std::move(backend));
+      }
+    }
+  }
+  for (const c10::intrusive_ptr<c10d::Backend>& backend : live) {
+    c10d::ErrorType error = c10d::ErrorType::SUCCESS;
+    try {
+      error = backend->getError();
+    } catch (const std::exception& e) {
+      continue;  // a backend that keeps no error state (not NCCL)
+    }
+    if (error == c10d::ErrorType::SUCCESS) continue;
+    const char* what = error == c10d::ErrorType::TIMEOUT        ? "a collective timed out"
+                       : error == c10d::ErrorType::REMOTE_ERROR ? "a peer reported an error"
+                                                                : "the communicator failed";
+    return absl::UnavailableError(absl::StrCat("the ", backend->getBackendName(), " group of rank ",
+                                               backend->getRank(), " of ", backend->getSize(),
+                                               " (generation ", generation, "): ", what,
+                                               "; its collectives of this step did not complete"));
+  }
+  return absl::OkStatus();
 }
 
 void CollectiveAborter::WaitIdle() {

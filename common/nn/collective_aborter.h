@@ -11,6 +11,14 @@
 //
 // Gloo groups are not tracked: their waits see the step's interrupt themselves.
 //
+// A collective can also fail without an abort from the coordinator: NCCL reports an error of the
+// communicator (a peer's connection closed) or the group's timeout passes. ProcessGroupNCCL's
+// watchdog then aborts the communicator; by default it also ends the process, which hetpar turns
+// off (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, CleanUpOnly, unless set: nn::Communicator). The step's
+// host read then returns with what the aborted collectives left, so the step driver asks
+// CheckGeneration after each step's compute, and a group that reports an error fails the step on
+// this rank instead of its gradients reaching the coordinator.
+//
 //   CollectiveAborter aborter;
 //   aborter.Track(group->c10d_backend(), generation);  // the worker, as it forms an NCCL group
 //   aborter.AbortGeneration(abort.generation());       // the session's thread, on a StepAbort
@@ -27,6 +35,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 
 namespace hetpar::nn {
@@ -46,6 +55,9 @@ class CollectiveAborter {
   // Starts aborting every tracked backend of `generation` still alive, and forgets them.
   // Returns how many it started on; a generation's backends are aborted once.
   int AbortGeneration(int64_t generation);
+  // OK, or the first error a live tracked backend of `generation` reports (c10d::Backend::
+  // getError: a timeout, a communicator error, a peer's error), naming it. Does not block.
+  absl::Status CheckGeneration(int64_t generation);
   // Waits until every abort started has returned (and the released backends are destroyed).
   void WaitIdle();
   // Backends aborted so far (their abort() returned).

@@ -4,11 +4,13 @@
 // the backend here is a c10d::Backend that records its abort and its destruction.
 #include "common/nn/collective_aborter.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <string>
 
 #include "absl/synchronization/notification.h"
 #include "common/nn/communicator.h"
@@ -20,6 +22,7 @@ namespace {
 struct Record {
   std::atomic<int> aborts{0};
   std::atomic<bool> destroyed{false};
+  std::atomic<c10d::ErrorType> error{c10d::ErrorType::SUCCESS};
   absl::Notification abort_entered;
   // When set, abort() returns only once it is notified (an abort that takes a while).
   absl::Notification* hold_abort = nullptr;
@@ -31,6 +34,7 @@ class RecordingBackend : public c10d::Backend {
       : c10d::Backend(/*rank=*/0, /*size=*/2), record_(std::move(record)) {}
   ~RecordingBackend() override { record_->destroyed.store(true); }
   const std::string getBackendName() const override { return "recording"; }
+  c10d::ErrorType getError() override { return record_->error.load(); }
   void abort() override {
     record_->abort_entered.Notify();
     if (record_->hold_abort != nullptr) record_->hold_abort->WaitForNotification();
@@ -105,6 +109,38 @@ TEST(CollectiveAborterTest, ReturnsBeforeTheAbortAndHoldsTheBackendUntilItEnds) 
 }
 
 // The destructor lets an abort in progress finish (a hung group would otherwise outlive it).
+// A generation whose backend reports an error fails its check, naming the group and the error;
+// other generations, and released backends, are not asked.
+TEST(CollectiveAborterTest, CheckGenerationReportsTheErrorOfALiveBackendOfThatGeneration) {
+  auto healthy = std::make_shared<Record>();
+  auto timed_out = std::make_shared<Record>();
+  auto released = std::make_shared<Record>();
+  c10::intrusive_ptr<c10d::Backend> b1 = MakeBackend(healthy);
+  c10::intrusive_ptr<c10d::Backend> b2 = MakeBackend(timed_out);
+  c10::intrusive_ptr<c10d::Backend> b3 = MakeBackend(released);
+  CollectiveAborter aborter;
+  aborter.Track(b1, 4);
+  aborter.Track(b2, 5);
+  aborter.Track(b3, 4);
+  released->error.store(c10d::ErrorType::COMM_ERROR);
+  b3.reset();
+  EXPECT_TRUE(aborter.CheckGeneration(4).ok());
+  EXPECT_TRUE(aborter.CheckGeneration(5).ok());
+  timed_out->error.store(c10d::ErrorType::TIMEOUT);
+  const absl::Status status = aborter.CheckGeneration(5);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(status.message()),
+              ::testing::AllOf(::testing::HasSubstr("recording group of rank 0 of 2"),
+                               ::testing::HasSubstr("generation 5"),
+                               ::testing::HasSubstr("a collective timed out")));
+  EXPECT_TRUE(aborter.CheckGeneration(4).ok());
+  healthy->error.store(c10d::ErrorType::REMOTE_ERROR);
+  EXPECT_THAT(std::string(aborter.CheckGeneration(4).message()),
+              ::testing::HasSubstr("a peer reported an error"));
+  // Checking aborts nothing.
+  EXPECT_EQ(healthy->aborts.load() + timed_out->aborts.load(), 0);
+}
+
 TEST(CollectiveAborterTest, DestructionWaitsForTheAbortsStarted) {
   auto record = std::make_shared<Record>();
   c10::intrusive_ptr<c10d::Backend> backend = MakeBackend(record);

@@ -45,9 +45,18 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
 // memory: 6 of 20 runs of communicator_test's 3-rank cases crashed or hung inside
 // FlightRecorder::recordWithResetEnabled, none of 20 with the buffer at 0. It is turned off
 // before the first group is created.
-void DisableFlightRecorder() {
+//
+// ProcessGroupNCCL's watchdog, on a communicator error or a timed-out collective, by default
+// (TORCH_NCCL_ASYNC_ERROR_HANDLING=3) ends the process: a peer that dies would take its healthy
+// peers with it. With 2 (CleanUpOnly) it aborts the communicator and the process goes on; the
+// step driver then finds the group's error (CollectiveAborter::CheckGeneration) and fails the
+// step on this rank. A value the user set is kept.
+void ConfigureProcessGroups() {
   static std::once_flag once;
-  std::call_once(once, [] { ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1); });
+  std::call_once(once, [] {
+    ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
+    ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
+  });
 }
 
 // Gloo has kernels for float, double, half and the integer types, not for bfloat16.
@@ -312,7 +321,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
         "a process group needs a non-empty store prefix (unique per group and generation)");
   }
   const auto timeout = ToChrono(options.timeout);
-  DisableFlightRecorder();
+  ConfigureProcessGroups();
   auto process_group = RunTorchOr(
       absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
       [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> {

@@ -107,6 +107,8 @@ class WorkerContext {
   // peers of this worker (the boundary, the pipeline link, the groups from Group) gives up then.
   // The step driver arms it at each step's start.
   StepInterrupt& interrupt() { return *interrupt_; }
+  // The NCCL groups this worker formed, by generation (their aborts and their errors).
+  nn::CollectiveAborter& aborter() { return *aborter_; }
 
   // The rendezvous store of `generation` (each generation has its own keyspace on the
   // coordinator): the groups formed after it meet there. Before a step of a new generation.

@@ -169,6 +169,13 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   absl::StatusOr<StepOutcome> outcome = rank_plan.ok()
                                             ? modules_->RunStep(*rank_plan)
                                             : absl::StatusOr<StepOutcome>(rank_plan.status());
+  // A collective that failed without the coordinator's abort (on NCCL its group was aborted and
+  // the step's read returned what was left): the step fails here, before its partials go out.
+  if (outcome.ok() && options_.check_collectives) {
+    if (absl::Status s = options_.check_collectives(step_message.generation()); !s.ok()) {
+      outcome = s;
+    }
+  }
   trace::Record(trace::kStepLane, "compute", "step", step_start);
   if (!outcome.ok()) {
     // The coordinator decides what follows (it aborts the step, and plans it again or stops).

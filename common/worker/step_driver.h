@@ -77,6 +77,10 @@ struct StepDriverOptions {
   // Called with each membership change before the plans that follow it (workers that joined
   // are connected to here); an error is logged, and the step that needs the peer fails.
   std::function<absl::Status(const v1::MembershipChange& change)> on_membership_change;
+  // Called after a step's compute succeeded (its host read done), with the plan's generation,
+  // before its gradient-norm partials go out: an error fails the step on this rank (a collective
+  // group that reports an error, nn::CollectiveAborter::CheckGeneration). May be null.
+  std::function<absl::Status(int64_t generation)> check_collectives;
 };
 
 class StepDriver {

@@ -305,6 +305,38 @@ TEST(StepDriverTest, AFailedStepIsReportedDiscardedAndTheCoordinatorsRetryRuns) 
   EXPECT_EQ(module.updates, 1);
 }
 
+// A collective group that failed without the coordinator's abort (an NCCL communicator aborted
+// by its watchdog) fails the step after its compute, before any partial goes out.
+TEST(StepDriverTest, AFailedCollectiveGroupFailsTheStepBeforeItsPartials) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Plan(1), Abort(1), Plan(2, 2), Norm(2, 1.0),
+                 Commit(2), Stop()}) {
+    channel.Push(m);
+  }
+  std::vector<int64_t> checked;
+  StepDriverOptions options = Gen1();
+  options.check_collectives = [&](int64_t generation) -> absl::Status {
+    checked.push_back(generation);
+    if (checked.size() == 2) {
+      return absl::UnavailableError(
+          "the nccl group of rank 0 of 2 (generation 1): a collective "
+          "timed out");
+    }
+    return absl::OkStatus();
+  };
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(checked, ElementsAre(1, 1, 2));
+  EXPECT_EQ(driver.steps_failed(), 1);
+  EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "report 1 failed", "partial 2",
+                                        "report 2 ok"));
+  EXPECT_THAT(channel.reports[1].error(), HasSubstr("a collective timed out"));
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 1", "run 1", "discard", "discard",
+                                        "regroup 2 []", "run 2", "apply 2 clip 1"));
+  EXPECT_EQ(module.updates, 2);
+}
+
 TEST(StepDriverTest, ANewGenerationFormsTheGroupsOverThePlansEncoderReplicasOnce) {
   ScriptedChannel channel;
   RecordingModule module;

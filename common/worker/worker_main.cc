@@ -92,6 +92,9 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   driver_options.on_membership_change = [&context](const v1::MembershipChange& change) {
     return context->ConnectJoined(change);
   };
+  driver_options.check_collectives = [&context](int64_t generation) {
+    return context->aborter().CheckGeneration(generation);
+  };
   const int64_t world_rank = context->world_rank();
   // Trace events of the traced steps go to <out>/trace/rank-<r>.jsonl after each step, the
   // process's name first.
