@@ -1,10 +1,14 @@
 #include "common/worker/bootstrap.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/nn/torch_status.h"
 #include "common/rendezvous/c10d_store.h"
 #include "common/status.h"
 #include "common/transport/nccl/nccl_transport.h"
@@ -83,6 +87,19 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     HETPAR_ASSIGN_OR_RETURN(cuda_index, nn::LocalCudaIndexFromEnvironment());
   }
   HETPAR_ASSIGN_OR_RETURN(ctx->execution_, nn::ExecutionContext::FromSpec(ctx->spec_, cuda_index));
+  // UCX's progress thread drives its CUDA transports (copies, IPC, their event fds): it makes
+  // this rank's GPU its current device, as this thread did, rather than GPU 0 (or none).
+  if (const c10::Device device = ctx->execution_.device(); device.is_cuda()) {
+    absl::Status selected = absl::OkStatus();
+    HETPAR_RETURN_IF_ERROR(ucx->RunOnProgressThread(
+        [device, &selected] {
+          selected = nn::RunTorch("selecting the UCX progress thread's device", [&] {
+            c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+          });
+        },
+        absl::Now() + ctx->peer_timeout_));
+    HETPAR_RETURN_IF_ERROR(selected);
+  }
   if (ctx->spec_.transport() == v1::TRANSPORT_KIND_NCCL) {
     transport::nccl::NcclTransport::Options nccl_options;
     nccl_options.cuda_device = ctx->execution_.device().index();

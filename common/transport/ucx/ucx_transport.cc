@@ -24,6 +24,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "common/transport/address.h"
 #include "common/transport/completion.h"
@@ -200,6 +201,8 @@ class Core {
     }
     return false;
   }
+  // Runs `command` on the progress thread; false once it is stopping.
+  bool RunOnProgressThread(std::function<void()> command) { return Enqueue(std::move(command)); }
   UcxTransport::Stats stats() const {
     UcxTransport::Stats stats;
     stats.sends = sends_ok_.load(std::memory_order_relaxed);
@@ -1439,6 +1442,22 @@ std::string UcxTransport::LocalAddress() const { return core_->LocalAddress(); }
 bool UcxTransport::CanMove(MemoryKind kind) const { return core_->SupportsMemory(kind); }
 
 UcxTransport::Stats UcxTransport::stats() const { return core_->stats(); }
+
+absl::Status UcxTransport::RunOnProgressThread(std::function<void()> fn, absl::Time deadline) {
+  auto ran = std::make_shared<absl::Notification>();
+  if (!core_->RunOnProgressThread([fn = std::move(fn), ran] {
+        fn();
+        ran->Notify();
+      })) {
+    return absl::UnavailableError(absl::StrCat("UCX transport ", name(), " is shutting down"));
+  }
+  if (!ran->WaitForNotificationWithDeadline(deadline)) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("UCX transport ", name(), ": its progress thread did not run the call by ",
+                     absl::FormatTime(deadline)));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<PeerId> UcxTransport::Connect(std::string_view peer_address, absl::Time deadline) {
   return core_->Connect(peer_address, deadline);

@@ -58,6 +58,7 @@
 #define HETPAR_COMMON_TRANSPORT_UCX_UCX_TRANSPORT_H_
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -129,6 +130,13 @@ class UcxTransport final : public Transport {
   // reports CUDA among its memory types (a UCX built with CUDA whose CUDA module loaded, which
   // needs the GPU driver). Fixed for the transport's lifetime; any thread.
   bool CanMove(MemoryKind kind) const override;
+
+  // Runs `fn` on the progress thread (before its next round of progress) and returns once it
+  // has run: thread set-up that the transport cannot know of when it starts, such as making the
+  // rank's GPU the thread's current device once the RunSpec names it (UCX's CUDA transports then
+  // find a context there). Unavailable once the transport is shutting down; DeadlineExceeded if
+  // `fn` has not run by `deadline`.
+  absl::Status RunOnProgressThread(std::function<void()> fn, absl::Time deadline);
 
   // Operations that completed OK, and how many of them went by same-host zero copy.
   struct Stats {

@@ -3,6 +3,7 @@
 #include "common/transport/ucx/ucx_transport.h"
 
 #include <cstdlib>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -141,6 +142,34 @@ TEST(UcxTransportTest, ReportsWhetherItCanMoveCudaMemory) {
   }
   EXPECT_EQ(send.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(send.status().message()), HasSubstr("no CUDA memory support"));
+}
+
+// Set-up calls run on the progress thread, one thread for all of them, not the caller's, and
+// in the order given.
+TEST(UcxTransportTest, RunOnProgressThreadRunsOnItsOneThreadBeforeReturning) {
+  auto a = UcxTransport::Create(Named("a"));
+  ASSERT_TRUE(a.ok()) << a.status();
+  std::vector<std::thread::id> ran;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE((*a)->RunOnProgressThread([&ran] { ran.push_back(std::this_thread::get_id()); },
+                                          absl::Now() + kWait)
+                    .ok());
+    ASSERT_EQ(ran.size(), static_cast<size_t>(i + 1));  // it ran before the call returned
+  }
+  EXPECT_NE(ran[0], std::this_thread::get_id());
+  EXPECT_EQ(ran[1], ran[0]);
+  EXPECT_EQ(ran[2], ran[0]);
+  // The transport still works after them: a loopback message arrives.
+  auto peer = (*a)->Connect((*a)->LocalAddress(), absl::Now() + kWait);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<uint8_t> sent = Bytes(5, 1000);
+  std::vector<uint8_t> got(sent.size());
+  auto recv = (*a)->Recv(*peer, 9, MutableBuffer::Host(got.data(), got.size()));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  auto send = (*a)->Send(*peer, 9, ConstBuffer::Host(sent.data(), sent.size()));
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE((*recv)->Wait(absl::Now() + kWait).ok());
+  EXPECT_EQ(got, sent);
 }
 
 // Two transports wired both ways, with a small ping-pong done so both hellos (and the zero-copy
