@@ -295,6 +295,11 @@ void CommGroup::Barrier() const {
   if (size_ == 1) return;
   c10d::BarrierOptions options;
   options.timeout = timeout_;
+  // NCCL's barrier is an all-reduce on a GPU: this rank's (the current device), not the one
+  // ProcessGroupNCCL would guess from the group rank.
+  if (backend_ == Backend::kNccl) {
+    options.device = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
+  }
   Wait(c10d_backend_->barrier(options), "barrier");
 }
 
