@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "common/nn/test_ranks.h"
@@ -142,6 +143,25 @@ TEST(CommunicatorTest, NcclWithoutNcclBuildIsUnimplemented) {
   ASSERT_FALSE(created.ok());
   EXPECT_EQ(created.status().code(), absl::StatusCode::kUnimplemented);
 #endif
+}
+
+// Before its first process group hetpar sets ProcessGroupNCCL's handling of a communicator
+// error to CleanUpOnly (2: abort the communicator, keep the process), so that a worker outlives
+// its peers' failures; a value the environment sets is kept.
+TEST(CommunicatorTest, FormingAGroupSetsNcclErrorHandlingToCleanUpOnly) {
+  const char* before = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
+  if (before != nullptr && std::string(before) != "2") {
+    GTEST_SKIP() << "TORCH_NCCL_ASYNC_ERROR_HANDLING=" << before << " set by the environment";
+  }
+  CommunicatorOptions options;
+  options.prefix = "error-handling";
+  options.rank = 0;
+  options.size = 2;
+  options.timeout = absl::Milliseconds(100);
+  (void)Communicator::Create(OpenHashStore(), options);  // no peer: only the set-up matters
+  const char* after = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
+  ASSERT_NE(after, nullptr);
+  EXPECT_EQ(std::string(after), "2");
 }
 
 TEST(CommunicatorTest, MissingPeerFailsRendezvousWithinDeadline) {

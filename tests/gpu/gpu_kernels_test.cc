@@ -46,6 +46,10 @@
 #if HETPAR_GPU_HAS_C10_CUDA
 #include <c10/cuda/CUDAFunctions.h>
 #endif
+#if HETPAR_GPU_HAS_C10_CUDA && defined(USE_C10D_NCCL)
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 namespace hetpar {
 namespace {
@@ -487,6 +491,35 @@ absl::Status CheckNcclCollectives(int rank, nn::Communicator& comm) {
   return absl::OkStatus();
 }
 #endif  // HETPAR_GPU_HAS_C10_CUDA
+
+// One rank's NCCL group on one GPU (NCCL takes a single-rank communicator; hetpar's own groups
+// of one skip c10d), so that a machine with a single GPU runs the calls hetpar's NCCL groups rely
+// on: an all-reduce waited for on the stream (Work::wait without a timeout, as CommGroup::Wait
+// does on NCCL) hands its result to the next kernel; the backend reports no error
+// (getError, which the step driver asks after each step); and abort (what CollectiveAborter
+// calls) returns.
+TEST_F(GpuTest, NcclSingleRankGroupWaitsOnTheStreamReportsNoErrorAndAborts) {
+  if (SelfCheckOnCpu()) GTEST_SKIP() << "HETPAR_GPU_TEST_ON_CPU=1: NCCL needs a CUDA device";
+  const std::string reason = NoCudaReason(1);
+  if (!reason.empty()) GTEST_SKIP() << "NCCL on one rank: " << reason;
+#if !HETPAR_GPU_HAS_C10_CUDA || !defined(USE_C10D_NCCL)
+  GTEST_SKIP() << "NCCL on one rank: this build has no c10_cuda or no c10d NCCL";
+#else
+  c10::cuda::set_device(0);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = std::chrono::seconds(60);
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, 0, 1, options);
+  const at::Tensor values = at::arange(4096, at::TensorOptions().dtype(at::kFloat));
+  std::vector<at::Tensor> tensors = {values.to(at::Device(at::kCUDA, 0))};
+  group->allreduce(tensors)->wait();  // the stream waits; the host goes on
+  const at::Tensor doubled = tensors[0] * 2;
+  // A sum over one rank leaves the values as they were.
+  EXPECT_TRUE(at::equal(doubled.cpu(), values * 2));
+  EXPECT_EQ(group->getError(), c10d::ErrorType::SUCCESS);
+  group->abort();
+#endif
+}
 
 TEST_F(GpuTest, NcclCollectivesBetweenTwoDevices) {
   if (SelfCheckOnCpu()) GTEST_SKIP() << "HETPAR_GPU_TEST_ON_CPU=1: NCCL needs CUDA devices";
