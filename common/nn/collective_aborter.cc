@@ -76,7 +76,7 @@ absl::Status CollectiveAborter::CheckGeneration(int64_t generation) {
     c10d::ErrorType error = c10d::ErrorType::SUCCESS;
     try {
       error = backend->getError();
-    } catch (const std::exception& e) {
+    } catch (const std::exception&) {
       continue;  // a backend that keeps no error state (not NCCL)
     }
     if (error == c10d::ErrorType::SUCCESS) continue;

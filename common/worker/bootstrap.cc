@@ -90,15 +90,16 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   // UCX's progress thread drives its CUDA transports (copies, IPC, their event fds): it makes
   // this rank's GPU its current device, as this thread did, rather than GPU 0 (or none).
   if (const c10::Device device = ctx->execution_.device(); device.is_cuda()) {
-    absl::Status selected = absl::OkStatus();
+    // Shared: after a missed deadline the call may still run, after this function returned.
+    auto selected = std::make_shared<absl::Status>();
     HETPAR_RETURN_IF_ERROR(ucx->RunOnProgressThread(
-        [device, &selected] {
-          selected = nn::RunTorch("selecting the UCX progress thread's device", [&] {
+        [device, selected] {
+          *selected = nn::RunTorch("selecting the UCX progress thread's device", [&] {
             c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
           });
         },
         absl::Now() + ctx->peer_timeout_));
-    HETPAR_RETURN_IF_ERROR(selected);
+    HETPAR_RETURN_IF_ERROR(*selected);
   }
   if (ctx->spec_.transport() == v1::TRANSPORT_KIND_NCCL) {
     transport::nccl::NcclTransport::Options nccl_options;

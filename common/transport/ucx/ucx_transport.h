@@ -135,7 +135,8 @@ class UcxTransport final : public Transport {
   // has run: thread set-up that the transport cannot know of when it starts, such as making the
   // rank's GPU the thread's current device once the RunSpec names it (UCX's CUDA transports then
   // find a context there). Unavailable once the transport is shutting down; DeadlineExceeded if
-  // `fn` has not run by `deadline`.
+  // `fn` has not run by `deadline` (it may still run later: what it refers to must outlive the
+  // transport or be owned by `fn`).
   absl::Status RunOnProgressThread(std::function<void()> fn, absl::Time deadline);
 
   // Operations that completed OK, and how many of them went by same-host zero copy.

@@ -147,9 +147,9 @@ TEST(UcxTransportTest, ReportsWhetherItCanMoveCudaMemory) {
 // Set-up calls run on the progress thread, one thread for all of them, not the caller's, and
 // in the order given.
 TEST(UcxTransportTest, RunOnProgressThreadRunsOnItsOneThreadBeforeReturning) {
+  std::vector<std::thread::id> ran;  // outlives the transport, whose thread writes it
   auto a = UcxTransport::Create(Named("a"));
   ASSERT_TRUE(a.ok()) << a.status();
-  std::vector<std::thread::id> ran;
   for (int i = 0; i < 3; ++i) {
     ASSERT_TRUE((*a)->RunOnProgressThread([&ran] { ran.push_back(std::this_thread::get_id()); },
                                           absl::Now() + kWait)
