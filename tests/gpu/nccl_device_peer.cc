@@ -1,7 +1,11 @@
-// The peer process of nccl_transport_device_test: an NCCL transport on its own GPU that echoes
+// The peer process of nccl_transport_device_test: an NCCL transport on its GPU that echoes
 // device messages back to the test process, reports a truncation, and then idles until killed.
 //
-//   nccl_device_peer --dir DIR --device N
+//   nccl_device_peer --dir DIR --device N [--nccl-hostid ID]
+//
+// --nccl-hostid sets NCCL_HOSTID before NCCL starts: on a machine with one GPU the test gives this
+// process and itself different host ids, so that NCCL takes them for two hosts (and joins them
+// over its socket transport) instead of refusing two ranks on one GPU.
 //
 // It writes its address to DIR/peer.addr (atomically, by rename), waits for DIR/test.addr and
 // connects. Then, all in device memory on cuda:N:
@@ -12,6 +16,7 @@
 //   3. posts a device receive on kIdleTag that never completes and waits to be killed.
 // Exit 3 with "error: ..." on stdout when something fails.
 #include <cuda_runtime_api.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -35,6 +40,7 @@ int Fail(const std::string& what) {
 
 int Run(int argc, char** argv) {
   std::string dir;
+  std::string nccl_hostid;
   int device = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -42,11 +48,16 @@ int Run(int argc, char** argv) {
       dir = argv[i + 1];
     } else if (flag == "--device") {
       device = std::atoi(argv[i + 1]);
+    } else if (flag == "--nccl-hostid") {
+      nccl_hostid = argv[i + 1];
     } else {
       return Fail("unknown flag " + flag);
     }
   }
-  if (dir.empty() || device < 0) return Fail("usage: --dir DIR --device N");
+  if (dir.empty() || device < 0) return Fail("usage: --dir DIR --device N [--nccl-hostid ID]");
+  if (!nccl_hostid.empty() && setenv("NCCL_HOSTID", nccl_hostid.c_str(), 1) != 0) {
+    return Fail("setenv NCCL_HOSTID failed");
+  }
   if (cudaSetDevice(device) != cudaSuccess) return Fail("cudaSetDevice failed");
   ucx::UcxTransport::Options ucx_options;
   ucx_options.name = "nccl-peer";

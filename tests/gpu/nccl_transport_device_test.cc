@@ -1,10 +1,17 @@
-// The NCCL backend on real GPUs (label gpu): this process (cuda:0) and a peer process
-// (nccl_device_peer, cuda:1) move device buffers over NCCL send/recv. Every byte of messages of
-// several sizes arrives and comes back, messages of one tag in order; a message larger than the
-// device receive fails that receive with kOutOfRange while the send completes; a peer killed with
-// SIGKILL fails the pending and later device operations with kUnavailable naming it. Skips, saying
-// why, with fewer than two CUDA devices or a build without NCCL. The protocol itself is checked on
-// every machine by the conformance suite (flavor nccl_protocol).
+// The NCCL backend on real GPUs (label gpu): this process and a peer process (nccl_device_peer)
+// move device buffers over NCCL send/recv. Every byte of messages of several sizes arrives and
+// comes back, messages of one tag in order; a message larger than the device receive fails that
+// receive with kOutOfRange while the send completes; a peer killed with SIGKILL fails the pending
+// and later device operations with kUnavailable naming it.
+//
+// With two or more GPUs the processes use cuda:0 and cuda:1. With one GPU both use cuda:0 and each
+// gets its own NCCL_HOSTID: NCCL refuses two ranks of one host on one GPU, so it is told they are
+// two hosts and joins them over its socket transport on loopback (NCCL_SOCKET_IFNAME=lo and
+// NCCL_IB_DISABLE=1 unless the environment sets them). That path moves the bytes through host
+// memory, so it checks hetpar's NCCL mover (set-up, send/recv, events, abort), not NCCL's fast
+// transports. The case records which mode ran ("gpus"). Skips, saying why, without a CUDA device
+// or in a build without NCCL. The protocol itself is checked on every machine by the conformance
+// suite (flavor nccl_protocol).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -41,15 +48,26 @@ struct DeviceBuffer {
   size_t size = 0;
 };
 
-TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
+TEST(NcclTransportDeviceTest, TwoProcessesMoveDeviceBuffers) {
   if (!nccl::NcclTransport::BuiltWithNccl()) {
     GTEST_SKIP() << "this build has no NCCL (configured without libtorch's CUDA or NCCL)";
   }
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 2) {
-    GTEST_SKIP() << "needs 2 CUDA devices (one per process: NCCL refuses two ranks on one GPU); "
-                 << "this machine has " << devices;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < 1) {
+    GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount: " << devices << ")";
   }
+  const bool one_gpu = devices == 1;
+  const int peer_device = one_gpu ? 0 : 1;
+  std::vector<std::string> peer_flags = {"--device", std::to_string(peer_device)};
+  if (one_gpu) {
+    // Two "hosts" on one GPU; set before this process's first NCCL call.
+    ASSERT_EQ(setenv("NCCL_HOSTID", "hetpar-nccl-test", 1), 0);
+    ASSERT_EQ(setenv("NCCL_SOCKET_IFNAME", "lo", 0), 0);  // the peer inherits these two
+    ASSERT_EQ(setenv("NCCL_IB_DISABLE", "1", 0), 0);
+    peer_flags.insert(peer_flags.end(), {"--nccl-hostid", "hetpar-nccl-peer"});
+  }
+  ::testing::Test::RecordProperty(
+      "gpus", one_gpu ? "one GPU, two NCCL hosts over sockets" : "cuda:0 and cuda:1");
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
   char pattern[] = "/tmp/hetpar-nccl-XXXXXX";
   ASSERT_NE(mkdtemp(pattern), nullptr);
@@ -66,10 +84,10 @@ TEST(NcclTransportDeviceTest, TwoProcessesOnTwoGpus) {
   ASSERT_TRUE(transport.ok()) << transport.status();
   ASSERT_TRUE((*transport)->CanMove(MemoryKind::kCuda));
   ASSERT_TRUE(WriteFileAtomically(dir + "/test.addr", (*transport)->LocalAddress()).ok());
-  auto child = ChildProcess::Start(
-      {hetpar::bench::BuiltPath("HETPAR_NCCL_DEVICE_PEER", HETPAR_NCCL_DEVICE_PEER), "--dir", dir,
-       "--device", "1"},
-      dir + "/peer.log");
+  std::vector<std::string> peer_argv = {
+      hetpar::bench::BuiltPath("HETPAR_NCCL_DEVICE_PEER", HETPAR_NCCL_DEVICE_PEER), "--dir", dir};
+  peer_argv.insert(peer_argv.end(), peer_flags.begin(), peer_flags.end());
+  auto child = ChildProcess::Start(peer_argv, dir + "/peer.log");
   ASSERT_TRUE(child.ok()) << child.status();
   std::string peer_address;
   ASSERT_TRUE(testing::WaitForFile(dir + "/peer.addr", absl::Seconds(60), &peer_address))

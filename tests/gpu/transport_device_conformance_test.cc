@@ -10,7 +10,7 @@
 //     otherwise. Two ranks of one process on two devices work because each transport initialises
 //     its communicators non-blocking on its own progress thread. Only 0 B and 1 MiB + 3: every
 //     case sets up fresh communicators. nccl_transport_device_test covers the two-process case
-//     and a peer killed with SIGKILL.
+//     (on one GPU too, as two NCCL hosts) and a peer killed with SIGKILL.
 //
 // What is checked: every byte of all-to-all messages (patterns filled on the host per (sender,
 // message), copied to the device, received into device buffers, copied back and compared byte for
