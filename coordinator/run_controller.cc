@@ -17,9 +17,11 @@ namespace {
 // Dead workers shown in Status, most recent last.
 constexpr size_t kDeadWorkersShown = 64;
 
-v1::CoordinatorMessage StopMessage(const std::string& reason) {
+// A stop in `generation` (StopRun.generation: the groups the final outputs gather over).
+v1::CoordinatorMessage StopMessage(const std::string& reason, int64_t generation) {
   v1::CoordinatorMessage message;
   message.mutable_stop()->set_reason(reason);
+  message.mutable_stop()->set_generation(generation);
   return message;
 }
 
@@ -231,7 +233,7 @@ absl::Status RunController::OpenSession(const std::string& worker_id, absl::Time
   worker->session_open = true;
   worker->last_heartbeat = now;
   if (state_ == v1::RUN_STATE_STOPPING) {
-    actions->messages.emplace_back(worker_id, StopMessage(state_message_));
+    actions->messages.emplace_back(worker_id, StopMessage(state_message_, generation_));
     return absl::OkStatus();
   }
   if (state_ == v1::RUN_STATE_RUNNING && membership_.Complete() && !worker->joining) {
@@ -463,7 +465,7 @@ void RunController::Leave(WorkerRecord* worker, const std::string& reason, absl:
   const std::string why = absl::StrCat("worker ", worker->Describe(), " asked to leave",
                                        reason.empty() ? "" : " (" + reason + ")");
   if (state_ != v1::RUN_STATE_RUNNING && state_ != v1::RUN_STATE_WAITING) return;
-  v1::CoordinatorMessage stop = StopMessage(why);
+  v1::CoordinatorMessage stop = StopMessage(why, generation_);
   stop.mutable_stop()->set_leave_run(true);
   if (worker->joining) {
     // It has not joined yet (it waits for its assignment): its session ends at once; its replica
@@ -568,7 +570,7 @@ void RunController::RemoveEncoderReplica(int64_t dp, const std::string& cause, a
       continue;
     }
     *c->add_lost() = membership_.PeerInfoOf(*live);
-    v1::CoordinatorMessage stop = StopMessage(cause);
+    v1::CoordinatorMessage stop = StopMessage(cause, generation_);
     stop.mutable_stop()->set_leave_run(true);
     actions->messages.emplace_back(live->worker_id, std::move(stop));
   }
@@ -809,6 +811,10 @@ void RunController::Tick(absl::Time now, Actions* actions) {
 void RunController::BeginStopping(const std::string& reason, absl::Time now, Actions* actions) {
   if (orchestrator_.in_flight()) {
     (void)orchestrator_.Abort(absl::StrCat("run stopping: ", reason), now, &actions->messages);
+    // The final outputs are gathered in a generation of their own, like the next attempt of an
+    // aborted step: a collective the abort left half done on one rank of a group would otherwise
+    // meet its peers' gathers (StopRun.generation).
+    ++generation_;
   }
   state_ = v1::RUN_STATE_STOPPING;
   state_message_ = reason;
@@ -816,7 +822,7 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (worker->session_open)
-      actions->messages.emplace_back(worker->worker_id, StopMessage(reason));
+      actions->messages.emplace_back(worker->worker_id, StopMessage(reason, generation_));
   }
   MaybeFinishStopping(now, actions);
 }
@@ -841,7 +847,8 @@ void RunController::Fail(const std::string& reason, absl::Time now, Actions* act
   HETPAR_LOG(ERROR) << "run " << spec_.run().name() << " failed: " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (!worker->session_open) continue;
-    actions->messages.emplace_back(worker->worker_id, StopMessage("run failed: " + reason));
+    actions->messages.emplace_back(worker->worker_id,
+                                   StopMessage("run failed: " + reason, generation_));
     actions->end_sessions.emplace_back(worker->worker_id,
                                        absl::AbortedError("run failed: " + reason));
   }

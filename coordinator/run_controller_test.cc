@@ -479,7 +479,11 @@ TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
   CompleteStep(1);
   EXPECT_EQ(controller_->committed_steps(), 2);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
-  EXPECT_EQ(SentTo(ids_[3], v1::CoordinatorMessage::kStop).size(), 1u);
+  const auto stops = SentTo(ids_[3], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  // Nothing was in flight: the outputs are gathered on the groups of the steps' generation.
+  EXPECT_EQ(stops[0].stop().generation(), 1);
+  EXPECT_EQ(controller_->generation(), 1);
   EXPECT_EQ(controller_->state_message(), "completed 2 steps");
   for (const auto& id : ids_) controller_->SessionEnded(id, "closed by the worker", kT0, &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
@@ -584,6 +588,39 @@ TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
   EXPECT_EQ(controller_->Stop("again", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
 }
 
+// The messages of `kind` sent to `id` since `actions` was last cleared, in order.
+std::vector<v1::CoordinatorMessage::KindCase> KindsTo(const Actions& actions,
+                                                      const std::string& id) {
+  std::vector<v1::CoordinatorMessage::KindCase> kinds;
+  for (const auto& [to, m] : actions.messages) {
+    if (to == id) kinds.push_back(m.kind_case());
+  }
+  return kinds;
+}
+
+// A stop that aborts the step in flight moves the run to a generation of its own, as the next
+// attempt of an aborted step would be: every worker is told it with the stop (after the abort),
+// so that the final outputs are not gathered on groups the abort left half done.
+TEST_F(RunControllerTest, AStopThatAbortsTheStepInFlightComesInANewGeneration) {
+  Create(5);
+  StartAll();
+  const auto plans = SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  const int64_t planned = plans[0].step_plan().generation();
+  actions_ = {};
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  for (const auto& id : ids_) {
+    EXPECT_THAT(KindsTo(actions_, id), ::testing::ElementsAre(v1::CoordinatorMessage::kAbort,
+                                                              v1::CoordinatorMessage::kStop))
+        << id;
+    const auto stops = SentTo(id, v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u);
+    EXPECT_EQ(stops[0].stop().generation(), planned + 1) << id;
+    EXPECT_FALSE(stops[0].stop().leave_run());
+  }
+  EXPECT_EQ(controller_->generation(), planned + 1);
+}
+
 TEST_F(RunControllerTest, StopWhileWaitingIsDoneAtOnce) {
   Create();
   EXPECT_EQ(controller_->Stop("", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
@@ -616,16 +653,6 @@ TEST_F(RunControllerTest, AStopWithACheckpointStopsAtOnceWithoutACheckpointDirec
   StartAll();
   EXPECT_EQ(controller_->Stop("preempted", true, kT0, &actions_).state(), v1::RUN_STATE_STOPPING);
   EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop).size(), 1u);
-}
-
-// The messages of `kind` sent to `id` since `actions` was last cleared, in order.
-std::vector<v1::CoordinatorMessage::KindCase> KindsTo(const Actions& actions,
-                                                      const std::string& id) {
-  std::vector<v1::CoordinatorMessage::KindCase> kinds;
-  for (const auto& [to, m] : actions.messages) {
-    if (to == id) kinds.push_back(m.kind_case());
-  }
-  return kinds;
 }
 
 TEST_F(RunControllerTest, AReplacementJoinsAtTheNextStepBoundaryAndTakesALiveReplicasState) {

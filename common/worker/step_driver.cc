@@ -109,10 +109,7 @@ absl::Status StepDriver::Run() {
     absl::StatusOr<v1::CoordinatorMessage> message = NextRelevant();
     if (!message.ok()) return Fail(message.status());
     if (message->has_stop()) {
-      HETPAR_LOG(INFO) << (message->stop().leave_run() ? "leaving the run: " : "stop: ")
-                       << message->stop().reason();
-      left_run_ = message->stop().leave_run();
-      state_ = State::kStopped;
+      Stopped(message->stop());
     } else if (message->has_abort()) {
       // Between steps there is nothing to undo; the coordinator sends the step again, a stop,
       // or a membership change next.
@@ -126,6 +123,29 @@ absl::Status StepDriver::Run() {
           "the coordinator sent ", Describe(*message), " while no step was in flight")));
     }
   }
+  if (state_ == State::kStopped && !left_run_) {
+    if (absl::Status s = RegroupForOutputs(); !s.ok()) return Fail(std::move(s));
+  }
+  return absl::OkStatus();
+}
+
+void StepDriver::Stopped(const v1::StopRun& stop) {
+  HETPAR_LOG(INFO) << (stop.leave_run() ? "leaving the run: " : "stop: ") << stop.reason();
+  left_run_ = stop.leave_run();
+  stop_generation_ = stop.generation();
+  state_ = State::kStopped;
+}
+
+absl::Status StepDriver::RegroupForOutputs() {
+  if (stop_generation_ <= formed_generation_) return absl::OkStatus();
+  // The stop's arrival raised the interrupt (and the abort's before it); nothing follows it.
+  if (options_.interrupt != nullptr) options_.interrupt->Arm();
+  HETPAR_LOG(INFO) << "the stop aborted a step in flight: forming the groups anew in generation "
+                   << stop_generation_ << " for the final outputs";
+  HETPAR_RETURN_IF_ERROR(Annotate(
+      modules_->Regroup(stop_generation_, replicas_),
+      absl::StrCat("forming the groups of generation ", stop_generation_, " for the outputs")));
+  formed_generation_ = stop_generation_;
   return absl::OkStatus();
 }
 
@@ -140,13 +160,12 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   if (options_.interrupt != nullptr) options_.interrupt->Arm();
   const absl::Time start = absl::Now();
   absl::Status grouped = absl::OkStatus();
+  replicas_.encoder.assign(step_message.encoder_replicas().begin(),
+                           step_message.encoder_replicas().end());
+  replicas_.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
   if (step_message.generation() != formed_generation_) {
     // A new generation (an attempt aborted, or replicas left): groups formed anew.
-    StepReplicas replicas;
-    replicas.encoder.assign(step_message.encoder_replicas().begin(),
-                            step_message.encoder_replicas().end());
-    replicas.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
-    grouped = modules_->Regroup(step_message.generation(), replicas);
+    grouped = modules_->Regroup(step_message.generation(), replicas_);
     if (grouped.ok()) formed_generation_ = step_message.generation();
   }
   if (grouped.ok() &&
@@ -279,10 +298,8 @@ bool StepDriver::EndsStep(const v1::CoordinatorMessage& message, int64_t step) {
   }
   if (message.has_stop()) {
     // A stop before the commit: the step never happened.
-    HETPAR_LOG(INFO) << "stop: " << message.stop().reason();
-    left_run_ = message.stop().leave_run();
+    Stopped(message.stop());
     modules_->Discard();
-    state_ = State::kStopped;
     return true;
   }
   return false;

@@ -24,7 +24,10 @@
 // attempt has its own): before the first step of a new generation the rank forms its groups
 // anew (ModuleRuntime::Regroup), over the replicas the plan names. The interrupt, when
 // given, is armed as each step starts. A membership change is logged; the plans that follow
-// it say what changed. One thread calls Run.
+// it say what changed. A stop of a newer generation (one that aborted a step in flight,
+// StopRun.generation) has the rank form its groups anew in it, over the replicas of its last
+// plan, before Run returns, so that the final outputs' gathers meet nothing the abort left
+// half done. One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 #define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 
@@ -70,8 +73,10 @@ struct StepDriverOptions {
   // Called after each committed and applied step with the rank's per-module split (the
   // report's timings).
   std::function<void(int64_t step, const std::vector<ModuleTimings>& timings)> on_applied;
-  // The generation the rank's groups were formed in at its start (the Assignment's).
+  // The generation the rank's groups were formed in at its start (the Assignment's), and the
+  // replicas they were formed over.
   int64_t initial_generation = 0;
+  StepReplicas initial_replicas;
   // Armed as each step starts (may be null; the session raises it on an abort).
   StepInterrupt* interrupt = nullptr;
   // Called with each membership change before the plans that follow it (workers that joined
@@ -100,7 +105,8 @@ class StepDriver {
       : channel_(channel),
         modules_(modules),
         options_(std::move(options)),
-        formed_generation_(options_.initial_generation) {}
+        formed_generation_(options_.initial_generation),
+        replicas_(options_.initial_replicas) {}
   StepDriver(const StepDriver&) = delete;
   StepDriver& operator=(const StepDriver&) = delete;
 
@@ -128,6 +134,10 @@ class StepDriver {
   absl::Status RunOneStep(const v1::StepPlan& step_plan);
   // Handles an abort (discard) or a stop of step `step` in flight; false for other messages.
   bool EndsStep(const v1::CoordinatorMessage& message, int64_t step);
+  // A stop: logs it and keeps what it says (leave_run, generation).
+  void Stopped(const v1::StopRun& stop);
+  // After a stop of a newer generation than the groups': forms them anew in it (interrupt armed).
+  absl::Status RegroupForOutputs();
   absl::Status Fail(absl::Status status);
 
   ControlChannel* channel_;
@@ -139,6 +149,8 @@ class StepDriver {
   int64_t steps_skipped_ = 0;
   int64_t steps_failed_ = 0;
   int64_t formed_generation_ = 0;
+  StepReplicas replicas_;        // those of the last plan (or initial_replicas)
+  int64_t stop_generation_ = 0;  // StopRun.generation of the stop that ended Run
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
   bool left_run_ = false;
 };

@@ -4,6 +4,7 @@
 #include "common/worker/step_driver.h"
 
 #include <deque>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@ class ScriptedChannel : public ControlChannel {
     if (script_.empty()) return absl::DeadlineExceededError("script ended");
     v1::CoordinatorMessage m = std::move(script_.front());
     script_.pop_front();
+    if (on_next) on_next(m);
     return m;
   }
   absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) override {
@@ -46,6 +48,8 @@ class ScriptedChannel : public ControlChannel {
   std::vector<v1::StepReport> reports;
   std::vector<std::string> sent;            // in order
   std::vector<std::string>* log = nullptr;  // reports are also appended here when set
+  // Sees each message as it is handed out (what the session's on_arrival does with an abort).
+  std::function<void(const v1::CoordinatorMessage&)> on_next;
 
  private:
   std::deque<v1::CoordinatorMessage> script_;
@@ -79,6 +83,7 @@ class RecordingModule : public ModuleRuntime {
     pending = false;
   }
   absl::Status Regroup(int64_t generation, const StepReplicas& replicas) override {
+    if (interrupt != nullptr && interrupt->raised()) ++regroups_with_interrupt_raised;
     calls.push_back(absl::StrCat("regroup ", generation, " [", absl::StrJoin(replicas.encoder, ","),
                                  "]", replicas.llm.empty() ? "" : " llm [",
                                  absl::StrJoin(replicas.llm, ","),
@@ -100,6 +105,8 @@ class RecordingModule : public ModuleRuntime {
   int updates = 0;
   int64_t fail_at_step = -1;
   absl::Status regroup_error;
+  const StepInterrupt* interrupt = nullptr;  // when set, Regroup counts calls while it is raised
+  int regroups_with_interrupt_raised = 0;
 };
 
 // Options of a driver whose groups were formed in generation 1.
@@ -152,9 +159,10 @@ v1::CoordinatorMessage Abort(int64_t step) {
   return m;
 }
 
-v1::CoordinatorMessage Stop() {
+v1::CoordinatorMessage Stop(int64_t generation = 0) {
   v1::CoordinatorMessage m;
   m.mutable_stop()->set_reason("run complete");
+  m.mutable_stop()->set_generation(generation);
   return m;
 }
 
@@ -449,6 +457,87 @@ TEST(StepDriverTest, AStopThatLeavesTheRunIsToldApartFromTheRunsStop) {
   EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
   EXPECT_TRUE(driver.left_run());
   EXPECT_EQ(driver.steps_applied(), 1);
+}
+
+// A stop that aborted a step in flight comes in a generation of its own: the groups are formed
+// anew in it, over the last plan's replicas and with the interrupt armed, before Run returns and
+// the outputs are gathered. Whether the step failed on this rank or was aborted after its report.
+TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
+  for (const bool failed_here : {false, true}) {
+    SCOPED_TRACE(failed_here ? "the step failed on this rank" : "aborted after the report");
+    ScriptedChannel channel;
+    RecordingModule module;
+    if (failed_here) module.fail_at_step = 1;
+    std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
+                                                  Plan(1, 3, {0, 1})};
+    if (!failed_here) script.push_back(Norm(1, 1.0));
+    script.push_back(Abort(1));
+    script.push_back(Stop(4));
+    for (const auto& m : script) channel.Push(m);
+    StepInterrupt interrupt;
+    StepDriverOptions options = Gen1();
+    options.interrupt = &interrupt;
+    options.initial_replicas.encoder = {0};
+    module.interrupt = &interrupt;
+    StepDriver driver(&channel, &module, options);
+    // The stop's arrival raised the interrupt; it must not fail the new groups' rendezvous.
+    channel.on_next = [&interrupt](const v1::CoordinatorMessage& m) {
+      if (m.has_abort() || m.has_stop()) interrupt.Raise();
+    };
+    ASSERT_TRUE(driver.Run().ok());
+    EXPECT_EQ(driver.state(), StepDriver::State::kStopped);
+    EXPECT_EQ(module.calls.front(), "regroup 3 [0,1]");
+    EXPECT_EQ(module.calls.back(), "regroup 4 [0,1]");
+    EXPECT_EQ(module.regroups_with_interrupt_raised, 0);
+    EXPECT_EQ(driver.steps_applied(), 1);
+  }
+}
+
+TEST(StepDriverTest, AStopOfTheGroupsOwnGenerationOrOfNoneKeepsThem) {
+  for (const int64_t generation : {int64_t{0}, int64_t{1}}) {
+    ScriptedChannel channel;
+    RecordingModule module;
+    for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Stop(generation)}) channel.Push(m);
+    StepDriver driver(&channel, &module, Gen1());
+    ASSERT_TRUE(driver.Run().ok());
+    EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 1")) << generation;
+  }
+}
+
+TEST(StepDriverTest, AStopBeforeAnyPlanFormsTheGroupsOverTheAssignedReplicas) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  channel.Push(Stop(2));
+  StepDriverOptions options = Gen1();
+  options.initial_replicas.encoder = {0, 1};
+  options.initial_replicas.llm = {0};
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(module.calls, ElementsAre("regroup 2 [0,1] llm [0]"));
+}
+
+TEST(StepDriverTest, AStopThatLeavesTheRunFormsNoGroups) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage leave = Stop(2);
+  leave.mutable_stop()->set_leave_run(true);
+  channel.Push(leave);
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_TRUE(driver.left_run());
+  EXPECT_TRUE(module.calls.empty());
+}
+
+TEST(StepDriverTest, GroupsForTheOutputsThatCannotBeFormedFailTheRun) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.regroup_error = absl::DeadlineExceededError("rendezvous of generation 2 timed out");
+  channel.Push(Stop(2));
+  StepDriver driver(&channel, &module, Gen1());
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(status.message(), HasSubstr("forming the groups of generation 2 for the outputs"));
+  EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
 }
 
 TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {

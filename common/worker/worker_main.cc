@@ -88,6 +88,8 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   StepDriverOptions driver_options;
   driver_options.timeout = context->coordinator_timeout();
   driver_options.initial_generation = context->store_generation();
+  driver_options.initial_replicas.encoder = context->AssignedReplicas(v1::MODULE_ENCODER);
+  driver_options.initial_replicas.llm = context->AssignedReplicas(v1::MODULE_LLM);
   driver_options.interrupt = &context->interrupt();
   driver_options.on_membership_change = [&context](const v1::MembershipChange& change) {
     return context->ConnectJoined(change);
