@@ -584,7 +584,7 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
     // cumulative starts keep each sample's causal attention within itself, query head h reads kv
     // head h / group, and the output is already in the packed layout. Its backward is ATen's
     // (_flash_attention_backward). A GPU without the kernel fails the first call: the per-run
-    // path below from then on.
+    // path below from then on (a later failure is the step's).
     at::Tensor attended;  // [rows, local_heads * head_dim]
     if (varlen_starts.defined()) {
       try {
@@ -595,7 +595,9 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
                        .reshape({rows, local_heads * head_dim});
         ++varlen_layers_;
       } catch (const c10::Error& e) {
-        if (&layer != &layers_.front()) throw;  // it ran on this GPU: a real failure
+        // Only the first call may fall back: once the kernel has run here, an error (out of
+        // memory, a host sync under a sync check) is the step's.
+        if (&layer != &layers_.front() || varlen_layers_ > 0) throw;
         HETPAR_LOG(WARNING) << "llm attention: the varlen flash kernel does not run here ("
                             << e.what_without_backtrace()
                             << "); one SDPA call per run of equal-length samples instead";

@@ -43,7 +43,14 @@ absl::StatusOr<ExecutionContext> ExecutionContext::FromSpec(const hetpar::v1::Ru
   // The worker's current device from now on: NCCL's communicators, the host tensors NCCL groups
   // move and every tensor without an explicit device index land there.
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(gpu);
+  UseIeeeFloat32OnCuda();
   return ExecutionContext(gpu, dtype);
+}
+
+void UseIeeeFloat32OnCuda() {
+  // The legacy setters keep libtorch's old and new precision settings in step.
+  at::globalContext().setAllowTF32CuBLAS(false);
+  at::globalContext().setAllowTF32CuDNN(false);
 }
 
 ExecutionContext ExecutionContext::Cpu(at::ScalarType dtype) {

@@ -28,6 +28,13 @@
 
 namespace hetpar::nn {
 
+// Float32 matrix products and convolutions in IEEE float32 on CUDA: turns TF32 off in cuBLAS and
+// cuDNN for the whole process, even where the environment turned it on
+// (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which NVIDIA's PyTorch containers set), so that a float32
+// run keeps float32's agreement with the float64 reference. bfloat16 and float16 compute are not
+// affected. ExecutionContext::FromSpec calls it for every CUDA context.
+void UseIeeeFloat32OnCuda();
+
 class ExecutionContext {
  public:
   // run.device and run.dtype of `spec`; `cuda_index` is the GPU a "cuda" run uses (the worker's

@@ -45,6 +45,17 @@ TEST(ExecutionContextTest, Bfloat16KeepsFloat32MastersAndGradients) {
   EXPECT_EQ(context->Describe(), "cpu, bfloat16 with float32 master weights, gloo");
 }
 
+// As when TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 turned TF32 on: a CUDA context turns it off again.
+TEST(ExecutionContextTest, Float32OnCudaIsIeeeEvenWhereTf32WasTurnedOn) {
+  at::globalContext().setAllowTF32CuBLAS(true);
+  at::globalContext().setAllowTF32CuDNN(true);
+  ASSERT_TRUE(at::globalContext().allowTF32CuBLAS());
+  UseIeeeFloat32OnCuda();
+  EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+  EXPECT_EQ(at::globalContext().float32MatmulPrecision(), at::Float32MatmulPrecision::HIGHEST);
+  EXPECT_FALSE(at::globalContext().allowTF32CuDNN());
+}
+
 TEST(ExecutionContextTest, UnknownDeviceIsRefused) {
   auto tpu = ExecutionContext::FromSpec(Spec("tpu", hetpar::v1::DTYPE_FLOAT32), 0);
   ASSERT_FALSE(tpu.ok());

@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/nn/communicator.h"
+#include "common/nn/execution_context.h"
 #include "common/nn/parameters.h"
 #include "common/nn/sdp_backend.h"
 #include "common/nn/test_ranks.h"
@@ -94,6 +95,8 @@ class GpuTest : public ::testing::Test {
     if (SelfCheckOnCpu()) return;
     const std::string reason = NoCudaReason();
     if (!reason.empty()) GTEST_SKIP() << reason;
+    // float32 in IEEE float32, as hetpar's CUDA contexts have it, whatever the environment says.
+    nn::UseIeeeFloat32OnCuda();
   }
 };
 
@@ -194,10 +197,10 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   ASSERT_EQ(got.scalar_type(), c.dtype);
   got.backward(grad_out.to(TestDevice()));
 
-  // float32: the kernels accumulate in float32 (TF32 is off by default in libtorch; with it on
-  // the error would be ~1e-3). Seen on CPU: <= 1e-6; 1e-4 leaves a wide margin for other
-  // summation orders. bfloat16 keeps 8 significant bits (spacing 2^-8 ~ 4e-3 relative); the
-  // output and gradients are rounded to it and the kernels round probabilities to it before
+  // float32: the kernels accumulate in float32 (TF32 off: GpuTest::SetUp, as hetpar's CUDA
+  // contexts; with it on the error would be ~1e-3). Seen on CPU: <= 1e-6; 1e-4 leaves a wide margin
+  // for other summation orders. bfloat16 keeps 8 significant bits (spacing 2^-8 ~ 4e-3 relative);
+  // the output and gradients are rounded to it and the kernels round probabilities to it before
   // multiplying by V. Seen with libtorch's CPU bfloat16 kernel: forward <= 3e-3, gradients <= 1e-2
   // (dK and dV sum over the 4 query heads of a group). A wrong mask or head mapping gives ~1.
   const bool bf16 = c.dtype == at::kBFloat16;
@@ -274,7 +277,7 @@ TEST_F(GpuTest, TpOperatorsOnAGroupOfOneMatchFloat64) {
   ASSERT_EQ(loss.scalar_type(), at::kFloat);
   (loss * row_weights.to(TestDevice())).sum().backward();
 
-  // float32 throughout (no TF32 by default); the chain is shallow, so errors stay ~1e-6.
+  // float32 throughout (no TF32: GpuTest::SetUp); the chain is shallow, so errors stay ~1e-6.
   const double tolerance = 1e-4;
   EXPECT_LT(RelativeError(dh, h), tolerance) << "RmsNorm";
   EXPECT_LT(RelativeError(da, a), tolerance) << "ColumnParallelLinear";

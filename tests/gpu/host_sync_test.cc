@@ -128,6 +128,12 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
   };
   // A first step outside the check: one-time set-up (cuBLAS handles, the pinned memory pool).
   ASSERT_TRUE(run_step().defined());
+  const bool varlen = GetParam() == at::kBFloat16;
+  if (varlen) {
+    // The checked step must take the varlen kernel's path; a GPU without it fails here.
+    ASSERT_FALSE((*lm)->varlen_attention_failed()) << "the varlen flash kernel failed (see log)";
+  }
+  const int64_t varlen_layers = (*lm)->varlen_attention_layers();
 
   at::Tensor loss;
   {
@@ -137,6 +143,11 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
     loss = run_step();
   }
   ASSERT_TRUE(loss.defined()) << "the step's compute made a host sync (above)";
+  if (varlen) {
+    // Both layers of the checked step ran the kernel (it may not fall back after its first run).
+    EXPECT_GE((*lm)->varlen_attention_layers() - varlen_layers, 2);
+    EXPECT_FALSE((*lm)->varlen_attention_failed());
+  }
   testing::HostSyncCounter counter;
   // The step end: the loss and both models' gradient norm parts in one read.
   const at::Tensor parts = at::cat({loss, train::OwnedGradSumParts((*lm)->parameters()),

@@ -45,8 +45,10 @@ struct TrainedModel {
   double loss = 0;
 };
 
-TrainedModel Train(const c10::Device& device, at::ScalarType dtype, bool varlen,
-                   const std::vector<llm::LlmSample>& samples, const at::Tensor& image_rows) {
+// Trains one microbatch into `run`; a failure is a fatal test failure (ASSERT_NO_FATAL_FAILURE).
+void Train(const c10::Device& device, at::ScalarType dtype, bool varlen,
+           const std::vector<llm::LlmSample>& samples, const at::Tensor& image_rows,
+           TrainedModel* run) {
   static auto single = nn::Communicator::CreateSingle();
   llm::LlmOptions options;
   options.device = device;
@@ -54,16 +56,15 @@ TrainedModel Train(const c10::Device& device, at::ScalarType dtype, bool varlen,
   options.seed = 11;
   options.varlen_attention = varlen;
   auto model = llm::LanguageModel::Create(testing::TinyLlmForFlash(kVocab), options, *single);
-  EXPECT_TRUE(model.ok()) << model.status();
-  TrainedModel run;
-  run.model = *std::move(model);
-  run.image_rows = image_rows.to(device, dtype).detach().requires_grad_(true);
-  auto result = run.model->ForwardStage(samples, run.image_rows, at::Tensor(),
-                                        static_cast<int64_t>(samples.size()));
-  EXPECT_TRUE(result.ok()) << result.status();
-  EXPECT_TRUE(run.model->Backward(result->loss).ok());
-  run.loss = result->loss.detach().to(at::kCPU).to(at::kDouble).item<double>();
-  return run;
+  ASSERT_TRUE(model.ok()) << model.status();
+  run->model = *std::move(model);
+  run->image_rows = image_rows.to(device, dtype).detach().requires_grad_(true);
+  auto result = run->model->ForwardStage(samples, run->image_rows, at::Tensor(),
+                                         static_cast<int64_t>(samples.size()));
+  ASSERT_TRUE(result.ok()) << result.status();
+  const absl::Status backward = run->model->Backward(result->loss);
+  ASSERT_TRUE(backward.ok()) << backward;
+  run->loss = result->loss.detach().to(at::kCPU).to(at::kDouble).item<double>();
 }
 
 TEST(LlmAttentionTest, VarlenFlashMatchesThePerRunPathAndTheFloat64Reference) {
@@ -85,9 +86,12 @@ TEST(LlmAttentionTest, VarlenFlashMatchesThePerRunPathAndTheFloat64Reference) {
   const at::Tensor image_rows =
       at::randn({4, testing::kTinyLlmHidden}, at::TensorOptions().dtype(at::kDouble));
 
-  TrainedModel reference = Train(c10::kCPU, at::kDouble, /*varlen=*/false, samples, image_rows);
-  TrainedModel varlen = Train(gpu, at::kBFloat16, /*varlen=*/true, samples, image_rows);
-  TrainedModel per_run = Train(gpu, at::kBFloat16, /*varlen=*/false, samples, image_rows);
+  TrainedModel reference, varlen, per_run;
+  ASSERT_NO_FATAL_FAILURE(
+      Train(c10::kCPU, at::kDouble, /*varlen=*/false, samples, image_rows, &reference));
+  ASSERT_NO_FATAL_FAILURE(Train(gpu, at::kBFloat16, /*varlen=*/true, samples, image_rows, &varlen));
+  ASSERT_NO_FATAL_FAILURE(
+      Train(gpu, at::kBFloat16, /*varlen=*/false, samples, image_rows, &per_run));
   ASSERT_FALSE(varlen.model->varlen_attention_failed())
       << "the varlen flash kernel failed on a GPU that has flash attention (see the log)";
   // Each of the two layers through the kernel; the per-run model never.

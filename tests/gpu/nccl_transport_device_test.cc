@@ -6,12 +6,13 @@
 //
 // With two or more GPUs the processes use cuda:0 and cuda:1. With one GPU both use cuda:0 and each
 // gets its own NCCL_HOSTID: NCCL refuses two ranks of one host on one GPU, so it is told they are
-// two hosts and joins them over its socket transport on loopback (NCCL_SOCKET_IFNAME=lo and
-// NCCL_IB_DISABLE=1 unless the environment sets them). That path moves the bytes through host
-// memory, so it checks hetpar's NCCL mover (set-up, send/recv, events, abort), not NCCL's fast
-// transports. The case records which mode ran ("gpus"). Skips, saying why, without a CUDA device
-// or in a build without NCCL. The protocol itself is checked on every machine by the conformance
-// suite (flavor nccl_protocol).
+// two hosts and joins them over its own socket transport on loopback (NCCL_SOCKET_IFNAME=lo,
+// NCCL_IB_DISABLE=1, NCCL_NET=Socket, NCCL_NET_PLUGIN=none unless the environment sets them).
+// That path moves the bytes through host memory, so it checks hetpar's NCCL mover (set-up,
+// send/recv, events, abort), not NCCL's fast transports. The case records which mode ran
+// ("gpus"). Skips, saying why, without a CUDA device, in a build without NCCL, or with one GPU
+// that another process cannot share (an exclusive compute mode). The protocol itself is checked on
+// every machine by the conformance suite (flavor nccl_protocol).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -60,10 +62,24 @@ TEST(NcclTransportDeviceTest, TwoProcessesMoveDeviceBuffers) {
   const int peer_device = one_gpu ? 0 : 1;
   std::vector<std::string> peer_flags = {"--device", std::to_string(peer_device)};
   if (one_gpu) {
-    // Two "hosts" on one GPU; set before this process's first NCCL call.
+    int mode = cudaComputeModeDefault;
+    ASSERT_EQ(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, 0), cudaSuccess);
+    if (mode != cudaComputeModeDefault) {
+      GTEST_SKIP() << "one GPU in compute mode " << mode
+                   << " (not default): a second process cannot share it";
+    }
+    // Two "hosts" on one GPU; set before this process's first NCCL call. The peer inherits all
+    // but the host id. NCCL's own socket transport on loopback, whatever plugin or fabric is
+    // installed; warnings in the peer's log.
     ASSERT_EQ(setenv("NCCL_HOSTID", "hetpar-nccl-test", 1), 0);
-    ASSERT_EQ(setenv("NCCL_SOCKET_IFNAME", "lo", 0), 0);  // the peer inherits these two
-    ASSERT_EQ(setenv("NCCL_IB_DISABLE", "1", 0), 0);
+    for (const auto& [name, value] :
+         std::vector<std::pair<const char*, const char*>>{{"NCCL_SOCKET_IFNAME", "lo"},
+                                                          {"NCCL_IB_DISABLE", "1"},
+                                                          {"NCCL_NET", "Socket"},
+                                                          {"NCCL_NET_PLUGIN", "none"},
+                                                          {"NCCL_DEBUG", "WARN"}}) {
+      ASSERT_EQ(setenv(name, value, /*overwrite=*/0), 0) << name;
+    }
     peer_flags.insert(peer_flags.end(), {"--nccl-hostid", "hetpar-nccl-peer"});
   }
   ::testing::Test::RecordProperty(
@@ -109,6 +125,8 @@ TEST(NcclTransportDeviceTest, TwoProcessesMoveDeviceBuffers) {
     ASSERT_EQ(cudaMemcpy(outs[k]->data, expected[k].data(), size, cudaMemcpyHostToDevice),
               cudaSuccess);
     ASSERT_EQ(cudaMemset(ins[k]->data, 0xEE, size), cudaSuccess);
+    // NCCL's streams do not wait for the default stream: the fills land first.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     auto recv = (*transport)
                     ->Recv(*peer, kEchoTags[k] + kEchoReply,
                            MutableBuffer{ins[k]->data, size, MemoryKind::kCuda, 0});
