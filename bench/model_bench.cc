@@ -276,7 +276,8 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     options.sequence_parallel = c.sp;
     options.device = device;
     HETPAR_ASSIGN_OR_RETURN(vit, encoder::VisionEncoder::Create(model, options, *comm));
-    images = at::randn({n, model.channels(), model.image_size(), model.image_size()});
+    // On the device already: the step times the model, not the loader's host-to-device copy.
+    images = at::randn({n, model.channels(), model.image_size(), model.image_size()}).to(device);
     tokens = n * vit->tokens_per_image();
     grad_output = at::randn({tokens, model.out_hidden()}).to(device, c.dtype);
     gemms = EncoderGemms(model, n, c.tp);

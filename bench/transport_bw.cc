@@ -45,6 +45,10 @@
 //   transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] [--window N]
 //                [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off]
 //                [--zero-copy-threshold BYTES] [--memory host|cuda] [--cuda-device N]
+//                [--limit SECONDS]
+//
+// --limit (default 600) bounds each worker pair and each ucx_perftest client; a server whose
+// client failed is ended at once.
 //
 // (--skip memcpy skips the d2d baseline under --memory cuda.)
 // The same binary is the worker process of each pair (--role hetpar|gloo --rank 0|1 --dir D).
@@ -53,6 +57,7 @@
 // and HETPAR_UCX_LIBDIR replace it and its libraries), so both run the same UCX.
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -118,6 +123,8 @@ struct Config {
   // Where the hetpar workers' send and receive buffers live (--memory), and the GPU for kCuda.
   MemoryKind memory = MemoryKind::kHost;
   int cuda_device = 0;
+  // Each pair's and each ucx_perftest client's time limit.
+  absl::Duration limit = absl::Seconds(600);
   // worker mode
   std::string role;
   int rank = -1;
@@ -200,6 +207,25 @@ class HetparPair {
           absl::StrCat("hetpar's UCX transport cannot move ",
                        std::string(transport::MemoryKindName(config.memory)),
                        " memory (CanMove is false): its CUDA transport module did not load"));
+    }
+    if (config.cuda()) {
+      // As a hetpar worker does (bootstrap.cc): UCX's progress thread, which drives its CUDA
+      // transports, and this thread compute on --cuda-device.
+      // The driver checked --cuda-device against the visible devices.
+      const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(config.cuda_device));
+      c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+      absl::Status selected =
+          (*transport)
+              ->RunOnProgressThread(
+                  [device] {
+                    try {
+                      c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+                    } catch (
+                        const c10::Error&) {  // the same call succeeded on this thread just above
+                    }
+                  },
+                  absl::Now() + kWait);
+      if (!selected.ok()) return selected;
     }
     auto pair = std::unique_ptr<HetparPair>(new HetparPair(config));
     pair->transport_ = std::move(transport).value();
@@ -523,7 +549,7 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
   absl::Status first_error;
   std::string errors;
   for (int rank = 0; rank < 2; ++rank) {
-    auto output = Finish(children[rank], absl::Minutes(10), absl::StrCat(role, " rank ", rank));
+    auto output = Finish(children[rank], config.limit, absl::StrCat(role, " rank ", rank));
     if (!output.ok()) {
       if (first_error.ok()) first_error = output.status();
       absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
@@ -611,8 +637,11 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     absl::SleepFor(absl::Milliseconds(300));
     auto client = Spawn(client_argv, dir + "/perftest.client.out");
     if (!client.ok()) return client.status();
-    auto client_output = Finish(*client, absl::Minutes(5), "ucx_perftest client");
-    auto server_output = Finish(*server, absl::Seconds(30), "ucx_perftest server");
+    auto client_output = Finish(*client, config.limit, "ucx_perftest client");
+    // A server whose client failed would wait for it: ended at once.
+    auto server_output =
+        Finish(*server, client_output.ok() ? absl::Seconds(30) : absl::ZeroDuration(),
+               "ucx_perftest server");
     if (!client_output.ok() || !server_output.ok()) {  // e.g. the port was taken
       last_error = !client_output.ok() ? client_output.status() : server_output.status();
       continue;
@@ -850,6 +879,10 @@ absl::StatusOr<Config> ParseFlags(int argc, char** argv) {
     } else if (flag == "--memory") {
       ok = value == "host" || value == "cuda";
       config.memory = value == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost;
+    } else if (flag == "--limit") {
+      double seconds = 0;
+      ok = absl::SimpleAtod(value, &seconds) && seconds > 0;
+      config.limit = absl::Seconds(seconds);
     } else if (flag == "--cuda-device") {
       ok = absl::SimpleAtoi(value, &config.cuda_device) && config.cuda_device >= 0;
     } else if (flag == "--skip") {
