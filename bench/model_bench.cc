@@ -337,8 +337,13 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   // Model steps and matmul rounds alternate, each between barriers, so that both see the same
   // background load on a shared machine.
   const MatmulBaseline baseline(gemms, c.dtype, device);
-  HETPAR_RETURN_IF_ERROR(step());  // warm-up
-  baseline.Round();
+  // Warm-up: one round on the CPU; three on a GPU, whose first rounds also pick kernels (cuBLAS
+  // heuristics, attention kernels) and whose clocks rise under load. A count, not a time: every
+  // rank must run the same steps.
+  for (int i = 0; i < (device.is_cuda() ? 3 : 1); ++i) {
+    HETPAR_RETURN_IF_ERROR(step());
+    baseline.Round();
+  }
   sync();
   double step_s = 0, matmul_s = 0;
   for (int i = 0; i < c.iters; ++i) {
@@ -445,6 +450,13 @@ absl::StatusOr<std::string> RunCase(const BenchCase& c, const fs::path& dir, dou
   return line;
 }
 
+constexpr char kUsage[] =
+    "usage: model_bench [--configs tiny,mid,gpu] [--modules encoder,llm] [--tp 1,2] [--iters N] "
+    "[--dtype float32|float64|bfloat16] [--sp] [--device cpu|cuda]\n"
+    "Forward+backward throughput of hetpar's encoder and LLM against at::matmul on the same GEMM "
+    "shapes in the same run; one JSON line per case (see the comment at the top of "
+    "bench/model_bench.cc).\n";
+
 int Main(int argc, char** argv) {
   BenchCase worker;
   bool is_worker = false;
@@ -457,7 +469,10 @@ int Main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (flag == "--worker") {
+    if (flag == "--help" || flag == "-h") {
+      std::cout << kUsage;
+      return 0;
+    } else if (flag == "--worker") {
       is_worker = true;
     } else if (flag == "--sp") {
       worker.sp = true;
@@ -507,10 +522,7 @@ int Main(int argc, char** argv) {
         return 2;
       }
     } else {
-      std::cerr << "model_bench: unknown flag " << flag << "\n"
-                << "usage: model_bench [--configs tiny,mid,gpu] [--modules encoder,llm] "
-                   "[--tp 1,2] [--iters N] [--dtype float32|float64|bfloat16] [--sp] "
-                   "[--device cpu|cuda]\n";
+      std::cerr << "model_bench: unknown flag " << flag << "\n" << kUsage;
       return 2;
     }
   }

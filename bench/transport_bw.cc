@@ -125,6 +125,7 @@ struct Config {
   int cuda_device = 0;
   // Each pair's and each ucx_perftest client's time limit.
   absl::Duration limit = absl::Seconds(600);
+  bool help = false;  // --help: print the usage and exit
   // worker mode
   std::string role;
   int rank = -1;
@@ -855,6 +856,10 @@ absl::StatusOr<Config> ParseFlags(int argc, char** argv) {
   Config config;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      config.help = true;
+      return config;
+    }
     if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat(flag, " needs a value"));
     const std::string value = argv[++i];
     bool ok = true;
@@ -917,6 +922,16 @@ int main(int argc, char** argv) {
   if (!config.ok()) {
     std::cerr << "transport_bw: " << config.status().message() << "\n";
     return 2;
+  }
+  if (config->help) {
+    std::cout << "usage: transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] "
+                 "[--window N] [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off] "
+                 "[--zero-copy-threshold BYTES] [--memory host|cuda] [--cuda-device N] "
+                 "[--limit SECONDS]\n"
+                 "hetpar's UCX data plane between two processes against ucx_perftest, c10d Gloo "
+                 "and memcpy (or, with --memory cuda, a device-to-device copy); one JSON line per "
+                 "size (see the comment at the top of bench/transport_bw.cc).\n";
+    return 0;
   }
   if (config->role.empty()) return hetpar::bench::RunDriver("/proc/self/exe", *config);
   absl::Status status = config->role == "hetpar" ? hetpar::bench::RunHetparWorker(*config)
