@@ -32,8 +32,10 @@
 // warm-up of at least half a second (clocks ramp up), --repeats loops, the median loop reported.
 //
 // Without a CUDA device it prints {"bench":"gpu","skipped":"no CUDA device: ..."} and exits 0.
-// --device cpu runs the same code on the CPU (with small shapes: a check of the bench itself on a
-// machine without a GPU; its figures say nothing about GPUs).
+// --device cpu runs the same code on the CPU: a check of the bench itself on a machine without a
+// GPU, with the shapes given (the defaults are a GPU's; give small ones, e.g. --hidden 64 --mlp
+// 128 --heads 4 --kv-heads 2 --tokens 64 --iters 2 --repeats 1). Its figures say nothing about
+// GPUs.
 // A figure that fails prints {"bench":"gpu","figure":...,"error":...} and the exit status is 1.
 #include <ATen/ATen.h>
 #include <torch/cuda.h>

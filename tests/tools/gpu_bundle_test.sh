@@ -3,7 +3,8 @@
 # the build folder's binaries, then (as root, in a private mount namespace) hides the build folder,
 # the venv's UCX wheel and every system copy of a library the bundle carries, and runs gpu-check
 # from the bundle with --cpu-train: the gpu tests (they skip without a GPU), three 4-step training
-# runs compared with the float64 reference, and step_bench. Then the two refusals: a bundle built
+# runs compared with the float64 reference, two 8-step runs of the master-weights check, and
+# step_bench. Then the two refusals: a bundle built
 # against another libtorch, and a bundle missing one of its libraries.
 # Usage: gpu_bundle_test.sh BUILD_DIR REPO_ROOT
 set -euo pipefail
@@ -86,7 +87,7 @@ fi
 
 status=0
 "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 \
-  >"$work/check.jsonl" 2>"$work/check.log" || status=$?
+  --master-weights-steps 8 >"$work/check.jsonl" 2>"$work/check.log" || status=$?
 if [ "$status" != 0 ]; then
   tail -n 60 "$work/check.log" >&2
   cat "$work/check.jsonl" >&2
@@ -100,11 +101,16 @@ assert checks["bundle"]["ok"] is True, checks["bundle"]
 tests = checks["gpu_tests"]
 assert tests["failed"] == 0 and tests["passed"] + tests["skipped"] > 10, tests
 runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
-assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "reference_float64_cpu"], sorted(runs)
+assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "master_weights",
+                        "reference_float64_cpu"], sorted(runs)
 for name, run in runs.items():
     assert run["rc"] == 0, run
-    if name != "reference_float64_cpu":
+    if name not in ("reference_float64_cpu", "master_weights"):
         assert run["compare_rc"] == 0 and "compared 4 steps" in run["compare"], run
+# 8 steps: both runs read back, the drops printed, not judged (from 20 steps).
+weights = runs["master_weights"]
+assert weights["steps"] == 8 and weights["judged"] is False and weights["ok"] is True, weights
+assert all(isinstance(weights[k], float) for k in ("float32_drop", "bfloat16_drop")), weights
 steps = [l for l in lines if l.get("bench") == "step"]
 assert sorted(s["case"] for s in steps) == ["as_configured", "micro_batch_1"], steps
 for s in steps:
