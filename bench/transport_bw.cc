@@ -210,23 +210,21 @@ class HetparPair {
                        " memory (CanMove is false): its CUDA transport module did not load"));
     }
     if (config.cuda()) {
-      // As a hetpar worker does (bootstrap.cc): UCX's progress thread, which drives its CUDA
-      // transports, and this thread compute on --cuda-device.
-      // The driver checked --cuda-device against the visible devices.
+      // As a hetpar worker does (bootstrap.cc): this thread and UCX's progress thread, which
+      // drives its CUDA transports, compute on --cuda-device. The driver checked it against the
+      // visible devices, so the call below does not throw; the progress thread makes the same one.
       const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(config.cuda_device));
-      c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
-      absl::Status selected =
-          (*transport)
-              ->RunOnProgressThread(
-                  [device] {
-                    try {
-                      c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
-                    } catch (
-                        const c10::Error&) {  // the same call succeeded on this thread just above
-                    }
-                  },
-                  absl::Now() + kWait);
-      if (!selected.ok()) return selected;
+      auto select = [device] {
+        try {
+          c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+        } catch (const c10::Error&) {
+        }
+      };
+      select();
+      if (absl::Status s = (*transport)->RunOnProgressThread(select, absl::Now() + kWait);
+          !s.ok()) {
+        return s;
+      }
     }
     auto pair = std::unique_ptr<HetparPair>(new HetparPair(config));
     pair->transport_ = std::move(transport).value();

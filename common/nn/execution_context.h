@@ -30,7 +30,7 @@ namespace hetpar::nn {
 
 // Float32 matrix products and convolutions in IEEE float32 on CUDA: turns TF32 off in cuBLAS and
 // cuDNN for the whole process, even where the environment turned it on
-// (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which NVIDIA's PyTorch containers set), so that a float32
+// (TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which some PyTorch container images set), so that a float32
 // run keeps float32's agreement with the float64 reference. bfloat16 and float16 compute are not
 // affected. ExecutionContext::FromSpec calls it for every CUDA context.
 void UseIeeeFloat32OnCuda();

@@ -10,7 +10,6 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
-#include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
@@ -26,6 +25,7 @@
 
 #if HETPAR_GPU_HAS_C10_CUDA
 #include "tests/gpu/host_sync_counter.h"
+#include "tests/gpu/require_cuda_ucx.h"
 #endif
 
 namespace hetpar {
@@ -188,13 +188,6 @@ TEST(BoundaryDeviceTest, AHeaderOfAnotherGenerationFailsTheDeferredCheck) {
   CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCPU), /*sender_generation=*/7);
 }
 
-// tools/gpu-check sets HETPAR_GPU_REQUIRE_CUDA_UCX=1 where it sees a GPU: there a UCX that moves
-// no CUDA memory is the build's or the bundle's fault, and fails the test instead of skipping it.
-bool CudaUcxRequired() {
-  const char* value = std::getenv("HETPAR_GPU_REQUIRE_CUDA_UCX");
-  return value != nullptr && std::string(value) == "1";
-}
-
 TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {
   if (!torch::cuda::is_available()) {
     GTEST_SKIP() << "no CUDA device: torch::cuda::is_available() is false";
@@ -204,7 +197,7 @@ TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {
   ASSERT_TRUE(enc_t.ok() && llm_t.ok()) << enc_t.status() << llm_t.status();
   if (!(*enc_t)->CanMove(transport::MemoryKind::kCuda)) {
     const char* why = "this UCX moves no CUDA memory (its CUDA transport module did not load)";
-    if (CudaUcxRequired()) FAIL() << why << " on a machine with a GPU";
+    if (hetpar::testing::CudaUcxRequired()) FAIL() << why << " on a machine with a GPU";
     GTEST_SKIP() << why;
   }
   CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCUDA, 0));

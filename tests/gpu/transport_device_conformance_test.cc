@@ -55,6 +55,7 @@
 #include "common/transport/ucx/ucx_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/require_cuda_ucx.h"
 
 namespace hetpar::transport {
 namespace {
@@ -188,13 +189,6 @@ MutableBuffer DeviceTarget(const at::Tensor& tensor) {
 
 absl::Time Deadline() { return absl::Now() + kWait; }
 
-// tools/gpu-check sets HETPAR_GPU_REQUIRE_CUDA_UCX=1 where it sees a GPU: there a UCX that moves
-// no CUDA memory is the build's or the bundle's fault, and fails the test instead of skipping it.
-bool CudaUcxRequired() {
-  const char* value = std::getenv("HETPAR_GPU_REQUIRE_CUDA_UCX");
-  return value != nullptr && std::string(value) == "1";
-}
-
 class DeviceConformanceTest : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
@@ -218,7 +212,7 @@ class DeviceConformanceTest : public ::testing::TestWithParam<Param> {
           const char* why =
               "this UCX has no CUDA support: UcxTransport::CanMove(kCuda) is false (a UCX built "
               "without CUDA, or its CUDA transport module did not load)";
-          if (CudaUcxRequired()) FAIL() << why << " on a machine with a GPU";
+          if (hetpar::testing::CudaUcxRequired()) FAIL() << why << " on a machine with a GPU";
           GTEST_SKIP() << why;
         }
         GTEST_SKIP() << "this NCCL transport cannot move CUDA memory on cuda:" << device(i);

@@ -4,8 +4,8 @@
 # the venv's UCX wheel and every system copy of a library the bundle carries, and runs gpu-check
 # from the bundle with --cpu-train: the gpu tests (they skip without a GPU), three 4-step training
 # runs compared with the float64 reference, two 8-step runs of the master-weights check, and
-# step_bench. Then the two refusals: a bundle built
-# against another libtorch, and a bundle missing one of its libraries.
+# step_bench. Then the two refusals: a bundle built against another libtorch, and a bundle
+# missing one of its libraries.
 # Usage: gpu_bundle_test.sh BUILD_DIR REPO_ROOT
 set -euo pipefail
 
