@@ -15,8 +15,11 @@
 // iteration are counted from the shapes (each forward GEMM, plus its two backward GEMMs, or one
 // when its input needs no gradient). Every timed model step is followed by one round of plain
 // at::matmul over exactly that rank's GEMM list, on all ranks at once, so the ratio compares
-// like with like under the same background load. tokens_per_s counts the tokens of the whole
-// TP group (one replica) per second.
+// like with like under the same background load. The LLM's causal attention products count in
+// full in gemm_gflop_per_rank_per_iter (the run's accounting, docs/observability.md), but the
+// causal kernels do about half of them, so the baseline runs them over half their rows and both
+// rates (and the ratio) are of that work (work_gflop_per_rank_per_iter). tokens_per_s counts
+// the tokens of the whole TP group (one replica) per second.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -60,7 +63,13 @@ using Clock = std::chrono::steady_clock;
 struct Gemm {
   int64_t batch, m, k, n;  // [batch] x [m, k] @ [k, n]
   int passes;              // 1: forward only; 3: forward + grad input + grad weight
+  // A causal attention product: the kernel computes only the score blocks at or below the
+  // diagonal, about half of the m rows' work. Counted in full, as the run's accounting counts it
+  // (common/plan/flops.h); done by the baseline over ceil(m / 2) rows, the work the kernel does.
+  bool causal = false;
   double Flops() const { return 2.0 * batch * m * k * n * passes; }
+  int64_t WorkRows() const { return causal ? (m + 1) / 2 : m; }
+  double WorkFlops() const { return 2.0 * batch * WorkRows() * k * n * passes; }
 };
 
 struct BenchCase {
@@ -166,8 +175,8 @@ std::vector<Gemm> LlmGemms(const hetpar::v1::LlmModel& m, const std::vector<int6
   for (int64_t l = 0; l < m.layers(); ++l) {
     g.push_back({1, rows, m.hidden(), (heads + 2 * kv) * d, 3});
     for (int64_t length : lengths) {
-      g.push_back({heads, length, d, length, 3});
-      g.push_back({heads, length, length, d, 3});
+      g.push_back({heads, length, d, length, 3, /*causal=*/true});
+      g.push_back({heads, length, length, d, 3, /*causal=*/true});
     }
     g.push_back({1, rows, heads * d, m.hidden(), 3});
     g.push_back({1, rows, m.hidden(), m.ffn() / tp, 3});
@@ -179,19 +188,20 @@ std::vector<Gemm> LlmGemms(const hetpar::v1::LlmModel& m, const std::vector<int6
 }
 
 // at::matmul over a GEMM list: each GEMM `passes` times, with the operand shapes of the forward
-// and of the two backward products.
+// and of the two backward products, over the GEMM's work rows (half of a causal product's).
+// Unbatched GEMMs (the linear layers, which the model runs as mm/addmm) are 2-D products.
 class MatmulBaseline {
  public:
   MatmulBaseline(const std::vector<Gemm>& gemms, at::ScalarType dtype, c10::Device device) {
     const auto o = at::TensorOptions().dtype(dtype).device(device);
     for (const Gemm& g : gemms) {
-      operands_.push_back({at::randn({g.batch, g.m, g.k}, o), at::randn({g.batch, g.k, g.n}, o)});
-      if (g.passes >= 2) {
-        operands_.push_back({at::randn({g.batch, g.k, g.m}, o), at::randn({g.batch, g.m, g.n}, o)});
-      }
-      if (g.passes >= 3) {
-        operands_.push_back({at::randn({g.batch, g.m, g.n}, o), at::randn({g.batch, g.n, g.k}, o)});
-      }
+      const int64_t m = g.WorkRows();
+      auto operand = [&](int64_t rows, int64_t cols) {
+        return g.batch == 1 ? at::randn({rows, cols}, o) : at::randn({g.batch, rows, cols}, o);
+      };
+      operands_.push_back({operand(m, g.k), operand(g.k, g.n)});
+      if (g.passes >= 2) operands_.push_back({operand(g.k, m), operand(m, g.n)});
+      if (g.passes >= 3) operands_.push_back({operand(m, g.n), operand(g.n, g.k)});
     }
   }
   void Round() const {
@@ -202,10 +212,12 @@ class MatmulBaseline {
   std::vector<std::pair<at::Tensor, at::Tensor>> operands_;
 };
 
-std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops, double matmul_s,
-                 int iters, double accounting_flops) {
-  const double model_gflops = flops / step_s / 1e9;
-  const double matmul_gflops = flops * iters / matmul_s / 1e9;
+std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops, double work_flops,
+                 double matmul_s, int iters, double accounting_flops) {
+  // Rates of the work both sides do (causal attention at half), so that the ratio is the
+  // baseline's time over the model's for the same products.
+  const double model_gflops = work_flops / step_s / 1e9;
+  const double matmul_gflops = work_flops * iters / matmul_s / 1e9;
   std::ostringstream out;
   out.precision(6);
   out << "{\"bench\":\"model_bench\",\"module\":\"" << c.module << "\",\"config\":\"" << c.config
@@ -214,6 +226,7 @@ std::string Json(const BenchCase& c, int64_t tokens, double step_s, double flops
       << "\",\"tokens_per_iter\":" << tokens << ",\"iters\":" << iters
       << ",\"step_ms\":" << step_s * 1e3 << ",\"tokens_per_s\":" << tokens / step_s
       << ",\"gemm_gflop_per_rank_per_iter\":" << flops / 1e9
+      << ",\"work_gflop_per_rank_per_iter\":" << work_flops / 1e9
       << ",\"model_gflops_per_rank\":" << model_gflops
       << ",\"matmul_gflops_per_rank\":" << matmul_gflops << ",\"ratio_vs_matmul\":"
       << model_gflops / matmul_gflops
@@ -360,11 +373,15 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
     step_s += std::chrono::duration<double>(t1 - t0).count();
     matmul_s += std::chrono::duration<double>(t2 - t1).count();
   }
-  double flops = 0;
-  for (const Gemm& g : gemms) flops += g.Flops();
+  double flops = 0, work_flops = 0;
+  for (const Gemm& g : gemms) {
+    flops += g.Flops();
+    work_flops += g.WorkFlops();
+  }
   if (rank == 0) {
     std::ofstream out(out_path);
-    out << Json(c, tokens, step_s / c.iters, flops, matmul_s, c.iters, accounting_flops) << "\n";
+    out << Json(c, tokens, step_s / c.iters, flops, work_flops, matmul_s, c.iters, accounting_flops)
+        << "\n";
     if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", out_path));
   }
   return absl::OkStatus();
