@@ -131,6 +131,19 @@ grep -q '"check":"bundle","ok":false,"error":"the bundle was built against libto
   "$work/other.jsonl" || { cat "$work/other.jsonl" >&2; fail "no refusal naming libtorch 1.13.1"; }
 grep -q '"check":"gpu_tests"' "$work/other.jsonl" && fail "the gpu tests ran from a refused bundle"
 
+# A UCX transport module that cannot load its libraries: UCX itself would leave it out silently,
+# so gpu-check refuses the bundle, naming the module and the library. (The driver's libcuda, which
+# this machine lacks, is not counted where there is no GPU: the bundle above passed.)
+cp -a "$work/bundle" "$work/no-gomp"
+rm "$work"/no-gomp/site/libucx_cu13.libs/libgomp-*
+status=0
+"$repo/tools/gpu-check" --bundle "$work/no-gomp" --no-train >"$work/no-gomp.jsonl" \
+  2>"$work/no-gomp.log" || status=$?
+[ "$status" = 1 ] || fail "a bundle without UCX's libgomp gave status $status, not 1"
+grep -q '"error":"binaries that cannot load their libraries: .*UCX module libucx_perftest_cuda.so.0: libgomp-' \
+  "$work/no-gomp.jsonl" || { cat "$work/no-gomp.jsonl" >&2; fail "no refusal naming the UCX module"; }
+rm -rf "$work/no-gomp"
+
 # A bundle without one of its libraries: gpu-check names the binary and the library.
 if [ "${#hide[@]}" != 0 ]; then
   rm "$work/bundle/lib/libyaml-cpp.so.0.7"
