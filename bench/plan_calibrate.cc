@@ -3,12 +3,20 @@
 //
 //   peak_tflops.<dtype>        at::matmul on a 512 x 512 x 512 product, one thread, this process
 //                              alone
-//   compute_efficiency         the tiny encoder's and LLM's forward+backward at tp 1 (the models of
+//   encoder.compute_efficiency, llm.compute_efficiency
+//                              the tiny encoder's and LLM's forward+backward at tp 1 (the models of
 //                              configs/tiny.yaml; model FLOPs from common/plan/flops.h), alone, as
-//                              a share of that peak; the mean of the two
-//   layer_overhead_s           the same models' time per layer and call beyond their FLOPs,
+//                              a share of that peak; compute_efficiency: the mean of the two
+//   encoder.layer_overhead_s, llm.layer_overhead_s
+//                              the same models' time per layer and call beyond their FLOPs,
 //                              from a large and a small batch each (t = flops / rate + layers x
-//                              overhead); compute_efficiency is that fit's rate over the peak
+//                              overhead); the efficiencies are that fit's rates over the peak;
+//                              layer_overhead_s: the mean of the two
+//   llm.attention_call_overhead_s
+//                              per layer, forward + backward, the LLM's second attention call in
+//                              a microbatch: two samples of 64 and 63 positions against two of
+//                              64 (one call per run of equal lengths), paired rounds, the median
+//                              difference less its FLOPs at the LLM's rate
 //   concurrency                the tiny models' fitted rate with `cores` processes computing at
 //                              once, summed, over the rate of one alone: how many ranks' worth of
 //                              compute the cores deliver together (hyperthreads and shared vCPUs
@@ -122,6 +130,9 @@ absl::StatusOr<double> MatmulRate(nn::Communicator* comm, at::ScalarType dtype) 
 struct ModelFit {
   double encoder_rate = 0, encoder_overhead_s = 0;
   double llm_rate = 0, llm_overhead_s = 0;
+  // Per layer, forward + backward: what an LLM microbatch's second attention call costs (two
+  // samples of different lengths against two of one length); measured with `attention_calls`.
+  double llm_attention_call_s = 0;
 };
 
 std::pair<double, double> Solve(double flops_big, double t_big, double flops_small, double t_small,
@@ -137,10 +148,14 @@ std::pair<double, double> Solve(double flops_big, double t_big, double flops_sma
 struct ModelTimes {
   double encoder_big_s = 0, encoder_small_s = 0, llm_big_s = 0, llm_small_s = 0;
   double encoder_big_flops = 0, encoder_small_flops = 0, llm_big_flops = 0, llm_small_flops = 0;
+  // With `attention_calls`: the median over paired rounds of two samples of 64 and 63 positions
+  // less two of 64 (two attention calls per layer against one), and the FLOPs between them.
+  double llm_second_call_s = 0, llm_second_call_flops = 0;
 };
 
 absl::StatusOr<ModelTimes> TimeModels(nn::Communicator& comm, at::ScalarType dtype,
-                                      const v1::LlmModel& lm_model, bool small_too) {
+                                      const v1::LlmModel& lm_model, bool small_too,
+                                      bool attention_calls = false) {
   ModelTimes times;
   const v1::EncoderModel em = TinyEncoder();
   encoder::EncoderOptions eo;
@@ -172,11 +187,18 @@ absl::StatusOr<ModelTimes> TimeModels(nn::Communicator& comm, at::ScalarType dty
   lo.dtype = dtype;
   HETPAR_ASSIGN_OR_RETURN(auto lm, llm::LanguageModel::Create(lm_model, lo, comm));
   const int64_t rows_per_sample = 16;
-  auto llm_time = [&](int64_t count, int64_t length, double* flops) -> absl::StatusOr<double> {
+  // One forward + backward over samples of `lengths` positions, and its model FLOPs.
+  struct LlmCall {
     std::vector<llm::LlmSample> samples;
-    *flops = 0;
+    at::Tensor image_rows;
     int64_t loss_rows = 0;
+    double flops = 0;
+  };
+  auto llm_call = [&](const std::vector<int64_t>& lengths) {
+    LlmCall call;
+    const int64_t count = static_cast<int64_t>(lengths.size());
     for (int64_t s = 0; s < count; ++s) {
+      const int64_t length = lengths[s];
       llm::LlmSample sample;
       sample.id = absl::StrCat("calibrate-", s);
       for (int64_t i = 0; i < length; ++i) {
@@ -192,39 +214,68 @@ absl::StatusOr<ModelTimes> TimeModels(nn::Communicator& comm, at::ScalarType dty
       }
       for (int64_t i = 0; i < rows_per_sample; ++i) sample.image_positions.push_back(1 + i);
       sample.image_rows = rows_per_sample;
-      *flops += plan::LlmSampleFlops(lm_model, length, sample_loss).total();
-      loss_rows += sample_loss;
-      samples.push_back(std::move(sample));
+      call.flops += plan::LlmSampleFlops(lm_model, length, sample_loss).total();
+      call.loss_rows += sample_loss;
+      call.samples.push_back(std::move(sample));
     }
-    at::Tensor image_rows =
+    call.image_rows =
         at::randn({count * rows_per_sample, lm_model.hidden()}).to(dtype).requires_grad_(true);
-    HETPAR_ASSIGN_OR_RETURN(std::vector<double> t, Timed(sync, 12, [&]() -> absl::Status {
-                              HETPAR_ASSIGN_OR_RETURN(auto result,
-                                                      lm->Forward(samples, image_rows, loss_rows));
-                              HETPAR_RETURN_IF_ERROR(lm->Backward(result.loss));
-                              HETPAR_RETURN_IF_ERROR(lm->FinishGradients());
-                              lm->parameters().ZeroGrad();
-                              image_rows.mutable_grad() = at::Tensor();
-                              return absl::OkStatus();
-                            }));
+    return call;
+  };
+  auto run = [&](LlmCall& call) -> absl::Status {
+    HETPAR_ASSIGN_OR_RETURN(auto result,
+                            lm->Forward(call.samples, call.image_rows, call.loss_rows));
+    HETPAR_RETURN_IF_ERROR(lm->Backward(result.loss));
+    HETPAR_RETURN_IF_ERROR(lm->FinishGradients());
+    lm->parameters().ZeroGrad();
+    call.image_rows.mutable_grad() = at::Tensor();
+    return absl::OkStatus();
+  };
+  auto llm_time = [&](int64_t count, int64_t length, double* flops) -> absl::StatusOr<double> {
+    LlmCall call = llm_call(std::vector<int64_t>(count, length));
+    *flops = call.flops;
+    HETPAR_ASSIGN_OR_RETURN(std::vector<double> t, Timed(sync, 12, [&] { return run(call); }));
     return Median(t);
   };
   HETPAR_ASSIGN_OR_RETURN(times.llm_big_s, llm_time(2, lm_model.seq_len(), &times.llm_big_flops));
   if (small_too) {
     HETPAR_ASSIGN_OR_RETURN(times.llm_small_s, llm_time(1, 32, &times.llm_small_flops));
   }
+  if (attention_calls) {
+    // Paired rounds, so that the machine's drift cancels in each difference.
+    LlmCall one = llm_call({64, 64}), two = llm_call({64, 63});
+    HETPAR_RETURN_IF_ERROR(run(one));  // warm-up
+    HETPAR_RETURN_IF_ERROR(run(two));
+    std::vector<double> differences;
+    for (int i = 0; i < 16; ++i) {
+      auto t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(run(one));
+      const double t_one = Seconds(t0, Clock::now());
+      t0 = Clock::now();
+      HETPAR_RETURN_IF_ERROR(run(two));
+      differences.push_back(Seconds(t0, Clock::now()) - t_one);
+    }
+    times.llm_second_call_s = Median(differences);
+    times.llm_second_call_flops = two.flops - one.flops;
+  }
   return times;
 }
 
-absl::StatusOr<ModelFit> FitModels(at::ScalarType dtype) {
+absl::StatusOr<ModelFit> FitModels(at::ScalarType dtype, bool attention_calls = false) {
   auto single = nn::Communicator::CreateSingle();
-  HETPAR_ASSIGN_OR_RETURN(ModelTimes t, TimeModels(*single, dtype, TinyLlm(), true));
+  HETPAR_ASSIGN_OR_RETURN(ModelTimes t,
+                          TimeModels(*single, dtype, TinyLlm(), true, attention_calls));
   ModelFit fit;
   std::tie(fit.encoder_rate, fit.encoder_overhead_s) =
       Solve(t.encoder_big_flops, t.encoder_big_s, t.encoder_small_flops, t.encoder_small_s,
             TinyEncoder().layers());
   std::tie(fit.llm_rate, fit.llm_overhead_s) =
       Solve(t.llm_big_flops, t.llm_big_s, t.llm_small_flops, t.llm_small_s, TinyLlm().layers());
+  if (attention_calls && fit.llm_rate > 0) {
+    fit.llm_attention_call_s =
+        std::max(0.0, (t.llm_second_call_s - t.llm_second_call_flops / fit.llm_rate) /
+                          static_cast<double>(TinyLlm().layers()));
+  }
   return fit;
 }
 
@@ -500,7 +551,7 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   auto alone = MatmulRate(nullptr, dtype);
   if (!alone.ok()) return fail(alone.status());
-  auto models = FitModels(dtype);
+  auto models = FitModels(dtype, /*attention_calls=*/true);
   if (!models.ok()) return fail(models.status());
   const fs::path dir = fs::temp_directory_path() / absl::StrCat("plan_calibrate.", ::getpid());
   fs::create_directories(dir);
@@ -531,6 +582,10 @@ int main(int argc, char** argv) {
   m["llm_gflops"] = models->llm_rate / 1e9;
   m["encoder_layer_overhead_s"] = models->encoder_overhead_s;
   m["llm_layer_overhead_s"] = models->llm_overhead_s;
+  m["encoder_compute_efficiency"] = std::min(1.0, models->encoder_rate / *alone);
+  m["llm_compute_efficiency"] = std::min(1.0, models->llm_rate / *alone);
+  m["llm_attention_call_overhead_s"] = models->llm_attention_call_s;
+  // The cluster's own values (for a module without its section): the two modules' mean.
   m["compute_efficiency"] = std::min(1.0, (models->encoder_rate + models->llm_rate) / 2 / *alone);
   m["layer_overhead_s"] = (models->encoder_overhead_s + models->llm_overhead_s) / 2;
   // How many processes' worth of the models' compute the cores deliver together.
@@ -560,17 +615,17 @@ int main(int argc, char** argv) {
   auto number = [&](const char* key) { return m[key].get<double>(); };
 
   // TP collective latency as the models meet it: a TP group's forward + backward time less what
-  // the planner predicts for its compute (the fitted rate and layer overhead, full speed) and for
-  // the collectives' bytes, over the all-reduces the planner counts for it.
+  // the planner predicts for its compute (the module's fitted rate and layer overhead, full
+  // speed) and for the collectives' bytes, over the all-reduces the planner counts for it.
   {
-    const double rate = number("matmul_gflops") * 1e9 * number("compute_efficiency");
-    const double overhead = number("layer_overhead_s");
     const double bus = number("collective_gbps") * 1e9;
     const hetpar::v1::EncoderModel em = TinyEncoder();
     auto latency = [&](double t, int64_t tp, bool llm, int64_t kv_heads) {
       double flops = 0;
       int64_t layers = 0;
       hetpar::plan::CollectiveCount c;
+      const double rate = llm ? models->llm_rate : models->encoder_rate;
+      const double overhead = llm ? models->llm_overhead_s : models->encoder_overhead_s;
       if (llm) {
         hetpar::v1::LlmModel lm = TinyLlm();
         lm.set_kv_heads(kv_heads);
@@ -628,6 +683,11 @@ int main(int argc, char** argv) {
     << "compute_efficiency: " << number("compute_efficiency") << "\n"
     << "tp_parallel_fraction: 1\n"
     << "layer_overhead_s: " << number("layer_overhead_s") << "\n"
+    << "encoder: {compute_efficiency: " << number("encoder_compute_efficiency")
+    << ", layer_overhead_s: " << number("encoder_layer_overhead_s") << "}\n"
+    << "llm: {compute_efficiency: " << number("llm_compute_efficiency")
+    << ", layer_overhead_s: " << number("llm_layer_overhead_s")
+    << ", attention_call_overhead_s: " << number("llm_attention_call_overhead_s") << "}\n"
     << "shared_collective_latency_s: " << number("shared_collective_latency_s") << "\n"
     << "loaded_collective_latency_s: " << number("loaded_collective_latency_s") << "\n"
     << "step_overhead_s: " << number("step_overhead_s") << "\n";

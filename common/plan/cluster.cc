@@ -122,6 +122,35 @@ class Reader {
       if (!seen[required]) Fail(node, absl::StrCat(field, ".", required), " is required");
     }
   }
+  // A module's section: its own compute_efficiency and layer_overhead_s, both optional.
+  void Compute(const YAML::Node& node, const std::string& field, ModuleCompute* m) {
+    if (!node.IsMap()) {
+      Fail(node, field,
+           field == "llm"
+               ? " must be a map of compute_efficiency, layer_overhead_s, attention_call_overhead_s"
+               : " must be a map of compute_efficiency, layer_overhead_s");
+      return;
+    }
+    for (const auto& item : node) {
+      const std::string key = item.first.as<std::string>();
+      const std::string name = absl::StrCat(field, ".", key);
+      if (key == "compute_efficiency") {
+        m->compute_efficiency = Number(item.second, name, 0, false);
+        if (*m->compute_efficiency > 1) {
+          Fail(item.second, name, absl::StrCat("=", item.second.Scalar(), " must be <= 1"));
+        }
+      } else if (key == "layer_overhead_s") {
+        m->layer_overhead_s = Number(item.second, name, 0, true);
+      } else if (key == "attention_call_overhead_s" && field == "llm") {
+        m->attention_call_overhead_s = Number(item.second, name, 0, true);
+      } else {
+        Fail(item.first, name,
+             field == "llm" ? " is not a field; expected compute_efficiency, layer_overhead_s or "
+                              "attention_call_overhead_s"
+                            : " is not a field; expected compute_efficiency or layer_overhead_s");
+      }
+    }
+  }
   const std::vector<std::string>& errors() const { return errors_; }
 
  private:
@@ -231,6 +260,8 @@ absl::StatusOr<ClusterSpec> ParseClusterYaml(const std::string& text, const std:
       }
     } else if (key == "layer_overhead_s") {
       c.layer_overhead_s = r.Number(v, key, 0, true);
+    } else if (key == "encoder" || key == "llm") {
+      r.Compute(v, key, key == "encoder" ? &c.encoder_compute : &c.llm_compute);
     } else if (key == "intra_node") {
       r.Link(v, key, &c.intra_node);
     } else if (key == "inter_node") {
@@ -242,8 +273,8 @@ absl::StatusOr<ClusterSpec> ParseClusterYaml(const std::string& text, const std:
              " is not a cluster field; expected name, description, source, devices_per_node, "
              "nodes, share_devices, concurrency, shared_collective_latency_s, "
              "loaded_collective_latency_s, memory_gib, reserved_gib, memory_gbps, peak_tflops, "
-             "compute_efficiency, tp_parallel_fraction, layer_overhead_s, intra_node, inter_node, "
-             "step_overhead_s");
+             "compute_efficiency, tp_parallel_fraction, layer_overhead_s, encoder, llm, "
+             "intra_node, inter_node, step_overhead_s");
     }
   }
   std::vector<std::string> errors = r.errors();

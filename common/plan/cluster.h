@@ -21,6 +21,9 @@
 //   tp_parallel_fraction: 0.98     # share of a module's compute that TP divides (Amdahl)
 //   layer_overhead_s: 0            # per layer, microbatch or encoder job, forward + backward:
 //                                  # operator dispatch beyond the FLOPs (CPUs; GPUs queue ahead)
+//   encoder: {compute_efficiency: 0.4, layer_overhead_s: 0.001}  # optional, per module: these
+//   llm: {compute_efficiency: 0.35, layer_overhead_s: 0.002,     # two for its work only; the
+//         attention_call_overhead_s: 0.0005}                     # LLM's extra attention calls
 //   intra_node: {collective_gbps: 370, collective_latency_s: 1e-5, p2p_gbps: 150, p2p_latency_s:
 //   1e-5} inter_node: {collective_gbps: 45, collective_latency_s: 3e-5, p2p_gbps: 45,
 //   p2p_latency_s: 1e-5} step_overhead_s: 0.002         # per step: the control plane's round trips
@@ -33,6 +36,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +50,24 @@ struct LinkSpec {
   double collective_latency_s = 0;
   double p2p_gbps = 0;
   double p2p_latency_s = 0;
+};
+
+// A module's own compute constants, where they differ from the cluster's (plan_calibrate
+// measures each module's; the models' shapes and operators differ).
+struct ModuleCompute {
+  std::optional<double> compute_efficiency;
+  std::optional<double> layer_overhead_s;
+  // The LLM's only: per layer, forward + backward, each attention call of a microbatch beyond
+  // its first (one per run of consecutive samples of one length; one per sample under CP). 0
+  // where one kernel takes all the packed samples (CUDA's variable-length kernel).
+  double attention_call_overhead_s = 0;
+};
+
+// The constants one module's work is estimated with.
+struct ComputeConstants {
+  double compute_efficiency = 0;
+  double layer_overhead_s = 0;
+  double attention_call_overhead_s = 0;
 };
 
 struct ClusterSpec {
@@ -65,12 +87,21 @@ struct ClusterSpec {
   double compute_efficiency = 0.5;
   double tp_parallel_fraction = 1.0;
   double layer_overhead_s = 0;
+  ModuleCompute encoder_compute;  // the `encoder` section
+  ModuleCompute llm_compute;      // the `llm` section
   LinkSpec intra_node;
   LinkSpec inter_node;
   double step_overhead_s = 0;
 
   // Peak FLOP/s per device for `dtype`, or InvalidArgument naming the missing peak_tflops entry.
   absl::StatusOr<double> PeakFlops(v1::Dtype dtype) const;
+  // The encoder's and the LLM's compute constants: their sections' values, else the cluster's.
+  ComputeConstants EncoderCompute() const { return Resolve(encoder_compute); }
+  ComputeConstants LlmCompute() const { return Resolve(llm_compute); }
+  ComputeConstants Resolve(const ModuleCompute& m) const {
+    return {m.compute_efficiency.value_or(compute_efficiency),
+            m.layer_overhead_s.value_or(layer_overhead_s), m.attention_call_overhead_s};
+  }
   // Devices available, 0 when unbounded.
   int64_t devices() const { return nodes > 0 ? nodes * devices_per_node : 0; }
   // Ranks' worth of compute of the whole cluster when every device is busy (0: unbounded).

@@ -261,9 +261,16 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   const v1::Dtype dtype = spec.run().dtype();
   auto peak_or = cluster.PeakFlops(dtype);
   if (!peak_or.ok()) return peak_or.status();
-  const double rate = *peak_or * cluster.compute_efficiency;
+  // Each module's achieved rate and overhead per layer (its own, where the cluster has them).
+  const ComputeConstants enc_constants = cluster.EncoderCompute();
+  const ComputeConstants llm_constants = cluster.LlmCompute();
+  const double enc_rate = *peak_or * enc_constants.compute_efficiency;
+  const double llm_rate = *peak_or * llm_constants.compute_efficiency;
   const int64_t dtype_bytes = DtypeBytes(dtype);
-  const Roofline roofline{rate, cluster.memory_gbps * 1e9, static_cast<double>(dtype_bytes)};
+  const Roofline enc_roofline{enc_rate, cluster.memory_gbps * 1e9,
+                              static_cast<double>(dtype_bytes)};
+  const Roofline llm_roofline{llm_rate, cluster.memory_gbps * 1e9,
+                              static_cast<double>(dtype_bytes)};
   const v1::EncoderModel& em = spec.encoder().model();
   const v1::LlmModel& lm = spec.llm().model();
   const bool enc_sp = el.sequence_parallel && el.tp > 1;
@@ -320,18 +327,28 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
       const LlmMicrobatch& mb = plan.llm.At(d, m);
       double flops = 0;
       std::vector<double> lengths;
+      // The model's attention calls per layer: one per run of consecutive samples of one length,
+      // one per sample under CP.
+      int64_t calls = 0;
       for (int64_t s : mb.samples) {
         const SampleDescriptor& sample = plan.samples[s];
         flops += LlmSampleFlops(lm, sample.sequence_length(), sample.loss_tokens).total();
-        lengths.push_back(static_cast<double>(sample.sequence_length()));
+        const double length = static_cast<double>(sample.sequence_length());
+        if (ll.cp > 1 || lengths.empty() || lengths.back() != length) ++calls;
+        lengths.push_back(length);
       }
       out.llm_module.flops += flops;
-      const PassSeconds gemms = LlmMicrobatchSeconds(
-          lm, lengths, static_cast<double>(mb.loss_tokens), stage_layers, ll.tp, ll.cp, roofline);
-      const double compute = gemms.forward + gemms.backward +
-                             UndividedSeconds(cluster.tp_parallel_fraction, ll.tp,
-                                              flops / static_cast<double>(ll.cp * ll.pp), rate) +
-                             static_cast<double>(stage_layers) * cluster.layer_overhead_s;
+      const PassSeconds gemms =
+          LlmMicrobatchSeconds(lm, lengths, static_cast<double>(mb.loss_tokens), stage_layers,
+                               ll.tp, ll.cp, llm_roofline);
+      const double compute =
+          gemms.forward + gemms.backward +
+          UndividedSeconds(cluster.tp_parallel_fraction, ll.tp,
+                           flops / static_cast<double>(ll.cp * ll.pp), llm_rate) +
+          static_cast<double>(stage_layers) *
+              (llm_constants.layer_overhead_s +
+               static_cast<double>(std::max<int64_t>(0, calls - 1)) *
+                   llm_constants.attention_call_overhead_s);
       const int64_t local_tokens = (mb.tokens + ll.cp - 1) / ll.cp;
       const double tp = TpSeconds(llm_tp_shared, ll.tp, llm_sp,
                                   LlmTpCollectives(lm, stage_layers, local_tokens, mb.image_rows,
@@ -367,10 +384,10 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   for (const EncoderJob& job : plan.encoder.jobs) {
     const double n = static_cast<double>(job.images.size());
     out.encoder_module.flops += n * image_flops.total();
-    const double overhead = static_cast<double>(em.layers()) * cluster.layer_overhead_s;
-    const PassSeconds gemms = EncoderJobSeconds(em, n, el.tp, roofline);
+    const double overhead = static_cast<double>(em.layers()) * enc_constants.layer_overhead_s;
+    const PassSeconds gemms = EncoderJobSeconds(em, n, el.tp, enc_roofline);
     const double undivided = UndividedSeconds(cluster.tp_parallel_fraction, el.tp,
-                                              n * trained_image_flops.total(), rate);
+                                              n * trained_image_flops.total(), enc_rate);
     const double fwd = gemms.forward + undivided / 3 + overhead / 3;
     const double bwd = (gemms.backward + undivided * 2 / 3 + overhead * 2 / 3) * backward_share;
     // The TP collectives of a trained job, split forward/backward as its FLOPs are; a frozen

@@ -86,6 +86,8 @@ peak_tflops: {bfloat16: 300, float32: 20}
 compute_efficiency: 0.4
 tp_parallel_fraction: 0.9
 layer_overhead_s: 0.0001
+encoder: {compute_efficiency: 0.3}
+llm: {layer_overhead_s: 0.0002, attention_call_overhead_s: 0.0003}
 intra_node: {collective_gbps: 100, collective_latency_s: 1e-5, p2p_gbps: 50, p2p_latency_s: 2e-6}
 inter_node: {collective_gbps: 10, p2p_gbps: 12}
 step_overhead_s: 0.01
@@ -101,6 +103,13 @@ step_overhead_s: 0.01
   EXPECT_DOUBLE_EQ(c->inter_node.p2p_gbps, 12);
   EXPECT_DOUBLE_EQ(c->inter_node.collective_latency_s, 0);
   EXPECT_DOUBLE_EQ(c->layer_overhead_s, 0.0001);
+  // A module's section overrides what it names; the rest is the cluster's.
+  EXPECT_DOUBLE_EQ(c->EncoderCompute().compute_efficiency, 0.3);
+  EXPECT_DOUBLE_EQ(c->EncoderCompute().layer_overhead_s, 0.0001);
+  EXPECT_DOUBLE_EQ(c->EncoderCompute().attention_call_overhead_s, 0);
+  EXPECT_DOUBLE_EQ(c->LlmCompute().compute_efficiency, 0.4);
+  EXPECT_DOUBLE_EQ(c->LlmCompute().layer_overhead_s, 0.0002);
+  EXPECT_DOUBLE_EQ(c->LlmCompute().attention_call_overhead_s, 0.0003);
   EXPECT_DOUBLE_EQ(c->step_overhead_s, 0.01);
   const auto missing = c->PeakFlops(v1::DTYPE_FLOAT64);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
@@ -114,6 +123,8 @@ memroy_gbps: 3000
 peak_tflops: {fp8: 2000}
 compute_efficiency: 1.5
 intra_node: {collective_gbps: fast, p2p_gbps: 10}
+encoder: {attention_call_overhead_s: 0.001}
+llm: {compute_efficiency: 2}
 )",
                             "my.yaml");
   ASSERT_FALSE(c.ok());
@@ -125,6 +136,11 @@ intra_node: {collective_gbps: fast, p2p_gbps: 10}
             std::string::npos)
       << m;
   EXPECT_NE(m.find("my.yaml: memory_gbps is required"), std::string::npos) << m;
+  EXPECT_NE(m.find("my.yaml:7: encoder.attention_call_overhead_s is not a field; expected "
+                   "compute_efficiency or layer_overhead_s"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("my.yaml:8: llm.compute_efficiency=2 must be <= 1"), std::string::npos) << m;
 }
 
 TEST(ClusterTest, PresetsAndFiles) {
@@ -205,6 +221,56 @@ TEST(EstimateTest, NonColocatedOverlapsTheModules) {
   auto slow = Estimate(Spec({"placement=colocated", "llm.layout.tp=1"}), c);
   ASSERT_TRUE(slow.ok());
   EXPECT_NEAR(slow->step_time_s, 2 * co->step_time_s, 1e-9);
+}
+
+TEST(EstimateTest, EachModuleTakesItsOwnComputeConstants) {
+  // Colocated, tp 1, four waves of one sample and four encoder jobs of one image; compute free
+  // but for the overheads: the encoder's 1 ms and the LLM's 2 ms per layer (2 layers each) and
+  // call: 4 x 2 x 1 ms and 4 x 2 x 2 ms, the step their sum.
+  ClusterSpec c = FreeCluster();
+  c.layer_overhead_s = 5e-3;  // neither module uses the cluster's
+  c.encoder_compute.layer_overhead_s = 1e-3;
+  c.llm_compute.layer_overhead_s = 2e-3;
+  auto e = Estimate(Spec({"placement=colocated", "llm.layout.tp=1"}), c);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_NEAR(e->encoder_module.compute_s, 0.008, 1e-9);
+  EXPECT_NEAR(e->llm_module.compute_s, 0.016, 1e-9);
+  EXPECT_NEAR(e->step_time_s, 0.024, 1e-9);
+
+  // At 1 GFLOP/s without overheads, the LLM's half efficiency doubles its compute only.
+  ClusterSpec rate = FreeCluster();
+  rate.peak_tflops = {{"float32", 1e-3}};
+  auto full = Estimate(Spec({"placement=colocated", "llm.layout.tp=1"}), rate);
+  rate.llm_compute.compute_efficiency = 0.5;
+  auto half = Estimate(Spec({"placement=colocated", "llm.layout.tp=1"}), rate);
+  ASSERT_TRUE(full.ok() && half.ok());
+  EXPECT_GT(full->llm_module.compute_s, 0);
+  EXPECT_NEAR(half->llm_module.compute_s, 2 * full->llm_module.compute_s, 1e-12);
+  EXPECT_NEAR(half->encoder_module.compute_s, full->encoder_module.compute_s, 1e-12);
+}
+
+TEST(EstimateTest, AttentionCallOverheadPerExtraRunOfLengths) {
+  // Two waves of two samples; 1 ms per layer (2 layers) for each attention call of a microbatch
+  // beyond its first, compute otherwise free.
+  ClusterSpec c = FreeCluster();
+  c.llm_compute.attention_call_overhead_s = 1e-3;
+  const v1::RunSpec spec = Spec({"placement=colocated", "llm.layout.tp=1", "run.micro_batch=2"});
+  // Samples of one length: one call per layer, nothing added.
+  auto equal = EstimateOverBatches(spec, {Batch(4)}, c);
+  ASSERT_TRUE(equal.ok()) << equal.status();
+  EXPECT_NEAR(equal->llm_module.compute_s, 0, 1e-9);
+  // Four lengths: two calls per layer and wave, 2 waves x 2 layers x 1 ms.
+  std::vector<SampleDescriptor> distinct;
+  for (int64_t i = 0; i < 4; ++i) distinct.push_back(MakeSample(i, 1, 16, 40 + i, 20));
+  auto mixed = EstimateOverBatches(spec, {distinct}, c);
+  ASSERT_TRUE(mixed.ok()) << mixed.status();
+  EXPECT_NEAR(mixed->llm_module.compute_s, 0.004, 1e-9);
+  // Under context parallelism each sample is its own call, equal lengths too.
+  auto cp = EstimateOverBatches(
+      Spec({"placement=non_colocated", "llm.layout.tp=1", "llm.layout.cp=2", "run.micro_batch=2"}),
+      {Batch(4)}, c);
+  ASSERT_TRUE(cp.ok()) << cp.status();
+  EXPECT_NEAR(cp->llm_module.compute_s, 0.004, 1e-9);
 }
 
 TEST(EstimateTest, FrozenEncoderDropsItsBackward) {
