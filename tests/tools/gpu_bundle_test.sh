@@ -120,40 +120,44 @@ assert summary["ok"] is True and summary["train_rc"] == 0 and summary["step_rc"]
 EOF
 
 # ---- Refusals ----
+# expect_refusal NAME BUNDLE PATTERN WHAT [PREFIX...]: gpu-check (after PREFIX) on BUNDLE exits 1
+# with a line matching PATTERN, and runs no gpu test; WHAT names the case in failures.
+expect_refusal() {
+  local name="$1" bundle="$2" pattern="$3" what="$4" status=0
+  shift 4
+  "$@" "$repo/tools/gpu-check" --bundle "$bundle" --no-train >"$work/$name.jsonl" \
+    2>"$work/$name.log" || status=$?
+  [ "$status" = 1 ] || fail "$what gave status $status, not 1"
+  grep -q "$pattern" "$work/$name.jsonl" || { cat "$work/$name.jsonl" >&2; fail "$what: no refusal matching $pattern"; }
+  if grep -q '"check":"gpu_tests"' "$work/$name.jsonl"; then
+    fail "$what: the gpu tests ran from a refused bundle"
+  fi
+}
+
 # Another libtorch's bundle: refused before anything runs, naming both versions.
 cp -a "$work/bundle" "$work/other-torch"
 sed -i 's/"torch": "[^"]*"/"torch": "1.13.1"/' "$work/other-torch/bundle.json"
-status=0
-"$repo/tools/gpu-check" --bundle "$work/other-torch" --no-train >"$work/other.jsonl" \
-  2>"$work/other.log" || status=$?
-[ "$status" = 1 ] || fail "a bundle for libtorch 1.13.1 gave status $status, not 1"
-grep -q '"check":"bundle","ok":false,"error":"the bundle was built against libtorch 1.13.1' \
-  "$work/other.jsonl" || { cat "$work/other.jsonl" >&2; fail "no refusal naming libtorch 1.13.1"; }
-grep -q '"check":"gpu_tests"' "$work/other.jsonl" && fail "the gpu tests ran from a refused bundle"
+expect_refusal other "$work/other-torch" \
+  '"check":"bundle","ok":false,"error":"the bundle was built against libtorch 1.13.1' \
+  "a bundle for libtorch 1.13.1"
 
 # A UCX transport module that cannot load its libraries: UCX itself would leave it out silently,
 # so gpu-check refuses the bundle, naming the module and the library. (The driver's libcuda, which
 # this machine lacks, is not counted where there is no GPU: the bundle above passed.)
 cp -a "$work/bundle" "$work/no-gomp"
 rm "$work"/no-gomp/site/libucx_cu13.libs/libgomp-*
-status=0
-"$repo/tools/gpu-check" --bundle "$work/no-gomp" --no-train >"$work/no-gomp.jsonl" \
-  2>"$work/no-gomp.log" || status=$?
-[ "$status" = 1 ] || fail "a bundle without UCX's libgomp gave status $status, not 1"
-grep -q '"error":"binaries that cannot load their libraries: .*UCX module libucx_perftest_cuda.so.0: libgomp-' \
-  "$work/no-gomp.jsonl" || { cat "$work/no-gomp.jsonl" >&2; fail "no refusal naming the UCX module"; }
+expect_refusal no-gomp "$work/no-gomp" \
+  '"error":"binaries that cannot load their libraries: .*UCX module libucx_perftest_cuda.so.0: libgomp-' \
+  "a bundle without UCX's libgomp"
 rm -rf "$work/no-gomp"
 
-# A bundle without one of its libraries: gpu-check names the binary and the library.
+# A bundle without one of its libraries: gpu-check names the binary and the library. (Here the
+# hidden system copy is an empty file, so ldd says it cannot load it; where the library is absent
+# it says "not found".)
 if [ "${#hide[@]}" != 0 ]; then
   rm "$work/bundle/lib/libyaml-cpp.so.0.7"
-  status=0
-  "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --no-train >"$work/missing.jsonl" \
-    2>"$work/missing.log" || status=$?
-  [ "$status" = 1 ] || fail "a bundle without libyaml-cpp gave status $status, not 1"
-  # (Here the hidden system copy is an empty file, so ldd says it cannot load it; where the
-  # library is absent it says "not found".)
-  grep -q '"error":"binaries that cannot load their libraries: .*hetpar: .*libyaml-cpp.so.0.7' \
-    "$work/missing.jsonl" || { cat "$work/missing.jsonl" >&2; fail "no refusal naming libyaml-cpp"; }
+  expect_refusal missing "$work/bundle" \
+    '"error":"binaries that cannot load their libraries: .*hetpar: .*libyaml-cpp.so.0.7' \
+    "a bundle without libyaml-cpp" "${hide[@]}"
 fi
 echo "gpu_bundle_test: passed"
