@@ -1,9 +1,11 @@
 #include "common/train/optimizer.h"
 
 #include <ATen/ATen.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -111,27 +113,9 @@ absl::StatusOr<std::unique_ptr<ModuleOptimizer>> ModuleOptimizer::Create(
       slot.target = optimizer->HasMasters() ? p.tensor.detach().to(optimizer->state_dtype_, false,
                                                                    /*copy=*/true)
                                             : p.tensor;
+      slot.decay = optimizer->Decays(p);
       optimizer->slots_.push_back(slot);
     }
-    if (optimizer->slots_.empty()) return std::move(optimizer);
-    std::vector<at::Tensor> decay, no_decay;
-    for (const Slot& slot : optimizer->slots_) {
-      (optimizer->Decays(*slot.param) ? decay : no_decay).push_back(slot.target);
-    }
-    torch::optim::AdamWOptions adamw(options.lr());
-    adamw.betas({options.beta1(), options.beta2()});
-    adamw.eps(options.eps());
-    adamw.weight_decay(options.weight_decay());
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    if (!decay.empty()) {
-      groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw));
-    }
-    if (!no_decay.empty()) {
-      auto without = std::make_unique<torch::optim::AdamWOptions>(adamw);
-      without->weight_decay(0.0);
-      groups.emplace_back(no_decay, std::move(without));
-    }
-    optimizer->adamw_ = std::make_unique<torch::optim::AdamW>(std::move(groups), adamw);
     return std::move(optimizer);
   });
 }
@@ -145,8 +129,13 @@ double ModuleOptimizer::LearningRate(int64_t step) const {
 absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
   return nn::RunTorch("optimizer step", [&] {
     at::NoGradGuard no_grad;
-    if (adamw_ == nullptr) return;  // nothing trainable
-    for (const Slot& slot : slots_) {
+    if (slots_.empty()) return;  // nothing trainable
+    // The fused kernel's lists, one set per group of one decay, device and dtype.
+    struct Lists {
+      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
+    };
+    std::map<std::tuple<bool, std::string, int>, Lists> groups;
+    for (Slot& slot : slots_) {
       const at::Tensor& param = slot.param->tensor;
       at::Tensor& grad = param.mutable_grad();
       if (!grad.defined()) {
@@ -154,40 +143,57 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
       } else if (clip_coefficient != 1.0) {
         grad.mul_(clip_coefficient);
       }
+      if (!slot.exp_avg.defined()) {  // the first step starts from zero moments
+        slot.exp_avg = at::zeros_like(slot.target, at::MemoryFormat::Preserve);
+        slot.exp_avg_sq = at::zeros_like(slot.target, at::MemoryFormat::Preserve);
+        slot.step = at::zeros({}, slot.target.options().dtype(at::kFloat));
+        slot.steps = 0;
+      }
+      Lists& lists = groups[{slot.decay, slot.target.device().str(),
+                             static_cast<int>(slot.target.scalar_type())}];
+      lists.params.push_back(slot.target);
       // The parameter's gradient is already in the state dtype (ParameterSet::grad_dtype).
-      if (!slot.target.is_same(param)) slot.target.mutable_grad() = grad.to(state_dtype_);
+      lists.grads.push_back(grad.scalar_type() == slot.target.scalar_type()
+                                ? grad
+                                : grad.to(slot.target.scalar_type()));
+      lists.exp_avgs.push_back(slot.exp_avg);
+      lists.exp_avg_sqs.push_back(slot.exp_avg_sq);
+      lists.steps.push_back(slot.step);
+      ++slot.steps;
     }
     const double lr = LearningRate(step);
-    for (auto& group : adamw_->param_groups()) {
-      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    for (auto& [key, lists] : groups) {
+      const double weight_decay = std::get<0>(key) ? options_.weight_decay() : 0.0;
+      // As PyTorch's fused AdamW: the step counts first, then the update, which reads them.
+      at::_foreach_add_(lists.steps, 1.0);
+      at::_fused_adamw_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs,
+                        /*max_exp_avg_sqs=*/{}, lists.steps, lr, options_.beta1(), options_.beta2(),
+                        weight_decay, options_.eps(), /*amsgrad=*/false,
+                        /*maximize=*/false);
     }
-    adamw_->step();
     for (const Slot& slot : slots_) {
       if (slot.target.is_same(slot.param->tensor)) continue;
       slot.param->tensor.detach().copy_(slot.target);  // rounds the master once
-      slot.target.mutable_grad() = at::Tensor();
     }
     params_->ZeroGrad();
   });
 }
 
 const ModuleOptimizer::Slot* ModuleOptimizer::SlotOf(const std::string& name) const {
-  if (adamw_ == nullptr) return nullptr;
   for (const Slot& slot : slots_) {
     if (slot.param->name == name) return slot.param->trainable ? &slot : nullptr;
   }
   return nullptr;
 }
 
-// AdamW keys its state by the address of the updated tensor's TensorImpl.
+ModuleOptimizer::Slot* ModuleOptimizer::SlotOf(const std::string& name) {
+  return const_cast<Slot*>(std::as_const(*this).SlotOf(name));
+}
+
 std::optional<ModuleOptimizer::ParamState> ModuleOptimizer::StateOf(const std::string& name) const {
   const Slot* slot = SlotOf(name);
-  if (slot == nullptr) return std::nullopt;
-  const auto& states = adamw_->state();
-  auto it = states.find(slot->target.unsafeGetTensorImpl());
-  if (it == states.end()) return std::nullopt;
-  const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-  ParamState state{adam.exp_avg(), adam.exp_avg_sq(), adam.step(), at::Tensor()};
+  if (slot == nullptr || !slot->exp_avg.defined()) return std::nullopt;
+  ParamState state{slot->exp_avg, slot->exp_avg_sq, slot->steps, at::Tensor()};
   if (!slot->target.is_same(slot->param->tensor)) state.master = slot->target;
   return state;
 }
@@ -230,7 +236,7 @@ absl::Status ModuleOptimizer::CheckState(const std::string& name, const ParamSta
 
 absl::Status ModuleOptimizer::SetState(const std::string& name, const ParamState& state) {
   HETPAR_RETURN_IF_ERROR(CheckState(name, state));
-  const Slot* slot = SlotOf(name);
+  Slot* slot = SlotOf(name);
   return nn::RunTorch(absl::StrCat("setting the optimizer state of ", name), [&] {
     at::NoGradGuard no_grad;
     const at::Tensor& param = slot->param->tensor;
@@ -242,21 +248,24 @@ absl::Status ModuleOptimizer::SetState(const std::string& name, const ParamState
         slot->target.copy_(param);
       }
     }
-    // Fresh tensors laid out like the updated tensor (AdamW's own init uses zeros_like), so that
-    // the state never aliases the caller's tensors.
-    auto adam = std::make_unique<torch::optim::AdamWParamState>();
-    adam->step(state.step);
-    adam->exp_avg(at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg));
-    adam->exp_avg_sq(
-        at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg_sq));
-    adamw_->state()[slot->target.unsafeGetTensorImpl()] = std::move(adam);
+    // Fresh tensors laid out like the updated tensor (as the first step's zeros), so that the
+    // state never aliases the caller's tensors.
+    slot->exp_avg = at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg);
+    slot->exp_avg_sq =
+        at::empty_like(slot->target, at::MemoryFormat::Preserve).copy_(state.exp_avg_sq);
+    slot->step =
+        at::full({}, static_cast<double>(state.step), slot->target.options().dtype(at::kFloat));
+    slot->steps = state.step;
   });
 }
 
 void ModuleOptimizer::ClearState(const std::string& name) {
-  const Slot* slot = SlotOf(name);
+  Slot* slot = SlotOf(name);
   if (slot == nullptr) return;
-  adamw_->state().erase(slot->target.unsafeGetTensorImpl());
+  slot->exp_avg = at::Tensor();
+  slot->exp_avg_sq = at::Tensor();
+  slot->step = at::Tensor();
+  slot->steps = 0;
   if (!slot->target.is_same(slot->param->tensor)) {
     at::NoGradGuard no_grad;
     slot->target.copy_(slot->param->tensor.detach());

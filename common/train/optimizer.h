@@ -19,10 +19,6 @@
 #include "common/nn/parameters.h"
 #include "hetpar/v1/run_spec.pb.h"
 
-namespace torch::optim {
-class AdamW;
-}
-
 namespace hetpar::train {
 
 // Sums over the elements this rank owns: every element of a TP-split parameter, and the elements
@@ -58,6 +54,11 @@ double ClipCoefficient(double total_norm, double max_norm);
 // once. float32 and float64 parameters are their own masters. Parameter groups: weight decay
 // applies to parameters of two or more dimensions only (not to norm scales and biases), and to
 // embedding tables unless options.no_decay_embeddings().
+//
+// Kernels: one fused multi-tensor AdamW (ATen's _fused_adamw_, PyTorch's `fused=True`) per
+// group of parameters of one decay, device and dtype, on the CPU and on CUDA, with the step
+// counts on the parameters' device: a step is a few kernels whatever the parameter count, and
+// reads nothing back to the host.
 class ModuleOptimizer {
  public:
   static absl::StatusOr<std::unique_ptr<ModuleOptimizer>> Create(
@@ -112,20 +113,26 @@ class ModuleOptimizer {
  private:
   ModuleOptimizer(nn::ParameterSet* params, const hetpar::v1::Optimizer& options);
   bool Decays(const nn::NamedParameter& param) const;
-  // One trainable parameter and the tensor AdamW updates for it.
+  // One trainable parameter, the tensor AdamW updates for it and its state.
   struct Slot {
     const nn::NamedParameter* param = nullptr;
     at::Tensor target;  // the master, or the parameter's own tensor
+    bool decay = false;
+    // Undefined before the first step (or after ClearState): the first step starts from zeros.
+    at::Tensor exp_avg;
+    at::Tensor exp_avg_sq;
+    at::Tensor step;    // float32 scalar on the target's device, as the fused kernel reads it
+    int64_t steps = 0;  // the same count, kept on the host
   };
-  // The slot of trainable parameter `name`; nullptr when frozen, unknown or not registered with
-  // AdamW (nothing trainable, or made trainable after Create).
+  // The slot of trainable parameter `name`; nullptr when frozen, unknown or not registered
+  // (made trainable after Create).
   const Slot* SlotOf(const std::string& name) const;
+  Slot* SlotOf(const std::string& name);
 
   nn::ParameterSet* params_;
   hetpar::v1::Optimizer options_;
   at::ScalarType state_dtype_;
   std::vector<Slot> slots_;
-  std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 
 }  // namespace hetpar::train
