@@ -17,7 +17,7 @@
 # drift, not the model, sets the bound.
 # The LLM-at-tp-1 case has a bound of 65 %: its step takes 0.06-0.11 s and the planner predicts
 # 0.04-0.07 s, -11 % to -50 % in six attempts, because the non-colocated schedule runs compute at full
-# speed while its three ranks share two cores, and the optimizer's per-parameter cost is not
+# speed while its three ranks share two cores, and the optimizer's per-call cost is not
 # modelled. That is a planner gap, named in docs/planner.md; the machine's drift widens it (the
 # same binaries measured 0.084 s and 0.109 s per step minutes apart).
 # Usage: estimate_cpu_test.sh HETPAR_BIN PLAN_CALIBRATE_BIN REPO_ROOT
