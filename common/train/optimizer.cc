@@ -3,9 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <map>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -113,7 +111,15 @@ absl::StatusOr<std::unique_ptr<ModuleOptimizer>> ModuleOptimizer::Create(
       slot.target = optimizer->HasMasters() ? p.tensor.detach().to(optimizer->state_dtype_, false,
                                                                    /*copy=*/true)
                                             : p.tensor;
-      slot.decay = optimizer->Decays(p);
+      const Group group{optimizer->Decays(p), slot.target.device(), slot.target.scalar_type()};
+      auto& groups = optimizer->groups_;
+      slot.group = std::find_if(groups.begin(), groups.end(),
+                                [&](const Group& g) {
+                                  return g.decay == group.decay && g.device == group.device &&
+                                         g.dtype == group.dtype;
+                                }) -
+                   groups.begin();
+      if (slot.group == groups.size()) groups.push_back(group);
       optimizer->slots_.push_back(slot);
     }
     return std::move(optimizer);
@@ -130,11 +136,11 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
   return nn::RunTorch("optimizer step", [&] {
     at::NoGradGuard no_grad;
     if (slots_.empty()) return;  // nothing trainable
-    // The fused kernel's lists, one set per group of one decay, device and dtype.
+    // The fused kernel's lists, one set per group.
     struct Lists {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     };
-    std::map<std::tuple<bool, std::string, int>, Lists> groups;
+    std::vector<Lists> lists(groups_.size());
     for (Slot& slot : slots_) {
       const at::Tensor& param = slot.param->tensor;
       at::Tensor& grad = param.mutable_grad();
@@ -149,27 +155,25 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
         slot.step = at::zeros({}, slot.target.options().dtype(at::kFloat));
         slot.steps = 0;
       }
-      Lists& lists = groups[{slot.decay, slot.target.device().str(),
-                             static_cast<int>(slot.target.scalar_type())}];
-      lists.params.push_back(slot.target);
-      // The parameter's gradient is already in the state dtype (ParameterSet::grad_dtype).
-      lists.grads.push_back(grad.scalar_type() == slot.target.scalar_type()
-                                ? grad
-                                : grad.to(slot.target.scalar_type()));
-      lists.exp_avgs.push_back(slot.exp_avg);
-      lists.exp_avg_sqs.push_back(slot.exp_avg_sq);
-      lists.steps.push_back(slot.step);
+      Lists& l = lists[slot.group];
+      l.params.push_back(slot.target);
+      // The parameter's gradient is already in the state dtype (ParameterSet::grad_dtype), so
+      // this is the gradient itself.
+      l.grads.push_back(grad.to(state_dtype_));
+      l.exp_avgs.push_back(slot.exp_avg);
+      l.exp_avg_sqs.push_back(slot.exp_avg_sq);
+      l.steps.push_back(slot.step);
       ++slot.steps;
     }
     const double lr = LearningRate(step);
-    for (auto& [key, lists] : groups) {
-      const double weight_decay = std::get<0>(key) ? options_.weight_decay() : 0.0;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      Lists& l = lists[g];
+      const double weight_decay = groups_[g].decay ? options_.weight_decay() : 0.0;
       // As PyTorch's fused AdamW: the step counts first, then the update, which reads them.
-      at::_foreach_add_(lists.steps, 1.0);
-      at::_fused_adamw_(lists.params, lists.grads, lists.exp_avgs, lists.exp_avg_sqs,
-                        /*max_exp_avg_sqs=*/{}, lists.steps, lr, options_.beta1(), options_.beta2(),
-                        weight_decay, options_.eps(), /*amsgrad=*/false,
-                        /*maximize=*/false);
+      at::_foreach_add_(l.steps, 1.0);
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
+                        l.steps, lr, options_.beta1(), options_.beta2(), weight_decay,
+                        options_.eps(), /*amsgrad=*/false, /*maximize=*/false);
     }
     for (const Slot& slot : slots_) {
       if (slot.target.is_same(slot.param->tensor)) continue;

@@ -117,7 +117,7 @@ class ModuleOptimizer {
   struct Slot {
     const nn::NamedParameter* param = nullptr;
     at::Tensor target;  // the master, or the parameter's own tensor
-    bool decay = false;
+    size_t group = 0;   // index into groups_
     // Undefined before the first step (or after ClearState): the first step starts from zeros.
     at::Tensor exp_avg;
     at::Tensor exp_avg_sq;
@@ -133,6 +133,13 @@ class ModuleOptimizer {
   hetpar::v1::Optimizer options_;
   at::ScalarType state_dtype_;
   std::vector<Slot> slots_;
+  // What one fused AdamW call takes: parameters of one decay, device and dtype (set by Create).
+  struct Group {
+    bool decay = false;
+    c10::Device device = c10::kCPU;
+    at::ScalarType dtype = at::kFloat;
+  };
+  std::vector<Group> groups_;
 };
 
 }  // namespace hetpar::train
