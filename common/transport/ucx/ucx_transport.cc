@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <sys/uio.h>
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -379,6 +380,20 @@ absl::Status Core::Init() {
     if (st != UCS_OK) {
       ucp_config_release(config);
       return UcsToStatus(st, absl::StrCat(where, ": setting ", d.variable, "=", d.value));
+    }
+  }
+  // Each buffer's memory type from the GPU driver (a cuPointerGetAttributes per operation, only
+  // where a CUDA transport loaded), not from UCX's memory-type cache,
+  // unless the user chose (UCX_MEMTYPE_CACHE). The cache learns of allocations through UCX's hooks
+  // on the CUDA allocation calls, and one it missed (libtorch's caching allocator allocating in a
+  // way the hooks do not see) reads as host memory: UCX ignores the operation's memory-type
+  // attribute for CUDA buffers and would copy from a device address on the host. The setting is
+  // libucs's, global, and read when a context opens its CUDA memory domain (in ucp_init).
+  if (std::getenv("UCX_MEMTYPE_CACHE") == nullptr) {
+    st = ucs_global_opts_set_value("MEMTYPE_CACHE", "n");
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return UcsToStatus(st, absl::StrCat(where, ": setting UCX_MEMTYPE_CACHE=n"));
     }
   }
   ucp_params_t params{};
