@@ -12,8 +12,12 @@ namespace hetpar::nn {
 at::Tensor ToDevice(const at::Tensor& host, const c10::Device& device) {
   if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
   // pin_memory() copies pageable memory into a pinned block on the host (no device work); a
-  // pinned tensor is used as it is.
-  const at::Tensor pinned = host.is_pinned() ? host : host.pin_memory();
+  // pinned tensor of an allocator (the caching host allocator's, which keeps the block until the
+  // copy is done) is used as it is. A tensor over memory it does not own (from_blob) is staged
+  // even where that memory reads as pinned (a range some library registered with the driver):
+  // its owner may free it as soon as this returns.
+  const bool owned_pinned = host.storage().allocator() != nullptr && host.is_pinned();
+  const at::Tensor pinned = owned_pinned ? host : host.pin_memory();
   return pinned.to(device, /*non_blocking=*/true);
 }
 
@@ -29,7 +33,9 @@ at::Tensor EmptyForTransport(int64_t size, const c10::Device& device) {
   const at::TensorOptions options = at::TensorOptions().dtype(at::kByte).device(device);
   if (!device.is_cuda()) return at::empty({size}, options);
   // One stream per device from the global pool, kept for every receive: its pool holds only
-  // transport buffers, and no kernel of hetpar's runs on it.
+  // transport buffers, and no kernel of hetpar's runs on it. A high-priority one: c10d's NCCL
+  // groups take their streams from the low-priority pool (the default), so none of them is this
+  // stream and allocates from its pool.
   static std::mutex mu;
   static std::map<c10::DeviceIndex, c10::Stream>* const side_streams =
       new std::map<c10::DeviceIndex, c10::Stream>();
@@ -39,7 +45,10 @@ at::Tensor EmptyForTransport(int64_t size, const c10::Device& device) {
     auto it = side_streams->find(device.index());
     if (it == side_streams->end()) {
       const c10::impl::VirtualGuardImpl guard(device.type());
-      it = side_streams->emplace(device.index(), guard.getStreamFromGlobalPool(device)).first;
+      it = side_streams
+               ->emplace(device.index(),
+                         guard.getStreamFromGlobalPool(device, /*isHighPriority=*/true))
+               .first;
     }
     side = it->second;
   }
@@ -55,6 +64,17 @@ void RecordStreamUse(const at::Tensor& tensor) {
 
 at::Tensor HostBytesFor(int64_t size, const c10::Device& device) {
   return at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(device.is_cuda()));
+}
+
+void MakeDeviceCurrent(const c10::Device& device) {
+  if (!device.is_cuda()) return;
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  guard.setDevice(device);
+  // c10 skips cudaSetDevice when the thread's device already has that index, as device 0 has on
+  // a new thread, and then no CUDA context is current on the thread yet: the runtime binds one at
+  // its first call that needs it, the driver API never does. Recording an event is such a call.
+  c10::Event bind(device.type());
+  bind.record(guard.getStream(device));
 }
 
 StreamMark StreamMark::After(const c10::Device& device) {

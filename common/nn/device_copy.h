@@ -21,9 +21,10 @@ namespace hetpar::nn {
 
 // `host` (a CPU tensor) on `device`. On CUDA the copy is queued on the device's current stream
 // and the call returns without waiting for it. A pageable `host` is first copied into pinned
-// memory, so it may be changed or freed at once; a pinned `host` is read by the copy itself: it
-// may be freed at once (the caching host allocator keeps it until the copy is done) but not
-// written until the stream has passed the copy.
+// memory, so it may be changed or freed at once, and so is a tensor over memory it does not own
+// (at::from_blob), pinned or not; a pinned `host` of ATen's pinned allocator is read by the copy
+// itself: it may be freed at once (the caching host allocator keeps it until the copy is done)
+// but not written until the stream has passed the copy.
 at::Tensor ToDevice(const at::Tensor& host, const c10::Device& device);
 
 // `values` as an int64 tensor on `device`, as ToDevice copies it.
@@ -45,6 +46,11 @@ void RecordStreamUse(const at::Tensor& tensor);
 // A host tensor of `size` bytes that a non-blocking device-to-host copy may write into: pinned
 // when `device` is a GPU (a pageable destination would make the copy blocking), else plain.
 at::Tensor HostBytesFor(int64_t size, const c10::Device& device);
+
+// Makes `device` this thread's current device and, on CUDA, its primary context current on this
+// thread, for threads that use the device through the CUDA driver API (UCX's progress thread) or
+// query its events (StreamOrderedSender). Nothing on the CPU. Throws c10::Error as libtorch does.
+void MakeDeviceCurrent(const c10::Device& device);
 
 // A point in a device's current stream: the work queued there before it was taken. Lets a
 // thread other than the one that queued the work learn when it is done (StreamOrderedSender)

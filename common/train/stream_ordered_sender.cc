@@ -1,7 +1,5 @@
 #include "common/train/stream_ordered_sender.h"
 
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include <algorithm>
 #include <string>
 #include <utility>
@@ -9,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/nn/device_copy.h"
 #include "common/nn/torch_status.h"
 
 namespace hetpar::train {
@@ -145,9 +144,8 @@ size_t StreamOrderedSender::pending() const {
 
 void StreamOrderedSender::Run() {
   if (device_.is_cuda()) {
-    const absl::Status selected = nn::RunTorch("selecting the stream-ordered sender's device", [&] {
-      c10::impl::getDeviceGuardImpl(device_.type())->setDevice(device_);
-    });
+    const absl::Status selected = nn::RunTorch("selecting the stream-ordered sender's device",
+                                               [&] { nn::MakeDeviceCurrent(device_); });
     if (!selected.ok()) HETPAR_LOG(ERROR) << selected;
   }
   constexpr absl::Duration kFirstPoll = absl::Microseconds(10);
@@ -163,12 +161,19 @@ void StreamOrderedSender::Run() {
     }
     absl::Duration poll = kFirstPoll;
     bool withdrawn = false;
+    absl::Status failed;  // the device failed before the send's work was done
     while (true) {
       {
         absl::MutexLock lock(&send->mu);
         withdrawn = send->settled;
       }
-      if (withdrawn || !send->ready || send->ready()) break;
+      if (withdrawn || !send->ready) break;
+      bool ready = false;
+      // A device error (a faulted kernel, an aborted collective) throws from the event query:
+      // the send is refused with it, as every later one will be, instead of ending the process.
+      failed =
+          nn::RunTorch("waiting for the device work a send reads", [&] { ready = send->ready(); });
+      if (ready || !failed.ok()) break;
       {
         absl::MutexLock lock(&mu_);
         auto stopping = [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stop_; };
@@ -178,7 +183,11 @@ void StreamOrderedSender::Run() {
     }
     if (!withdrawn) {
       absl::MutexLock lock(&send->mu);
-      if (!send->settled) {
+      if (!send->settled && !failed.ok()) {
+        send->settled = true;
+        send->settled_at = absl::Now();
+        send->refused = failed;
+      } else if (!send->settled) {
         absl::StatusOr<std::unique_ptr<transport::Operation>> posted =
             transport_->Send(send->peer, send->tag, send->buffer);
         send->settled = true;

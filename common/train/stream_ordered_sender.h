@@ -53,7 +53,9 @@ class StreamOrderedSender {
 
   // Posts `buffer` to `peer` with `tag` once `ready()` returns true (polled on the poster
   // thread; it must not block). `owner` keeps the buffer's memory alive until the send is done
-  // and the Operation destroyed. A send the transport refuses completes with the refusal.
+  // and the Operation destroyed. A send the transport refuses completes with the refusal; one
+  // whose `ready()` throws (a CUDA event query after a device fault) is never posted and
+  // completes with the error.
   std::unique_ptr<transport::Operation> Post(transport::PeerId peer, transport::Tag tag,
                                              transport::ConstBuffer buffer, at::Tensor owner,
                                              std::function<bool()> ready);

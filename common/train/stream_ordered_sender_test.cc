@@ -136,5 +136,35 @@ TEST_F(StreamOrderedSenderTest, ASendTheTransportRefusesFailsWithItsReason) {
   EXPECT_TRUE(op->Done());
 }
 
+// A mark whose query throws (as a CUDA event query does after a device fault) fails its send with
+// the error, instead of ending the process from the poster thread; the next send still posts.
+TEST_F(StreamOrderedSenderTest, AMarkThatThrowsFailsItsSendAndTheNextOnePosts) {
+  const at::Tensor faulted = Message(32, 2);
+  auto op1 = sender_->Post(to_b_, 13, BufferOf(faulted), faulted, []() -> bool {
+    TORCH_CHECK(false, "CUDA error: an illegal memory access was encountered");
+  });
+  const at::Tensor next = Message(48, 9);
+  auto op2 = sender_->Post(to_b_, 14, BufferOf(next), next, [] { return true; });
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  absl::Status status = op1->Wait(deadline);
+  EXPECT_FALSE(status.ok());
+  EXPECT_NE(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_THAT(status.message(), HasSubstr("illegal memory access"));
+  EXPECT_THAT(status.message(), HasSubstr("waiting for the device work a send reads"));
+  std::string in(48, '\0');
+  auto recv = b_->Recv(to_a_, 14, transport::MutableBuffer::Host(in.data(), in.size()));
+  ASSERT_TRUE(recv.ok()) << recv.status();
+  ASSERT_TRUE((*recv)->Wait(deadline).ok());
+  ASSERT_TRUE(op2->Wait(deadline).ok());
+  EXPECT_EQ(static_cast<uint8_t>(in[0]), 9);
+  EXPECT_EQ(static_cast<uint8_t>(in[47]), (47 + 9) % 251);
+  // The faulted send never reached the peer.
+  std::string none(32, '\0');
+  auto lost = b_->Recv(to_a_, 13, transport::MutableBuffer::Host(none.data(), none.size()));
+  ASSERT_TRUE(lost.ok());
+  EXPECT_EQ((*lost)->Wait(absl::Now() + absl::Milliseconds(200)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
 }  // namespace
 }  // namespace hetpar::train

@@ -1,13 +1,12 @@
 #include "common/worker/bootstrap.h"
 
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/nn/device_copy.h"
 #include "common/nn/torch_status.h"
 #include "common/rendezvous/c10d_store.h"
 #include "common/status.h"
@@ -94,9 +93,8 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     auto selected = std::make_shared<absl::Status>();
     HETPAR_RETURN_IF_ERROR(ucx->RunOnProgressThread(
         [device, selected] {
-          *selected = nn::RunTorch("selecting the UCX progress thread's device", [&] {
-            c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
-          });
+          *selected = nn::RunTorch("selecting the UCX progress thread's device",
+                                   [&] { nn::MakeDeviceCurrent(device); });
         },
         absl::Now() + ctx->peer_timeout_));
     HETPAR_RETURN_IF_ERROR(*selected);
