@@ -51,11 +51,21 @@ c10d::ReduceOp ToC10d(ReduceOp op) {
 // peers with it. With 2 (CleanUpOnly) it aborts the communicator and the process goes on; the
 // step driver then finds the group's error (CollectiveAborter::CheckGeneration) and fails the
 // step on this rank. A value the user set is kept.
+//
+// Before that abort, the watchdog (torch 2.11) signals a flight-recorder dump through the store to
+// every rank and sleeps 4 x TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default). The first
+// group's heartbeat monitor of every rank then sees the signal, polls the store about once a
+// second, and ends its process after TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) unless that
+// group is gone by then: healthy ranks of a long recovery would be ended too. With no recording
+// there is nothing to dump, so hetpar turns the dump off (TORCH_NCCL_DUMP_ON_TIMEOUT=0) and the
+// sleep down to 4 x 250 ms, unless the user set them.
 void ConfigureProcessGroups() {
   static std::once_flag once;
   std::call_once(once, [] {
     ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/1);
     ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
+    ::setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "0", /*overwrite=*/0);
+    ::setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "250", /*overwrite=*/0);
   });
 }
 
@@ -345,8 +355,15 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
 #ifdef USE_C10D_NCCL
             auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
             nccl_options->timeout = timeout;
-            return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupNCCL>(
-                prefixed, options.rank, options.size, nccl_options));
+            auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, options.rank,
+                                                                    options.size, nccl_options);
+            // The communicator now, as the group forms (every rank of it is here, under the
+            // store's timeout), not at the group's first collective: for the DP group that is a
+            // gradient bucket's all-reduce, inside backward on autograd's device thread, where
+            // nothing sees the coordinator's abort and a communicator not made yet cannot be
+            // aborted.
+            nccl->eagerConnectSingleDevice(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice());
+            return c10::intrusive_ptr<c10d::Backend>(std::move(nccl));
 #else
             return absl::UnimplementedError(
                 "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "

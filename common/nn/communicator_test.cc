@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <string>
 #include <thread>
+#include <utility>
 
 #include "common/nn/test_ranks.h"
 #include "gmock/gmock.h"
@@ -147,11 +149,18 @@ TEST(CommunicatorTest, NcclWithoutNcclBuildIsUnimplemented) {
 
 // Before its first process group hetpar sets ProcessGroupNCCL's handling of a communicator
 // error to CleanUpOnly (2: abort the communicator, keep the process), so that a worker outlives
-// its peers' failures; a value the environment sets is kept.
+// its peers' failures, and turns off the flight-recorder dump whose signal would end healthy
+// ranks; a value the environment sets is kept.
 TEST(CommunicatorTest, FormingAGroupSetsNcclErrorHandlingToCleanUpOnly) {
-  const char* before = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
-  if (before != nullptr && std::string(before) != "2") {
-    GTEST_SKIP() << "TORCH_NCCL_ASYNC_ERROR_HANDLING=" << before << " set by the environment";
+  const std::pair<const char*, const char*> expected[] = {
+      {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"},
+      {"TORCH_NCCL_DUMP_ON_TIMEOUT", "0"},
+      {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "250"}};
+  for (const auto& [name, value] : expected) {
+    const char* before = std::getenv(name);
+    if (before != nullptr && std::string(before) != value) {
+      GTEST_SKIP() << name << "=" << before << " set by the environment";
+    }
   }
   CommunicatorOptions options;
   options.prefix = "error-handling";
@@ -159,9 +168,11 @@ TEST(CommunicatorTest, FormingAGroupSetsNcclErrorHandlingToCleanUpOnly) {
   options.size = 2;
   options.timeout = absl::Milliseconds(100);
   (void)Communicator::Create(OpenHashStore(), options);  // no peer: only the set-up matters
-  const char* after = std::getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING");
-  ASSERT_NE(after, nullptr);
-  EXPECT_EQ(std::string(after), "2");
+  for (const auto& [name, value] : expected) {
+    const char* after = std::getenv(name);
+    ASSERT_NE(after, nullptr) << name;
+    EXPECT_EQ(std::string(after), value) << name;
+  }
 }
 
 TEST(CommunicatorTest, MissingPeerFailsRendezvousWithinDeadline) {

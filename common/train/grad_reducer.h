@@ -23,8 +23,10 @@
 // BeginStep): the collectives started are given up, the group abandoned, and the buckets
 // replaced, since the backend may still write into them.
 //
-// One thread: the caller's, which is also the thread autograd runs CPU backward on. The hooks
-// stay installed for the reducer's lifetime and do nothing unless armed.
+// Threads: the caller's, which is also the thread autograd runs CPU backward on. On CUDA the
+// hooks run on autograd's device thread while the caller is blocked in backward(), so the two
+// never run at once (backward() returns after the last hook). The hooks stay installed for the
+// reducer's lifetime and do nothing unless armed.
 #ifndef HETPAR_COMMON_TRAIN_GRAD_REDUCER_H_
 #define HETPAR_COMMON_TRAIN_GRAD_REDUCER_H_
 

@@ -160,10 +160,13 @@ class NcclMover final : public DeviceMover {
     for (auto [channel, unique_id, rank, direction] :
          {std::tuple{&peer.send, &send_id, 0, "send"},
           std::tuple{&peer.recv, &recv_id, 1, "recv"}}) {
+      // On a failure the communicator already started (the send one, its set-up under way on
+      // NCCL's thread) is aborted: the peer's channels never become ready, so nothing else would.
       if (absl::Status s =
               CudaToStatus(cudaStreamCreateWithFlags(&channel->stream, cudaStreamNonBlocking),
                            absl::StrCat(what, ": creating the ", direction, " stream"));
           !s.ok()) {
+        Abort(peer, s);
         return s;
       }
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -171,7 +174,9 @@ class NcclMover final : public DeviceMover {
       const ncclResult_t result =
           ncclCommInitRankConfig(&channel->comm, 2, *unique_id, rank, &config);
       if (result != ncclSuccess && result != ncclInProgress) {
-        return InitError(result, channel->comm, peer_name);
+        absl::Status s = InitError(result, channel->comm, peer_name);
+        Abort(peer, s);
+        return s;
       }
     }
     return absl::OkStatus();
