@@ -40,7 +40,10 @@
 // fails the worker, naming the message, the byte and both values.
 //
 // A ucx_perftest that fails leaves its figure at 0 with "ucx_raw_error" in the line, and the exit
-// status 1; a failing hetpar or Gloo pair ends the run at once (exit status 1).
+// status 1 (one past --limit is not tried again; one that failed otherwise, up to 3 times). A
+// failing hetpar or Gloo pair ends that size's repetitions: its line carries "error" (its figures
+// are those of the repetitions before, 0 where none), the next size is still measured, and the
+// exit status is 1.
 //
 //   transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] [--window N]
 //                [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off]
@@ -643,6 +646,9 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
                "ucx_perftest server");
     if (!client_output.ok() || !server_output.ok()) {  // e.g. the port was taken
       last_error = !client_output.ok() ? client_output.status() : server_output.status();
+      // A client past its limit hangs rather than lost a port race: another try would only
+      // spend the limit again.
+      if (absl::IsDeadlineExceeded(last_error)) return last_error;
       continue;
     }
     // The final line: iterations, latency 50%ile/average/overall, bandwidth average/overall,
@@ -780,15 +786,17 @@ int RunDriver(const std::string& self, const Config& config) {
     one.sizes = {size};
     one.reps = 1;
     double h = 0, hb = 0, g = 0, gb = 0, ucx_raw = 0, ucx_raw_peer = 0;
-    std::string ucx_raw_error;
-    for (int rep = 0; rep < config.reps; ++rep) {
+    std::string ucx_raw_error, pair_error;
+    for (int rep = 0; rep < config.reps && pair_error.empty(); ++rep) {
       for (const char* role : {"hetpar", "gloo"}) {
         if (std::string(role) == "gloo" ? !gloo : config.Skipped(role)) continue;
         clear();
         auto results = RunPair(self, role, one, dir);
         if (!results.ok()) {
+          // This size has no figure; the next size is still measured.
           std::cerr << "transport_bw: " << role << " pair: " << results.status() << "\n";
-          return 1;
+          pair_error = absl::StrCat(role, " pair: ", results.status().message());
+          break;
         }
         const auto [oneway, bidir] = (*results)[size];
         double& best_oneway = std::string(role) == "hetpar" ? h : g;
@@ -839,6 +847,10 @@ int RunDriver(const std::string& self, const Config& config) {
                 << ", \"hetpar_vs_gloo\": " << Json(g > 0 ? h / g : 0);
     }
     if (!ucx_raw_error.empty()) std::cout << ", \"ucx_raw_error\": " << JsonString(ucx_raw_error);
+    if (!pair_error.empty()) {  // the figures above are of the repetitions before it, if any
+      std::cout << ", \"error\": " << JsonString(pair_error);
+      exit_code = 1;
+    }
     std::cout << "}" << std::endl;
   }
   for (const char* file :
