@@ -98,8 +98,15 @@ import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 checks = {l["check"]: l for l in lines if "check" in l}
 assert checks["bundle"]["ok"] is True, checks["bundle"]
-tests = checks["gpu_tests"]
-assert tests["failed"] == 0 and tests["passed"] + tests["skipped"] > 10, tests
+assert checks["bundle"]["matches_checkout"] is True, checks["bundle"]
+parts = {l["part"]: l for l in lines if l.get("check") == "gpu_tests"}
+assert sorted(parts) == ["main", "nccl"], parts
+# Every gpu test but NCCL's first, NCCL's (the NCCL cases of three binaries) last.
+assert [l.get("part") for l in lines if l.get("check") == "gpu_tests"] == ["main", "nccl"]
+main, nccl = parts["main"], parts["nccl"]
+assert main["failed"] == 0 and main["passed"] + main["skipped"] > 10, main
+assert nccl["failed"] == 0 and 3 <= nccl["passed"] + nccl["skipped"] < main["passed"] + main["skipped"], nccl
+assert lines.index(nccl) > max(i for i, l in enumerate(lines) if l.get("bench") == "step")
 runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
 assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "master_weights",
                         "reference_float64_cpu"], sorted(runs)
@@ -107,6 +114,7 @@ for name, run in runs.items():
     assert run["rc"] == 0, run
     if name not in ("reference_float64_cpu", "master_weights"):
         assert run["compare_rc"] == 0 and "compared 4 steps" in run["compare"], run
+        assert run["boundary"] == "", run  # on the CPU: no device boundary to report
 # 8 steps: both runs read back, the drops printed, not judged (from 20 steps).
 weights = runs["master_weights"]
 assert weights["steps"] == 8 and weights["judged"] is False and weights["ok"] is True, weights
@@ -117,6 +125,25 @@ for s in steps:
     assert s["steps_measured"] >= 1 and s["step_time_s"] > 0 and s["llm_compute_s"] > 0, s
 summary = checks["gpu_check"]
 assert summary["ok"] is True and summary["train_rc"] == 0 and summary["step_rc"] == 0, summary
+EOF
+
+# ---- The deadline ----
+# With --deadline 1 nothing after the bundle's checks has time to run: every step is refused
+# (status 124) and the summary is still printed.
+status=0
+"$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 --deadline 1 \
+  >"$work/deadline.jsonl" 2>"$work/deadline.log" || status=$?
+[ "$status" = 1 ] || { tail -n 20 "$work/deadline.log" >&2; fail "--deadline 1: exit status $status, expected 1"; }
+grep -q "not run: less than 20 s of the --deadline (1 s) left" "$work/deadline.log" ||
+  fail "--deadline 1: no step was refused for the deadline"
+"$python" - "$work/deadline.jsonl" <<'EOF' || { cat "$work/deadline.jsonl" >&2; fail "--deadline 1's lines"; }
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+summary = lines[-1]
+assert summary["check"] == "gpu_check" and summary["ok"] is False, summary
+assert summary["ctest_rc"] != 0 and summary["nccl_rc"] != 0 and summary["step_rc"] == 124, summary
+runs = [l for l in lines if l.get("check") == "cpu_train"]
+assert runs and all(r["rc"] == 124 for r in runs if "rc" in r), runs
 EOF
 
 # ---- Refusals ----
