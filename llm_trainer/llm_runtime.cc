@@ -295,17 +295,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   for (; backwards < waves; ++backwards) HETPAR_RETURN_IF_ERROR(backward(backwards));
   stats.loss = loss_total;
 
-  // The gradients' sums are queued before the sends are waited for: on a GPU a send's wait
-  // returns only once the device has packed the message, after the last backward, and the
-  // device would otherwise sit idle while the host waits.
   auto t0 = Clock::now();
-  // The DP sums first: FinishGradients sums sequence-parallel partials over TP in place, which
-  // must not race the buckets' all-reduces (the two sums commute).
-  HETPAR_RETURN_IF_ERROR(reducer_->Finish());
-  HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
-  stats.collective_s += Since(t0);
-  trace::Record(trace::kLlmLane, "gradient all-reduce", "collective", t0);
-  t0 = Clock::now();
   if (options_.defer_send_wait) {
     for (auto& pending : sends) deferred_.push_back(std::move(pending));
   } else {
@@ -322,6 +312,13 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     trace::Record(trace::kLlmLane, "wait for stage sends", "pipeline_wait", t0);
     stats.pipeline_bytes = pipeline_.link->bytes_sent() - stage_bytes0;
   }
+  t0 = Clock::now();
+  // The DP sums first: FinishGradients sums sequence-parallel partials over TP in place, which
+  // must not race the buckets' all-reduces (the two sums commute).
+  HETPAR_RETURN_IF_ERROR(reducer_->Finish());
+  HETPAR_RETURN_IF_ERROR(model_->FinishGradients());
+  stats.collective_s += Since(t0);
+  trace::Record(trace::kLlmLane, "gradient all-reduce", "collective", t0);
   stats.bytes_sent = boundary_->bytes_sent() - bytes_sent0;
   stats.bytes_received = boundary_->bytes_received() - bytes_received0;
   return stats;
