@@ -1,8 +1,8 @@
 // GPU checks: the kernels hetpar's training will run on a CUDA device, each against a float64
 // CPU result computed independently here (from the definitions, not from the code under test):
 //
-//   at::scaled_dot_product_attention (causal, grouped-query) in float32 and bfloat16, forward
-//     and backward: the attention the LLM is moving to;
+//   at::scaled_dot_product_attention (causal, grouped-query, and with context parallelism's
+//     boolean mask) in float32 and bfloat16, forward and backward: the LLM's attention;
 //   hetpar's TP operators (common/nn/tp_ops.h) on a group of one, forward and backward;
 //   bfloat16 parameters with float32 masters stepped by train::ModuleOptimizer on the device;
 //   train::GradientReducer's float32 buckets on the device;
@@ -135,9 +135,10 @@ at::Tensor CudaLeaf(const at::Tensor& t) {
 // L, d] and k, v [n, kv_heads, S, d]. Query head h reads KV head h / (heads / kv_heads): the keys
 // and values repeated per group (repeat_interleave), which is what enable_gqa means and how
 // hetpar's LLM lays out its heads (the q heads of one KV head are adjacent). Causal: query i sees
-// keys 0..i.
+// keys 0..i. `allowed` (bool [L, S], when defined): the pairs that take part, as SDPA's boolean
+// mask has them.
 at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              bool causal) {
+                              bool causal, const at::Tensor& allowed = at::Tensor()) {
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor keys = k.repeat_interleave(group, 1);
   const at::Tensor values = v.repeat_interleave(group, 1);
@@ -148,6 +149,9 @@ at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at
         at::ones({q.size(2), k.size(2)}, at::TensorOptions().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
   }
+  if (allowed.defined()) {
+    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
+  }
   const at::Tensor shifted = scores - std::get<0>(scores.max(-1, /*keepdim=*/true)).detach();
   const at::Tensor weights = shifted.exp();
   return at::matmul(weights / weights.sum(-1, /*keepdim=*/true), values);
@@ -157,16 +161,27 @@ struct AttentionCase {
   at::ScalarType dtype;
   int64_t kv_heads;  // of 8 query heads: 8 is plain multi-head attention, 2 is GQA (groups of 4)
   bool causal;
+  // Context parallelism's call: a CP rank's queries (chunks 0 and 3 of a sample's 4, as
+  // plan::LoadBalancedChunks gives rank 0 of 2) against all of the sample's keys, causality as
+  // an explicit boolean mask (language_model.cc's cp_masks) rather than is_causal. The sample has
+  // 192 positions: a length of 64 modulo 128, which a cuDNN attention backward with a mask is
+  // reported to get wrong (NaN dq) on H100/H200 with torch 2.11 (pytorch/pytorch#196678).
+  bool cp_mask = false;
 };
 
 void PrintTo(const AttentionCase& c, std::ostream* os) {
   *os << at::toString(c.dtype) << ", " << c.kv_heads << " KV heads of 8, "
-      << (c.causal ? "causal" : "full");
+      << (c.cp_mask  ? "CP mask"
+          : c.causal ? "causal"
+                     : "full");
 }
 
 std::string AttentionCaseName(const ::testing::TestParamInfo<AttentionCase>& info) {
   return absl::StrCat(info.param.dtype == at::kBFloat16 ? "Bfloat16" : "Float32", "Kv",
-                      info.param.kv_heads, info.param.causal ? "Causal" : "Full");
+                      info.param.kv_heads,
+                      info.param.cp_mask  ? "CpMask"
+                      : info.param.causal ? "Causal"
+                                          : "Full");
 }
 
 class ScaledDotProductAttentionTest : public GpuTest,
@@ -174,19 +189,31 @@ class ScaledDotProductAttentionTest : public GpuTest,
 
 TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward) {
   const AttentionCase c = GetParam();
-  // 77 rows: not a multiple of any kernel's tile, so the ragged last tile is checked too.
-  const int64_t n = 2, heads = 8, length = 77, head_dim = 64;
-  const at::Tensor q = Random({n, heads, length, head_dim}, 1, c.dtype);
-  const at::Tensor k = Random({n, c.kv_heads, length, head_dim}, 2, c.dtype);
-  const at::Tensor v = Random({n, c.kv_heads, length, head_dim}, 3, c.dtype);
-  const at::Tensor grad_out = Random({n, heads, length, head_dim}, 4, c.dtype);
+  // 77 positions: not a multiple of any kernel's tile, so the ragged last tile is checked too
+  // (with the CP mask, 96 queries against 192 keys).
+  const int64_t n = 2, heads = 8, head_dim = 64;
+  const int64_t keys = c.cp_mask ? 192 : 77, chunk = keys / 4;
+  const int64_t queries = c.cp_mask ? 2 * chunk : keys;
+  const at::Tensor q = Random({n, heads, queries, head_dim}, 1, c.dtype);
+  const at::Tensor k = Random({n, c.kv_heads, keys, head_dim}, 2, c.dtype);
+  const at::Tensor v = Random({n, c.kv_heads, keys, head_dim}, 3, c.dtype);
+  const at::Tensor grad_out = Random({n, heads, queries, head_dim}, 4, c.dtype);
+  at::Tensor allowed;  // the CP mask: true where the key's position is at most the query's
+  if (c.cp_mask) {
+    const at::Tensor query_pos =
+        at::cat({at::arange(0, chunk, at::kLong), at::arange(3 * chunk, 4 * chunk, at::kLong)});
+    allowed = at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
+  }
 
   at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
-  const at::Tensor want = ReferenceAttention(q64, k64, v64, c.causal);
+  const at::Tensor want = ReferenceAttention(q64, k64, v64, c.causal && !c.cp_mask, allowed);
   want.backward(grad_out.to(at::kDouble));
 
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
-  const int64_t choice = at::_fused_sdp_choice(qd, kd, vd, {}, 0.0, c.causal, std::nullopt,
+  const std::optional<at::Tensor> mask =
+      c.cp_mask ? std::optional<at::Tensor>(allowed.to(TestDevice())) : std::nullopt;
+  const bool is_causal = c.causal && !c.cp_mask;
+  const int64_t choice = at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, is_causal, std::nullopt,
                                                /*enable_gqa=*/true);
   std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";
   RecordProperty("sdp_backend", nn::SdpBackendName(choice));
@@ -198,8 +225,8 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
     EXPECT_NE(std::string(nn::SdpBackendName(choice)), "math");
   }
 #endif
-  const at::Tensor got = at::scaled_dot_product_attention(qd, kd, vd, /*attn_mask=*/{},
-                                                          /*dropout_p=*/0.0, c.causal,
+  const at::Tensor got = at::scaled_dot_product_attention(qd, kd, vd, mask,
+                                                          /*dropout_p=*/0.0, is_causal,
                                                           /*scale=*/std::nullopt,
                                                           /*enable_gqa=*/true);
   ASSERT_TRUE(OnTestDevice(got));
@@ -222,14 +249,14 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   EXPECT_LT(RelativeError(vd.grad(), v64.grad()), grad_tolerance) << "dv";
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, ScaledDotProductAttentionTest,
-                         ::testing::Values(AttentionCase{at::kFloat, 8, true},
-                                           AttentionCase{at::kFloat, 2, true},
-                                           AttentionCase{at::kFloat, 2, false},
-                                           AttentionCase{at::kBFloat16, 8, true},
-                                           AttentionCase{at::kBFloat16, 2, true},
-                                           AttentionCase{at::kBFloat16, 2, false}),
-                         AttentionCaseName);
+INSTANTIATE_TEST_SUITE_P(
+    Cases, ScaledDotProductAttentionTest,
+    ::testing::Values(AttentionCase{at::kFloat, 8, true}, AttentionCase{at::kFloat, 2, true},
+                      AttentionCase{at::kFloat, 2, false}, AttentionCase{at::kBFloat16, 8, true},
+                      AttentionCase{at::kBFloat16, 2, true}, AttentionCase{at::kBFloat16, 2, false},
+                      AttentionCase{at::kFloat, 2, true, true},
+                      AttentionCase{at::kBFloat16, 2, true, true}),
+    AttentionCaseName);
 
 // ---- TP operators on a group of one ----
 
