@@ -77,6 +77,9 @@ struct RunFlags {
   double log_every_s = 0;     // in a log, also a progress line once this many seconds passed
   // Encoder workers started in place of ones that died while the run trained, at most.
   int replace_workers = 0;
+  // Each worker an NCCL host of its own (NCCL_HOSTID), so that ranks of one NCCL group may share
+  // a GPU: checking a multi-rank layout on a machine with fewer GPUs.
+  bool nccl_host_per_worker = false;
 };
 
 volatile sig_atomic_t g_interrupted = 0;
@@ -296,7 +299,20 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     if (colocated) argv.push_back("--colocated");
     if (!flags.trace.empty()) argv.insert(argv.end(), {"--trace", flags.trace});
     if (gpus > 0) argv.insert(argv.end(), {"--cuda-device", std::to_string(i % gpus)});
-    auto process = LocalProcess::Spawn(name, argv, env, (*run_dir)->LogPath(name));
+    std::map<std::string, std::string> worker_env = env;
+    if (flags.nccl_host_per_worker) {
+      // NCCL refuses two ranks of one host on one GPU; told they are hosts of their own, it
+      // joins them over its socket transport on loopback (unless the environment says otherwise).
+      worker_env["NCCL_HOSTID"] = absl::StrCat("hetpar-", ::getpid(), "-worker-", i);
+      for (const auto& [variable, value] :
+           {std::pair<const char*, const char*>{"NCCL_SOCKET_IFNAME", "lo"},
+            {"NCCL_IB_DISABLE", "1"},
+            {"NCCL_NET", "Socket"},
+            {"NCCL_NET_PLUGIN", "none"}}) {
+        if (std::getenv(variable) == nullptr) worker_env[variable] = value;
+      }
+    }
+    auto process = LocalProcess::Spawn(name, argv, worker_env, (*run_dir)->LogPath(name));
     if (!process.ok()) return process.status();
     processes.push_back(std::move(process).value());
     process_of[i] = processes.back().get();
@@ -511,6 +527,15 @@ int Run(const RunFlags& flags) {
               << loaded.status().message() << "\n";
     return kExitInvalidInput;
   }
+  if (flags.nccl_host_per_worker && (flags.reference || loaded->spec.run().device() != "cuda" ||
+                                     loaded->spec.transport() == v1::TRANSPORT_KIND_NCCL)) {
+    std::cerr << "hetpar run: --nccl-host-per-worker is for the NCCL groups of a distributed run "
+                 "on CUDA with transport ucx; this run has run.device '"
+              << loaded->spec.run().device() << "'" << (flags.reference ? " and --reference" : "")
+              << (loaded->spec.transport() == v1::TRANSPORT_KIND_NCCL ? " and transport nccl" : "")
+              << "\n";
+    return kExitInvalidInput;
+  }
   if (flags.reference && (!loaded->spec.checkpoint().dir().empty() ||
                           !loaded->spec.checkpoint().resume_from().empty())) {
     std::cerr << "hetpar run: --reference trains from step 0 and writes no checkpoints; remove "
@@ -568,6 +593,10 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                    "times; 0: the pool goes on without the lost replica")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  command->add_flag("--nccl-host-per-worker", flags->nccl_host_per_worker,
+                    "run.device cuda: give each worker an NCCL host of its own (NCCL_HOSTID; "
+                    "NCCL's socket transport on loopback), so that ranks of one TP, CP, DP or PP "
+                    "group may share a GPU. For checking a multi-rank layout on fewer GPUs; slow");
   command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
       ->capture_default_str();
   command

@@ -125,5 +125,28 @@ TEST(CliRunTest, NcclWithFewerGpusThanWorkersIsRefusedBeforeAnyWorkerStarts) {
   std::filesystem::remove_all(dir);
 }
 
+// --nccl-host-per-worker (each worker an NCCL host of its own, so that ranks of one group may
+// share a GPU) does something only for NCCL groups on CUDA: refused, naming why, on a CPU run and
+// with transport nccl (whose boundary pairs NCCL would still refuse on one GPU), before any worker
+// starts.
+TEST(CliRunTest, NcclHostPerWorkerIsRefusedWhereNoNcclGroupWouldShareAGpu) {
+  char pattern[] = "/tmp/hetpar-run-ncclhost-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  auto cpu = RunCommand(CudaRun(dir, {"--set", "run.device=cpu", "--nccl-host-per-worker"}), 300);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->exit_code, 2) << cpu->stderr_text;
+  EXPECT_THAT(cpu->stderr_text, HasSubstr("--nccl-host-per-worker is for the NCCL groups"));
+  EXPECT_THAT(cpu->stderr_text, HasSubstr("run.device 'cpu'"));
+  auto nccl = RunCommand(CudaRun(dir, {"--set", "transport=nccl", "--nccl-host-per-worker"}), 300);
+  ASSERT_TRUE(nccl.ok()) << nccl.status();
+  EXPECT_EQ(nccl->exit_code, 2) << nccl->stderr_text;
+  EXPECT_THAT(nccl->stderr_text, HasSubstr("run.device 'cuda' and transport nccl"));
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir + "/run/log", error)) {
+    ADD_FAILURE() << "a worker started: " << entry.path();
+  }
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace hetpar
