@@ -35,6 +35,7 @@
 #include "common/run_directory.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
+#include "common/transport/nccl/loopback.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
 #include "coordinator/cli/step_metrics.h"
@@ -302,13 +303,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::map<std::string, std::string> worker_env = env;
     if (flags.nccl_host_per_worker) {
       // NCCL refuses two ranks of one host on one GPU; told they are hosts of their own, it
-      // joins them over its socket transport on loopback (unless the environment says otherwise).
+      // joins them over its socket transport on loopback.
       worker_env["NCCL_HOSTID"] = absl::StrCat("hetpar-", ::getpid(), "-worker-", i);
-      for (const auto& [variable, value] :
-           {std::pair<const char*, const char*>{"NCCL_SOCKET_IFNAME", "lo"},
-            {"NCCL_IB_DISABLE", "1"},
-            {"NCCL_NET", "Socket"},
-            {"NCCL_NET_PLUGIN", "none"}}) {
+      for (const auto& [variable, value] : transport::nccl::kLoopbackEnvironment) {
         if (std::getenv(variable) == nullptr) worker_env[variable] = value;
       }
     }
@@ -593,10 +590,11 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                    "times; 0: the pool goes on without the lost replica")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  command->add_flag("--nccl-host-per-worker", flags->nccl_host_per_worker,
-                    "run.device cuda: give each worker an NCCL host of its own (NCCL_HOSTID; "
-                    "NCCL's socket transport on loopback), so that ranks of one TP, CP, DP or PP "
-                    "group may share a GPU. For checking a multi-rank layout on fewer GPUs; slow");
+  command->add_flag(
+      "--nccl-host-per-worker", flags->nccl_host_per_worker,
+      "run.device cuda: give each worker an NCCL host of its own (NCCL_HOSTID; "
+      "NCCL's socket transport on loopback), so that ranks of one TP, CP, DP or PP "
+      "group may share a GPU. For checking a multi-rank layout on fewer GPUs, not for speed");
   command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
       ->capture_default_str();
   command

@@ -205,14 +205,14 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
     allowed = at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
   }
 
+  const bool is_causal = c.causal && !c.cp_mask;  // the CP mask holds the causality itself
   at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
-  const at::Tensor want = ReferenceAttention(q64, k64, v64, c.causal && !c.cp_mask, allowed);
+  const at::Tensor want = ReferenceAttention(q64, k64, v64, is_causal, allowed);
   want.backward(grad_out.to(at::kDouble));
 
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
   const std::optional<at::Tensor> mask =
       c.cp_mask ? std::optional<at::Tensor>(allowed.to(TestDevice())) : std::nullopt;
-  const bool is_causal = c.causal && !c.cp_mask;
   const int64_t choice = at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, is_causal, std::nullopt,
                                                /*enable_gqa=*/true);
   std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";

@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "bench/built_path.h"
 #include "common/atomic_file.h"
+#include "common/transport/nccl/loopback.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -72,14 +73,10 @@ TEST(NcclTransportDeviceTest, TwoProcessesMoveDeviceBuffers) {
     // but the host id. NCCL's own socket transport on loopback, whatever plugin or fabric is
     // installed; warnings in the peer's log.
     ASSERT_EQ(setenv("NCCL_HOSTID", "hetpar-nccl-test", 1), 0);
-    for (const auto& [name, value] :
-         std::vector<std::pair<const char*, const char*>>{{"NCCL_SOCKET_IFNAME", "lo"},
-                                                          {"NCCL_IB_DISABLE", "1"},
-                                                          {"NCCL_NET", "Socket"},
-                                                          {"NCCL_NET_PLUGIN", "none"},
-                                                          {"NCCL_DEBUG", "WARN"}}) {
+    for (const auto& [name, value] : transport::nccl::kLoopbackEnvironment) {
       ASSERT_EQ(setenv(name, value, /*overwrite=*/0), 0) << name;
     }
+    ASSERT_EQ(setenv("NCCL_DEBUG", "WARN", /*overwrite=*/0), 0);
     peer_flags.insert(peer_flags.end(), {"--nccl-hostid", "hetpar-nccl-peer"});
   }
   ::testing::Test::RecordProperty(
