@@ -65,7 +65,8 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   session_options.on_lost = options.on_coordinator_lost;
   session_options.on_arrival = [interrupt = ctx->interrupt_,
                                 aborter = ctx->aborter_](const v1::CoordinatorMessage& m) {
-    if (m.has_abort() || m.has_stop()) interrupt->Raise();
+    if (m.has_abort()) interrupt->Raise(m.abort().generation());
+    if (m.has_stop()) interrupt->RaiseAll();
     // Does not block: the aborts run on the aborter's thread.
     if (m.has_abort()) aborter->AbortGeneration(m.abort().generation());
   };

@@ -139,7 +139,7 @@ void StepDriver::Stopped(const v1::StopRun& stop) {
 absl::Status StepDriver::RegroupForOutputs() {
   if (stop_generation_ <= formed_generation_) return absl::OkStatus();
   // The stop's arrival raised the interrupt (and the abort's before it); nothing follows it.
-  if (options_.interrupt != nullptr) options_.interrupt->Arm();
+  if (options_.interrupt != nullptr) options_.interrupt->Clear();
   HETPAR_LOG(INFO) << "the stop aborted a step in flight: forming the groups anew in generation "
                    << stop_generation_ << " for the final outputs";
   HETPAR_RETURN_IF_ERROR(Annotate(
@@ -157,7 +157,8 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   v1::StepReport report;
   report.set_step(step);
   report.set_generation(step_message.generation());
-  if (options_.interrupt != nullptr) options_.interrupt->Arm();
+  // An abort of this attempt that arrived while its plan waited in the queue ends it at once.
+  if (options_.interrupt != nullptr) options_.interrupt->Arm(step_message.generation());
   const absl::Time start = absl::Now();
   absl::Status grouped = absl::OkStatus();
   replicas_.encoder.assign(step_message.encoder_replicas().begin(),

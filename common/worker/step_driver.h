@@ -23,10 +23,11 @@
 // aborts it and plans it again, or stops the run. Each plan carries its generation (every
 // attempt has its own): before the first step of a new generation the rank forms its groups
 // anew (ModuleRuntime::Regroup), over the replicas the plan names. The interrupt, when
-// given, is armed as each step starts. A membership change is logged; the plans that follow
-// it say what changed. A stop of a newer generation (one that aborted a step in flight,
-// StopRun.generation) has the rank form its groups anew in it, over the replicas of its last
-// plan, before Run returns, so that the final outputs' gathers meet nothing the abort left
+// given, is armed with the plan's generation as each step starts, so that an abort of that
+// attempt which arrived before the plan was taken still ends it. A membership change is logged; the
+// plans that follow it say what changed. A stop of a newer generation (one that aborted a step in
+// flight, StopRun.generation) has the rank form its groups anew in it, over the replicas of its
+// last plan, before Run returns, so that the final outputs' gathers meet nothing the abort left
 // half done. One thread calls Run.
 #ifndef HETPAR_COMMON_WORKER_STEP_DRIVER_H_
 #define HETPAR_COMMON_WORKER_STEP_DRIVER_H_
@@ -77,7 +78,8 @@ struct StepDriverOptions {
   // replicas they were formed over.
   int64_t initial_generation = 0;
   StepReplicas initial_replicas;
-  // Armed as each step starts (may be null; the session raises it on an abort).
+  // Armed with each plan's generation as its step starts, cleared for the final outputs (may be
+  // null; the session raises it on an abort or a stop).
   StepInterrupt* interrupt = nullptr;
   // Called with each membership change before the plans that follow it (workers that joined
   // are connected to here); an error is logged, and the step that needs the peer fails.
@@ -136,7 +138,7 @@ class StepDriver {
   bool EndsStep(const v1::CoordinatorMessage& message, int64_t step);
   // A stop: logs it and keeps what it says (leave_run, generation).
   void Stopped(const v1::StopRun& stop);
-  // After a stop of a newer generation than the groups': forms them anew in it (interrupt armed).
+  // After a stop of a newer generation than the groups': forms them anew in it (interrupt cleared).
   absl::Status RegroupForOutputs();
   absl::Status Fail(absl::Status status);
 

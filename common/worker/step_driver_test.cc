@@ -62,6 +62,8 @@ class RecordingModule : public ModuleRuntime {
   absl::StatusOr<StepOutcome> RunStep(const plan::RankStepPlan& plan) override {
     calls.push_back(absl::StrCat("run ", plan.step));
     if (plan.step == fail_at_step) return absl::UnavailableError("peer llm-1 died");
+    // A step's waits on its peers end at once when the interrupt is raised.
+    if (interrupt != nullptr && interrupt->raised()) return InterruptedError();
     pending = true;
     StepOutcome outcome;
     outcome.reports_loss = true;
@@ -105,7 +107,9 @@ class RecordingModule : public ModuleRuntime {
   int updates = 0;
   int64_t fail_at_step = -1;
   absl::Status regroup_error;
-  const StepInterrupt* interrupt = nullptr;  // when set, Regroup counts calls while it is raised
+  // When set, RunStep fails as an interrupted wait would while it is raised, and Regroup counts
+  // calls while it is raised.
+  const StepInterrupt* interrupt = nullptr;
   int regroups_with_interrupt_raised = 0;
 };
 
@@ -152,9 +156,10 @@ v1::CoordinatorMessage Commit(int64_t step, bool checkpoint = false) {
   return m;
 }
 
-v1::CoordinatorMessage Abort(int64_t step) {
+v1::CoordinatorMessage Abort(int64_t step, int64_t generation = 1) {
   v1::CoordinatorMessage m;
   m.mutable_abort()->set_step(step);
+  m.mutable_abort()->set_generation(generation);
   m.mutable_abort()->set_reason("encoder-1 missed its deadline");
   return m;
 }
@@ -371,18 +376,73 @@ TEST(StepDriverTest, GroupsThatCannotBeFormedFailTheStepAndAreTriedAgainNextAtte
   EXPECT_THAT(module.calls, ElementsAre("regroup 2 []", "discard", "discard"));
 }
 
-TEST(StepDriverTest, AnArmedInterruptIsClearedAsEachStepStarts) {
+TEST(StepDriverTest, AnAbortOfAnEarlierAttemptDoesNotInterruptTheNextOne) {
   ScriptedChannel channel;
   RecordingModule module;
   StepInterrupt interrupt;
-  interrupt.Raise();  // an abort of an earlier attempt
-  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Stop()}) channel.Push(m);
+  interrupt.Raise(1);  // the abort of the attempt in generation 1
+  module.interrupt = &interrupt;
+  for (auto m : {Plan(0, 2), Norm(0, 1.0), Commit(0), Stop()}) channel.Push(m);
   StepDriverOptions options = Gen1();
   options.interrupt = &interrupt;
   StepDriver driver(&channel, &module, options);
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_FALSE(interrupt.raised());
+  EXPECT_THAT(module.calls, ElementsAre("regroup 2 []", "run 0", "apply 0 clip 1"));
   EXPECT_EQ(module.updates, 1);
+}
+
+// The rank was still finishing the step before when the coordinator planned the next one and
+// then aborted it (a peer died): the abort raised the interrupt while the plan waited in the
+// queue. That attempt ends as soon as it starts instead of waiting on the dead peer for its whole
+// deadline; the next attempt, in the next generation, runs.
+TEST(StepDriverTest, AnAbortThatArrivedBeforeItsPlanWasTakenEndsThatAttempt) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  StepInterrupt interrupt;
+  module.interrupt = &interrupt;
+  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Plan(1), Abort(1), Plan(1, 2), Norm(1, 1.0),
+                 Commit(1), Stop()}) {
+    channel.Push(m);
+  }
+  // The abort of step 1's first attempt (generation 1, the groups' own) arrives with step 0's
+  // commit, before the driver takes step 1's plan.
+  channel.on_next = [&interrupt](const v1::CoordinatorMessage& m) {
+    if (m.has_commit() && m.commit().step() == 0) interrupt.Raise(1);
+  };
+  StepDriverOptions options = Gen1();
+  options.interrupt = &interrupt;
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "report 1 failed", "partial 1",
+                                        "report 1 ok"));
+  EXPECT_THAT(channel.reports[1].error(), HasSubstr("interrupted"));
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 1", "run 1", "discard", "discard",
+                                        "regroup 2 []", "run 1", "apply 1 clip 1"));
+  EXPECT_EQ(driver.steps_failed(), 1);
+  EXPECT_EQ(module.updates, 2);
+}
+
+// A stop ends what is in flight whatever its generation; Clear lets the outputs' gathers run.
+TEST(StepInterruptTest, AStopRaisesEveryGenerationUntilCleared) {
+  StepInterrupt interrupt;
+  EXPECT_FALSE(interrupt.raised());
+  interrupt.Raise(3);  // before any Arm, an abort interrupts
+  EXPECT_TRUE(interrupt.raised());
+  interrupt.Arm(4);
+  EXPECT_FALSE(interrupt.raised());
+  interrupt.Raise(2);  // a late abort of an older attempt
+  EXPECT_FALSE(interrupt.raised());
+  interrupt.Raise(4);
+  EXPECT_TRUE(interrupt.raised());
+  interrupt.Arm(5);
+  EXPECT_FALSE(interrupt.raised());
+  interrupt.RaiseAll();
+  EXPECT_TRUE(interrupt.raised());
+  interrupt.Arm(9);
+  EXPECT_TRUE(interrupt.raised());
+  interrupt.Clear();
+  EXPECT_FALSE(interrupt.raised());
 }
 
 TEST(StepDriverTest, ANormOfAnotherStepIsRefusedInsteadOfApplied) {
@@ -471,7 +531,7 @@ TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
     std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
                                                   Plan(1, 3, {0, 1})};
     if (!failed_here) script.push_back(Norm(1, 1.0));
-    script.push_back(Abort(1));
+    script.push_back(Abort(1, 3));
     script.push_back(Stop(4));
     for (const auto& m : script) channel.Push(m);
     StepInterrupt interrupt;
@@ -482,7 +542,8 @@ TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
     StepDriver driver(&channel, &module, options);
     // The stop's arrival raised the interrupt; it must not fail the new groups' rendezvous.
     channel.on_next = [&interrupt](const v1::CoordinatorMessage& m) {
-      if (m.has_abort() || m.has_stop()) interrupt.Raise();
+      if (m.has_abort()) interrupt.Raise(m.abort().generation());
+      if (m.has_stop()) interrupt.RaiseAll();
     };
     ASSERT_TRUE(driver.Run().ok());
     EXPECT_EQ(driver.state(), StepDriver::State::kStopped);

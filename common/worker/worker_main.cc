@@ -147,7 +147,7 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     return context->Close(absl::Seconds(10));
   }
   // The stop raised the step interrupt; the outputs' gathers must not see it.
-  context->interrupt().Arm();
+  context->interrupt().Clear();
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
                    << " discarded";
   HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(
