@@ -258,6 +258,8 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
   worker->last_heartbeat = now;
   switch (message.kind_case()) {
     case v1::WorkerMessage::kHeartbeat: {
+      // The next attempt may have been waiting for this worker to be heard from.
+      if (!unheard_since_abort_.empty()) MaybeStartStep(now, actions);
       if (!message.heartbeat().ack_requested()) return absl::OkStatus();
       v1::CoordinatorMessage ack;
       v1::HeartbeatAck* a = ack.mutable_heartbeat_ack();
@@ -679,6 +681,8 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
                                   Actions* actions) {
   switch (outcome) {
     case StepOrchestrator::Outcome::kPending:
+      // The next attempt may be waiting for a worker to be heard from (or lost).
+      if (!unheard_since_abort_.empty()) MaybeStartStep(now, actions);
       return;
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
@@ -725,6 +729,14 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
                       now, actions);
         return;
       }
+      // A worker's death often reaches the coordinator after its peers' reports of the failures
+      // it caused (a collective's connection reset): planned at once, the next attempt would
+      // include the dead worker and be aborted again when its session ends, and its groups'
+      // rendezvous would be cut short mid-way. So it waits until every worker of the aborted
+      // attempt has been heard from since the abort, or found lost (Tick ends the wait for a
+      // silent one: heartbeat_timeout).
+      unheard_since_abort_ = orchestrator_.participants();
+      aborted_at_ = now;
       MaybeStartStep(now, actions);
       return;
   }
@@ -744,6 +756,11 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
       orchestrator_.in_flight() || committed_steps_ >= spec_.run().steps() ||
       !membership_.Complete()) {
     return;
+  }
+  while (!unheard_since_abort_.empty()) {
+    const WorkerRecord* worker = membership_.Find(unheard_since_abort_.back());
+    if (worker != nullptr && worker->alive && worker->last_heartbeat < aborted_at_) return;
+    unheard_since_abort_.pop_back();
   }
   std::vector<WorkerRecord*> live = membership_.TrainingWorkers();
   for (const WorkerRecord* worker : live) {

@@ -177,6 +177,10 @@ class RunController {
   std::vector<int64_t> llm_joining_;  // the same for the LLM's replicas (replacements)
   // Encoder replicas whose worker asked to leave (Leave), retired at the next step boundary.
   std::vector<int64_t> leave_requested_;
+  // After an abort: the aborted attempt's workers not yet heard from since it (each sends a
+  // heartbeat as the abort reaches it). The next attempt waits for them, or for their loss.
+  std::vector<std::string> unheard_since_abort_;
+  absl::Time aborted_at_ = absl::InfinitePast();
 };
 
 const char* RunStateName(v1::RunState state);

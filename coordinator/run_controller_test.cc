@@ -118,6 +118,15 @@ class RunControllerTest : public ::testing::Test {
     ASSERT_TRUE(controller_->HandleMessage(id, m, now, &actions_).ok());
   }
 
+  // A heartbeat from each worker `workers` indexes (what a worker sends as an abort reaches it).
+  void HearFrom(std::vector<size_t> workers, absl::Time now) {
+    for (size_t i : workers) {
+      v1::WorkerMessage m;
+      m.mutable_heartbeat()->set_seq(1);
+      Send(ids_[i], m, now);
+    }
+  }
+
   // Every worker completes step `step`: the ranks of the first replica taking part send
   // partials (encoder rank `encoder_contributor`), every worker in `reporting` (default: all)
   // reports.
@@ -298,6 +307,10 @@ TEST_F(RunControllerTest, ALostEncoderReplicaLeavesAndTheStepIsPlannedAgainOverT
   // Encoder replica 0 dies in step 0.
   controller_->SessionEnded(ids_[0], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  // The next attempt waits until every other worker of the aborted one has been heard from.
+  HearFrom({1, 2}, kT0 + absl::Seconds(1));
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan).empty());
+  HearFrom({3}, kT0 + absl::Seconds(1));
   // The abort of the old attempt, the change, then the new plan, in that order.
   std::vector<v1::CoordinatorMessage::KindCase> kinds;
   for (const auto& [to, m] : actions_.messages) {
@@ -349,6 +362,7 @@ TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
   actions_ = {};
   controller_->SessionEnded(ids_[3], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  HearFrom({0, 1, 2}, kT0 + absl::Seconds(1));
   auto plans = SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan);
   ASSERT_EQ(plans.size(), 1u);
   EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
@@ -411,6 +425,45 @@ TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
   ASSERT_EQ(status.pool_changes_size(), 2);
   EXPECT_EQ(status.pool_changes(1).kind(), v1::POOL_CHANGE_JOINED);
   EXPECT_EQ(status.pool_changes(1).module(), v1::MODULE_LLM);
+}
+
+// A killed worker's peers often report the failures it caused (a collective's connection reset)
+// before its own session's end reaches the coordinator. The next attempt waits until every worker
+// of the aborted one has been heard from since the abort, so it leaves the dead worker out
+// instead of including it and being aborted again.
+TEST_F(RunControllerTest, TheNextAttemptWaitsToHearFromEveryWorkerOfTheAbortedOne) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_dp(2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  CreateWith(spec);
+  StartAll();  // enc 0, enc 1, llm replica 0, llm replica 1
+  actions_ = {};
+  const absl::Time t1 = kT0 + absl::Seconds(1);
+  v1::WorkerMessage failed;
+  failed.mutable_report()->set_step(0);
+  failed.mutable_report()->set_generation(controller_->generation());
+  failed.mutable_report()->set_ok(false);
+  failed.mutable_report()->set_error("gradient all-reduce: Connection reset by peer");
+  Send(ids_[2], failed, t1);
+  ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kAbort).size(), 1u);
+  // Heard from before the abort does not count.
+  HearFrom({3}, kT0);
+  HearFrom({0, 1}, t1);
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).empty());
+  // LLM replica 1's worker was the one that died.
+  controller_->SessionEnded(ids_[3], "connection reset", t1 + absl::Milliseconds(5), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  auto plans = SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 0);
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
+  EXPECT_EQ(SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+  EXPECT_TRUE(SentTo(ids_[3], v1::CoordinatorMessage::kStepPlan).empty());
+  // One abort: the loss found no attempt in flight.
+  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kAbort).size(), 1u);
+  EXPECT_EQ(controller_->Status(t1).aborted_steps(), 1);
 }
 
 TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) {
@@ -525,6 +578,7 @@ TEST_F(RunControllerTest, RepeatedAbortsFailTheRun) {
     m.mutable_report()->set_ok(false);
     m.mutable_report()->set_error("nan loss");
     Send(ids_[0], m);
+    if (attempt < 2) HearFrom({1, 2, 3}, kT0);
   }
   EXPECT_EQ(planner_->calls, 3);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
@@ -662,6 +716,7 @@ TEST_F(RunControllerTest, AReplacementJoinsAtTheNextStepBoundaryAndTakesALiveRep
   // replacement (the pool's target is still 2).
   controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
   ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  HearFrom({0, 2, 3}, kT0 + absl::Seconds(1));  // the retry starts
   v1::StatusResponse status = controller_->Status(kT0);
   EXPECT_EQ(status.encoder_replicas(), 1);
   EXPECT_EQ(status.encoder_replicas_target(), 2);

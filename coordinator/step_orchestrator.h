@@ -119,6 +119,8 @@ class StepOrchestrator {
   // The step in flight's commit tells the workers to checkpoint after applying it.
   void CheckpointAtCommit() { checkpoint_at_commit_ = true; }
   int64_t step() const { return step_; }  // the step in flight, or the last one
+  // The workers of the step in flight, or of the last one (less those lost during it).
+  const std::vector<std::string>& participants() const { return participants_; }
   absl::Time deadline() const {
     return in_flight_ ? started_ + options_.step_timeout : absl::InfiniteFuture();
   }

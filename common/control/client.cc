@@ -525,11 +525,17 @@ void WorkerSession::HeartbeatLoop() {
     int64_t generation = 0;
     {
       absl::MutexLock lock(&mu_);
-      auto stop = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_heartbeats_ || ended_; };
-      // Wake when the next heartbeat is due: `interval` after the last message sent.
+      auto wake = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return stop_heartbeats_ || ended_ || beat_now_;
+      };
+      // Wake when the next heartbeat is due: `interval` after the last message sent, or at once
+      // after an abort.
       const absl::Duration wait =
           std::clamp(last_sent_ + interval - absl::Now(), absl::Milliseconds(1), interval);
-      if (mu_.AwaitWithTimeout(absl::Condition(&stop), wait)) return;
+      (void)mu_.AwaitWithTimeout(absl::Condition(&wake), wait);
+      if (stop_heartbeats_ || ended_) return;
+      const bool due_now = beat_now_;
+      beat_now_ = false;
       const absl::Time now = absl::Now();
       if (now - unanswered_since_ > timeout) {
         local_failure_ = absl::DeadlineExceededError(absl::StrCat(
@@ -541,7 +547,7 @@ void WorkerSession::HeartbeatLoop() {
             absl::FormatDuration(timeout), ")"));
         break;
       }
-      if (heartbeats_paused_ || now - last_sent_ < interval) continue;
+      if (heartbeats_paused_ || (!due_now && now - last_sent_ < interval)) continue;
       ++seq;
       ask = options_.ack_every > 0 && seq % options_.ack_every == 0;
       if (ask && unanswered_since_ == absl::InfiniteFuture()) unanswered_since_ = now;
@@ -577,11 +583,13 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
         assignment_.set_generation(message.membership_change().generation());
         assignment_.set_peers_complete(false);
         break;
+      case v1::CoordinatorMessage::kAbort:
+        beat_now_ = true;
+        break;
       case v1::CoordinatorMessage::kHeartbeatAck:
       case v1::CoordinatorMessage::kStepPlan:
       case v1::CoordinatorMessage::kGradNorm:
       case v1::CoordinatorMessage::kCommit:
-      case v1::CoordinatorMessage::kAbort:
       case v1::CoordinatorMessage::kStop:
       case v1::CoordinatorMessage::kBatch:
       case v1::CoordinatorMessage::KIND_NOT_SET:

@@ -129,7 +129,9 @@ class KeyValueClient : public rendezvous::KeyValueStore {
 // coordinator are queued for Next() (or handed to Options::on_message). Thread-safe.
 //
 // Heartbeats: a thread of the session sends one whenever nothing else was sent for
-// Assignment.heartbeat_interval_s (any message proves the worker alive). Every ack_every-th
+// Assignment.heartbeat_interval_s (any message proves the worker alive), and one at once when an
+// abort arrives (the coordinator waits to hear from every worker of an aborted attempt before it
+// plans the next). Every ack_every-th
 // heartbeat asks for an ack; when the coordinator then sends nothing at all for
 // heartbeat_timeout_s, the session ends with DeadlineExceeded ("the coordinator stopped
 // answering") instead of waiting forever.
@@ -208,6 +210,9 @@ class WorkerSession {
   absl::Status final_status_ ABSL_GUARDED_BY(mu_);
   bool stop_heartbeats_ ABSL_GUARDED_BY(mu_) = false;
   bool heartbeats_paused_ ABSL_GUARDED_BY(mu_) = false;
+  // An abort arrived: the next heartbeat goes out at once (the coordinator plans the next
+  // attempt once every worker of the aborted one has been heard from).
+  bool beat_now_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_sent_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // When an ack was asked for and nothing has come from the coordinator since.
   absl::Time unanswered_since_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
