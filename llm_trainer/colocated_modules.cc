@@ -17,6 +17,10 @@ absl::StatusOr<std::unique_ptr<ColocatedModules>> ColocatedModules::Create(
   return m;
 }
 
+void ColocatedModules::StepNotRun(const plan::RankStepPlan& plan) {
+  context_->boundary().AbandonUnrun(plan);
+}
+
 absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
   LlmStepStats llm_stats;

@@ -27,6 +27,7 @@ class ColocatedModules : public worker::ModuleRuntime {
   std::vector<worker::GradNormShare> GradNormShares() const override;
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override;
   void Discard() override;
+  void StepNotRun(const plan::RankStepPlan& plan) override;
   absl::Status Regroup(int64_t generation, const worker::StepReplicas& replicas) override;
   absl::Status WriteOutputs(const worker::OutputSender& send, int64_t world_rank) override;
 

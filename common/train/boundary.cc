@@ -366,6 +366,11 @@ void BoundaryCommunicator::Abandon(const plan::RankStepPlan& plan) {
   }
 }
 
+void BoundaryCommunicator::AbandonUnrun(const plan::RankStepPlan& plan) {
+  BeginStep();
+  Abandon(plan);
+}
+
 void BoundaryCommunicator::BeginStep() {
   ++steps_begun_;
   taken_.clear();

@@ -153,6 +153,9 @@ class BoundaryCommunicator {
   // its waves that were neither posted nor taken, so that what live peers still send in it finds
   // a receive (BeginStep withdraws them a step later).
   void Abandon(const plan::RankStepPlan& plan);
+  // The step of `plan` failed on this rank before it began (its groups could not be formed):
+  // BeginStep, then Abandon, as for a step that failed at once.
+  void AbandonUnrun(const plan::RankStepPlan& plan);
 
   // Every wait of this communicator (and of the sends it returns) ends early, Aborted, once
   // `interrupt` is raised (may be null: waits end at their deadline only).

@@ -72,6 +72,11 @@ class ModuleRuntime {
   virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
+  // The step of `plan` failed on this rank before RunStep (its groups could not be formed, or a
+  // joined replica's state did not arrive): the boundary messages live peers still send in it
+  // are absorbed, as when RunStep fails. Left unmatched, a sender's large message would hold its
+  // connection until the sender gives it up and tears the connection down.
+  virtual void StepNotRun(const plan::RankStepPlan& plan) = 0;
   // Before the first step of generation `generation`: form the module groups anew in that
   // generation's rendezvous (the old ones may hold a collective a peer gave up), each module's
   // gradient group over the plan's replicas of it.

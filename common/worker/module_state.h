@@ -138,6 +138,9 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.Apply(step, clip_coefficient, checkpoint);
   }
   void Discard() override { state_.Discard(); }
+  void StepNotRun(const plan::RankStepPlan& plan) override {
+    context_->boundary().AbandonUnrun(plan);
+  }
   absl::Status Regroup(int64_t generation, const StepReplicas& replicas) override {
     return RegroupStates(*context_, generation, replicas, {&state_});
   }

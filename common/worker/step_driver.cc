@@ -184,11 +184,13 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     grouped = modules_->ReceiveJoinedState(replicas, joining);
   }
   absl::StatusOr<plan::RankStepPlan> rank_plan =
-      grouped.ok() ? coordinator::RankStepPlanFromProto(step_message.rank_plan())
-                   : absl::StatusOr<plan::RankStepPlan>(grouped);
-  absl::StatusOr<StepOutcome> outcome = rank_plan.ok()
+      coordinator::RankStepPlanFromProto(step_message.rank_plan());
+  absl::StatusOr<StepOutcome> outcome = !grouped.ok() ? absl::StatusOr<StepOutcome>(grouped)
+                                        : rank_plan.ok()
                                             ? modules_->RunStep(*rank_plan)
                                             : absl::StatusOr<StepOutcome>(rank_plan.status());
+  // Peers whose groups formed may run the step and send this rank its boundary messages.
+  if (!grouped.ok() && rank_plan.ok()) modules_->StepNotRun(*rank_plan);
   // A collective that failed without the coordinator's abort (on NCCL its group was aborted and
   // the step's read returned what was left): the step fails here, before its partials go out.
   if (outcome.ok() && options_.check_collectives) {

@@ -84,6 +84,9 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
+  void StepNotRun(const plan::RankStepPlan& plan) override {
+    calls.push_back(absl::StrCat("not run ", plan.step));
+  }
   absl::Status Regroup(int64_t generation, const StepReplicas& replicas) override {
     if (interrupt != nullptr && interrupt->raised()) ++regroups_with_interrupt_raised;
     calls.push_back(absl::StrCat("regroup ", generation, " [", absl::StrJoin(replicas.encoder, ","),
@@ -373,7 +376,7 @@ TEST(StepDriverTest, GroupsThatCannotBeFormedFailTheStepAndAreTriedAgainNextAtte
   EXPECT_THAT(channel.sent, ElementsAre("report 0 failed"));
   EXPECT_THAT(channel.reports[0].error(), HasSubstr("rendezvous of generation 2"));
   // The step never ran on groups that were not formed.
-  EXPECT_THAT(module.calls, ElementsAre("regroup 2 []", "discard", "discard"));
+  EXPECT_THAT(module.calls, ElementsAre("regroup 2 []", "not run 0", "discard", "discard"));
 }
 
 TEST(StepDriverTest, AnAbortOfAnEarlierAttemptDoesNotInterruptTheNextOne) {

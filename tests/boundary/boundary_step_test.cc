@@ -388,6 +388,21 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   ASSERT_TRUE(llm.ReceiveForward(retry_llm, wave, retried).ok());
   EXPECT_TRUE(at::equal(retried, expected));
   ASSERT_TRUE(sent3->Wait(absl::Now() + absl::Seconds(10)).ok());
+
+  // An attempt that never ran on the LLM rank (its groups could not be formed) while the encoder
+  // ran it: the encoder's send stays pending (this transport is rendezvous at every size) until
+  // AbandonUnrun posts the attempt's receives, which absorb it.
+  enc.BeginStep();
+  plan::RankStepPlan unrun_enc = *enc_plan;
+  unrun_enc.attempt = 3;
+  plan::RankStepPlan unrun_llm = *llm_plan;
+  unrun_llm.attempt = 3;
+  auto orphan = enc.SendForward(unrun_enc, wave, job_rows);
+  ASSERT_TRUE(orphan.ok()) << orphan.status();
+  EXPECT_EQ(orphan->Wait(absl::Now() + absl::Milliseconds(100)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  llm.AbandonUnrun(unrun_llm);
+  EXPECT_TRUE(orphan->Wait(absl::Now() + absl::Seconds(10)).ok());
 }
 
 }  // namespace
