@@ -118,6 +118,12 @@ absl::Status StepDriver::Run() {
       modules_->Discard();
     } else if (message->has_step_plan()) {
       if (absl::Status s = RunOneStep(message->step_plan()); !s.ok()) return Fail(std::move(s));
+    } else if (message->has_grad_norm() && message->grad_norm().step() == failed_step_ &&
+               message->grad_norm().generation() == failed_generation_) {
+      // The ranks that send the norm's partials finished the attempt before it failed here: its
+      // norm may pass this rank's failed report on the way. The abort follows.
+      HETPAR_LOG(INFO) << "ignoring the norm of step " << failed_step_ << " (generation "
+                       << failed_generation_ << "), which failed on this rank";
     } else if (message->has_grad_norm() || message->has_commit()) {
       return Fail(absl::FailedPreconditionError(absl::StrCat(
           "the coordinator sent ", Describe(*message), " while no step was in flight")));
@@ -164,7 +170,11 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   replicas_.encoder.assign(step_message.encoder_replicas().begin(),
                            step_message.encoder_replicas().end());
   replicas_.llm.assign(step_message.llm_replicas().begin(), step_message.llm_replicas().end());
-  if (step_message.generation() != formed_generation_) {
+  if (options_.interrupt != nullptr && options_.interrupt->raised()) {
+    // Aborted before it started: no groups are formed for it (they would wait on peers that
+    // will not come) and it is not run.
+    grouped = InterruptedError();
+  } else if (step_message.generation() != formed_generation_) {
     // A new generation (an attempt aborted, or replicas left): groups formed anew.
     grouped = modules_->Regroup(step_message.generation(), replicas_);
     if (grouped.ok()) formed_generation_ = step_message.generation();
@@ -207,6 +217,8 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     report.set_error(std::string(outcome.status().message()));
     modules_->Discard();
     ++steps_failed_;
+    failed_step_ = step;
+    failed_generation_ = step_message.generation();
     state_ = State::kAwaitingPlan;
     return channel_->SendReport(report);
   }

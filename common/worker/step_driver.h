@@ -150,6 +150,9 @@ class StepDriver {
   int64_t steps_discarded_ = 0;
   int64_t steps_skipped_ = 0;
   int64_t steps_failed_ = 0;
+  // The last attempt that failed on this rank (step, generation); -1: none.
+  int64_t failed_step_ = -1;
+  int64_t failed_generation_ = -1;
   int64_t formed_generation_ = 0;
   StepReplicas replicas_;        // those of the last plan (or initial_replicas)
   int64_t stop_generation_ = 0;  // StopRun.generation of the stop that ended Run

@@ -145,9 +145,10 @@ v1::CoordinatorMessage Plan(int64_t step, int64_t generation = 1,
   return m;
 }
 
-v1::CoordinatorMessage Norm(int64_t step, double clip) {
+v1::CoordinatorMessage Norm(int64_t step, double clip, int64_t generation = 1) {
   v1::CoordinatorMessage m;
   m.mutable_grad_norm()->set_step(step);
+  m.mutable_grad_norm()->set_generation(generation);
   m.mutable_grad_norm()->set_clip_coefficient(clip);
   return m;
 }
@@ -420,8 +421,8 @@ TEST(StepDriverTest, AnAbortThatArrivedBeforeItsPlanWasTakenEndsThatAttempt) {
   EXPECT_THAT(channel.sent, ElementsAre("partial 0", "report 0 ok", "report 1 failed", "partial 1",
                                         "report 1 ok"));
   EXPECT_THAT(channel.reports[1].error(), HasSubstr("interrupted"));
-  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 1", "run 1", "discard", "discard",
-                                        "regroup 2 []", "run 1", "apply 1 clip 1"));
+  EXPECT_THAT(module.calls, ElementsAre("run 0", "apply 0 clip 1", "not run 1", "discard",
+                                        "discard", "regroup 2 []", "run 1", "apply 1 clip 1"));
   EXPECT_EQ(driver.steps_failed(), 1);
   EXPECT_EQ(module.updates, 2);
 }
@@ -446,6 +447,31 @@ TEST(StepInterruptTest, AStopRaisesEveryGenerationUntilCleared) {
   EXPECT_TRUE(interrupt.raised());
   interrupt.Clear();
   EXPECT_FALSE(interrupt.raised());
+}
+
+// The norm goes out once the partials' ranks have sent them; a rank outside them may fail the
+// same attempt after that. The norm then reaches it after its failed report: it is ignored, and
+// the abort and the next attempt follow. A norm of any other attempt there ends the worker.
+TEST(StepDriverTest, TheNormOfAnAttemptThatFailedHereIsIgnored) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.fail_at_step = 0;
+  for (auto m : {Plan(0), Norm(0, 1.0), Abort(0), Plan(1, 2), Norm(1, 1.0, 2), Commit(1), Stop()}) {
+    channel.Push(m);
+  }
+  StepDriver driver(&channel, &module, Gen1());
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_THAT(channel.sent, ElementsAre("report 0 failed", "partial 1", "report 1 ok"));
+  EXPECT_EQ(module.updates, 1);
+
+  ScriptedChannel other;
+  RecordingModule failing;
+  failing.fail_at_step = 0;
+  for (auto m : {Plan(0), Norm(0, 1.0, 3)}) other.Push(m);
+  StepDriver refusing(&other, &failing, Gen1());
+  const absl::Status status = refusing.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("while no step was in flight"));
 }
 
 TEST(StepDriverTest, ANormOfAnotherStepIsRefusedInsteadOfApplied) {
