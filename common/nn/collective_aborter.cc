@@ -26,7 +26,12 @@ void CollectiveAborter::Track(const c10::intrusive_ptr<c10d::Backend>& backend,
   {
     absl::MutexLock lock(&mu_);
     released = TakeReleased();
-    tracked_.push_back({c10::weak_intrusive_ptr<c10d::Backend>(backend), generation});
+    if (aborted_generations_.count(generation) != 0) {
+      // Its group formed after the generation's abort arrived: aborted at once.
+      queue_.push_back(backend);
+    } else {
+      tracked_.push_back({c10::weak_intrusive_ptr<c10d::Backend>(backend), generation});
+    }
   }
   // Dropped here, outside the lock: the last weak reference runs the backend's destructor.
 }
@@ -41,6 +46,7 @@ std::vector<CollectiveAborter::Tracked> CollectiveAborter::TakeReleased() {
 
 int CollectiveAborter::AbortGeneration(int64_t generation) {
   absl::MutexLock lock(&mu_);
+  aborted_generations_.insert(generation);
   for (Tracked& t : TakeReleased()) released_.push_back(std::move(t.backend));
   int started = 0;
   std::vector<Tracked> kept;

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <set>
 #include <thread>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <vector>
@@ -52,8 +53,10 @@ class CollectiveAborter {
   // backend its group has released is destroyed on the next Track or AbortGeneration (a weak
   // reference holds back c10's destructor call), not at its release.
   void Track(const c10::intrusive_ptr<c10d::Backend>& backend, int64_t generation);
-  // Starts aborting every tracked backend of `generation` still alive, and forgets them.
-  // Returns how many it started on; a generation's backends are aborted once.
+  // Starts aborting every tracked backend of `generation` still alive, and forgets them; a
+  // backend of that generation tracked later (its group formed after the abort arrived) is
+  // aborted as it is tracked. Returns how many it started on; a generation's backends are
+  // aborted once.
   int AbortGeneration(int64_t generation);
   // OK, or the first error a live tracked backend of `generation` reports (c10d::Backend::
   // getError: a timeout, a communicator error, a peer's error), naming it. Does not block.
@@ -74,6 +77,7 @@ class CollectiveAborter {
 
   mutable absl::Mutex mu_;
   std::vector<Tracked> tracked_ ABSL_GUARDED_BY(mu_);
+  std::set<int64_t> aborted_generations_ ABSL_GUARDED_BY(mu_);
   std::deque<c10::intrusive_ptr<c10d::Backend>> queue_ ABSL_GUARDED_BY(mu_);
   // Weak references for Run to drop: the last one runs its backend's destructor (c10 destroys
   // an object once neither strong nor weak references remain), which must not happen on

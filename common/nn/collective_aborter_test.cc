@@ -87,6 +87,24 @@ TEST(CollectiveAborterTest, AbortsTheLiveBackendsOfTheAbortedGenerationOnce) {
   EXPECT_FALSE(old1->destroyed.load()) << "the group still owns its backend";
 }
 
+// The abort can arrive while the worker still forms the generation's groups: one formed after it
+// is aborted as it is tracked; another generation's is not.
+TEST(CollectiveAborterTest, AGroupFormedAfterItsGenerationWasAbortedIsAbortedAtOnce) {
+  auto late = std::make_shared<Record>();
+  auto next = std::make_shared<Record>();
+  c10::intrusive_ptr<c10d::Backend> b1 = MakeBackend(late);
+  c10::intrusive_ptr<c10d::Backend> b2 = MakeBackend(next);
+  CollectiveAborter aborter;
+  EXPECT_EQ(aborter.AbortGeneration(6), 0);
+  aborter.Track(b1, 6);
+  aborter.Track(b2, 7);
+  aborter.WaitIdle();
+  EXPECT_EQ(late->aborts.load(), 1);
+  EXPECT_EQ(next->aborts.load(), 0);
+  EXPECT_EQ(aborter.aborted(), 1);
+  EXPECT_FALSE(late->destroyed.load()) << "the group still owns its backend";
+}
+
 // The session's gRPC thread calls AbortGeneration and must not block: the abort runs on the
 // aborter's thread, which holds the backend alive even after its group has released it.
 TEST(CollectiveAborterTest, ReturnsBeforeTheAbortAndHoldsTheBackendUntilItEnds) {
