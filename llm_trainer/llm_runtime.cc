@@ -59,6 +59,9 @@ int64_t BufferRowsOfWave(const plan::RankStepPlan& plan, int64_t wave) {
 }  // namespace
 
 absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
+  // Sends a failed attempt left deferred (its encoder phase failed after this one): given up
+  // here, so that this attempt's WaitForSends waits on its own sends only.
+  deferred_.clear();
   LlmStepStats stats;
   const int64_t stages = model_->options().pp_stages;
   const int64_t stage = model_->options().pp_stage;
@@ -326,8 +329,10 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
 
 absl::Status LlmRuntime::WaitForSends() {
   const absl::Time deadline = absl::Now() + options_.timeout;
-  for (auto& pending : deferred_) HETPAR_RETURN_IF_ERROR(pending.Wait(deadline));
-  deferred_.clear();
+  // Taken out first: a failure leaves none for the next attempt.
+  std::vector<train::PendingSends> sends;
+  sends.swap(deferred_);
+  for (auto& pending : sends) HETPAR_RETURN_IF_ERROR(pending.Wait(deadline));
   return absl::OkStatus();
 }
 
