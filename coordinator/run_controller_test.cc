@@ -96,6 +96,19 @@ class RunControllerTest : public ::testing::Test {
     return response.ok() ? response->assignment().worker_id() : "";
   }
 
+  // A run of two steps with two LLM replicas at tp 1, started: ids_ are encoder 0, encoder 1, LLM
+  // replica 0 and LLM replica 1; actions_ is empty.
+  void StartWithTwoLlmReplicas() {
+    v1::RunSpec spec = TinySpec(/*steps=*/2);
+    spec.mutable_llm()->mutable_layout()->set_dp(2);
+    spec.mutable_llm()->mutable_layout()->set_tp(1);
+    spec.mutable_run()->set_global_batch(8);
+    spec.mutable_run()->set_micro_batch(2);
+    CreateWith(spec);
+    StartAll();
+    actions_ = {};
+  }
+
   // Registers all four workers and opens their sessions.
   void StartAll() {
     for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
@@ -352,14 +365,7 @@ TEST_F(RunControllerTest, AnEncoderLossBelowTheMinimumPoolFailsTheRunSayingHowTo
 }
 
 TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
-  v1::RunSpec spec = TinySpec(/*steps=*/2);
-  spec.mutable_llm()->mutable_layout()->set_dp(2);
-  spec.mutable_llm()->mutable_layout()->set_tp(1);
-  spec.mutable_run()->set_global_batch(8);
-  spec.mutable_run()->set_micro_batch(2);
-  CreateWith(spec);
-  StartAll();  // enc 0, enc 1, llm replica 0, llm replica 1
-  actions_ = {};
+  StartWithTwoLlmReplicas();
   controller_->SessionEnded(ids_[3], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
   HearFrom({0, 1, 2}, kT0 + absl::Seconds(1));
@@ -432,14 +438,7 @@ TEST_F(RunControllerTest, ALostLlmReplicaLeavesWhenAnotherHoldsItsState) {
 // of the aborted one has been heard from since the abort, so it leaves the dead worker out
 // instead of including it and being aborted again.
 TEST_F(RunControllerTest, TheNextAttemptWaitsToHearFromEveryWorkerOfTheAbortedOne) {
-  v1::RunSpec spec = TinySpec(/*steps=*/2);
-  spec.mutable_llm()->mutable_layout()->set_dp(2);
-  spec.mutable_llm()->mutable_layout()->set_tp(1);
-  spec.mutable_run()->set_global_batch(8);
-  spec.mutable_run()->set_micro_batch(2);
-  CreateWith(spec);
-  StartAll();  // enc 0, enc 1, llm replica 0, llm replica 1
-  actions_ = {};
+  StartWithTwoLlmReplicas();
   const absl::Time t1 = kT0 + absl::Seconds(1);
   v1::WorkerMessage failed;
   failed.mutable_report()->set_step(0);
