@@ -65,10 +65,12 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   session_options.on_lost = options.on_coordinator_lost;
   session_options.on_arrival = [interrupt = ctx->interrupt_,
                                 aborter = ctx->aborter_](const v1::CoordinatorMessage& m) {
-    if (m.has_abort()) interrupt->Raise(m.abort().generation());
+    if (m.has_abort()) {
+      interrupt->Raise(m.abort().generation());
+      // Does not block: the aborts run on the aborter's thread.
+      aborter->AbortGeneration(m.abort().generation());
+    }
     if (m.has_stop()) interrupt->RaiseAll();
-    // Does not block: the aborts run on the aborter's thread.
-    if (m.has_abort()) aborter->AbortGeneration(m.abort().generation());
   };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
