@@ -864,8 +864,9 @@ void RunController::Fail(const std::string& reason, absl::Time now, Actions* act
   HETPAR_LOG(ERROR) << "run " << spec_.run().name() << " failed: " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (!worker->session_open) continue;
-    actions->messages.emplace_back(worker->worker_id,
-                                   StopMessage("run failed: " + reason, generation_));
+    v1::CoordinatorMessage stop = StopMessage("run failed: " + reason, generation_);
+    stop.mutable_stop()->set_run_failed(true);
+    actions->messages.emplace_back(worker->worker_id, std::move(stop));
     actions->end_sessions.emplace_back(worker->worker_id,
                                        absl::AbortedError("run failed: " + reason));
   }

@@ -507,7 +507,11 @@ TEST_F(RunControllerTest, ALostLlmRankFailsTheRunAtOnceSayingItMustStartOver) {
   EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 0"));
   EXPECT_THAT(controller_->state_message(), HasSubstr("held by no other worker"));
   EXPECT_THAT(controller_->state_message(), HasSubstr("no checkpoints (checkpoint.dir)"));
-  EXPECT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStop).size(), 1u);
+  const auto stops = SentTo(ids_[0], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  // The workers left are told the run failed: they write no outputs and exit with its reason.
+  EXPECT_TRUE(stops[0].stop().run_failed());
+  EXPECT_THAT(stops[0].stop().reason(), HasSubstr("held by no other worker"));
 }
 
 TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
@@ -670,6 +674,7 @@ TEST_F(RunControllerTest, AStopThatAbortsTheStepInFlightComesInANewGeneration) {
     ASSERT_EQ(stops.size(), 1u);
     EXPECT_EQ(stops[0].stop().generation(), planned + 1) << id;
     EXPECT_FALSE(stops[0].stop().leave_run());
+    EXPECT_FALSE(stops[0].stop().run_failed());
   }
   EXPECT_EQ(controller_->generation(), planned + 1);
 }

@@ -129,6 +129,7 @@ absl::Status StepDriver::Run() {
           "the coordinator sent ", Describe(*message), " while no step was in flight")));
     }
   }
+  if (!run_failed_.ok()) return Fail(run_failed_);
   if (state_ == State::kStopped && !left_run_) {
     if (absl::Status s = RegroupForOutputs(); !s.ok()) return Fail(std::move(s));
   }
@@ -139,7 +140,23 @@ void StepDriver::Stopped(const v1::StopRun& stop) {
   HETPAR_LOG(INFO) << (stop.leave_run() ? "leaving the run: " : "stop: ") << stop.reason();
   left_run_ = stop.leave_run();
   stop_generation_ = stop.generation();
+  // No groups and no outputs after a failed run: the peers they would wait on may be gone.
+  if (stop.run_failed()) run_failed_ = absl::AbortedError(stop.reason());
   state_ = State::kStopped;
+}
+
+absl::Status StepDriver::Sent(absl::Status sent) {
+  if (sent.ok()) return sent;
+  // The session's queue still holds what came before its end; the end itself follows at once.
+  const absl::Time deadline = absl::Now() + std::min(options_.timeout, absl::Seconds(10));
+  while (true) {
+    absl::StatusOr<v1::CoordinatorMessage> message = channel_->Next(deadline - absl::Now());
+    if (!message.ok()) return absl::IsDeadlineExceeded(message.status()) ? sent : message.status();
+    if (message->has_stop() && message->stop().run_failed()) {
+      Stopped(message->stop());
+      return run_failed_;
+    }
+  }
 }
 
 absl::Status StepDriver::RegroupForOutputs() {
@@ -220,7 +237,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     failed_step_ = step;
     failed_generation_ = step_message.generation();
     state_ = State::kAwaitingPlan;
-    return channel_->SendReport(report);
+    return Sent(channel_->SendReport(report));
   }
   for (const GradNormShare& share : modules_->GradNormShares()) {
     v1::GradNormPartial partial;
@@ -228,7 +245,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     partial.set_generation(step_message.generation());
     partial.set_module(share.module);
     partial.set_sum_squares(share.sum_squares);
-    HETPAR_RETURN_IF_ERROR(channel_->SendGradNormPartial(partial));
+    HETPAR_RETURN_IF_ERROR(Sent(channel_->SendGradNormPartial(partial)));
   }
 
   state_ = State::kAwaitingNorm;
@@ -264,7 +281,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
       (*report.mutable_timings_s())[absl::StrCat(m.module, ".", key)] = value;
     }
   }
-  HETPAR_RETURN_IF_ERROR(channel_->SendReport(report));
+  HETPAR_RETURN_IF_ERROR(Sent(channel_->SendReport(report)));
 
   state_ = State::kAwaitingCommit;
   const trace::Clock::time_point commit_start = trace::Clock::now();

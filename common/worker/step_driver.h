@@ -114,7 +114,9 @@ class StepDriver {
 
   // Runs steps until the coordinator says stop (OK) or the session fails (the error). A step
   // that fails in RunStep (or in forming its groups) is reported to the coordinator and
-  // discarded; the driver then waits for the coordinator's next word.
+  // discarded; the driver then waits for the coordinator's next word. A stop of a failed run
+  // (StopRun.run_failed) ends Run with Aborted and the stop's reason, forming no groups; so does
+  // a send that fails because the coordinator ended the session after such a stop.
   absl::Status Run();
 
   State state() const { return state_; }
@@ -140,6 +142,10 @@ class StepDriver {
   void Stopped(const v1::StopRun& stop);
   // After a stop of a newer generation than the groups': forms them anew in it (interrupt cleared).
   absl::Status RegroupForOutputs();
+  // `sent` of a message to the coordinator. A send fails once the session has ended; the
+  // coordinator's last word then says why better than the send does: a failed run's stop queued
+  // before the end (its reason), else the session's final status.
+  absl::Status Sent(absl::Status sent);
   absl::Status Fail(absl::Status status);
 
   ControlChannel* channel_;
@@ -158,6 +164,8 @@ class StepDriver {
   int64_t stop_generation_ = 0;  // StopRun.generation of the stop that ended Run
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
   bool left_run_ = false;
+  // Aborted with the reason of a failed run's stop (StopRun.run_failed); OK otherwise.
+  absl::Status run_failed_;
 };
 
 const char* StateName(StepDriver::State state);

@@ -26,7 +26,7 @@ class ScriptedChannel : public ControlChannel {
  public:
   void Push(v1::CoordinatorMessage message) { script_.push_back(std::move(message)); }
   absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration) override {
-    if (script_.empty()) return absl::DeadlineExceededError("script ended");
+    if (script_.empty()) return end;
     v1::CoordinatorMessage m = std::move(script_.front());
     script_.pop_front();
     if (on_next) on_next(m);
@@ -35,14 +35,19 @@ class ScriptedChannel : public ControlChannel {
   absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) override {
     partials.push_back(partial);
     sent.push_back(absl::StrCat("partial ", partial.step()));
-    return absl::OkStatus();
+    return send_error;
   }
   absl::Status SendReport(const v1::StepReport& report) override {
     reports.push_back(report);
     sent.push_back(absl::StrCat("report ", report.step(), report.ok() ? " ok" : " failed"));
     if (log != nullptr) log->push_back(absl::StrCat("report ", report.step()));
-    return absl::OkStatus();
+    return send_error;
   }
+
+  // What every send returns (a session that has ended fails them).
+  absl::Status send_error;
+  // What Next returns once the script is used up (a session's final status).
+  absl::Status end = absl::DeadlineExceededError("script ended");
 
   std::vector<v1::GradNormPartial> partials;
   std::vector<v1::StepReport> reports;
@@ -172,6 +177,14 @@ v1::CoordinatorMessage Stop(int64_t generation = 0) {
   v1::CoordinatorMessage m;
   m.mutable_stop()->set_reason("run complete");
   m.mutable_stop()->set_generation(generation);
+  return m;
+}
+
+// The stop of a run that failed (RunController::Fail).
+v1::CoordinatorMessage FailedStop(int64_t generation) {
+  v1::CoordinatorMessage m = Stop(generation);
+  m.mutable_stop()->set_reason("run failed: llm rank 1 lost; the run cannot go on");
+  m.mutable_stop()->set_run_failed(true);
   return m;
 }
 
@@ -628,6 +641,75 @@ TEST(StepDriverTest, GroupsForTheOutputsThatCannotBeFormedFailTheRun) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(status.message(), HasSubstr("forming the groups of generation 2 for the outputs"));
   EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
+}
+
+// A failed run's stop (the coordinator also aborted the step in flight and moved the generation
+// on) forms no groups: the peers they would wait on may be the ones lost. Run ends with its reason.
+TEST(StepDriverTest, AFailedRunsStopFormsNoGroupsAndEndsTheRunWithItsReason) {
+  for (const bool failed_here : {false, true}) {
+    SCOPED_TRACE(failed_here ? "the step failed on this rank" : "aborted after the report");
+    ScriptedChannel channel;
+    RecordingModule module;
+    if (failed_here) module.fail_at_step = 1;
+    std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
+                                                  Plan(1, 3, {0, 1})};
+    if (!failed_here) script.push_back(Norm(1, 1.0));
+    script.push_back(Abort(1, 3));
+    script.push_back(FailedStop(4));
+    for (const auto& m : script) channel.Push(m);
+    StepDriver driver(&channel, &module, Gen1());
+    const absl::Status status = driver.Run();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(status.message(), "run failed: llm rank 1 lost; the run cannot go on");
+    EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
+    EXPECT_EQ(module.calls.front(), "regroup 3 [0,1]");
+    for (const std::string& call : module.calls) EXPECT_NE(call, "regroup 4 [0,1]");
+    EXPECT_EQ(driver.steps_applied(), 1);
+  }
+}
+
+// The coordinator ends the sessions right after a failed run's stop: a report sent in between
+// fails. The run's reason is what the worker ends with, else the session's final status, else
+// the send's own error.
+TEST(StepDriverTest, ASendThatFailsAfterTheSessionEndedEndsWithTheCoordinatorsLastWord) {
+  const absl::Status ended =
+      absl::FailedPreconditionError("the session has ended; no more messages can be sent");
+  {
+    SCOPED_TRACE("a failed run's stop queued");
+    ScriptedChannel channel;
+    RecordingModule module;
+    module.fail_at_step = 0;
+    channel.send_error = ended;
+    for (auto m : {Plan(0), Abort(0), FailedStop(2)}) channel.Push(m);
+    StepDriver driver(&channel, &module, Gen1());
+    const absl::Status status = driver.Run();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(status.message(), "run failed: llm rank 1 lost; the run cannot go on");
+    EXPECT_THAT(channel.sent, ElementsAre("report 0 failed"));
+    EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
+  }
+  {
+    SCOPED_TRACE("only the session's final status");
+    ScriptedChannel channel;
+    RecordingModule module;
+    channel.send_error = ended;
+    channel.end = absl::AbortedError("Session: run failed: encoder rank 0 lost");
+    channel.Push(Plan(0));
+    StepDriver driver(&channel, &module, Gen1());
+    const absl::Status status = driver.Run();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(status.message(), "Session: run failed: encoder rank 0 lost");
+    EXPECT_THAT(channel.sent, ElementsAre("partial 0"));
+  }
+  {
+    SCOPED_TRACE("nothing more from the coordinator");
+    ScriptedChannel channel;
+    RecordingModule module;
+    channel.send_error = ended;
+    channel.Push(Plan(0));
+    StepDriver driver(&channel, &module, Gen1());
+    EXPECT_EQ(driver.Run(), ended);
+  }
 }
 
 TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {

@@ -447,7 +447,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     }
     for (auto& process : processes) {
       const std::optional<int> code = process->Poll();
-      if (!code.has_value() || *code == 0 || !failure.empty() || lost.count(process.get()) != 0) {
+      if (!code.has_value() || *code == 0 || !failure.empty() || lost.count(process.get()) != 0 ||
+          state == v1::RUN_STATE_FAILED) {
+        // A failed run's workers exit with its reason: the coordinator's message says it first.
         continue;
       }
       if (state == v1::RUN_STATE_RUNNING) {
@@ -485,7 +487,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
-    if (code != 0 && failure.empty() && lost.count(process.get()) == 0) {
+    if (code != 0 && failure.empty() && lost.count(process.get()) == 0 &&
+        state != v1::RUN_STATE_FAILED) {
       failure = absl::StrCat(process->name(), " exited with code ", code, "; the end of its log:\n",
                              process->LogTail(8));
     }

@@ -261,6 +261,43 @@ TEST_F(ReplicaLossTest, AKilledLlmReplicaIsDroppedAndTheRunMatchesAnUninterrupte
   KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1"}, "llm");
 }
 
+// A worker whose loss the run cannot survive (tiny's LLM is one replica at tp 2: the killed rank's
+// shard is held by no other worker) fails the run. Every worker left exits on its own with the
+// coordinator's reason, instead of gathering final outputs over groups whose peer is gone (and
+// being killed by `hetpar run` after its 15 s grace), and `hetpar run` reports that reason.
+TEST_F(RunFaultsTest, ALossTheRunCannotSurviveEndsEveryWorkerWithTheRunsReason) {
+  auto run = ChildProcess::Start(RunArgs(40), dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 3));
+  std::vector<pid_t> llm;
+  for (pid_t pid : ProcessesWith("hetpar-llm --coordinator")) {
+    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
+      llm.push_back(pid);
+    }
+  }
+  ASSERT_EQ(llm.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
+  ASSERT_EQ(::kill(llm[1], SIGKILL), 0);
+  auto code = run->Wait(120);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
+  const std::string log = ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_EQ(*code, 1) << log;
+  EXPECT_THAT(log, HasSubstr("hetpar run: tiny failed after"));
+  EXPECT_THAT(log, HasSubstr("the run cannot go on: its llm shard (parameters and optimizer "
+                             "state) is held by no other worker"));
+  // The three workers left each said why they stopped; the killed one could not.
+  int ended_with_the_reason = 0;
+  for (const char* name : {"encoder-0", "encoder-1", "llm-0", "llm-1"}) {
+    const std::string worker_log = ReadFile(dir_ + "/run/log/" + name + ".log");
+    if (worker_log.find("worker failed: ABORTED: run failed: ") != std::string::npos &&
+        worker_log.find("held by no other worker") != std::string::npos) {
+      ++ended_with_the_reason;
+    } else {
+      EXPECT_THAT(name, HasSubstr("llm")) << worker_log;
+    }
+  }
+  EXPECT_EQ(ended_with_the_reason, 3) << log;
+}
+
 // A run killed while it writes a checkpoint every step (SIGKILL of an LLM worker, at whatever
 // point of a save it is) leaves its newest complete checkpoint loadable: resuming from it trains
 // the next steps as a run that was never interrupted.
