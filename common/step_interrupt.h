@@ -51,6 +51,11 @@ class StepInterrupt {
   // After the stop: nothing raised so far interrupts the waits that follow (the final outputs'
   // gathers), until the next Arm.
   void Clear() { cleared_.store(true, std::memory_order_release); }
+  // Whether a step's attempt has been armed yet (waits before the first, such as the groups a
+  // worker forms as it starts, are not ended by it at every point; see nn::CommunicatorOptions).
+  bool armed() const {
+    return armed_.load(std::memory_order_acquire) != std::numeric_limits<int64_t>::min() + 1;
+  }
   bool raised() const {
     return !cleared_.load(std::memory_order_acquire) &&
            raised_through_.load(std::memory_order_acquire) >=

@@ -14,11 +14,17 @@
 
 #include <cstdlib>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/nn/torch_status.h"
 
@@ -313,31 +319,14 @@ void CommGroup::Barrier() const {
   Wait(c10d_backend_->barrier(options), "barrier");
 }
 
-absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
-    const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options) {
-  const std::string where = absl::StrCat("group '", options.prefix, "'");
-  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": rank=", options.rank,
-                                                   " size=", options.size,
-                                                   ", expected size >= 1 and 0 <= rank < size"));
-  }
-  if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": timeout=", absl::FormatDuration(options.timeout), ", expected > 0"));
-  }
-  if (options.size == 1) {
-    auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::Backend>(), 0, 1,
-                                                options.backend, ToChrono(options.timeout));
-    return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
-  }
-  if (!store) return absl::InvalidArgumentError(absl::StrCat(where, ": no rendezvous store"));
-  if (options.prefix.empty()) {
-    return absl::InvalidArgumentError(
-        "a process group needs a non-empty store prefix (unique per group and generation)");
-  }
+namespace {
+
+// The rendezvous of `options`' process group over `store` (the caller checked the options).
+absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackend(
+    const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options,
+    const std::string& where) {
   const auto timeout = ToChrono(options.timeout);
-  ConfigureProcessGroups();
-  auto process_group = RunTorchOr(
+  return RunTorchOr(
       absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
       [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> {
         auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
@@ -373,6 +362,84 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
         }
         return absl::InvalidArgumentError("unknown backend");
       });
+}
+
+// FormBackend on a thread of its own, given up when `interrupt` is raised. Gloo's rendezvous
+// waits for its peers' addresses in the store and then for their connections, each for the
+// whole timeout, and nothing ends either wait early: the key-value store's waits end when the
+// coordinator moves to the next generation, but a peer that died after publishing its address
+// is waited for in Gloo's connect. A rendezvous given up ends on its thread within its own
+// timeouts and then frees what it formed. NCCL's stays on the caller's thread: its communicator
+// is made on the caller's current device.
+absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
+    const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options,
+    const std::string& where) {
+  struct Formation {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result ABSL_GUARDED_BY(mu);
+  };
+  auto formation = std::make_shared<Formation>();
+  CommunicatorOptions own = options;
+  own.interrupt = nullptr;  // the caller's, which may be gone when the thread ends
+  std::thread([formation, store, own, where] {
+    absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result = FormBackend(store, own, where);
+    absl::MutexLock lock(&formation->mu);
+    formation->result = std::move(result);
+    formation->done = true;
+  }).detach();
+  // A backstop only: the store's waits and Gloo's connect each end within the timeout.
+  const absl::Time deadline = absl::Now() + 2 * options.timeout + absl::Seconds(30);
+  const absl::Status waited = WaitInSlices(
+      [&](absl::Time until) {
+        absl::MutexLock lock(&formation->mu);
+        return formation->mu.AwaitWithDeadline(absl::Condition(&formation->done), until)
+                   ? absl::OkStatus()
+                   : absl::DeadlineExceededError(
+                         absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ",
+                                      options.size, " did not end within ",
+                                      absl::FormatDuration(2 * options.timeout), " and 30s"));
+      },
+      deadline, options.interrupt);
+  if (!waited.ok()) {
+    if (!absl::IsAborted(waited)) return waited;
+    return absl::AbortedError(absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ",
+                                           options.size, " given up: ", waited.message()));
+  }
+  absl::MutexLock lock(&formation->mu);
+  return std::move(formation->result);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
+    const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options) {
+  const std::string where = absl::StrCat("group '", options.prefix, "'");
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": rank=", options.rank,
+                                                   " size=", options.size,
+                                                   ", expected size >= 1 and 0 <= rank < size"));
+  }
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": timeout=", absl::FormatDuration(options.timeout), ", expected > 0"));
+  }
+  if (options.size == 1) {
+    auto group = c10::make_intrusive<CommGroup>(c10::intrusive_ptr<c10d::Backend>(), 0, 1,
+                                                options.backend, ToChrono(options.timeout));
+    return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+  }
+  if (!store) return absl::InvalidArgumentError(absl::StrCat(where, ": no rendezvous store"));
+  if (options.prefix.empty()) {
+    return absl::InvalidArgumentError(
+        "a process group needs a non-empty store prefix (unique per group and generation)");
+  }
+  const auto timeout = ToChrono(options.timeout);
+  ConfigureProcessGroups();
+  const bool interruptible = options.interrupt != nullptr && options.interrupt->armed() &&
+                             options.backend == Backend::kGloo;
+  auto process_group = interruptible ? FormBackendInterruptibly(store, options, where)
+                                     : FormBackend(store, options, where);
   if (!process_group.ok()) return process_group.status();
   auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
                                               options.backend, timeout);

@@ -79,7 +79,10 @@ struct CommunicatorOptions {
   // Address Gloo binds and advertises to peers.
   std::string hostname = "127.0.0.1";
   // When set, a collective waiting on its peers gives up once it is raised (the coordinator
-  // aborted the step); the group is then abandoned (see CommGroup::Adopt).
+  // aborted the step); the group is then abandoned (see CommGroup::Adopt). Once it has been armed
+  // (a step's attempt, StepInterrupt::Arm), a Gloo rendezvous gives up too: Create returns
+  // Aborted and leaves the rendezvous to end on a thread of its own (a peer that died after
+  // publishing its address is otherwise waited for over the whole timeout, in Gloo's connect).
   const StepInterrupt* interrupt = nullptr;
 };
 

@@ -193,6 +193,82 @@ TEST(CommunicatorTest, MissingPeerFailsRendezvousWithinDeadline) {
   EXPECT_LT(seconds, 10.0);
 }
 
+// Once a step's attempt is armed, a rendezvous waiting on a peer that will not come ends when
+// the coordinator's abort raises the interrupt, not at its timeout (a peer that never started
+// stands here for one that died after publishing its address).
+TEST(CommunicatorTest, AnArmedInterruptEndsARendezvousThatWaitsOnAMissingPeer) {
+  auto store = OpenHashStore();
+  StepInterrupt interrupt;
+  interrupt.Arm(3);
+  std::thread abort([&] {
+    // Rank 0 has published its address: it now waits on rank 1.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (store->getNumKeys() < 1 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    interrupt.Raise(3);
+  });
+  CommunicatorOptions options;
+  options.prefix = "abandoned";
+  options.rank = 0;
+  options.size = 2;
+  options.timeout = absl::Seconds(300);
+  options.interrupt = &interrupt;
+  auto created = Communicator::Create(store, options);
+  abort.join();
+  ASSERT_FALSE(created.ok());
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kAborted) << created.status();
+  EXPECT_THAT(std::string(created.status().message()),
+              HasSubstr("group 'abandoned': rendezvous of rank 0 of 2 given up: interrupted"));
+}
+
+// The groups a worker forms as it starts (before any attempt is armed) are not given up, even
+// with an abort raised; and an armed interrupt that is not raised forms a working group.
+TEST(CommunicatorTest, ARendezvousIsGivenUpOnlyWhenArmedAndRaised) {
+  for (const bool armed : {false, true}) {
+    SCOPED_TRACE(armed ? "armed, not raised" : "raised before the first arm");
+    StepInterrupt interrupt;
+    if (armed) {
+      interrupt.Arm(1);
+    } else {
+      interrupt.Raise(1);
+    }
+    auto store = OpenHashStore();
+    std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> groups(2);
+    std::vector<std::thread> ranks;
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        CommunicatorOptions options;
+        options.prefix = armed ? "armed" : "unarmed";
+        options.rank = rank;
+        options.size = 2;
+        options.timeout = absl::Seconds(60);
+        options.interrupt = &interrupt;
+        groups[rank] = Communicator::Create(store, options);
+      });
+    }
+    for (auto& t : ranks) t.join();
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_TRUE(groups[rank].ok()) << groups[rank].status();
+      EXPECT_EQ((*groups[rank])->rank(), rank);
+    }
+    if (!armed) continue;
+    std::vector<at::Tensor> values = {RankValues(0, 2, 3, at::kFloat),
+                                      RankValues(1, 2, 3, at::kFloat)};
+    std::vector<absl::Status> reduced(2);
+    ranks.clear();
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] { reduced[rank] = (*groups[rank])->AllReduce(values[rank]); });
+    }
+    for (auto& t : ranks) t.join();
+    for (int rank = 0; rank < 2; ++rank) {
+      ASSERT_TRUE(reduced[rank].ok()) << reduced[rank];
+      // (1 + 2) * (i + 1) / 8 for element i.
+      EXPECT_TRUE(at::equal(values[rank], RankValues(2, 2, 3, at::kFloat))) << rank;
+    }
+  }
+}
+
 TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
   auto store = OpenHashStore();
   absl::Status rank0_result;
