@@ -188,6 +188,19 @@ v1::CoordinatorMessage FailedStop(int64_t generation) {
   return m;
 }
 
+// Step 0 committed in generation 3 over encoder replicas 0 and 1; step 1's attempt then aborted,
+// after its report or (`failed_here`: the module fails step 1) after it failed on this rank; then
+// `stop`.
+std::vector<v1::CoordinatorMessage> AbortedAfterACommit(bool failed_here,
+                                                        v1::CoordinatorMessage stop) {
+  std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
+                                                Plan(1, 3, {0, 1})};
+  if (!failed_here) script.push_back(Norm(1, 1.0));
+  script.push_back(Abort(1, 3));
+  script.push_back(std::move(stop));
+  return script;
+}
+
 v1::CoordinatorMessage Ack() {
   v1::CoordinatorMessage m;
   m.mutable_heartbeat_ack();
@@ -570,12 +583,7 @@ TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
     ScriptedChannel channel;
     RecordingModule module;
     if (failed_here) module.fail_at_step = 1;
-    std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
-                                                  Plan(1, 3, {0, 1})};
-    if (!failed_here) script.push_back(Norm(1, 1.0));
-    script.push_back(Abort(1, 3));
-    script.push_back(Stop(4));
-    for (const auto& m : script) channel.Push(m);
+    for (const auto& m : AbortedAfterACommit(failed_here, Stop(4))) channel.Push(m);
     StepInterrupt interrupt;
     StepDriverOptions options = Gen1();
     options.interrupt = &interrupt;
@@ -651,12 +659,7 @@ TEST(StepDriverTest, AFailedRunsStopFormsNoGroupsAndEndsTheRunWithItsReason) {
     ScriptedChannel channel;
     RecordingModule module;
     if (failed_here) module.fail_at_step = 1;
-    std::vector<v1::CoordinatorMessage> script = {Plan(0, 3, {0, 1}), Norm(0, 1.0), Commit(0),
-                                                  Plan(1, 3, {0, 1})};
-    if (!failed_here) script.push_back(Norm(1, 1.0));
-    script.push_back(Abort(1, 3));
-    script.push_back(FailedStop(4));
-    for (const auto& m : script) channel.Push(m);
+    for (const auto& m : AbortedAfterACommit(failed_here, FailedStop(4))) channel.Push(m);
     StepDriver driver(&channel, &module, Gen1());
     const absl::Status status = driver.Run();
     EXPECT_EQ(status.code(), absl::StatusCode::kAborted);

@@ -75,6 +75,17 @@ class RunFaultsTest : public ::testing::Test {
     return argv;
   }
 
+  // Pids of this test's workers of `binary` (hetpar-encoder, hetpar-llm), in pid order.
+  std::vector<pid_t> WorkersOf(const std::string& binary) const {
+    std::vector<pid_t> pids;
+    for (pid_t pid : ProcessesWith(binary + " --coordinator")) {
+      if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
+        pids.push_back(pid);
+      }
+    }
+    return pids;
+  }
+
   // Polls `path` until it has `lines` lines (committed steps in metrics.jsonl); false if it has
   // fewer after 180 s (a deadline for a loaded machine: four workers load libtorch first).
   static bool WaitForLines(const std::string& path, int lines) {
@@ -189,12 +200,7 @@ class ReplicaLossTest : public RunFaultsTest {
     ASSERT_TRUE(run.ok());
     const std::string metrics = dir_ + "/run/metrics.jsonl";
     ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 3));
-    std::vector<pid_t> victims;
-    for (pid_t pid : ProcessesWith(binary + " --coordinator")) {
-      if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
-        victims.push_back(pid);
-      }
-    }
+    const std::vector<pid_t> victims = WorkersOf(binary);
     ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
     ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
     auto code = run->Wait(120);
@@ -269,12 +275,7 @@ TEST_F(RunFaultsTest, ALossTheRunCannotSurviveEndsEveryWorkerWithTheRunsReason) 
   auto run = ChildProcess::Start(RunArgs(40), dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 3));
-  std::vector<pid_t> llm;
-  for (pid_t pid : ProcessesWith("hetpar-llm --coordinator")) {
-    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
-      llm.push_back(pid);
-    }
-  }
+  const std::vector<pid_t> llm = WorkersOf("hetpar-llm");
   ASSERT_EQ(llm.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
   ASSERT_EQ(::kill(llm[1], SIGKILL), 0);
   auto code = run->Wait(120);
@@ -312,12 +313,7 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
   ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 4));
-  std::vector<pid_t> victims;
-  for (pid_t pid : ProcessesWith("hetpar-llm --coordinator")) {
-    if (ReadFile("/proc/" + std::to_string(pid) + "/cmdline").find(dir_) != std::string::npos) {
-      victims.push_back(pid);
-    }
-  }
+  const std::vector<pid_t> victims = WorkersOf("hetpar-llm");
   ASSERT_FALSE(victims.empty()) << ReadFile(dir_ + "/hetpar-run.log");
   ASSERT_EQ(::kill(victims[0], SIGKILL), 0);
   auto code = run->Wait(90);
