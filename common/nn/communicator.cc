@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <atomic>
 #include <cstdlib>
 #include <exception>
 #include <memory>
@@ -321,6 +322,9 @@ void CommGroup::Barrier() const {
 
 namespace {
 
+// FormBackendInterruptibly's threads that have not ended yet.
+std::atomic<int> g_rendezvous_threads{0};
+
 // The rendezvous of `options`' process group over `store` (the caller checked the options).
 absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackend(
     const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options,
@@ -382,11 +386,18 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
   auto formation = std::make_shared<Formation>();
   CommunicatorOptions own = options;
   own.interrupt = nullptr;  // the caller's, which may be gone when the thread ends
-  std::thread([formation, store, own, where] {
-    absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result = FormBackend(store, own, where);
-    absl::MutexLock lock(&formation->mu);
-    formation->result = std::move(result);
-    formation->done = true;
+  g_rendezvous_threads.fetch_add(1);
+  std::thread([formation, store = c10::intrusive_ptr<c10d::Store>(store), own, where]() mutable {
+    {
+      absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result = FormBackend(store, own, where);
+      absl::MutexLock lock(&formation->mu);
+      formation->result = std::move(result);
+      formation->done = true;
+    }
+    // A group its caller gave up is freed here, before the thread counts as ended.
+    formation.reset();
+    store.reset();
+    g_rendezvous_threads.fetch_sub(1);
   }).detach();
   // A backstop only: the store's waits and Gloo's connect each end within the timeout.
   const absl::Time deadline = absl::Now() + 2 * options.timeout + absl::Seconds(30);
@@ -411,6 +422,8 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
 }
 
 }  // namespace
+
+int RendezvousThreadsRunning() { return g_rendezvous_threads.load(); }
 
 absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
     const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options) {

@@ -69,6 +69,11 @@ absl::StatusOr<int> TcpStorePort(const c10::intrusive_ptr<c10d::Store>& store);
 // An in-memory store for groups whose ranks are threads of one process.
 c10::intrusive_ptr<c10d::Store> OpenHashStore();
 
+// Gloo rendezvous still running on threads of their own (see CommunicatorOptions::interrupt):
+// given up by their callers, each ends within its timeouts. A process that exits before then
+// should skip its static destructors (std::_Exit), which such a thread could otherwise meet.
+int RendezvousThreadsRunning();
+
 struct CommunicatorOptions {
   std::string prefix;  // keys of this group in the store; unique per group and generation
   int rank = 0;

@@ -220,6 +220,8 @@ TEST(CommunicatorTest, AnArmedInterruptEndsARendezvousThatWaitsOnAMissingPeer) {
   EXPECT_EQ(created.status().code(), absl::StatusCode::kAborted) << created.status();
   EXPECT_THAT(std::string(created.status().message()),
               HasSubstr("group 'abandoned': rendezvous of rank 0 of 2 given up: interrupted"));
+  // Still waiting for rank 1 on its own thread (for up to the 300 s timeout).
+  EXPECT_GE(RendezvousThreadsRunning(), 1);
 }
 
 // The groups a worker forms as it starts (before any attempt is armed) are not given up, even

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/control/security.h"
 #include "common/logging.h"
+#include "common/nn/communicator.h"
 #include "common/status.h"
 #include "common/trace/recorder.h"
 #include "common/version.h"
@@ -376,7 +377,18 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     // Wake the signal thread so it returns.
     ::pthread_kill(waiter.native_handle(), SIGTERM);
     waiter.join();
-    return status.ok() ? 0 : kExitFailure;
+    const int code = status.ok() ? 0 : kExitFailure;
+    if (const int running = nn::RendezvousThreadsRunning(); running > 0) {
+      // A rendezvous a step's abort gave up may still wait on its peers: its thread must not
+      // meet the process's static destructors.
+      HETPAR_LOG(INFO) << "exiting with " << running
+                       << " given-up group rendezvous still running on their own threads";
+      std::cerr.flush();
+      std::clog.flush();
+      std::fflush(nullptr);
+      std::_Exit(code);
+    }
+    return code;
   }
   HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
   terminated.get_future().wait();

@@ -449,7 +449,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       const std::optional<int> code = process->Poll();
       if (!code.has_value() || *code == 0 || !failure.empty() || lost.count(process.get()) != 0 ||
           state == v1::RUN_STATE_FAILED) {
-        // A failed run's workers exit with its reason: the coordinator's message says it first.
+        // A failed run's workers exit with its reason: the coordinator's message says it first
+        // (those that did not are listed after it, below).
         continue;
       }
       if (state == v1::RUN_STATE_RUNNING) {
@@ -485,17 +486,27 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   if (absl::Status s = metrics.WriteLedger(final_status); !s.ok() && failure.empty()) {
     failure = std::string(s.message());
   }
+  // A failed run's workers that did not end with its reason (a crash, a kill): their own words.
+  std::string not_told;
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
-    if (code != 0 && failure.empty() && lost.count(process.get()) == 0 &&
-        state != v1::RUN_STATE_FAILED) {
+    if (code == 0) continue;
+    if (state == v1::RUN_STATE_FAILED) {
+      const std::string tail = process->LogTail(8);
+      if (tail.find("run failed: ") == std::string::npos) {
+        absl::StrAppend(&not_told, "\n", process->name(), " exited with code ", code,
+                        "; the end of its log:\n", tail);
+      }
+    } else if (failure.empty() && lost.count(process.get()) == 0) {
       failure = absl::StrCat(process->name(), " exited with code ", code, "; the end of its log:\n",
                              process->LogTail(8));
     }
   }
   exporter.reset();
   (*server)->Shutdown(absl::Seconds(2));
-  if (state == v1::RUN_STATE_FAILED && failure.empty()) failure = final_status.state_message();
+  if (state == v1::RUN_STATE_FAILED && failure.empty()) {
+    failure = final_status.state_message() + not_told;
+  }
   if (!failure.empty()) {
     std::cerr << "hetpar run: " << spec.run().name() << " failed after " << metrics.written()
               << " committed steps: " << failure << "\n";

@@ -285,6 +285,9 @@ TEST_F(RunFaultsTest, ALossTheRunCannotSurviveEndsEveryWorkerWithTheRunsReason) 
   EXPECT_THAT(log, HasSubstr("hetpar run: tiny failed after"));
   EXPECT_THAT(log, HasSubstr("the run cannot go on: its llm shard (parameters and optimizer "
                              "state) is held by no other worker"));
+  // After the reason, the one worker that did not end with it: the killed one, with its log.
+  EXPECT_THAT(log, HasSubstr("exited with code 137; the end of its log:"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("exited with code 1;"))) << log;
   // The three workers left each said why they stopped; the killed one could not.
   int ended_with_the_reason = 0;
   for (const char* name : {"encoder-0", "encoder-1", "llm-0", "llm-1"}) {
