@@ -325,47 +325,46 @@ namespace {
 // FormBackendInterruptibly's threads that have not ended yet.
 std::atomic<int> g_rendezvous_threads{0};
 
-// The rendezvous of `options`' process group over `store` (the caller checked the options).
+// The rendezvous of `options`' process group over `store` (the caller checked the options);
+// `what` names it in errors.
 absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackend(
     const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options,
-    const std::string& where) {
+    const std::string& what) {
   const auto timeout = ToChrono(options.timeout);
-  return RunTorchOr(
-      absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size),
-      [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> {
-        auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
-        prefixed->setTimeout(timeout);
-        switch (options.backend) {
-          case Backend::kGloo: {
-            auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
-            gloo_options->devices.push_back(
-                c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
-            gloo_options->threads = 1;
-            return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(
-                prefixed, options.rank, options.size, gloo_options));
-          }
-          case Backend::kNccl: {
+  return RunTorchOr(what, [&]() -> absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> {
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store);
+    prefixed->setTimeout(timeout);
+    switch (options.backend) {
+      case Backend::kGloo: {
+        auto gloo_options = c10d::ProcessGroupGloo::Options::create(timeout);
+        gloo_options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname(options.hostname));
+        gloo_options->threads = 1;
+        return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<c10d::ProcessGroupGloo>(
+            prefixed, options.rank, options.size, gloo_options));
+      }
+      case Backend::kNccl: {
 #ifdef USE_C10D_NCCL
-            auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
-            nccl_options->timeout = timeout;
-            auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, options.rank,
-                                                                    options.size, nccl_options);
-            // The communicator now, as the group forms (every rank of it is here, under the
-            // store's timeout), not at the group's first collective: for the DP group that is a
-            // gradient bucket's all-reduce, inside backward on autograd's device thread, where
-            // nothing sees the coordinator's abort and a communicator not made yet cannot be
-            // aborted.
-            nccl->eagerConnectSingleDevice(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice());
-            return c10::intrusive_ptr<c10d::Backend>(std::move(nccl));
+        auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+        nccl_options->timeout = timeout;
+        auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, options.rank,
+                                                                options.size, nccl_options);
+        // The communicator now, as the group forms (every rank of it is here, under the
+        // store's timeout), not at the group's first collective: for the DP group that is a
+        // gradient bucket's all-reduce, inside backward on autograd's device thread, where
+        // nothing sees the coordinator's abort and a communicator not made yet cannot be
+        // aborted.
+        nccl->eagerConnectSingleDevice(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice());
+        return c10::intrusive_ptr<c10d::Backend>(std::move(nccl));
 #else
             return absl::UnimplementedError(
                 "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "
                 "use gloo or build against a CUDA libtorch");
 #endif
-          }
-        }
-        return absl::InvalidArgumentError("unknown backend");
-      });
+      }
+    }
+    return absl::InvalidArgumentError("unknown backend");
+  });
 }
 
 // FormBackend on a thread of its own, given up when `interrupt` is raised. Gloo's rendezvous
@@ -377,7 +376,7 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackend(
 // is made on the caller's current device.
 absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
     const c10::intrusive_ptr<c10d::Store>& store, const CommunicatorOptions& options,
-    const std::string& where) {
+    const std::string& what) {
   struct Formation {
     absl::Mutex mu;
     bool done ABSL_GUARDED_BY(mu) = false;
@@ -387,9 +386,9 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
   CommunicatorOptions own = options;
   own.interrupt = nullptr;  // the caller's, which may be gone when the thread ends
   g_rendezvous_threads.fetch_add(1);
-  std::thread([formation, store = c10::intrusive_ptr<c10d::Store>(store), own, where]() mutable {
+  std::thread([formation, store = c10::intrusive_ptr<c10d::Store>(store), own, what]() mutable {
     {
-      absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result = FormBackend(store, own, where);
+      absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> result = FormBackend(store, own, what);
       absl::MutexLock lock(&formation->mu);
       formation->result = std::move(result);
       formation->done = true;
@@ -407,15 +406,13 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackendInterruptibly(
         return formation->mu.AwaitWithDeadline(absl::Condition(&formation->done), until)
                    ? absl::OkStatus()
                    : absl::DeadlineExceededError(
-                         absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ",
-                                      options.size, " did not end within ",
+                         absl::StrCat(what, " did not end within ",
                                       absl::FormatDuration(2 * options.timeout), " and 30s"));
       },
       deadline, options.interrupt);
   if (!waited.ok()) {
     if (!absl::IsAborted(waited)) return waited;
-    return absl::AbortedError(absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ",
-                                           options.size, " given up: ", waited.message()));
+    return absl::AbortedError(absl::StrCat(what, " given up: ", waited.message()));
   }
   absl::MutexLock lock(&formation->mu);
   return std::move(formation->result);
@@ -451,8 +448,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
   ConfigureProcessGroups();
   const bool interruptible = options.interrupt != nullptr && options.interrupt->armed() &&
                              options.backend == Backend::kGloo;
-  auto process_group = interruptible ? FormBackendInterruptibly(store, options, where)
-                                     : FormBackend(store, options, where);
+  const std::string what =
+      absl::StrCat(where, ": rendezvous of rank ", options.rank, " of ", options.size);
+  auto process_group = interruptible ? FormBackendInterruptibly(store, options, what)
+                                     : FormBackend(store, options, what);
   if (!process_group.ok()) return process_group.status();
   auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
                                               options.backend, timeout);

@@ -373,27 +373,26 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
   if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
-  if (!linger || leave_asked.load()) {
+  const int code = status.ok() ? 0 : kExitFailure;
+  if (linger && !leave_asked.load()) {
+    HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
+    terminated.get_future().wait();
+  } else {
     // Wake the signal thread so it returns.
     ::pthread_kill(waiter.native_handle(), SIGTERM);
-    waiter.join();
-    const int code = status.ok() ? 0 : kExitFailure;
-    if (const int running = nn::RendezvousThreadsRunning(); running > 0) {
-      // A rendezvous a step's abort gave up may still wait on its peers: its thread must not
-      // meet the process's static destructors.
-      HETPAR_LOG(INFO) << "exiting with " << running
-                       << " given-up group rendezvous still running on their own threads";
-      std::cerr.flush();
-      std::clog.flush();
-      std::fflush(nullptr);
-      std::_Exit(code);
-    }
-    return code;
   }
-  HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
-  terminated.get_future().wait();
   waiter.join();
-  return status.ok() ? 0 : kExitFailure;
+  if (const int running = nn::RendezvousThreadsRunning(); running > 0) {
+    // A rendezvous a step's abort gave up may still wait on its peers: its thread must not meet
+    // the process's static destructors.
+    HETPAR_LOG(INFO) << "exiting with " << running
+                     << " given-up group rendezvous still running on their own threads";
+    std::cerr.flush();
+    std::clog.flush();
+    std::fflush(nullptr);
+    std::_Exit(code);
+  }
+  return code;
 }
 
 }  // namespace hetpar::worker
