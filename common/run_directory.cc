@@ -4,6 +4,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -13,6 +15,14 @@
 namespace hetpar {
 
 namespace {
+
+// The step of a step line of metrics.jsonl; nullopt for any other line (end-of-run lines, a line
+// cut short by a crash).
+std::optional<int64_t> StepOfLine(const std::string& line) {
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) return std::nullopt;
+  return j["step"].get<int64_t>();
+}
 
 absl::Status Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
   std::error_code ec;
@@ -49,11 +59,8 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
   {
     std::ifstream in(path + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
-      const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-      if (j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
-          j["step"].get<int64_t>() < first_step) {
-        kept += line + "\n";
-      }
+      const std::optional<int64_t> step = StepOfLine(line);
+      if (step.has_value() && *step < first_step) kept += line + "\n";
     }
   }
   // Replaced whole (a crash here leaves the old file), then appended to.
@@ -64,6 +71,17 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
         absl::StrCat("cannot append to '", path, "/metrics.jsonl': ", std::strerror(errno)));
   }
   return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
+}
+
+int64_t RunDirectory::FirstStepWithoutLine(const std::string& path, int64_t from) {
+  std::set<int64_t> steps;
+  std::ifstream in(path + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    if (const std::optional<int64_t> step = StepOfLine(line)) steps.insert(*step);
+  }
+  int64_t step = from;
+  while (steps.count(step) > 0) ++step;
+  return step;
 }
 
 RunDirectory::~RunDirectory() { std::fclose(metrics_); }

@@ -34,6 +34,10 @@ class RunDirectory {
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Continue(const std::string& path,
                                                                 const hetpar::v1::RunSpec& spec,
                                                                 int64_t first_step);
+  // The first step at or after `from` that has no step line in `path`/metrics.jsonl: how far the
+  // file's record of a run that trained from step `from` reaches without a gap (`from` when the
+  // file is absent or has no line of that step).
+  static int64_t FirstStepWithoutLine(const std::string& path, int64_t from);
   ~RunDirectory();
   RunDirectory(const RunDirectory&) = delete;
   RunDirectory& operator=(const RunDirectory&) = delete;

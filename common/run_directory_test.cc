@@ -159,5 +159,19 @@ TEST_F(RunDirectoryTest, ContinueDropsMalformedLines) {
               ElementsAre(StepLine(0), StepLine(1), StepLine(2)));
 }
 
+TEST_F(RunDirectoryTest, FirstStepWithoutLineIsWhereTheLinesFromTheFirstStepStop) {
+  // Steps 3, 4, 5 and 7 have lines (5 twice, in no order), 6 has only a line cut short; then
+  // the end-of-run lines.
+  WriteText(dir_ + "/metrics.jsonl", StepLine(4) + "\n" + StepLine(3) + "\n" + StepLine(5) + "\n" +
+                                         StepLine(5) + "\n" + StepLine(7) + "\n" +
+                                         R"({"step": 6, "loss": 1.)" + "\n" +
+                                         R"({"final_params": {"encoder": {"sum": 1.5}}})" + "\n");
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 3), 6);
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 5), 6);
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 7), 8);
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 0), 0);
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_ + "/absent", 2), 2);
+}
+
 }  // namespace
 }  // namespace hetpar

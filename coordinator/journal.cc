@@ -116,7 +116,8 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   return std::optional<Journal>(std::move(journal));
 }
 
-std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir) {
+std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir,
+                                                        int64_t at_most) {
   std::optional<FoundCheckpoint> newest;
   std::error_code ec;
   if (checkpoint_dir.empty()) return newest;
@@ -126,6 +127,7 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& check
     absl::StatusOr<config::CheckpointSummary> summary =
         config::ReadCheckpointSummary(entry.path().string());
     if (!summary.ok()) continue;  // incomplete, or not a checkpoint
+    if (summary->step > at_most) continue;
     if (!newest.has_value() || summary->step > newest->step) {
       newest = FoundCheckpoint{entry.path().string(), summary->step};
     }

@@ -20,6 +20,7 @@
 #define HETPAR_COORDINATOR_JOURNAL_H_
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -57,13 +58,14 @@ absl::Status WriteJournal(const std::string& run_dir, const Journal& journal);
 absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir);
 
 // The newest complete checkpoint (a step-NNNNNN directory with a manifest, train/checkpoint.h)
-// under `checkpoint_dir`: its path and step; nullopt when there is none (or no such directory).
-// Incomplete ones (no manifest yet) are passed over.
+// under `checkpoint_dir` whose step is at most `at_most`: its path and step; nullopt when there is
+// none (or no such directory). Incomplete ones (no manifest yet) are passed over.
 struct FoundCheckpoint {
   std::string path;
   int64_t step = 0;
 };
-std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir);
+std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
+    const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max());
 
 }  // namespace hetpar::coordinator
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -371,6 +372,15 @@ TEST_F(JournalTest, NewestCheckpointPassesOverMalformedManifests) {
   EXPECT_EQ(found->step, 2);
   EXPECT_EQ(fs::path(found->path).lexically_normal(),
             fs::path(dir_ + "/step-000002").lexically_normal());
+}
+
+TEST_F(JournalTest, NewestCheckpointAtMostAStepPassesOverNewerOnes) {
+  for (int step : {2, 4, 6}) MakeCheckpoint(absl::StrFormat("step-%06d", step), step);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 5)->step, 4);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 4)->step, 4);  // at most: the bound itself counts
+  EXPECT_EQ(fs::path(NewestCompleteCheckpoint(dir_, 3)->path).filename(), "step-000002");
+  EXPECT_FALSE(NewestCompleteCheckpoint(dir_, 1).has_value());
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100)->step, 6);
 }
 
 TEST_F(JournalTest, NewestCheckpointIsTheHighestStep) {

@@ -142,8 +142,32 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
     journal.generation = lost.generation + 1;
     journal.restarts = lost.restarts + 1;
-    const std::optional<coordinator::FoundCheckpoint> newest =
+    // The lost coordinator wrote metrics.jsonl a little behind the commits, and the workers
+    // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
+    // last line written. Resume from the newest checkpoint that the lines reach, so that the
+    // steps without a line are trained again and get theirs.
+    const int64_t unrecorded = RunDirectory::FirstStepWithoutLine(out_dir, first_step);
+    std::optional<coordinator::FoundCheckpoint> newest =
+        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), unrecorded);
+    const std::optional<coordinator::FoundCheckpoint> newer =
         coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir());
+    if (newer.has_value() && newer->step > first_step &&
+        (!newest.has_value() || newer->step > newest->step)) {
+      if (newest.has_value() && newest->step >= first_step) {
+        HETPAR_LOG(INFO) << "resuming from " << newest->path << " rather than the newer "
+                         << newer->path << ": " << out_dir << "/metrics.jsonl has no line for step "
+                         << unrecorded << ", so steps " << newest->step << " to " << newer->step - 1
+                         << " are trained again";
+      } else {
+        // No checkpoint between the run's first step and its first step without a line is
+        // left (checkpoint.keep): resuming from the newest one leaves the gap.
+        HETPAR_LOG(WARNING) << out_dir << "/metrics.jsonl has no lines for steps " << unrecorded
+                            << " to " << newer->step - 1 << " and no checkpoint of a step from "
+                            << first_step << " to " << unrecorded << " is left; resuming from "
+                            << newer->path << ", so those steps' lines stay missing";
+        newest = newer;
+      }
+    }
     if (newest.has_value() && newest->step > first_step) {
       config::LoadOptions resume = load;
       resume.overrides.push_back(absl::StrCat("checkpoint.resume_from=", newest->path));
