@@ -57,6 +57,10 @@ struct ControllerOptions {
   // The first generation (a coordinator restarted on its journal continues past the lost one's,
   // so nothing addressed to the old generation is taken for the new).
   int64_t initial_generation = 1;
+  // Keep every committed step's timing until TakeCommittedSteps takes it: set by whoever writes
+  // metrics.jsonl, which must see every step however fast they commit (Status shows the latest
+  // 32 attempts only).
+  bool keep_committed_steps = false;
 };
 
 // What the server must do after a call, in order: send messages, then end sessions.
@@ -99,6 +103,9 @@ class RunController {
   void PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions);
 
   v1::StatusResponse Status(absl::Time now) const;
+  // With ControllerOptions::keep_committed_steps: the timings of the steps committed since the
+  // last call, oldest first; otherwise none.
+  std::vector<v1::StepTiming> TakeCommittedSteps() { return orchestrator_.TakeCommitted(); }
   // Stops the run. With `checkpoint` (and checkpoint.dir set) the step in flight commits first,
   // with a checkpoint, and the stop follows its commit (or its abort, without one).
   v1::StopResponse Stop(const std::string& reason, bool checkpoint, absl::Time now,

@@ -70,6 +70,7 @@ class RunControllerTest : public ::testing::Test {
     planner_ = planner.get();
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
+    options.keep_committed_steps = keep_committed_steps_;
     auto c = RunController::Create(TinySpec(steps, checkpoint_dir, min_encoder_replicas), options,
                                    with_planner ? std::move(planner) : nullptr, kT0);
     ASSERT_TRUE(c.ok()) << c.status();
@@ -81,6 +82,7 @@ class RunControllerTest : public ::testing::Test {
     planner_ = planner.get();
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
+    options.keep_committed_steps = keep_committed_steps_;
     auto c = RunController::Create(spec, options, std::move(planner), kT0);
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = *std::move(c);
@@ -169,6 +171,7 @@ class RunControllerTest : public ::testing::Test {
     }
   }
 
+  bool keep_committed_steps_ = false;  // ControllerOptions::keep_committed_steps
   CountingPlanner* planner_ = nullptr;
   std::unique_ptr<RunController> controller_;
   Actions actions_;
@@ -550,6 +553,49 @@ TEST_F(RunControllerTest, StepsRunToCommitAndTheRunStopsAfterTheLast) {
   EXPECT_DOUBLE_EQ(status.recent_steps(0).grad_norm(), std::sqrt(3.0));
   // Workers that left after stop are not "dead" failures.
   EXPECT_EQ(status.workers(0).dead_reason(), "left after stop");
+}
+
+// metrics.jsonl's writer takes the committed steps: all of them, in order, however many committed
+// since it last took them (more than Status's 32), and no aborted attempt.
+TEST_F(RunControllerTest, EveryCommittedStepIsKeptUntilTaken) {
+  keep_committed_steps_ = true;
+  Create(/*steps=*/45);
+  StartAll();
+  for (int64_t step = 0; step < 5; ++step) CompleteStep(step);
+  std::vector<v1::StepTiming> taken = controller_->TakeCommittedSteps();
+  ASSERT_EQ(taken.size(), 5u);
+  EXPECT_TRUE(controller_->TakeCommittedSteps().empty());  // taken once
+  // Step 5's first attempt fails on a rank and is tried again in the next generation.
+  v1::WorkerMessage failed;
+  failed.mutable_report()->set_step(5);
+  failed.mutable_report()->set_generation(controller_->generation());
+  failed.mutable_report()->set_ok(false);
+  failed.mutable_report()->set_error("nan loss");
+  Send(ids_[0], failed);
+  HearFrom({1, 2, 3}, kT0);
+  ASSERT_EQ(controller_->generation(), 2);
+  for (int64_t step = 5; step < 45; ++step) CompleteStep(step);
+  EXPECT_EQ(controller_->committed_steps(), 45);
+  const std::vector<v1::StepTiming> rest = controller_->TakeCommittedSteps();
+  taken.insert(taken.end(), rest.begin(), rest.end());
+  ASSERT_EQ(taken.size(), 45u);
+  for (int64_t step = 0; step < 45; ++step) {
+    const v1::StepTiming& t = taken[step];
+    EXPECT_EQ(t.step(), step);
+    EXPECT_TRUE(t.committed()) << step;
+    EXPECT_DOUBLE_EQ(t.loss(), 3.0) << step;  // 30 over 10 tokens, from LLM rank 0's report
+    EXPECT_EQ(t.generation(), step < 5 ? 1 : 2) << step;
+  }
+  // Status shows only the latest 32 attempts.
+  EXPECT_EQ(controller_->Status(kT0).recent_steps_size(), 32);
+}
+
+TEST_F(RunControllerTest, CommittedStepsAreNotKeptWithoutAReader) {
+  Create(/*steps=*/3);
+  StartAll();
+  for (int64_t step = 0; step < 3; ++step) CompleteStep(step);
+  EXPECT_EQ(controller_->committed_steps(), 3);
+  EXPECT_TRUE(controller_->TakeCommittedSteps().empty());
 }
 
 TEST_F(RunControllerTest, StepsWaitForEverySession) {

@@ -274,6 +274,11 @@ class ServerCore {
     return controller_->state();
   }
 
+  std::vector<v1::StepTiming> TakeCommittedSteps() {
+    absl::MutexLock lock(&mu_);
+    return controller_->TakeCommittedSteps();
+  }
+
   v1::RunState WaitForEnd(absl::Duration timeout) const {
     absl::MutexLock lock(&mu_);
     auto ended = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -584,7 +589,8 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context,
                                 const v1::KvSetRequest* request, v1::KvSetResponse*) override {
     return Simple(context, "KeyValue.Set", [&] {
-      return impl_->Kv(request->generation()).Set(request->generation(), request->key(), request->value());
+      return impl_->Kv(request->generation())
+          .Set(request->generation(), request->key(), request->value());
     });
   }
 
@@ -593,7 +599,8 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                 v1::KvGetResponse* response) override {
     if (request->timeout_ms() <= 0) {
       return Simple(context, "KeyValue.Get", [&]() -> absl::Status {
-        absl::StatusOr<std::string> value = impl_->Kv(request->generation()).Get(request->generation(), request->key());
+        absl::StatusOr<std::string> value =
+            impl_->Kv(request->generation()).Get(request->generation(), request->key());
         if (!value.ok()) return value.status();
         response->set_value(*std::move(value));
         return absl::OkStatus();
@@ -601,12 +608,13 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
     }
     if (!impl_->Authorized(context, "KeyValue.Get")) return Unauthenticated(context);
     auto* reactor = new KvWaitReactor(&impl_->kv_);
-    impl_->Kv(request->generation()).GetAsync(reactor->id(), request->generation(), request->key(),
-                        absl::Now() + absl::Milliseconds(request->timeout_ms()),
-                        [reactor, response](absl::StatusOr<std::string> value) {
-                          if (value.ok()) response->set_value(*std::move(value));
-                          reactor->Finish(ToGrpcStatus(value.status()));
-                        });
+    impl_->Kv(request->generation())
+        .GetAsync(reactor->id(), request->generation(), request->key(),
+                  absl::Now() + absl::Milliseconds(request->timeout_ms()),
+                  [reactor, response](absl::StatusOr<std::string> value) {
+                    if (value.ok()) response->set_value(*std::move(value));
+                    reactor->Finish(ToGrpcStatus(value.status()));
+                  });
     return reactor;
   }
 
@@ -615,7 +623,8 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                 v1::KvAddResponse* response) override {
     return Simple(context, "KeyValue.Add", [&]() -> absl::Status {
       absl::StatusOr<int64_t> value =
-          impl_->Kv(request->generation()).Add(request->generation(), request->key(), request->delta());
+          impl_->Kv(request->generation())
+              .Add(request->generation(), request->key(), request->delta());
       if (!value.ok()) return value.status();
       response->set_value(*value);
       return absl::OkStatus();
@@ -626,8 +635,9 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                        const v1::KvCompareSetRequest* request,
                                        v1::KvCompareSetResponse* response) override {
     return Simple(context, "KeyValue.CompareSet", [&]() -> absl::Status {
-      absl::StatusOr<std::string> value = impl_->Kv(request->generation()).CompareSet(
-          request->generation(), request->key(), request->expected(), request->desired());
+      absl::StatusOr<std::string> value = impl_->Kv(request->generation())
+                                              .CompareSet(request->generation(), request->key(),
+                                                          request->expected(), request->desired());
       if (!value.ok()) return value.status();
       response->set_value(*std::move(value));
       return absl::OkStatus();
@@ -645,10 +655,11 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
       return reactor;
     }
     auto* reactor = new KvWaitReactor(&impl_->kv_);
-    impl_->Kv(request->generation()).Wait(reactor->id(), request->generation(),
-                    std::vector<std::string>(request->keys().begin(), request->keys().end()),
-                    absl::Now() + absl::Milliseconds(request->timeout_ms()),
-                    [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
+    impl_->Kv(request->generation())
+        .Wait(reactor->id(), request->generation(),
+              std::vector<std::string>(request->keys().begin(), request->keys().end()),
+              absl::Now() + absl::Milliseconds(request->timeout_ms()),
+              [reactor](absl::Status status) { reactor->Finish(ToGrpcStatus(status)); });
     return reactor;
   }
 
@@ -656,9 +667,10 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                   const v1::KvCheckRequest* request,
                                   v1::KvCheckResponse* response) override {
     return Simple(context, "KeyValue.Check", [&]() -> absl::Status {
-      absl::StatusOr<bool> exist = impl_->Kv(request->generation()).Check(
-          request->generation(),
-          std::vector<std::string>(request->keys().begin(), request->keys().end()));
+      absl::StatusOr<bool> exist =
+          impl_->Kv(request->generation())
+              .Check(request->generation(),
+                     std::vector<std::string>(request->keys().begin(), request->keys().end()));
       if (!exist.ok()) return exist.status();
       response->set_all_exist(*exist);
       return absl::OkStatus();
@@ -669,7 +681,8 @@ class KeyValueServiceImpl final : public v1::KeyValue::CallbackService {
                                    const v1::KvDeleteRequest* request,
                                    v1::KvDeleteResponse* response) override {
     return Simple(context, "KeyValue.Delete", [&]() -> absl::Status {
-      absl::StatusOr<bool> deleted = impl_->Kv(request->generation()).Delete(request->generation(), request->key());
+      absl::StatusOr<bool> deleted =
+          impl_->Kv(request->generation()).Delete(request->generation(), request->key());
       if (!deleted.ok()) return deleted.status();
       response->set_deleted(*deleted);
       return absl::OkStatus();
@@ -890,6 +903,9 @@ const std::string& CoordinatorServer::address() const { return impl_->address_; 
 int CoordinatorServer::port() const { return impl_->port_; }
 v1::RunState CoordinatorServer::state() const { return impl_->state(); }
 v1::StatusResponse CoordinatorServer::Status() const { return impl_->Status(); }
+std::vector<v1::StepTiming> CoordinatorServer::TakeCommittedSteps() {
+  return impl_->TakeCommittedSteps();
+}
 int64_t CoordinatorServer::pending_key_value_waits() const { return impl_->kv_.pending_waits(); }
 
 v1::StopResponse CoordinatorServer::Stop(const std::string& reason, bool checkpoint) {

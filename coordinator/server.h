@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -54,6 +55,9 @@ class CoordinatorServer {
 
   v1::RunState state() const;
   v1::StatusResponse Status() const;
+  // With options.controller.keep_committed_steps: the timings of the steps committed since the
+  // last call, oldest first (ControllerOptions).
+  std::vector<v1::StepTiming> TakeCommittedSteps();
   v1::StopResponse Stop(const std::string& reason, bool checkpoint = false);
   // Key-value Wait and Get calls waiting for their keys now (lets a test see a reader block).
   int64_t pending_key_value_waits() const;

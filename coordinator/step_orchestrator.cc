@@ -280,6 +280,12 @@ void StepOrchestrator::AddTimings(const v1::StepReport& report) {
   }
 }
 
+std::vector<v1::StepTiming> StepOrchestrator::TakeCommitted() {
+  std::vector<v1::StepTiming> taken;
+  taken.swap(committed_untaken_);
+  return taken;
+}
+
 void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
                               const std::string& reason) {
   v1::StepTiming timing;
@@ -311,6 +317,7 @@ void StepOrchestrator::Record(bool committed, double loss, absl::Time now,
   }
   splits_.clear();
   busiest_.clear();
+  if (committed && options_.keep_committed) committed_untaken_.push_back(timing);
   recent_.push_front(std::move(timing));
   while (recent_.size() > options_.recent_steps) recent_.pop_back();
 }

@@ -92,6 +92,9 @@ class StepOrchestrator {
     double grad_clip = 0;  // RunOptions.grad_clip; 0: off
     absl::Duration step_timeout = absl::Minutes(10);
     size_t recent_steps = 32;  // StepTimings kept for Status
+    // Keep every committed step's StepTiming until TakeCommitted takes it (for the one reader
+    // that writes metrics.jsonl; without a reader they would pile up).
+    bool keep_committed = false;
   };
   enum class Outcome { kPending, kCommitted, kAborted };
 
@@ -134,6 +137,9 @@ class StepOrchestrator {
   int64_t images_total() const { return images_total_; }
   // Most recent first.
   const std::deque<v1::StepTiming>& recent() const { return recent_; }
+  // With Options::keep_committed: the committed steps' timings since the last call, oldest
+  // first, however many committed in between.
+  std::vector<v1::StepTiming> TakeCommitted();
 
  private:
   struct ContributorKey {
@@ -182,6 +188,7 @@ class StepOrchestrator {
   bool any_loss_reported_ = false;
   std::string last_abort_reason_;
   std::deque<v1::StepTiming> recent_;
+  std::vector<v1::StepTiming> committed_untaken_;
   int64_t skipped_steps_ = 0;
   int64_t aborted_steps_ = 0;
   int64_t attempt_ = 0;  // the id of the latest attempt (1, 2, ... in the order begun)

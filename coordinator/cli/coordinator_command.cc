@@ -212,6 +212,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
   options.tls = flags.tls;
   options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
+  options.controller.keep_committed_steps = true;  // metrics.jsonl has a line for every step
   options.controller.stop_timeout = absl::Seconds(flags.stop_timeout_s);
   options.controller.initial_generation = journal.generation;
   bool generated_token = false;
@@ -325,8 +326,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   };
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(200));
+    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
     const v1::StatusResponse status = (*server)->Status();
-    if (absl::Status s = metrics.Follow(status); !s.ok() && !metrics_failed) {
+    if (absl::Status s = metrics.Follow(status, committed); !s.ok() && !metrics_failed) {
       HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
       metrics_failed = true;
     }
@@ -334,8 +336,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // continues the run.
     follow_journal(status, state == v1::RUN_STATE_DONE ? v1::RUN_STATE_STOPPING : status.state());
   }
+  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   const v1::StatusResponse final_status = (*server)->Status();
-  if (absl::Status s = metrics.Follow(final_status); !s.ok() && !metrics_failed) {
+  if (absl::Status s = metrics.Follow(final_status, last_committed); !s.ok() && !metrics_failed) {
     HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
   }
   if (absl::Status s = metrics.WriteLedger(final_status); !s.ok()) {

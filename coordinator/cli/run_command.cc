@@ -215,6 +215,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   options.listen_address = flags.listen;
   options.token = *token;
   options.controller.step_timeout = absl::Seconds(flags.step_timeout_s);
+  options.controller.keep_committed_steps = true;  // metrics.jsonl has a line for every step
   // The coordinator plans over the data set opened above instead of reading it again.
   auto planner = coordinator::MakeStepPlanner(spec, /*synthetic=*/false, *std::move(batches));
   if (!planner.ok()) {
@@ -467,8 +468,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
       stop_sent = true;
     }
+    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
     const v1::StatusResponse status = (*server)->Status();
-    if (absl::Status s = metrics.Follow(status); !s.ok() && failure.empty()) {
+    if (absl::Status s = metrics.Follow(status, committed); !s.ok() && failure.empty()) {
       failure = std::string(s.message());
     }
     if (state == v1::RUN_STATE_RUNNING && failure.empty() && !colocated) {
@@ -479,8 +481,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       }
     }
   }
+  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   const v1::StatusResponse final_status = (*server)->Status();
-  if (absl::Status s = metrics.Follow(final_status); !s.ok() && failure.empty()) {
+  if (absl::Status s = metrics.Follow(final_status, last_committed); !s.ok() && failure.empty()) {
     failure = std::string(s.message());
   }
   if (absl::Status s = metrics.WriteLedger(final_status); !s.ok() && failure.empty()) {

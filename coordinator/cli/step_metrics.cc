@@ -84,10 +84,9 @@ absl::Status StepMetricsWriter::WriteLedger(const v1::StatusResponse& status) {
   return dir_->AppendMetrics(line.dump());
 }
 
-absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status) {
-  // recent_steps is newest first.
-  for (int i = status.recent_steps_size() - 1; i >= 0; --i) {
-    const v1::StepTiming& t = status.recent_steps(i);
+absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status,
+                                       const std::vector<v1::StepTiming>& committed) {
+  for (const v1::StepTiming& t : committed) {
     if (!t.committed() || t.step() < written_) continue;
     if (t.step() > written_) {
       HETPAR_LOG(WARNING) << "metrics of steps " << written_ << " to " << t.step() - 1

@@ -12,6 +12,7 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -24,9 +25,10 @@ namespace hetpar::cli {
 // `peak_tflops` (run.peak_tflops, per rank) adds each module's "utilization" when > 0.
 nlohmann::json StepMetricsLine(const v1::StepTiming& step, double peak_tflops = 0);
 
-// Follows the coordinator's status and appends each newly committed step's line, oldest first,
-// once. The coordinator keeps its latest 32 steps: steps that scrolled out between two calls are
-// reported in the log and their lines are missing.
+// Appends each committed step's line, oldest first, once, from what the coordinator's
+// TakeCommittedSteps returns (its server made with controller.keep_committed_steps, so that no
+// step is missed however many commit between two calls), and the pool-change lines from its
+// status.
 class StepMetricsWriter {
  public:
   // `on_step` (optional) sees each step written. `first_step`: the first step the run trains
@@ -36,7 +38,10 @@ class StepMetricsWriter {
                              int64_t first_step = 0)
       : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)), written_(first_step) {}
 
-  absl::Status Follow(const v1::StatusResponse& status);
+  // `committed`: the steps committed since the last call, oldest first. A gap (a step missing
+  // from them) is reported in the log.
+  absl::Status Follow(const v1::StatusResponse& status,
+                      const std::vector<v1::StepTiming>& committed);
   // At the run's end: the sample ledger's line, {"ledger": {"trained", "repeated", "lost"}}
   // (exactly-once data when repeated and lost are 0). Nothing when no sample was trained.
   absl::Status WriteLedger(const v1::StatusResponse& status);
