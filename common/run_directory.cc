@@ -16,12 +16,18 @@ namespace hetpar {
 
 namespace {
 
-// The step of a step line of metrics.jsonl; nullopt for any other line (end-of-run lines, a line
-// cut short by a crash).
-std::optional<int64_t> StepOfLine(const std::string& line) {
+// The step of a line of metrics.jsonl: a step line's, or (with `pool_changes`) the step at whose
+// boundary a pool change line's replica left or joined; nullopt for any other line (end-of-run
+// lines, a line cut short by a crash).
+std::optional<int64_t> StepOfLine(const std::string& line, bool pool_changes = false) {
   const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) return std::nullopt;
-  return j["step"].get<int64_t>();
+  if (!j.is_object()) return std::nullopt;
+  const nlohmann::json* holder = &j;
+  if (pool_changes && j.contains("pool_change")) holder = &j["pool_change"];
+  if (!holder->is_object() || !holder->contains("step") || !(*holder)["step"].is_number_integer()) {
+    return std::nullopt;
+  }
+  return (*holder)["step"].get<int64_t>();
 }
 
 absl::Status Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
@@ -59,7 +65,7 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
   {
     std::ifstream in(path + "/metrics.jsonl");
     for (std::string line; std::getline(in, line);) {
-      const std::optional<int64_t> step = StepOfLine(line);
+      const std::optional<int64_t> step = StepOfLine(line, /*pool_changes=*/true);
       if (step.has_value() && *step < first_step) kept += line + "\n";
     }
   }

@@ -28,9 +28,9 @@ class RunDirectory {
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Create(const std::string& path,
                                                               const hetpar::v1::RunSpec& spec);
   // A run continued from step `first_step` (a coordinator restarted on its journal): writes
-  // config.yaml and keeps the lines of metrics.jsonl of the steps before `first_step` (later
-  // ones are trained again and their lines written again; the end-of-run lines go), then
-  // appends.
+  // config.yaml and keeps the lines of metrics.jsonl of the steps before `first_step` and of
+  // the pool changes before them (later steps are trained again and their lines written again;
+  // the end-of-run lines go), then appends.
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Continue(const std::string& path,
                                                                 const hetpar::v1::RunSpec& spec,
                                                                 int64_t first_step);

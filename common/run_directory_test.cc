@@ -145,6 +145,26 @@ TEST_F(RunDirectoryTest, ContinueWithoutMetricsStartsAnEmptyFile) {
   EXPECT_EQ(ReadText(path + "/metrics.jsonl"), StepLine(5) + "\n");
 }
 
+TEST_F(RunDirectoryTest, ContinueKeepsThePoolChangesBeforeTheFirstStep) {
+  // A replica lost at step 2's boundary (history, kept) and one that joined at step 4's (trained
+  // again from step 3: it goes, the run's own history after the restart says what happens then).
+  const std::string lost =
+      R"({"pool_change": {"step": 2, "generation": 2, "module": "encoder", "kind": "lost"}})";
+  const std::string joined =
+      R"({"pool_change": {"step": 4, "generation": 3, "module": "encoder", "kind": "joined"}})";
+  WriteText(dir_ + "/metrics.jsonl", StepLine(0) + "\n" + StepLine(1) + "\n" + StepLine(2) + "\n" +
+                                         lost + "\n" + StepLine(3) + "\n" + StepLine(4) + "\n" +
+                                         joined + "\n" + R"({"pool_change": {"step": "1"}})" +
+                                         "\n" + R"({"pool_change": 7})" + "\n");
+  absl::StatusOr<std::unique_ptr<RunDirectory>> run =
+      RunDirectory::Continue(dir_, spec_, /*first_step=*/3);
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_THAT(Lines(ReadText(dir_ + "/metrics.jsonl")),
+              ElementsAre(StepLine(0), StepLine(1), StepLine(2), lost));
+  // A pool change line is not a step's line.
+  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 0), 3);
+}
+
 TEST_F(RunDirectoryTest, ContinueDropsMalformedLines) {
   // A line cut short by a crash, a non-JSON line, and lines that are JSON but not step lines.
   WriteText(dir_ + "/metrics.jsonl", StepLine(0) + "\n" + "not json at all\n" + StepLine(1) + "\n" +
