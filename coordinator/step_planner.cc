@@ -63,7 +63,7 @@ data::SamplerCursor SyntheticBatchSource::PendingCursor() const {
 // PlanLibraryPlanner
 
 absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
-    const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches) {
+    const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches, int64_t ledger_from_step) {
   absl::StatusOr<plan::Placement> placement = plan::PlacementFromRunSpec(spec);
   if (!placement.ok()) return placement.status();
   // Checks the batch divides into waves now rather than at the first step.
@@ -79,6 +79,7 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
     if (!checkpoint.ok()) return checkpoint.status();
     planner->skip_steps_ = checkpoint->step;
   }
+  planner->ledger_from_step_ = ledger_from_step;
   return planner;
 }
 
@@ -150,10 +151,14 @@ absl::Status PlanLibraryPlanner::Prepare() {
     if (!opened.ok()) return opened;
   }
   // A resumed run continues after the samples its checkpoint's steps trained.
-  for (; skip_steps_ > 0; --skip_steps_) {
+  for (int64_t step = 0; skip_steps_ > 0; --skip_steps_, ++step) {
+    const data::SamplerCursor from = batches_->CommittedCursor();
     absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
         batches_->Next(spec_.run().global_batch());
     if (!samples.ok()) return samples.status();
+    if (ledger_from_step_ >= 0 && step >= ledger_from_step_) {
+      ledger_.Record(from, batches_->PendingCursor(), static_cast<int64_t>(samples->size()));
+    }
     batches_->Commit();
   }
   return absl::OkStatus();
@@ -166,7 +171,8 @@ bool PlanLibraryPlanner::NeedsPreparation() const {
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
 
 absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
-    const v1::RunSpec& spec, bool synthetic_batches, std::unique_ptr<data::BatchSource> opened) {
+    const v1::RunSpec& spec, bool synthetic_batches, std::unique_ptr<data::BatchSource> opened,
+    int64_t ledger_from_step) {
   std::unique_ptr<BatchSource> batches;
   if (synthetic_batches) {
     absl::StatusOr<std::unique_ptr<SyntheticBatchSource>> synthetic =
@@ -180,7 +186,7 @@ absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
     batches = *std::move(index);
   }
   absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> planner =
-      PlanLibraryPlanner::Create(spec, std::move(batches));
+      PlanLibraryPlanner::Create(spec, std::move(batches), ledger_from_step);
   if (!planner.ok()) return planner.status();
   return std::unique_ptr<StepPlanner>(*std::move(planner));
 }

@@ -81,12 +81,15 @@ absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
 // The coordinator's StepPlanner over the plan library. A run resumed from a checkpoint
 // (checkpoint.resume_from) starts at the checkpoint's step: Prepare skips the samples of the
 // steps before it, so the data position is the one the checkpointed run had reached. Its
-// SampleLedger records the samples of the steps this run committed (not those Prepare skips).
+// SampleLedger records the samples of the steps this run committed, and of the steps Prepare
+// skips from `ledger_from_step` on: a coordinator restarted on its journal continues one run,
+// whose steps before the checkpoint its lost coordinator committed. By default (-1) none of
+// the skipped steps are recorded: a run resumed by `--resume` is a run of its own.
 class PlanLibraryPlanner : public StepPlanner {
  public:
   // InvalidArgument when the RunSpec's batch cannot be planned (global_batch not divisible).
   static absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> Create(
-      const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches);
+      const v1::RunSpec& spec, std::unique_ptr<BatchSource> batches, int64_t ledger_from_step = -1);
 
   absl::StatusOr<PlannedStep> Plan(int64_t step, int64_t generation,
                                    const Membership& membership) override;
@@ -110,16 +113,18 @@ class PlanLibraryPlanner : public StepPlanner {
   std::unique_ptr<BatchSource> batches_;
   // Steps of a resumed run's checkpoint whose samples Prepare skips (checkpoint.resume_from).
   int64_t skip_steps_ = 0;
+  int64_t ledger_from_step_ = -1;  // the first skipped step the ledger records; -1: none
   // Replaced by every Plan (an aborted step is planned again), cleared by Committed.
   std::optional<PlannedSamples> planned_;
   SampleLedger ledger_;
 };
 
 // The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.
-// `opened`: as for MakeIndexBatchSource (ignored with synthetic batches).
+// `opened`: as for MakeIndexBatchSource (ignored with synthetic batches). `ledger_from_step`: as
+// for PlanLibraryPlanner::Create.
 absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
     const v1::RunSpec& spec, bool synthetic_batches,
-    std::unique_ptr<data::BatchSource> opened = nullptr);
+    std::unique_ptr<data::BatchSource> opened = nullptr, int64_t ledger_from_step = -1);
 
 }  // namespace hetpar::coordinator
 

@@ -1,6 +1,13 @@
 #include "coordinator/step_planner.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/control/plan_codec.h"
 #include "gmock/gmock.h"
@@ -134,6 +141,38 @@ TEST(StepPlannerTest, LedgerCountsAnAbortedStepOnceWhenItCommits) {
   EXPECT_EQ(ledger.trained, 16);  // 2 committed steps x global_batch 8
   EXPECT_EQ(ledger.repeated, 0);
   EXPECT_EQ(ledger.lost, 0);
+}
+
+// A run resumed at step 3: its ledger records the skipped steps from `ledger_from_step` on (a
+// coordinator restarted on its journal continues one run), none by default (a run of its own).
+TEST(StepPlannerTest, ASkippedStepIsInTheLedgerFromTheStepItIsAskedTo) {
+  const std::string checkpoint =
+      (std::filesystem::temp_directory_path() / ("hetpar_planner_" + std::to_string(::getpid())))
+          .string();
+  std::filesystem::create_directories(checkpoint);
+  std::ofstream(checkpoint + "/manifest.json") << R"({"format": 1, "step": 3, "shards": []})";
+  v1::RunSpec spec = Spec();
+  spec.mutable_run()->set_steps(5);
+  spec.mutable_checkpoint()->set_resume_from(checkpoint);
+  const Membership membership = FullMembership(spec);
+  // global_batch 8: step s trains synthetic samples [8s, 8s + 8).
+  for (const auto& [from_step, trained] :
+       std::vector<std::pair<int64_t, int64_t>>{{-1, 8}, {0, 32}, {1, 24}, {3, 8}}) {
+    auto planner = MakeStepPlanner(spec, /*synthetic_batches=*/true, nullptr, from_step);
+    ASSERT_TRUE(planner.ok()) << planner.status();
+    ASSERT_TRUE((*planner)->NeedsPreparation());
+    ASSERT_TRUE((*planner)->Prepare().ok());
+    EXPECT_EQ((*planner)->DataPosition(), "synthetic sample 24") << from_step;
+    auto step = (*planner)->Plan(3, 1, membership);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(SampleIds(*step), (std::set<int64_t>{24, 25, 26, 27, 28, 29, 30, 31}));
+    (*planner)->Committed(3);
+    const LedgerCounts ledger = (*planner)->Ledger();
+    EXPECT_EQ(ledger.trained, trained) << from_step;
+    EXPECT_EQ(ledger.repeated, 0) << from_step;
+    EXPECT_EQ(ledger.lost, 0) << from_step;  // the ledger starts at the first step it records
+  }
+  std::filesystem::remove_all(checkpoint);
 }
 
 TEST(StepPlannerTest, BatchThatDoesNotDivideFailsAtCreation) {

@@ -134,6 +134,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     if (resume.ok()) first_step = resume->step;
   }
   const bool restarted = previous->has_value() && (*previous)->Unfinished();
+  const int64_t run_first_step = first_step;  // where the run itself started
   if (restarted) {
     const coordinator::Journal& lost = **previous;
     if (absl::Status same = SameRun(lost, spec, out_dir); !same.ok()) {
@@ -234,7 +235,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   options.token = token->value;
 
   absl::StatusOr<std::unique_ptr<coordinator::StepPlanner>> planner =
-      coordinator::MakeStepPlanner(run_spec, flags.synthetic_batches);
+      coordinator::MakeStepPlanner(run_spec, flags.synthetic_batches, /*opened=*/nullptr,
+                                   // The lost coordinator's committed steps are this run's.
+                                   restarted ? run_first_step : -1);
   if (!planner.ok()) {
     std::cerr << "hetpar: cannot plan steps for " << flags.config << ": "
               << planner.status().message() << "\n";

@@ -316,6 +316,13 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   EXPECT_EQ(after["restarts"].get<int64_t>(), 1);
   EXPECT_GE(after["generation"].get<int64_t>(), 2);
   ExpectTheRunDirectoryOfHetparRun(run);
+  // The ledger is the whole run's, the steps the lost coordinator committed included: every
+  // step's global_batch of 8 (configs/tiny.yaml) trained once.
+  const auto lines = MetricsByStep(run);
+  ASSERT_EQ(lines.count(-3), 1u) << "no ledger line";
+  EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
+  EXPECT_EQ(lines.at(-3)["ledger"]["repeated"].get<int64_t>(), 0) << lines.at(-3);
+  EXPECT_EQ(lines.at(-3)["ledger"]["lost"].get<int64_t>(), 0) << lines.at(-3);
 }
 
 }  // namespace
