@@ -982,7 +982,9 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
         std::max(0.0, absl::ToDoubleSeconds(incomplete_since_ + options_.register_timeout - now)));
   }
   for (const auto& timing : orchestrator_.recent()) *status.add_recent_steps() = timing;
-  if (planner_ != nullptr) {
+  // Not while Prepare runs: it moves the data position and fills the ledger on the server's
+  // preparing thread, outside the lock.
+  if (planner_ != nullptr && planner_prepared_) {
     status.set_data_position(planner_->DataPosition());
     const LedgerCounts ledger = planner_->Ledger();
     status.set_samples_trained(ledger.trained);
