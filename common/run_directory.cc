@@ -1,11 +1,11 @@
 #include "common/run_directory.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -79,15 +79,13 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
   return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
 }
 
-int64_t RunDirectory::FirstStepWithoutLine(const std::string& path, int64_t from) {
-  std::set<int64_t> steps;
+int64_t RunDirectory::StepAfterLastLine(const std::string& path, int64_t from) {
+  int64_t after = from;
   std::ifstream in(path + "/metrics.jsonl");
   for (std::string line; std::getline(in, line);) {
-    if (const std::optional<int64_t> step = StepOfLine(line)) steps.insert(*step);
+    if (const std::optional<int64_t> step = StepOfLine(line)) after = std::max(after, *step + 1);
   }
-  int64_t step = from;
-  while (steps.count(step) > 0) ++step;
-  return step;
+  return after;
 }
 
 RunDirectory::~RunDirectory() { std::fclose(metrics_); }

@@ -34,10 +34,10 @@ class RunDirectory {
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Continue(const std::string& path,
                                                                 const hetpar::v1::RunSpec& spec,
                                                                 int64_t first_step);
-  // The first step at or after `from` that has no step line in `path`/metrics.jsonl: how far the
-  // file's record of a run that trained from step `from` reaches without a gap (`from` when the
-  // file is absent or has no line of that step).
-  static int64_t FirstStepWithoutLine(const std::string& path, int64_t from);
+  // The step after the newest step that has a line in `path`/metrics.jsonl, and at least
+  // `from` (the run's first step): where the file's record of the run ends. A gap before it (an
+  // earlier restart that could not fill one) does not count.
+  static int64_t StepAfterLastLine(const std::string& path, int64_t from);
   ~RunDirectory();
   RunDirectory(const RunDirectory&) = delete;
   RunDirectory& operator=(const RunDirectory&) = delete;

@@ -162,7 +162,7 @@ TEST_F(RunDirectoryTest, ContinueKeepsThePoolChangesBeforeTheFirstStep) {
   EXPECT_THAT(Lines(ReadText(dir_ + "/metrics.jsonl")),
               ElementsAre(StepLine(0), StepLine(1), StepLine(2), lost));
   // A pool change line is not a step's line.
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 0), 3);
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_, 0), 3);
 }
 
 TEST_F(RunDirectoryTest, ContinueDropsMalformedLines) {
@@ -179,18 +179,18 @@ TEST_F(RunDirectoryTest, ContinueDropsMalformedLines) {
               ElementsAre(StepLine(0), StepLine(1), StepLine(2)));
 }
 
-TEST_F(RunDirectoryTest, FirstStepWithoutLineIsWhereTheLinesFromTheFirstStepStop) {
+TEST_F(RunDirectoryTest, StepAfterLastLineIsWhereTheRecordOfTheRunEnds) {
   // Steps 3, 4, 5 and 7 have lines (5 twice, in no order), 6 has only a line cut short; then
   // the end-of-run lines.
   WriteText(dir_ + "/metrics.jsonl", StepLine(4) + "\n" + StepLine(3) + "\n" + StepLine(5) + "\n" +
                                          StepLine(5) + "\n" + StepLine(7) + "\n" +
                                          R"({"step": 6, "loss": 1.)" + "\n" +
                                          R"({"final_params": {"encoder": {"sum": 1.5}}})" + "\n");
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 3), 6);
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 5), 6);
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 7), 8);
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_, 0), 0);
-  EXPECT_EQ(RunDirectory::FirstStepWithoutLine(dir_ + "/absent", 2), 2);
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_, 0), 8);  // the gap at 6 does not count
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_, 3), 8);
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_, 8), 8);
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_, 10), 10);  // no line from the first step on
+  EXPECT_EQ(RunDirectory::StepAfterLastLine(dir_ + "/absent", 2), 2);
 }
 
 }  // namespace

@@ -147,24 +147,23 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
     // last line written. Resume from the newest checkpoint that the lines reach, so that the
     // steps without a line are trained again and get theirs.
-    const int64_t unrecorded = RunDirectory::FirstStepWithoutLine(out_dir, first_step);
+    const int64_t recorded_to = RunDirectory::StepAfterLastLine(out_dir, first_step);
     std::optional<coordinator::FoundCheckpoint> newest =
-        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), unrecorded);
+        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), recorded_to);
     const std::optional<coordinator::FoundCheckpoint> newer =
         coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir());
-    if (newer.has_value() && newer->step > first_step &&
-        (!newest.has_value() || newer->step > newest->step)) {
+    if (newer.has_value() && newer->step > recorded_to) {
       if (newest.has_value() && newest->step >= first_step) {
-        HETPAR_LOG(INFO) << "resuming from " << newest->path << " rather than the newer "
-                         << newer->path << ": " << out_dir << "/metrics.jsonl has no line for step "
-                         << unrecorded << ", so steps " << newest->step << " to " << newer->step - 1
-                         << " are trained again";
+        HETPAR_LOG(INFO) << "resuming at step " << newest->step << " rather than from the newer "
+                         << newer->path << ": " << out_dir << "/metrics.jsonl has no line for "
+                         << "step " << recorded_to << ", so steps " << newest->step << " to "
+                         << newer->step - 1 << " are trained again";
       } else {
-        // No checkpoint between the run's first step and its first step without a line is
-        // left (checkpoint.keep): resuming from the newest one leaves the gap.
-        HETPAR_LOG(WARNING) << out_dir << "/metrics.jsonl has no lines for steps " << unrecorded
+        // No checkpoint from the run's first step to the end of its lines is left
+        // (checkpoint.keep): resuming from the newest one leaves the gap.
+        HETPAR_LOG(WARNING) << out_dir << "/metrics.jsonl has no lines for steps " << recorded_to
                             << " to " << newer->step - 1 << " and no checkpoint of a step from "
-                            << first_step << " to " << unrecorded << " is left; resuming from "
+                            << first_step << " to " << recorded_to << " is left; resuming from "
                             << newer->path << ", so those steps' lines stay missing";
         newest = newer;
       }
@@ -329,8 +328,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   };
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(200));
-    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
+    // In this order: a pool change the status shows as recovered has its step among those taken.
     const v1::StatusResponse status = (*server)->Status();
+    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
     if (absl::Status s = metrics.Follow(status, committed); !s.ok() && !metrics_failed) {
       HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
       metrics_failed = true;
@@ -339,8 +339,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // continues the run.
     follow_journal(status, state == v1::RUN_STATE_DONE ? v1::RUN_STATE_STOPPING : status.state());
   }
-  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   const v1::StatusResponse final_status = (*server)->Status();
+  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   if (absl::Status s = metrics.Follow(final_status, last_committed); !s.ok() && !metrics_failed) {
     HETPAR_LOG(ERROR) << "metrics.jsonl: " << s.message();
   }

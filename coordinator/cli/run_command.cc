@@ -468,8 +468,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
       stop_sent = true;
     }
-    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
+    // In this order: a pool change the status shows as recovered has its step among those taken.
     const v1::StatusResponse status = (*server)->Status();
+    const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
     if (absl::Status s = metrics.Follow(status, committed); !s.ok() && failure.empty()) {
       failure = std::string(s.message());
     }
@@ -481,8 +482,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       }
     }
   }
-  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   const v1::StatusResponse final_status = (*server)->Status();
+  const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
   if (absl::Status s = metrics.Follow(final_status, last_committed); !s.ok() && failure.empty()) {
     failure = std::string(s.message());
   }

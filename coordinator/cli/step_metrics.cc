@@ -86,7 +86,11 @@ absl::Status StepMetricsWriter::WriteLedger(const v1::StatusResponse& status) {
 
 absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status,
                                        const std::vector<v1::StepTiming>& committed) {
-  for (const v1::StepTiming& t : committed) {
+  // The coordinator hands each committed step over once: what cannot be written now is kept and
+  // written first next time.
+  pending_.insert(pending_.end(), committed.begin(), committed.end());
+  for (; !pending_.empty(); pending_.pop_front()) {
+    const v1::StepTiming& t = pending_.front();
     if (!t.committed() || t.step() < written_) continue;
     if (t.step() > written_) {
       HETPAR_LOG(WARNING) << "metrics of steps " << written_ << " to " << t.step() - 1

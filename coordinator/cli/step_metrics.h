@@ -9,6 +9,7 @@
 #define HETPAR_COORDINATOR_CLI_STEP_METRICS_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <utility>
@@ -39,7 +40,8 @@ class StepMetricsWriter {
       : dir_(dir), peak_tflops_(peak_tflops), on_step_(std::move(on_step)), written_(first_step) {}
 
   // `committed`: the steps committed since the last call, oldest first. A gap (a step missing
-  // from them) is reported in the log.
+  // from them) is reported in the log. Steps whose line could not be written (the error is
+  // returned) are written first on the next call.
   absl::Status Follow(const v1::StatusResponse& status,
                       const std::vector<v1::StepTiming>& committed);
   // At the run's end: the sample ledger's line, {"ledger": {"trained", "repeated", "lost"}}
@@ -52,6 +54,7 @@ class StepMetricsWriter {
   double peak_tflops_;
   std::function<void(const v1::StepTiming&)> on_step_;
   int64_t written_;
+  std::deque<v1::StepTiming> pending_;  // taken from the coordinator, not written yet
   int pool_changes_written_ = 0;
 };
 
