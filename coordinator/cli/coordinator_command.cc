@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -146,12 +147,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // The lost coordinator wrote metrics.jsonl a little behind the commits, and the workers
     // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
     // last line written. Resume from the newest checkpoint that the lines reach, so that the
-    // steps without a line are trained again and get theirs.
+    // steps without a line are trained again and get theirs. A checkpoint of the run's last step
+    // (the coordinator was lost while it gathered the outputs) leaves no step to train them in:
+    // the run resumes from the one before and trains its last steps again.
     const int64_t recorded_to = RunDirectory::StepAfterLastLine(out_dir, first_step);
-    std::optional<coordinator::FoundCheckpoint> newest =
-        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), recorded_to);
+    const int64_t last_step = spec.run().steps() - 1;
+    std::optional<coordinator::FoundCheckpoint> newest = coordinator::NewestCompleteCheckpoint(
+        spec.checkpoint().dir(), std::min(recorded_to, last_step));
     const std::optional<coordinator::FoundCheckpoint> newer =
-        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir());
+        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), last_step);
     if (newer.has_value() && newer->step > recorded_to) {
       if (newest.has_value() && newest->step >= first_step) {
         HETPAR_LOG(INFO) << "resuming at step " << newest->step << " rather than from the newer "

@@ -341,5 +341,51 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   EXPECT_EQ(lines.at(-3)["ledger"]["lost"].get<int64_t>(), 0) << lines.at(-3);
 }
 
+// The coordinator lost after the last step committed, while it gathered the outputs: its journal
+// says "stopping" with every step committed, and the newest checkpoint is of the last step. A
+// coordinator restarted on the run directory, with fresh workers, trains the steps after the
+// checkpoint before it again and finishes the run.
+TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFinishesTheRun) {
+  const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
+                                                "checkpoint.every=4"};
+  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
+  ASSERT_NE(first, nullptr);
+  std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
+  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  auto code = first->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/coordinator.log");
+  for (ChildProcess* w : workers) ASSERT_TRUE(w->Wait(60).ok());
+  ASSERT_TRUE(fs::exists(dir_ + "/checkpoints/step-000008/manifest.json"));
+  const std::string run = dir_ + "/coordinator/run";
+  nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  ASSERT_EQ(journal["state"], "done");
+  journal["state"] = "stopping";
+  std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
+
+  ChildProcess* second = StartCoordinator("127.0.0.1:0", checkpoints, "restarted.log");
+  ASSERT_NE(second, nullptr);
+  port = AwaitPort("restarted.log");
+  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/restarted.log");
+  workers = StartWorkers("127.0.0.1:" + port);
+  code = second->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string restarted = ReadFile(dir_ + "/restarted.log");
+  ASSERT_EQ(*code, 0) << restarted;
+  EXPECT_THAT(restarted, HasSubstr(absl::StrFormat(
+                             "resuming at step 4 from %s/checkpoints/step-000004", dir_)));
+  for (int i = 0; i < 4; ++i) {
+    auto worker_code = workers[i]->Wait(60);
+    ASSERT_TRUE(worker_code.ok()) << worker_code.status();
+    EXPECT_EQ(*worker_code, 0) << ReadFile(absl::StrCat(dir_, "/worker-", i, ".log"));
+  }
+  EXPECT_EQ(nlohmann::json::parse(ReadFile(run + "/journal.json"))["state"], "done");
+  ExpectTheRunDirectoryOfHetparRun(run);
+  const auto lines = MetricsByStep(run);
+  ASSERT_EQ(lines.count(-3), 1u) << "no ledger line";
+  EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
+}
+
 }  // namespace
 }  // namespace hetpar
