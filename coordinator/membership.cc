@@ -294,6 +294,16 @@ std::vector<int64_t> Membership::SlotsOfReplica(v1::Module module, int64_t dp) c
   return slots;
 }
 
+bool Membership::ReplicaComplete(v1::Module module, int64_t dp) const {
+  auto it =
+      slots_.find(module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM);
+  if (it == slots_.end()) return false;
+  for (int64_t slot : SlotsOfReplica(module, dp)) {
+    if (it->second[slot] == nullptr) return false;
+  }
+  return true;
+}
+
 bool Membership::ReadyToJoin(v1::Module module, int64_t dp) const {
   const std::vector<int64_t> open = OpenReplicas(module);
   if (std::find(open.begin(), open.end(), dp) == open.end()) return false;

@@ -118,6 +118,8 @@ class Membership {
 
   // Every slot of the run (those of retired replicas aside) holds a live worker.
   bool Complete() const;
+  // Every slot of DP replica `dp` of `module` holds a live worker (non-colocated runs).
+  bool ReplicaComplete(v1::Module module, int64_t dp) const;
   int64_t expected_workers() const { return expected_workers_; }
   int64_t alive_workers() const;
   // One line per empty slot (retired replicas aside), in role and rank order: "encoder rank 1 (dp

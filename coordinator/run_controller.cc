@@ -437,6 +437,55 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   MaybeStartStep(now, actions);
 }
 
+bool RunController::StartWithoutMissingEncoderReplicas(absl::Time now, Actions* actions) {
+  if (membership_.placement() == v1::PLACEMENT_COLOCATED) return false;
+  for (int64_t d : membership_.Replicas(v1::MODULE_LLM)) {
+    if (!membership_.ReplicaComplete(v1::MODULE_LLM, d)) return false;
+  }
+  const std::vector<int64_t> replicas = membership_.Replicas(v1::MODULE_ENCODER);
+  std::vector<int64_t> missing;
+  for (int64_t d : replicas) {
+    if (!membership_.ReplicaComplete(v1::MODULE_ENCODER, d)) missing.push_back(d);
+  }
+  const int64_t left = static_cast<int64_t>(replicas.size() - missing.size());
+  if (missing.empty() || left < std::max<int64_t>(1, spec_.failure().min_encoder_replicas())) {
+    return false;
+  }
+  for (int64_t d : missing) {
+    const std::string cause = absl::StrCat(
+        "encoder replica ", d, " did not register within register_timeout ",
+        absl::FormatDuration(options_.register_timeout), " of the coordinator's restart");
+    // Its ranks that did register have nothing to do in this run.
+    for (WorkerRecord* live : membership_.LiveWorkers()) {
+      if (live->role != v1::WORKER_ROLE_ENCODER ||
+          Membership::ReplicaOf(*live, v1::MODULE_ENCODER) != d) {
+        continue;
+      }
+      const bool open = live->session_open;
+      membership_.MarkDead(live->worker_id, absl::StrCat("encoder replica ", d, " left the run"));
+      if (open) {
+        actions->end_sessions.emplace_back(
+            live->worker_id,
+            absl::AbortedError(absl::StrCat("encoder replica ", d, " left the run: ", cause)));
+      }
+    }
+    membership_.RetireReplica(v1::MODULE_ENCODER, d);
+    RecordPoolChange(v1::MODULE_ENCODER, d, v1::POOL_CHANGE_LOST, cause, now);
+    HETPAR_LOG(WARNING) << cause << ": it leaves the run";
+  }
+  const std::vector<int64_t> training = membership_.Replicas(v1::MODULE_ENCODER);
+  incomplete_since_ = absl::InfiniteFuture();
+  state_ = v1::RUN_STATE_RUNNING;
+  HETPAR_LOG(INFO) << "run " << spec_.run().name() << " is running, generation " << generation_
+                   << ", on " << training.size() << " of " << membership_.encoder_grid().dp
+                   << " encoder replicas [" << absl::StrJoin(training, ", ") << "]";
+  SendAssignments(actions);
+  // A replacement may register into the replicas that left, up to the pool's target.
+  RebalanceOpen(actions);
+  MaybeStartStep(now, actions);
+  return true;
+}
+
 int64_t RunController::HoldersWithout(v1::Module module, int64_t replica) const {
   // Replicas that joined but have not trained a committed step may not hold the state yet.
   const std::vector<int64_t>& joining =
@@ -815,6 +864,10 @@ void RunController::Tick(absl::Time now, Actions* actions) {
   }
   if ((state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) &&
       !membership_.Complete() && now - incomplete_since_ > options_.register_timeout) {
+    if (state_ == v1::RUN_STATE_WAITING && options_.continues_lost_run &&
+        StartWithoutMissingEncoderReplicas(now, actions)) {
+      return;
+    }
     const std::vector<std::string> missing = membership_.Missing();
     Fail(absl::StrCat(missing.size(), " of ", membership_.expected_workers(),
                       " ranks not registered within register_timeout ",

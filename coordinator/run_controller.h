@@ -61,6 +61,12 @@ struct ControllerOptions {
   // metrics.jsonl, which must see every step however fast they commit (Status shows the latest
   // 32 attempts only).
   bool keep_committed_steps = false;
+  // A coordinator restarted on its journal: the run trained before, and a worker lost while no
+  // coordinator ran cannot be told apart from one lost mid-run. When register_timeout passes
+  // before the first step with ranks of encoder replicas still missing, the run starts without
+  // those replicas (a pool change, as a loss mid-run) if enough are left
+  // (failure.min_encoder_replicas), instead of failing.
+  bool continues_lost_run = false;
 };
 
 // What the server must do after a call, in order: send messages, then end sessions.
@@ -149,6 +155,10 @@ class RunController {
   void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
   // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
   // and have not trained a committed step yet aside).
+  // ControllerOptions::continues_lost_run at register_timeout: retires the encoder replicas with
+  // missing ranks and starts the run, returning true; false (nothing changed) when a missing rank
+  // is not an encoder's or too few replicas would be left.
+  bool StartWithoutMissingEncoderReplicas(absl::Time now, Actions* actions);
   int64_t HoldersWithout(v1::Module module, int64_t replica) const;
   void RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
                         const std::string& cause, absl::Time now);

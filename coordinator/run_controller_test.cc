@@ -71,6 +71,7 @@ class RunControllerTest : public ::testing::Test {
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
     options.keep_committed_steps = keep_committed_steps_;
+    options.continues_lost_run = continues_lost_run_;
     auto c = RunController::Create(TinySpec(steps, checkpoint_dir, min_encoder_replicas), options,
                                    with_planner ? std::move(planner) : nullptr, kT0);
     ASSERT_TRUE(c.ok()) << c.status();
@@ -83,6 +84,7 @@ class RunControllerTest : public ::testing::Test {
     ControllerOptions options;
     options.step_timeout = absl::Seconds(100);
     options.keep_committed_steps = keep_committed_steps_;
+    options.continues_lost_run = continues_lost_run_;
     auto c = RunController::Create(spec, options, std::move(planner), kT0);
     ASSERT_TRUE(c.ok()) << c.status();
     controller_ = *std::move(c);
@@ -172,6 +174,7 @@ class RunControllerTest : public ::testing::Test {
   }
 
   bool keep_committed_steps_ = false;  // ControllerOptions::keep_committed_steps
+  bool continues_lost_run_ = false;    // ControllerOptions::continues_lost_run
   CountingPlanner* planner_ = nullptr;
   std::unique_ptr<RunController> controller_;
   Actions actions_;
@@ -498,6 +501,76 @@ TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaFailsTheRunSaying
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(),
               HasSubstr("not supported with pipeline parallelism yet (llm.layout.pp=2)"));
+}
+
+// A coordinator restarted on its journal: encoder replica 1's worker did not come back. At
+// register_timeout the run starts on the replicas that did, as after a loss mid-run.
+TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnEncoderReplicaThatDidNotComeBack) {
+  continues_lost_run_ = true;
+  Create(/*steps=*/3);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).empty());
+  HearFrom({0, 1, 2}, kT0 + absl::Seconds(59));
+  controller_->Tick(kT0 + absl::Seconds(59), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_WAITING);
+  HearFrom({0, 1, 2}, kT0 + absl::Seconds(61));
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  for (size_t i = 0; i < ids_.size(); ++i) {
+    const auto plans = SentTo(ids_[i], v1::CoordinatorMessage::kStepPlan);
+    ASSERT_EQ(plans.size(), 1u) << i;
+    EXPECT_EQ(plans[0].step_plan().step(), 0);
+    EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0));
+    // Its assignment with the peers, now that the run starts.
+    const auto assignments = SentTo(ids_[i], v1::CoordinatorMessage::kAssignment);
+    ASSERT_EQ(assignments.size(), 1u) << i;
+  }
+  const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(61));
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_ENCODER);
+  EXPECT_EQ(status.pool_changes(0).replica(), 1);
+  EXPECT_EQ(status.pool_changes(0).kind(), v1::POOL_CHANGE_LOST);
+  EXPECT_EQ(status.pool_changes(0).replicas_after(), 1);
+  EXPECT_THAT(status.pool_changes(0).cause(),
+              HasSubstr("did not register within register_timeout"));
+  // The replica admits a replacement, which joins at a step boundary.
+  v1::RegisterRequest late;
+  late.set_role(v1::WORKER_ROLE_ENCODER);
+  late.set_host("host");
+  late.set_data_address("host:1");
+  auto joined = controller_->Register(late, kT0 + absl::Seconds(62), &actions_);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  EXPECT_TRUE(controller_->membership().Find(joined->assignment().worker_id())->joining);
+}
+
+TEST_F(RunControllerTest, ARestartedRunStillFailsWhenItCannotStartWithoutTheMissingRanks) {
+  // An LLM rank missing: its shard is held by no other worker.
+  continues_lost_run_ = true;
+  Create();
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM}) {
+    Register(role);
+  }
+  for (auto* w : controller_->membership().LiveWorkers()) {
+    w->last_heartbeat = kT0 + absl::Seconds(61);
+  }
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
+  // An encoder replica missing, with failure.min_encoder_replicas 2.
+  controller_.reset();
+  Create(/*steps=*/2, true, false, "", /*min_encoder_replicas=*/2);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    Register(role);
+  }
+  for (auto* w : controller_->membership().LiveWorkers()) {
+    w->last_heartbeat = kT0 + absl::Seconds(61);
+  }
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("encoder rank 1 (dp 1, tp 0)"));
 }
 
 TEST_F(RunControllerTest, ALostLlmRankFailsTheRunAtOnceSayingItMustStartOver) {

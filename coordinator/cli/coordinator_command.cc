@@ -219,6 +219,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   options.controller.keep_committed_steps = true;  // metrics.jsonl has a line for every step
   options.controller.stop_timeout = absl::Seconds(flags.stop_timeout_s);
   options.controller.initial_generation = journal.generation;
+  options.controller.continues_lost_run = restarted;
   bool generated_token = false;
   absl::StatusOr<coordinator::RunToken> token =
       coordinator::ResolveToken(flags.token_file, spec.coordinator().token_file());
