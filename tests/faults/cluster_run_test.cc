@@ -65,6 +65,7 @@ std::map<int64_t, nlohmann::json> MetricsByStep(const std::string& run_dir) {
   std::istringstream in(ReadFile(run_dir + "/metrics.jsonl"));
   for (std::string line; std::getline(in, line);) {
     const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("pool_change")) continue;  // the pool's changes, not a step's line
     const int64_t key = j.contains("final_params") ? -1
                         : j.contains("eval")       ? -2
                         : j.contains("ledger")     ? -3
@@ -385,6 +386,76 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   const auto lines = MetricsByStep(run);
   ASSERT_EQ(lines.count(-3), 1u) << "no ledger line";
   EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
+}
+
+// An encoder replica lost, then the coordinator: the restarted coordinator waits
+// register_timeout for the lost replica's rank, then starts on the replica left (as the lost one
+// had trained since the loss) and finishes the run with the reference's numbers.
+TEST_F(ClusterRunTest, ARestartAfterAnEncoderReplicaWasLostGoesOnWithoutIt) {
+  const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
+                                                "checkpoint.every=2"};
+  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
+  ASSERT_NE(first, nullptr);
+  const std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
+  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  const std::string run = dir_ + "/coordinator/run";
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return fs::exists(dir_ + "/checkpoints/step-000002/manifest.json") &&
+               CountLines(run + "/metrics.jsonl") >= 3;
+      },
+      120))
+      << ReadFile(dir_ + "/coordinator.log");
+  // LLM rank 0 held (no step commits while it is stopped), then encoder rank 1 killed: its
+  // replica leaves the run.
+  ASSERT_TRUE(workers[2]->Signal(SIGSTOP));
+  ASSERT_TRUE(workers[1]->Signal(SIGKILL));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(dir_ + "/coordinator.log").find("encoder replica 1 left the run") !=
+               std::string::npos;
+      },
+      60))
+      << ReadFile(dir_ + "/coordinator.log");
+  ASSERT_TRUE(first->Signal(SIGKILL));
+  ASSERT_TRUE(first->Wait(30).ok());
+  ASSERT_TRUE(workers[2]->Signal(SIGCONT));
+
+  // The coordinator section may differ from the lost coordinator's: a short register_timeout.
+  std::vector<std::string> restart = checkpoints;
+  restart.push_back("coordinator.register_timeout_s=5");
+  ChildProcess* second = StartCoordinator("127.0.0.1:" + port, restart, "restarted.log");
+  ASSERT_NE(second, nullptr);
+  auto code = second->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string restarted = ReadFile(dir_ + "/restarted.log");
+  ASSERT_EQ(*code, 0) << restarted;
+  EXPECT_THAT(restarted, HasSubstr("encoder replica 1 did not register within register_timeout 5s "
+                                   "of the coordinator's restart"));
+  EXPECT_THAT(restarted, HasSubstr("on 1 of 2 encoder replicas [0]"));
+  for (int i : {0, 2, 3}) {
+    auto worker_code = workers[i]->Wait(60);
+    ASSERT_TRUE(worker_code.ok()) << worker_code.status();
+    EXPECT_EQ(*worker_code, 0) << ReadFile(absl::StrCat(dir_, "/worker-", i, ".log"));
+  }
+  ExpectTheRunDirectoryOfHetparRun(run);
+  // The replica's leaving at the restart has its pool_change line.
+  int restart_changes = 0;
+  std::istringstream lines(ReadFile(run + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("pool_change")) continue;
+    if (j["pool_change"]["cause"].get<std::string>().find("coordinator's restart") ==
+        std::string::npos) {
+      continue;
+    }
+    ++restart_changes;
+    EXPECT_EQ(j["pool_change"]["replica"], 1);
+    EXPECT_EQ(j["pool_change"]["kind"], "lost");
+    EXPECT_EQ(j["pool_change"]["replicas"], 1);
+  }
+  EXPECT_EQ(restart_changes, 1);
 }
 
 }  // namespace
