@@ -1,6 +1,7 @@
 #include "coordinator/run_controller.h"
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -437,50 +438,66 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   MaybeStartStep(now, actions);
 }
 
-bool RunController::StartWithoutMissingEncoderReplicas(absl::Time now, Actions* actions) {
+bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions) {
   if (membership_.placement() == v1::PLACEMENT_COLOCATED) return false;
-  for (int64_t d : membership_.Replicas(v1::MODULE_LLM)) {
-    if (!membership_.ReplicaComplete(v1::MODULE_LLM, d)) return false;
+  // Per module, the replicas with a missing rank; every one must be able to go.
+  std::map<v1::Module, std::vector<int64_t>> missing;
+  for (v1::Module module : {v1::MODULE_ENCODER, v1::MODULE_LLM}) {
+    const std::vector<int64_t> replicas = membership_.Replicas(module);
+    for (int64_t d : replicas) {
+      if (!membership_.ReplicaComplete(module, d)) missing[module].push_back(d);
+    }
+    if (missing[module].empty()) continue;
+    const int64_t left = static_cast<int64_t>(replicas.size() - missing[module].size());
+    const bool encoder = module == v1::MODULE_ENCODER;
+    if (left < std::max<int64_t>(1, encoder ? spec_.failure().min_encoder_replicas()
+                                            : spec_.failure().min_llm_replicas())) {
+      return false;
+    }
+    // As for a loss mid-run: LLM replicas leave only without pipeline stages, and the global
+    // batch must split over those left.
+    if (!encoder && (spec_.llm().layout().pp() > 1 || !plan::LlmWaves(spec_, left).ok())) {
+      return false;
+    }
   }
-  const std::vector<int64_t> replicas = membership_.Replicas(v1::MODULE_ENCODER);
-  std::vector<int64_t> missing;
-  for (int64_t d : replicas) {
-    if (!membership_.ReplicaComplete(v1::MODULE_ENCODER, d)) missing.push_back(d);
-  }
-  const int64_t left = static_cast<int64_t>(replicas.size() - missing.size());
-  if (missing.empty() || left < std::max<int64_t>(1, spec_.failure().min_encoder_replicas())) {
+  if (missing.empty() || (missing[v1::MODULE_ENCODER].empty() && missing[v1::MODULE_LLM].empty())) {
     return false;
   }
-  for (int64_t d : missing) {
-    const std::string cause = absl::StrCat(
-        "encoder replica ", d, " did not register within register_timeout ",
-        absl::FormatDuration(options_.register_timeout), " of the coordinator's restart");
-    // Its ranks that did register have nothing to do in this run.
-    for (WorkerRecord* live : membership_.LiveWorkers()) {
-      if (live->role != v1::WORKER_ROLE_ENCODER ||
-          Membership::ReplicaOf(*live, v1::MODULE_ENCODER) != d) {
-        continue;
+  for (const auto& [module, replicas] : missing) {
+    const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
+    const v1::WorkerRole role =
+        module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM;
+    for (int64_t d : replicas) {
+      const std::string cause = absl::StrCat(
+          name, " replica ", d, " did not register within register_timeout ",
+          absl::FormatDuration(options_.register_timeout), " of the coordinator's restart");
+      // Its ranks that did register have nothing to do in this run.
+      for (WorkerRecord* live : membership_.LiveWorkers()) {
+        if (live->role != role || Membership::ReplicaOf(*live, module) != d) continue;
+        const bool open = live->session_open;
+        membership_.MarkDead(live->worker_id, absl::StrCat(name, " replica ", d, " left the run"));
+        if (open) {
+          actions->end_sessions.emplace_back(
+              live->worker_id,
+              absl::AbortedError(absl::StrCat(name, " replica ", d, " left the run: ", cause)));
+        }
       }
-      const bool open = live->session_open;
-      membership_.MarkDead(live->worker_id, absl::StrCat("encoder replica ", d, " left the run"));
-      if (open) {
-        actions->end_sessions.emplace_back(
-            live->worker_id,
-            absl::AbortedError(absl::StrCat("encoder replica ", d, " left the run: ", cause)));
-      }
+      membership_.RetireReplica(module, d);
+      RecordPoolChange(module, d, v1::POOL_CHANGE_LOST, cause, now);
+      HETPAR_LOG(WARNING) << cause << ": it leaves the run";
     }
-    membership_.RetireReplica(v1::MODULE_ENCODER, d);
-    RecordPoolChange(v1::MODULE_ENCODER, d, v1::POOL_CHANGE_LOST, cause, now);
-    HETPAR_LOG(WARNING) << cause << ": it leaves the run";
   }
-  const std::vector<int64_t> training = membership_.Replicas(v1::MODULE_ENCODER);
+  const std::vector<int64_t> encoders = membership_.Replicas(v1::MODULE_ENCODER);
+  const std::vector<int64_t> llms = membership_.Replicas(v1::MODULE_LLM);
   incomplete_since_ = absl::InfiniteFuture();
   state_ = v1::RUN_STATE_RUNNING;
   HETPAR_LOG(INFO) << "run " << spec_.run().name() << " is running, generation " << generation_
-                   << ", on " << training.size() << " of " << membership_.encoder_grid().dp
-                   << " encoder replicas [" << absl::StrJoin(training, ", ") << "]";
+                   << ", on " << encoders.size() << " of " << membership_.encoder_grid().dp
+                   << " encoder replicas [" << absl::StrJoin(encoders, ", ") << "] and "
+                   << llms.size() << " of " << membership_.llm_grid().dp << " llm replicas ["
+                   << absl::StrJoin(llms, ", ") << "]";
   SendAssignments(actions);
-  // A replacement may register into the replicas that left, up to the pool's target.
+  // A replacement may register into the replicas that left (the encoder pool up to its target).
   RebalanceOpen(actions);
   MaybeStartStep(now, actions);
   return true;
@@ -865,7 +882,7 @@ void RunController::Tick(absl::Time now, Actions* actions) {
   if ((state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) &&
       !membership_.Complete() && now - incomplete_since_ > options_.register_timeout) {
     if (state_ == v1::RUN_STATE_WAITING && options_.continues_lost_run &&
-        StartWithoutMissingEncoderReplicas(now, actions)) {
+        StartWithoutMissingReplicas(now, actions)) {
       return;
     }
     const std::vector<std::string> missing = membership_.Missing();

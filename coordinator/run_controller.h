@@ -63,9 +63,10 @@ struct ControllerOptions {
   bool keep_committed_steps = false;
   // A coordinator restarted on its journal: the run trained before, and a worker lost while no
   // coordinator ran cannot be told apart from one lost mid-run. When register_timeout passes
-  // before the first step with ranks of encoder replicas still missing, the run starts without
-  // those replicas (a pool change, as a loss mid-run) if enough are left
-  // (failure.min_encoder_replicas), instead of failing.
+  // before the first step with ranks of DP replicas still missing, the run starts without those
+  // replicas (a pool change, as a loss mid-run) if enough are left (failure.min_encoder_replicas,
+  // failure.min_llm_replicas) and, for the LLM, the global batch still splits without pipeline
+  // stages, instead of failing.
   bool continues_lost_run = false;
 };
 
@@ -155,10 +156,11 @@ class RunController {
   void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
   // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
   // and have not trained a committed step yet aside).
-  // ControllerOptions::continues_lost_run at register_timeout: retires the encoder replicas with
-  // missing ranks and starts the run, returning true; false (nothing changed) when a missing rank
-  // is not an encoder's or too few replicas would be left.
-  bool StartWithoutMissingEncoderReplicas(absl::Time now, Actions* actions);
+  // ControllerOptions::continues_lost_run at register_timeout: retires the DP replicas with
+  // missing ranks and starts the run, returning true; false (nothing changed) when too few
+  // replicas of a module would be left, or an LLM replica cannot leave (pipeline stages, a batch
+  // that no longer splits).
+  bool StartWithoutMissingReplicas(absl::Time now, Actions* actions);
   int64_t HoldersWithout(v1::Module module, int64_t replica) const;
   void RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
                         const std::string& cause, absl::Time now);

@@ -546,8 +546,33 @@ TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnEncoderReplicaThatDidNotCo
   EXPECT_TRUE(controller_->membership().Find(joined->assignment().worker_id())->joining);
 }
 
+TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnLlmReplicaThatDidNotComeBack) {
+  continues_lost_run_ = true;
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_dp(2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  CreateWith(spec);
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  HearFrom({0, 1, 2}, kT0 + absl::Seconds(61));
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  const auto plans = SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0, 1));
+  const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(61));
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_LLM);
+  EXPECT_EQ(status.pool_changes(0).replica(), 1);
+}
+
 TEST_F(RunControllerTest, ARestartedRunStillFailsWhenItCannotStartWithoutTheMissingRanks) {
-  // An LLM rank missing: its shard is held by no other worker.
+  // An LLM rank missing at tp 2 without LLM DP: its replica is the only one.
   continues_lost_run_ = true;
   Create();
   for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM}) {
