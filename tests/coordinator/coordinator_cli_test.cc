@@ -3,12 +3,15 @@
 #include <signal.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "common/plan/synthetic_batch.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -57,9 +60,17 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   const std::string token = ReadFile(token_file).substr(0, 64);
   ASSERT_EQ(token.size(), 64u);
 
+  // The data position shows once the coordinator has opened the data set (on a thread of its
+  // own): from then on nothing that status shows moves while no worker registers.
   auto status = Hetpar({"status", "--coordinator", coordinator->address});
+  for (int i = 0; i < 600 && status.ok() && !absl::StrContains(status->stdout_text, "data at ");
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    status = Hetpar({"status", "--coordinator", coordinator->address});
+  }
   ASSERT_TRUE(status.ok()) << status.status();
   EXPECT_EQ(status->exit_code, 0) << status->stderr_text;
+  EXPECT_THAT(status->stdout_text, HasSubstr("data at epoch=0,offset=0"));
   EXPECT_THAT(status->stdout_text, HasSubstr("run tiny: waiting"));
   EXPECT_THAT(status->stdout_text, HasSubstr("workers: 0 of 4 registered"));
   EXPECT_THAT(status->stdout_text, HasSubstr("steps: 0 of 3000 committed"));
