@@ -455,14 +455,14 @@ bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions
       return false;
     }
     // As for a loss mid-run: LLM replicas leave only without pipeline stages, and the global
-    // batch must split over those left.
+    // batch must split over those left. (Mid-run, no replica leaves a pipelined run: an attempt
+    // aborted mid-pipeline can leave a stage's send unmatched. Before the first step no attempt
+    // has run, so an encoder replica may leave one here.)
     if (!encoder && (spec_.llm().layout().pp() > 1 || !plan::LlmWaves(spec_, left).ok())) {
       return false;
     }
   }
-  if (missing.empty() || (missing[v1::MODULE_ENCODER].empty() && missing[v1::MODULE_LLM].empty())) {
-    return false;
-  }
+  if (missing[v1::MODULE_ENCODER].empty() && missing[v1::MODULE_LLM].empty()) return false;
   for (const auto& [module, replicas] : missing) {
     const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
     const v1::WorkerRole role =

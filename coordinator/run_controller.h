@@ -154,13 +154,13 @@ class RunController {
   void ChangePoolAtBoundary(absl::Time now, Actions* actions);
   // Retires encoder replica `dp` (its workers get a StopRun with leave_run).
   void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
-  // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
-  // and have not trained a committed step yet aside).
   // ControllerOptions::continues_lost_run at register_timeout: retires the DP replicas with
   // missing ranks and starts the run, returning true; false (nothing changed) when too few
   // replicas of a module would be left, or an LLM replica cannot leave (pipeline stages, a batch
   // that no longer splits).
   bool StartWithoutMissingReplicas(absl::Time now, Actions* actions);
+  // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
+  // and have not trained a committed step yet aside).
   int64_t HoldersWithout(v1::Module module, int64_t replica) const;
   void RecordPoolChange(v1::Module module, int64_t replica, v1::PoolChangeKind kind,
                         const std::string& cause, absl::Time now);
