@@ -113,6 +113,16 @@ class RunControllerTest : public ::testing::Test {
     actions_ = {};
   }
 
+  // Registers workers of `roles` (no sessions), keeps them alive and ticks past TinySpec's
+  // register_timeout of 60 s.
+  void RegisterAndPassTheRegisterTimeout(const std::vector<v1::WorkerRole>& roles) {
+    for (v1::WorkerRole role : roles) Register(role);
+    for (auto* w : controller_->membership().LiveWorkers()) {
+      w->last_heartbeat = kT0 + absl::Seconds(61);
+    }
+    controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  }
+
   // Registers all four workers and opens their sessions.
   void StartAll() {
     for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
@@ -575,25 +585,15 @@ TEST_F(RunControllerTest, ARestartedRunStillFailsWhenItCannotStartWithoutTheMiss
   // An LLM rank missing at tp 2 without LLM DP: its replica is the only one.
   continues_lost_run_ = true;
   Create();
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM}) {
-    Register(role);
-  }
-  for (auto* w : controller_->membership().LiveWorkers()) {
-    w->last_heartbeat = kT0 + absl::Seconds(61);
-  }
-  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  RegisterAndPassTheRegisterTimeout(
+      {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM});
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(), HasSubstr("llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
   // An encoder replica missing, with failure.min_encoder_replicas 2.
   controller_.reset();
   Create(/*steps=*/2, true, false, "", /*min_encoder_replicas=*/2);
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    Register(role);
-  }
-  for (auto* w : controller_->membership().LiveWorkers()) {
-    w->last_heartbeat = kT0 + absl::Seconds(61);
-  }
-  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  RegisterAndPassTheRegisterTimeout(
+      {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(), HasSubstr("encoder rank 1 (dp 1, tp 0)"));
 }

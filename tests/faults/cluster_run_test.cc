@@ -170,6 +170,26 @@ class ClusterRunTest : public ::testing::Test {
     return workers;
   }
 
+  // `hetpar coordinator` on a free port (its output in `log_name`) and the four workers on that
+  // port; no coordinator when it did not start or print its port (the failure is reported).
+  struct Cluster {
+    ChildProcess* coordinator = nullptr;
+    std::string port;
+    std::vector<ChildProcess*> workers;
+  };
+  Cluster StartCluster(const std::vector<std::string>& extra,
+                       const std::string& log_name = "coordinator.log") {
+    Cluster cluster;
+    ChildProcess* coordinator = StartCoordinator("127.0.0.1:0", extra, log_name);
+    if (coordinator == nullptr) return cluster;
+    cluster.port = AwaitPort(log_name);
+    EXPECT_FALSE(cluster.port.empty()) << ReadFile(dir_ + "/" + log_name);
+    if (cluster.port.empty()) return cluster;
+    cluster.coordinator = coordinator;
+    cluster.workers = StartWorkers("127.0.0.1:" + cluster.port);
+    return cluster;
+  }
+
   // `hetpar run --reference` of the same settings: the numbers to compare with.
   std::string ReferenceRun() {
     std::vector<std::string> argv = {
@@ -214,12 +234,10 @@ class ClusterRunTest : public ::testing::Test {
 };
 
 TEST_F(ClusterRunTest, SeparateProcessesInSeparateDirectoriesWriteTheRunDirectoryOfHetparRun) {
-  ChildProcess* coordinator = StartCoordinator("127.0.0.1:0", {}, "coordinator.log");
-  ASSERT_NE(coordinator, nullptr);
-  const std::string port = AwaitPort("coordinator.log");
-  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
-  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
-  auto code = coordinator->Wait(300);
+  const Cluster cluster = StartCluster({});
+  ASSERT_NE(cluster.coordinator, nullptr);
+  const std::vector<ChildProcess*>& workers = cluster.workers;
+  auto code = cluster.coordinator->Wait(300);
   ASSERT_TRUE(code.ok()) << code.status();
   ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/coordinator.log");
   for (int i = 0; i < 4; ++i) {
@@ -235,11 +253,11 @@ TEST_F(ClusterRunTest, SeparateProcessesInSeparateDirectoriesWriteTheRunDirector
 TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFinishesTheRun) {
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=2"};
-  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
-  ASSERT_NE(first, nullptr);
-  const std::string port = AwaitPort("coordinator.log");
-  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
-  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  const Cluster cluster = StartCluster(checkpoints);
+  ASSERT_NE(cluster.coordinator, nullptr);
+  ChildProcess* first = cluster.coordinator;
+  const std::string& port = cluster.port;
+  const std::vector<ChildProcess*>& workers = cluster.workers;
   std::vector<pid_t> pids;
   for (ChildProcess* w : workers) pids.push_back(w->pid());
   // Killed once a checkpoint is complete and a step after it committed.
@@ -349,15 +367,12 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
 TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFinishesTheRun) {
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=4"};
-  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
-  ASSERT_NE(first, nullptr);
-  std::string port = AwaitPort("coordinator.log");
-  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
-  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
-  auto code = first->Wait(300);
+  const Cluster lost = StartCluster(checkpoints);
+  ASSERT_NE(lost.coordinator, nullptr);
+  auto code = lost.coordinator->Wait(300);
   ASSERT_TRUE(code.ok()) << code.status();
   ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/coordinator.log");
-  for (ChildProcess* w : workers) ASSERT_TRUE(w->Wait(60).ok());
+  for (ChildProcess* w : lost.workers) ASSERT_TRUE(w->Wait(60).ok());
   ASSERT_TRUE(fs::exists(dir_ + "/checkpoints/step-000008/manifest.json"));
   const std::string run = dir_ + "/coordinator/run";
   nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
@@ -365,12 +380,10 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   journal["state"] = "stopping";
   std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
 
-  ChildProcess* second = StartCoordinator("127.0.0.1:0", checkpoints, "restarted.log");
-  ASSERT_NE(second, nullptr);
-  port = AwaitPort("restarted.log");
-  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/restarted.log");
-  workers = StartWorkers("127.0.0.1:" + port);
-  code = second->Wait(300);
+  const Cluster again = StartCluster(checkpoints, "restarted.log");
+  ASSERT_NE(again.coordinator, nullptr);
+  const std::vector<ChildProcess*>& workers = again.workers;
+  code = again.coordinator->Wait(300);
   ASSERT_TRUE(code.ok()) << code.status();
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
   ASSERT_EQ(*code, 0) << restarted;
@@ -394,11 +407,11 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
 TEST_F(ClusterRunTest, ARestartAfterAnEncoderReplicaWasLostGoesOnWithoutIt) {
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=2"};
-  ChildProcess* first = StartCoordinator("127.0.0.1:0", checkpoints, "coordinator.log");
-  ASSERT_NE(first, nullptr);
-  const std::string port = AwaitPort("coordinator.log");
-  ASSERT_FALSE(port.empty()) << ReadFile(dir_ + "/coordinator.log");
-  std::vector<ChildProcess*> workers = StartWorkers("127.0.0.1:" + port);
+  const Cluster cluster = StartCluster(checkpoints);
+  ASSERT_NE(cluster.coordinator, nullptr);
+  ChildProcess* first = cluster.coordinator;
+  const std::string& port = cluster.port;
+  const std::vector<ChildProcess*>& workers = cluster.workers;
   const std::string run = dir_ + "/coordinator/run";
   ASSERT_TRUE(WaitFor(
       [&] {
