@@ -397,17 +397,8 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   c->set_generation(generation_);
   *c->add_lost() = membership_.PeerInfoOf(*worker);
   // The other ranks of the replica (its TP, CP and pipeline peers) have nothing left to do.
-  for (WorkerRecord* live : membership_.LiveWorkers()) {
-    if (live->role != worker->role || Membership::ReplicaOf(*live, module) != replica) continue;
-    const bool open = live->session_open;
-    *c->add_lost() = membership_.PeerInfoOf(*live);
-    membership_.MarkDead(live->worker_id,
-                         absl::StrCat(name, " replica ", replica, " left the run"));
-    if (open) {
-      actions->end_sessions.emplace_back(
-          live->worker_id,
-          absl::AbortedError(absl::StrCat(name, " replica ", replica, " left the run: ", cause)));
-    }
+  for (const v1::PeerInfo& ended : EndReplicaWorkers(module, replica, cause, actions)) {
+    *c->add_lost() = ended;
   }
   c->set_reason(cause);
   const std::vector<int64_t> left = membership_.Replicas(module);
@@ -438,6 +429,28 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   MaybeStartStep(now, actions);
 }
 
+std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, int64_t replica,
+                                                           const std::string& cause,
+                                                           Actions* actions) {
+  const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
+  const v1::WorkerRole role =
+      module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM;
+  std::vector<v1::PeerInfo> ended;
+  for (WorkerRecord* live : membership_.LiveWorkers()) {
+    if (live->role != role || Membership::ReplicaOf(*live, module) != replica) continue;
+    const bool open = live->session_open;
+    ended.push_back(membership_.PeerInfoOf(*live));
+    membership_.MarkDead(live->worker_id,
+                         absl::StrCat(name, " replica ", replica, " left the run"));
+    if (open) {
+      actions->end_sessions.emplace_back(
+          live->worker_id,
+          absl::AbortedError(absl::StrCat(name, " replica ", replica, " left the run: ", cause)));
+    }
+  }
+  return ended;
+}
+
 bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions) {
   if (membership_.placement() == v1::PLACEMENT_COLOCATED) return false;
   // Per module, the replicas with a missing rank; every one must be able to go.
@@ -464,24 +477,13 @@ bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions
   }
   if (missing[v1::MODULE_ENCODER].empty() && missing[v1::MODULE_LLM].empty()) return false;
   for (const auto& [module, replicas] : missing) {
-    const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
-    const v1::WorkerRole role =
-        module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM;
     for (int64_t d : replicas) {
       const std::string cause = absl::StrCat(
-          name, " replica ", d, " did not register within register_timeout ",
+          module == v1::MODULE_ENCODER ? "encoder" : "llm", " replica ", d,
+          " did not register within register_timeout ",
           absl::FormatDuration(options_.register_timeout), " of the coordinator's restart");
       // Its ranks that did register have nothing to do in this run.
-      for (WorkerRecord* live : membership_.LiveWorkers()) {
-        if (live->role != role || Membership::ReplicaOf(*live, module) != d) continue;
-        const bool open = live->session_open;
-        membership_.MarkDead(live->worker_id, absl::StrCat(name, " replica ", d, " left the run"));
-        if (open) {
-          actions->end_sessions.emplace_back(
-              live->worker_id,
-              absl::AbortedError(absl::StrCat(name, " replica ", d, " left the run: ", cause)));
-        }
-      }
+      EndReplicaWorkers(module, d, cause, actions);
       membership_.RetireReplica(module, d);
       RecordPoolChange(module, d, v1::POOL_CHANGE_LOST, cause, now);
       HETPAR_LOG(WARNING) << cause << ": it leaves the run";

@@ -159,6 +159,10 @@ class RunController {
   // replicas of a module would be left, or an LLM replica cannot leave (pipeline stages, a batch
   // that no longer splits).
   bool StartWithoutMissingReplicas(absl::Time now, Actions* actions);
+  // Marks the live workers of `module`'s DP replica `replica` dead (the replica leaves the run)
+  // and ends their open sessions with `cause`; returns them as peers.
+  std::vector<v1::PeerInfo> EndReplicaWorkers(v1::Module module, int64_t replica,
+                                              const std::string& cause, Actions* actions);
   // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
   // and have not trained a committed step yet aside).
   int64_t HoldersWithout(v1::Module module, int64_t replica) const;

@@ -357,9 +357,9 @@ absl::StatusOr<c10::intrusive_ptr<c10d::Backend>> FormBackend(
         nccl->eagerConnectSingleDevice(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice());
         return c10::intrusive_ptr<c10d::Backend>(std::move(nccl));
 #else
-            return absl::UnimplementedError(
-                "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "
-                "use gloo or build against a CUDA libtorch");
+        return absl::UnimplementedError(
+            "backend nccl: this build's libtorch has no NCCL (USE_C10D_NCCL is not defined); "
+            "use gloo or build against a CUDA libtorch");
 #endif
       }
     }
