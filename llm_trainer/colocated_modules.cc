@@ -19,6 +19,7 @@ absl::StatusOr<std::unique_ptr<ColocatedModules>> ColocatedModules::Create(
 
 void ColocatedModules::StepNotRun(const plan::RankStepPlan& plan) {
   context_->boundary().AbandonUnrun(plan);
+  llm_->AbandonStage(plan);
 }
 
 absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankStepPlan& plan) {
@@ -42,6 +43,7 @@ absl::StatusOr<worker::StepOutcome> ColocatedModules::RunStep(const plan::RankSt
   if (done.ok()) done = context_->boundary().CheckDeviceHeaders();
   if (!done.ok()) {
     context_->boundary().Abandon(plan);
+    llm_->AbandonStage(plan);
     return done;
   }
   worker::ModuleTimings encoder_timings = encoder::EncoderModule::Timings(*encoder_stats);

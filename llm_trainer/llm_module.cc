@@ -104,6 +104,22 @@ absl::Status LlmModule::WaitForSends() {
   return runtime_->WaitForSends();
 }
 
+void LlmModule::AbandonStage(const plan::RankStepPlan& plan) {
+  if (stage_link_ == nullptr) return;
+  if (runtime_.has_value()) {
+    runtime_->AbandonStage(plan);
+  } else {
+    // No step has opened the data set yet, so the messages cannot be sized: the attempt's
+    // receives and sends are left to the link's next attempt (sends still complete or fail).
+    stage_link_->Reset();
+  }
+}
+
+void LlmModule::StepNotRun(const plan::RankStepPlan& plan) {
+  SingleModuleRuntime::StepNotRun(plan);
+  AbandonStage(plan);
+}
+
 absl::StatusOr<worker::StepOutcome> LlmModule::RunStep(const plan::RankStepPlan& plan) {
   context_->boundary().BeginStep();
   absl::StatusOr<LlmStepStats> stats = RunModel(plan);
@@ -115,6 +131,7 @@ absl::StatusOr<worker::StepOutcome> LlmModule::RunStep(const plan::RankStepPlan&
   if (checked.ok()) checked = context_->boundary().CheckDeviceHeaders();
   if (!checked.ok()) {
     context_->boundary().Abandon(plan);
+    AbandonStage(plan);
     return checked;
   }
   worker::StepOutcome outcome = Outcome(plan, *stats, *loss);

@@ -38,6 +38,10 @@ class LlmModule : public worker::SingleModuleRuntime {
                               double loss) const;
   // Colocated: waits for the gradient sends RunModel left pending.
   absl::Status WaitForSends();
+  // With pipeline stages: the attempt of `plan` ended early or did not run on this rank; the
+  // link to the neighbouring stages absorbs their messages of it (LlmRuntime::AbandonStage).
+  void AbandonStage(const plan::RankStepPlan& plan);
+  void StepNotRun(const plan::RankStepPlan& plan) override;
   worker::ModuleState& state() { return state_; }
 
  private:

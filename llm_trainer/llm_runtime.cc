@@ -8,6 +8,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/nn/device_copy.h"
 #include "common/plan/sequence_sharding.h"
 #include "common/status.h"
@@ -57,6 +58,65 @@ int64_t BufferRowsOfWave(const plan::RankStepPlan& plan, int64_t wave) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::vector<std::vector<LlmSample>>> LlmRuntime::LoadSamples(
+    const plan::RankStepPlan& plan, LlmStepStats* stats) const {
+  std::vector<std::vector<LlmSample>> wave_samples;
+  for (const plan::LlmMicrobatch& mb : plan.microbatches) {
+    std::vector<LlmSample>& samples = wave_samples.emplace_back();
+    for (int64_t index : mb.samples) {
+      const plan::SampleDescriptor* sample = plan.Sample(index);
+      if (sample == nullptr) {
+        return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
+                                                " has no descriptor of batch sample ", index));
+      }
+      HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
+      data::LoadedSample loaded;
+      loaded.id = record->id;
+      HETPAR_ASSIGN_OR_RETURN(loaded.tokens, data_->loader().Tokenize(record->ordinal));
+      samples.push_back(LlmSampleOf(loaded, record->tokens_per_image));
+      if (stats != nullptr) {
+        stats->tokens += loaded.tokens.length();
+        stats->images += loaded.tokens.images();
+      }
+    }
+  }
+  return wave_samples;
+}
+
+void LlmRuntime::AbandonStage(const plan::RankStepPlan& plan) {
+  train::StageLink* link = pipeline_.link;
+  if (link == nullptr) return;
+  if (link->attempt() != plan.attempt) link->BeginAttempt(plan.attempt);  // a step not run here
+  if (stage_rows_.step != plan.step || stage_rows_.attempt != plan.attempt) {
+    absl::StatusOr<std::vector<std::vector<LlmSample>>> wave_samples = LoadSamples(plan, nullptr);
+    if (!wave_samples.ok()) {
+      HETPAR_LOG(WARNING) << "step " << plan.step << " (attempt " << plan.attempt
+                          << "): cannot size the neighbouring stages' messages to absorb them: "
+                          << wave_samples.status();
+      return;
+    }
+    stage_rows_ = {plan.step, plan.attempt, {}};
+    for (const std::vector<LlmSample>& samples : *wave_samples) {
+      stage_rows_.rows.push_back(model_->StageRows(samples));
+    }
+  }
+  std::vector<train::StageLink::Expected> expected;
+  for (size_t m = 0; m < stage_rows_.rows.size(); ++m) {
+    const int64_t microbatch = static_cast<int64_t>(m);
+    if (!model_->first_stage()) {
+      expected.push_back(
+          {pipeline_.previous_rank, plan::Direction::kForward, microbatch, stage_rows_.rows[m]});
+    }
+    if (!model_->last_stage()) {
+      expected.push_back(
+          {pipeline_.next_rank, plan::Direction::kBackward, microbatch, stage_rows_.rows[m]});
+    }
+  }
+  const int64_t row_bytes =
+      model_->model().hidden() * at::elementSize(model_->parameters().dtype());
+  link->Abandon(plan.step, expected, row_bytes);
+}
 
 absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan) {
   // Sends a failed attempt left deferred (its encoder phase failed after this one): given up
@@ -125,22 +185,12 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   const size_t ahead = options_.post_ahead > 0 ? static_cast<size_t>(options_.post_ahead) : waves;
   HETPAR_RETURN_IF_ERROR(post_through(ahead));
   auto t_data = Clock::now();
-  std::vector<std::vector<LlmSample>> wave_samples;
-  for (const plan::LlmMicrobatch& mb : plan.microbatches) {
-    std::vector<LlmSample>& samples = wave_samples.emplace_back();
-    for (int64_t index : mb.samples) {
-      const plan::SampleDescriptor* sample = plan.Sample(index);
-      if (sample == nullptr) {
-        return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
-                                                " has no descriptor of batch sample ", index));
-      }
-      HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
-      data::LoadedSample loaded;
-      loaded.id = record->id;
-      HETPAR_ASSIGN_OR_RETURN(loaded.tokens, data_->loader().Tokenize(record->ordinal));
-      samples.push_back(LlmSampleOf(loaded, record->tokens_per_image));
-      stats.tokens += loaded.tokens.length();
-      stats.images += loaded.tokens.images();
+  HETPAR_ASSIGN_OR_RETURN(std::vector<std::vector<LlmSample>> wave_samples,
+                          LoadSamples(plan, &stats));
+  if (pipeline_.link != nullptr) {
+    stage_rows_ = {plan.step, plan.attempt, {}};
+    for (const std::vector<LlmSample>& samples : wave_samples) {
+      stage_rows_.rows.push_back(model_->StageRows(samples));
     }
   }
   stats.data_s += Since(t_data);

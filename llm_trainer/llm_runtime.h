@@ -100,8 +100,17 @@ class LlmRuntime {
   absl::StatusOr<LlmStepStats> RunStep(const plan::RankStepPlan& plan);
   // Waits for the gradient sends RunStep left pending (defer_send_wait).
   absl::Status WaitForSends();
+  // With pipeline stages: the attempt of `plan` failed or was aborted (or was not run on this
+  // rank), and the stage link absorbs the neighbouring stages' messages of it
+  // (train::StageLink::Abandon), sized from the plan's samples.
+  void AbandonStage(const plan::RankStepPlan& plan);
 
  private:
+  // The plan's samples, microbatch by microbatch; counts their tokens and images into `stats`
+  // (may be null).
+  absl::StatusOr<std::vector<std::vector<LlmSample>>> LoadSamples(const plan::RankStepPlan& plan,
+                                                                  LlmStepStats* stats) const;
+
   LanguageModel* model_;
   nn::Communicator* tp_;
   nn::Communicator* dp_;
@@ -111,6 +120,12 @@ class LlmRuntime {
   PipelinePeers pipeline_;
   std::vector<train::PendingSends> deferred_;
   std::unique_ptr<train::GradientReducer> reducer_;  // created at the first step
+  struct StageRows {
+    int64_t step = -1;
+    int64_t attempt = -1;
+    std::vector<int64_t> rows;  // per microbatch, this rank's rows of a stage message
+  };
+  StageRows stage_rows_;  // of the last attempt whose samples were loaded
 };
 
 }  // namespace hetpar::llm

@@ -2,10 +2,12 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/nn/device_copy.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -140,6 +142,7 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
         absl::StrCat("stage receive of the ", Describe(step, attempt_, direction, microbatch, 0),
                      " from rank ", src, " was not posted"));
   }
+  const Key key = it->first;
   Posted posted = std::move(it->second);
   posted_.erase(it);
   const int64_t rows = posted.rows.size(0);
@@ -147,8 +150,11 @@ absl::StatusOr<at::Tensor> StageLink::Receive(int64_t src, int64_t step, plan::D
   absl::Status status = WaitInSlices([&](absl::Time until) { return posted.op->Wait(until); },
                                      absl::Now() + timeout_, interrupt_);
   if (!status.ok()) {
+    // Still posted (an abort, a timeout): it stays so, with the attempt's other receives.
+    if (!posted.op->Done()) posted_.emplace(key, std::move(posted));
     return Annotate(status, absl::StrCat("receiving the ", expected, " from pipeline rank ", src));
   }
+  taken_.insert(key);
   const size_t data_bytes = static_cast<size_t>(posted.rows.numel()) * posted.rows.element_size();
   const char* h = posted.header.data();
   const bool matches = posted.op->bytes() == kHeaderBytes + data_bytes && GetU64(h) == kMagic &&
@@ -186,9 +192,61 @@ absl::Status StageLink::WaitSends() {
   return absl::OkStatus();
 }
 
+void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes) {
+  for (const Expected& message : expected) {
+    const Key key{message.src, StageTag(step, attempt_, message.direction, message.microbatch)};
+    if (posted_.count(key) != 0 || taken_.count(key) != 0) continue;
+    absl::StatusOr<transport::PeerId> peer = Peer(message.src);
+    if (!peer.ok()) continue;
+    // Into a scratch buffer: the message is only absorbed.
+    Posted posted;
+    posted.header.assign(kHeaderBytes, 0);
+    posted.rows = at::empty({std::max<int64_t>(0, message.rows) * row_bytes}, at::kByte);
+    std::vector<transport::MutableBuffer> segments = {
+        transport::MutableBuffer::Host(posted.header.data(), posted.header.size())};
+    if (posted.rows.numel() > 0) {
+      segments.push_back(transport::MutableBuffer::Host(posted.rows.data_ptr(),
+                                                        static_cast<size_t>(posted.rows.numel())));
+    }
+    absl::StatusOr<std::unique_ptr<transport::Operation>> op =
+        transport_->RecvScatter(*peer, std::get<1>(key), std::move(segments));
+    if (!op.ok()) {
+      HETPAR_LOG(WARNING) << "step " << step << ": cannot post the receive of the "
+                          << Describe(step, attempt_, message.direction, message.microbatch,
+                                      message.rows)
+                          << " from pipeline rank " << message.src
+                          << " to absorb it: " << op.status();
+      continue;
+    }
+    posted.op = std::move(op).value();
+    posted_.emplace(key, std::move(posted));
+  }
+}
+
 void StageLink::Reset() {
-  posted_.clear();  // destroying a pending receive withdraws it
-  sends_.clear();   // and a pending send is cancelled
+  ++resets_;
+  // Receives left by the Reset before the last one are withdrawn (destroying a pending receive
+  // withdraws it); those the last one left wait once more, beside the ones left now: each waits
+  // through two attempts.
+  std::vector<std::pair<int64_t, Posted>> keep;
+  for (auto& [left, posted] : stale_) {
+    if (!posted.op->Done() && left >= resets_ - 1) keep.emplace_back(left, std::move(posted));
+  }
+  for (auto& [key, posted] : posted_) {
+    if (!posted.op->Done()) keep.emplace_back(resets_, std::move(posted));
+  }
+  stale_ = std::move(keep);
+  posted_.clear();
+  taken_.clear();
+  // A send is never withdrawn: it completes once its receiver takes it, or fails with the peer.
+  std::vector<Sent> pending;
+  for (std::vector<Sent>* sends : {&draining_, &sends_}) {
+    for (Sent& sent : *sends) {
+      if (!sent.op->Done()) pending.push_back(std::move(sent));
+    }
+  }
+  draining_ = std::move(pending);
+  sends_.clear();
 }
 
 }  // namespace hetpar::train

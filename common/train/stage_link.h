@@ -20,6 +20,15 @@
 // the rest. Receives can be posted ahead (Post) and are waited for by Receive. Every wait is
 // bounded by the timeout; a dead peer fails it with kUnavailable naming the rank. One thread drives
 // a StageLink.
+//
+// An attempt that ends early (a failure, the coordinator's abort) must not leave either side's
+// messages holding the connection: UCX cannot withdraw a send its receiver has not taken, and
+// withdrawing it by force tears the connection down, so the neighbour of a live replica would
+// fail every later attempt. So nothing of an attempt is withdrawn while its neighbour may still
+// need it: its unfinished sends are kept until they complete, its receives still posted stay
+// posted through the next two attempts, and Abandon posts a receive into a scratch buffer for each
+// message of the attempt that was neither received nor posted, so that the neighbour's sends of
+// it complete too. The attempt's tag keeps all of these apart from the retry's messages.
 #ifndef HETPAR_COMMON_TRAIN_STAGE_LINK_H_
 #define HETPAR_COMMON_TRAIN_STAGE_LINK_H_
 
@@ -28,8 +37,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,16 +81,35 @@ class StageLink {
                                      int64_t microbatch);
   // Waits for every send posted since the last call.
   absl::Status WaitSends();
-  // Withdraws receives still posted and sends still held (a step that ended early).
+  // One message the link expects from a neighbour in the current attempt.
+  struct Expected {
+    int64_t src = -1;  // world rank
+    plan::Direction direction = plan::Direction::kForward;
+    int64_t microbatch = 0;
+    int64_t rows = 0;
+  };
+  // Gives up the current attempt (of step `step`), which ended early: each of `expected` that was
+  // neither received nor posted gets a receive into a scratch buffer of its size (`row_bytes`
+  // per row), so that the neighbour's send of it completes. They go with the attempt's other
+  // receives (see Reset).
+  void Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes);
+  // Ends the current attempt: its receives still posted stay posted through the next two
+  // attempts (withdrawn by the third Reset from now); its sends still held are kept until they
+  // complete.
   void Reset();
   // Reset, then carry step attempt `attempt` (the plan's) in every later message's tag and
   // header, and expect it in every message received.
   void BeginAttempt(int64_t attempt);
+  int64_t attempt() const { return attempt_; }
   // Receives end early, Aborted, once `interrupt` is raised (may be null).
   void SetInterrupt(const StepInterrupt* interrupt) { interrupt_ = interrupt; }
 
   // Sends whose messages are still held (not yet dropped by a Send or WaitSends).
   int64_t held_sends() const { return static_cast<int64_t>(sends_.size()); }
+  // Sends of attempts that ended early, not complete when the last Reset looked.
+  int64_t draining_sends() const { return static_cast<int64_t>(draining_.size()); }
+  // Receives of attempts that ended early, still posted when the last Reset looked.
+  int64_t stale_receives() const { return static_cast<int64_t>(stale_.size()); }
   int64_t bytes_sent() const { return bytes_sent_; }
   int64_t bytes_received() const { return bytes_received_; }
 
@@ -106,7 +136,11 @@ class StageLink {
   absl::Status Reap();
 
   std::map<Key, Posted> posted_;
+  std::set<Key> taken_;  // received in this attempt
   std::vector<Sent> sends_;
+  int64_t resets_ = 0;
+  std::vector<std::pair<int64_t, Posted>> stale_;  // (the Reset that left it, receive)
+  std::vector<Sent> draining_;                     // sends of ended attempts
   // Posts the messages of rows from a GPU once they are copied (created by the first).
   std::unique_ptr<StreamOrderedSender> ordered_sender_;
   int64_t bytes_sent_ = 0;

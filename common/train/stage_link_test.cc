@@ -1,5 +1,6 @@
 // StageLink over the in-process transport: rows arrive where they were posted, in any order of
-// send and post, and a message of another microbatch or size is refused, naming both.
+// send and post, and a message of another microbatch or size is refused, naming both. Over UCX:
+// an attempt that ended mid-pipeline leaves the link usable for the retry.
 #include "common/train/stage_link.h"
 
 #include <ATen/ATen.h>
@@ -9,6 +10,7 @@
 #include <map>
 #include <memory>
 
+#include "common/transport/ucx/ucx_transport.h"
 #include "tests/util/inproc_pair.h"
 
 namespace hetpar::train {
@@ -118,6 +120,94 @@ TEST_F(StageLinkTest, ALateMessageOfAnAbortedAttemptIsNotTakenForTheRetrys) {
   auto got = second_->Receive(4, 4, plan::Direction::kForward, 0);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(at::equal(in, fresh));
+}
+
+// Two stages over UCX, whose sends of large messages wait for their receiver (rendezvous) and
+// cannot be withdrawn once the receiver holds them.
+class StageLinkUcxTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    transport::ucx::UcxTransport::Options a_options, b_options;
+    a_options.name = "stage 0";
+    b_options.name = "stage 1";
+    auto a = transport::ucx::UcxTransport::Create(a_options);
+    auto b = transport::ucx::UcxTransport::Create(b_options);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    a_ = std::move(a).value();
+    b_ = std::move(b).value();
+    auto b_at_a = a_->Connect(b_->LocalAddress(), absl::Now() + absl::Seconds(20));
+    auto a_at_b = b_->Connect(a_->LocalAddress(), absl::Now() + absl::Seconds(20));
+    ASSERT_TRUE(b_at_a.ok()) << b_at_a.status();
+    ASSERT_TRUE(a_at_b.ok()) << a_at_b.status();
+    first_ = std::make_unique<StageLink>(
+        a_.get(), std::map<int64_t, transport::PeerId>{{6, *b_at_a}}, absl::Seconds(20));
+    second_ = std::make_unique<StageLink>(
+        b_.get(), std::map<int64_t, transport::PeerId>{{4, *a_at_b}}, absl::Seconds(20));
+  }
+
+  std::unique_ptr<transport::Transport> a_, b_;
+  std::unique_ptr<StageLink> first_, second_;
+};
+
+TEST_F(StageLinkUcxTest, AnAttemptEndedMidPipelineLeavesTheLinkToTheRetry) {
+  constexpr int64_t kRows = 2048, kHidden = 64;  // 1 MiB of float64 rows per message
+  constexpr int64_t kRowBytes = kHidden * 8;
+  const auto rows = [](double seed) {
+    return at::arange(kRows * kHidden, at::kDouble).reshape({kRows, kHidden}) + seed;
+  };
+  // Attempt 7 of step 3: stage 0 sends the activations of microbatches 0 and 1; stage 1 takes
+  // microbatch 0, and the attempt is aborted before it posts microbatch 1 or sends any gradient.
+  first_->BeginAttempt(7);
+  second_->BeginAttempt(7);
+  ASSERT_TRUE(first_->Send(6, 3, plan::Direction::kForward, 0, rows(0)).ok());
+  ASSERT_TRUE(first_->Send(6, 3, plan::Direction::kForward, 1, rows(1)).ok());
+  at::Tensor in0 = at::zeros({kRows, kHidden}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 3, plan::Direction::kForward, 0, in0).ok());
+  auto got0 = second_->Receive(4, 3, plan::Direction::kForward, 0);
+  ASSERT_TRUE(got0.ok()) << got0.status();
+  // Both sides give the attempt up, each naming what it expected from the other.
+  second_->Abandon(
+      3, {{4, plan::Direction::kForward, 0, kRows}, {4, plan::Direction::kForward, 1, kRows}},
+      kRowBytes);
+  first_->Abandon(
+      3, {{6, plan::Direction::kBackward, 0, kRows}, {6, plan::Direction::kBackward, 1, kRows}},
+      kRowBytes);
+
+  // Attempt 8: a microbatch each way, as a retry exchanges them.
+  const absl::Time begun = absl::Now();
+  first_->BeginAttempt(8);
+  second_->BeginAttempt(8);
+  at::Tensor forward_in = at::zeros({kRows, kHidden}, at::kDouble);
+  at::Tensor backward_in = at::zeros({kRows, kHidden}, at::kDouble);
+  ASSERT_TRUE(second_->Post(4, 3, plan::Direction::kForward, 0, forward_in).ok());
+  ASSERT_TRUE(first_->Post(6, 3, plan::Direction::kBackward, 0, backward_in).ok());
+  const absl::Status sent_forward = first_->Send(6, 3, plan::Direction::kForward, 0, rows(10));
+  ASSERT_TRUE(sent_forward.ok()) << sent_forward;
+  const absl::Status sent_backward = second_->Send(4, 3, plan::Direction::kBackward, 0, rows(20));
+  ASSERT_TRUE(sent_backward.ok()) << sent_backward;
+  auto forward = second_->Receive(4, 3, plan::Direction::kForward, 0);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  auto backward = first_->Receive(6, 3, plan::Direction::kBackward, 0);
+  ASSERT_TRUE(backward.ok()) << backward.status();
+  EXPECT_TRUE(at::equal(forward_in, rows(10)));
+  EXPECT_TRUE(at::equal(backward_in, rows(20)));
+  ASSERT_TRUE(first_->WaitSends().ok());
+  ASSERT_TRUE(second_->WaitSends().ok());
+  // Well under the 2 s after which a send withdrawn by force tears the connection down.
+  EXPECT_LT(absl::Now() - begun, absl::Seconds(2));
+  // Stage 0's scratch receives of attempt 7's gradients, never sent, stay posted through the
+  // two attempts after it, then are withdrawn.
+  first_->BeginAttempt(9);
+  EXPECT_EQ(first_->stale_receives(), 2);
+  first_->BeginAttempt(10);
+  EXPECT_EQ(first_->stale_receives(), 0);
+  // The late send of attempt 7 was taken by stage 1's scratch receive: it completes, and the
+  // link lets it go at a later attempt.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  int64_t attempt = 11;
+  while (first_->draining_sends() > 0 && absl::Now() < deadline) first_->BeginAttempt(attempt++);
+  EXPECT_EQ(first_->draining_sends(), 0);
 }
 
 }  // namespace
