@@ -189,15 +189,19 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
   absl::StatusOr<WorkerRecord*> admitted = membership_.Admit(request, generation_, now);
   if (!admitted.ok()) return admitted.status();
   WorkerRecord* worker = *admitted;
-  HETPAR_LOG(INFO) << "registered " << worker->Describe() << " data-plane "
-                   << DataAddressText(worker->data_address) << " (" << membership_.alive_workers()
-                   << "/" << membership_.expected_workers() << ")"
-                   << (worker->joining
-                           ? absl::StrCat("; joining: encoder replica ",
-                                          Membership::ReplicaOf(*worker, v1::MODULE_ENCODER),
-                                          " joins the run at a step boundary once all its ranks "
-                                          "are registered")
-                           : "");
+  HETPAR_LOG(INFO)
+      << "registered " << worker->Describe() << " data-plane "
+      << DataAddressText(worker->data_address) << " (" << membership_.alive_workers() << "/"
+      << membership_.expected_workers() << ")"
+      << (worker->joining
+              ? absl::StrCat("; joining: ", worker->role == v1::WORKER_ROLE_LLM ? "llm" : "encoder",
+                             " replica ",
+                             Membership::ReplicaOf(*worker, worker->role == v1::WORKER_ROLE_LLM
+                                                                ? v1::MODULE_LLM
+                                                                : v1::MODULE_ENCODER),
+                             " joins the run at a step boundary once all its ranks "
+                             "are registered")
+              : "");
   // While running, the ranks of the replicas in the run are all held (a loss retires its
   // replica or fails the run): only workers joining an open encoder replica are admitted.
   const bool complete = state_ == v1::RUN_STATE_WAITING && membership_.Complete();
@@ -362,13 +366,7 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
       std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
                                                         : spec_.failure().min_llm_replicas());
   std::string cannot;
-  if (spec_.llm().layout().pp() > 1) {
-    // An attempt aborted mid-pipeline can leave a stage's send that its neighbour never takes.
-    cannot = absl::StrCat(
-        "going on without a replica is not supported with pipeline "
-        "parallelism yet (llm.layout.pp=",
-        spec_.llm().layout().pp(), ")");
-  } else if (module == v1::MODULE_UNSPECIFIED || holders_after < 1) {
+  if (module == v1::MODULE_UNSPECIFIED || holders_after < 1) {
     cannot = absl::StrCat("its ", module == v1::MODULE_UNSPECIFIED ? "colocated" : name,
                           " shard (parameters and optimizer state) is held by no other worker");
   } else if (left_after < minimum) {
@@ -467,11 +465,8 @@ bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions
                                             : spec_.failure().min_llm_replicas())) {
       return false;
     }
-    // As for a loss mid-run: LLM replicas leave only without pipeline stages, and the global
-    // batch must split over those left. (Mid-run, no replica leaves a pipelined run: an attempt
-    // aborted mid-pipeline can leave a stage's send unmatched. Before the first step no attempt
-    // has run, so an encoder replica may leave one here.)
-    if (!encoder && (spec_.llm().layout().pp() > 1 || !plan::LlmWaves(spec_, left).ok())) {
+    // As for a loss mid-run: the global batch must split over the LLM replicas left.
+    if (!encoder && !plan::LlmWaves(spec_, left).ok()) {
       return false;
     }
   }
@@ -610,9 +605,8 @@ void RunController::RebalanceOpen(Actions* actions) {
     HETPAR_LOG(INFO) << "encoder replica " << d << " admits workers (target " << encoder_target_
                      << " replicas, " << active.size() << " training)";
   }
-  // The LLM's replicas are not resized: one that left admits a replacement (without pipeline
-  // stages, whose loss the run does not survive).
-  if (spec_.llm().layout().pp() <= 1) {
+  // The LLM's replicas are not resized: one that left admits a replacement.
+  {
     const std::vector<int64_t> llm_active = membership_.Replicas(v1::MODULE_LLM);
     const std::vector<int64_t> llm_open = membership_.OpenReplicas(v1::MODULE_LLM);
     for (int64_t d = 0; d < membership_.llm_grid().dp; ++d) {

@@ -65,8 +65,8 @@ struct ControllerOptions {
   // coordinator ran cannot be told apart from one lost mid-run. When register_timeout passes
   // before the first step with ranks of DP replicas still missing, the run starts without those
   // replicas (a pool change, as a loss mid-run) if enough are left (failure.min_encoder_replicas,
-  // failure.min_llm_replicas) and, for the LLM, the global batch still splits without pipeline
-  // stages, instead of failing.
+  // failure.min_llm_replicas) and, for the LLM, the global batch still splits over those left,
+  // instead of failing.
   bool continues_lost_run = false;
 };
 
@@ -156,8 +156,8 @@ class RunController {
   void RemoveEncoderReplica(int64_t dp, const std::string& cause, absl::Time now, Actions* actions);
   // ControllerOptions::continues_lost_run at register_timeout: retires the DP replicas with
   // missing ranks and starts the run, returning true; false (nothing changed) when too few
-  // replicas of a module would be left, or an LLM replica cannot leave (pipeline stages, a batch
-  // that no longer splits).
+  // replicas of a module would be left, or an LLM replica cannot leave (a batch that no longer
+  // splits over those left).
   bool StartWithoutMissingReplicas(absl::Time now, Actions* actions);
   // Marks the live workers of `module`'s DP replica `replica` dead (the replica leaves the run)
   // and ends their open sessions with `cause`; returns them as peers.

@@ -501,16 +501,47 @@ TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) 
   EXPECT_THAT(controller_->state_message(), HasSubstr("under /runs/ckpt"));
 }
 
-TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaFailsTheRunSayingWhy) {
+TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaLeavesAndTheRunGoesOn) {
   v1::RunSpec spec = TinySpec(/*steps=*/2);
   spec.mutable_llm()->mutable_layout()->set_tp(1);
   spec.mutable_llm()->mutable_layout()->set_pp(2);
   CreateWith(spec);
   StartAll();  // enc 0, enc 1, llm stage 0, llm stage 1
   controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
-  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
-  EXPECT_THAT(controller_->state_message(),
-              HasSubstr("not supported with pipeline parallelism yet (llm.layout.pp=2)"));
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(1));
+  EXPECT_EQ(status.encoder_replicas(), 1);
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_ENCODER);
+}
+
+TEST_F(RunControllerTest, WithPipelineStagesALostLlmStageTakesItsWholeReplicaOut) {
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_dp(2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_llm()->mutable_layout()->set_pp(2);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  CreateWith(spec);
+  // LLM ranks 0 to 3: (dp 0, pp 0), (dp 1, pp 0), (dp 0, pp 1), (dp 1, pp 1).
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  actions_ = {};
+  controller_->SessionEnded(ids_[5], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  // Stage 0 of replica 1 has nothing left to do; replica 0's stages go on.
+  std::vector<std::string> ended;
+  for (const auto& [id, status] : actions_.end_sessions) ended.push_back(id);
+  EXPECT_THAT(ended, ::testing::ElementsAre(ids_[3]));
+  const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(1));
+  EXPECT_EQ(status.llm_replicas(), 1);
+  EXPECT_THAT(status.llm_replicas_open(), ::testing::ElementsAre(1));
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).module(), v1::MODULE_LLM);
+  EXPECT_EQ(status.pool_changes(0).replica(), 1);
 }
 
 // A coordinator restarted on its journal: encoder replica 1's worker did not come back. At

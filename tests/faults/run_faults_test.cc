@@ -187,10 +187,11 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
 // uninterrupted run's (which the parity tests hold to the single-process reference).
 class ReplicaLossTest : public RunFaultsTest {
  protected:
-  // Runs with `layout` flags, kills one process whose command line starts with `binary`, and
-  // compares with a straight run of the same layout; `module` names the pool that shrank.
+  // Runs with `layout` flags, kills the last of the `workers` processes whose command line starts
+  // with `binary`, and compares with a straight run of the same layout; `module` names the pool
+  // that shrank.
   void KillOneAndCompare(const std::string& binary, const std::vector<std::string>& layout,
-                         const std::string& module) {
+                         const std::string& module, size_t workers = 2) {
     constexpr int kSteps = 10;
     std::vector<std::string> flags = {"--set", "run.dtype=float64"};
     for (const std::string& f : layout) flags.insert(flags.end(), {"--set", f});
@@ -201,8 +202,8 @@ class ReplicaLossTest : public RunFaultsTest {
     const std::string metrics = dir_ + "/run/metrics.jsonl";
     ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 3));
     const std::vector<pid_t> victims = WorkersOf(binary);
-    ASSERT_EQ(victims.size(), 2u) << ReadFile(dir_ + "/hetpar-run.log");
-    ASSERT_EQ(::kill(victims[1], SIGKILL), 0);
+    ASSERT_EQ(victims.size(), workers) << ReadFile(dir_ + "/hetpar-run.log");
+    ASSERT_EQ(::kill(victims.back(), SIGKILL), 0);
     auto code = run->Wait(120);
     ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
     const std::string log = ReadFile(dir_ + "/hetpar-run.log");
@@ -265,6 +266,18 @@ TEST_F(ReplicaLossTest, AKilledEncoderReplicaIsDroppedAndTheRunMatchesAnUninterr
 
 TEST_F(ReplicaLossTest, AKilledLlmReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
   KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1"}, "llm");
+}
+
+// With pipeline stages, an attempt aborted mid-pipeline leaves stage messages in flight between
+// the ranks that go on (train::StageLink::Abandon).
+TEST_F(ReplicaLossTest, AKilledEncoderReplicaOfAPipelinedRunIsDroppedAndTheRunMatches) {
+  KillOneAndCompare("hetpar-encoder", {"llm.layout.pp=2", "llm.layout.tp=1"}, "encoder");
+}
+
+TEST_F(ReplicaLossTest, AKilledLlmStageTakesItsReplicaOutAndThePipelinedRunMatches) {
+  // Four LLM ranks (dp 2 x pp 2); the last is stage 1 of replica 1, whose stage 0 leaves with it.
+  KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"}, "llm",
+                    4);
 }
 
 // A worker whose loss the run cannot survive (tiny's LLM is one replica at tp 2: the killed rank's
