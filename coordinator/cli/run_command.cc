@@ -331,41 +331,69 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   int replaced = 0;
   // Replicas that admit workers (an encoder pool below its target, a lost LLM replica): start
-  // their ranks, in place of workers that died (at most --replace-workers times) or for a larger
-  // pool.
+  // their ranks, in place of workers that died or for a larger pool. A replica that lost a worker
+  // counts once against --replace-workers, however many of its ranks are started again (the
+  // coordinator ends the lost worker's TP, CP and pipeline peers too): `replacing` holds the
+  // ranks started for each replica counted, until it joins; one of those dying counts again.
   const int64_t llm_group = ll.tp() * ll.cp();  // LLM ranks of one replica in one stage
+  std::map<std::pair<std::string, int64_t>, std::set<int64_t>> replacing;  // (module, replica)
+  // Workers started while the run trains: one may still be starting when the run is done.
+  std::set<const LocalProcess*> late;
   auto fill_open_replicas = [&](const v1::StatusResponse& status) -> absl::Status {
-    std::vector<std::pair<std::string, int64_t>> wanted;  // (module, worker index)
+    std::map<std::pair<std::string, int64_t>, std::vector<int64_t>> wanted;  // -> worker indices
     for (int64_t d : status.encoder_replicas_open()) {
-      for (int64_t t = 0; t < encoder_tp; ++t) wanted.emplace_back("encoder", d * encoder_tp + t);
+      for (int64_t t = 0; t < encoder_tp; ++t) wanted[{"encoder", d}].push_back(d * encoder_tp + t);
     }
     for (int64_t d : status.llm_replicas_open()) {
       for (int64_t r = 0; r < llm_ranks; ++r) {
-        if ((r / llm_group) % ll.dp() == d) wanted.emplace_back("llm", encoder_ranks + r);
+        if ((r / llm_group) % ll.dp() == d) wanted[{"llm", d}].push_back(encoder_ranks + r);
       }
     }
-    for (const auto& [module, i] : wanted) {
-      const int64_t rank = module == "encoder" ? i : i - encoder_ranks;
-      auto it = process_of.find(i);
-      std::optional<int> code;
-      if (it != process_of.end()) {
-        code = it->second->Poll();
+    for (auto it = replacing.begin(); it != replacing.end();) {
+      it = wanted.count(it->first) == 0 ? replacing.erase(it) : std::next(it);
+    }
+    for (const auto& [replica, indices] : wanted) {
+      const std::string& module = replica.first;
+      auto counted = replacing.find(replica);
+      std::vector<int64_t> ended;  // ranks without a running process
+      bool died = false;           // one that exited with a failure, not yet counted
+      for (int64_t i : indices) {
+        auto it = process_of.find(i);
+        if (it == process_of.end()) {
+          ended.push_back(i);
+          continue;
+        }
+        const std::optional<int> code = it->second->Poll();
         if (!code.has_value()) continue;  // still running (registered, or a removed one leaving)
+        ended.push_back(i);
+        died |= *code != 0 && (counted == replacing.end() || counted->second.count(i) != 0);
       }
-      const bool replacement = code.has_value() && *code != 0;
-      if (replacement && replaced >= flags.replace_workers) continue;
+      if (ended.empty()) continue;
+      if (died) {
+        if (replaced >= flags.replace_workers) continue;
+        ++replaced;
+        replacing[replica].clear();
+        counted = replacing.find(replica);
+      }
+      const bool replacement = counted != replacing.end();
       // Without a replacement an LLM replica that left stays out of the run.
       if (module == "llm" && !replacement) continue;
-      const std::string name = starts[i] == 0 ? absl::StrCat(module, "-", rank)
-                                              : absl::StrCat(module, "-", rank, ".", starts[i]);
-      HETPAR_RETURN_IF_ERROR(spawn(i, name));
-      if (replacement) ++replaced;
-      std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
-                << ") for its " << module << " replica"
-                << (replacement ? absl::StrCat(", in place of a worker that died (", replaced,
-                                               " of --replace-workers ", flags.replace_workers, ")")
-                                : std::string(", which the pool grew into"))
-                << "\n";
+      for (int64_t i : ended) {
+        const int64_t rank = module == "encoder" ? i : i - encoder_ranks;
+        const std::string name = starts[i] == 0 ? absl::StrCat(module, "-", rank)
+                                                : absl::StrCat(module, "-", rank, ".", starts[i]);
+        HETPAR_RETURN_IF_ERROR(spawn(i, name));
+        late.insert(processes.back().get());
+        if (replacement) counted->second.insert(i);
+        std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
+                  << ") for " << module << " replica " << replica.second
+                  << (replacement ? absl::StrCat(", in place of a worker that died or was ended "
+                                                 "with it (replacement ",
+                                                 replaced, " of --replace-workers ",
+                                                 flags.replace_workers, ")")
+                                  : std::string(", which the pool grew into"))
+                  << "\n";
+      }
     }
     return absl::OkStatus();
   };
@@ -463,6 +491,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                   << "; the coordinator decides whether the run goes on without it\n";
         continue;
       }
+      // One started for a replica that admitted workers and still starting as the run ends is
+      // refused by the coordinator; it is judged at the end, by the run's state.
+      if (late.count(process.get()) != 0) continue;
       failure = absl::StrCat(process->name(), " (pid ", process->pid(), ") exited with code ",
                              *code, "; the end of its log:\n", process->LogTail(8));
       (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
@@ -495,6 +526,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
     if (code == 0) continue;
+    if (state == v1::RUN_STATE_DONE && late.count(process.get()) != 0 &&
+        lost.count(process.get()) == 0) {
+      // The run had every output it needed: the worker came too late to join it.
+      std::cerr << "hetpar run: " << process->name() << " (started for a replica that admitted "
+                << "workers) exited with code " << code << ": the run was done before it joined\n";
+      continue;
+    }
     if (state == v1::RUN_STATE_FAILED) {
       const std::string tail = process->LogTail(8);
       if (tail.find("run failed: ") == std::string::npos) {

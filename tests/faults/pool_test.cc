@@ -64,6 +64,7 @@ RunLines ReadRun(const std::string& run_dir) {
 class EncoderPoolTest : public ::testing::Test {
  protected:
   static constexpr int kSteps = 60;
+  int steps_ = kSteps;  // of every run the test starts
 
   void SetUp() override {
     dir_ = (fs::temp_directory_path() /
@@ -84,7 +85,7 @@ class EncoderPoolTest : public ::testing::Test {
     std::vector<std::string> argv = {kBin,        "run",
                                      "--config",  kTiny,
                                      "--out",     dir_ + "/" + out,
-                                     "--steps",   std::to_string(kSteps),
+                                     "--steps",   std::to_string(steps_),
                                      "--threads", "1"};
     if (reference) argv.push_back("--reference");
     for (const std::string& s : std::vector<std::string>{
@@ -125,10 +126,10 @@ class EncoderPoolTest : public ::testing::Test {
   }
 
   // The same losses (each step) and final parameter sums, to the parity tests' tolerance.
-  static void ExpectSameNumbers(const RunLines& a, const RunLines& b, const std::string& what) {
-    ASSERT_EQ(a.loss.size(), static_cast<size_t>(kSteps)) << what;
-    ASSERT_EQ(b.loss.size(), static_cast<size_t>(kSteps)) << what;
-    for (int64_t step = 0; step < kSteps; ++step) {
+  void ExpectSameNumbers(const RunLines& a, const RunLines& b, const std::string& what) {
+    ASSERT_EQ(a.loss.size(), static_cast<size_t>(steps_)) << what;
+    ASSERT_EQ(b.loss.size(), static_cast<size_t>(steps_)) << what;
+    for (int64_t step = 0; step < steps_; ++step) {
       EXPECT_NEAR(a.loss.at(step), b.loss.at(step), 1e-9 * std::fabs(b.loss.at(step)))
           << what << ", step " << step;
     }
@@ -155,7 +156,7 @@ class EncoderPoolTest : public ::testing::Test {
     ExpectSameNumbers(run, ReadRun(dir_ + "/reference"), "against the reference");
     // Every sample of the steps trained once: tiny's global batch is 8.
     ASSERT_FALSE(run.ledger.is_null()) << ReadFile(dir_ + "/" + out + "/metrics.jsonl");
-    EXPECT_EQ(run.ledger["trained"].get<int64_t>(), kSteps * 8);
+    EXPECT_EQ(run.ledger["trained"].get<int64_t>(), steps_ * 8);
     EXPECT_EQ(run.ledger["repeated"].get<int64_t>(), 0);
     EXPECT_EQ(run.ledger["lost"].get<int64_t>(), 0);
   }
@@ -214,7 +215,7 @@ TEST_F(EncoderPoolTest, AnEncoderKilledThreeTimesAndReplacedTwiceTrainsAsAnUnint
   ASSERT_TRUE(code.ok()) << code.status();
   const std::string log = ReadFile(dir_ + "/hetpar-run.log");
   ASSERT_EQ(*code, 0) << log;
-  EXPECT_THAT(log, HasSubstr("in place of a worker that died (2 of --replace-workers 2)"));
+  EXPECT_THAT(log, HasSubstr("(replacement 2 of --replace-workers 2)"));
   const RunLines lines = ReadRun(dir_ + "/run");
   EXPECT_EQ(PoolChanges("run", "lost"), 3);
   EXPECT_EQ(PoolChanges("run", "joined"), 2);
@@ -242,6 +243,45 @@ TEST_F(EncoderPoolTest, AKilledLlmWorkerReplacedTrainsAsAnUninterruptedRun) {
   auto code = run->Wait(180);
   ASSERT_TRUE(code.ok()) << code.status();
   ASSERT_EQ(*code, 0) << ReadFile(log_path);
+  const RunLines lines = ReadRun(dir_ + "/run");
+  ASSERT_EQ(lines.pool_changes.size(), 2u);
+  EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
+  EXPECT_EQ(lines.pool_changes[1]["kind"], "joined");
+  EXPECT_EQ(lines.pool_changes[1]["replicas"].get<int64_t>(), 2);
+  ExpectJoinedStateEqualsItsSource("run");
+  ExpectUninterruptedNumbers("run", sets);
+}
+
+// With pipeline stages a replica is two processes: the coordinator ends the killed stage's peer,
+// and `hetpar run` starts both again as one replacement (--replace-workers 1); each joined stage
+// takes its state from the same stage of the live replica.
+TEST_F(EncoderPoolTest, AKilledLlmStageIsReplacedWithItsReplicaAndThePipelinedRunMatches) {
+  steps_ = 120;  // time for two processes to start and join
+  const std::vector<std::string> sets = {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"};
+  std::vector<std::string> argv = RunArgs("run", sets);
+  argv.insert(argv.end(), {"--replace-workers", "1"});
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string log_path = dir_ + "/hetpar-run.log";
+  ASSERT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
+  const std::vector<pid_t> llm =
+      ProcessesWith({"hetpar-llm --coordinator", "--out " + dir_ + "/run "});
+  ASSERT_EQ(llm.size(), 4u) << ReadFile(log_path);
+  // LLM rank 3: stage 1 of replica 1.
+  const std::vector<pid_t> victim =
+      ProcessesWith({"hetpar-llm --coordinator", "--rank 3 ", "--out " + dir_ + "/run "});
+  ASSERT_EQ(victim.size(), 1u) << ReadFile(log_path);
+  ASSERT_EQ(::kill(victim[0], SIGKILL), 0);
+  ASSERT_TRUE(WaitFor([&] { return PoolChanges("run", "joined") == 1; })) << ReadFile(log_path);
+  ASSERT_LT(CommittedSteps("run"), steps_) << "the run ended before the replacement joined";
+  auto code = run->Wait(180);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string log = ReadFile(log_path);
+  ASSERT_EQ(*code, 0) << log;
+  EXPECT_THAT(log, HasSubstr("started llm-1.1"));
+  EXPECT_THAT(log, HasSubstr("started llm-3.1"));
+  EXPECT_THAT(log, HasSubstr("(replacement 1 of --replace-workers 1)"));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("replacement 2")));
   const RunLines lines = ReadRun(dir_ + "/run");
   ASSERT_EQ(lines.pool_changes.size(), 2u);
   EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
