@@ -641,9 +641,10 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       });
   command
       ->add_option("--replace-workers", flags->replace_workers,
-                   "Start a new encoder worker in place of one that died while the run trains "
-                   "(its replica joins the run again at a step boundary), at most this many "
-                   "times; 0: the pool goes on without the lost replica")
+                   "Start the ranks of a DP replica (encoder, or LLM with llm.layout.dp > 1) "
+                   "that lost a worker while the run trains again: the one that died and the "
+                   "peers ended with it (the replica joins the run again at a step boundary), "
+                   "for at most this many replicas; 0: the run goes on without the lost replica")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
   command->add_flag(
