@@ -193,6 +193,7 @@ absl::Status StageLink::WaitSends() {
 }
 
 void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes) {
+  const size_t posted_before = posted_.size();
   for (const Expected& message : expected) {
     const Key key{message.src, StageTag(step, attempt_, message.direction, message.microbatch)};
     if (posted_.count(key) != 0 || taken_.count(key) != 0) continue;
@@ -211,6 +212,8 @@ void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int
     absl::StatusOr<std::unique_ptr<transport::Operation>> op =
         transport_->RecvScatter(*peer, std::get<1>(key), std::move(segments));
     if (!op.ok()) {
+      // A neighbour that is gone sends nothing more.
+      if (absl::IsUnavailable(op.status())) continue;
       HETPAR_LOG(WARNING) << "step " << step << ": cannot post the receive of the "
                           << Describe(step, attempt_, message.direction, message.microbatch,
                                       message.rows)
@@ -221,6 +224,14 @@ void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int
     posted.op = std::move(op).value();
     posted_.emplace(key, std::move(posted));
   }
+  int64_t in_flight = 0;
+  for (const Sent& sent : sends_) in_flight += sent.op->Done() ? 0 : 1;
+  if (posted_.size() == posted_before && in_flight == 0 && posted_before == 0) return;
+  HETPAR_LOG(INFO) << "step " << step << " (attempt " << attempt_
+                   << ") ended early: the pipeline link absorbs " << posted_.size() - posted_before
+                   << " messages of the neighbouring stages (" << posted_before
+                   << " receives already posted stay so), and keeps " << in_flight
+                   << " sends in flight until they complete";
 }
 
 void StageLink::Reset() {
