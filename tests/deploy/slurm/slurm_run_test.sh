@@ -43,11 +43,25 @@ fail() {
 # shellcheck disable=SC1091
 source "$work/slurm/env"
 
+# A port for the coordinator: not the default 50051, which lies in the kernel's ephemeral
+# range (another test's connection or listener can hold it), but one below that range that
+# nothing listens on now.
+coordinator_port() {
+  local lo hi p
+  read -r lo hi < /proc/sys/net/ipv4/ip_local_port_range
+  for _ in $(seq 1 200); do
+    p=$(( 20000 + RANDOM % 10000 ))
+    if (( p >= lo && p <= hi )); then continue; fi
+    if ! ss -Htln "sport = :$p" 2>/dev/null | grep -q .; then echo "$p"; return; fi
+  done
+  echo 50051
+}
+
 # Renders NAME's scripts: a 6-step float64 tiny run on a small synthetic set in this test's
 # directory; workers advertise the loopback interface (the nodes share this host).
 render() {
   "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$1" \
-    --interface lo --cpus-per-rank 1 --bin-dir "$bin" \
+    --interface lo --cpus-per-rank 1 --bin-dir "$bin" --port "$(coordinator_port)" \
     --set run.steps=6 --set run.dtype=float64 \
     --set data.manifest="$work/data/train.jsonl" --set data.val_manifest="$work/data/val.jsonl" \
     --set data.tokenizer="$work/data/tokenizer.model" \
