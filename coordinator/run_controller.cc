@@ -441,9 +441,12 @@ std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, in
     membership_.MarkDead(live->worker_id,
                          absl::StrCat(name, " replica ", replica, " left the run"));
     if (open) {
-      actions->end_sessions.emplace_back(
-          live->worker_id,
-          absl::AbortedError(absl::StrCat(name, " replica ", replica, " left the run: ", cause)));
+      const std::string reason = absl::StrCat(name, " replica ", replica, " left the run: ", cause);
+      v1::CoordinatorMessage stop;
+      stop.mutable_stop()->set_reason(reason);
+      stop.mutable_stop()->set_replica_left(true);
+      actions->messages.emplace_back(live->worker_id, std::move(stop));
+      actions->end_sessions.emplace_back(live->worker_id, absl::AbortedError(reason));
     }
   }
   return ended;

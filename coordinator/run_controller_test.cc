@@ -536,6 +536,12 @@ TEST_F(RunControllerTest, WithPipelineStagesALostLlmStageTakesItsWholeReplicaOut
   std::vector<std::string> ended;
   for (const auto& [id, status] : actions_.end_sessions) ended.push_back(id);
   EXPECT_THAT(ended, ::testing::ElementsAre(ids_[3]));
+  // Told first, so that it exits instead of lingering: started again it registers into the
+  // vacant replica.
+  const auto stops = SentTo(ids_[3], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_TRUE(stops[0].stop().replica_left());
+  EXPECT_THAT(stops[0].stop().reason(), HasSubstr("llm replica 1 left the run"));
   const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(1));
   EXPECT_EQ(status.llm_replicas(), 1);
   EXPECT_THAT(status.llm_replicas_open(), ::testing::ElementsAre(1));

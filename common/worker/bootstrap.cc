@@ -63,14 +63,18 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   request.add_capabilities("ucx");
   if (options.requested_rank >= 0) request.set_requested_rank(options.requested_rank);
   session_options.on_lost = options.on_coordinator_lost;
-  session_options.on_arrival = [interrupt = ctx->interrupt_,
-                                aborter = ctx->aborter_](const v1::CoordinatorMessage& m) {
+  session_options.on_arrival = [interrupt = ctx->interrupt_, aborter = ctx->aborter_,
+                                on_replica_left =
+                                    options.on_replica_left](const v1::CoordinatorMessage& m) {
     if (m.has_abort()) {
       interrupt->Raise(m.abort().generation());
       // Does not block: the aborts run on the aborter's thread.
       aborter->AbortGeneration(m.abort().generation());
     }
-    if (m.has_stop()) interrupt->RaiseAll();
+    if (m.has_stop()) {
+      interrupt->RaiseAll();
+      if (m.stop().replica_left() && on_replica_left) on_replica_left();
+    }
   };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));

@@ -62,6 +62,9 @@ struct WorkerOptions {
   // (coordinator::WorkerSession::Options::on_lost); unset: the worker fails as the session
   // ends.
   std::function<void(const absl::Status&)> on_coordinator_lost;
+  // Called (on the session's receiving thread) when a StopRun with replica_left arrives: the run
+  // goes on without this worker's replica, before or after it started.
+  std::function<void()> on_replica_left;
 };
 
 class WorkerContext {

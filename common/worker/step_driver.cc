@@ -140,8 +140,10 @@ void StepDriver::Stopped(const v1::StopRun& stop) {
   HETPAR_LOG(INFO) << (stop.leave_run() ? "leaving the run: " : "stop: ") << stop.reason();
   left_run_ = stop.leave_run();
   stop_generation_ = stop.generation();
-  // No groups and no outputs after a failed run: the peers they would wait on may be gone.
-  if (stop.run_failed()) run_failed_ = absl::AbortedError(stop.reason());
+  // No groups and no outputs after a failed run, or for a replica that left the run: the peers
+  // they would wait on may be gone.
+  if (stop.run_failed() || stop.replica_left()) run_failed_ = absl::AbortedError(stop.reason());
+  replica_left_ = stop.replica_left();
   state_ = State::kStopped;
 }
 
@@ -152,7 +154,7 @@ absl::Status StepDriver::Sent(absl::Status sent) {
   while (true) {
     absl::StatusOr<v1::CoordinatorMessage> message = channel_->Next(deadline - absl::Now());
     if (!message.ok()) return absl::IsDeadlineExceeded(message.status()) ? sent : message.status();
-    if (message->has_stop() && message->stop().run_failed()) {
+    if (message->has_stop() && (message->stop().run_failed() || message->stop().replica_left())) {
       Stopped(message->stop());
       return run_failed_;
     }

@@ -129,6 +129,9 @@ class StepDriver {
   // The stop that ended Run was for this worker alone (StopRun.leave_run): its replica left a
   // run that goes on, and it writes no final outputs.
   bool left_run() const { return left_run_; }
+  // The stop that ended Run was StopRun.replica_left: a worker of this worker's replica was lost
+  // and the replica left a run that goes on. Run returned the stop's reason as a failure.
+  bool replica_left() const { return replica_left_; }
 
  private:
   // Waits for the next message other than heartbeat acks, assignments and membership changes
@@ -164,6 +167,7 @@ class StepDriver {
   int64_t stop_generation_ = 0;  // StopRun.generation of the stop that ended Run
   double last_optimizer_s_ = 0;  // the last Apply, reported with the next step
   bool left_run_ = false;
+  bool replica_left_ = false;
   // Aborted with the reason of a failed run's stop (StopRun.run_failed); OK otherwise.
   absl::Status run_failed_;
 };

@@ -3,6 +3,7 @@
 // report), stopped and failed steps.
 #include "common/worker/step_driver.h"
 
+#include <algorithm>
 #include <deque>
 #include <functional>
 #include <string>
@@ -669,6 +670,38 @@ TEST(StepDriverTest, AFailedRunsStopFormsNoGroupsAndEndsTheRunWithItsReason) {
     for (const std::string& call : module.calls) EXPECT_NE(call, "regroup 4 [0,1]");
     EXPECT_EQ(driver.steps_applied(), 1);
   }
+}
+
+// A worker of this worker's replica was lost and the run goes on without the replica
+// (RunController::EndReplicaWorkers): no groups, no outputs, and a failure naming why, which
+// tells worker_main not to linger.
+TEST(StepDriverTest, AStopForAReplicaThatLeftEndsTheRunHereWithItsReason) {
+  for (const bool failed_here : {false, true}) {
+    SCOPED_TRACE(failed_here ? "the step failed on this rank" : "aborted after the report");
+    ScriptedChannel channel;
+    RecordingModule module;
+    if (failed_here) module.fail_at_step = 1;
+    v1::CoordinatorMessage stop;
+    stop.mutable_stop()->set_reason("llm replica 1 left the run: worker llm3 lost");
+    stop.mutable_stop()->set_replica_left(true);
+    for (const auto& m : AbortedAfterACommit(failed_here, stop)) channel.Push(m);
+    StepDriver driver(&channel, &module, Gen1());
+    const absl::Status status = driver.Run();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(status.message(), "llm replica 1 left the run: worker llm3 lost");
+    EXPECT_TRUE(driver.replica_left());
+    EXPECT_FALSE(driver.left_run());
+    EXPECT_EQ(driver.state(), StepDriver::State::kFailed);
+    EXPECT_EQ(driver.steps_applied(), 1);
+    EXPECT_EQ(std::count(module.calls.begin(), module.calls.end(), "regroup 3 [0,1]"), 1);
+  }
+  // A run's own stop is not one.
+  ScriptedChannel channel;
+  RecordingModule module;
+  for (const auto& m : AbortedAfterACommit(false, FailedStop(4))) channel.Push(m);
+  StepDriver driver(&channel, &module, Gen1());
+  EXPECT_FALSE(driver.Run().ok());
+  EXPECT_FALSE(driver.replica_left());
 }
 
 // The coordinator ends the sessions right after a failed run's stop: a report sent in between

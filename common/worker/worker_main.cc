@@ -14,6 +14,7 @@
 #include <cstring>
 #include <future>
 #include <iostream>
+#include <memory>
 #include <thread>
 
 #include "CLI/CLI.hpp"
@@ -370,11 +371,21 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       std::_Exit(128 + signal);
     }
   });
+  // Set when the run goes on without this worker's replica (StopRun.replica_left), whether the
+  // run had started or not.
+  auto replica_left_flag = std::make_shared<std::atomic<bool>>(false);
+  options.on_replica_left = [replica_left_flag] { replica_left_flag->store(true); };
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
+  const bool replica_left = replica_left_flag->load();
   if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
   const int code = status.ok() ? 0 : kExitFailure;
-  if (linger && !leave_asked.load()) {
+  if (replica_left && linger) {
+    // The run goes on: a copy started again registers into the vacant replica.
+    HETPAR_LOG(INFO) << "not lingering: the run goes on, and this worker's replica admits it "
+                        "again once started anew";
+  }
+  if (linger && !leave_asked.load() && !replica_left) {
     HETPAR_LOG(INFO) << "run over; idle until terminated (--linger)";
     terminated.get_future().wait();
   } else {

@@ -472,5 +472,61 @@ TEST_F(ClusterRunTest, ARestartAfterAnEncoderReplicaWasLostGoesOnWithoutIt) {
   EXPECT_EQ(restart_changes, 1);
 }
 
+// Kubernetes restarts a pod that dies, and every worker runs with --linger there (a finished
+// run's pods stay idle instead of being restarted into it). An LLM replica of two pipeline
+// stages loses stage 1: the coordinator ends stage 0 too, which must exit rather than linger so
+// that it is restarted with its peer; both register into the vacant replica and join the run.
+TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
+  // Steps enough for the replica to come back well before the end; the test stops the run then.
+  const std::vector<std::string> layout = {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2",
+                                           "run.steps=2000"};
+  ChildProcess* coordinator = StartCoordinator("127.0.0.1:0", layout, "coordinator.log");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty());
+  // Two encoder ranks, then LLM ranks 0 to 3: (dp 0, pp 0), (dp 1, pp 0), (dp 0, pp 1), (dp 1, pp
+  // 1).
+  auto start = [&](int i, const std::string& name) {
+    const bool encoder = i < 2;
+    return StartIn(absl::StrCat(dir_, "/", name),
+                   {encoder ? kEncoder : kLlm, "--coordinator", "127.0.0.1:" + port, "--token-file",
+                    dir_ + "/token", "--rank", std::to_string(encoder ? i : i - 2), "--threads",
+                    "1", "--timeout", "120", "--linger"});
+  };
+  std::vector<ChildProcess*> workers;
+  for (int i = 0; i < 6; ++i) workers.push_back(start(i, absl::StrCat("worker-", i)));
+  for (ChildProcess* w : workers) ASSERT_NE(w, nullptr);
+  const std::string run = dir_ + "/coordinator/run";
+  ASSERT_TRUE(WaitFor([&] { return CountLines(run + "/metrics.jsonl") >= 3; }, 120))
+      << ReadFile(dir_ + "/coordinator.log");
+  ASSERT_TRUE(workers[5]->Signal(SIGKILL));  // LLM rank 3: stage 1 of replica 1
+  // Stage 0 of replica 1 (LLM rank 1) exits by itself, with a failure naming why.
+  auto peer = workers[3]->Wait(60);
+  ASSERT_TRUE(peer.ok()) << peer.status() << "\n" << ReadFile(dir_ + "/worker-3.log");
+  EXPECT_EQ(*peer, 1);
+  const std::string peer_log = ReadFile(dir_ + "/worker-3.log");
+  EXPECT_THAT(peer_log, HasSubstr("llm replica 1 left the run"));
+  EXPECT_THAT(peer_log, HasSubstr("not lingering"));
+  // Restarted, both join the run at a step boundary with the live replica's state.
+  ASSERT_NE(start(3, "worker-3-again"), nullptr);
+  ASSERT_NE(start(5, "worker-5-again"), nullptr);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(dir_ + "/coordinator.log").find("llm replica 1 joined the run") !=
+               std::string::npos;
+      },
+      120))
+      << ReadFile(dir_ + "/coordinator.log");
+  // Stage 0 of the joined replica takes the state of stage 0 of replica 0 before its first step.
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(dir_ + "/worker-3-again.log")
+                   .find("llm state received from replica 0 for the joined replica(s) [1]") !=
+               std::string::npos;
+      },
+      60))
+      << ReadFile(dir_ + "/worker-3-again.log");
+}
+
 }  // namespace
 }  // namespace hetpar
