@@ -63,16 +63,20 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   return m;
 }
 
+absl::Status LlmModule::EnsureRuntime() {
+  if (runtime_.has_value()) return absl::OkStatus();
+  HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
+  runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
+                   LlmRuntimeOptions{context_->peer_timeout(), colocated_,
+                                     colocated_ ? 0 : context_->spec().run().max_inflight(),
+                                     plan::ImageGradientsCross(context_->spec()),
+                                     train::GradBucketBytes(context_->spec())},
+                   pipeline_);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LlmStepStats> LlmModule::RunModel(const plan::RankStepPlan& plan) {
-  if (!runtime_.has_value()) {
-    HETPAR_ASSIGN_OR_RETURN(const data::BatchSource* data, context_->Data());
-    runtime_.emplace(model_.get(), &state_.tp(), &state_.dp(), data, &context_->boundary(),
-                     LlmRuntimeOptions{context_->peer_timeout(), colocated_,
-                                       colocated_ ? 0 : context_->spec().run().max_inflight(),
-                                       plan::ImageGradientsCross(context_->spec()),
-                                       train::GradBucketBytes(context_->spec())},
-                     pipeline_);
-  }
+  HETPAR_RETURN_IF_ERROR(EnsureRuntime());
   return runtime_->RunStep(plan);
 }
 
@@ -106,13 +110,15 @@ absl::Status LlmModule::WaitForSends() {
 
 void LlmModule::AbandonStage(const plan::RankStepPlan& plan) {
   if (stage_link_ == nullptr) return;
-  if (runtime_.has_value()) {
-    runtime_->AbandonStage(plan);
-  } else {
-    // No step has opened the data set yet, so the messages cannot be sized: the attempt's
-    // receives and sends are left to the link's next attempt (sends still complete or fail).
+  if (absl::Status s = EnsureRuntime(); !s.ok()) {
+    // The data set did not open, so the messages cannot be sized: the attempt's receives and
+    // sends are left to the link's next attempt (its sends still complete or fail).
+    HETPAR_LOG(WARNING) << "step " << plan.step << ": cannot size the neighbouring stages' "
+                        << "messages to absorb them: " << s;
     stage_link_->Reset();
+    return;
   }
+  runtime_->AbandonStage(plan);
 }
 
 void LlmModule::StepNotRun(const plan::RankStepPlan& plan) {

@@ -48,6 +48,9 @@ class LlmModule : public worker::SingleModuleRuntime {
   LlmModule(worker::WorkerContext* context, bool colocated, worker::ModuleState state)
       : SingleModuleRuntime(context, std::move(state)), colocated_(colocated) {}
 
+  // Builds the step runtime once (it opens the data set).
+  absl::Status EnsureRuntime();
+
   bool colocated_;
   std::unique_ptr<LanguageModel> model_;
   std::unique_ptr<train::StageLink> stage_link_;  // with pipeline stages

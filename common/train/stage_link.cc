@@ -194,20 +194,25 @@ absl::Status StageLink::WaitSends() {
 
 void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes) {
   const size_t posted_before = posted_.size();
+  // The absorbed messages are never read: their receives share one scratch buffer, of the
+  // largest of them, each receive holding it until it is withdrawn or done.
+  int64_t largest = 0;
+  for (const Expected& message : expected) largest = std::max(largest, message.rows);
+  const at::Tensor scratch = at::empty({std::max<int64_t>(1, largest * row_bytes)}, at::kByte);
   for (const Expected& message : expected) {
     const Key key{message.src, StageTag(step, attempt_, message.direction, message.microbatch)};
     if (posted_.count(key) != 0 || taken_.count(key) != 0) continue;
     absl::StatusOr<transport::PeerId> peer = Peer(message.src);
     if (!peer.ok()) continue;
-    // Into a scratch buffer: the message is only absorbed.
     Posted posted;
     posted.header.assign(kHeaderBytes, 0);
-    posted.rows = at::empty({std::max<int64_t>(0, message.rows) * row_bytes}, at::kByte);
+    posted.rows = scratch;
     std::vector<transport::MutableBuffer> segments = {
         transport::MutableBuffer::Host(posted.header.data(), posted.header.size())};
-    if (posted.rows.numel() > 0) {
-      segments.push_back(transport::MutableBuffer::Host(posted.rows.data_ptr(),
-                                                        static_cast<size_t>(posted.rows.numel())));
+    const int64_t bytes = std::max<int64_t>(0, message.rows) * row_bytes;
+    if (bytes > 0) {
+      segments.push_back(
+          transport::MutableBuffer::Host(scratch.data_ptr(), static_cast<size_t>(bytes)));
     }
     absl::StatusOr<std::unique_ptr<transport::Operation>> op =
         transport_->RecvScatter(*peer, std::get<1>(key), std::move(segments));

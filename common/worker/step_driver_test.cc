@@ -725,6 +725,22 @@ TEST(StepDriverTest, ASendThatFailsAfterTheSessionEndedEndsWithTheCoordinatorsLa
     EXPECT_THAT(module.calls, ElementsAre("run 0", "discard"));
   }
   {
+    SCOPED_TRACE("the stop of a replica that left queued");
+    ScriptedChannel channel;
+    RecordingModule module;
+    module.fail_at_step = 0;
+    channel.send_error = ended;
+    v1::CoordinatorMessage stop;
+    stop.mutable_stop()->set_reason("encoder replica 1 left the run: worker enc1 lost");
+    stop.mutable_stop()->set_replica_left(true);
+    for (auto m : {Plan(0), Abort(0), stop}) channel.Push(m);
+    StepDriver driver(&channel, &module, Gen1());
+    const absl::Status status = driver.Run();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(status.message(), "encoder replica 1 left the run: worker enc1 lost");
+    EXPECT_TRUE(driver.replica_left());
+  }
+  {
     SCOPED_TRACE("only the session's final status");
     ScriptedChannel channel;
     RecordingModule module;

@@ -22,6 +22,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -336,18 +337,56 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   // coordinator ends the lost worker's TP, CP and pipeline peers too): `replacing` holds the
   // ranks started for each replica counted, until it joins; one of those dying counts again.
   const int64_t llm_group = ll.tp() * ll.cp();  // LLM ranks of one replica in one stage
+  // The worker indices of `module`'s DP replica `d` (encoder ranks first, then the LLM's).
+  auto replica_indices = [&](const std::string& module, int64_t d) {
+    std::vector<int64_t> indices;
+    if (module == "encoder") {
+      for (int64_t t = 0; t < encoder_tp; ++t) indices.push_back(d * encoder_tp + t);
+    } else {
+      for (int64_t r = 0; r < llm_ranks; ++r) {
+        if ((r / llm_group) % ll.dp() == d) indices.push_back(encoder_ranks + r);
+      }
+    }
+    return indices;
+  };
   std::map<std::pair<std::string, int64_t>, std::set<int64_t>> replacing;  // (module, replica)
-  // Workers started while the run trains: one may still be starting when the run is done.
-  std::set<const LocalProcess*> late;
+  // Workers started for a replica that admits workers, until it joins: one may still be starting
+  // when the run is done (the coordinator then refuses it).
+  std::map<std::pair<std::string, int64_t>, std::set<const LocalProcess*>> late;
+  auto is_late = [&](const LocalProcess* process) {
+    for (const auto& [replica, started] : late) {
+      if (started.count(process) != 0) return true;
+    }
+    return false;
+  };
+  // Processes that exited while the run trained, left to the coordinator's judgement.
+  std::set<const LocalProcess*> lost;
+  // The workers of the replicas the coordinator took out of the run (the lost one, and the peers
+  // it ended with it, which exit with a failure in their own time, maybe after the run trained),
+  // marked as each loss first shows in the status.
+  std::set<const LocalProcess*> taken_out;
+  std::set<std::tuple<int64_t, int, int64_t>> losses_seen;  // (generation, module, replica)
+  auto mark_losses = [&](const v1::StatusResponse& status) {
+    for (const v1::PoolChange& change : status.pool_changes()) {
+      if (change.kind() != v1::POOL_CHANGE_LOST) continue;
+      if (!losses_seen.insert({change.generation(), change.module(), change.replica()}).second) {
+        continue;
+      }
+      const std::string module = change.module() == v1::MODULE_ENCODER ? "encoder" : "llm";
+      for (int64_t i : replica_indices(module, change.replica())) {
+        auto it = process_of.find(i);
+        if (it != process_of.end()) taken_out.insert(it->second);
+      }
+    }
+  };
   auto fill_open_replicas = [&](const v1::StatusResponse& status) -> absl::Status {
     std::map<std::pair<std::string, int64_t>, std::vector<int64_t>> wanted;  // -> worker indices
     for (int64_t d : status.encoder_replicas_open()) {
-      for (int64_t t = 0; t < encoder_tp; ++t) wanted[{"encoder", d}].push_back(d * encoder_tp + t);
+      wanted[{"encoder", d}] = replica_indices("encoder", d);
     }
-    for (int64_t d : status.llm_replicas_open()) {
-      for (int64_t r = 0; r < llm_ranks; ++r) {
-        if ((r / llm_group) % ll.dp() == d) wanted[{"llm", d}].push_back(encoder_ranks + r);
-      }
+    for (int64_t d : status.llm_replicas_open()) wanted[{"llm", d}] = replica_indices("llm", d);
+    for (auto it = late.begin(); it != late.end();) {
+      it = wanted.count(it->first) == 0 ? late.erase(it) : std::next(it);  // joined
     }
     for (auto it = replacing.begin(); it != replacing.end();) {
       it = wanted.count(it->first) == 0 ? replacing.erase(it) : std::next(it);
@@ -372,8 +411,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       if (died) {
         if (replaced >= flags.replace_workers) continue;
         ++replaced;
-        replacing[replica].clear();
-        counted = replacing.find(replica);
+        counted = replacing.emplace(replica, std::set<int64_t>()).first;
       }
       const bool replacement = counted != replacing.end();
       // Without a replacement an LLM replica that left stays out of the run.
@@ -383,7 +421,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         const std::string name = starts[i] == 0 ? absl::StrCat(module, "-", rank)
                                                 : absl::StrCat(module, "-", rank, ".", starts[i]);
         HETPAR_RETURN_IF_ERROR(spawn(i, name));
-        late.insert(processes.back().get());
+        late[replica].insert(processes.back().get());
         if (replacement) counted->second.insert(i);
         std::cerr << "\nhetpar run: started " << name << " (pid " << processes.back()->pid()
                   << ") for " << module << " replica " << replica.second
@@ -459,8 +497,6 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool stop_sent = false;
-  // Processes that exited while the run trained, left to the coordinator's judgement.
-  std::set<const LocalProcess*> lost;
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(100));
     if (g_interrupted && !stop_sent) {
@@ -491,9 +527,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                   << "; the coordinator decides whether the run goes on without it\n";
         continue;
       }
-      // One started for a replica that admitted workers and still starting as the run ends is
-      // refused by the coordinator; it is judged at the end, by the run's state.
-      if (late.count(process.get()) != 0) continue;
+      // A peer the coordinator ended with a lost worker may exit after the run trained; one
+      // started for a replica that admitted workers and still starting as the run ends is
+      // refused by the coordinator, and judged at the end, by the run's state.
+      mark_losses((*server)->Status());
+      if (taken_out.count(process.get()) != 0 || is_late(process.get())) continue;
       failure = absl::StrCat(process->name(), " (pid ", process->pid(), ") exited with code ",
                              *code, "; the end of its log:\n", process->LogTail(8));
       (*server)->Stop(absl::StrCat(process->name(), " exited with code ", *code));
@@ -502,6 +540,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     // In this order: a pool change the status shows as recovered has its step among those taken.
     const v1::StatusResponse status = (*server)->Status();
     const std::vector<v1::StepTiming> committed = (*server)->TakeCommittedSteps();
+    mark_losses(status);
     if (absl::Status s = metrics.Follow(status, committed); !s.ok() && failure.empty()) {
       failure = std::string(s.message());
     }
@@ -515,6 +554,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   const v1::StatusResponse final_status = (*server)->Status();
   const std::vector<v1::StepTiming> last_committed = (*server)->TakeCommittedSteps();
+  mark_losses(final_status);
   if (absl::Status s = metrics.Follow(final_status, last_committed); !s.ok() && failure.empty()) {
     failure = std::string(s.message());
   }
@@ -526,8 +566,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   for (auto& process : processes) {
     const int code = process->WaitOrKill(absl::Seconds(15));
     if (code == 0) continue;
-    if (state == v1::RUN_STATE_DONE && late.count(process.get()) != 0 &&
-        lost.count(process.get()) == 0) {
+    if (state != v1::RUN_STATE_FAILED &&
+        (lost.count(process.get()) != 0 || taken_out.count(process.get()) != 0)) {
+      continue;
+    }
+    if (state == v1::RUN_STATE_DONE && is_late(process.get())) {
       // The run had every output it needed: the worker came too late to join it.
       std::cerr << "hetpar run: " << process->name() << " (started for a replica that admitted "
                 << "workers) exited with code " << code << ": the run was done before it joined\n";
