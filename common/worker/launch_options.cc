@@ -32,7 +32,22 @@ absl::StatusOr<std::optional<int64_t>> RequestedRank(const RankRequest& r) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--local-rank=", r.local_rank, " must be below --ranks-per-replica=", r.ranks_per_replica));
   }
-  return r.replica * r.ranks_per_replica + r.local_rank;
+  if (r.pipeline_stages <= 1) return r.replica * r.ranks_per_replica + r.local_rank;
+  if (r.ranks_per_replica % r.pipeline_stages != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ranks-per-replica=", r.ranks_per_replica,
+                     " does not split into --pipeline-stages=", r.pipeline_stages));
+  }
+  if (r.replicas <= r.replica) {
+    return absl::InvalidArgumentError(absl::StrCat("--pipeline-stages=", r.pipeline_stages,
+                                                   " needs --replicas (the module's DP "
+                                                   "replicas) above --replica=",
+                                                   r.replica, "; got replicas=", r.replicas,
+                                                   " (-1: not given)"));
+  }
+  const int64_t per_stage = r.ranks_per_replica / r.pipeline_stages;
+  return (r.local_rank / per_stage) * r.replicas * per_stage + r.replica * per_stage +
+         r.local_rank % per_stage;
 }
 
 absl::StatusOr<std::string> InterfaceAddress(const std::string& name) {

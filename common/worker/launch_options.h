@@ -17,14 +17,21 @@
 namespace hetpar::worker {
 
 // A module rank, given directly (--rank) or as a replica's (pod's, node's) index and the rank
-// inside it: rank = replica * ranks_per_replica + local_rank. A Kubernetes pod hosts one
-// replica's TP ranks, one container each; it knows its index but cannot do arithmetic. -1 means
+// inside it: rank = replica * ranks_per_replica + local_rank. A Kubernetes pod hosts one DP
+// replica's ranks, one container each; it knows its index but cannot do arithmetic. -1 means
 // not given.
+//
+// With pipeline stages (pipeline_stages S > 1; `replicas` N, the module's DP size, then given
+// too) the module's ranks run stage by stage (the LLM's rank order has pp outermost), so a
+// replica's R ranks are P = R / S ranks in each stage: local rank l is rank l % P of stage l / P,
+// and rank = (l / P) * N * P + replica * P + l % P.
 struct RankRequest {
   int64_t rank = -1;
   int64_t replica = -1;
   int64_t ranks_per_replica = -1;
   int64_t local_rank = -1;
+  int64_t replicas = -1;
+  int64_t pipeline_stages = 1;
 };
 
 // The rank to request, or nullopt (the coordinator picks the lowest free one). InvalidArgument

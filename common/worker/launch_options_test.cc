@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <vector>
+
 namespace hetpar::worker {
 namespace {
 
@@ -34,6 +36,39 @@ TEST(RequestedRankTest, ReplicaTimesRanksPerReplicaPlusLocalRank) {
   r.replica = 0;
   r.local_rank = 0;
   EXPECT_EQ(**RequestedRank(r), 0);
+}
+
+TEST(RequestedRankTest, WithPipelineStagesAPodHoldsOneDpReplicasRanksOfEveryStage) {
+  // An LLM at dp 2, tp 2, pp 2: its ranks are tp + 2 * (dp + 2 * pp) (pp outermost), so DP
+  // replica 0 holds ranks 0, 1 (stage 0) and 4, 5 (stage 1), replica 1 ranks 2, 3 and 6, 7.
+  const std::vector<std::vector<int64_t>> expected = {{0, 1, 4, 5}, {2, 3, 6, 7}};
+  for (int64_t replica = 0; replica < 2; ++replica) {
+    std::vector<int64_t> ranks;
+    for (int64_t local = 0; local < 4; ++local) {
+      RankRequest r;
+      r.replica = replica;
+      r.ranks_per_replica = 4;
+      r.local_rank = local;
+      r.replicas = 2;
+      r.pipeline_stages = 2;
+      auto rank = RequestedRank(r);
+      ASSERT_TRUE(rank.ok()) << rank.status();
+      ranks.push_back(**rank);
+    }
+    EXPECT_EQ(ranks, expected[replica]) << "replica " << replica;
+  }
+  RankRequest uneven;
+  uneven.replica = 0;
+  uneven.ranks_per_replica = 3;
+  uneven.local_rank = 0;
+  uneven.replicas = 2;
+  uneven.pipeline_stages = 2;
+  EXPECT_THAT(RequestedRank(uneven).status().message(),
+              HasSubstr("--ranks-per-replica=3 does not split into --pipeline-stages=2"));
+  RankRequest no_replicas = uneven;
+  no_replicas.ranks_per_replica = 4;
+  no_replicas.replicas = -1;
+  EXPECT_THAT(RequestedRank(no_replicas).status().message(), HasSubstr("needs --replicas"));
 }
 
 TEST(RequestedRankTest, RefusesMixedHalfGivenAndOutOfRange) {

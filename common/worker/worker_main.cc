@@ -213,6 +213,16 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   app.add_option("--local-rank", rank.local_rank, "This worker's rank inside its replica")
       ->envname("HETPAR_LOCAL_RANK")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--pipeline-stages", rank.pipeline_stages,
+                 "With --replica: the replica's ranks are split over this many pipeline stages "
+                 "(llm.layout.pp), so its local rank l takes rank l % P of stage l / P, P = "
+                 "ranks-per-replica / stages (default 1)")
+      ->envname("HETPAR_PIPELINE_STAGES")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--replicas", rank.replicas,
+                 "With --pipeline-stages: the module's DP replicas (llm.layout.dp)")
+      ->envname("HETPAR_REPLICAS")
+      ->check(CLI::PositiveNumber);
   app.add_option("--cuda-device", options.cuda_device,
                  "The GPU this worker computes on when the run's run.device is cuda (default: "
                  "LOCAL_RANK, else 0: a container given one GPU)")

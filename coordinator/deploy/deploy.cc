@@ -114,7 +114,7 @@ ModuleShape EncoderShape(const v1::RunSpec& spec) {
 
 ModuleShape LlmShape(const v1::RunSpec& spec) {
   const auto& l = spec.llm().layout();
-  return {l.dp(), l.tp() * l.cp() * l.pp()};
+  return {l.dp(), l.tp() * l.cp() * l.pp(), std::max<int64_t>(1, l.pp())};
 }
 
 std::string ObjectName(const std::string& run_name) {

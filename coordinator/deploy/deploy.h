@@ -90,6 +90,7 @@ std::string JsonToYaml(const nlohmann::ordered_json& value);
 struct ModuleShape {
   int64_t replicas = 0;           // DP size: pods / node groups
   int64_t ranks_per_replica = 0;  // TP x CP x PP: containers of a pod, tasks of a node
+  int64_t pipeline_stages = 1;    // PP: a replica's ranks are this many stages' (see RankRequest)
 };
 ModuleShape EncoderShape(const v1::RunSpec& spec);
 ModuleShape LlmShape(const v1::RunSpec& spec);

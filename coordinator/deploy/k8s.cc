@@ -169,6 +169,15 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
   for (int64_t local = 0; local < shape.ranks_per_replica; ++local) {
     Json args = Json::array({"--ranks-per-replica", std::to_string(shape.ranks_per_replica),
                              "--local-rank", std::to_string(local)});
+    if (shape.pipeline_stages > 1) {
+      // The pod still holds one DP replica: its containers are that replica's ranks of every
+      // stage (worker::RankRequest).
+      for (const std::string& a :
+           {std::string("--replicas"), std::to_string(shape.replicas),
+            std::string("--pipeline-stages"), std::to_string(shape.pipeline_stages)}) {
+        args.push_back(a);
+      }
+    }
     if (colocated) args.push_back("--colocated");
     args.push_back("--linger");
     Json env = Json::array(

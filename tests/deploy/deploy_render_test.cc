@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -166,6 +167,34 @@ TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
   }
   EXPECT_EQ(local_ranks, (std::set<std::string>{"0", "1", "2", "3"}));
   CheckContainers(llm["spec"]["template"]["spec"], "vit400m-llm8b-token");
+}
+
+// With pipeline stages a pod still holds one DP replica, its containers that replica's ranks of
+// every stage: the workers get the layout's DP size and stage count to find their ranks
+// (worker::RankRequest).
+TEST(DeployK8sTest, WithPipelineStagesEachContainerIsToldTheReplicasAndStages) {
+  Rendered r;
+  RenderK8s("tiny.yaml", &r,
+            {"--set", "llm.layout.dp=2", "--set", "llm.layout.tp=1", "--set", "llm.layout.pp=2"});
+  const YAML::Node llm = Named(r.objects, "StatefulSet", "tiny-llm");
+  const YAML::Node encoder = Named(r.objects, "StatefulSet", "tiny-encoder");
+  ASSERT_TRUE(llm && encoder);
+  EXPECT_EQ(llm["spec"]["replicas"].as<int>(), 2);
+  const YAML::Node containers = llm["spec"]["template"]["spec"]["containers"];
+  ASSERT_EQ(containers.size(), 2u);
+  for (const YAML::Node& c : containers) {
+    const auto args = c["args"].as<std::vector<std::string>>();
+    std::map<std::string, std::string> flags;
+    for (size_t i = 0; i + 1 < args.size(); ++i) flags[args[i]] = args[i + 1];
+    EXPECT_EQ(flags["--ranks-per-replica"], "2");
+    EXPECT_EQ(flags["--replicas"], "2");
+    EXPECT_EQ(flags["--pipeline-stages"], "2");
+  }
+  // The encoder has no stages.
+  for (const YAML::Node& c : encoder["spec"]["template"]["spec"]["containers"]) {
+    const auto args = c["args"].as<std::vector<std::string>>();
+    EXPECT_EQ(std::count(args.begin(), args.end(), "--pipeline-stages"), 0);
+  }
 }
 
 TEST(DeployK8sTest, GpusFollowTheConfigsDeviceAndAContradictionIsRefused) {

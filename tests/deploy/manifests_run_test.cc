@@ -57,6 +57,9 @@ struct LocalContainer {
 
 class ManifestsRunTest : public ::testing::Test {
  protected:
+  void RunTheManifests(const std::vector<std::string>& sets, size_t expected_workers);
+  std::map<std::string, std::string> worker_logs_;  // container name -> its log
+
   // Local directory for a pod volume: Secrets and ConfigMaps are written out as files.
   std::string VolumeDir(const YAML::Node& volume) {
     const std::string name = volume["name"].as<std::string>();
@@ -148,15 +151,32 @@ class ManifestsRunTest : public ::testing::Test {
   std::string local_address_;
 };
 
-TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
+// Renders the tiny run's manifests with `sets`, runs their `expected_workers` worker containers
+// and the coordinator as local processes, and checks the run against the reference.
+void ManifestsRunTest::RunTheManifests(const std::vector<std::string>& sets,
+                                       size_t expected_workers) {
   const int port = FreePort();
   ASSERT_GT(port, 0);
   local_address_ = absl::StrCat("127.0.0.1:", port);
-  auto rendered = RunCommand(
-      {kHetparBin, "deploy", "k8s", "--config", kSourceDir + "/configs/tiny.yaml", "--image",
-       "hetpar:test", "--out", dir_.File("k8s"), "--set", "run.steps=6", "--set",
-       "run.dtype=float64", "--set", "data.synth.samples=64", "--set", "data.synth.val_samples=4"},
-      60);
+  std::vector<std::string> render = {kHetparBin,
+                                     "deploy",
+                                     "k8s",
+                                     "--config",
+                                     kSourceDir + "/configs/tiny.yaml",
+                                     "--image",
+                                     "hetpar:test",
+                                     "--out",
+                                     dir_.File("k8s"),
+                                     "--set",
+                                     "run.steps=6",
+                                     "--set",
+                                     "run.dtype=float64",
+                                     "--set",
+                                     "data.synth.samples=64",
+                                     "--set",
+                                     "data.synth.val_samples=4"};
+  for (const std::string& set : sets) render.insert(render.end(), {"--set", set});
+  auto rendered = RunCommand(render, 60);
   ASSERT_TRUE(rendered.ok()) << rendered.status();
   ASSERT_EQ(rendered->exit_code, 0) << rendered->stderr_text;
   objects_ = LoadObjects(dir_.File("k8s"));
@@ -167,7 +187,7 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
       workers.push_back(std::move(c));
     }
   }
-  ASSERT_EQ(workers.size(), 4u);  // 2 encoder pods x 1 rank, 1 LLM pod x 2 ranks
+  ASSERT_EQ(workers.size(), expected_workers);
   const std::vector<LocalContainer> coordinators =
       Containers(Named(objects_, "Deployment", "tiny-coordinator"), 1);
   ASSERT_EQ(coordinators.size(), 1u);
@@ -189,6 +209,7 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
   std::vector<std::string> logs;
   for (const LocalContainer& c : workers) {
     logs.push_back(dir_.File(c.name + ".log"));
+    worker_logs_[c.name] = logs.back();
     auto p = ChildProcess::Start(c.argv, logs.back());
     ASSERT_TRUE(p.ok()) << p.status();
     processes.push_back(*std::move(p));
@@ -238,6 +259,26 @@ TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
   auto compare = RunCommand({kHetparBin, "compare", run_dir, dir_.File("reference")}, 60);
   ASSERT_TRUE(compare.ok()) << compare.status();
   EXPECT_EQ(compare->exit_code, 0) << compare->stdout_text << compare->stderr_text;
+}
+
+TEST_F(ManifestsRunTest, TinyManifestsFormARunThatMatchesTheReference) {
+  RunTheManifests({}, 4);  // 2 encoder pods x 1 rank, 1 LLM pod x 2 ranks
+}
+
+// With pipeline stages each LLM pod holds one DP replica: its containers take that replica's
+// ranks of both stages, so losing a pod loses one replica (docs/deploy.md).
+TEST_F(ManifestsRunTest, WithPipelineStagesEachLlmPodHoldsOneDpReplica) {
+  RunTheManifests({"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"}, 6);
+  for (int pod = 0; pod < 2; ++pod) {
+    for (int local = 0; local < 2; ++local) {
+      const std::string name = absl::StrCat("tiny-llm-", pod, "-rank-", local);
+      ASSERT_EQ(worker_logs_.count(name), 1u) << name;
+      // Its log lines carry its coordinates: "[r<world> llm dp<d> tp0 pp<s>]".
+      EXPECT_THAT(ReadFile(worker_logs_[name]),
+                  HasSubstr(absl::StrCat(" llm dp", pod, " tp0 pp", local, "]")))
+          << name;
+    }
+  }
 }
 
 // A lingering worker still ends at once when terminated before its run is over (a pod deleted
