@@ -618,6 +618,38 @@ TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnLlmReplicaThatDidNotComeBa
   EXPECT_EQ(status.pool_changes(0).replica(), 1);
 }
 
+// With pipeline stages, a replica whose stage 1 did not come back leaves with its stage 0, which
+// registered: told so (StopRun.replica_left), it exits and may register again.
+TEST_F(RunControllerTest, ARestartedPipelinedRunStartsWithoutAPartlyRegisteredLlmReplica) {
+  continues_lost_run_ = true;
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_llm()->mutable_layout()->set_dp(2);
+  spec.mutable_llm()->mutable_layout()->set_tp(1);
+  spec.mutable_llm()->mutable_layout()->set_pp(2);
+  spec.mutable_run()->set_global_batch(8);
+  spec.mutable_run()->set_micro_batch(2);
+  CreateWith(spec);
+  // LLM ranks 0 (dp 0, pp 0), 1 (dp 1, pp 0) and 2 (dp 0, pp 1); rank 3 (dp 1, pp 1) is missing.
+  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  HearFrom({0, 1, 2, 3, 4}, kT0 + absl::Seconds(61));
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  for (size_t i : {size_t{2}, size_t{4}}) {
+    const auto plans = SentTo(ids_[i], v1::CoordinatorMessage::kStepPlan);
+    ASSERT_EQ(plans.size(), 1u) << "llm worker " << i;
+    EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
+  }
+  EXPECT_TRUE(SentTo(ids_[3], v1::CoordinatorMessage::kStepPlan).empty());
+  const auto stops = SentTo(ids_[3], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_TRUE(stops[0].stop().replica_left());
+  EXPECT_THAT(stops[0].stop().reason(), HasSubstr("llm replica 1 did not register"));
+}
+
 TEST_F(RunControllerTest, ARestartedRunStillFailsWhenItCannotStartWithoutTheMissingRanks) {
   // An LLM rank missing at tp 2 without LLM DP: its replica is the only one.
   continues_lost_run_ = true;
