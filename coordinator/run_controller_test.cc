@@ -124,11 +124,12 @@ class RunControllerTest : public ::testing::Test {
   }
 
   // Registers all four workers and opens their sessions.
-  void StartAll() {
-    for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
-                      v1::WORKER_ROLE_LLM}) {
-      ids_.push_back(Register(role));
-    }
+  // Registers workers of `roles` (by default tiny's two encoder and two LLM ranks) and opens
+  // their sessions.
+  void StartAll(const std::vector<v1::WorkerRole>& roles = {
+                    v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                    v1::WORKER_ROLE_LLM}) {
+    for (v1::WorkerRole role : roles) ids_.push_back(Register(role));
     for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
   }
 
@@ -488,11 +489,8 @@ TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) 
   spec.mutable_run()->set_global_batch(3);
   spec.mutable_run()->set_micro_batch(1);
   CreateWith(spec);
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
-                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+            v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   controller_->SessionEnded(ids_[4], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
   EXPECT_THAT(controller_->state_message(),
@@ -524,11 +522,8 @@ TEST_F(RunControllerTest, WithPipelineStagesALostLlmStageTakesItsWholeReplicaOut
   spec.mutable_run()->set_micro_batch(2);
   CreateWith(spec);
   // LLM ranks 0 to 3: (dp 0, pp 0), (dp 1, pp 0), (dp 0, pp 1), (dp 1, pp 1).
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
-                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+            v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   actions_ = {};
   controller_->SessionEnded(ids_[5], "connection reset", kT0 + absl::Seconds(1), &actions_);
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
@@ -555,10 +550,7 @@ TEST_F(RunControllerTest, WithPipelineStagesALostLlmStageTakesItsWholeReplicaOut
 TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnEncoderReplicaThatDidNotComeBack) {
   continues_lost_run_ = true;
   Create(/*steps=*/3);
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).empty());
   HearFrom({0, 1, 2}, kT0 + absl::Seconds(59));
   controller_->Tick(kT0 + absl::Seconds(59), &actions_);
@@ -601,10 +593,7 @@ TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnLlmReplicaThatDidNotComeBa
   spec.mutable_run()->set_global_batch(8);
   spec.mutable_run()->set_micro_batch(2);
   CreateWith(spec);
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM});
   HearFrom({0, 1, 2}, kT0 + absl::Seconds(61));
   controller_->Tick(kT0 + absl::Seconds(61), &actions_);
   ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
@@ -630,11 +619,8 @@ TEST_F(RunControllerTest, ARestartedPipelinedRunStartsWithoutAPartlyRegisteredLl
   spec.mutable_run()->set_micro_batch(2);
   CreateWith(spec);
   // LLM ranks 0 (dp 0, pp 0), 1 (dp 1, pp 0) and 2 (dp 0, pp 1); rank 3 (dp 1, pp 1) is missing.
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
-                    v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+            v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   HearFrom({0, 1, 2, 3, 4}, kT0 + absl::Seconds(61));
   controller_->Tick(kT0 + absl::Seconds(61), &actions_);
   ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
@@ -1102,10 +1088,7 @@ TEST_F(RunControllerTest, ARunStartsWithItsInitialEncoderReplicas) {
   v1::RunSpec spec = TinySpec(/*steps=*/2);
   spec.mutable_encoder()->set_initial_replicas(1);
   CreateWith(spec);
-  for (auto role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM}) {
-    ids_.push_back(Register(role));
-  }
-  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
   auto assignments = SentTo(ids_[1], v1::CoordinatorMessage::kAssignment);
   ASSERT_FALSE(assignments.empty());

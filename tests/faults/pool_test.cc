@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -161,6 +162,44 @@ class EncoderPoolTest : public ::testing::Test {
     EXPECT_EQ(run.ledger["lost"].get<int64_t>(), 0);
   }
 
+  // `hetpar run --replace-workers 1` with `sets`, whose LLM has `llm_workers` ranks: LLM rank
+  // `victim` is killed after 3 steps, its replica comes back and joins, and the run equals an
+  // uninterrupted one and the reference. Returns hetpar run's log.
+  std::string KillAnLlmWorkerAndReplaceIt(const std::vector<std::string>& sets, size_t llm_workers,
+                                          int64_t victim) {
+    std::vector<std::string> argv = RunArgs("run", sets);
+    argv.insert(argv.end(), {"--replace-workers", "1"});
+    auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+    EXPECT_TRUE(run.ok());
+    if (!run.ok()) return "";
+    const std::string log_path = dir_ + "/hetpar-run.log";
+    EXPECT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
+    const std::string out = "--out " + dir_ + "/run ";
+    EXPECT_EQ(ProcessesWith({"hetpar-llm --coordinator", out}).size(), llm_workers)
+        << ReadFile(log_path);
+    const std::vector<pid_t> killed =
+        ProcessesWith({"hetpar-llm --coordinator", absl::StrCat("--rank ", victim, " "), out});
+    EXPECT_EQ(killed.size(), 1u) << ReadFile(log_path);
+    if (killed.size() != 1) return "";
+    EXPECT_EQ(::kill(killed[0], SIGKILL), 0);
+    EXPECT_TRUE(WaitFor([&] { return PoolChanges("run", "joined") == 1; })) << ReadFile(log_path);
+    EXPECT_LT(CommittedSteps("run"), steps_) << "the run ended before the replacement joined";
+    auto code = run->Wait(180);
+    EXPECT_TRUE(code.ok()) << code.status();
+    const std::string log = ReadFile(log_path);
+    EXPECT_EQ(code.value_or(-1), 0) << log;
+    const RunLines lines = ReadRun(dir_ + "/run");
+    EXPECT_EQ(lines.pool_changes.size(), 2u);
+    if (lines.pool_changes.size() == 2) {
+      EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
+      EXPECT_EQ(lines.pool_changes[1]["kind"], "joined");
+      EXPECT_EQ(lines.pool_changes[1]["replicas"].get<int64_t>(), 2);
+    }
+    ExpectJoinedStateEqualsItsSource("run");
+    ExpectUninterruptedNumbers("run", sets);
+    return log;
+  }
+
   // A joined rank logs the parameter sums of the state it received; its source logs the same.
   void ExpectJoinedStateEqualsItsSource(const std::string& out) const {
     const std::regex line(
@@ -227,29 +266,8 @@ TEST_F(EncoderPoolTest, AnEncoderKilledThreeTimesAndReplacedTwiceTrainsAsAnUnint
 // The same for an LLM worker of a run whose LLM has two replicas: the lost replica admits a
 // replacement, which joins with the LLM's state from the other replica.
 TEST_F(EncoderPoolTest, AKilledLlmWorkerReplacedTrainsAsAnUninterruptedRun) {
-  const std::vector<std::string> sets = {"llm.layout.dp=2", "llm.layout.tp=1"};
-  std::vector<std::string> argv = RunArgs("run", sets);
-  argv.insert(argv.end(), {"--replace-workers", "1"});
-  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
-  ASSERT_TRUE(run.ok());
-  const std::string log_path = dir_ + "/hetpar-run.log";
-  ASSERT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
-  const std::vector<pid_t> llm =
-      ProcessesWith({"hetpar-llm --coordinator", "--out " + dir_ + "/run "});
-  ASSERT_EQ(llm.size(), 2u) << ReadFile(log_path);
-  ASSERT_EQ(::kill(llm[std::random_device{}() % 2], SIGKILL), 0);
-  ASSERT_TRUE(WaitFor([&] { return PoolChanges("run", "joined") == 1; })) << ReadFile(log_path);
-  ASSERT_LT(CommittedSteps("run"), kSteps) << "the run ended before the replacement joined";
-  auto code = run->Wait(180);
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << ReadFile(log_path);
-  const RunLines lines = ReadRun(dir_ + "/run");
-  ASSERT_EQ(lines.pool_changes.size(), 2u);
-  EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
-  EXPECT_EQ(lines.pool_changes[1]["kind"], "joined");
-  EXPECT_EQ(lines.pool_changes[1]["replicas"].get<int64_t>(), 2);
-  ExpectJoinedStateEqualsItsSource("run");
-  ExpectUninterruptedNumbers("run", sets);
+  KillAnLlmWorkerAndReplaceIt({"llm.layout.dp=2", "llm.layout.tp=1"}, 2,
+                              std::random_device{}() % 2);
 }
 
 // With pipeline stages a replica is two processes: the coordinator ends the killed stage's peer,
@@ -257,38 +275,13 @@ TEST_F(EncoderPoolTest, AKilledLlmWorkerReplacedTrainsAsAnUninterruptedRun) {
 // takes its state from the same stage of the live replica.
 TEST_F(EncoderPoolTest, AKilledLlmStageIsReplacedWithItsReplicaAndThePipelinedRunMatches) {
   steps_ = 120;  // time for two processes to start and join
-  const std::vector<std::string> sets = {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"};
-  std::vector<std::string> argv = RunArgs("run", sets);
-  argv.insert(argv.end(), {"--replace-workers", "1"});
-  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
-  ASSERT_TRUE(run.ok());
-  const std::string log_path = dir_ + "/hetpar-run.log";
-  ASSERT_TRUE(WaitFor([&] { return CommittedSteps("run") >= 3; })) << ReadFile(log_path);
-  const std::vector<pid_t> llm =
-      ProcessesWith({"hetpar-llm --coordinator", "--out " + dir_ + "/run "});
-  ASSERT_EQ(llm.size(), 4u) << ReadFile(log_path);
-  // LLM rank 3: stage 1 of replica 1.
-  const std::vector<pid_t> victim =
-      ProcessesWith({"hetpar-llm --coordinator", "--rank 3 ", "--out " + dir_ + "/run "});
-  ASSERT_EQ(victim.size(), 1u) << ReadFile(log_path);
-  ASSERT_EQ(::kill(victim[0], SIGKILL), 0);
-  ASSERT_TRUE(WaitFor([&] { return PoolChanges("run", "joined") == 1; })) << ReadFile(log_path);
-  ASSERT_LT(CommittedSteps("run"), steps_) << "the run ended before the replacement joined";
-  auto code = run->Wait(180);
-  ASSERT_TRUE(code.ok()) << code.status();
-  const std::string log = ReadFile(log_path);
-  ASSERT_EQ(*code, 0) << log;
+  // LLM rank 3: stage 1 of replica 1, whose stage 0 is LLM rank 1.
+  const std::string log =
+      KillAnLlmWorkerAndReplaceIt({"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"}, 4, 3);
   EXPECT_THAT(log, HasSubstr("started llm-1.1"));
   EXPECT_THAT(log, HasSubstr("started llm-3.1"));
   EXPECT_THAT(log, HasSubstr("(replacement 1 of --replace-workers 1)"));
   EXPECT_THAT(log, ::testing::Not(HasSubstr("replacement 2")));
-  const RunLines lines = ReadRun(dir_ + "/run");
-  ASSERT_EQ(lines.pool_changes.size(), 2u);
-  EXPECT_EQ(lines.pool_changes[0]["module"], "llm");
-  EXPECT_EQ(lines.pool_changes[1]["kind"], "joined");
-  EXPECT_EQ(lines.pool_changes[1]["replicas"].get<int64_t>(), 2);
-  ExpectJoinedStateEqualsItsSource("run");
-  ExpectUninterruptedNumbers("run", sets);
 }
 
 // SIGTERM to an encoder worker (a pod removed): it asks to leave, its replica leaves at the next
