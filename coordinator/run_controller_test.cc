@@ -102,13 +102,19 @@ class RunControllerTest : public ::testing::Test {
 
   // A run of two steps with two LLM replicas at tp 1, started: ids_ are encoder 0, encoder 1, LLM
   // replica 0 and LLM replica 1; actions_ is empty.
-  void StartWithTwoLlmReplicas() {
+  // TinySpec of 2 steps with two LLM replicas at tp 1, in `pp` stages each.
+  static v1::RunSpec TwoLlmReplicasSpec(int64_t pp = 1) {
     v1::RunSpec spec = TinySpec(/*steps=*/2);
     spec.mutable_llm()->mutable_layout()->set_dp(2);
     spec.mutable_llm()->mutable_layout()->set_tp(1);
+    spec.mutable_llm()->mutable_layout()->set_pp(pp);
     spec.mutable_run()->set_global_batch(8);
     spec.mutable_run()->set_micro_batch(2);
-    CreateWith(spec);
+    return spec;
+  }
+
+  void StartWithTwoLlmReplicas() {
+    CreateWith(TwoLlmReplicasSpec());
     StartAll();
     actions_ = {};
   }
@@ -514,13 +520,7 @@ TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaLeavesAndTheRunGo
 }
 
 TEST_F(RunControllerTest, WithPipelineStagesALostLlmStageTakesItsWholeReplicaOut) {
-  v1::RunSpec spec = TinySpec(/*steps=*/2);
-  spec.mutable_llm()->mutable_layout()->set_dp(2);
-  spec.mutable_llm()->mutable_layout()->set_tp(1);
-  spec.mutable_llm()->mutable_layout()->set_pp(2);
-  spec.mutable_run()->set_global_batch(8);
-  spec.mutable_run()->set_micro_batch(2);
-  CreateWith(spec);
+  CreateWith(TwoLlmReplicasSpec(/*pp=*/2));
   // LLM ranks 0 to 3: (dp 0, pp 0), (dp 1, pp 0), (dp 0, pp 1), (dp 1, pp 1).
   StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
             v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
@@ -611,13 +611,7 @@ TEST_F(RunControllerTest, ARestartedRunStartsWithoutAnLlmReplicaThatDidNotComeBa
 // registered: told so (StopRun.replica_left), it exits and may register again.
 TEST_F(RunControllerTest, ARestartedPipelinedRunStartsWithoutAPartlyRegisteredLlmReplica) {
   continues_lost_run_ = true;
-  v1::RunSpec spec = TinySpec(/*steps=*/2);
-  spec.mutable_llm()->mutable_layout()->set_dp(2);
-  spec.mutable_llm()->mutable_layout()->set_tp(1);
-  spec.mutable_llm()->mutable_layout()->set_pp(2);
-  spec.mutable_run()->set_global_batch(8);
-  spec.mutable_run()->set_micro_batch(2);
-  CreateWith(spec);
+  CreateWith(TwoLlmReplicasSpec(/*pp=*/2));
   // LLM ranks 0 (dp 0, pp 0), 1 (dp 1, pp 0) and 2 (dp 0, pp 1); rank 3 (dp 1, pp 1) is missing.
   StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
             v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
