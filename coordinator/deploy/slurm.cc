@@ -27,6 +27,7 @@ struct Job {
   int64_t encoder_ranks = 0;  // 0 when colocated
   int64_t llm_ranks = 0;      // colocated: the shared ranks
   bool colocated = false;
+  ModuleShape llm;  // the LLM's (colocated: the shared ranks') replicas and stages
 };
 
 // The part both scripts share after the #SBATCH lines: paths, the token, the coordinator's
@@ -61,11 +62,21 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
   return s;
 }
 
-// A worker step's command: its rank is the task's SLURM_PROCID within the step.
-std::string WorkerCommand(const std::string& binary, bool colocated, const DeployOptions& options) {
+// A worker step's command: its rank is the task's SLURM_PROCID within the step. With pipeline
+// stages (`staged`), consecutive tasks (a node's, in Slurm's block distribution) are one DP
+// replica's ranks of every stage instead (worker::RankRequest), as a Kubernetes pod's are.
+std::string WorkerCommand(const std::string& binary, bool colocated, const DeployOptions& options,
+                          const ModuleShape* staged = nullptr) {
   std::string host = options.interface.empty() ? " --host \"$SLURMD_NODENAME\"" : "";
-  return absl::StrCat("bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\"", host, " \"$@\"' \"$BIN/",
-                      binary, "\"", colocated ? " --colocated" : "");
+  std::string rank = "--rank \"$SLURM_PROCID\"";
+  if (staged != nullptr && staged->pipeline_stages > 1) {
+    const int64_t r = staged->ranks_per_replica;
+    rank = absl::StrCat("--replica $((SLURM_PROCID / ", r, ")) --ranks-per-replica ", r,
+                        " --local-rank $((SLURM_PROCID % ", r, ")) --replicas ", staged->replicas,
+                        " --pipeline-stages ", staged->pipeline_stages);
+  }
+  return absl::StrCat("bash -c 'exec \"$0\" ", rank, host, " \"$@\"' \"$BIN/", binary, "\"",
+                      colocated ? " --colocated" : "");
 }
 
 std::string WaitLoop() {
@@ -124,12 +135,12 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
                   "--out \"$RUN_DIR\"\n");
   if (job.colocated) {
     absl::StrAppend(&s, "start_step colocated --exact --ntasks=", job.llm_ranks, GpuFlag(options),
-                    " ", WorkerCommand("hetpar-llm", true, options), "\n");
+                    " ", WorkerCommand("hetpar-llm", true, options, &job.llm), "\n");
   } else {
     absl::StrAppend(&s, "start_step encoder --exact --ntasks=", job.encoder_ranks, GpuFlag(options),
                     " ", WorkerCommand("hetpar-encoder", false, options), "\n");
     absl::StrAppend(&s, "start_step llm --exact --ntasks=", job.llm_ranks, GpuFlag(options), " ",
-                    WorkerCommand("hetpar-llm", false, options), "\n");
+                    WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   }
   absl::StrAppend(&s, WaitLoop());
   return s;
@@ -161,7 +172,8 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
   absl::StrAppend(&s, "start_step encoder --het-group=0 --exact --ntasks=", job.encoder_ranks,
                   GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
   absl::StrAppend(&s, "start_step llm --het-group=1 --exact --ntasks=", job.llm_ranks,
-                  GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options), "\n");
+                  GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm),
+                  "\n");
   absl::StrAppend(&s, WaitLoop());
   return s;
 }
@@ -186,6 +198,7 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
   const ModuleShape encoder = EncoderShape(spec);
   const ModuleShape llm = LlmShape(spec);
   job.llm_ranks = llm.replicas * llm.ranks_per_replica;
+  job.llm = llm;
   job.encoder_ranks = job.colocated ? 0 : encoder.replicas * encoder.ranks_per_replica;
   v1::RunSpec run_spec = spec;
   run_spec.mutable_run()->set_out_dir(options.run_dir);

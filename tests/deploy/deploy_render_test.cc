@@ -295,6 +295,29 @@ TEST(DeploySlurmTest, ScriptsAreValidBashAndStartEveryRankWithARealBinary) {
   EXPECT_EQ(spec["run"]["out_dir"].as<std::string>(), dir.File("run"));
 }
 
+// With pipeline stages, consecutive LLM tasks (a node's) are one DP replica's ranks of every
+// stage, as a Kubernetes pod's are.
+TEST(DeploySlurmTest, WithPipelineStagesTheLlmTasksAreToldTheReplicasAndStages) {
+  TempDir dir;
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("run"), "--interface", "lo", "--set", "llm.layout.dp=2", "--set",
+             "llm.layout.tp=1", "--set", "llm.layout.pp=2"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  for (const char* script : {"hetpar.sbatch", "hetpar-het.sbatch"}) {
+    const std::string path = dir.File("run") + "/" + script;
+    const CommandResult syntax = RunOk({"bash", "-n", path});
+    EXPECT_EQ(syntax.exit_code, 0) << script << ": " << syntax.stderr_text;
+    const std::string text = ReadFile(path);
+    EXPECT_THAT(text, HasSubstr("--ntasks=4 bash -c 'exec \"$0\" --replica $((SLURM_PROCID / 2)) "
+                                "--ranks-per-replica 2 --local-rank $((SLURM_PROCID % 2)) "
+                                "--replicas 2 --pipeline-stages 2 \"$@\"' \"$BIN/hetpar-llm\""));
+    // The encoder has no stages.
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+                                "\"$BIN/hetpar-encoder\""));
+  }
+}
+
 TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {
   const nlohmann::ordered_json value = {{"port", 50051},
                                         {"port_text", "50051"},

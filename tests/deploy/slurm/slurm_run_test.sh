@@ -59,8 +59,10 @@ coordinator_port() {
 
 # Renders NAME's scripts: a 6-step float64 tiny run on a small synthetic set in this test's
 # directory; workers advertise the loopback interface (the nodes share this host).
-render() {
-  "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$1" \
+render() {  # NAME [--set KEY=VALUE ...]
+  local name=$1
+  shift
+  "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$name" "$@" \
     --interface lo --cpus-per-rank 1 --bin-dir "$bin" --port "$(coordinator_port)" \
     --set run.steps=6 --set run.dtype=float64 \
     --set data.manifest="$work/data/train.jsonl" --set data.val_manifest="$work/data/val.jsonl" \
@@ -77,12 +79,12 @@ submit() {
   sbatch --parsable --export="$exports" "$script" | cut -d';' -f1
 }
 
-check_run() {  # RUN_DIR
-  local dir=$1
+check_run() {  # RUN_DIR [REFERENCE_DIR]
+  local dir=$1 reference=${2:-$work/reference}
   grep -q '"step":5' "$dir/metrics.jsonl" || fail "$dir/metrics.jsonl has no step 5"
   grep -q '"final_params"' "$dir/metrics.jsonl" || fail "$dir/metrics.jsonl has no final_params"
   [ -f "$dir/model/encoder.hpar" ] && [ -f "$dir/model/llm.hpar" ] || fail "no model files in $dir"
-  "$bin/hetpar" compare "$dir" "$work/reference" >"$dir/compare.txt" 2>&1 ||
+  "$bin/hetpar" compare "$dir" "$reference" >"$dir/compare.txt" 2>&1 ||
     fail "hetpar compare $dir against the reference: $(cat "$dir/compare.txt")"
 }
 
@@ -105,7 +107,17 @@ job=$(submit "$work/run-het/hetpar-het.sbatch")
 check_run "$work/run-het"
 echo "slurm_run_test: heterogeneous job: job $job completed and matches the reference"
 
-# 3. A failing step ends the job and is named.
+# 3. Pipeline stages: an LLM task takes its rank from its replica and local rank (a node holds
+# one DP replica's ranks of every stage); the ranks are the layout's, and the run matches.
+render run-pp --set llm.layout.dp=2 --set llm.layout.tp=1 --set llm.layout.pp=2
+job=$(submit "$work/run-pp/hetpar.sbatch")
+"$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "pp job $job did not complete"
+"$bin/hetpar" run --reference --config "$work/run-pp/run.yaml" --out "$work/reference-pp" \
+  >"$work/reference-pp.log" 2>&1 || fail "pp reference run: $(tail -n 5 "$work/reference-pp.log")"
+check_run "$work/run-pp" "$work/reference-pp"
+echo "slurm_run_test: pipeline stages: job $job completed and matches the reference"
+
+# 4. A failing step ends the job and is named.
 render run-fail
 job=$(submit "$work/run-fail/hetpar.sbatch" HETPAR_TIMEOUT=not-a-number)
 if "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 300 >/dev/null; then
