@@ -194,12 +194,19 @@ absl::Status StageLink::WaitSends() {
 
 void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes) {
   const size_t posted_before = posted_.size();
-  // The absorbed messages are never read: their receives share one scratch buffer, of the
-  // largest of them, each receive holding it until it is withdrawn or done.
-  int64_t largest = 0;
-  for (const Expected& message : expected) largest = std::max(largest, message.rows);
-  const at::Tensor scratch = at::empty({std::max<int64_t>(1, largest * row_bytes)}, at::kByte);
+  // The absorbed messages are never read: the receives from one neighbour (whose messages land
+  // one at a time) share one scratch buffer, of the largest of them, each receive holding it
+  // until it is withdrawn or done.
+  std::map<int64_t, int64_t> largest;  // source rank -> rows
   for (const Expected& message : expected) {
+    largest[message.src] = std::max(largest[message.src], message.rows);
+  }
+  std::map<int64_t, at::Tensor> scratches;
+  for (const auto& [src, rows] : largest) {
+    scratches[src] = at::empty({std::max<int64_t>(1, rows * row_bytes)}, at::kByte);
+  }
+  for (const Expected& message : expected) {
+    const at::Tensor& scratch = scratches[message.src];
     const Key key{message.src, StageTag(step, attempt_, message.direction, message.microbatch)};
     if (posted_.count(key) != 0 || taken_.count(key) != 0) continue;
     absl::StatusOr<transport::PeerId> peer = Peer(message.src);

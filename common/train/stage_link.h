@@ -90,8 +90,8 @@ class StageLink {
   };
   // Gives up the current attempt (of step `step`), which ended early: each of `expected` that was
   // neither received nor posted gets a receive of its size (`row_bytes` per row) into a scratch
-  // buffer the call's receives share (nothing reads it), so that the neighbour's send of it
-  // completes. They go with the attempt's other receives (see Reset).
+  // buffer the call's receives from one neighbour share (nothing reads it), so that the neighbour's
+  // send of it completes. They go with the attempt's other receives (see Reset).
   void Abandon(int64_t step, const std::vector<Expected>& expected, int64_t row_bytes);
   // Ends the current attempt: its receives still posted stay posted through the next two
   // attempts (withdrawn by the third Reset from now); its sends still held are kept until they

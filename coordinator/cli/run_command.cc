@@ -367,6 +367,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::set<const LocalProcess*> taken_out;
   std::set<std::tuple<int64_t, int, int64_t>> losses_seen;  // (generation, module, replica)
   auto mark_losses = [&](const v1::StatusResponse& status) {
+    // A replica no longer admitting workers joined (or was closed): its workers are no longer late.
+    std::set<std::pair<std::string, int64_t>> open;
+    for (int64_t d : status.encoder_replicas_open()) open.insert({"encoder", d});
+    for (int64_t d : status.llm_replicas_open()) open.insert({"llm", d});
+    for (auto it = late.begin(); it != late.end();) {
+      it = open.count(it->first) == 0 ? late.erase(it) : std::next(it);
+    }
     for (const v1::PoolChange& change : status.pool_changes()) {
       if (change.kind() != v1::POOL_CHANGE_LOST) continue;
       if (!losses_seen.insert({change.generation(), change.module(), change.replica()}).second) {
@@ -385,9 +392,6 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       wanted[{"encoder", d}] = replica_indices("encoder", d);
     }
     for (int64_t d : status.llm_replicas_open()) wanted[{"llm", d}] = replica_indices("llm", d);
-    for (auto it = late.begin(); it != late.end();) {
-      it = wanted.count(it->first) == 0 ? late.erase(it) : std::next(it);  // joined
-    }
     for (auto it = replacing.begin(); it != replacing.end();) {
       it = wanted.count(it->first) == 0 ? replacing.erase(it) : std::next(it);
     }

@@ -169,7 +169,9 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
   for (int64_t local = 0; local < shape.ranks_per_replica; ++local) {
     Json args = Json::array({"--ranks-per-replica", std::to_string(shape.ranks_per_replica),
                              "--local-rank", std::to_string(local)});
-    if (shape.pipeline_stages > 1) {
+    // Not colocated: a colocated rank's loss fails the run anyway, and its encoder TP groups,
+    // consecutive ranks, would be split over pods.
+    if (!colocated && shape.pipeline_stages > 1) {
       // The pod still holds one DP replica: its containers are that replica's ranks of every
       // stage (worker::RankRequest).
       for (const std::string& a :

@@ -135,7 +135,7 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
                   "--out \"$RUN_DIR\"\n");
   if (job.colocated) {
     absl::StrAppend(&s, "start_step colocated --exact --ntasks=", job.llm_ranks, GpuFlag(options),
-                    " ", WorkerCommand("hetpar-llm", true, options, &job.llm), "\n");
+                    " ", WorkerCommand("hetpar-llm", true, options), "\n");
   } else {
     absl::StrAppend(&s, "start_step encoder --exact --ntasks=", job.encoder_ranks, GpuFlag(options),
                     " ", WorkerCommand("hetpar-encoder", false, options), "\n");
