@@ -570,9 +570,9 @@ int Main(int argc, char** argv) {
         // A rank per GPU: a tp the machine cannot hold is skipped, saying so, rather than left
         // to wait for ranks that cannot start.
         if (c.device == "cuda" && tp > static_cast<int>(torch::cuda::device_count())) {
-          std::cout << "{\"bench\": \"model_bench\", \"module\": \"" << module
-                    << "\", \"config\": \"" << config << "\", \"device\": \"cuda\", \"tp\": " << tp
-                    << ", \"skipped\": \"tp " << tp << " runs a rank per GPU; this machine shows "
+          std::cout << "{\"bench\":\"model_bench\",\"module\":\"" << module << "\",\"config\":\""
+                    << config << "\",\"device\":\"cuda\",\"tp\":" << tp << ",\"skipped\":\"tp "
+                    << tp << " runs a rank per GPU; this machine shows "
                     << static_cast<int>(torch::cuda::device_count()) << " CUDA device(s)\"}"
                     << std::endl;
           continue;

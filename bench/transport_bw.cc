@@ -9,10 +9,9 @@
 //   gloo       c10d ProcessGroupGloo send/recv (libtorch), one way and both ways
 //   memcpy     a single-process memcpy of the same size
 // and prints one JSON object per size:
-//   {"bench": "transport_bw", "memory": "host", "size": 33554432, "hetpar_gbps": ...,
-//    "ucx_raw_gbps": ..., "gloo_gbps": ..., "memcpy_gbps": ..., "hetpar_bidir_gbps": ...,
-//    "gloo_bidir_gbps": ..., "ucx_raw_peer_gbps": ..., "hetpar_vs_ucx_raw": ...,
-//    "hetpar_vs_gloo": ...}
+//   {"bench":"transport_bw","memory":"host","size":33554432,"hetpar_gbps":...,
+//    "ucx_raw_gbps":...,"gloo_gbps":...,"memcpy_gbps":...,"hetpar_bidir_gbps":...,
+//    "gloo_bidir_gbps":...,"ucx_raw_peer_gbps":...,"hetpar_vs_ucx_raw":...,"hetpar_vs_gloo":...}
 // Rates are GB/s (1e9 bytes per second). One-way rates count the bytes of one direction;
 // "bidir" rates count the bytes moved in both directions together. Every rate is the best of
 // --reps repetitions of --budget bytes (at least 8 and at most 8192 messages) after a warm-up,
@@ -24,10 +23,9 @@
 // ucx_perftest with `-m cuda,cuda` on that device, skips Gloo (host memory only), and replaces
 // memcpy with d2d: at::Tensor::copy_ between two CUDA tensors of the same size in one process,
 // synchronised (bytes copied per second, as gpu_bench's d2d_copy). Its line:
-//   {"bench": "transport_bw", "memory": "cuda", "device": 0, "size": 33554432,
-//    "hetpar_gbps": ..., "hetpar_bidir_gbps": ..., "ucx_raw_gbps": ..., "ucx_raw_peer_gbps": ...,
-//    "d2d_gbps": ..., "hetpar_vs_d2d": ..., "hetpar_vs_ucx_raw": ...,
-//    "gloo": "skipped: host memory only"}
+//   {"bench":"transport_bw","memory":"cuda","device":0,"size":33554432,"hetpar_gbps":...,
+//    "hetpar_bidir_gbps":...,"ucx_raw_gbps":...,"ucx_raw_peer_gbps":...,"d2d_gbps":...,
+//    "hetpar_vs_d2d":...,"hetpar_vs_ucx_raw":...,"gloo":"skipped: host memory only"}
 // Without a CUDA device it prints {"bench":"transport_bw","skipped":"no CUDA device: ..."} and
 // exits 0; when hetpar's UCX transport cannot move CUDA memory (CanMove(kCuda) false: a UCX
 // without CUDA, or its CUDA module did not load) it prints
@@ -50,8 +48,8 @@
 //                [--zero-copy-threshold BYTES] [--memory host|cuda] [--cuda-device N]
 //                [--limit SECONDS]
 //
-// --limit (default 600) bounds each worker pair and each ucx_perftest client; a server whose
-// client failed is ended at once.
+// --limit (default 600) bounds each worker pair (both ranks together) and each ucx_perftest
+// client; a server whose client failed is ended at once.
 //
 // (--skip memcpy skips the d2d baseline under --memory cuda.)
 // The same binary is the worker process of each pair (--role hetpar|gloo --rank 0|1 --dir D).
@@ -550,8 +548,11 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
   // Both ranks' failures: the one that saw the cause (a wrong byte) may not be the first rank.
   absl::Status first_error;
   std::string errors;
+  // One limit for the pair: a rank still running once the other ended is given what is left.
+  const absl::Time deadline = absl::Now() + config.limit;
   for (int rank = 0; rank < 2; ++rank) {
-    auto output = Finish(children[rank], config.limit, absl::StrCat(role, " rank ", rank));
+    auto output = Finish(children[rank], std::max(deadline - absl::Now(), absl::ZeroDuration()),
+                         absl::StrCat(role, " rank ", rank));
     if (!output.ok()) {
       if (first_error.ok()) first_error = output.status();
       absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
@@ -824,31 +825,30 @@ int RunDriver(const std::string& self, const Config& config) {
             ? 0
             : (config.cuda() ? DeviceCopyGbps(size, count, config.reps, config.cuda_device)
                              : MemcpyGbps(size, count, config.reps));
-    std::cout << "{\"bench\": \"transport_bw\", \"memory\": "
+    std::cout << "{\"bench\":\"transport_bw\",\"memory\":"
               << JsonString(std::string(transport::MemoryKindName(config.memory)));
     if (config.cuda()) {
       const double d2d = baseline;
-      std::cout << ", \"device\": " << config.cuda_device << ", \"size\": " << size
-                << ", \"hetpar_gbps\": " << Json(h) << ", \"hetpar_bidir_gbps\": " << Json(hb)
-                << ", \"ucx_raw_gbps\": " << Json(ucx_raw)
-                << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
-                << ", \"d2d_gbps\": " << Json(d2d)
-                << ", \"hetpar_vs_d2d\": " << Json(d2d > 0 ? h / d2d : 0)
-                << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
-                << ", \"gloo\": \"skipped: host memory only\"";
+      std::cout << ",\"device\":" << config.cuda_device << ",\"size\":" << size
+                << ",\"hetpar_gbps\":" << Json(h) << ",\"hetpar_bidir_gbps\":" << Json(hb)
+                << ",\"ucx_raw_gbps\":" << Json(ucx_raw)
+                << ",\"ucx_raw_peer_gbps\":" << Json(ucx_raw_peer) << ",\"d2d_gbps\":" << Json(d2d)
+                << ",\"hetpar_vs_d2d\":" << Json(d2d > 0 ? h / d2d : 0)
+                << ",\"hetpar_vs_ucx_raw\":" << Json(ucx_raw > 0 ? h / ucx_raw : 0)
+                << ",\"gloo\":\"skipped: host memory only\"";
     } else {
       const double memcpy_gbps = baseline;
-      std::cout << ", \"size\": " << size << ", \"hetpar_gbps\": " << Json(h)
-                << ", \"ucx_raw_gbps\": " << Json(ucx_raw) << ", \"gloo_gbps\": " << Json(g)
-                << ", \"memcpy_gbps\": " << Json(memcpy_gbps)
-                << ", \"hetpar_bidir_gbps\": " << Json(hb) << ", \"gloo_bidir_gbps\": " << Json(gb)
-                << ", \"ucx_raw_peer_gbps\": " << Json(ucx_raw_peer)
-                << ", \"hetpar_vs_ucx_raw\": " << Json(ucx_raw > 0 ? h / ucx_raw : 0)
-                << ", \"hetpar_vs_gloo\": " << Json(g > 0 ? h / g : 0);
+      std::cout << ",\"size\":" << size << ",\"hetpar_gbps\":" << Json(h)
+                << ",\"ucx_raw_gbps\":" << Json(ucx_raw) << ",\"gloo_gbps\":" << Json(g)
+                << ",\"memcpy_gbps\":" << Json(memcpy_gbps) << ",\"hetpar_bidir_gbps\":" << Json(hb)
+                << ",\"gloo_bidir_gbps\":" << Json(gb)
+                << ",\"ucx_raw_peer_gbps\":" << Json(ucx_raw_peer)
+                << ",\"hetpar_vs_ucx_raw\":" << Json(ucx_raw > 0 ? h / ucx_raw : 0)
+                << ",\"hetpar_vs_gloo\":" << Json(g > 0 ? h / g : 0);
     }
-    if (!ucx_raw_error.empty()) std::cout << ", \"ucx_raw_error\": " << JsonString(ucx_raw_error);
+    if (!ucx_raw_error.empty()) std::cout << ",\"ucx_raw_error\":" << JsonString(ucx_raw_error);
     if (!pair_error.empty()) {  // the figures above are of the repetitions before it, if any
-      std::cout << ", \"error\": " << JsonString(pair_error);
+      std::cout << ",\"error\":" << JsonString(pair_error);
       exit_code = 1;
     }
     std::cout << "}" << std::endl;

@@ -4,8 +4,10 @@
 # the venv's UCX wheel and every system copy of a library the bundle carries, and runs gpu-check
 # from the bundle with --cpu-train: the gpu tests (they skip without a GPU), three 4-step training
 # runs compared with the float64 reference, two 8-step runs of the master-weights check, and
-# step_bench. Then the two refusals: a bundle built against another libtorch, and a bundle
-# missing one of its libraries.
+# step_bench, packing its logs (--logs); then with --deadline 1 (nothing runs, and the runs after
+# the float32 run are left out, saying why). Then the refusals: a bundle built against another
+# libtorch, a UCX module and a bundle missing one of their libraries; and the warning for a library
+# that loads but lacks hetpar's symbols.
 # Usage: gpu_bundle_test.sh BUILD_DIR REPO_ROOT
 set -euo pipefail
 
@@ -87,18 +89,29 @@ fi
 
 status=0
 "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 \
-  --master-weights-steps 8 >"$work/check.jsonl" 2>"$work/check.log" || status=$?
+  --master-weights-steps 8 --logs "$work/logs.tar.gz" >"$work/check.jsonl" 2>"$work/check.log" ||
+  status=$?
 if [ "$status" != 0 ]; then
   tail -n 60 "$work/check.log" >&2
   cat "$work/check.jsonl" >&2
   fail "tools/gpu-check --bundle exited $status"
 fi
+# --logs: one archive of the runs' logs and metrics and the gtest reports, without the data set.
+tar -tzf "$work/logs.tar.gz" >"$work/logs.list" || fail "--logs wrote no readable archive"
+for f in gpu-check/runs/cpu_float32.log gpu-check/runs/cpu_float32/metrics.jsonl \
+  gpu-check/runs/reference_f64/log/reference.log gpu-check/gtest-main/gpu_kernels_test.xml; do
+  grep -qx "$f" "$work/logs.list" || { cat "$work/logs.list" >&2; fail "--logs: no $f in the archive"; }
+done
+! grep -q -e '^gpu-check/runs/data/' -e '/model/' "$work/logs.list" ||
+  fail "--logs: the archive holds the data set or a trained model"
 "$python" - "$work/check.jsonl" <<'EOF' || { cat "$work/check.jsonl" >&2; fail "gpu-check's lines"; }
 import json, sys
 lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 checks = {l["check"]: l for l in lines if "check" in l}
 assert checks["bundle"]["ok"] is True, checks["bundle"]
 assert checks["bundle"]["matches_checkout"] is True, checks["bundle"]
+# Every symbol the binaries need is defined by the libraries they load.
+assert checks["bundle"]["undefined_symbols"] == "", checks["bundle"]
 parts = {l["part"]: l for l in lines if l.get("check") == "gpu_tests"}
 assert sorted(parts) == ["main", "nccl"], parts
 # Every gpu test but NCCL's first, NCCL's (the NCCL cases of three binaries) last.
@@ -142,8 +155,15 @@ lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 summary = lines[-1]
 assert summary["check"] == "gpu_check" and summary["ok"] is False, summary
 assert summary["ctest_rc"] != 0 and summary["nccl_rc"] != 0 and summary["step_rc"] == 124, summary
-runs = [l for l in lines if l.get("check") == "cpu_train"]
-assert runs and all(r["rc"] == 124 for r in runs if "rc" in r), runs
+runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
+assert runs["reference_float64_cpu"]["rc"] == 124 and runs["cpu_float32"]["rc"] == 124, runs
+# The float32 run did not run: the later runs are left out, saying why, without trying.
+for name in ("cpu_bfloat16", "master_weights", "cpu_float32_llm_tp2"):
+    assert "rc" not in runs[name] and "cpu_float32 run failed" in runs[name]["not_run"], runs
+step = [l for l in lines if l.get("check") == "step_bench"]
+assert len(step) == 1 and "cpu_float32 run failed" in step[0]["not_run"], lines
+main = [l for l in lines if l.get("part") == "main"][0]
+assert main["not_run"] and main["failed"] == 0 and main["failures"] == [], main
 EOF
 
 # ---- Refusals ----
@@ -177,6 +197,23 @@ expect_refusal no-gomp "$work/no-gomp" \
   '"error":"binaries that cannot load their libraries: .*UCX module libucx_perftest_cuda.so.0: libgomp-' \
   "a bundle without UCX's libgomp"
 rm -rf "$work/no-gomp"
+
+# A library of the right name that lacks the symbols hetpar needs (another build): it loads, so the
+# bundle is not refused, but its line and the log name the binary and a missing symbol. (With
+# --deadline 1 nothing runs after the bundle's checks.)
+if [ "${#hide[@]}" != 0 ]; then
+  cp -a "$work/bundle" "$work/other-yaml"
+  cp "$(ls "$work"/other-yaml/lib/libabsl_*.so* | head -n 1)" "$work/other-yaml/lib/libyaml-cpp.so.0.7"
+  status=0
+  "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/other-yaml" --no-train --deadline 1 \
+    >"$work/other-yaml.jsonl" 2>"$work/other-yaml.log" || status=$?
+  [ "$status" = 1 ] || fail "a bundle with another libyaml-cpp: exit status $status, expected 1"
+  grep -q '"check":"bundle","ok":true,"undefined_symbols":"hetpar: undefined symbol: .*YAML' \
+    "$work/other-yaml.jsonl" || { cat "$work/other-yaml.jsonl" >&2; fail "a bundle with another libyaml-cpp: no undefined symbol of YAML listed for hetpar"; }
+  grep -q "WARNING: undefined symbols" "$work/other-yaml.log" ||
+    fail "a bundle with another libyaml-cpp: no warning in the log"
+  rm -rf "$work/other-yaml"
+fi
 
 # A bundle without one of its libraries: gpu-check names the binary and the library. (Here the
 # hidden system copy is an empty file, so ldd says it cannot load it; where the library is absent
