@@ -141,14 +141,20 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
       std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, steps;
     };
     std::vector<Lists> lists(groups_.size());
+    // One multi-tensor kernel each for the clipping and for rounding the masters (a launch per
+    // parameter adds up on a GPU).
+    std::vector<at::Tensor> clipped;
     for (Slot& slot : slots_) {
-      const at::Tensor& param = slot.param->tensor;
-      at::Tensor& grad = param.mutable_grad();
+      at::Tensor& grad = slot.param->tensor.mutable_grad();
       if (!grad.defined()) {
         grad = params_->ZeroGradient(*slot.param);
       } else if (clip_coefficient != 1.0) {
-        grad.mul_(clip_coefficient);
+        clipped.push_back(grad);
       }
+    }
+    if (!clipped.empty()) at::_foreach_mul_(clipped, clip_coefficient);
+    for (Slot& slot : slots_) {
+      const at::Tensor& grad = slot.param->tensor.grad();
       if (!slot.exp_avg.defined()) {  // the first step starts from zero moments
         slot.exp_avg = at::zeros_like(slot.target, at::MemoryFormat::Preserve);
         slot.exp_avg_sq = at::zeros_like(slot.target, at::MemoryFormat::Preserve);
@@ -175,10 +181,13 @@ absl::Status ModuleOptimizer::Step(int64_t step, double clip_coefficient) {
                         l.steps, lr, options_.beta1(), options_.beta2(), weight_decay,
                         options_.eps(), /*amsgrad=*/false, /*maximize=*/false);
     }
+    std::vector<at::Tensor> rounded, masters;
     for (const Slot& slot : slots_) {
       if (slot.target.is_same(slot.param->tensor)) continue;
-      slot.param->tensor.detach().copy_(slot.target);  // rounds the master once
+      rounded.push_back(slot.param->tensor.detach());
+      masters.push_back(slot.target);
     }
+    if (!rounded.empty()) at::_foreach_copy_(rounded, masters);  // rounds each master once
     params_->ZeroGrad();
   });
 }
