@@ -41,7 +41,8 @@
 // status 1 (one past --limit is not tried again; one that failed otherwise, up to 3 times). A
 // failing hetpar or Gloo pair ends that size's repetitions: its line carries "error" (its figures
 // are those of the repetitions before, 0 where none), the next size is still measured, and the
-// exit status is 1.
+// exit status is 1. A pair or a ucx_perftest run past --limit is not run at the later sizes
+// either (it would hang there too): their lines say so.
 //
 //   transport_bw [--sizes 65536,1048576,...] [--budget BYTES] [--reps N] [--window N]
 //                [--skip ucx_raw,gloo,hetpar,memcpy] [--zero-copy on|off]
@@ -497,10 +498,10 @@ std::string ReadFile(const std::string& path) {
   return content.str();
 }
 
-// Waits for the child until `timeout`, then kills it. Returns its output.
-absl::StatusOr<std::string> Finish(const Child& child, absl::Duration timeout,
+// Waits for the child until `deadline` (the end of a `limit` that may have started before), then
+// kills it. Returns its output.
+absl::StatusOr<std::string> Finish(const Child& child, absl::Time deadline, absl::Duration limit,
                                    const std::string& what) {
-  const absl::Time deadline = absl::Now() + timeout;
   int status = 0;
   while (true) {
     pid_t done = waitpid(child.pid, &status, WNOHANG);
@@ -509,7 +510,7 @@ absl::StatusOr<std::string> Finish(const Child& child, absl::Duration timeout,
       kill(child.pid, SIGKILL);
       waitpid(child.pid, &status, 0);
       return absl::DeadlineExceededError(absl::StrCat(what, " did not finish within ",
-                                                      absl::FormatDuration(timeout), "; output:\n",
+                                                      absl::FormatDuration(limit), "; output:\n",
                                                       ReadFile(child.output_path)));
     }
     absl::SleepFor(absl::Milliseconds(10));
@@ -551,8 +552,8 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
   // One limit for the pair: a rank still running once the other ended is given what is left.
   const absl::Time deadline = absl::Now() + config.limit;
   for (int rank = 0; rank < 2; ++rank) {
-    auto output = Finish(children[rank], std::max(deadline - absl::Now(), absl::ZeroDuration()),
-                         absl::StrCat(role, " rank ", rank));
+    auto output = Finish(children[rank], deadline, config.limit,
+                         absl::StrCat(role, " rank ", rank, " (both ranks together)"));
     if (!output.ok()) {
       if (first_error.ok()) first_error = output.status();
       absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
@@ -640,11 +641,12 @@ absl::StatusOr<double> UcxPerftest(size_t size, int64_t count, bool error_handli
     absl::SleepFor(absl::Milliseconds(300));
     auto client = Spawn(client_argv, dir + "/perftest.client.out");
     if (!client.ok()) return client.status();
-    auto client_output = Finish(*client, config.limit, "ucx_perftest client");
+    auto client_output =
+        Finish(*client, absl::Now() + config.limit, config.limit, "ucx_perftest client");
     // A server whose client failed would wait for it: ended at once.
-    auto server_output =
-        Finish(*server, client_output.ok() ? absl::Seconds(30) : absl::ZeroDuration(),
-               "ucx_perftest server");
+    auto server_output = Finish(
+        *server, absl::Now() + (client_output.ok() ? absl::Seconds(30) : absl::ZeroDuration()),
+        absl::Seconds(30), "ucx_perftest server");
     if (!client_output.ok() || !server_output.ok()) {  // e.g. the port was taken
       last_error = !client_output.ok() ? client_output.status() : server_output.status();
       // A client past its limit hangs rather than lost a port race: another try would only
@@ -780,6 +782,13 @@ int RunDriver(const std::string& self, const Config& config) {
   // Gloo moves host memory only.
   const bool gloo = !config.cuda() && !config.Skipped("gloo");
   int exit_code = 0;
+  // A system that ran past --limit at one size would hang at the next as well: the size it hung
+  // at, by system, and it is not run again.
+  std::map<std::string, size_t> hung;
+  const auto hung_error = [&hung](const std::string& system) {
+    return absl::StrCat("not run: the ", system, " run past --limit at ", hung.at(system),
+                        " bytes");
+  };
   // Every system is measured once per repetition, size by size, so all see the same load.
   for (size_t size : config.sizes) {
     const int64_t count = Messages(config, size);
@@ -791,12 +800,18 @@ int RunDriver(const std::string& self, const Config& config) {
     for (int rep = 0; rep < config.reps && pair_error.empty(); ++rep) {
       for (const char* role : {"hetpar", "gloo"}) {
         if (std::string(role) == "gloo" ? !gloo : config.Skipped(role)) continue;
+        const std::string pair = absl::StrCat(role, " pair");
+        if (hung.count(pair) > 0) {
+          pair_error = absl::StrCat(pair, ": ", hung_error(pair));
+          break;
+        }
         clear();
         auto results = RunPair(self, role, one, dir);
         if (!results.ok()) {
-          // This size has no figure; the next size is still measured.
-          std::cerr << "transport_bw: " << role << " pair: " << results.status() << "\n";
-          pair_error = absl::StrCat(role, " pair: ", results.status().message());
+          // This size has no figure; the next size is still measured, unless the pair hung.
+          std::cerr << "transport_bw: " << pair << ": " << results.status() << "\n";
+          pair_error = absl::StrCat(pair, ": ", results.status().message());
+          if (absl::IsDeadlineExceeded(results.status())) hung.emplace(pair, size);
           break;
         }
         const auto [oneway, bidir] = (*results)[size];
@@ -807,10 +822,15 @@ int RunDriver(const std::string& self, const Config& config) {
       }
       if (!config.Skipped("ucx_raw")) {
         for (bool error_handling : {false, true}) {
-          auto gbps = UcxPerftest(size, count, error_handling, config, dir);
+          const std::string perftest = error_handling ? "ucx_perftest -e" : "ucx_perftest";
+          absl::StatusOr<double> gbps =
+              hung.count(perftest) > 0 ? absl::StatusOr<double>(absl::UnavailableError(
+                                             absl::StrCat(perftest, ": ", hung_error(perftest))))
+                                       : UcxPerftest(size, count, error_handling, config, dir);
           if (!gbps.ok()) {
             std::cerr << "transport_bw: " << gbps.status() << "\n";
             if (ucx_raw_error.empty()) ucx_raw_error = std::string(gbps.status().message());
+            if (absl::IsDeadlineExceeded(gbps.status())) hung.emplace(perftest, size);
             exit_code = 1;
             continue;
           }

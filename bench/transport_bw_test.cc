@@ -1,7 +1,8 @@
 // bench/transport_bw as gpu-check and a user run it, with budgets small enough for a unit test
 // (no timing is asserted): --memory cuda prints one "skipped" line and exits 0 where no CUDA device
 // is visible, and on a GPU measures (every rate above zero); the host mode still moves and checks
-// the bytes (a worker that receives a wrong byte fails the run); a bad --memory is rejected.
+// the bytes (a worker that receives a wrong byte fails the run); a pair past --limit is not run
+// at the later sizes; a bad --memory is rejected.
 #include <string>
 #include <vector>
 
@@ -80,6 +81,25 @@ TEST(TransportBwTest, HostMemoryMovesAndChecksTheBytes) {
   EXPECT_GT(line.value("memcpy_gbps", 0.0), 0);
   EXPECT_EQ(line.value("gloo_gbps", -1.0), 0);     // skipped
   EXPECT_EQ(line.value("ucx_raw_gbps", -1.0), 0);  // skipped
+}
+
+TEST(TransportBwTest, APairPastItsLimitIsNotRunAtTheLaterSizes) {
+  // 8192 messages of 16 MiB (128 GiB, the most a size sends) cannot cross within the pair's 1 s
+  // limit on any machine: the pair is ended at 1 s, and at the next size it is not started again.
+  auto r = RunCommand({kBin, "--sizes", "16777216,65536", "--reps", "2", "--budget", "137438953472",
+                       "--limit", "1", "--skip", "ucx_raw,gloo,memcpy"},
+                      240);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 1) << r->stdout_text << r->stderr_text;
+  const std::vector<nlohmann::json> lines = JsonLines(r->stdout_text);
+  ASSERT_EQ(lines.size(), 2u) << r->stdout_text << r->stderr_text;
+  EXPECT_EQ(lines[0].value("size", 0), 16777216);
+  EXPECT_THAT(lines[0].value("error", ""),
+              HasSubstr("hetpar rank 0 (both ranks together) did not finish within 1s"));
+  EXPECT_EQ(lines[0].value("hetpar_gbps", -1.0), 0);
+  EXPECT_EQ(lines[1].value("size", 0), 65536);
+  EXPECT_EQ(lines[1].value("error", ""),
+            "hetpar pair: not run: the hetpar pair run past --limit at 16777216 bytes");
 }
 
 TEST(TransportBwTest, UnknownMemoryKindIsRejected) {
