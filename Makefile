@@ -21,7 +21,8 @@ configure: deps $(BUILD_DIR)/CMakeCache.txt
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-# Builds everything and runs the whole suite (labels: unit, integration, parity, fault, slow).
+# Builds everything and runs the whole suite (labels: unit, integration, parity, fault, slow,
+# slurm, gpu; the gpu tests skip without a GPU).
 test: build
 	cd $(BUILD_DIR) && ctest -j2 --output-on-failure $(CTEST_ARGS)
 

@@ -825,8 +825,8 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
                     "Plan the batches a run draws from the config's data set (generated when "
                     "synthetic and absent) instead of synthetic batches");
   command->add_option("--max-pp", options->max_pp,
-                      "Largest LLM pipeline size --search tries (default 1; runs take pp = 1 for "
-                      "now)");
+                      "Largest LLM pipeline size --search tries (default 1: pipeline stages are "
+                      "tried only when asked)");
   command->add_option("--max-cp", options->max_cp,
                       "Largest LLM context-parallel size --search tries (default 1)");
   command
