@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/nn/attention.h"
 #include "common/nn/device_copy.h"
 #include "common/nn/size_checks.h"
 #include "common/nn/torch_status.h"
@@ -638,8 +639,8 @@ at::Tensor LanguageModel::StageHidden(const std::vector<LlmSample>& samples,
                                   .transpose(1, 2);
         const std::optional<at::Tensor> mask =
             cp > 1 ? std::optional<at::Tensor>(cp_masks[s]) : std::nullopt;
-        const at::Tensor run = at::scaled_dot_product_attention(
-            qs, ks, vs, mask, /*dropout_p=*/0.0, /*is_causal=*/cp == 1, scale, /*enable_gqa=*/true);
+        const at::Tensor run =
+            nn::GroupedQueryAttention(qs, ks, vs, mask, /*is_causal=*/cp == 1, scale);
         outputs.push_back(run.transpose(1, 2).reshape({n * length, local_heads * head_dim}));
         s = end;
       }

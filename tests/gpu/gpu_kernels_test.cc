@@ -33,6 +33,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/nn/attention.h"
 #include "common/nn/communicator.h"
 #include "common/nn/execution_context.h"
 #include "common/nn/parameters.h"
@@ -213,22 +214,29 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
   const std::optional<at::Tensor> mask =
       c.cp_mask ? std::optional<at::Tensor>(allowed.to(TestDevice())) : std::nullopt;
-  const int64_t choice = at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, is_causal, std::nullopt,
-                                               /*enable_gqa=*/true);
-  std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";
+  // hetpar's call (nn::GroupedQueryAttention): K and V read in place with enable_gqa, or expanded
+  // to every query head where no fused kernel takes grouped heads (float32 on CUDA).
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const bool expands = nn::ExpandsKvHeads(qd, kd, vd, mask, is_causal, scale);
+  const int64_t choice =
+      expands ? at::_fused_sdp_choice(qd, nn::ExpandKvHeads(kd, heads),
+                                      nn::ExpandKvHeads(vd, heads), mask, 0.0, is_causal, scale,
+                                      /*enable_gqa=*/false)
+              : at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, is_causal, scale,
+                                      /*enable_gqa=*/true);
+  std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice)
+            << (expands ? " (K and V expanded to every query head)" : "") << "\n";
   RecordProperty("sdp_backend", nn::SdpBackendName(choice));
+  RecordProperty("kv_expanded", expands ? "true" : "false");
 #if HETPAR_GPU_HAS_C10_CUDA
-  if (!SelfCheckOnCpu() && c.dtype == at::kBFloat16 &&
-      at::cuda::getDeviceProperties(0)->major >= 8) {
-    // A GPU with fused attention kernels (compute capability 8.0 or newer) runs bfloat16
-    // attention in one of them, never in the math path (materialised scores).
+  if (!SelfCheckOnCpu() && at::cuda::getDeviceProperties(0)->major >= 8) {
+    // A GPU with fused attention kernels (compute capability 8.0 or newer) runs every one of
+    // these calls in one of them, never in the math path (materialised scores): bfloat16 with
+    // K and V in place where a kernel takes grouped heads, float32 with them expanded.
     EXPECT_NE(std::string(nn::SdpBackendName(choice)), "math");
   }
 #endif
-  const at::Tensor got = at::scaled_dot_product_attention(qd, kd, vd, mask,
-                                                          /*dropout_p=*/0.0, is_causal,
-                                                          /*scale=*/std::nullopt,
-                                                          /*enable_gqa=*/true);
+  const at::Tensor got = nn::GroupedQueryAttention(qd, kd, vd, mask, is_causal, scale);
   ASSERT_TRUE(OnTestDevice(got));
   ASSERT_EQ(got.scalar_type(), c.dtype);
   got.backward(grad_out.to(TestDevice()));
