@@ -555,7 +555,12 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
     auto output = Finish(children[rank], deadline, config.limit,
                          absl::StrCat(role, " rank ", rank, " (both ranks together)"));
     if (!output.ok()) {
-      if (first_error.ok()) first_error = output.status();
+      // A rank that failed otherwise names the pair's failure: its peer past the limit was only
+      // waiting for it, and the pair would not hang at the next size.
+      if (first_error.ok() ||
+          (absl::IsDeadlineExceeded(first_error) && !absl::IsDeadlineExceeded(output.status()))) {
+        first_error = output.status();
+      }
       absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
       continue;
     }
