@@ -1,17 +1,17 @@
 // nn::ExpandKvHeads copies each kv head to the query heads that read it (h reads h / group), and
 // attention over the expanded K and V equals grouped-query attention written out from its
-// definition, forward and backward (the gradients of the kv heads sum over their query heads).
-// nn::GroupedQueryAttention never expands on the CPU, whose flash kernel takes grouped heads; on
-// CUDA its choice is checked by gpu_kernels_test.
+// definition (nn::testing::ReferenceAttention), forward and backward (the gradients of the kv heads
+// sum over their query heads). nn::GroupedQueryAttention never expands on the CPU, whose flash
+// kernel takes grouped heads; on CUDA its choice is checked by gpu_kernels_test.
 #include "common/nn/attention.h"
 
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <optional>
 
+#include "common/nn/attention_reference.h"
 #include "gtest/gtest.h"
 
 namespace hetpar::nn {
@@ -20,28 +20,6 @@ namespace {
 at::Tensor Random(at::IntArrayRef shape, int64_t seed) {
   at::manual_seed(seed);
   return at::randn(shape, at::TensorOptions().dtype(at::kDouble));
-}
-
-// softmax(q k^T * scale, causal or `allowed`) v, query head h reading kv head h / group, one head
-// at a time.
-at::Tensor Definition(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                      const at::Tensor& allowed, double scale) {
-  const int64_t heads = q.size(1), group = heads / k.size(1);
-  std::vector<at::Tensor> outputs;
-  for (int64_t h = 0; h < heads; ++h) {
-    const at::Tensor qh = q.select(1, h), kh = k.select(1, h / group), vh = v.select(1, h / group);
-    at::Tensor scores = at::matmul(qh, kh.transpose(-2, -1)) * scale;
-    if (causal) {
-      const at::Tensor later =
-          at::ones({q.size(2), k.size(2)}, at::TensorOptions().dtype(at::kBool)).triu(1);
-      scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
-    }
-    if (allowed.defined()) {
-      scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-    }
-    outputs.push_back(at::matmul(at::softmax(scores, -1), vh));
-  }
-  return at::stack(outputs, 1);
 }
 
 TEST(ExpandKvHeadsTest, EachQueryHeadGetsTheKvHeadItReads) {
@@ -77,7 +55,7 @@ TEST(ExpandKvHeadsTest, AttentionOverExpandedHeadsIsGroupedQueryAttention) {
 
     at::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(),
                v = v0.clone().requires_grad_();
-    const at::Tensor want = Definition(q, k, v, !masked, mask, scale);
+    const at::Tensor want = testing::ReferenceAttention(q, k, v, !masked, mask);
     want.backward(grad_out);
 
     at::Tensor qe = q0.clone().requires_grad_(), ke = k0.clone().requires_grad_(),

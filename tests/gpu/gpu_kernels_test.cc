@@ -34,6 +34,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/nn/attention.h"
+#include "common/nn/attention_reference.h"
 #include "common/nn/communicator.h"
 #include "common/nn/execution_context.h"
 #include "common/nn/parameters.h"
@@ -132,32 +133,6 @@ at::Tensor CudaLeaf(const at::Tensor& t) {
 
 // ---- scaled dot-product attention ----
 
-// Attention from its definition, in float64: softmax(q k^T / sqrt(d), masked) v for q [n, heads,
-// L, d] and k, v [n, kv_heads, S, d]. Query head h reads KV head h / (heads / kv_heads): the keys
-// and values repeated per group (repeat_interleave), which is what enable_gqa means and how
-// hetpar's LLM lays out its heads (the q heads of one KV head are adjacent). Causal: query i sees
-// keys 0..i. `allowed` (bool [L, S], when defined): the pairs that take part, as SDPA's boolean
-// mask has them.
-at::Tensor ReferenceAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              bool causal, const at::Tensor& allowed = at::Tensor()) {
-  const int64_t group = q.size(1) / k.size(1);
-  const at::Tensor keys = k.repeat_interleave(group, 1);
-  const at::Tensor values = v.repeat_interleave(group, 1);
-  at::Tensor scores =
-      at::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
-  if (causal) {
-    const at::Tensor later =
-        at::ones({q.size(2), k.size(2)}, at::TensorOptions().dtype(at::kBool)).triu(1);
-    scores = scores.masked_fill(later, -std::numeric_limits<double>::infinity());
-  }
-  if (allowed.defined()) {
-    scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<double>::infinity());
-  }
-  const at::Tensor shifted = scores - std::get<0>(scores.max(-1, /*keepdim=*/true)).detach();
-  const at::Tensor weights = shifted.exp();
-  return at::matmul(weights / weights.sum(-1, /*keepdim=*/true), values);
-}
-
 struct AttentionCase {
   at::ScalarType dtype;
   int64_t kv_heads;  // of 8 query heads: 8 is plain multi-head attention, 2 is GQA (groups of 4)
@@ -208,7 +183,7 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
 
   const bool is_causal = c.causal && !c.cp_mask;  // the CP mask holds the causality itself
   at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
-  const at::Tensor want = ReferenceAttention(q64, k64, v64, is_causal, allowed);
+  const at::Tensor want = nn::testing::ReferenceAttention(q64, k64, v64, is_causal, allowed);
   want.backward(grad_out.to(at::kDouble));
 
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
