@@ -547,7 +547,8 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
   }
   PairResults results;
   // Both ranks' failures: the one that saw the cause (a wrong byte) may not be the first rank.
-  absl::Status first_error;
+  // `failure` is the pair's: its code says whether the pair hung.
+  absl::Status failure;
   std::string errors;
   // One limit for the pair: a rank still running once the other ended is given what is left.
   const absl::Time deadline = absl::Now() + config.limit;
@@ -557,9 +558,9 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
     if (!output.ok()) {
       // A rank that failed otherwise names the pair's failure: its peer past the limit was only
       // waiting for it, and the pair would not hang at the next size.
-      if (first_error.ok() ||
-          (absl::IsDeadlineExceeded(first_error) && !absl::IsDeadlineExceeded(output.status()))) {
-        first_error = output.status();
+      if (failure.ok() ||
+          (absl::IsDeadlineExceeded(failure) && !absl::IsDeadlineExceeded(output.status()))) {
+        failure = output.status();
       }
       absl::StrAppend(&errors, errors.empty() ? "" : "\n", output.status().message());
       continue;
@@ -575,7 +576,7 @@ absl::StatusOr<PairResults> RunPair(const std::string& self, const std::string& 
       }
     }
   }
-  if (!first_error.ok()) return absl::Status(first_error.code(), errors);
+  if (!failure.ok()) return absl::Status(failure.code(), errors);
   return results;
 }
 
