@@ -9,9 +9,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
+#include <optional>
 #include <sstream>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -182,6 +186,9 @@ class YamlToProto {
       Issue(path, "nested too deeply", node);
       return;
     }
+    // YAML leaves a key written twice in one mapping to the reader; yaml-cpp keeps both, and
+    // taking either would drop a value the file states.
+    std::map<std::string, int> seen;  // key -> its first line (0 when unknown)
     for (const auto& item : node) {
       const YAML::Node& key = item.first;
       const YAML::Node& value = item.second;
@@ -191,6 +198,15 @@ class YamlToProto {
       }
       const std::string name = key.Scalar();
       const std::string field_path = Join(path, name);
+      if (auto [first, fresh] = seen.emplace(name, key.Mark().line + 1); !fresh) {
+        Issue(field_path,
+              absl::StrCat("written twice in one mapping",
+                           first->second > 0 ? absl::StrCat(" (first at line ", first->second, ")")
+                                             : std::string(),
+                           "; keep one"),
+              key);
+        continue;
+      }
       const pb::FieldDescriptor* field = descriptor->FindFieldByName(name);
       if (field == nullptr) {
         std::string message = absl::StrCat("unknown key ", Quote(name));
@@ -321,12 +337,49 @@ class YamlToProto {
   void Issue(const std::string& path, std::string message, const YAML::Node& at) {
     std::string where = source_->source_name();
     if (at.Mark().line >= 0) where = absl::StrCat(where, ":", at.Mark().line + 1);
+    // A node a --set put there has its line in the flag's text, not in the file.
+    for (const auto& [overridden, assignment] : overrides_) {
+      if (path == overridden || absl::StartsWith(path, overridden + ".")) {
+        where = absl::StrCat("--set ", assignment);
+      }
+    }
     issues_->push_back({path, std::move(message), where});
   }
 
+ public:
+  // The paths set by --set flags (path -> the flag's KEY=VALUE), for Issue's locations.
+  void SetOverrides(const std::vector<std::string>& assignments) {
+    for (const std::string& assignment : assignments) {
+      overrides_.emplace_back(assignment.substr(0, assignment.find('=')), assignment);
+    }
+  }
+
+ private:
   SourceMap* source_;
   std::vector<ConfigIssue>* issues_;
+  std::vector<std::pair<std::string, std::string>> overrides_;
 };
+
+// Writes `value` at `target`: a mapping onto a mapping merges key by key (so that
+// `--set encoder.layout={tp: 2}` keeps the file's dp), anything else replaces.
+void Merge(YAML::Node target, const YAML::Node& value) {
+  if (!target.IsMap() || !value.IsMap()) {
+    target = value;
+    return;
+  }
+  for (const auto& item : value) {
+    if (!item.first.IsScalar()) {
+      target[item.first] = item.second;
+      continue;
+    }
+    const std::string key = item.first.Scalar();
+    if (target[key] && target[key].IsMap() && item.second.IsMap()) {
+      Merge(target[key], item.second);
+    } else {
+      target[key] = item.second;
+    }
+  }
+}
 
 // Applies one `a.b.c=value` override onto the YAML tree.
 absl::Status ApplyOverride(YAML::Node root, const std::string& assignment) {
@@ -361,7 +414,15 @@ absl::Status ApplyOverride(YAML::Node root, const std::string& assignment) {
       parent[keys[i]] = YAML::Node(YAML::NodeType::Map);
     chain.push_back(parent[keys[i]]);
   }
-  chain.back()[keys.back()] = value;
+  if (keys.back().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--set ", Quote(path), ": empty key"));
+  }
+  YAML::Node parent = chain.back();
+  if (parent[keys.back()] && parent[keys.back()].IsMap() && value.IsMap()) {
+    Merge(parent[keys.back()], value);
+  } else {
+    parent[keys.back()] = value;
+  }
   return absl::OkStatus();
 }
 
@@ -493,6 +554,31 @@ void EmitMessage(YAML::Emitter& out, const pb::Message& message) {
 
 // ---- semantic validation ----
 
+// The most ranks one module's layout may have. It bounds every product of layout sizes the
+// validator and the planner form, far from int64's range, and is far above any real cluster.
+constexpr int64_t kMaxModuleRanks = int64_t{1} << 20;
+// The largest run.grad_bucket_mib (1 TiB): its byte count stays an exact int64.
+constexpr double kMaxGradBucketMib = 1024.0 * 1024.0;
+
+// The product of `factors`, or nullopt where it overflows int64.
+std::optional<int64_t> Product(std::initializer_list<int64_t> factors) {
+  int64_t product = 1;
+  for (const int64_t factor : factors) {
+    if (__builtin_mul_overflow(product, factor, &product)) return std::nullopt;
+  }
+  return product;
+}
+
+// Whether `address` is host:port with a port in [0, 65535] ([::1]:port for IPv6).
+bool IsHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0) return false;
+  const std::string port = address.substr(colon + 1);
+  int64_t value = -1;
+  return !port.empty() && port.find_first_not_of("0123456789") == std::string::npos &&
+         absl::SimpleAtoi(port, &value) && value >= 0 && value <= 65535;
+}
+
 class Checker {
  public:
   Checker(const LoadedRunSpec& loaded, std::vector<ConfigIssue>* issues)
@@ -592,7 +678,10 @@ std::string FormatDouble(double value) {
 int64_t TokensPerImage(const hetpar::v1::EncoderModel& model) {
   if (model.patch() <= 0 || model.image_size() <= 0) return 0;
   const int64_t side = model.image_size() / model.patch();
-  return side * side;
+  int64_t tokens = 0;
+  // More than int64 holds is more than any llm.model.seq_len: the largest value says so.
+  if (__builtin_mul_overflow(side, side, &tokens)) return std::numeric_limits<int64_t>::max();
+  return tokens;
 }
 
 absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
@@ -602,24 +691,34 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
   loaded.source = SourceMap(std::string(source_name));
   YAML::Node root;
   try {
-    root = YAML::Load(std::string(yaml_text));
+    std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml_text));
+    if (documents.size() > 1) {
+      // Reading the first and dropping the rest would ignore what the others set.
+      const YAML::Mark second = documents[1].Mark();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the config holds ", documents.size(),
+          " YAML documents (separated by '---'); expected one (", std::string(source_name),
+          second.line >= 0 ? absl::StrCat(":", second.line + 1) : std::string(), ")"));
+    }
+    if (!documents.empty()) root = documents[0];
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(
         "invalid YAML: ", e.msg, " (", std::string(source_name), ":", e.mark.line + 1, ")"));
   }
-  if (!root.IsMap() && !root.IsNull()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the config must be a mapping with keys run, placement, encoder, llm, data, transport, "
-        "checkpoint, coordinator; got ",
-        NodeKind(root), " (", std::string(source_name), ")"));
+  if (!root.IsMap() && !root.IsNull() && root.IsDefined()) {
+    std::vector<std::string> keys = FieldNames(RunSpec::descriptor());
+    return absl::InvalidArgumentError(
+        absl::StrCat("the config must be a mapping with keys ", absl::StrJoin(keys, ", "),
+                     "; got ", NodeKind(root), " (", std::string(source_name), ")"));
   }
-  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   for (const auto& assignment : overrides) {
     absl::Status status = ApplyOverride(root, assignment);
     if (!status.ok()) return status;
   }
   std::vector<ConfigIssue> issues;
   YamlToProto converter(&loaded.source, &issues);
+  converter.SetOverrides(overrides);
   converter.Message(root, &loaded.spec, "", 0);
   // Overridden fields point at the flag that set them.
   for (const auto& assignment : overrides) {
@@ -713,9 +812,10 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     c.Fail("run.grad_clip", absl::StrCat("=", FormatDouble(s.run().grad_clip()),
                                          " must be >= 0 (0 turns clipping off)"));
   }
-  if (!(s.run().grad_bucket_mib() > 0)) {
-    c.Fail("run.grad_bucket_mib",
-           absl::StrCat("=", FormatDouble(s.run().grad_bucket_mib()), " must be > 0"));
+  if (!(s.run().grad_bucket_mib() > 0) || s.run().grad_bucket_mib() > kMaxGradBucketMib) {
+    c.Fail("run.grad_bucket_mib", absl::StrCat("=", FormatDouble(s.run().grad_bucket_mib()),
+                                               " must be > 0 and at most ",
+                                               FormatDouble(kMaxGradBucketMib), " (1 TiB)"));
   }
   if (s.run().device() != "cpu" && s.run().device() != "cuda") {
     c.Fail("run.device",
@@ -738,6 +838,17 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     layouts_ok &= c.AtLeast(p + "tp", layout.tp(), 1);
     layouts_ok &= c.AtLeast(p + "cp", layout.cp(), 1);
     layouts_ok &= c.AtLeast(p + "pp", layout.pp(), 1);
+    if (layouts_ok) {
+      const std::optional<int64_t> ranks =
+          Product({layout.dp(), layout.tp(), layout.cp(), layout.pp()});
+      if (!ranks.has_value() || *ranks > kMaxModuleRanks) {
+        c.Fail(module + ".layout",
+               absl::StrCat("dp x tp x cp x pp = ", layout.dp(), " x ", layout.tp(), " x ",
+                            layout.cp(), " x ", layout.pp(), " is more than ", kMaxModuleRanks,
+                            " ranks"));
+        layouts_ok = false;
+      }
+    }
   }
   const auto& el = s.encoder().layout();
   const auto& ll = s.llm().layout();
@@ -770,6 +881,11 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                                                     {"out_hidden", em.out_hidden()},
                                                     {"channels", em.channels()}}) {
     enc_ok &= c.AtLeast("encoder.model." + name, value, 1);
+  }
+  if (em.channels() >= 1 && em.channels() != 3) {
+    // The loader decodes every image to RGB and the synthetic generator writes RGB.
+    c.Fail("encoder.model.channels",
+           absl::StrCat("=", em.channels(), ": images are loaded as RGB; expected 3"));
   }
   if (em.activation() != "gelu" && em.activation() != "gelu_tanh") {
     c.Fail("encoder.model.activation",
@@ -868,12 +984,14 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     }
   }
   if (batch_ok && micro_ok && layouts_ok) {
-    const int64_t per_wave = s.run().micro_batch() * ll.dp();
-    if (s.run().global_batch() % per_wave != 0) {
+    const std::optional<int64_t> wave = Product({s.run().micro_batch(), ll.dp()});
+    const int64_t per_wave = wave.value_or(std::numeric_limits<int64_t>::max());
+    if (!wave.has_value() || s.run().global_batch() % per_wave != 0) {
       c.Fail("run.global_batch",
              absl::StrCat("=", s.run().global_batch(), " is not divisible into run.micro_batch=",
                           s.run().micro_batch(), " per LLM replica x llm.layout.dp=", ll.dp(),
-                          " (needs a multiple of ", per_wave, ")"));
+                          wave.has_value() ? absl::StrCat(" (needs a multiple of ", per_wave, ")")
+                                           : std::string(" (their product overflows)")));
     }
   }
   if (s.placement() == hetpar::v1::PLACEMENT_UNSPECIFIED) c.Fail("placement", "is required");
@@ -995,16 +1113,15 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
              "(the in-process backend serves tests); expected ucx (shared memory on one machine)");
     }
   }
-  if (s.coordinator().listen().empty()) c.Fail("coordinator.listen", "must not be empty");
-  if (const std::string& m = s.coordinator().metrics_listen(); !m.empty()) {
-    const size_t colon = m.rfind(':');
-    const std::string port = colon == std::string::npos ? "" : m.substr(colon + 1);
-    int64_t value = -1;
-    if (colon == 0 || port.empty() || !absl::SimpleAtoi(port, &value) || value < 0 ||
-        value > 65535) {
-      c.Fail("coordinator.metrics_listen",
-             absl::StrCat("='", m, "' is not host:port (e.g. 0.0.0.0:9464; port 0 picks one)"));
-    }
+  if (const std::string& l = s.coordinator().listen(); !IsHostPort(l)) {
+    c.Fail("coordinator.listen",
+           absl::StrCat("='", l, "' is not host:port with a port in [0, 65535] (e.g. "
+                        "0.0.0.0:50051; port 0 picks one)"));
+  }
+  if (const std::string& m = s.coordinator().metrics_listen(); !m.empty() && !IsHostPort(m)) {
+    c.Fail("coordinator.metrics_listen",
+           absl::StrCat("='", m, "' is not host:port with a port in [0, 65535] (e.g. "
+                        "0.0.0.0:9464; port 0 picks one)"));
   }
   if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
     c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
@@ -1076,6 +1193,11 @@ absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,
 }
 
 absl::StatusOr<LoadedRunSpec> LoadRunSpecFile(const std::string& path, const LoadOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file '", path, "' is a directory; expected a YAML file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
@@ -1085,7 +1207,6 @@ absl::StatusOr<LoadedRunSpec> LoadRunSpecFile(const std::string& path, const Loa
   auto parsed = ParseRunSpecYaml(buffer.str(), path, options.overrides);
   if (!parsed.ok()) return parsed.status();
   LoadedRunSpec loaded = std::move(parsed).value();
-  std::error_code ec;
   loaded.base_dir = fs::absolute(fs::path(path), ec).parent_path().string();
   return Finish(std::move(loaded), options);
 }

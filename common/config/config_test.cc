@@ -459,6 +459,83 @@ TEST(ConfigTest, OverrideUnknownKeyIsReported) {
   ExpectIssue(result, "llm.layuot", 0, "did you mean 'layout'?");
 }
 
+TEST(ConfigTest, AnOverrideProblemNamesTheFlagNotALineOfTheFile) {
+  const std::string message(Load(kValid, {"run.steps=1e3"}).status().message());
+  EXPECT_THAT(message, HasSubstr("run.steps: expected an integer, got '1e3' (--set run.steps=1e3)"));
+  EXPECT_THAT(message, ::testing::Not(HasSubstr("run.yaml")));
+  // Under a mapping the flag set, too.
+  EXPECT_THAT(std::string(Load(kValid, {"llm.layout={tp: x}"}).status().message()),
+              HasSubstr("llm.layout.tp: expected an integer, got 'x' (--set llm.layout={tp: x})"));
+}
+
+TEST(ConfigTest, AMappingOverrideMergesIntoTheFilesMapping) {
+  // The file's llm.layout is {dp: 2, tp: 2}: setting tp alone keeps dp.
+  auto result = Load(kValid, {"llm.layout={tp: 1}"});
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.llm().layout().dp(), 2);
+  EXPECT_EQ(result->spec.llm().layout().tp(), 1);
+}
+
+TEST(ConfigTest, AKeyWrittenTwiceIsRefusedWithBothLines) {
+  const int steps = LineOf(kValid, "steps");
+  auto result = Load(Replace("  steps: 3\n", "  steps: 3\n  steps: 7\n"));
+  ExpectIssue(result, "run.steps", steps + 1,
+              "written twice in one mapping (first at line " + std::to_string(steps) + ")");
+  // A section written twice would merge the two.
+  auto sections = Load(std::string(kValid) + "run:\n  steps: 5\n");
+  ExpectIssue(sections, "run", 0, "written twice in one mapping (first at line 1)");
+}
+
+TEST(ConfigTest, ASecondYamlDocumentIsRefused) {
+  auto result = Load(std::string(kValid) + "---\nrun: {steps: 4}\n");
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()),
+              HasSubstr("holds 2 YAML documents (separated by '---'); expected one"));
+}
+
+TEST(ConfigTest, LayoutsPastTheRankLimitAreRefusedNotOverflowed) {
+  // 2^32 x 2^32 wraps int64 to 0: unchecked, "% 0" would crash the validator.
+  auto batch = Load(kValid, {"run.micro_batch=4294967296", "llm.layout.dp=4294967296",
+                             "llm.layout.tp=1", "llm.model.kv_heads=4"});
+  ExpectIssue(batch, "llm.layout", 0, "is more than 1048576 ranks");
+  // tp x 2cp wraps to 0 with sequence parallelism.
+  auto shards = Load(kValid, {"llm.layout.tp=4611686018427387904", "llm.layout.cp=2",
+                              "llm.layout.sequence_parallel=true"});
+  ExpectIssue(shards, "llm.layout", 0, "is more than 1048576 ranks");
+  // micro_batch x dp past int64 is no divisor of any global batch.
+  auto wave = Load(kValid, {"run.micro_batch=4611686018427387904"});
+  ExpectIssue(wave, "run.global_batch", 0, "(their product overflows)");
+}
+
+TEST(ConfigTest, AnImageWhosePatchCountOverflowsIsTooLongForAnySequence) {
+  // 2^33 patches a side: their square wraps int64 to 0, which would pass the length check.
+  auto result = Load(kValid, {"encoder.model.image_size=8589934592", "encoder.model.patch=1"});
+  ExpectIssue(result, "llm.model.seq_len", 0, "is too short for one image's");
+}
+
+TEST(ConfigTest, ImagesHaveThreeChannels) {
+  ExpectIssue(Load(kValid, {"encoder.model.channels=1"}), "encoder.model.channels", 0,
+              "=1: images are loaded as RGB; expected 3");
+  EXPECT_TRUE(Load(kValid, {"encoder.model.channels=3"}).ok());
+}
+
+TEST(ConfigTest, ListenAddressesAreHostAndAPortInRange) {
+  ExpectIssue(Load(kValid, {"coordinator.listen=127.0.0.1:99999"}), "coordinator.listen", 0,
+              "='127.0.0.1:99999' is not host:port with a port in [0, 65535]");
+  ExpectIssue(Load(kValid, {"coordinator.listen=garbage"}), "coordinator.listen", 0,
+              "is not host:port");
+  ExpectIssue(Load(kValid, {"coordinator.metrics_listen=:80"}), "coordinator.metrics_listen", 0,
+              "is not host:port");
+  EXPECT_TRUE(Load(kValid, {"coordinator.listen='[::1]:0'"}).ok());  // quoted: YAML reads [ as a list
+  EXPECT_TRUE(Load(kValid, {"coordinator.listen=0.0.0.0:65535"}).ok());
+}
+
+TEST(ConfigTest, GradientBucketsHaveAnUpperBound) {
+  ExpectIssue(Load(kValid, {"run.grad_bucket_mib=1e308"}), "run.grad_bucket_mib", 0,
+              "must be > 0 and at most 1048576.0 (1 TiB)");
+  EXPECT_TRUE(Load(kValid, {"run.grad_bucket_mib=1048576"}).ok());
+}
+
 class ConfigFilesTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -521,6 +598,12 @@ TEST_F(ConfigFilesTest, MissingConfigFileIsNotFound) {
   auto result = LoadRunSpecFile((dir_ / "nope.yaml").string());
   EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(result.status().message()), HasSubstr("nope.yaml"));
+}
+
+TEST_F(ConfigFilesTest, ADirectoryIsNoConfigFile) {
+  auto result = LoadRunSpecFile(dir_.string());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(result.status().message()), HasSubstr("is a directory"));
 }
 
 TEST_F(ConfigFilesTest, ExampleConfigsValidate) {
