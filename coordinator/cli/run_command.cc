@@ -128,12 +128,16 @@ absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
 }
 
 int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
+  // Without --out the reference goes beside the run it checks, not over it: runs/tiny and
+  // runs/tiny-reference, which `hetpar compare` takes.
+  const std::string out_dir =
+      flags.out.empty() ? spec.run().out_dir() + "-reference" : spec.run().out_dir();
   std::vector<std::string> argv = {WorkerBinary("hetpar-reference"),
                                    "train",
                                    "--config",
                                    flags.config,
                                    "--out",
-                                   spec.run().out_dir(),
+                                   out_dir,
                                    "--progress"};
   for (const auto& o : flags.overrides) {
     argv.push_back("--set");
@@ -142,9 +146,8 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   if (flags.steps > 0) argv.insert(argv.end(), {"--steps", std::to_string(flags.steps)});
   if (flags.threads > 0) argv.insert(argv.end(), {"--threads", std::to_string(flags.threads)});
   std::error_code ec;
-  std::filesystem::create_directories(spec.run().out_dir() + "/log", ec);
-  auto process =
-      LocalProcess::Spawn("reference", argv, {}, spec.run().out_dir() + "/log/reference.log");
+  std::filesystem::create_directories(out_dir + "/log", ec);
+  auto process = LocalProcess::Spawn("reference", argv, {}, out_dir + "/log/reference.log");
   if (!process.ok()) {
     std::cerr << "hetpar run: " << process.status().message() << "\n";
     return kExitFailure;
@@ -162,7 +165,7 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
     return kExitFailure;
   }
   std::cerr << (*process)->LogTail(3);
-  std::cout << "hetpar run: done; run directory " << spec.run().out_dir() << "\n";
+  std::cout << "hetpar run: done; run directory " << out_dir << "\n";
   return kExitOk;
 }
 
@@ -240,6 +243,10 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     exporter = *std::move(started);
     std::cerr << "hetpar run: Prometheus metrics at " << exporter->url() << "\n";
   }
+
+  std::cerr << "hetpar run: coordinator at "
+            << flags.listen.substr(0, flags.listen.rfind(':') + 1) << (*server)->port()
+            << " (hetpar status --coordinator ADDR)\n";
 
   const int64_t encoder_ranks = spec.encoder().layout().dp() * spec.encoder().layout().tp();
   const auto& ll = spec.llm().layout();
@@ -668,7 +675,8 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                       "Continue from a checkpoint (a step-NNNNNN directory of checkpoint.dir), on "
                       "this config's layout: sets checkpoint.resume_from");
   command->add_flag("--reference", flags->reference,
-                    "Train both modules in one process at tp 1, dp 1 (the parity baseline)");
+                    "Train both modules in one process at tp 1, dp 1 (the parity baseline); "
+                    "without --out, into run.out_dir with -reference appended");
   command
       ->add_option("--threads", flags->threads,
                    "Intra-op threads per worker (default: cores / workers)")
@@ -699,7 +707,11 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       "run.device cuda: give each worker an NCCL host of its own (NCCL_HOSTID; "
       "NCCL's socket transport on loopback), so that ranks of one TP, CP, DP or PP "
       "group may share a GPU. For checking a multi-rank layout on fewer GPUs, not for speed");
-  command->add_option("--listen", flags->listen, "Coordinator address (port 0 picks one)")
+  command
+      ->add_option("--listen", flags->listen,
+                   "Address of this run's coordinator (port 0 picks a free one, logged at the "
+                   "start; hetpar status --coordinator ADDR finds it). The config's "
+                   "coordinator.listen is not used here: it is hetpar coordinator's address")
       ->capture_default_str();
   command
       ->add_option("--step-timeout", flags->step_timeout_s,

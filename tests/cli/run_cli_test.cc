@@ -49,8 +49,30 @@ std::vector<std::string> ProgressSteps(const std::vector<std::string>& extra) {
     EXPECT_THAT((*it).str(), ::testing::Not(HasSubstr(" 0.0 GFLOP/s"))) << (*it).str();
   }
   EXPECT_THAT(r->stdout_text, HasSubstr("5 steps"));
+  // The run's coordinator listens on a port picked for it, and says which.
+  EXPECT_TRUE(std::regex_search(r->stderr_text,
+                                std::regex(R"(coordinator at 127\.0\.0\.1:[1-9][0-9]* )")))
+      << r->stderr_text;
   std::filesystem::remove_all(dir);
   return shown;
+}
+
+TEST(CliRunTest, AReferenceRunWithoutOutGoesBesideTheRunItChecks) {
+  char pattern[] = "/tmp/hetpar-run-cli-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  auto r = RunCommand({kBin, "run", "--config", kSource + "/configs/tiny.yaml", "--reference",
+                       "--steps", "1", "--threads", "1", "--set", "run.out_dir=" + dir + "/run",
+                       "--set", "data.manifest=" + dir + "/data/train.jsonl", "--set",
+                       "data.val_manifest=" + dir + "/data/val.jsonl", "--set",
+                       "data.tokenizer=" + dir + "/data/tokenizer.model", "--set",
+                       "data.synth.samples=16", "--set", "data.synth.val_samples=2"},
+                      300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/run-reference/metrics.jsonl"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run"));
+  EXPECT_THAT(r->stdout_text, HasSubstr("run directory " + dir + "/run-reference"));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CliRunTest, APipedRunPrintsAProgressLineEveryLogEverySteps) {
