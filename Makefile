@@ -1,5 +1,6 @@
 # hetpar: the two set-up commands are `make test` and `make demo` (see README.md).
-# Every target installs what it needs first; nothing else has to be set up by hand.
+# Every target installs what it needs first (deploy/install-deps.sh); the one thing it does not
+# install is the CUDA 13 toolkit, which the build needs even without a GPU (README.md).
 
 BUILD_DIR ?= build
 BUILD_TYPE ?= Release
@@ -13,7 +14,8 @@ all: build
 deps:
 	./deploy/install-deps.sh
 
-$(BUILD_DIR)/CMakeCache.txt:
+# After deps even under make -j: configuring needs the environment it installs.
+$(BUILD_DIR)/CMakeCache.txt: | deps
 	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
 
 configure: deps $(BUILD_DIR)/CMakeCache.txt

@@ -241,6 +241,20 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
   }
   if (options.token.empty()) return absl::InvalidArgumentError("no run token to put in the Secret");
   const v1::RunSpec& spec = loaded.spec;
+  if (const std::string& metrics = spec.coordinator().metrics_listen(); !metrics.empty()) {
+    // The pod publishes the metrics port and Prometheus scrapes it: it must be fixed, and not
+    // the coordinator's own.
+    const int port = coordinator::PortOf(metrics);
+    if (port == 0 || port == options.coordinator_port) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "coordinator.metrics_listen: ='", metrics, "' ",
+          port == 0 ? "picks a free port, which no Service or scrape annotation can name"
+                    : absl::StrCat("is the coordinator's gRPC port (--port ",
+                                   options.coordinator_port, ")"),
+          "; expected a fixed port of its own, e.g. 0.0.0.0:9464 (",
+          loaded.source.Where("coordinator.metrics_listen"), ")"));
+    }
+  }
   const Names n(spec.run().name());
   std::string data_root;
   const v1::RunSpec container_spec =

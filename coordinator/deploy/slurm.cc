@@ -115,6 +115,12 @@ std::string GpuFlag(const DeployOptions& options) {
   return options.device == Device::kGpu ? " --gpus-per-task=1" : "";
 }
 
+// A step that asks for no GRES is given all of the job's on its node: the coordinator would
+// hold the head node's GPUs and the workers' steps there would wait for them forever.
+std::string NoGpuFlag(const DeployOptions& options) {
+  return options.device == Device::kGpu ? " --gres=none" : "";
+}
+
 std::string SingleAllocation(const Job& job, const DeployOptions& options,
                              const std::string& config) {
   const int64_t workers = job.encoder_ranks + job.llm_ranks;
@@ -130,8 +136,9 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
   if (options.device == Device::kGpu) absl::StrAppend(&s, "#SBATCH --gpus=", workers, "\n");
   absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST"), "\n");
   absl::StrAppend(&s,
-                  "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\" "
-                  "\"$BIN/hetpar\" coordinator --config \"$CONFIG\" --listen \"0.0.0.0:$PORT\" "
+                  "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\"",
+                  NoGpuFlag(options),
+                  " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" --listen \"0.0.0.0:$PORT\" "
                   "--out \"$RUN_DIR\"\n");
   if (job.colocated) {
     absl::StrAppend(&s, "start_step colocated --exact --ntasks=", job.llm_ranks, GpuFlag(options),
@@ -167,7 +174,9 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
   absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1"), "\n");
   absl::StrAppend(&s,
                   "start_step coordinator --het-group=1 --exact --ntasks=1 --nodes=1 "
-                  "--nodelist=\"$head_node\" \"$BIN/hetpar\" coordinator --config \"$CONFIG\" "
+                  "--nodelist=\"$head_node\"",
+                  NoGpuFlag(options),
+                  " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" "
                   "--listen \"0.0.0.0:$PORT\" --out \"$RUN_DIR\"\n");
   absl::StrAppend(&s, "start_step encoder --het-group=0 --exact --ntasks=", job.encoder_ranks,
                   GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");

@@ -248,6 +248,20 @@ TEST(DeployK8sTest, MetricsPortIsServedAndAnnotatedForPrometheus) {
   EXPECT_TRUE(service_port);
 }
 
+TEST(DeployK8sTest, AMetricsPortNoServiceCouldNameIsRefused) {
+  TempDir dir;
+  for (const auto& [metrics, says] : std::vector<std::pair<std::string, std::string>>{
+           {"0.0.0.0:0", "picks a free port, which no Service or scrape annotation can name"},
+           {"0.0.0.0:50051", "is the coordinator's gRPC port (--port 50051)"}}) {
+    const CommandResult r = RunOk({kHetparBin, "deploy", "k8s", "--config",
+                                   kSourceDir + "/configs/tiny.yaml", "--image", "x", "--out",
+                                   dir.File("out"), "--set", "coordinator.metrics_listen=" + metrics});
+    EXPECT_EQ(r.exit_code, 2) << r.stderr_text;
+    EXPECT_THAT(r.stderr_text, HasSubstr("coordinator.metrics_listen: ='" + metrics + "' " + says));
+    EXPECT_FALSE(std::filesystem::exists(dir.File("out")));
+  }
+}
+
 TEST(DeployK8sTest, AReplicaLargerThanANodeIsRefusedWithFieldValueAndLine) {
   TempDir dir;
   std::ifstream in(kSourceDir + "/configs/tiny.yaml");
@@ -316,6 +330,34 @@ TEST(DeploySlurmTest, WithPipelineStagesTheLlmTasksAreToldTheReplicasAndStages) 
     EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
                                 "\"$BIN/hetpar-encoder\""));
   }
+}
+
+// On GPUs each worker task takes one, and the coordinator's step asks for none: a step that
+// asks for nothing would be given every GPU of the job on its node.
+TEST(DeploySlurmTest, OnGpusTheCoordinatorStepTakesNoGpu) {
+  TempDir dir;
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("run"), "--interface", "lo", "--device", "gpu", "--set", "run.device=cuda"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  for (const char* script : {"hetpar.sbatch", "hetpar-het.sbatch"}) {
+    const std::string text = ReadFile(dir.File("run") + "/" + script);
+    EXPECT_THAT(text, ::testing::MatchesRegex(
+                          "(.|\n)*start_step coordinator [^\n]*--gres=none [^\n]*coordinator "
+                          "--config(.|\n)*"))
+        << script;
+    EXPECT_THAT(text, ::testing::MatchesRegex(
+                          "(.|\n)*start_step encoder [^\n]*--gpus-per-task=1 (.|\n)*"))
+        << script;
+  }
+  // On CPUs nothing asks for GRES.
+  TempDir cpu;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", cpu.File("run"), "--interface", "lo"})
+                .exit_code,
+            0);
+  EXPECT_THAT(ReadFile(cpu.File("run") + "/hetpar.sbatch"),
+              ::testing::Not(HasSubstr("--gres")));
 }
 
 TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {
