@@ -82,6 +82,53 @@ transport::Tag BoundaryTag(int64_t step, int64_t attempt, plan::Direction direct
   return (a << 36) | (s << 20) | (w << 1) | (direction == plan::Direction::kBackward ? 1 : 0);
 }
 
+void SendDrain::Keep(std::vector<std::unique_ptr<std::string>> buffers,
+                     std::vector<at::Tensor> device_buffers,
+                     std::vector<std::unique_ptr<transport::Operation>> ops) {
+  absl::MutexLock lock(&mu_);
+  kept_.push_back({std::move(buffers), std::move(device_buffers), std::move(ops)});
+}
+
+int64_t SendDrain::Prune() {
+  std::vector<Kept> done;  // destroyed outside the lock: all of their sends finished
+  int64_t in_flight = 0;
+  absl::MutexLock lock(&mu_);
+  std::vector<Kept> keep;
+  for (Kept& kept : kept_) {
+    int64_t unfinished = 0;
+    for (const auto& op : kept.ops) unfinished += op->Done() ? 0 : 1;
+    in_flight += unfinished;
+    (unfinished > 0 ? keep : done).push_back(std::move(kept));
+  }
+  kept_ = std::move(keep);
+  return in_flight;
+}
+
+PendingSends& PendingSends::operator=(PendingSends&& other) noexcept {
+  if (this == &other) return *this;
+  Release();
+  buffers_ = std::exchange(other.buffers_, {});
+  device_buffers_ = std::exchange(other.device_buffers_, {});
+  ops_ = std::exchange(other.ops_, {});
+  bytes_ = std::exchange(other.bytes_, 0);
+  interrupt_ = other.interrupt_;
+  drain_ = std::move(other.drain_);
+  return *this;
+}
+
+void PendingSends::Release() {
+  bool unfinished = false;
+  for (const auto& op : ops_) unfinished |= !op->Done();
+  if (unfinished && drain_ != nullptr) {
+    drain_->Keep(std::move(buffers_), std::move(device_buffers_), std::move(ops_));
+  }
+  // Finished sends (and, without a drain, unfinished ones) are destroyed here, ops first: they
+  // read from the buffers.
+  ops_.clear();
+  buffers_.clear();
+  device_buffers_.clear();
+}
+
 void PendingSends::Add(std::unique_ptr<std::string> buffer,
                        std::unique_ptr<transport::Operation> op) {
   bytes_ += static_cast<int64_t>(buffer->size());
@@ -158,6 +205,7 @@ absl::StatusOr<PendingSends> BoundaryCommunicator::Send(
     const std::vector<plan::Transfer>& transfers, const at::Tensor& device_rows) {
   PendingSends pending;
   pending.interrupt_ = interrupt_;
+  pending.drain_ = drain_;
   const int64_t row_bytes = plan.row_bytes;
   bool checked = false;
   // Messages are packed from `rows`: on the device when the transport moves its memory
@@ -373,6 +421,13 @@ void BoundaryCommunicator::AbandonUnrun(const plan::RankStepPlan& plan) {
 
 void BoundaryCommunicator::BeginStep() {
   ++steps_begun_;
+  const int64_t draining = drain_->Prune();
+  if (draining > 0 && draining != draining_sends_) {
+    HETPAR_LOG(INFO) << draining
+                     << " boundary sends of attempts that ended early are still in flight, "
+                        "waiting for their receivers to take them";
+  }
+  draining_sends_ = draining;
   taken_.clear();
   // Receives left a step ago or more were withdrawn (destroying a pending receive withdraws
   // it); the ones the last step left wait one more.

@@ -37,6 +37,10 @@
 //
 // Threading: one thread drives a BoundaryCommunicator. Every wait is bounded by the timeout; a
 // dead peer fails the wait with kUnavailable naming it.
+//
+// Sends are never withdrawn: those a failed or interrupted step leaves unfinished stay in flight
+// (SendDrain) until the receiver takes them, since destroying one would tear down the connection
+// to a peer that may be alive and only slow to give up the same step.
 #ifndef HETPAR_COMMON_TRAIN_BOUNDARY_H_
 #define HETPAR_COMMON_TRAIN_BOUNDARY_H_
 
@@ -54,6 +58,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/nn/device_copy.h"
 #include "common/plan/message_header.h"
@@ -78,12 +83,42 @@ struct BridgeStats {
   double sum_transfer_s = 0;  // their lengths added up (> transfer_s when messages overlapped)
 };
 
-// Sends in flight, with the buffers they read from. Wait before dropping.
+// Sends of attempts that ended early, kept in flight with the buffers they read from. A send
+// is never withdrawn: no backend can cancel one once posted, and destroying one unfinished tears
+// the peer's connection down (transport/completion.h), which would cut off a live peer for the
+// rest of the run. A kept send completes once its receiver takes it (a receiver that gives up
+// the step posts receives for what its peers still send: BoundaryCommunicator::Abandon) or
+// fails with its peer. Shared by a communicator and the PendingSends it returned.
+class SendDrain {
+ public:
+  SendDrain() = default;
+  SendDrain(const SendDrain&) = delete;
+  SendDrain& operator=(const SendDrain&) = delete;
+
+  void Keep(std::vector<std::unique_ptr<std::string>> buffers,
+            std::vector<at::Tensor> device_buffers,
+            std::vector<std::unique_ptr<transport::Operation>> ops);
+  // Drops the sends that completed; the number still in flight.
+  int64_t Prune();
+
+ private:
+  struct Kept {
+    std::vector<std::unique_ptr<std::string>> buffers;
+    std::vector<at::Tensor> device_buffers;
+    std::vector<std::unique_ptr<transport::Operation>> ops;
+  };
+  absl::Mutex mu_;
+  std::vector<Kept> kept_ ABSL_GUARDED_BY(mu_);
+};
+
+// Sends in flight, with the buffers they read from. Dropped with sends unfinished (the step
+// failed or was interrupted), it hands them to its communicator's SendDrain.
 class PendingSends {
  public:
   PendingSends() = default;
-  PendingSends(PendingSends&&) = default;
-  PendingSends& operator=(PendingSends&&) = default;
+  ~PendingSends() { Release(); }
+  PendingSends(PendingSends&& other) noexcept { *this = std::move(other); }
+  PendingSends& operator=(PendingSends&& other) noexcept;
 
   void Add(std::unique_ptr<std::string> buffer, std::unique_ptr<transport::Operation> op);
   // A message in device memory (BoundaryCommunicator::device_direct).
@@ -95,11 +130,15 @@ class PendingSends {
   bool empty() const { return ops_.empty(); }
 
  private:
+  // Hands unfinished sends to drain_ (destroys finished ones).
+  void Release();
+
   std::vector<std::unique_ptr<std::string>> buffers_;
   std::vector<at::Tensor> device_buffers_;
   std::vector<std::unique_ptr<transport::Operation>> ops_;
   int64_t bytes_ = 0;
   const StepInterrupt* interrupt_ = nullptr;
+  std::shared_ptr<SendDrain> drain_;
   friend class BoundaryCommunicator;
 };
 
@@ -165,7 +204,11 @@ class BoundaryCommunicator {
   // clears the transfer records. Receives still posted for such a step stay posted through one
   // more step, so that a live peer's send of the aborted step finds its receive and completes
   // (a send the receiver never takes would tie up the connection); then they are withdrawn.
+  // Sends of such a step stay in flight until taken (SendDrain); the ones taken are dropped here.
   void BeginStep();
+
+  // Sends of earlier attempts still in flight (SendDrain), as of the last BeginStep.
+  int64_t draining_sends() const { return draining_sends_; }
 
   // The peer of world rank `rank` is now `peer` (a worker that joined the run into the rank of a
   // lost one). Receives still posted on the old peer stay as they are until withdrawn.
@@ -261,6 +304,8 @@ class BoundaryCommunicator {
   std::vector<std::pair<int64_t, PostedReceive>> stale_;
   std::set<transport::Tag> taken_;  // (direction, wave) receives taken by this step
   int64_t steps_begun_ = 0;
+  std::shared_ptr<SendDrain> drain_ = std::make_shared<SendDrain>();
+  int64_t draining_sends_ = 0;
   const StepInterrupt* interrupt_ = nullptr;
   std::vector<Interval> intervals_[2];        // by direction
   std::vector<DeviceHeader> device_headers_;  // received this step, not checked yet

@@ -24,6 +24,7 @@
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
 #include "common/transport/inproc/inproc_transport.h"
+#include "common/transport/ucx/ucx_transport.h"
 #include "encoder_service/encoder_runtime.h"
 #include "gtest/gtest.h"
 #include "llm_trainer/llm_runtime.h"
@@ -403,6 +404,104 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
             absl::StatusCode::kDeadlineExceeded);
   llm.AbandonUnrun(unrun_llm);
   EXPECT_TRUE(orphan->Wait(absl::Now() + absl::Seconds(10)).ok());
+}
+
+// Over UCX, whose sends cannot be withdrawn: the encoder's attempt fails with its rows sent and
+// not yet taken, and it drops the sends; the LLM rank gives the same attempt up only later. The
+// sends stay in flight until the LLM's abandoned receives absorb them, and the connection serves
+// the retry. Destroying them unfinished instead tears the connection down after the transport's
+// abandon timeout, and the retry between two live ranks fails.
+TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheConnection) {
+  const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
+  const hetpar::v1::RunSpec spec = MakeSpec(c);
+  auto batches = data::BatchSource::Create(spec);
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  auto placement = plan::PlacementFromRunSpec(spec);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  auto batch = (*batches)->Take({}, spec.run().global_batch());
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(options.ok());
+  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
+  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
+  auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
+  ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+
+  // Every message waits for its receiver (same-host zero copy at any size), and an Operation
+  // destroyed unfinished gives up after 100 ms.
+  transport::ucx::UcxTransport::Options enc_options, llm_options;
+  enc_options.name = "enc";
+  llm_options.name = "llm";
+  for (auto* o : {&enc_options, &llm_options}) {
+    o->zero_copy_threshold = 1;
+    o->abandon_timeout = absl::Milliseconds(100);
+  }
+  auto enc_t = transport::ucx::UcxTransport::Create(enc_options);
+  auto llm_t = transport::ucx::UcxTransport::Create(llm_options);
+  ASSERT_TRUE(enc_t.ok()) << enc_t.status();
+  ASSERT_TRUE(llm_t.ok()) << llm_t.status();
+  auto to_llm = (*enc_t)->Connect((*llm_t)->LocalAddress(), absl::Now() + absl::Seconds(20));
+  auto to_enc = (*llm_t)->Connect((*enc_t)->LocalAddress(), absl::Now() + absl::Seconds(20));
+  ASSERT_TRUE(to_llm.ok()) << to_llm.status();
+  ASSERT_TRUE(to_enc.ok()) << to_enc.status();
+  train::BoundaryCommunicator enc(enc_t->get(), {{1, *to_llm}}, absl::Seconds(20));
+  train::BoundaryCommunicator llm(llm_t->get(), {{0, *to_enc}}, absl::Seconds(20));
+
+  const plan::EncoderJob* job = nullptr;
+  for (const auto& j : enc_plan->encoder_jobs) {
+    if (j.rows > 0) {
+      job = &j;
+      break;
+    }
+  }
+  ASSERT_NE(job, nullptr);
+  const int64_t wave = job->wave;
+  const int64_t hidden = spec.llm().model().hidden();
+  const at::Tensor job_rows = (at::arange(job->rows, at::kDouble).unsqueeze(1) * 1000 +
+                               at::arange(hidden, at::kDouble).unsqueeze(0))
+                                  .contiguous();
+  plan::RankStepPlan failed_enc = *enc_plan, failed_llm = *llm_plan;
+  failed_enc.attempt = failed_llm.attempt = 1;
+  plan::RankStepPlan retry_enc = *enc_plan, retry_llm = *llm_plan;
+  retry_enc.attempt = retry_llm.attempt = 2;
+
+  enc.BeginStep();
+  llm.BeginStep();
+  {
+    auto sent = enc.SendForward(failed_enc, wave, at::full_like(job_rows, 5.0));
+    ASSERT_TRUE(sent.ok()) << sent.status();
+  }  // the encoder's attempt failed: its sends are dropped
+  enc.BeginStep();
+  EXPECT_EQ(enc.draining_sends(), 1);
+  // The LLM rank gives attempt 1 up: its receives absorb the message.
+  llm.Abandon(failed_llm);
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (enc.draining_sends() > 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));  // leaves the core to UCX's progress thread
+    enc.BeginStep();
+  }
+  EXPECT_EQ(enc.draining_sends(), 0);
+
+  // The retry: the same two ranks, over the same connection.
+  llm.BeginStep();
+  const int64_t buffer_rows = llm_plan->image_rows[wave];
+  at::Tensor buffer = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  ASSERT_TRUE(llm.PostForwardReceives(retry_llm, wave, buffer).ok());
+  auto sent = enc.SendForward(retry_enc, wave, job_rows);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  const absl::Status received = llm.ReceiveForward(retry_llm, wave, buffer);
+  ASSERT_TRUE(received.ok()) << received;
+  at::Tensor expected = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
+  for (const plan::Transfer& t : llm_plan->forward_receives) {
+    if (t.wave != wave) continue;
+    for (const plan::BlockPiece& piece : t.pieces) {
+      expected.narrow(0, piece.dst_offset, piece.rows)
+          .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
+    }
+  }
+  EXPECT_TRUE(at::equal(buffer, expected));
+  EXPECT_TRUE(sent->Wait(absl::Now() + absl::Seconds(20)).ok());
 }
 
 }  // namespace
