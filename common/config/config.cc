@@ -25,6 +25,7 @@
 #include "google/protobuf/message.h"
 #include "google/protobuf/reflection.h"
 #include "nlohmann/json.hpp"
+#include "yaml-cpp/eventhandler.h"
 #include "yaml-cpp/yaml.h"
 
 namespace hetpar::config {
@@ -675,6 +676,34 @@ std::string FormatDouble(double value) {
   return text;
 }
 
+// Where a second YAML document starts in `text`, if it has one. Reads at most two documents:
+// yaml-cpp's LoadAll can keep finding empty documents in some malformed inputs.
+std::optional<YAML::Mark> SecondDocument(std::string_view text) {
+  class Starts final : public YAML::EventHandler {
+   public:
+    void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+    void OnDocumentEnd() override {}
+    void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  const std::string&) override {}
+    void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                         YAML::EmitterStyle::value) override {}
+    void OnSequenceEnd() override {}
+    void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                    YAML::EmitterStyle::value) override {}
+    void OnMapEnd() override {}
+    std::vector<YAML::Mark> starts;
+  };
+  std::istringstream stream{std::string(text)};
+  YAML::Parser parser(stream);
+  Starts starts;
+  for (int documents = 0; documents < 2 && parser.HandleNextDocument(starts); ++documents) {
+  }
+  if (starts.starts.size() < 2) return std::nullopt;
+  return starts.starts[1];
+}
+
 int64_t TokensPerImage(const hetpar::v1::EncoderModel& model) {
   if (model.patch() <= 0 || model.image_size() <= 0) return 0;
   const int64_t side = model.image_size() / model.patch();
@@ -691,16 +720,13 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
   loaded.source = SourceMap(std::string(source_name));
   YAML::Node root;
   try {
-    std::vector<YAML::Node> documents = YAML::LoadAll(std::string(yaml_text));
-    if (documents.size() > 1) {
-      // Reading the first and dropping the rest would ignore what the others set.
-      const YAML::Mark second = documents[1].Mark();
+    root = YAML::Load(std::string(yaml_text));
+    // Reading the first document and dropping the rest would ignore what the others set.
+    if (const std::optional<YAML::Mark> second = SecondDocument(yaml_text); second.has_value()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "the config holds ", documents.size(),
-          " YAML documents (separated by '---'); expected one (", std::string(source_name),
-          second.line >= 0 ? absl::StrCat(":", second.line + 1) : std::string(), ")"));
+          "the config holds more than one YAML document (separated by '---'); expected one (",
+          std::string(source_name), ":", second->line + 1, ")"));
     }
-    if (!documents.empty()) root = documents[0];
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(
         "invalid YAML: ", e.msg, " (", std::string(source_name), ":", e.mark.line + 1, ")"));

@@ -490,7 +490,8 @@ TEST(ConfigTest, ASecondYamlDocumentIsRefused) {
   auto result = Load(std::string(kValid) + "---\nrun: {steps: 4}\n");
   ASSERT_FALSE(result.ok());
   EXPECT_THAT(std::string(result.status().message()),
-              HasSubstr("holds 2 YAML documents (separated by '---'); expected one"));
+              HasSubstr("holds more than one YAML document (separated by '---'); expected "
+                        "one (run.yaml:" + std::to_string(LineOf(kValid, "tok.model") + 1) + ")"));
 }
 
 TEST(ConfigTest, LayoutsPastTheRankLimitAreRefusedNotOverflowed) {
