@@ -216,6 +216,10 @@ absl::StatusOr<v1::RegisterResponse> RunController::Register(const v1::RegisterR
   v1::RegisterResponse response;
   *response.mutable_assignment() = AssignmentOf(*worker, /*with_peers=*/complete);
   *response.mutable_spec() = spec_;
+  // The step timeout in force (a --step-timeout overrides the RunSpec's): workers wait for a
+  // step's decision that long.
+  response.mutable_spec()->mutable_failure()->set_step_timeout_s(
+      absl::ToDoubleSeconds(options_.step_timeout));
   return response;
 }
 
@@ -335,7 +339,9 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   if (end_session && had_session) {
     actions->end_sessions.emplace_back(
         worker->worker_id,
-        absl::UnavailableError(absl::StrCat("declared dead by the coordinator: ", reason)));
+        // Not UNAVAILABLE: a worker reads that as the coordinator lost, and would restart to
+        // register again as if the coordinator had died.
+        absl::AbortedError(absl::StrCat("declared dead by the coordinator: ", reason)));
   }
   if (state_ != v1::RUN_STATE_RUNNING) return;
   if (worker->joining) {
@@ -908,8 +914,19 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   stop_deadline_ = now + options_.stop_timeout;
   HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
-    if (worker->session_open)
-      actions->messages.emplace_back(worker->worker_id, StopMessage(reason, generation_));
+    if (!worker->session_open) continue;
+    v1::CoordinatorMessage stop = StopMessage(reason, generation_);
+    // The replicas the outputs' groups span: a replica lost during the step this stop aborted
+    // is no longer among them, though the workers' last plan had it.
+    if (membership_.placement() != v1::PLACEMENT_COLOCATED && !worker->joining) {
+      for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) {
+        stop.mutable_stop()->add_encoder_replicas(r);
+      }
+      for (int64_t r : membership_.Replicas(v1::MODULE_LLM)) {
+        stop.mutable_stop()->add_llm_replicas(r);
+      }
+    }
+    actions->messages.emplace_back(worker->worker_id, std::move(stop));
   }
   MaybeFinishStopping(now, actions);
 }

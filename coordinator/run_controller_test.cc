@@ -214,6 +214,16 @@ TEST(RunControllerOptionsTest, StepDeadlineAndAttemptsComeFromTheFailureSectionU
   ASSERT_TRUE(overridden.ok()) << overridden.status();
   EXPECT_EQ((*overridden)->options().step_timeout, absl::Seconds(7));
   EXPECT_EQ((*overridden)->options().max_step_attempts, 2);
+  // Workers learn the one in force from their registration's RunSpec (they wait that long for
+  // a step's decision).
+  v1::RegisterRequest request;
+  request.set_role(v1::WORKER_ROLE_ENCODER);
+  request.set_host("host");
+  request.set_data_address("host:1");
+  Actions actions;
+  auto registered = (*overridden)->Register(request, kT0, &actions);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_EQ(registered->spec().failure().step_timeout_s(), 7);
   // A spec without the section (not normalised): 10 minutes, 3 attempts.
   auto bare = RunController::Create(TinySpec(), ControllerOptions{}, nullptr, kT0);
   ASSERT_TRUE(bare.ok()) << bare.status();
@@ -375,6 +385,11 @@ TEST_F(RunControllerTest, ALostEncoderReplicaLeavesAndTheStepIsPlannedAgainOverT
   EXPECT_DOUBLE_EQ(status.pool_changes(0).recovery_s(), 2.0);  // lost at 1 s, committed at 3 s
   CompleteStep(1, 1, {1, 2, 3});
   EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  // The stop names the replicas left in the run: the outputs' groups span those.
+  auto stops = SentTo(ids_[2], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_THAT(stops[0].stop().encoder_replicas(), ::testing::ElementsAre(1));
+  EXPECT_THAT(stops[0].stop().llm_replicas(), ::testing::ElementsAre(0));
 }
 
 TEST_F(RunControllerTest, AnEncoderLossBelowTheMinimumPoolFailsTheRunSayingHowToResume) {

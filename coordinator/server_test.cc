@@ -316,7 +316,7 @@ TEST_F(ServerTest, SilentWorkerIsDeclaredDeadAfterTheTimeout) {
   auto other = NextOf(*workers[3], v1::CoordinatorMessage::kMembershipChange);
   ASSERT_TRUE(other.ok());
   auto ended = NextOf(*workers[1], v1::CoordinatorMessage::kMembershipChange, absl::Seconds(10));
-  EXPECT_EQ(ended.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ended.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(ended.status().message()), HasSubstr("declared dead"));
   auto status = AdminClient(Connect()).Status();
   ASSERT_TRUE(status.ok());

@@ -67,12 +67,17 @@ absl::Status SessionChannel::SendReport(const v1::StepReport& report) {
 }
 
 absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
-  const absl::Time deadline = absl::Now() + options_.timeout;
+  // While a step is in flight the coordinator may rightly say nothing until it decides the
+  // step, up to its step timeout after the plan went out.
+  const bool in_step = state_ == State::kAwaitingNorm || state_ == State::kAwaitingCommit;
+  const absl::Duration bound =
+      options_.timeout + (in_step ? options_.step_timeout : absl::ZeroDuration());
+  const absl::Time deadline = absl::Now() + bound;
   while (true) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) {
       return absl::DeadlineExceededError(absl::StrCat("no message from the coordinator within ",
-                                                      absl::FormatDuration(options_.timeout), " (",
+                                                      absl::FormatDuration(bound), " (",
                                                       StateName(state_), ")"));
     }
     HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage message, channel_->Next(left));
@@ -144,6 +149,11 @@ void StepDriver::Stopped(const v1::StopRun& stop) {
   // they would wait on may be gone.
   if (stop.run_failed() || stop.replica_left()) run_failed_ = absl::AbortedError(stop.reason());
   replica_left_ = stop.replica_left();
+  if (stop.encoder_replicas_size() > 0 || stop.llm_replicas_size() > 0) {
+    // The run's replicas as it stopped: the outputs' groups span these.
+    replicas_.encoder.assign(stop.encoder_replicas().begin(), stop.encoder_replicas().end());
+    replicas_.llm.assign(stop.llm_replicas().begin(), stop.llm_replicas().end());
+  }
   state_ = State::kStopped;
 }
 

@@ -26,7 +26,8 @@ using ::testing::HasSubstr;
 class ScriptedChannel : public ControlChannel {
  public:
   void Push(v1::CoordinatorMessage message) { script_.push_back(std::move(message)); }
-  absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration) override {
+  absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration timeout) override {
+    waits.push_back(timeout);
     if (script_.empty()) return end;
     v1::CoordinatorMessage m = std::move(script_.front());
     script_.pop_front();
@@ -50,6 +51,7 @@ class ScriptedChannel : public ControlChannel {
   // What Next returns once the script is used up (a session's final status).
   absl::Status end = absl::DeadlineExceededError("script ended");
 
+  std::vector<absl::Duration> waits;  // each Next's timeout, in order
   std::vector<v1::GradNormPartial> partials;
   std::vector<v1::StepReport> reports;
   std::vector<std::string> sent;            // in order
@@ -605,6 +607,23 @@ TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
   }
 }
 
+// A replica lost during the step the stop aborted: the outputs' groups span the replicas the
+// stop names, not the last plan's.
+TEST(StepDriverTest, TheOutputsGroupsSpanTheReplicasTheStopNames) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  v1::CoordinatorMessage stop = Stop(4);
+  stop.mutable_stop()->add_encoder_replicas(0);
+  stop.mutable_stop()->add_llm_replicas(0);
+  for (const auto& m : AbortedAfterACommit(/*failed_here=*/false, stop)) channel.Push(m);
+  StepDriverOptions options = Gen1();
+  options.initial_replicas.encoder = {0};
+  StepDriver driver(&channel, &module, options);
+  ASSERT_TRUE(driver.Run().ok());
+  EXPECT_EQ(module.calls.front(), "regroup 3 [0,1]");  // the plans' replicas
+  EXPECT_EQ(module.calls.back(), "regroup 4 [0] llm [0]");
+}
+
 TEST(StepDriverTest, AStopOfTheGroupsOwnGenerationOrOfNoneKeepsThem) {
   for (const int64_t generation : {int64_t{0}, int64_t{1}}) {
     ScriptedChannel channel;
@@ -770,6 +789,29 @@ TEST(StepDriverTest, SilenceFromTheCoordinatorEndsTheWaitWithADeadline) {
   StepDriver driver(&channel, &module, Gen1());
   EXPECT_EQ(driver.Run().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(module.calls.empty());
+}
+
+// The coordinator decides a step up to its step timeout after the plan: the waits for the norm
+// and the commit last that much longer than a wait for the next plan.
+TEST(StepDriverTest, TheWaitsForAStepsDecisionOutlastTheCoordinatorsStepTimeout) {
+  ScriptedChannel channel;
+  channel.Push(Plan(0));
+  channel.Push(Norm(0, 1.0));
+  channel.Push(Commit(0));
+  RecordingModule module;
+  StepDriverOptions options = Gen1();
+  options.timeout = absl::Seconds(300);
+  options.step_timeout = absl::Seconds(600);
+  StepDriver driver(&channel, &module, options);
+  EXPECT_EQ(driver.Run().code(), absl::StatusCode::kDeadlineExceeded);  // the script ends
+  ASSERT_EQ(channel.waits.size(), 4u);
+  const auto within = [](absl::Duration wait, absl::Duration bound) {
+    return wait <= bound && wait > bound - absl::Seconds(60);
+  };
+  EXPECT_TRUE(within(channel.waits[0], absl::Seconds(300))) << channel.waits[0];  // the plan
+  EXPECT_TRUE(within(channel.waits[1], absl::Seconds(900))) << channel.waits[1];  // the norm
+  EXPECT_TRUE(within(channel.waits[2], absl::Seconds(900))) << channel.waits[2];  // the commit
+  EXPECT_TRUE(within(channel.waits[3], absl::Seconds(300))) << channel.waits[3];  // the next plan
 }
 
 }  // namespace

@@ -89,6 +89,7 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   SessionChannel channel(&context->session());
   StepDriverOptions driver_options;
   driver_options.timeout = context->coordinator_timeout();
+  driver_options.step_timeout = absl::Seconds(context->spec().failure().step_timeout_s());
   driver_options.initial_generation = context->store_generation();
   driver_options.initial_replicas.encoder = context->AssignedReplicas(v1::MODULE_ENCODER);
   driver_options.initial_replicas.llm = context->AssignedReplicas(v1::MODULE_LLM);
