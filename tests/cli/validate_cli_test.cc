@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -122,6 +124,42 @@ TEST(CliValidateTest, FeaturesThatDoNotRunYetAreRefusedWithFieldAndLine) {
   EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
   EXPECT_THAT(r->stderr_text, Not(HasSubstr("refuses")));
   fs::remove(path);
+}
+
+// Against a data set on disk, validate checks what the run would check of its tokenizer.
+TEST(CliValidateTest, TheTokenizerMustFitTheVocabularyAndHoldTheImageToken) {
+  char pattern[] = "/tmp/hetpar-validate-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  auto synth = RunCommand({kBin, "data", "synth", "--out", dir, "--samples", "8",
+                           "--val-samples", "2"});
+  ASSERT_TRUE(synth.ok()) << synth.status();
+  ASSERT_EQ(synth->exit_code, 0) << synth->stderr_text;
+  const std::vector<std::string> on_disk = {
+      kBin,  "validate", "--config", kSource + "/configs/tiny.yaml", "--set",
+      "data.synth.samples=0", "--set", "data.manifest=" + dir + "/train.jsonl", "--set",
+      "data.val_manifest=" + dir + "/val.jsonl", "--set", "data.tokenizer=" + dir + "/tokenizer.model"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = on_disk;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunCommand(argv);
+  };
+  auto fits = with({});
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(fits->exit_code, 0) << fits->stderr_text;
+  // The synthetic tokenizer has 256 pieces.
+  auto small = with({"--set", "llm.model.vocab=128"});
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->exit_code, 2);
+  EXPECT_THAT(small->stderr_text,
+              HasSubstr("llm.model.vocab: =128 is smaller than the tokenizer's 256 pieces"));
+  EXPECT_THAT(small->stderr_text, HasSubstr("(--set llm.model.vocab=128)"));
+  EXPECT_TRUE(small->stdout_text.empty());
+  auto token = with({"--set", "data.image_token=<picture>"});
+  ASSERT_TRUE(token.ok()) << token.status();
+  EXPECT_EQ(token->exit_code, 2);
+  EXPECT_THAT(token->stderr_text,
+              HasSubstr("data.image_token: '<picture>' is not a piece of the tokenizer"));
+  fs::remove_all(dir);
 }
 
 TEST(CliValidateTest, MissingConfigExitsTwo) {
