@@ -676,31 +676,45 @@ std::string FormatDouble(double value) {
   return text;
 }
 
-// Where a second YAML document starts in `text`, if it has one. Reads at most two documents:
-// yaml-cpp's LoadAll can keep finding empty documents in some malformed inputs.
+// Where a second YAML document with content starts in `text`, if it has one (an empty one, as a
+// trailing `---` makes, sets nothing). Reads at most two documents: yaml-cpp's LoadAll can keep
+// finding empty documents in some malformed inputs.
 std::optional<YAML::Mark> SecondDocument(std::string_view text) {
   class Starts final : public YAML::EventHandler {
    public:
-    void OnDocumentStart(const YAML::Mark& mark) override { starts.push_back(mark); }
+    void OnDocumentStart(const YAML::Mark& mark) override {
+      starts.push_back(mark);
+      content.push_back(false);
+    }
     void OnDocumentEnd() override {}
     void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
-    void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+    void OnAlias(const YAML::Mark&, YAML::anchor_t) override { Content(); }
     void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                  const std::string&) override {}
+                  const std::string&) override {
+      Content();
+    }
     void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                         YAML::EmitterStyle::value) override {}
+                         YAML::EmitterStyle::value) override {
+      Content();
+    }
     void OnSequenceEnd() override {}
     void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
-                    YAML::EmitterStyle::value) override {}
+                    YAML::EmitterStyle::value) override {
+      Content();
+    }
     void OnMapEnd() override {}
+    void Content() {
+      if (!content.empty()) content.back() = true;
+    }
     std::vector<YAML::Mark> starts;
+    std::vector<bool> content;  // by document
   };
   std::istringstream stream{std::string(text)};
   YAML::Parser parser(stream);
   Starts starts;
   for (int documents = 0; documents < 2 && parser.HandleNextDocument(starts); ++documents) {
   }
-  if (starts.starts.size() < 2) return std::nullopt;
+  if (starts.starts.size() < 2 || !starts.content[1]) return std::nullopt;
   return starts.starts[1];
 }
 

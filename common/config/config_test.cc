@@ -486,6 +486,11 @@ TEST(ConfigTest, AKeyWrittenTwiceIsRefusedWithBothLines) {
   ExpectIssue(sections, "run", 0, "written twice in one mapping (first at line 1)");
 }
 
+TEST(ConfigTest, ATrailingEmptyDocumentIsNoSecondDocument) {
+  EXPECT_TRUE(Load(std::string(kValid) + "---\n").ok());
+  EXPECT_TRUE(Load(std::string("---\n") + kValid + "...\n").ok());
+}
+
 TEST(ConfigTest, ASecondYamlDocumentIsRefused) {
   auto result = Load(std::string(kValid) + "---\nrun: {steps: 4}\n");
   ASSERT_FALSE(result.ok());

@@ -130,8 +130,11 @@ absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
 int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   // Without --out the reference goes beside the run it checks, not over it: runs/tiny and
   // runs/tiny-reference, which `hetpar compare` takes.
-  const std::string out_dir =
-      flags.out.empty() ? spec.run().out_dir() + "-reference" : spec.run().out_dir();
+  std::string out_dir = spec.run().out_dir();
+  if (flags.out.empty()) {
+    while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();  // runs/tiny/
+    out_dir += "-reference";
+  }
   std::vector<std::string> argv = {WorkerBinary("hetpar-reference"),
                                    "train",
                                    "--config",
@@ -244,9 +247,10 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: Prometheus metrics at " << exporter->url() << "\n";
   }
 
+  const size_t colon = flags.listen.rfind(':');
   std::cerr << "hetpar run: coordinator at "
-            << flags.listen.substr(0, flags.listen.rfind(':') + 1) << (*server)->port()
-            << " (hetpar status --coordinator ADDR)\n";
+            << (colon == std::string::npos ? "port " : flags.listen.substr(0, colon + 1))
+            << (*server)->port() << " (hetpar status --coordinator ADDR)\n";
 
   const int64_t encoder_ranks = spec.encoder().layout().dp() * spec.encoder().layout().tp();
   const auto& ll = spec.llm().layout();

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/control/security.h"
 #include "coordinator/deploy/deploy.h"
 
 namespace hetpar::deploy {
@@ -201,6 +202,13 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
                                                    "') must be absolute paths every node sees"));
   }
   const v1::RunSpec& spec = loaded.spec;
+  if (const std::string& metrics = spec.coordinator().metrics_listen();
+      !metrics.empty() && coordinator::PortOf(metrics) == options.coordinator_port) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "coordinator.metrics_listen: ='", metrics, "' is the coordinator's gRPC port (--port ",
+        options.coordinator_port, "); expected a port of its own, e.g. 0.0.0.0:9464 (",
+        loaded.source.Where("coordinator.metrics_listen"), ")"));
+  }
   Job job;
   job.name = ObjectName(spec.run().name());
   job.colocated = spec.placement() == v1::PLACEMENT_COLOCATED;

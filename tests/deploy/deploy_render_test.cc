@@ -350,6 +350,12 @@ TEST(DeploySlurmTest, OnGpusTheCoordinatorStepTakesNoGpu) {
                           "(.|\n)*start_step encoder [^\n]*--gpus-per-task=1 (.|\n)*"))
         << script;
   }
+  // A metrics port that is the coordinator's own is refused here too.
+  const CommandResult same_port =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+             "--out", dir.File("other"), "--set", "coordinator.metrics_listen=0.0.0.0:50051"});
+  EXPECT_EQ(same_port.exit_code, 2) << same_port.stderr_text;
+  EXPECT_THAT(same_port.stderr_text, HasSubstr("is the coordinator's gRPC port (--port 50051)"));
   // On CPUs nothing asks for GRES.
   TempDir cpu;
   ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
