@@ -67,6 +67,8 @@ struct WorkerRecord {
   bool joining = false;
   std::string dead_reason;
   v1::Progress progress;
+  // The newest attempt generation whose abort its step driver took (Progress.ended).
+  int64_t ended_generation = 0;
 
   // "enc-3 (encoder rank 3 (dp 3, tp 0), host a)".
   std::string Describe() const;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/config/config.h"
+#include "common/control/grpc_status.h"
 #include "common/logging.h"
 #include "common/plan/step_plan.h"
 #include "common/status.h"
@@ -281,6 +282,12 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
     }
     case v1::WorkerMessage::kProgress:
       worker->progress = message.progress();
+      if (message.progress().ended()) {
+        worker->ended_generation =
+            std::max(worker->ended_generation, message.progress().generation());
+        // The next attempt may have been waiting for this worker to give the last one up.
+        if (!not_ended_since_abort_.empty()) MaybeStartStep(now, actions);
+      }
       return absl::OkStatus();
     case v1::WorkerMessage::kGradNormPartial:
       HandleOutcome(orchestrator_.OnGradNormPartial(*worker, message.grad_norm_partial(), now,
@@ -288,6 +295,11 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
                     now, actions);
       return absl::OkStatus();
     case v1::WorkerMessage::kReport:
+      // A rank that reports its attempt failed has given it up (its driver waits for the next).
+      if (!message.report().ok()) {
+        worker->ended_generation =
+            std::max(worker->ended_generation, message.report().generation());
+      }
       HandleOutcome(orchestrator_.OnReport(*worker, message.report(), now, &actions->messages), now,
                     actions);
       return absl::OkStatus();
@@ -331,6 +343,67 @@ void RunController::SessionEnded(const std::string& worker_id, const std::string
   MaybeFinishStopping(now, actions);
 }
 
+std::string RunController::WhyALossEndsTheRun(const WorkerRecord& worker) const {
+  // A DP replica's state (parameters, AdamW moments) is the same on every replica of its module:
+  // the run goes on without the lost worker's replica, as long as enough replicas remain. A
+  // colocated rank's state, or that of an LLM without DP, exists nowhere else.
+  const v1::Module module = worker.role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
+                            : worker.role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
+                                                                   : v1::MODULE_UNSPECIFIED;
+  const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
+  if (module == v1::MODULE_UNSPECIFIED) {
+    return "its colocated shard (parameters and optimizer state) is held by no other worker";
+  }
+  const int64_t replica = Membership::ReplicaOf(worker, module);
+  const std::vector<int64_t> replicas = membership_.Replicas(module);
+  const bool in_run = std::find(replicas.begin(), replicas.end(), replica) != replicas.end();
+  const int64_t left_after = static_cast<int64_t>(replicas.size()) - (in_run ? 1 : 0);
+  const int64_t minimum =
+      std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
+                                                        : spec_.failure().min_llm_replicas());
+  if (HoldersWithout(module, replica) < 1) {
+    return absl::StrCat("its ", name,
+                        " shard (parameters and optimizer state) is held by no other worker");
+  }
+  if (left_after < minimum) {
+    return absl::StrCat("the ", name, " pool would shrink to ", left_after,
+                        " replicas, below failure.min_", name, "_replicas=", minimum);
+  }
+  if (module == v1::MODULE_LLM) {
+    // The global batch must still split over the LLM replicas left.
+    if (absl::Status splits = plan::LlmWaves(spec_, left_after).status(); !splits.ok()) {
+      return std::string(splits.message());
+    }
+  }
+  return "";
+}
+
+absl::Duration RunController::StuckAfter() const {
+  const double peer_s = spec_.failure().peer_timeout_s();
+  return peer_s > 0 ? absl::Seconds(peer_s) : absl::Seconds(300);
+}
+
+void RunController::DropStuckWorkers(absl::Time now, Actions* actions) {
+  std::vector<std::string> stuck;
+  stuck.swap(not_ended_since_abort_);
+  for (const std::string& id : stuck) {
+    WorkerRecord* worker = membership_.Find(id);
+    // Lost with an earlier one (its replica's other ranks), or the run ended.
+    if (worker == nullptr || !worker->alive || state_ != v1::RUN_STATE_RUNNING) continue;
+    const std::string reason = absl::StrCat(
+        "stuck: it did not give up the aborted attempt of step ", orchestrator_.step(), " within ",
+        absl::FormatDuration(StuckAfter()),
+        " (failure.peer_timeout_s), though it still sends heartbeats");
+    if (const std::string cannot = WhyALossEndsTheRun(*worker); !cannot.empty()) {
+      HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " is " << reason
+                          << "; it is kept, since " << cannot << ", and the step is tried again";
+      continue;
+    }
+    LoseWorker(worker, reason, /*end_session=*/true, now, actions);
+  }
+  MaybeStartStep(now, actions);
+}
+
 void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session,
                                absl::Time now, Actions* actions) {
   const bool had_session = worker->session_open;
@@ -339,9 +412,9 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   if (end_session && had_session) {
     actions->end_sessions.emplace_back(
         worker->worker_id,
-        // Not UNAVAILABLE: a worker reads that as the coordinator lost, and would restart to
-        // register again as if the coordinator had died.
-        absl::AbortedError(absl::StrCat("declared dead by the coordinator: ", reason)));
+        // Not UNAVAILABLE, which a worker reads as its coordinator lost: it restarts to register
+        // again either way, but says why.
+        absl::AbortedError(absl::StrCat(kDeclaredDeadPrefix, reason)));
   }
   if (state_ != v1::RUN_STATE_RUNNING) return;
   if (worker->joining) {
@@ -351,39 +424,18 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
     return;
   }
   const std::string cause = absl::StrCat("worker ", worker->Describe(), " lost: ", reason);
-  // A DP replica's state (parameters, AdamW moments) is the same on every replica of its module:
-  // the run goes on without the lost worker's replica, as long as enough replicas remain. A
-  // colocated rank's state, or that of an LLM without DP, exists nowhere else.
   const v1::Module module = worker->role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
                             : worker->role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
                                                                     : v1::MODULE_UNSPECIFIED;
   const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
   const int64_t replica = Membership::ReplicaOf(*worker, module);
-  const std::vector<int64_t> replicas =
-      module == v1::MODULE_UNSPECIFIED ? std::vector<int64_t>() : membership_.Replicas(module);
-  if (module != v1::MODULE_UNSPECIFIED &&
-      std::find(replicas.begin(), replicas.end(), replica) == replicas.end()) {
-    return;  // its replica had already left the run
-  }
-  const int64_t left_after = static_cast<int64_t>(replicas.size()) - 1;
-  const int64_t holders_after =
-      module == v1::MODULE_UNSPECIFIED ? 0 : HoldersWithout(module, replica);
-  const int64_t minimum =
-      std::max<int64_t>(1, module == v1::MODULE_ENCODER ? spec_.failure().min_encoder_replicas()
-                                                        : spec_.failure().min_llm_replicas());
-  std::string cannot;
-  if (module == v1::MODULE_UNSPECIFIED || holders_after < 1) {
-    cannot = absl::StrCat("its ", module == v1::MODULE_UNSPECIFIED ? "colocated" : name,
-                          " shard (parameters and optimizer state) is held by no other worker");
-  } else if (left_after < minimum) {
-    cannot = absl::StrCat("the ", name, " pool would shrink to ", left_after,
-                          " replicas, below failure.min_", name, "_replicas=", minimum);
-  } else if (module == v1::MODULE_LLM) {
-    // The global batch must still split over the LLM replicas left.
-    if (absl::Status splits = plan::LlmWaves(spec_, left_after).status(); !splits.ok()) {
-      cannot = std::string(splits.message());
+  if (module != v1::MODULE_UNSPECIFIED) {
+    const std::vector<int64_t> replicas = membership_.Replicas(module);
+    if (std::find(replicas.begin(), replicas.end(), replica) == replicas.end()) {
+      return;  // its replica had already left the run
     }
   }
+  const std::string cannot = WhyALossEndsTheRun(*worker);
   if (!cannot.empty()) {
     const std::string resume =
         spec_.checkpoint().dir().empty()
@@ -754,7 +806,9 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
   switch (outcome) {
     case StepOrchestrator::Outcome::kPending:
       // The next attempt may be waiting for a worker to be heard from (or lost).
-      if (!unheard_since_abort_.empty()) MaybeStartStep(now, actions);
+      if (!unheard_since_abort_.empty() || !not_ended_since_abort_.empty()) {
+        MaybeStartStep(now, actions);
+      }
       return;
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
@@ -808,6 +862,11 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
       // attempt has been heard from since the abort, or found lost (Tick ends the wait for a
       // silent one: heartbeat_timeout).
       unheard_since_abort_ = orchestrator_.participants();
+      // And until each has given the attempt up (its step driver took the abort): a worker whose
+      // driver hangs while its session thread heartbeats would be planned into every retry and
+      // hold it up (see DropStuckWorkers).
+      not_ended_since_abort_ = orchestrator_.participants();
+      aborted_generation_ = orchestrator_.generation();
       aborted_at_ = now;
       MaybeStartStep(now, actions);
       return;
@@ -833,6 +892,22 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
     const WorkerRecord* worker = membership_.Find(unheard_since_abort_.back());
     if (worker != nullptr && worker->alive && worker->last_heartbeat < aborted_at_) return;
     unheard_since_abort_.pop_back();
+  }
+  if (!not_ended_since_abort_.empty()) {
+    std::vector<std::string> waiting;
+    for (const std::string& id : not_ended_since_abort_) {
+      const WorkerRecord* worker = membership_.Find(id);
+      if (worker != nullptr && worker->alive && worker->ended_generation < aborted_generation_) {
+        waiting.push_back(id);
+      }
+    }
+    not_ended_since_abort_ = std::move(waiting);
+    if (!not_ended_since_abort_.empty()) {
+      if (now - aborted_at_ < StuckAfter()) return;
+      // DropStuckWorkers loses them (each loss may start the next attempt itself).
+      DropStuckWorkers(now, actions);
+      return;
+    }
   }
   std::vector<WorkerRecord*> live = membership_.TrainingWorkers();
   for (const WorkerRecord* worker : live) {

@@ -139,6 +139,16 @@ class RunController {
 
   v1::Assignment AssignmentOf(const WorkerRecord& worker, bool with_peers) const;
   void SendAssignments(Actions* actions);
+  // Why losing `worker` would end the run (its shard held nowhere else, a pool below its
+  // minimum, a global batch that no longer splits); empty when the run goes on without it.
+  std::string WhyALossEndsTheRun(const WorkerRecord& worker) const;
+  // How long after an abort a worker that heartbeats but has not given the attempt up is taken
+  // for stuck: failure.peer_timeout_s (every wait it could be in is bounded by it).
+  absl::Duration StuckAfter() const;
+  // The workers of the aborted attempt still in not_ended_since_abort_ are stuck: each whose loss
+  // the run survives is lost (so the retry runs without its replica), the others are kept; then
+  // the next attempt starts.
+  void DropStuckWorkers(absl::Time now, Actions* actions);
   void LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session, absl::Time now,
                   Actions* actions);
   // A worker asked to leave (Leave: SIGTERM): its encoder replica leaves at the next step
@@ -203,6 +213,11 @@ class RunController {
   // After an abort: the aborted attempt's workers not yet heard from since it (each sends a
   // heartbeat as the abort reaches it). The next attempt waits for them, or for their loss.
   std::vector<std::string> unheard_since_abort_;
+  // After an abort: the aborted attempt's workers whose step driver has not yet given it up
+  // (Progress.ended for aborted_generation_). The next attempt waits for them, their loss, or
+  // StuckAfter().
+  std::vector<std::string> not_ended_since_abort_;
+  int64_t aborted_generation_ = 0;
   absl::Time aborted_at_ = absl::InfinitePast();
 };
 

@@ -58,6 +58,7 @@ v1::RunSpec TinySpec(int64_t steps = 2, const std::string& checkpoint_dir = "",
   spec.mutable_llm()->mutable_layout()->set_tp(2);
   spec.mutable_coordinator()->set_heartbeat_timeout_s(10);
   spec.mutable_coordinator()->set_register_timeout_s(60);
+  spec.mutable_failure()->set_peer_timeout_s(30);  // how long a stuck worker is waited for
   return spec;
 }
 
@@ -152,13 +153,23 @@ class RunControllerTest : public ::testing::Test {
     ASSERT_TRUE(controller_->HandleMessage(id, m, now, &actions_).ok());
   }
 
-  // A heartbeat from each worker `workers` indexes (what a worker sends as an abort reaches it).
+  // What each worker `workers` indexes sends as an abort reaches it: a heartbeat from its
+  // session, then its step driver's Progress that it gave the attempt up.
   void HearFrom(std::vector<size_t> workers, absl::Time now) {
     for (size_t i : workers) {
       v1::WorkerMessage m;
       m.mutable_heartbeat()->set_seq(1);
       Send(ids_[i], m, now);
+      GiveUp(i, now);
     }
+  }
+
+  // Worker `i`'s step driver took the abort of the last attempt.
+  void GiveUp(size_t i, absl::Time now) {
+    v1::WorkerMessage m;
+    m.mutable_progress()->set_generation(controller_->generation());
+    m.mutable_progress()->set_ended(true);
+    if (controller_->membership().Find(ids_[i])->alive) Send(ids_[i], m, now);
   }
 
   // Every worker completes step `step`: the ranks of the first replica taking part send
@@ -390,6 +401,94 @@ TEST_F(RunControllerTest, ALostEncoderReplicaLeavesAndTheStepIsPlannedAgainOverT
   ASSERT_EQ(stops.size(), 1u);
   EXPECT_THAT(stops[0].stop().encoder_replicas(), ::testing::ElementsAre(1));
   EXPECT_THAT(stops[0].stop().llm_replicas(), ::testing::ElementsAre(0));
+}
+
+// Step 0's attempt is aborted (LLM rank 1, ids[3], reports a failure, which is giving it up);
+// every worker keeps heartbeating, and those in `giving_up` take the abort. Ticks until `until`
+// after the abort.
+void AbortAndWait(RunController* controller, const std::vector<std::string>& ids,
+                  const std::vector<size_t>& giving_up, absl::Duration until, Actions* actions) {
+  const int64_t attempt = controller->generation();
+  v1::WorkerMessage failed;
+  failed.mutable_report()->set_step(0);
+  failed.mutable_report()->set_generation(attempt);
+  failed.mutable_report()->set_ok(false);
+  failed.mutable_report()->set_error("collective timed out");
+  EXPECT_TRUE(controller->HandleMessage(ids[3], failed, kT0, actions).ok());
+  for (size_t i : giving_up) {
+    v1::WorkerMessage m;
+    m.mutable_progress()->set_step(0);
+    m.mutable_progress()->set_generation(attempt);
+    m.mutable_progress()->set_ended(true);
+    EXPECT_TRUE(controller->HandleMessage(ids[i], m, kT0, actions).ok());
+  }
+  for (absl::Time t = kT0 + absl::Seconds(1); t <= kT0 + until; t += absl::Seconds(1)) {
+    for (const std::string& id : ids) {
+      if (!controller->membership().Find(id)->alive) continue;
+      v1::WorkerMessage m;
+      m.mutable_heartbeat()->set_seq(1);
+      EXPECT_TRUE(controller->HandleMessage(id, m, t, actions).ok());
+    }
+    controller->Tick(t, actions);
+  }
+}
+
+// TinySpec's failure.peer_timeout_s, after which a worker that has not given an aborted attempt
+// up is stuck.
+constexpr absl::Duration kStuckAfter = absl::Seconds(30);
+
+TEST_F(RunControllerTest, TheNextAttemptWaitsForEveryWorkerToGiveTheAbortedOneUp) {
+  Create(/*steps=*/2);
+  StartAll();
+  actions_ = {};
+  // LLM rank 1 failed the attempt (which counts as giving it up); LLM rank 0's driver has not
+  // taken the abort yet (a long kernel, a checkpoint write).
+  AbortAndWait(controller_.get(), ids_, {0, 1}, absl::Seconds(2), &actions_);
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan).empty());
+  GiveUp(2, kT0 + absl::Seconds(3));
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 0);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0, 1));
+}
+
+TEST_F(RunControllerTest, AWorkerStuckInAnAbortedAttemptLeavesWhenTheRunCanGoOn) {
+  Create(/*steps=*/2);
+  StartAll();
+  actions_ = {};
+  // Encoder 0 heartbeats but its driver never takes the abort.
+  AbortAndWait(controller_.get(), ids_, {1, 2}, kStuckAfter - absl::Seconds(1), &actions_);
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan).empty());
+  EXPECT_TRUE(controller_->membership().Find(ids_[0])->alive);
+  actions_ = {};
+  controller_->Tick(kT0 + kStuckAfter + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  const WorkerRecord* stuck = controller_->membership().Find(ids_[0]);
+  EXPECT_FALSE(stuck->alive);
+  EXPECT_THAT(stuck->dead_reason, HasSubstr("stuck: it did not give up the aborted attempt of "
+                                            "step 0 within 30s (failure.peer_timeout_s), though "
+                                            "it still sends heartbeats"));
+  ASSERT_FALSE(actions_.end_sessions.empty());
+  EXPECT_EQ(actions_.end_sessions[0].first, ids_[0]);
+  // The step is planned again over encoder replica 1.
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 0);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(1));
+}
+
+TEST_F(RunControllerTest, AStuckWorkerWhoseLossWouldEndTheRunIsKeptAndTheStepRetried) {
+  Create(/*steps=*/2);
+  StartAll();
+  actions_ = {};
+  // LLM rank 0 (of the LLM's only replica) never takes the abort.
+  AbortAndWait(controller_.get(), ids_, {0, 1}, kStuckAfter + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  for (const std::string& id : ids_) EXPECT_TRUE(controller_->membership().Find(id)->alive) << id;
+  // The retry goes out to every worker, as before.
+  auto plans = SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_EQ(plans[0].step_plan().step(), 0);
 }
 
 TEST_F(RunControllerTest, AnEncoderLossBelowTheMinimumPoolFailsTheRunSayingHowToResume) {

@@ -124,6 +124,8 @@ class StepOrchestrator {
   int64_t step() const { return step_; }  // the step in flight, or the last one
   // The workers of the step in flight, or of the last one (less those lost during it).
   const std::vector<std::string>& participants() const { return participants_; }
+  // The generation of the step in flight (or of the last one).
+  int64_t generation() const { return generation_; }
   absl::Time deadline() const {
     return in_flight_ ? started_ + options_.step_timeout : absl::InfiniteFuture();
   }

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/control/grpc_status.h"
@@ -613,6 +614,13 @@ void WorkerSession::OnStreamDone(const absl::Status& status) {
     // or the network went away) or stopped answering.
     if (!stop_heartbeats_ &&
         (absl::IsUnavailable(final_status_) || absl::IsDeadlineExceeded(local_failure_))) {
+      lost = final_status_;
+    }
+    // Declared dead (a heartbeat gap, or stuck in a step): the session is over as if the
+    // coordinator were lost, and the same restart registers the worker again; it also ends a
+    // process whose step hangs, which would never read the session's end.
+    if (!stop_heartbeats_ && absl::IsAborted(final_status_) &&
+        absl::StrContains(final_status_.message(), kDeclaredDeadPrefix)) {
       lost = final_status_;
     }
   }

@@ -149,7 +149,8 @@ class WorkerSession {
     int ack_every = 5;  // ask for an ack every this many heartbeats; 0: never
     // When set, called once, on a gRPC thread, when the coordinator is lost: the stream broke off
     // (UNAVAILABLE) or the coordinator stopped answering heartbeats, and this side was not
-    // closing. Gets the session's final status. Must not block for long.
+    // closing; also when the coordinator ended the session because it declared this worker dead
+    // (kDeclaredDeadPrefix). Gets the session's final status. Must not block for long.
     std::function<void(const absl::Status&)> on_lost;
   };
 

@@ -84,9 +84,10 @@ struct BridgeStats {
 };
 
 // Sends of attempts that ended early, kept in flight with the buffers they read from. A send
-// is never withdrawn: no backend can cancel one once posted, and destroying one unfinished tears
-// the peer's connection down (transport/completion.h), which would cut off a live peer for the
-// rest of the run. A kept send completes once its receiver takes it (a receiver that gives up
+// is never withdrawn: UCX cannot cancel one once posted, and destroying one unfinished tears the
+// peer's connection down (transport/completion.h), which would cut off a live peer for the rest
+// of the run. (The NCCL data plane could withdraw one; keeping it costs only its buffer until
+// the receiver takes it.) A kept send completes once its receiver takes it (a receiver that gives up
 // the step posts receives for what its peers still send: BoundaryCommunicator::Abandon) or
 // fails with its peer. Shared by a communicator and the PendingSends it returned.
 class SendDrain {

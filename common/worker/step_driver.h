@@ -46,7 +46,7 @@
 
 namespace hetpar::worker {
 
-// What the driver needs of the coordinator: its messages and two kinds of reply.
+// What the driver needs of the coordinator: its messages and three kinds of reply.
 class ControlChannel {
  public:
   virtual ~ControlChannel() = default;
@@ -54,6 +54,7 @@ class ControlChannel {
   virtual absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration timeout) = 0;
   virtual absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) = 0;
   virtual absl::Status SendReport(const v1::StepReport& report) = 0;
+  virtual absl::Status SendProgress(const v1::Progress& progress) = 0;
 };
 
 // The channel of a registered worker: its coordinator session (borrowed).
@@ -63,6 +64,7 @@ class SessionChannel : public ControlChannel {
   absl::StatusOr<v1::CoordinatorMessage> Next(absl::Duration timeout) override;
   absl::Status SendGradNormPartial(const v1::GradNormPartial& partial) override;
   absl::Status SendReport(const v1::StepReport& report) override;
+  absl::Status SendProgress(const v1::Progress& progress) override;
 
  private:
   coordinator::WorkerSession* session_;
@@ -155,6 +157,11 @@ class StepDriver {
   // before the end (its reason), else the session's final status.
   absl::Status Sent(absl::Status sent);
   absl::Status Fail(absl::Status status);
+  // Tells the coordinator where this rank is in the attempt of `generation` (Progress; `ended`:
+  // it gave the attempt up). A send that fails is logged: the session's end shows at the next
+  // wait.
+  void SendProgress(int64_t step, int64_t generation, const std::string& phase,
+                    bool ended = false);
 
   ControlChannel* channel_;
   ModuleRuntime* modules_;

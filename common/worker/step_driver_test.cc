@@ -39,6 +39,11 @@ class ScriptedChannel : public ControlChannel {
     sent.push_back(absl::StrCat("partial ", partial.step()));
     return send_error;
   }
+  absl::Status SendProgress(const v1::Progress& progress) override {
+    progress_sent.push_back(absl::StrCat(progress.step(), "/", progress.generation(), " ",
+                                         progress.phase(), progress.ended() ? " (ended)" : ""));
+    return send_error;
+  }
   absl::Status SendReport(const v1::StepReport& report) override {
     reports.push_back(report);
     sent.push_back(absl::StrCat("report ", report.step(), report.ok() ? " ok" : " failed"));
@@ -51,7 +56,8 @@ class ScriptedChannel : public ControlChannel {
   // What Next returns once the script is used up (a session's final status).
   absl::Status end = absl::DeadlineExceededError("script ended");
 
-  std::vector<absl::Duration> waits;  // each Next's timeout, in order
+  std::vector<absl::Duration> waits;         // each Next's timeout, in order
+  std::vector<std::string> progress_sent;     // each progress sent, in order
   std::vector<v1::GradNormPartial> partials;
   std::vector<v1::StepReport> reports;
   std::vector<std::string> sent;            // in order
@@ -605,6 +611,24 @@ TEST(StepDriverTest, AStopOfANewerGenerationFormsTheGroupsAnewForTheOutputs) {
     EXPECT_EQ(module.regroups_with_interrupt_raised, 0);
     EXPECT_EQ(driver.steps_applied(), 1);
   }
+}
+
+// The rank says where it is in each attempt, and that it gave an aborted attempt up, whether
+// the abort came after its failure (between steps) or while it waited for the decision: the
+// coordinator's next attempt waits for that.
+TEST(StepDriverTest, EachAbortedAttemptIsSaidToBeGivenUp) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.fail_at_step = 1;
+  for (auto m : {Plan(0), Norm(0, 1.0), Commit(0), Plan(1), Abort(1, 1), Plan(2), Abort(2, 1)}) {
+    channel.Push(m);
+  }
+  StepDriver driver(&channel, &module, Gen1());
+  EXPECT_EQ(driver.Run().code(), absl::StatusCode::kDeadlineExceeded);  // the script ends
+  EXPECT_THAT(channel.progress_sent,
+              ElementsAre("0/1 computing", "0/1 awaiting the gradient norm", "1/1 computing",
+                          "1/1 gave the step up (ended)", "2/1 computing",
+                          "2/1 awaiting the gradient norm", "2/1 gave the step up (ended)"));
 }
 
 // A replica lost during the step the stop aborted: the outputs' groups span the replicas the

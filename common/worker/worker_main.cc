@@ -64,9 +64,10 @@ void CloseOnExecAboveStderr() {
 [[noreturn]] void RestartToReRegister(char** argv, absl::Duration reconnect_timeout,
                                       const absl::Status& why) {
   const absl::Time deadline = absl::Now() + reconnect_timeout;
-  HETPAR_LOG(WARNING) << "lost the coordinator (" << why.message()
-                      << "); restarting this worker to register again with it when it is back "
-                         "(waiting up to "
+  HETPAR_LOG(WARNING) << (absl::IsAborted(why) ? "the coordinator ended this worker's session ("
+                                                : "lost the coordinator (")
+                      << why.message()
+                      << "); restarting this worker to register again with it (waiting up to "
                       << absl::FormatDuration(reconnect_timeout) << ", --reconnect-timeout)";
   std::cerr.flush();
   std::clog.flush();
@@ -324,6 +325,16 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     const absl::Duration reconnect = absl::Seconds(reconnect_timeout_s);
     options.on_coordinator_lost = [argv, reconnect](const absl::Status& why) {
       RestartToReRegister(argv, reconnect, why);
+    };
+  } else {
+    // No restart: a worker the coordinator declared dead exits here, since its step may hang
+    // and never read the session's end. A lost coordinator fails the worker's next wait.
+    options.on_coordinator_lost = [name = binary.name](const absl::Status& why) {
+      if (!absl::IsAborted(why)) return;
+      HETPAR_LOG(ERROR) << "the coordinator ended this worker's session: " << why.message();
+      std::cerr.flush();
+      std::fflush(nullptr);
+      std::_Exit(kExitFailure);
     };
   }
   if (!trace_steps.empty()) {

@@ -120,10 +120,18 @@ int Run(const std::string& address, const std::string& role_name, const std::str
         std::cout << "commit step " << message->commit().step() << " loss "
                   << message->commit().loss() << std::endl;
         break;
-      case v1::CoordinatorMessage::kAbort:
+      case v1::CoordinatorMessage::kAbort: {
         std::cout << "abort step " << message->abort().step() << ": " << message->abort().reason()
                   << std::endl;
+        // As a real worker's step driver does: the next attempt waits for it.
+        v1::Progress ended;
+        ended.set_step(message->abort().step());
+        ended.set_generation(message->abort().generation());
+        ended.set_phase("gave the step up");
+        ended.set_ended(true);
+        (void)s.SendProgress(ended);
         break;
+      }
       case v1::CoordinatorMessage::kMembershipChange:
         std::cout << "membership_change generation " << message->membership_change().generation()
                   << " lost " << message->membership_change().lost(0).worker_id() << std::endl;
