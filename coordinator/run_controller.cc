@@ -380,12 +380,18 @@ std::string RunController::WhyALossEndsTheRun(const WorkerRecord& worker) const 
 
 absl::Duration RunController::StuckAfter() const {
   const double peer_s = spec_.failure().peer_timeout_s();
-  return peer_s > 0 ? absl::Seconds(peer_s) : absl::Seconds(300);
+  // At most the step timeout: a worker waits for its next plan coordinator_timeout +
+  // step_timeout (StepDriverOptions::step_timeout), which must outlast this wait.
+  return std::min(peer_s > 0 ? absl::Seconds(peer_s) : absl::Seconds(300),
+                  options_.step_timeout);
 }
 
 void RunController::DropStuckWorkers(absl::Time now, Actions* actions) {
   std::vector<std::string> stuck;
   stuck.swap(not_ended_since_abort_);
+  // Every loss first, then one attempt: started after the first loss, an attempt would include
+  // the other stuck workers and be aborted by the next loss.
+  dropping_stuck_ = true;
   for (const std::string& id : stuck) {
     WorkerRecord* worker = membership_.Find(id);
     // Lost with an earlier one (its replica's other ranks), or the run ended.
@@ -393,14 +399,19 @@ void RunController::DropStuckWorkers(absl::Time now, Actions* actions) {
     const std::string reason = absl::StrCat(
         "stuck: it did not give up the aborted attempt of step ", orchestrator_.step(), " within ",
         absl::FormatDuration(StuckAfter()),
-        " (failure.peer_timeout_s), though it still sends heartbeats");
+        " (failure.peer_timeout_s, at most the step timeout), though it still sends heartbeats");
     if (const std::string cannot = WhyALossEndsTheRun(*worker); !cannot.empty()) {
       HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " is " << reason
                           << "; it is kept, since " << cannot << ", and the step is tried again";
       continue;
     }
+    // Its replica's other ranks are ended as declared dead too: a hang in a TP, CP or pipeline
+    // collective holds them all, and only that end makes a hung process restart or exit.
+    replica_may_hang_ = true;
     LoseWorker(worker, reason, /*end_session=*/true, now, actions);
+    replica_may_hang_ = false;
   }
+  dropping_stuck_ = false;
   MaybeStartStep(now, actions);
 }
 
@@ -504,7 +515,10 @@ std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, in
       stop.mutable_stop()->set_reason(reason);
       stop.mutable_stop()->set_replica_left(true);
       actions->messages.emplace_back(live->worker_id, std::move(stop));
-      actions->end_sessions.emplace_back(live->worker_id, absl::AbortedError(reason));
+      actions->end_sessions.emplace_back(
+          live->worker_id, absl::AbortedError(replica_may_hang_
+                                                  ? absl::StrCat(kDeclaredDeadPrefix, reason)
+                                                  : reason));
     }
   }
   return ended;
@@ -883,7 +897,8 @@ void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, 
 }
 
 void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
-  if (state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr || !planner_prepared_ ||
+  if (dropping_stuck_ || state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr ||
+      !planner_prepared_ ||
       orchestrator_.in_flight() || committed_steps_ >= spec_.run().steps() ||
       !membership_.Complete()) {
     return;

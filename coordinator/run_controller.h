@@ -143,7 +143,8 @@ class RunController {
   // minimum, a global batch that no longer splits); empty when the run goes on without it.
   std::string WhyALossEndsTheRun(const WorkerRecord& worker) const;
   // How long after an abort a worker that heartbeats but has not given the attempt up is taken
-  // for stuck: failure.peer_timeout_s (every wait it could be in is bounded by it).
+  // for stuck: failure.peer_timeout_s (which bounds a worker's waits for its peers), at most the
+  // step timeout.
   absl::Duration StuckAfter() const;
   // The workers of the aborted attempt still in not_ended_since_abort_ are stuck: each whose loss
   // the run survives is lost (so the retry runs without its replica), the others are kept; then
@@ -218,6 +219,10 @@ class RunController {
   // StuckAfter().
   std::vector<std::string> not_ended_since_abort_;
   int64_t aborted_generation_ = 0;
+  // While DropStuckWorkers loses workers: no attempt starts (MaybeStartStep), and the replica
+  // peers a loss ends are ended as declared dead (EndReplicaWorkers), as they may hang too.
+  bool dropping_stuck_ = false;
+  bool replica_may_hang_ = false;
   absl::Time aborted_at_ = absl::InfinitePast();
 };
 

@@ -1,5 +1,6 @@
 #include "coordinator/run_controller.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -164,12 +165,15 @@ class RunControllerTest : public ::testing::Test {
     }
   }
 
-  // Worker `i`'s step driver took the abort of the last attempt.
+  // Worker `i`'s step driver took the last abort sent to it (if any), naming its generation.
   void GiveUp(size_t i, absl::Time now) {
+    const auto aborts = SentTo(ids_[i], v1::CoordinatorMessage::kAbort);
+    if (aborts.empty() || !controller_->membership().Find(ids_[i])->alive) return;
     v1::WorkerMessage m;
-    m.mutable_progress()->set_generation(controller_->generation());
+    m.mutable_progress()->set_step(aborts.back().abort().step());
+    m.mutable_progress()->set_generation(aborts.back().abort().generation());
     m.mutable_progress()->set_ended(true);
-    if (controller_->membership().Find(ids_[i])->alive) Send(ids_[i], m, now);
+    Send(ids_[i], m, now);
   }
 
   // Every worker completes step `step`: the ranks of the first replica taking part send
@@ -403,18 +407,19 @@ TEST_F(RunControllerTest, ALostEncoderReplicaLeavesAndTheStepIsPlannedAgainOverT
   EXPECT_THAT(stops[0].stop().llm_replicas(), ::testing::ElementsAre(0));
 }
 
-// Step 0's attempt is aborted (LLM rank 1, ids[3], reports a failure, which is giving it up);
-// every worker keeps heartbeating, and those in `giving_up` take the abort. Ticks until `until`
-// after the abort.
+// Step 0's attempt is aborted (worker `failing`, by default LLM rank 1, reports a failure, which
+// is giving it up); every worker keeps heartbeating, and those in `giving_up` take the abort.
+// Ticks until `until` after the abort.
 void AbortAndWait(RunController* controller, const std::vector<std::string>& ids,
-                  const std::vector<size_t>& giving_up, absl::Duration until, Actions* actions) {
+                  const std::vector<size_t>& giving_up, absl::Duration until, Actions* actions,
+                  size_t failing = 3) {
   const int64_t attempt = controller->generation();
   v1::WorkerMessage failed;
   failed.mutable_report()->set_step(0);
   failed.mutable_report()->set_generation(attempt);
   failed.mutable_report()->set_ok(false);
   failed.mutable_report()->set_error("collective timed out");
-  EXPECT_TRUE(controller->HandleMessage(ids[3], failed, kT0, actions).ok());
+  EXPECT_TRUE(controller->HandleMessage(ids[failing], failed, kT0, actions).ok());
   for (size_t i : giving_up) {
     v1::WorkerMessage m;
     m.mutable_progress()->set_step(0);
@@ -466,8 +471,9 @@ TEST_F(RunControllerTest, AWorkerStuckInAnAbortedAttemptLeavesWhenTheRunCanGoOn)
   const WorkerRecord* stuck = controller_->membership().Find(ids_[0]);
   EXPECT_FALSE(stuck->alive);
   EXPECT_THAT(stuck->dead_reason, HasSubstr("stuck: it did not give up the aborted attempt of "
-                                            "step 0 within 30s (failure.peer_timeout_s), though "
-                                            "it still sends heartbeats"));
+                                            "step 0 within 30s (failure.peer_timeout_s, at most "
+                                            "the step timeout), though it still sends "
+                                            "heartbeats"));
   ASSERT_FALSE(actions_.end_sessions.empty());
   EXPECT_EQ(actions_.end_sessions[0].first, ids_[0]);
   // The step is planned again over encoder replica 1.
@@ -475,6 +481,34 @@ TEST_F(RunControllerTest, AWorkerStuckInAnAbortedAttemptLeavesWhenTheRunCanGoOn)
   ASSERT_EQ(plans.size(), 1u);
   EXPECT_EQ(plans[0].step_plan().step(), 0);
   EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(1));
+}
+
+// Stuck workers in two replicas (an encoder, and both stages of an LLM replica): every loss is
+// decided before the next attempt starts, so one attempt follows, over the replicas left, and
+// the stuck replica's other rank is ended as declared dead too (a hung process restarts on it).
+TEST_F(RunControllerTest, StuckWorkersOfSeveralReplicasAreAllDroppedBeforeOneNextAttempt) {
+  CreateWith(TwoLlmReplicasSpec(/*pp=*/2));
+  // LLM ranks 0 to 3 (ids 2 to 5): (dp 0, pp 0), (dp 1, pp 0), (dp 0, pp 1), (dp 1, pp 1).
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+            v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
+  actions_ = {};
+  // Encoder 0 and LLM replica 1 (ids 3 and 5) hang; LLM rank 0 (id 2) reports the failure.
+  AbortAndWait(controller_.get(), ids_, {1, 4}, kStuckAfter + absl::Seconds(1), &actions_,
+               /*failing=*/2);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  for (size_t i : {size_t{0}, size_t{3}, size_t{5}}) {
+    EXPECT_FALSE(controller_->membership().Find(ids_[i])->alive) << i;
+  }
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(1));
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0));
+  EXPECT_EQ(controller_->Status(kT0 + kStuckAfter).aborted_steps(), 1);
+  int declared_dead = 0;
+  for (const auto& [id, status] : actions_.end_sessions) {
+    if (absl::StrContains(status.message(), "declared dead by the coordinator: ")) ++declared_dead;
+  }
+  EXPECT_EQ(declared_dead, 3);
 }
 
 TEST_F(RunControllerTest, AStuckWorkerWhoseLossWouldEndTheRunIsKeptAndTheStepRetried) {

@@ -71,11 +71,9 @@ absl::Status SessionChannel::SendProgress(const v1::Progress& progress) {
 }
 
 absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
-  // While a step is in flight the coordinator may rightly say nothing until it decides the
-  // step, up to its step timeout after the plan went out.
-  const bool in_step = state_ == State::kAwaitingNorm || state_ == State::kAwaitingCommit;
-  const absl::Duration bound =
-      options_.timeout + (in_step ? options_.step_timeout : absl::ZeroDuration());
+  // The coordinator may rightly say nothing for up to its step timeout: while it decides a step
+  // in flight, and after an abort while it waits for a stuck worker (at most the step timeout).
+  const absl::Duration bound = options_.timeout + options_.step_timeout;
   const absl::Time deadline = absl::Now() + bound;
   while (true) {
     const absl::Duration left = deadline - absl::Now();

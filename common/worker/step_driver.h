@@ -74,9 +74,10 @@ struct StepDriverOptions {
   // Bound of each wait for the coordinator (the next plan, the step's decision).
   absl::Duration timeout = absl::Seconds(300);
   // The coordinator's bound on a step attempt (failure.step_timeout_s, or its --step-timeout, as
-  // the registration's RunSpec has it). The waits for a step's norm and commit are bounded by
-  // timeout + step_timeout: the coordinator ends every attempt by then, and a rank that finished
-  // its part early (a frozen encoder) waits while the others compute.
+  // the registration's RunSpec has it). Each wait is bounded by timeout + step_timeout: the
+  // coordinator ends every attempt by then (a rank that finished its part early, a frozen
+  // encoder, waits while the others compute), and after an abort holds the next plan at most
+  // that long for a stuck worker.
   absl::Duration step_timeout = absl::ZeroDuration();
   // Called after each committed and applied step with the rank's per-module split (the
   // report's timings).

@@ -286,12 +286,16 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"colocated_enc_dp3_llm_dp3_uneven", 3, 1, 3, 1, false, true}),
     [](const auto& info) { return info.param.name; });
 
-// A forward message lands straight in the LLM's row buffer; its header is still checked on
-// arrival: a message of another generation fails the receive naming both, and a matching one
-// leaves exactly the sent rows at their places.
-TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
+// One step of the dp 1 -> dp 1 layout: encoder rank 0's plan and LLM rank 1's.
+struct OneToOnePlans {
+  hetpar::v1::RunSpec spec;
+  std::optional<plan::RankStepPlan> enc_plan, llm_plan;
+};
+
+void MakeOneToOnePlans(OneToOnePlans* out) {
   const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
-  const hetpar::v1::RunSpec spec = MakeSpec(c);
+  out->spec = MakeSpec(c);
+  const hetpar::v1::RunSpec& spec = out->spec;
   auto batches = data::BatchSource::Create(spec);
   ASSERT_TRUE(batches.ok()) << batches.status();
   auto placement = plan::PlacementFromRunSpec(spec);
@@ -305,6 +309,19 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
   auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
   ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+  out->enc_plan = *std::move(enc_plan);
+  out->llm_plan = *std::move(llm_plan);
+}
+
+// A forward message lands straight in the LLM's row buffer; its header is still checked on
+// arrival: a message of another generation fails the receive naming both, and a matching one
+// leaves exactly the sent rows at their places.
+TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
+  OneToOnePlans plans;
+  ASSERT_NO_FATAL_FAILURE(MakeOneToOnePlans(&plans));
+  const hetpar::v1::RunSpec& spec = plans.spec;
+  const std::optional<plan::RankStepPlan>& enc_plan = plans.enc_plan;
+  const std::optional<plan::RankStepPlan>& llm_plan = plans.llm_plan;
   ASSERT_TRUE(enc_plan->encoder_role && llm_plan->llm_role);
 
   auto enc_t = transport::inproc::InprocTransport::Create({"enc"});
@@ -412,21 +429,11 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
 // the retry. Destroying them unfinished instead tears the connection down after the transport's
 // abandon timeout, and the retry between two live ranks fails.
 TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheConnection) {
-  const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
-  const hetpar::v1::RunSpec spec = MakeSpec(c);
-  auto batches = data::BatchSource::Create(spec);
-  ASSERT_TRUE(batches.ok()) << batches.status();
-  auto placement = plan::PlacementFromRunSpec(spec);
-  ASSERT_TRUE(placement.ok()) << placement.status();
-  auto batch = (*batches)->Take({}, spec.run().global_batch());
-  ASSERT_TRUE(batch.ok()) << batch.status();
-  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
-  ASSERT_TRUE(options.ok());
-  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
-  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
-  auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
-  auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
-  ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
+  OneToOnePlans plans;
+  ASSERT_NO_FATAL_FAILURE(MakeOneToOnePlans(&plans));
+  const hetpar::v1::RunSpec& spec = plans.spec;
+  const std::optional<plan::RankStepPlan>& enc_plan = plans.enc_plan;
+  const std::optional<plan::RankStepPlan>& llm_plan = plans.llm_plan;
 
   // Every message waits for its receiver (same-host zero copy at any size), and an Operation
   // destroyed unfinished gives up after 100 ms.
