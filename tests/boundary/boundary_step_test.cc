@@ -286,10 +286,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"colocated_enc_dp3_llm_dp3_uneven", 3, 1, 3, 1, false, true}),
     [](const auto& info) { return info.param.name; });
 
-// One step of the dp 1 -> dp 1 layout: encoder rank 0's plan and LLM rank 1's.
+// One step of the dp 1 -> dp 1 layout: encoder rank 0's plan and LLM rank 1's, the encoder's
+// first job with image rows, and rows for it (1000 * job row + column).
 struct OneToOnePlans {
   hetpar::v1::RunSpec spec;
   std::optional<plan::RankStepPlan> enc_plan, llm_plan;
+  const plan::EncoderJob* job = nullptr;  // in enc_plan
+  at::Tensor job_rows;
 };
 
 void MakeOneToOnePlans(OneToOnePlans* out) {
@@ -311,6 +314,17 @@ void MakeOneToOnePlans(OneToOnePlans* out) {
   ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
   out->enc_plan = *std::move(enc_plan);
   out->llm_plan = *std::move(llm_plan);
+  for (const auto& j : out->enc_plan->encoder_jobs) {
+    if (j.rows > 0) {
+      out->job = &j;
+      break;
+    }
+  }
+  ASSERT_NE(out->job, nullptr);
+  const int64_t hidden = spec.llm().model().hidden();
+  out->job_rows = (at::arange(out->job->rows, at::kDouble).unsqueeze(1) * 1000 +
+                   at::arange(hidden, at::kDouble).unsqueeze(0))
+                      .contiguous();
 }
 
 // A forward message lands straight in the LLM's row buffer; its header is still checked on
@@ -333,20 +347,10 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   train::BoundaryCommunicator enc(enc_t->get(), {{1, *to_llm}}, absl::Seconds(10));
   train::BoundaryCommunicator llm(llm_t->get(), {{0, *to_enc}}, absl::Seconds(10));
 
-  // The first wave with images: the encoder job's rows are 1000 * job row + column.
-  const plan::EncoderJob* job = nullptr;
-  for (const auto& j : enc_plan->encoder_jobs) {
-    if (j.rows > 0) {
-      job = &j;
-      break;
-    }
-  }
-  ASSERT_NE(job, nullptr);
-  const int64_t wave = job->wave;
+  // The first wave with images.
+  const int64_t wave = plans.job->wave;
   const int64_t hidden = spec.llm().model().hidden();
-  at::Tensor job_rows = (at::arange(job->rows, at::kDouble).unsqueeze(1) * 1000 +
-                         at::arange(hidden, at::kDouble).unsqueeze(0))
-                            .contiguous();
+  const at::Tensor& job_rows = plans.job_rows;
   const int64_t buffer_rows = llm_plan->image_rows[wave];
 
   // Another generation: rejected, naming the field.
@@ -455,19 +459,9 @@ TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheC
   train::BoundaryCommunicator enc(enc_t->get(), {{1, *to_llm}}, absl::Seconds(20));
   train::BoundaryCommunicator llm(llm_t->get(), {{0, *to_enc}}, absl::Seconds(20));
 
-  const plan::EncoderJob* job = nullptr;
-  for (const auto& j : enc_plan->encoder_jobs) {
-    if (j.rows > 0) {
-      job = &j;
-      break;
-    }
-  }
-  ASSERT_NE(job, nullptr);
-  const int64_t wave = job->wave;
+  const int64_t wave = plans.job->wave;
   const int64_t hidden = spec.llm().model().hidden();
-  const at::Tensor job_rows = (at::arange(job->rows, at::kDouble).unsqueeze(1) * 1000 +
-                               at::arange(hidden, at::kDouble).unsqueeze(0))
-                                  .contiguous();
+  const at::Tensor& job_rows = plans.job_rows;
   plan::RankStepPlan failed_enc = *enc_plan, failed_llm = *llm_plan;
   failed_enc.attempt = failed_llm.attempt = 1;
   plan::RankStepPlan retry_enc = *enc_plan, retry_llm = *llm_plan;
