@@ -293,6 +293,22 @@ struct OneToOnePlans {
   std::optional<plan::RankStepPlan> enc_plan, llm_plan;
   const plan::EncoderJob* job = nullptr;  // in enc_plan
   at::Tensor job_rows;
+
+  // The LLM's row buffer of the job's wave once its forward message is placed: job_rows' pieces
+  // at their dst_offset, `fill` elsewhere.
+  at::Tensor ForwardRows(double fill) const {
+    const int64_t wave = job->wave;
+    at::Tensor rows = at::full({llm_plan->image_rows[wave], spec.llm().model().hidden()}, fill,
+                               at::kDouble);
+    for (const plan::Transfer& t : llm_plan->forward_receives) {
+      if (t.wave != wave) continue;
+      for (const plan::BlockPiece& piece : t.pieces) {
+        rows.narrow(0, piece.dst_offset, piece.rows)
+            .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
+      }
+    }
+    return rows;
+  }
 };
 
 void MakeOneToOnePlans(OneToOnePlans* out) {
@@ -372,14 +388,7 @@ TEST(BoundaryReceiveTest, StraightReceivesCheckTheHeaderAndPlaceTheRows) {
   auto sent2 = enc.SendForward(*enc_plan, wave, job_rows);
   ASSERT_TRUE(sent2.ok()) << sent2.status();
   ASSERT_TRUE(llm.ReceiveForward(*llm_plan, wave, fresh).ok());
-  at::Tensor expected = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
-  for (const plan::Transfer& t : llm_plan->forward_receives) {
-    if (t.wave != wave) continue;
-    for (const plan::BlockPiece& piece : t.pieces) {
-      expected.narrow(0, piece.dst_offset, piece.rows)
-          .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
-    }
-  }
+  const at::Tensor expected = plans.ForwardRows(-1.0);
   EXPECT_TRUE(at::equal(fresh, expected));
   EXPECT_EQ(llm.Stats(plan::Direction::kForward).messages, 1);
   ASSERT_TRUE(sent2->Wait(absl::Now() + absl::Seconds(10)).ok());
@@ -493,14 +502,7 @@ TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheC
   ASSERT_TRUE(sent.ok()) << sent.status();
   const absl::Status received = llm.ReceiveForward(retry_llm, wave, buffer);
   ASSERT_TRUE(received.ok()) << received;
-  at::Tensor expected = at::full({buffer_rows, hidden}, -1.0, at::kDouble);
-  for (const plan::Transfer& t : llm_plan->forward_receives) {
-    if (t.wave != wave) continue;
-    for (const plan::BlockPiece& piece : t.pieces) {
-      expected.narrow(0, piece.dst_offset, piece.rows)
-          .copy_(job_rows.narrow(0, piece.src_offset, piece.rows));
-    }
-  }
+  const at::Tensor expected = plans.ForwardRows(-1.0);
   EXPECT_TRUE(at::equal(buffer, expected));
   EXPECT_TRUE(sent->Wait(absl::Now() + absl::Seconds(20)).ok());
 }
