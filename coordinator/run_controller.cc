@@ -27,6 +27,13 @@ v1::CoordinatorMessage StopMessage(const std::string& reason, int64_t generation
   return message;
 }
 
+// The module a (non-colocated) worker role trains; UNSPECIFIED for a colocated worker.
+v1::Module ModuleOf(v1::WorkerRole role) {
+  return role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
+         : role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
+                                         : v1::MODULE_UNSPECIFIED;
+}
+
 void EraseValue(std::vector<int64_t>& values, int64_t value) {
   values.erase(std::remove(values.begin(), values.end(), value), values.end());
 }
@@ -281,7 +288,7 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
       return absl::OkStatus();
     }
     case v1::WorkerMessage::kProgress:
-      worker->progress = message.progress();
+      if (!message.progress().ended()) worker->progress = message.progress();
       if (message.progress().ended()) {
         worker->ended_generation =
             std::max(worker->ended_generation, message.progress().generation());
@@ -347,9 +354,7 @@ std::string RunController::WhyALossEndsTheRun(const WorkerRecord& worker) const 
   // A DP replica's state (parameters, AdamW moments) is the same on every replica of its module:
   // the run goes on without the lost worker's replica, as long as enough replicas remain. A
   // colocated rank's state, or that of an LLM without DP, exists nowhere else.
-  const v1::Module module = worker.role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
-                            : worker.role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
-                                                                   : v1::MODULE_UNSPECIFIED;
+  const v1::Module module = ModuleOf(worker.role);
   const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
   if (module == v1::MODULE_UNSPECIFIED) {
     return "its colocated shard (parameters and optimizer state) is held by no other worker";
@@ -407,16 +412,14 @@ void RunController::DropStuckWorkers(absl::Time now, Actions* actions) {
     }
     // Its replica's other ranks are ended as declared dead too: a hang in a TP, CP or pipeline
     // collective holds them all, and only that end makes a hung process restart or exit.
-    replica_may_hang_ = true;
-    LoseWorker(worker, reason, /*end_session=*/true, now, actions);
-    replica_may_hang_ = false;
+    LoseWorker(worker, reason, /*end_session=*/true, now, actions, /*replica_may_hang=*/true);
   }
   dropping_stuck_ = false;
   MaybeStartStep(now, actions);
 }
 
 void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session,
-                               absl::Time now, Actions* actions) {
+                               absl::Time now, Actions* actions, bool replica_may_hang) {
   const bool had_session = worker->session_open;
   membership_.MarkDead(worker->worker_id, reason);
   HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " is dead: " << reason;
@@ -435,9 +438,7 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
     return;
   }
   const std::string cause = absl::StrCat("worker ", worker->Describe(), " lost: ", reason);
-  const v1::Module module = worker->role == v1::WORKER_ROLE_ENCODER ? v1::MODULE_ENCODER
-                            : worker->role == v1::WORKER_ROLE_LLM   ? v1::MODULE_LLM
-                                                                    : v1::MODULE_UNSPECIFIED;
+  const v1::Module module = ModuleOf(worker->role);
   const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
   const int64_t replica = Membership::ReplicaOf(*worker, module);
   if (module != v1::MODULE_UNSPECIFIED) {
@@ -464,7 +465,8 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   c->set_generation(generation_);
   *c->add_lost() = membership_.PeerInfoOf(*worker);
   // The other ranks of the replica (its TP, CP and pipeline peers) have nothing left to do.
-  for (const v1::PeerInfo& ended : EndReplicaWorkers(module, replica, cause, actions)) {
+  for (const v1::PeerInfo& ended :
+       EndReplicaWorkers(module, replica, cause, actions, replica_may_hang)) {
     *c->add_lost() = ended;
   }
   c->set_reason(cause);
@@ -498,7 +500,8 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
 
 std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, int64_t replica,
                                                            const std::string& cause,
-                                                           Actions* actions) {
+                                                           Actions* actions,
+                                                           bool replica_may_hang) {
   const std::string name = module == v1::MODULE_ENCODER ? "encoder" : "llm";
   const v1::WorkerRole role =
       module == v1::MODULE_ENCODER ? v1::WORKER_ROLE_ENCODER : v1::WORKER_ROLE_LLM;
@@ -516,7 +519,7 @@ std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, in
       stop.mutable_stop()->set_replica_left(true);
       actions->messages.emplace_back(live->worker_id, std::move(stop));
       actions->end_sessions.emplace_back(
-          live->worker_id, absl::AbortedError(replica_may_hang_
+          live->worker_id, absl::AbortedError(replica_may_hang
                                                   ? absl::StrCat(kDeclaredDeadPrefix, reason)
                                                   : reason));
     }

@@ -150,8 +150,10 @@ class RunController {
   // the run survives is lost (so the retry runs without its replica), the others are kept; then
   // the next attempt starts.
   void DropStuckWorkers(absl::Time now, Actions* actions);
+  // `replica_may_hang`: the replica's other ranks may be hung too (a stuck worker), so their
+  // sessions end as declared dead, which makes a hung process restart or exit.
   void LoseWorker(WorkerRecord* worker, const std::string& reason, bool end_session, absl::Time now,
-                  Actions* actions);
+                  Actions* actions, bool replica_may_hang = false);
   // A worker asked to leave (Leave: SIGTERM): its encoder replica leaves at the next step
   // boundary when the pool may shrink; any other worker stops the run (after a checkpoint of the
   // step in flight when checkpoint.dir is set).
@@ -171,9 +173,11 @@ class RunController {
   // splits over those left).
   bool StartWithoutMissingReplicas(absl::Time now, Actions* actions);
   // Marks the live workers of `module`'s DP replica `replica` dead (the replica leaves the run)
-  // and ends their open sessions with `cause`; returns them as peers.
+  // and ends their open sessions with `cause` (as declared dead with `replica_may_hang`); returns
+  // them as peers.
   std::vector<v1::PeerInfo> EndReplicaWorkers(v1::Module module, int64_t replica,
-                                              const std::string& cause, Actions* actions);
+                                              const std::string& cause, Actions* actions,
+                                              bool replica_may_hang = false);
   // The replicas of `module` in the run, `replica` aside, that hold its state (those that joined
   // and have not trained a committed step yet aside).
   int64_t HoldersWithout(v1::Module module, int64_t replica) const;
@@ -219,10 +223,8 @@ class RunController {
   // StuckAfter().
   std::vector<std::string> not_ended_since_abort_;
   int64_t aborted_generation_ = 0;
-  // While DropStuckWorkers loses workers: no attempt starts (MaybeStartStep), and the replica
-  // peers a loss ends are ended as declared dead (EndReplicaWorkers), as they may hang too.
+  // While DropStuckWorkers loses workers, no attempt starts (MaybeStartStep).
   bool dropping_stuck_ = false;
-  bool replica_may_hang_ = false;
   absl::Time aborted_at_ = absl::InfinitePast();
 };
 

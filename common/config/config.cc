@@ -745,13 +745,13 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
     return absl::InvalidArgumentError(absl::StrCat(
         "invalid YAML: ", e.msg, " (", std::string(source_name), ":", e.mark.line + 1, ")"));
   }
-  if (!root.IsMap() && !root.IsNull() && root.IsDefined()) {
+  if (!root.IsMap() && !root.IsNull()) {
     std::vector<std::string> keys = FieldNames(RunSpec::descriptor());
     return absl::InvalidArgumentError(
         absl::StrCat("the config must be a mapping with keys ", absl::StrJoin(keys, ", "),
                      "; got ", NodeKind(root), " (", std::string(source_name), ")"));
   }
-  if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   for (const auto& assignment : overrides) {
     absl::Status status = ApplyOverride(root, assignment);
     if (!status.ok()) return status;

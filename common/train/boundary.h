@@ -87,9 +87,10 @@ struct BridgeStats {
 // is never withdrawn: UCX cannot cancel one once posted, and destroying one unfinished tears the
 // peer's connection down (transport/completion.h), which would cut off a live peer for the rest
 // of the run. (The NCCL data plane could withdraw one; keeping it costs only its buffer until
-// the receiver takes it.) A kept send completes once its receiver takes it (a receiver that gives up
-// the step posts receives for what its peers still send: BoundaryCommunicator::Abandon) or
-// fails with its peer. Shared by a communicator and the PendingSends it returned.
+// the receiver takes it.) A kept send completes once its receiver takes it (a receiver that
+// gives up the step posts receives for what its peers still send:
+// BoundaryCommunicator::Abandon) or fails with its peer. Shared by a communicator and the
+// PendingSends it returned.
 class SendDrain {
  public:
   SendDrain() = default;

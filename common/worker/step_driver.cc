@@ -123,8 +123,7 @@ absl::Status StepDriver::Run() {
       HETPAR_LOG(WARNING) << "step " << message->abort().step()
                           << " aborted by the coordinator: " << message->abort().reason();
       modules_->Discard();
-      SendProgress(message->abort().step(), message->abort().generation(), "gave the step up",
-                   /*ended=*/true);
+      SendEnded(message->abort().step(), message->abort().generation());
     } else if (message->has_step_plan()) {
       if (absl::Status s = RunOneStep(message->step_plan()); !s.ok()) return Fail(std::move(s));
     } else if (message->has_grad_norm() && message->grad_norm().step() == failed_step_ &&
@@ -188,25 +187,21 @@ absl::Status StepDriver::RegroupForOutputs() {
   return absl::OkStatus();
 }
 
-void StepDriver::SendProgress(int64_t step, int64_t generation, const std::string& phase,
-                              bool ended) {
-  v1::Progress progress;
-  progress.set_step(step);
-  progress.set_generation(generation);
-  progress.set_phase(phase);
-  progress.set_ended(ended);
-  // Shown by `hetpar status`; `ended` lets the next attempt start. A session that ended shows up
-  // at the driver's next wait.
-  if (absl::Status s = channel_->SendProgress(progress); !s.ok()) {
-    HETPAR_LOG(WARNING) << "cannot tell the coordinator step " << step << " is at '" << phase
-                        << "': " << s;
+void StepDriver::SendEnded(int64_t step, int64_t generation) {
+  v1::Progress ended;
+  ended.set_step(step);
+  ended.set_generation(generation);
+  ended.set_ended(true);
+  // A session that ended shows up at the driver's next wait.
+  if (absl::Status s = channel_->SendProgress(ended); !s.ok()) {
+    HETPAR_LOG(WARNING) << "cannot tell the coordinator this rank gave step " << step
+                        << " (generation " << generation << ") up: " << s;
   }
 }
 
 absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   state_ = State::kComputing;
   const int64_t step = step_message.step();
-  SendProgress(step, step_message.generation(), "computing");
   trace::Recorder::Process().BeginStep(step);
   const trace::Clock::time_point step_start = trace::Clock::now();
   v1::StepReport report;
@@ -281,7 +276,6 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   }
 
   state_ = State::kAwaitingNorm;
-  SendProgress(step, step_message.generation(), "awaiting the gradient norm");
   const absl::Time norm_asked = absl::Now();
   const trace::Clock::time_point norm_start = trace::Clock::now();
   HETPAR_ASSIGN_OR_RETURN(v1::CoordinatorMessage norm, NextRelevant());
@@ -359,7 +353,7 @@ bool StepDriver::EndsStep(const v1::CoordinatorMessage& message, int64_t step) {
     modules_->Discard();
     ++steps_discarded_;
     state_ = State::kAwaitingPlan;
-    SendProgress(step, message.abort().generation(), "gave the step up", /*ended=*/true);
+    SendEnded(step, message.abort().generation());
     return true;
   }
   if (message.has_stop()) {

@@ -158,11 +158,10 @@ class StepDriver {
   // before the end (its reason), else the session's final status.
   absl::Status Sent(absl::Status sent);
   absl::Status Fail(absl::Status status);
-  // Tells the coordinator where this rank is in the attempt of `generation` (Progress; `ended`:
-  // it gave the attempt up). A send that fails is logged: the session's end shows at the next
+  // Tells the coordinator this rank gave the attempt of `generation` up (Progress.ended): the
+  // next attempt waits for it. A send that fails is logged: the session's end shows at the next
   // wait.
-  void SendProgress(int64_t step, int64_t generation, const std::string& phase,
-                    bool ended = false);
+  void SendEnded(int64_t step, int64_t generation);
 
   ControlChannel* channel_;
   ModuleRuntime* modules_;

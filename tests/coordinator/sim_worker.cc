@@ -127,7 +127,6 @@ int Run(const std::string& address, const std::string& role_name, const std::str
         v1::Progress ended;
         ended.set_step(message->abort().step());
         ended.set_generation(message->abort().generation());
-        ended.set_phase("gave the step up");
         ended.set_ended(true);
         (void)s.SendProgress(ended);
         break;
