@@ -1,6 +1,10 @@
 // Faults of whole runs, as a user meets them: each is survived (an encoder replica lost) or ends
 // in a clear error within a bounded time, and leaves no process behind.
+#include <fcntl.h>
+#include <limits.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -8,8 +12,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 #include <string>
@@ -61,7 +67,7 @@ class RunFaultsTest : public ::testing::Test {
     return {"--set", "data.manifest=" + dir_ + "/data/train.jsonl",
             "--set", "data.val_manifest=" + dir_ + "/data/val.jsonl",
             "--set", "data.tokenizer=" + dir_ + "/data/tokenizer.model",
-            "--set", "data.synth.samples=128",
+            "--set", "data.synth.samples=" + std::to_string(samples_),
             "--set", "data.synth.val_samples=8"};
   }
 
@@ -107,6 +113,7 @@ class RunFaultsTest : public ::testing::Test {
   }
 
   std::string dir_;
+  int samples_ = 128;  // training samples of the synthetic data set
 };
 
 TEST_F(RunFaultsTest, MissingDatasetIsNamed) {
@@ -192,24 +199,37 @@ class ReplicaLossTest : public RunFaultsTest {
   // that shrank.
   void KillOneAndCompare(const std::string& binary, const std::vector<std::string>& layout,
                          const std::string& module, size_t workers = 2) {
-    constexpr int kSteps = 10;
-    std::vector<std::string> flags = {"--set", "run.dtype=float64"};
-    for (const std::string& f : layout) flags.insert(flags.end(), {"--set", f});
+    const std::vector<std::string> flags = Float64With(layout);
     std::vector<std::string> argv = RunArgs(kSteps);
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
     ASSERT_TRUE(run.ok());
-    const std::string metrics = dir_ + "/run/metrics.jsonl";
-    ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 3));
+    ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 3));
     const std::vector<pid_t> victims = WorkersOf(binary);
     ASSERT_EQ(victims.size(), workers) << ReadFile(dir_ + "/hetpar-run.log");
     ASSERT_EQ(::kill(victims.back(), SIGKILL), 0);
     auto code = run->Wait(120);
     ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(dir_ + "/hetpar-run.log");
-    const std::string log = ReadFile(dir_ + "/hetpar-run.log");
-    ASSERT_EQ(*code, 0) << log;
-    EXPECT_THAT(log, HasSubstr("exited with code 137; the coordinator decides"));
+    ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/hetpar-run.log");
+    EXPECT_THAT(ReadFile(dir_ + "/hetpar-run.log"),
+                HasSubstr("exited with code 137; the coordinator decides"));
+    ExpectTheStraightRunsResults(flags, module, module + " rank");
+  }
 
+  static constexpr int kSteps = 10;
+
+  // float64 (where any layout is exact) with `layout`'s --set values.
+  static std::vector<std::string> Float64With(const std::vector<std::string>& layout) {
+    std::vector<std::string> flags = {"--set", "run.dtype=float64"};
+    for (const std::string& f : layout) flags.insert(flags.end(), {"--set", f});
+    return flags;
+  }
+
+  // Runs kSteps straight (no fault) with `flags` into <dir>/straight and holds the run in
+  // <dir>/run to its losses and final parameters; its one pool change is `module` shrinking to
+  // one replica, for a cause that says `cause`.
+  void ExpectTheStraightRunsResults(const std::vector<std::string>& flags,
+                                    const std::string& module, const std::string& cause) {
     std::vector<std::string> straight = RunArgs(kSteps);
     straight[5] = dir_ + "/straight";  // the value of --out
     straight.insert(straight.end(), flags.begin(), flags.end());
@@ -234,6 +254,7 @@ class ReplicaLossTest : public RunFaultsTest {
       }
       return out;
     };
+    const std::string metrics = dir_ + "/run/metrics.jsonl";
     const Lines a = read(dir_ + "/run");
     const Lines b = read(dir_ + "/straight");
     ASSERT_EQ(a.loss.size(), static_cast<size_t>(kSteps)) << ReadFile(metrics);
@@ -255,7 +276,7 @@ class ReplicaLossTest : public RunFaultsTest {
     EXPECT_EQ(a.pool_changes[0]["replicas"].get<int64_t>(), 1);
     EXPECT_GE(a.pool_changes[0]["step"].get<int64_t>(), 2);
     EXPECT_GE(a.pool_changes[0]["recovery_s"].get<double>(), 0);
-    EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr(module + " rank"));
+    EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr(cause));
     EXPECT_TRUE(b.pool_changes.empty());
   }
 };
@@ -278,6 +299,86 @@ TEST_F(ReplicaLossTest, AKilledLlmStageTakesItsReplicaOutAndThePipelinedRunMatch
   // Four LLM ranks (dp 2 x pp 2); the last is stage 1 of replica 1, whose stage 0 leaves with it.
   KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"}, "llm",
                     4);
+}
+
+// A worker whose step hangs while its session thread goes on heartbeating is never declared dead
+// by its heartbeats. Here an encoder opens an image on storage that does not answer (a FIFO with
+// no writer holds open() as a hung network file system would). The attempt it holds up is
+// aborted (its LLM peer's receive runs past failure.peer_timeout_s); not given up
+// failure.peer_timeout_s later, the encoder is lost as stuck: its session is ended, its process
+// exits, its replica leaves. The step is tried again on the replica left, whose read of the same
+// image the storage then answers, and the run matches an uninterrupted one.
+TEST_F(ReplicaLossTest, AnEncoderHungReadingAnImageIsLostAsStuckAndTheRunMatches) {
+  samples_ = kSteps * 8;  // tiny's global batch is 8: every sample is read within the run
+  std::vector<std::string> synth = {kBin, "data", "synth", "--config", kTiny};
+  for (const auto& f : DataFlags()) synth.push_back(f);
+  auto made = RunCommand(synth, 120);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->exit_code, 0) << made->stderr_text;
+  const std::string image = dir_ + "/data/images/train/train-000000-0.png";
+  const std::string png = ReadFile(image);
+  ASSERT_FALSE(png.empty());
+  ASSERT_LT(png.size(), static_cast<size_t>(PIPE_BUF));  // one write into the FIFO, never partial
+  ASSERT_EQ(::unlink(image.c_str()), 0);
+  ASSERT_EQ(::mkfifo(image.c_str(), 0600), 0) << std::strerror(errno);
+
+  // Both timeouts well above a step on a loaded machine, far below the defaults (600 s, 300 s).
+  const std::vector<std::string> flags =
+      Float64With({"failure.step_timeout_s=60", "failure.peer_timeout_s=20"});
+  std::vector<std::string> argv = RunArgs(kSteps);
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  const std::string log = dir_ + "/hetpar-run.log";
+  auto wait_for = [](const std::function<bool()>& done, int seconds) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+    while (!done()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return true;
+  };
+  // Whether `hetpar run` has exited (it stays to be reaped by Wait).
+  auto run_ended = [&] {
+    siginfo_t info{};
+    return ::waitid(P_PID, run->pid(), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           info.si_pid == run->pid();
+  };
+  // Found stuck: after the receive's 20 s and 20 s more, once the workers have started.
+  const auto found_stuck = [&] {
+    return ReadFile(log).find("is dead: stuck") != std::string::npos;
+  };
+  ASSERT_TRUE(wait_for([&] { return found_stuck() || run_ended(); }, 300)) << ReadFile(log);
+  ASSERT_TRUE(found_stuck()) << ReadFile(log);
+  // Its process exits (its read still hangs), and only then may the image be served: to the
+  // retry's reader, not to the lost encoder.
+  ASSERT_TRUE(wait_for([&] { return WorkersOf("hetpar-encoder").size() == 1; }, 60))
+      << ReadFile(log);
+  int fd = -1;
+  ASSERT_TRUE(wait_for(
+      [&] {
+        // ENXIO while no process has the FIFO open for reading.
+        fd = ::open(image.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        return fd >= 0 || errno != ENXIO;
+      },
+      60))
+      << "the retry did not read the image\n" << ReadFile(log);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  EXPECT_EQ(::write(fd, png.data(), png.size()), static_cast<ssize_t>(png.size()));
+  ::close(fd);
+  // The image is a file again, for the straight run.
+  ASSERT_EQ(::unlink(image.c_str()), 0);
+  {
+    std::ofstream out(image, std::ios::binary);
+    out << png;
+  }
+
+  auto code = run->Wait(120);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << ReadFile(log);
+  ASSERT_EQ(*code, 0) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), HasSubstr("though it still sends heartbeats"));
+  EXPECT_THAT(ReadFile(log), HasSubstr("exited with code 1; the coordinator decides"));
+  ExpectTheStraightRunsResults(flags, "encoder", "lost: stuck: it did not give up");
 }
 
 // A worker whose loss the run cannot survive (tiny's LLM is one replica at tp 2: the killed rank's
