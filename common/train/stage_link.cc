@@ -98,17 +98,22 @@ absl::Status StageLink::Send(int64_t dst, int64_t step, plan::Direction directio
 }
 
 absl::Status StageLink::Reap() {
+  // Every send still in flight is kept, past a failed one too: a send is never withdrawn
+  // (destroying one tears down the connection to a live neighbour).
   std::vector<Sent> pending;
+  absl::Status failed;
   for (Sent& sent : sends_) {
     if (!sent.op->Done()) {
       pending.push_back(std::move(sent));
       continue;
     }
     absl::Status status = sent.op->Wait(absl::InfinitePast());
-    if (!status.ok()) return Annotate(status, "sending to a neighbouring pipeline stage");
+    if (!status.ok() && failed.ok()) {
+      failed = Annotate(status, "sending to a neighbouring pipeline stage");
+    }
   }
   sends_ = std::move(pending);
-  return absl::OkStatus();
+  return failed;
 }
 
 absl::Status StageLink::Post(int64_t src, int64_t step, plan::Direction direction,

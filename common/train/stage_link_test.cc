@@ -11,6 +11,8 @@
 #include <memory>
 
 #include "absl/time/clock.h"
+#include "common/transport/faulty_transport.h"
+#include "common/transport/inproc/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "tests/util/inproc_pair.h"
 
@@ -121,6 +123,48 @@ TEST_F(StageLinkTest, ALateMessageOfAnAbortedAttemptIsNotTakenForTheRetrys) {
   auto got = second_->Receive(4, 4, plan::Direction::kForward, 0);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_TRUE(at::equal(in, fresh));
+}
+
+// A middle stage (world rank 5) between stage 0 (rank 4) and stage 2 (rank 6): a send to the
+// previous stage that fails (that stage died) is reported by the next Send, and a forward send
+// to the next stage still in flight then stays: it is neither withdrawn nor lost, and its
+// receiver gets it.
+TEST(StageLinkMiddleTest, AFailedSendLeavesTheSendsStillInFlight) {
+  auto prev = transport::inproc::InprocTransport::Create({"stage 0"});
+  auto next = transport::inproc::InprocTransport::Create({"stage 2"});
+  auto inner = transport::inproc::InprocTransport::Create({"stage 1"});
+  ASSERT_TRUE(prev.ok() && next.ok() && inner.ok());
+  auto middle = transport::FaultyTransport::Create(std::move(inner).value(), {});
+  ASSERT_TRUE(middle.ok()) << middle.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto to_prev = (*middle)->Connect((*prev)->LocalAddress(), deadline);
+  auto to_next = (*middle)->Connect((*next)->LocalAddress(), deadline);
+  auto next_to_middle = (*next)->Connect((*middle)->LocalAddress(), deadline);
+  ASSERT_TRUE(to_prev.ok() && to_next.ok() && next_to_middle.ok());
+  StageLink link(middle->get(), {{4, *to_prev}, {6, *to_next}}, absl::Seconds(10));
+  StageLink after(next->get(), {{5, *next_to_middle}}, absl::Seconds(10));
+
+  const at::Tensor rows = at::arange(12, at::kDouble).reshape({3, 4});
+  // Neither is received yet: an in-process send waits for its receive.
+  ASSERT_TRUE(link.Send(6, 2, plan::Direction::kForward, 0, rows).ok());
+  ASSERT_TRUE(link.Send(4, 2, plan::Direction::kBackward, 0, rows * 3).ok());
+  (*middle)->FailPeer(*to_prev);
+  const absl::Status failed = link.Send(6, 2, plan::Direction::kForward, 1, rows * 2);
+  EXPECT_TRUE(absl::IsUnavailable(failed)) << failed;
+  EXPECT_THAT(failed.message(), HasSubstr("sending to a neighbouring pipeline stage"));
+  EXPECT_EQ(link.held_sends(), 1);
+
+  at::Tensor in = at::zeros({3, 4}, at::kDouble);
+  ASSERT_TRUE(after.Post(5, 2, plan::Direction::kForward, 0, in).ok());
+  auto got = after.Receive(5, 2, plan::Direction::kForward, 0);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(at::equal(in, rows));
+  EXPECT_TRUE(link.WaitSends().ok());
+  EXPECT_EQ(link.held_sends(), 0);
+  // The attempt's end finds no send to drain.
+  link.Abandon(2, {}, 4 * 8);
+  link.Reset();
+  EXPECT_EQ(link.draining_sends(), 0);
 }
 
 // Two stages over UCX, whose sends of large messages wait for their receiver (rendezvous) and
