@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
 #include "common/nn/torch_status.h"
@@ -328,50 +329,61 @@ absl::StatusOr<std::vector<BoundaryCommunicator::PostedReceive>> BoundaryCommuni
     PostedReceive& r = posted.emplace_back();
     r.src_rank = transfer.src_rank;
     if (transfer.src_rank == plan.rank) continue;  // handed over in memory by Receive
-    HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
-    const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
-    if (device_direct_) {
-      // The whole message lands on the device; Receive checks its header there and places
-      // (or adds) the rows with device copies.
-      // From memory no queued kernel still uses: the transport writes it whenever the data
-      // arrives, outside the stream's order (nn::EmptyForTransport).
-      const size_t size = MessageSize(transfer, row_bytes);
-      HETPAR_RETURN_IF_ERROR(nn::RunTorch("allocating a boundary receive on the device", [&] {
-        r.device_message = nn::EmptyForTransport(static_cast<int64_t>(size), device_);
-      }));
-      r.rows = straight;
-      r.posted = absl::Now();
-      HETPAR_ASSIGN_OR_RETURN(
-          r.op, transport_->Recv(peer, tag,
-                                 transport::MutableBuffer{r.device_message.data_ptr(), size,
-                                                          MessageMemory(), MessageDevice()}));
-      continue;
-    }
-    if (!straight.defined()) {
-      const size_t size = MessageSize(transfer, row_bytes);
-      r.buffer.assign(size, 0);
-      r.posted = absl::Now();
-      HETPAR_ASSIGN_OR_RETURN(
-          r.op, transport_->Recv(peer, tag, transport::MutableBuffer::Host(r.buffer.data(), size)));
-      continue;
-    }
-    // Framing and header into r.buffer, each piece's rows at its place in `straight`.
-    r.buffer.assign(kPrefixBytes + static_cast<size_t>(plan::EncodedHeaderSize(
-                                       static_cast<int64_t>(transfer.pieces.size()))),
-                    0);
-    r.rows = straight;
-    std::vector<transport::MutableBuffer> segments = {
-        transport::MutableBuffer::Host(r.buffer.data(), r.buffer.size())};
-    char* base = static_cast<char*>(straight.data_ptr());
-    for (const plan::BlockPiece& piece : transfer.pieces) {
-      HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, straight.size(0), wave));
-      segments.push_back(transport::MutableBuffer::Host(base + piece.dst_offset * row_bytes,
-                                                        piece.rows * row_bytes));
-    }
-    r.posted = absl::Now();
-    HETPAR_ASSIGN_OR_RETURN(r.op, transport_->RecvScatter(peer, tag, std::move(segments)));
+    // One transfer that cannot be posted (a dead peer) leaves the others posted: their senders
+    // are alive, and their sends complete only once a receive takes them. Receive reports it.
+    r.error = PostOne(plan, direction, wave, transfer, straight, r);
   }
   return posted;
+}
+
+absl::Status BoundaryCommunicator::PostOne(const plan::RankStepPlan& plan,
+                                           plan::Direction direction, int64_t wave,
+                                           const plan::Transfer& transfer,
+                                           const at::Tensor& straight, PostedReceive& r) {
+  const int64_t row_bytes = plan.row_bytes;
+  HETPAR_ASSIGN_OR_RETURN(transport::PeerId peer, Peer(transfer.src_rank));
+  const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
+  if (device_direct_) {
+    // The whole message lands on the device; Receive checks its header there and places
+    // (or adds) the rows with device copies.
+    // From memory no queued kernel still uses: the transport writes it whenever the data
+    // arrives, outside the stream's order (nn::EmptyForTransport).
+    const size_t size = MessageSize(transfer, row_bytes);
+    HETPAR_RETURN_IF_ERROR(nn::RunTorch("allocating a boundary receive on the device", [&] {
+      r.device_message = nn::EmptyForTransport(static_cast<int64_t>(size), device_);
+    }));
+    r.rows = straight;
+    r.posted = absl::Now();
+    HETPAR_ASSIGN_OR_RETURN(
+        r.op, transport_->Recv(peer, tag,
+                               transport::MutableBuffer{r.device_message.data_ptr(), size,
+                                                        MessageMemory(), MessageDevice()}));
+    return absl::OkStatus();
+  }
+  if (!straight.defined()) {
+    const size_t size = MessageSize(transfer, row_bytes);
+    r.buffer.assign(size, 0);
+    r.posted = absl::Now();
+    HETPAR_ASSIGN_OR_RETURN(
+        r.op, transport_->Recv(peer, tag, transport::MutableBuffer::Host(r.buffer.data(), size)));
+    return absl::OkStatus();
+  }
+  // Framing and header into r.buffer, each piece's rows at its place in `straight`.
+  r.buffer.assign(kPrefixBytes + static_cast<size_t>(plan::EncodedHeaderSize(
+                                     static_cast<int64_t>(transfer.pieces.size()))),
+                  0);
+  r.rows = straight;
+  std::vector<transport::MutableBuffer> segments = {
+      transport::MutableBuffer::Host(r.buffer.data(), r.buffer.size())};
+  char* base = static_cast<char*>(straight.data_ptr());
+  for (const plan::BlockPiece& piece : transfer.pieces) {
+    HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, straight.size(0), wave));
+    segments.push_back(transport::MutableBuffer::Host(base + piece.dst_offset * row_bytes,
+                                                      piece.rows * row_bytes));
+  }
+  r.posted = absl::Now();
+  HETPAR_ASSIGN_OR_RETURN(r.op, transport_->RecvScatter(peer, tag, std::move(segments)));
+  return absl::OkStatus();
 }
 
 absl::Status BoundaryCommunicator::PostAhead(const plan::RankStepPlan& plan,
@@ -478,29 +490,49 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
   HETPAR_RETURN_IF_ERROR(CheckRows(rows, row_bytes, "boundary receive", ReceiveDevice()));
   // Forward rows go straight into `rows`; gradients are added, so they are staged.
   const at::Tensor straight = add ? at::Tensor() : rows;
+  const transport::Tag tag = BoundaryTag(plan.step, plan.attempt, direction, wave);
   std::vector<PostedReceive> posted;
-  taken_.insert(BoundaryTag(plan.step, plan.attempt, direction, wave));
-  auto ahead = posted_.find(BoundaryTag(plan.step, plan.attempt, direction, wave));
+  auto ahead = posted_.find(tag);
   if (ahead != posted_.end()) {
     posted = std::move(ahead->second);
     posted_.erase(ahead);
-    for (const PostedReceive& r : posted) {
-      if (r.rows.defined() && !r.rows.is_same(rows)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("boundary receive of wave ", wave,
-                         ": the receives were posted into another buffer than the one given"));
-      }
-    }
   } else {
     HETPAR_ASSIGN_OR_RETURN(posted, Post(plan, direction, wave, transfers, straight));
+  }
+  taken_.insert(tag);
+  // Whenever the step ends here (interrupted, a peer gone, a bad message), the receives not taken
+  // yet stay posted, so live peers' sends complete (BeginStep withdraws them a step later).
+  size_t next = 0;  // posted[next...] are not taken yet
+  bool all_taken = false;
+  absl::Cleanup leave_posted = [&] {
+    if (all_taken || next >= posted.size()) return;
+    std::vector<PostedReceive>& left = posted_[tag];
+    for (size_t j = next; j < posted.size(); ++j) left.push_back(std::move(posted[j]));
+  };
+  for (const PostedReceive& r : posted) {
+    if (r.rows.defined() && !r.rows.is_same(rows)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("boundary receive of wave ", wave,
+                       ": the receives were posted into another buffer than the one given"));
+    }
   }
   if (posted.size() != expected.size()) {
     return absl::InternalError(absl::StrCat("boundary receive of wave ", wave, ": ", posted.size(),
                                             " receives posted for ", expected.size(),
                                             " transfers"));
   }
+  // A receive that could not be posted fails the wave before any wait for the others.
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (!posted[i].error.ok()) {
+      return Annotate(posted[i].error,
+                      absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
+                                   " rows of step ", plan.step, " wave ", wave, " from rank ",
+                                   expected[i]->src_rank));
+    }
+  }
   const absl::Time deadline = absl::Now() + timeout_;
   for (size_t i = 0; i < expected.size(); ++i) {
+    next = i;
     const plan::Transfer& transfer = *expected[i];
     PostedReceive& receive = posted[i];
     if (transfer.src_rank == plan.rank) {
@@ -534,11 +566,6 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     absl::Status status = WaitInSlices([&](absl::Time until) { return receive.op->Wait(until); },
                                        deadline, interrupt_);
     if (!status.ok()) {
-      // The step ends here (interrupted, or a peer is gone): the receives not taken yet stay
-      // posted, so live peers' sends complete (BeginStep withdraws them a step later).
-      std::vector<PostedReceive>& left =
-          posted_[BoundaryTag(plan.step, plan.attempt, direction, wave)];
-      for (size_t j = i; j < posted.size(); ++j) left.push_back(std::move(posted[j]));
       return Annotate(status,
                       absl::StrCat("receiving the ", std::string(plan::DirectionName(direction)),
                                    " rows of step ", plan.step, " wave ", wave, " from rank ",
@@ -599,6 +626,7 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
       payload += piece.rows * row_bytes;
     }
   }
+  all_taken = true;
   return absl::OkStatus();
 }
 

@@ -244,6 +244,9 @@ class BoundaryCommunicator {
     at::Tensor device_message;  // device_direct(): the whole message, in device memory
     std::unique_ptr<transport::Operation> op;
     absl::Time posted;
+    // Why no receive could be posted (op stays null): its peer is gone, or the plan is wrong.
+    // The wave's other receives are posted all the same, so live peers' sends are taken.
+    absl::Status error;
   };
   // A device message's header, on its way to the host (CheckDeviceHeaders).
   struct DeviceHeader {
@@ -297,6 +300,10 @@ class BoundaryCommunicator {
                                                   plan::Direction direction, int64_t wave,
                                                   const std::vector<plan::Transfer>& transfers,
                                                   const at::Tensor& straight);
+  // Posts the receive of one transfer from another rank into `r`.
+  absl::Status PostOne(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
+                       const plan::Transfer& transfer, const at::Tensor& straight,
+                       PostedReceive& r);
   absl::Status PostAhead(const plan::RankStepPlan& plan, plan::Direction direction, int64_t wave,
                          const at::Tensor& straight);
 

@@ -23,6 +23,7 @@
 #include "common/plan/layout.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
+#include "common/transport/faulty_transport.h"
 #include "common/transport/inproc/inproc_transport.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "encoder_service/encoder_runtime.h"
@@ -505,6 +506,91 @@ TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheC
   const at::Tensor expected = plans.ForwardRows(-1.0);
   EXPECT_TRUE(at::equal(buffer, expected));
   EXPECT_TRUE(sent->Wait(absl::Now() + absl::Seconds(20)).ok());
+}
+
+// An LLM rank takes a wave's rows from two encoder ranks, and one of them is dead before it
+// sends. The live rank's message is still taken: by the wave's receive, which fails naming the
+// dead rank, and, for a wave the step never reached, by Abandon. Its send completes either way;
+// it would otherwise wait in its rank's drain for the rest of the run (holding its buffer), and
+// its message in the LLM rank's transport.
+TEST(BoundaryAbandonTest, ADeadSourceOfAWaveLeavesTheLiveSourcesMessagesTaken) {
+  const hetpar::v1::RunSpec spec = MakeSpec(Case{"enc_dp2_to_llm_dp1", 2, 1, 1, 1});
+  auto batches = data::BatchSource::Create(spec);
+  ASSERT_TRUE(batches.ok()) << batches.status();
+  auto placement = plan::PlacementFromRunSpec(spec);
+  ASSERT_TRUE(placement.ok()) << placement.status();
+  auto batch = (*batches)->Take({}, spec.run().global_batch());
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
+  ASSERT_TRUE(options.ok());
+  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
+  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  // Ranks 0 and 1 are the encoders, 2 the LLM.
+  auto live_plan = plan::ExtractRankPlan(*step_plan, 1);
+  auto llm_plan = plan::ExtractRankPlan(*step_plan, 2);
+  ASSERT_TRUE(live_plan.ok() && llm_plan.ok());
+  // The waves whose rows come from both encoders.
+  std::vector<int64_t> shared_waves;
+  for (int64_t wave = 0; wave < static_cast<int64_t>(llm_plan->image_rows.size()); ++wave) {
+    bool from[2] = {false, false};
+    for (const plan::Transfer& t : llm_plan->forward_receives) {
+      if (t.wave == wave && t.src_rank < 2) from[t.src_rank] = true;
+    }
+    if (from[0] && from[1]) shared_waves.push_back(wave);
+  }
+  ASSERT_GE(shared_waves.size(), 2u) << "the batch no longer mixes both encoders' rows in a wave";
+  const int64_t received_wave = shared_waves[0], abandoned_wave = shared_waves[1];
+  const int64_t hidden = spec.llm().model().hidden();
+  auto job_rows = [&](int64_t wave) {
+    for (const plan::EncoderJob& job : live_plan->encoder_jobs) {
+      if (job.wave == wave) {
+        return (at::arange(job.rows, at::kDouble).unsqueeze(1) * 1000 + wave * 100 +
+                at::arange(hidden, at::kDouble).unsqueeze(0))
+            .contiguous();
+      }
+    }
+    return at::Tensor();
+  };
+
+  auto dead_t = transport::inproc::InprocTransport::Create({"enc 0"});
+  auto live_t = transport::inproc::InprocTransport::Create({"enc 1"});
+  auto llm_inner = transport::inproc::InprocTransport::Create({"llm"});
+  ASSERT_TRUE(dead_t.ok() && live_t.ok() && llm_inner.ok());
+  auto llm_t = transport::FaultyTransport::Create(std::move(llm_inner).value(), {});
+  ASSERT_TRUE(llm_t.ok()) << llm_t.status();
+  const absl::Time connect_by = absl::Now() + absl::Seconds(10);
+  auto to_dead = (*llm_t)->Connect((*dead_t)->LocalAddress(), connect_by);
+  auto to_live = (*llm_t)->Connect((*live_t)->LocalAddress(), connect_by);
+  auto to_llm = (*live_t)->Connect((*llm_t)->LocalAddress(), connect_by);
+  ASSERT_TRUE(to_dead.ok() && to_live.ok() && to_llm.ok());
+  train::BoundaryCommunicator live(live_t->get(), {{2, *to_llm}}, absl::Seconds(10));
+  train::BoundaryCommunicator llm(llm_t->get(), {{0, *to_dead}, {1, *to_live}}, absl::Seconds(10));
+  (*llm_t)->FailPeer(*to_dead);  // encoder 0's process is gone
+
+  // This transport is rendezvous at every size: a send completes once a receive takes it.
+  const at::Tensor rows = job_rows(received_wave);
+  ASSERT_TRUE(rows.defined());
+  auto sent = live.SendForward(*live_plan, received_wave, rows);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  at::Tensor buffer = at::full({llm_plan->image_rows[received_wave], hidden}, -1.0, at::kDouble);
+  const absl::Status received = llm.ReceiveForward(*llm_plan, received_wave, buffer);
+  EXPECT_TRUE(absl::IsUnavailable(received)) << received;
+  EXPECT_NE(std::string(received.message()).find("from rank 0"), std::string::npos) << received;
+  EXPECT_TRUE(sent->Wait(absl::Now() + absl::Seconds(10)).ok());
+  // Encoder 1's rows are where the plan puts them.
+  for (const plan::Transfer& t : llm_plan->forward_receives) {
+    if (t.wave != received_wave || t.src_rank != 1) continue;
+    for (const plan::BlockPiece& piece : t.pieces) {
+      EXPECT_TRUE(at::equal(buffer.narrow(0, piece.dst_offset, piece.rows),
+                            rows.narrow(0, piece.src_offset, piece.rows)));
+    }
+  }
+
+  // A later wave the LLM rank never reached: its step gives up, and Abandon takes the message.
+  auto unreached = live.SendForward(*live_plan, abandoned_wave, job_rows(abandoned_wave));
+  ASSERT_TRUE(unreached.ok()) << unreached.status();
+  llm.Abandon(*llm_plan);
+  EXPECT_TRUE(unreached->Wait(absl::Now() + absl::Seconds(10)).ok());
 }
 
 }  // namespace
