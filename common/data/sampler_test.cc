@@ -75,6 +75,22 @@ TEST(SamplerTest, EverySampleExactlyOncePerEpochWhateverTheBatchSize) {
   }
 }
 
+// A batch that crosses an epoch's end continues into the next epoch's order, which may start
+// with a sample the batch already holds: with configs/tiny.yaml's run.seed (1234) and 16 samples,
+// the third batch of 6 (positions 12 to 17) holds one twice. A step plan takes it at both batch
+// positions (plan::ValidateBatch); the parity test trains that run against the reference.
+TEST(SamplerTest, ABatchAcrossAnEpochsEndCanHoldASampleTwice) {
+  auto sampler = EpochSampler::Create(16, 1234);
+  ASSERT_TRUE(sampler.ok());
+  auto batch = (*sampler)->Take({0, 12}, 6);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  ASSERT_EQ(batch->samples.size(), 6u);
+  const std::set<int64_t> distinct(batch->samples.begin(), batch->samples.end());
+  EXPECT_EQ(distinct.size(), 5u);
+  EXPECT_EQ(batch->next.epoch, 1);
+  EXPECT_EQ(batch->next.offset, 2);
+}
+
 TEST(SamplerTest, ResumesExactlyFromASavedCursor) {
   std::unique_ptr<EpochSampler> s = Make(37, 2024);
   // One run: 20 steps of 8.

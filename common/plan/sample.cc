@@ -1,7 +1,6 @@
 #include "common/plan/sample.h"
 
 #include <string>
-#include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 
@@ -61,16 +60,11 @@ absl::Status ValidateSample(const SampleDescriptor& s, int64_t index, int64_t se
 }
 
 absl::Status ValidateBatch(const std::vector<SampleDescriptor>& samples, int64_t seq_len) {
-  std::unordered_map<int64_t, int64_t> first_index;
-  first_index.reserve(samples.size());
+  // A sample may appear twice: a batch that crosses an epoch's end continues into the next
+  // epoch's order, which can start with a sample the batch already holds. Everything the plan
+  // routes is keyed by batch position, not by sample id.
   for (int64_t i = 0; i < static_cast<int64_t>(samples.size()); ++i) {
     if (absl::Status s = ValidateSample(samples[i], i, seq_len); !s.ok()) return s;
-    auto [it, inserted] = first_index.emplace(samples[i].id, i);
-    if (!inserted) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sample id ", samples[i].id, " appears twice in the batch, at positions ",
-                       it->second, " and ", i, "; expected unique ids"));
-    }
   }
   return absl::OkStatus();
 }

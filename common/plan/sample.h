@@ -45,7 +45,7 @@ SampleDescriptor MakeSample(int64_t id, int64_t image_count, int64_t tokens_per_
 // increasing non-overlapping image starts inside the sequence, sequence_length() <= seq_len.
 absl::Status ValidateSample(const SampleDescriptor& sample, int64_t index, int64_t seq_len);
 
-// ValidateSample for each sample, plus unique ids.
+// ValidateSample for each sample (a sample id may repeat: a batch across an epoch end).
 absl::Status ValidateBatch(const std::vector<SampleDescriptor>& samples, int64_t seq_len);
 
 }  // namespace hetpar::plan

@@ -73,7 +73,7 @@ struct StepPlan {
   BoundaryPlan boundary;
 };
 
-// Validates the batch (every sample fits seq_len, unique ids, batch size = waves x micro_batch x
+// Validates the batch (every sample fits seq_len, batch size = waves x micro_batch x
 // llm dp) and builds the assignments and the boundary plan.
 absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
                                        std::vector<SampleDescriptor> samples,

@@ -169,6 +169,24 @@ TEST_F(ParityTest, Float64ThreeLayouts) {
   }
 }
 
+// 16 samples in batches of 6: steps 2 and 5 cross an epoch's end, and step 2's batch holds a
+// sample twice (data::SamplerTest.ABatchAcrossAnEpochsEndCanHoldASampleTwice). It is trained at
+// both batch positions, as the reference does.
+TEST_F(ParityTest, BatchesAcrossEpochEndsFloat64) {
+  const Layouts l{"enc_dp2_tp1_llm_dp1_tp2", 2, 1, 1, 2};
+  const std::vector<std::string> small = {
+      "--set", "data.manifest=" + dir_ + "/small/train.jsonl",
+      "--set", "data.val_manifest=" + dir_ + "/small/val.jsonl",
+      "--set", "data.tokenizer=" + dir_ + "/small/tokenizer.model",
+      "--set", "data.synth.samples=16",
+      "--set", "data.synth.val_samples=4",
+      "--set", "run.global_batch=6",
+      "--set", "run.micro_batch=3"};
+  const std::string dist = Train("epochs_f64", l, "float64", 6, false, kTiny, small);
+  const std::string ref = Train("epochs_f64_ref", l, "float64", 6, true, kTiny, small);
+  ExpectAgree(dist, ref, 6, 1e-9);
+}
+
 TEST_F(ParityTest, Float32TwentySteps) {
   const Layouts l{"enc_dp2_tp1_llm_dp1_tp2", 2, 1, 1, 2};
   const std::string dist = Train("f32", l, "float32", 20, false);
