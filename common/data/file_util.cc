@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -47,15 +48,27 @@ absl::StatusOr<FileStamp> StatFile(const std::string& path) {
   return stamp;
 }
 
-absl::StatusOr<std::string> ReadFileToString(const std::string& path) {
+absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
   std::string contents;
   struct stat st;
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) contents.reserve(static_cast<size_t>(st.st_size));
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    contents.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, max_bytes)));
+  }
   char buffer[1 << 16];
   while (true) {
-    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (static_cast<int64_t>(contents.size()) > max_bytes) {
+      ::close(fd);
+      return absl::ResourceExhaustedError(absl::StrCat(path, " is longer than ", max_bytes,
+                                                       " bytes, the most it may be"));
+    }
+    // At most one byte past max_bytes.
+    const int64_t left = max_bytes - static_cast<int64_t>(contents.size());
+    const size_t want = left >= static_cast<int64_t>(sizeof(buffer))
+                            ? sizeof(buffer)
+                            : static_cast<size_t>(left) + 1;
+    const ssize_t n = ::read(fd, buffer, want);
     if (n == 0) break;
     if (n < 0) {
       if (errno == EINTR) continue;

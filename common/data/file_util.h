@@ -25,7 +25,10 @@ struct FileStamp {
 absl::StatusOr<FileStamp> StatFile(const std::string& path);
 
 // The whole file; NotFound / PermissionDenied / DataLoss name the path.
-absl::StatusOr<std::string> ReadFileToString(const std::string& path);
+// Refuses (ResourceExhausted) a file longer than `max_bytes`, reading no more than one byte past
+// it: a path naming /dev/zero or a huge file costs no more memory than that.
+absl::StatusOr<std::string> ReadFileToString(const std::string& path,
+                                             int64_t max_bytes = INT64_MAX);
 
 // Writes `contents` to `path` through a temporary file in the same directory, fsync and rename,
 // so a reader sees either the old file or the whole new one. Creates missing parent directories.

@@ -44,6 +44,21 @@ TEST(FileUtilTest, AtomicWriteThenReadGivesEveryByte) {
   fs::remove_all(dir);
 }
 
+TEST(FileUtilTest, AFileLongerThanAllowedIsRefusedNamingItsPath) {
+  const std::string dir = MakeTempDir();
+  ASSERT_TRUE(WriteFileAtomically(dir + "/ten", "0123456789").ok());
+  absl::StatusOr<std::string> exact = ReadFileToString(dir + "/ten", 10);
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  EXPECT_EQ(*exact, "0123456789");
+  absl::StatusOr<std::string> over = ReadFileToString(dir + "/ten", 9);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(over.status().message(), dir + "/ten is longer than 9 bytes, the most it may be");
+  // A file without an end.
+  EXPECT_EQ(ReadFileToString("/dev/zero", 1 << 20).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  fs::remove_all(dir);
+}
+
 TEST(FileUtilTest, NonDurableWriteAndSync) {
   const std::string dir = MakeTempDir();
   ASSERT_TRUE(WriteFileAtomically(dir + "/x", "hello", /*durable=*/false).ok());

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/data/file_util.h"
@@ -46,13 +47,25 @@ absl::StatusOr<RgbImage> DecodePng(std::string_view bytes, std::string_view sour
     png_image_free(&png);
     return s;
   }
-  png.format = PNG_FORMAT_RGB;
+  // 16-bit samples are sRGB-encoded like 8-bit ones (as PIL reads them), not linear: without the
+  // flag libpng applies the sRGB curve on the way to 8 bits, and mid-grey 0x8080 becomes 186.
+  png.flags |= PNG_IMAGE_FLAG_16BIT_sRGB;
+  const bool alpha = (png.format & PNG_FORMAT_FLAG_ALPHA) != 0;
+  // Alpha is dropped, keeping each pixel's colour (PIL's convert("RGB")): 8-bit output with alpha
+  // is not premultiplied.
+  png.format = alpha ? PNG_FORMAT_RGBA : PNG_FORMAT_RGB;
   RgbImage image(static_cast<int>(png.width), static_cast<int>(png.height));
-  // The buffer starts black, so transparent pixels are composited over black.
-  if (!png_image_finish_read(&png, nullptr, image.pixels.data(), 0, nullptr)) {
+  std::vector<uint8_t> rgba(alpha ? image.pixels.size() / 3 * 4 : 0);
+  if (!png_image_finish_read(&png, nullptr, alpha ? rgba.data() : image.pixels.data(), 0,
+                             nullptr)) {
     std::string reason = png.message;
     png_image_free(&png);
     return absl::DataLossError(absl::StrCat("corrupt PNG ", std::string(source), ": ", reason));
+  }
+  for (size_t i = 0, o = 0; i < rgba.size(); i += 4, o += 3) {
+    image.pixels[o] = rgba[i];
+    image.pixels[o + 1] = rgba[i + 1];
+    image.pixels[o + 2] = rgba[i + 2];
   }
   return image;
 }
@@ -94,6 +107,18 @@ int DecodeJpegInto(const uint8_t* data, size_t size, JpegErrorManager* err, Jpeg
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, data, static_cast<unsigned long>(size));
   jpeg_read_header(&cinfo, TRUE);
+  // Before jpeg_start_decompress, which allocates whole-image buffers for the declared size (a
+  // progressive JPEG of a few hundred bytes can declare 65500 x 65500).
+  if (cinfo.image_width == 0 || cinfo.image_height == 0 || cinfo.image_width > kMaxImageSide ||
+      cinfo.image_height > kMaxImageSide ||
+      static_cast<int64_t>(cinfo.image_width) * cinfo.image_height > kMaxImagePixels) {
+    std::snprintf(err->message, sizeof(err->message),
+                  "%ux%u pixels; expected sides in 1..%d and at most %lld pixels",
+                  cinfo.image_width, cinfo.image_height, kMaxImageSide,
+                  static_cast<long long>(kMaxImagePixels));
+    jpeg_destroy_decompress(&cinfo);
+    return 2;
+  }
   if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
     std::snprintf(err->message, sizeof(err->message),
                   "CMYK/YCCK JPEG is not supported; expected greyscale or YCbCr/RGB");

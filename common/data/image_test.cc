@@ -1,13 +1,18 @@
 #include "common/data/image.h"
 
 #include <png.h>
+#include <sys/resource.h>
+#include <jpeglib.h>
 #include <stdlib.h>
 #include <zlib.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 
+#include "absl/strings/match.h"
 #include "common/data/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -70,7 +75,9 @@ TEST(ImageTest, JpegRoundTripIsClose) {
   ExpectSamePixels(image, *decoded, 4);
 }
 
-TEST(ImageTest, RgbaPngIsCompositedOverBlack) {
+// Alpha is dropped and each pixel keeps its colour, as PIL's convert("RGB") (LLaVA's loader)
+// does: black line art on a transparent white background stays visible.
+TEST(ImageTest, RgbaPngKeepsTheColourOfTransparentPixels) {
   // Two pixels: opaque orange and fully transparent white.
   const uint8_t rgba[] = {250, 120, 10, 255, 255, 255, 255, 0};
   png_image png;
@@ -87,7 +94,25 @@ TEST(ImageTest, RgbaPngIsCompositedOverBlack) {
   absl::StatusOr<RgbImage> decoded = DecodeImage(bytes, "rgba");
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   ASSERT_EQ(decoded->width, 2);
-  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{250, 120, 10, 0, 0, 0}));
+  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{250, 120, 10, 255, 255, 255}));
+}
+
+// 16-bit samples are sRGB values scaled to 8 bits (PIL, torchvision): 0x8080 is 128, not the
+// 186 of a linear-to-sRGB conversion.
+TEST(ImageTest, SixteenBitPngIsScaledNotGammaCorrected) {
+  // A 2x1 RGB PNG of bit depth 16 with no colour-space chunk (as numpy or OpenCV write one):
+  // IHDR (2, 1, depth 16, colour type 2), one IDAT holding the zlib stream of filter byte 0 and
+  // the big-endian samples 0x8080 0x8080 0x8080 (grey) and 0xffff 0x0000 0x4000, IEND.
+  const uint8_t file[] = {
+      0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44,
+      0x52, 0x00, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, 0x01, 0x10, 0x02, 0x00, 0x00, 0x00, 0x2b,
+      0xd0, 0x34, 0x9e, 0x00, 0x00, 0x00, 0x11, 0x49, 0x44, 0x41, 0x54, 0x78, 0x9c, 0x63, 0x68,
+      0x00, 0x83, 0xff, 0xff, 0x19, 0x18, 0x1c, 0x18, 0x00, 0x28, 0x02, 0x05, 0x3f, 0xa3, 0xdf,
+      0x3a, 0x88, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45, 0x4e, 0x44, 0xae, 0x42, 0x60, 0x82};
+  const std::string bytes(reinterpret_cast<const char*>(file), sizeof(file));
+  absl::StatusOr<RgbImage> decoded = DecodeImage(bytes, "sixteen");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{128, 128, 128, 255, 0, 64}));
 }
 
 TEST(ImageTest, GreyPngExpandsToRgb) {
@@ -141,6 +166,62 @@ TEST(ImageTest, OversizedImagesAreRejectedBeforeDecoding) {
   absl::StatusOr<RgbImage> decoded = DecodeImage(png, "huge.png");
   EXPECT_EQ(decoded.status().code(), absl::StatusCode::kInvalidArgument) << decoded.status();
   EXPECT_THAT(std::string(decoded.status().message()), HasSubstr("huge.png is 20000x20000"));
+}
+
+// In a child: limits the address space to 1 GiB and decodes `bytes` as huge.jpg; 0 when it is
+// refused as InvalidArgument with `expected` in the message.
+int DecodeWithOneGiB(const std::string& bytes, const std::string& expected) {
+  rlimit limit;
+  limit.rlim_cur = limit.rlim_max = rlim_t{1} << 30;
+  if (::setrlimit(RLIMIT_AS, &limit) != 0) return 3;
+  absl::StatusOr<RgbImage> decoded = DecodeImage(bytes, "huge.jpg");
+  if (decoded.status().code() == absl::StatusCode::kInvalidArgument &&
+      absl::StrContains(decoded.status().message(), expected)) {
+    return 0;
+  }
+  std::fprintf(stderr, "%s\n", decoded.status().ToString().c_str());
+  return 1;
+}
+
+// A progressive JPEG of a few hundred bytes declaring 40000 x 40000 pixels: refused from its
+// header, before libjpeg allocates whole-image coefficient buffers (about 9 GB here). The check
+// runs in a child with 1 GiB of address space, where an allocation that size fails.
+TEST(ImageTest, AnOversizedProgressiveJpegIsRefusedBeforeItsBuffersAreAllocated) {
+  const RgbImage image = Pattern(64, 64);
+  std::string jpeg;
+  {
+    jpeg_compress_struct cinfo;
+    jpeg_error_mgr err;
+    cinfo.err = jpeg_std_error(&err);
+    jpeg_create_compress(&cinfo);
+    unsigned char* out = nullptr;
+    unsigned long out_size = 0;
+    jpeg_mem_dest(&cinfo, &out, &out_size);
+    cinfo.image_width = 64;
+    cinfo.image_height = 64;
+    cinfo.input_components = 3;
+    cinfo.in_color_space = JCS_RGB;
+    jpeg_set_defaults(&cinfo);
+    jpeg_simple_progression(&cinfo);
+    jpeg_start_compress(&cinfo, TRUE);
+    while (cinfo.next_scanline < cinfo.image_height) {
+      JSAMPROW row = const_cast<uint8_t*>(image.pixels.data()) + cinfo.next_scanline * 64 * 3;
+      jpeg_write_scanlines(&cinfo, &row, 1);
+    }
+    jpeg_finish_compress(&cinfo);
+    jpeg_destroy_compress(&cinfo);
+    jpeg.assign(reinterpret_cast<char*>(out), out_size);
+    std::free(out);
+  }
+  // SOF2: FF C2, length (2), precision (1), height (2), width (2).
+  const size_t sof = jpeg.find("\xff\xc2");
+  ASSERT_NE(sof, std::string::npos) << "not progressive";
+  for (size_t at : {sof + 5, sof + 7}) {
+    jpeg[at] = static_cast<char>(40000 >> 8);
+    jpeg[at + 1] = static_cast<char>(40000 & 0xff);
+  }
+  EXPECT_EXIT(std::_Exit(DecodeWithOneGiB(jpeg, "huge.jpg: 40000x40000")),
+              ::testing::ExitedWithCode(0), "");
 }
 
 TEST(ImageTest, UnknownFormatIsInvalidArgument) {

@@ -183,7 +183,7 @@ absl::StatusOr<TokenSequence> DataLoader::Tokenize(int64_t ordinal) const {
 absl::StatusOr<std::vector<float>> DataLoader::LoadImage(const ManifestRecord& record,
                                                          size_t k) const {
   const std::string path = manifest_.ResolveImagePath(record.images[k]);
-  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  absl::StatusOr<std::string> bytes = ReadFileToString(path, kMaxImageFileBytes);
   absl::Status error;
   if (!bytes.ok()) {
     error = SampleError(record, bytes.status().code(),
@@ -207,20 +207,20 @@ absl::StatusOr<IndexRecord> DataLoader::Describe(int64_t ordinal, bool verify_im
   if (!sequence.ok()) return sequence.status();
   const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
   for (size_t k = 0; k < static_cast<size_t>(sequence->images()); ++k) {
+    // A regular file (a FIFO or a device would hang or never end), then decoded when asked.
+    const std::string path = manifest_.ResolveImagePath(record.images[k]);
+    absl::StatusOr<FileStamp> stamp = StatFile(path);
+    if (!stamp.ok()) {
+      absl::Status error = SampleError(record, stamp.status().code(),
+                                       stamp.status().code() == absl::StatusCode::kNotFound
+                                           ? absl::StrCat("image file not found: ", path)
+                                           : std::string(stamp.status().message()));
+      error.SetPayload(kPathPayload, absl::Cord(path));
+      return error;
+    }
     if (verify_images) {
       absl::StatusOr<std::vector<float>> image = LoadImage(record, k);
       if (!image.ok()) return image.status();
-    } else {
-      const std::string path = manifest_.ResolveImagePath(record.images[k]);
-      absl::StatusOr<FileStamp> stamp = StatFile(path);
-      if (!stamp.ok()) {
-        absl::Status error = SampleError(record, stamp.status().code(),
-                                         stamp.status().code() == absl::StatusCode::kNotFound
-                                             ? absl::StrCat("image file not found: ", path)
-                                             : std::string(stamp.status().message()));
-        error.SetPayload(kPathPayload, absl::Cord(path));
-        return error;
-      }
     }
   }
   IndexRecord out;

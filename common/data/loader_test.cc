@@ -1,6 +1,8 @@
 #include "common/data/loader.h"
 
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 
@@ -256,6 +258,38 @@ TEST_F(LoaderTest, EachBadSampleGivesItsErrorAndLeavesTheOthersAlone) {
     EXPECT_EQ(a->tokens.labels, b->tokens.labels);
     EXPECT_EQ(a->images, b->images);
   }
+}
+
+// An image path that names a FIFO or a device is refused by Describe (the data index, `hetpar
+// data check`) before it is opened: a FIFO with no writer would hang the check, /dev/zero would
+// be read without end. A file past kMaxImageFileBytes is refused by Load after reading just past it.
+TEST_F(LoaderTest, ImagePathsThatAreNotRegularFilesAreRefusedWithoutReadingThem) {
+  ASSERT_EQ(::mkfifo((*dir_ + "/pipe.png").c_str(), 0600), 0);
+  auto line = [](const std::string& id, const std::string& image) {
+    ManifestRecord r;
+    r.id = id;
+    r.prompt = "<image>describe the image.";
+    r.images = {image};
+    r.text = "empty.";
+    return ManifestRecordToJson(r);
+  };
+  const std::string path =
+      WriteManifest("special.jsonl", {line("pipe", "pipe.png"), line("zero", "/dev/zero")});
+  std::unique_ptr<DataLoader> loader = Make(Options(path));
+  ASSERT_NE(loader, nullptr);
+  for (int64_t ordinal : {0, 1}) {
+    for (bool verify : {false, true}) {
+      absl::StatusOr<IndexRecord> described = loader->Describe(ordinal, verify);
+      EXPECT_EQ(described.status().code(), absl::StatusCode::kFailedPrecondition)
+          << described.status();
+      EXPECT_THAT(std::string(described.status().message()), HasSubstr("is not a regular file"));
+    }
+  }
+  absl::StatusOr<LoadedSample> zero = loader->Load(1);
+  EXPECT_EQ(zero.status().code(), absl::StatusCode::kResourceExhausted) << zero.status();
+  EXPECT_THAT(std::string(zero.status().message()),
+              HasSubstr("sample 'zero' (" + path + ":2): /dev/zero is longer than 268435456 bytes"));
+  ::unlink((*dir_ + "/pipe.png").c_str());
 }
 
 TEST_F(LoaderTest, JpegAndLargerImagesAreResizedToTheEncoderSize) {
