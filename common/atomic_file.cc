@@ -74,7 +74,10 @@ absl::Status AtomicFileWriter::Commit() {
   }
   committed_ = true;
   std::string dir = std::filesystem::path(path_).parent_path().string();
-  if (dir.empty()) dir = ".";
+  return SyncDirectory(dir.empty() ? "." : dir);
+}
+
+absl::Status SyncDirectory(const std::string& dir) {
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd < 0) return ErrnoStatus(errno, absl::StrCat("opening directory ", dir));
   const int synced = ::fsync(dir_fd);

@@ -53,6 +53,10 @@ class AtomicFileWriter {
   uint64_t bytes_ = 0;
 };
 
+// fsync of the directory `dir`: the entries created, renamed or removed in it so far survive a
+// crash.
+absl::Status SyncDirectory(const std::string& dir);
+
 // `contents` as the whole of `path`, through an AtomicFileWriter.
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents);
 

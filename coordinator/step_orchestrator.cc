@@ -188,10 +188,17 @@ StepOrchestrator::Outcome StepOrchestrator::MaybeCommit(absl::Time now, Outbox* 
   commit->set_generation(generation_);
   commit->set_loss(loss);
   commit->set_checkpoint(checkpoint_at_commit_);
+  commit->set_commit_id(NewCommitId());
   Broadcast(message, out);
   in_flight_ = false;
   Record(true, loss, now, "");
   return Outcome::kCommitted;
+}
+
+uint64_t StepOrchestrator::NewCommitId() {
+  uint64_t id = 0;
+  while (id == 0) id = (uint64_t{random_()} << 32) | random_();  // 0 stands for none
+  return id;
 }
 
 StepOrchestrator::Outcome StepOrchestrator::OnWorkerLost(const WorkerRecord& worker, absl::Time now,

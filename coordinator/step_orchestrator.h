@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <tuple>
@@ -157,11 +158,14 @@ class StepOrchestrator {
   bool CountsLoss(const v1::RankCoordinates& rank) const;
   void Record(bool committed, double loss, absl::Time now, const std::string& reason);
   void AddTimings(const v1::StepReport& report);
+  // StepCommit.commit_id: random, never 0.
+  uint64_t NewCommitId();
 
   GridShape encoder_grid_;
   GridShape llm_grid_;
   Options options_;
 
+  std::random_device random_;
   bool in_flight_ = false;
   bool checkpoint_at_commit_ = false;
   int64_t step_ = -1;

@@ -60,9 +60,10 @@ std::vector<worker::GradNormShare> ColocatedModules::GradNormShares() const {
   return shares;
 }
 
-absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool checkpoint) {
-  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, checkpoint));
-  return llm_->Apply(step, clip_coefficient, checkpoint);
+absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool checkpoint,
+                                     uint64_t commit_id) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, checkpoint, commit_id));
+  return llm_->Apply(step, clip_coefficient, checkpoint, commit_id);
 }
 
 absl::Status ColocatedModules::Regroup(int64_t generation, const worker::StepReplicas& replicas) {

@@ -25,7 +25,8 @@ class ColocatedModules : public worker::ModuleRuntime {
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
   std::vector<worker::GradNormShare> GradNormShares() const override;
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override;
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
+                     uint64_t commit_id) override;
   void Discard() override;
   void StepNotRun(const plan::RankStepPlan& plan) override;
   absl::Status Regroup(int64_t generation, const worker::StepReplicas& replicas) override;

@@ -170,6 +170,7 @@ struct SavedParam {
 struct Sidecar {
   ShardId id;
   int64_t step = 0;
+  uint64_t write_id = 0;  // 0 in sidecars written before it was recorded
   std::string file;
   int64_t bytes = 0;
   uint32_t crc32 = 0;
@@ -206,11 +207,12 @@ json EntryRangeJson(const nn::EntryRange& range, const at::Tensor& tensor) {
               {"block_crc32", std::move(crcs)}};
 }
 
-json SidecarJson(const ShardId& id, int64_t step, const std::string& file, const FileSum& sum,
-                 json params) {
+json SidecarJson(const ShardId& id, int64_t step, uint64_t write_id, const std::string& file,
+                 const FileSum& sum, json params) {
   return json{{"format", kFormat},
               {"module", id.module},
               {"step", step},
+              {"write_id", write_id},
               {"tp", id.tp},
               {"tp_size", id.tp_size},
               {"pp", id.pp},
@@ -252,6 +254,7 @@ absl::StatusOr<Sidecar> ReadSidecar(const std::string& path) {
     sidecar.id.pp = j.at("pp").get<int64_t>();
     sidecar.id.pp_size = j.at("pp_size").get<int64_t>();
     sidecar.step = j.at("step").get<int64_t>();
+    sidecar.write_id = j.value("write_id", uint64_t{0});
     sidecar.file = j.at("file").get<std::string>();
     sidecar.bytes = j.at("bytes").get<int64_t>();
     sidecar.crc32 = j.at("crc32").get<uint32_t>();
@@ -985,8 +988,26 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
   const std::string shard_path = JoinPath(dir, file);
   const std::string sidecar_path = SidecarPath(dir, id);
   std::error_code error;
-  fs::create_directories(dir, error);
+  if (fs::create_directories(dir, error)) {
+    // The new step directory's entry in checkpoint.dir, before anything is written in it.
+    HETPAR_RETURN_IF_ERROR(SyncDirectory(fs::path(dir).parent_path().string()));
+  }
   if (error) return ErrnoStatus(error.value(), absl::StrCat("creating checkpoint directory ", dir));
+  // The manifest of another write of this step (an earlier run trained it too) would go on
+  // calling the directory complete while its shards are replaced: it goes first, durably.
+  const std::string manifest_path = JoinPath(dir, kManifest);
+  absl::StatusOr<json> manifest = ReadJsonFile(manifest_path, "checkpoint manifest");
+  if (manifest.ok() || !absl::IsNotFound(manifest.status())) {
+    const bool same_write = manifest.ok() && manifest->is_object() &&
+                            manifest->value("write_id", uint64_t{0}) == snapshot.write_id;
+    if (!same_write) {
+      fs::remove(manifest_path, error);
+      if (error) {
+        return ErrnoStatus(error.value(), absl::StrCat("removing the stale ", manifest_path));
+      }
+      HETPAR_RETURN_IF_ERROR(SyncDirectory(dir));
+    }
+  }
   // A sidecar left by an earlier attempt would describe the old shard once the new one replaces
   // it; without it, the shard is simply not written yet.
   fs::remove(sidecar_path, error);
@@ -1027,7 +1048,8 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
     }
     p["entries"] = std::move(entries);
   }
-  const json sidecar = SidecarJson(id, snapshot.step, file, sum, std::move(params));
+  const json sidecar =
+      SidecarJson(id, snapshot.step, snapshot.write_id, file, sum, std::move(params));
   return Annotate(WriteFileAtomically(sidecar_path, sidecar.dump(2) + "\n"),
                   absl::StrCat("writing checkpoint sidecar ", sidecar_path));
 }
@@ -1040,7 +1062,7 @@ absl::Status WriteShard(const std::string& dir, const ShardId& id, int64_t step,
 
 absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
                                           const std::vector<ShardId>& expected, int64_t step,
-                                          const json& extra) {
+                                          const json& extra, uint64_t write_id) {
   if (expected.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat("completing checkpoint ", dir, ": no shards expected"));
@@ -1063,6 +1085,7 @@ absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
     absl::StatusOr<Sidecar> sidecar = ReadSidecar(path);
     if (absl::IsNotFound(sidecar.status())) return false;  // not written yet
     if (!sidecar.ok()) return sidecar.status();
+    if (sidecar->write_id != write_id) return false;  // another write's: this one's is to come
     const ShardId& got = sidecar->id;
     if (sidecar->step != step || got.module != id.module || got.tp != id.tp ||
         got.tp_size != id.tp_size || got.pp != id.pp || got.pp_size != id.pp_size) {
@@ -1089,6 +1112,7 @@ absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
   }
   const json manifest{{"format", kFormat},
                       {"step", step},
+                      {"write_id", write_id},
                       {"shards", std::move(shards)},
                       {"extra", extra.is_null() ? json::object() : extra}};
   const std::string path = JoinPath(dir, kManifest);
@@ -1225,7 +1249,7 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
   return absl::OkStatus();
 }
 
-absl::Status PruneCheckpoints(const std::string& parent, int64_t keep) {
+absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t newest_step) {
   if (keep < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("pruning checkpoints of ", parent, ": keep=", keep, " must be >= 1"));
@@ -1240,7 +1264,7 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep) {
                                    : "";
     StepDir dir;
     if (digits.empty() || !std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit) ||
-        !absl::SimpleAtoi(digits, &dir.step) || !it->is_directory()) {
+        !absl::SimpleAtoi(digits, &dir.step) || !it->is_directory() || dir.step > newest_step) {
       continue;
     }
     dir.path = it->path();

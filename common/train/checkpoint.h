@@ -31,6 +31,7 @@
 #define HETPAR_COMMON_TRAIN_CHECKPOINT_H_
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -87,6 +88,10 @@ absl::Status WriteShard(const std::string& dir, const ShardId& id, int64_t step,
 struct ShardSnapshot {
   ShardId id;
   int64_t step = 0;
+  // The write this shard belongs to: every writer of one checkpoint gives the same id (the
+  // coordinator's StepCommit.commit_id), another write of the same step (a resumed or restarted
+  // run training it again) another one. 0: none given.
+  uint64_t write_id = 0;
   std::vector<nn::FullParameter> entries;  // the slices and moments, copied
   nlohmann::json params;                   // the sidecar's "params"
   int64_t bytes() const;                   // of the copied tensors
@@ -94,6 +99,9 @@ struct ShardSnapshot {
 absl::StatusOr<ShardSnapshot> SnapshotShard(const ShardId& id, int64_t step,
                                             const nn::ParameterSet& params,
                                             const ModuleOptimizer* optimizer);
+// Before anything else, a manifest of another write (write_id) of the same step is removed (and
+// the removal made durable): until this write completes, `dir` is incomplete, not the old
+// checkpoint with some of its shards replaced. The sidecar records "write_id".
 absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& snapshot);
 
 // Called by each writer after its WriteShard: when the sidecars of all `expected` shards (the
@@ -105,9 +113,11 @@ absl::Status WriteShardSnapshot(const std::string& dir, const ShardSnapshot& sna
 // empty or repeated `expected` or an `extra` that is not an object; FailedPrecondition naming
 // the file for a sidecar of another step or layout; DataLoss for a malformed sidecar or a shard
 // whose size is not its sidecar's.
+// Only sidecars of the write `write_id` count: another write's (of the same step) is a shard not
+// written yet. The manifest records "write_id".
 absl::StatusOr<bool> CompleteIfAllWritten(const std::string& dir,
                                           const std::vector<ShardId>& expected, int64_t step,
-                                          const nlohmann::json& extra);
+                                          const nlohmann::json& extra, uint64_t write_id = 0);
 
 // What a complete checkpoint says of itself (its manifest.json).
 struct CheckpointInfo {
@@ -160,8 +170,11 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
 // Removes the step-* directories of `parent` (named "step-%06d") except the `keep` newest
 // complete ones (with a readable manifest); incomplete ones older than the newest complete one go
 // too, newer ones (being written) stay. Other entries of `parent` are left alone; a missing
-// `parent` has nothing to prune. InvalidArgument for keep < 1.
-absl::Status PruneCheckpoints(const std::string& parent, int64_t keep);
+// `parent` has nothing to prune. Directories of steps after `newest_step` (the checkpoint just
+// completed) are left alone and not counted: they are of another run that went further (this one
+// resumed from an earlier step), not this run's to remove. InvalidArgument for keep < 1.
+absl::Status PruneCheckpoints(const std::string& parent, int64_t keep,
+                              int64_t newest_step = std::numeric_limits<int64_t>::max());
 
 }  // namespace hetpar::train
 

@@ -531,6 +531,47 @@ TEST_F(CheckpointTest, CompleteOnlyOnceEverySidecarIsWritten) {
             absl::StatusCode::kInvalidArgument);  // the set is TP rank 0
 }
 
+// A step written again by another write (a run resumed from an earlier step trains it again
+// into the same checkpoint.dir): the old manifest goes before the first new shard, and the old
+// write's sidecars do not count for the new one. A crash part-way leaves the step incomplete,
+// never complete with some shards of each write.
+TEST_F(CheckpointTest, AStepWrittenAgainIsIncompleteUntilEveryShardOfTheNewWriteIsThere) {
+  const std::string dir = dir_ + "/step-000004";
+  const std::vector<ShardId> ids = {{"encoder", 0, 1, 0, 1}, {"llm", 0, 1, 0, 1}};
+  std::vector<Trainee> trainees;
+  trainees.push_back(MakeTrainee(Pick({"a.weight"}), 0, 1, 5));
+  trainees.push_back(MakeTrainee(Specs(), 0, 1, 5));
+  const auto write = [&](size_t i, uint64_t write_id) {
+    absl::StatusOr<ShardSnapshot> snapshot =
+        SnapshotShard(ids[i], 4, *trainees[i].set, trainees[i].opt.get());
+    ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+    snapshot->write_id = write_id;
+    const absl::Status written = WriteShardSnapshot(dir, *snapshot);
+    ASSERT_TRUE(written.ok()) << written;
+  };
+  for (size_t i = 0; i < ids.size(); ++i) ASSERT_NO_FATAL_FAILURE(write(i, 11));
+  ASSERT_TRUE(*CompleteIfAllWritten(dir, ids, 4, json::object(), 11));
+  EXPECT_EQ(ReadJson(dir + "/manifest.json")["write_id"], 11);
+  EXPECT_EQ(ReadJson(dir + "/encoder-pp0-tp0.json")["write_id"], 11);
+
+  // Write 22 of the same step: its first shard takes the old manifest away.
+  for (Trainee& t : trainees) ASSERT_TRUE(TrainStep(t, 0).ok());
+  ASSERT_NO_FATAL_FAILURE(write(0, 22));
+  EXPECT_FALSE(fs::exists(dir + "/manifest.json"));
+  absl::StatusOr<bool> half = CompleteIfAllWritten(dir, ids, 4, json::object(), 22);
+  ASSERT_TRUE(half.ok()) << half.status();
+  EXPECT_FALSE(*half) << "the llm sidecar is write 11's";
+  EXPECT_EQ(ReadCheckpointInfo(dir).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_NO_FATAL_FAILURE(write(1, 22));
+  absl::StatusOr<bool> whole = CompleteIfAllWritten(dir, ids, 4, json::object(), 22);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_TRUE(*whole);
+  EXPECT_EQ(ReadJson(dir + "/manifest.json")["write_id"], 22);
+  // A writer of the same write finishing later keeps the manifest.
+  ASSERT_NO_FATAL_FAILURE(write(1, 22));
+  EXPECT_TRUE(fs::exists(dir + "/manifest.json"));
+}
+
 TEST_F(CheckpointTest, CorruptShardIsDataLossAndChangesNothing) {
   Trainee saved = MakeTrainee(Specs(), 0, 1, 5);
   ASSERT_TRUE(TrainStep(saved, 0).ok());
@@ -980,6 +1021,20 @@ TEST_F(CheckpointTest, PruneKeepsTheNewestCompleteCheckpoints) {
             std::set<std::string>({"step-000004", "step-000005", "other", "step-notes.txt"}));
   ASSERT_TRUE(PruneCheckpoints(parent, 1).ok());  // nothing more to do
   EXPECT_EQ(listing().size(), 4u);
+  // A run resumed from step 1 completes its step 2: step 4, of the run that went further, is
+  // neither removed nor counted, and the checkpoint resumed from stays.
+  for (int step : {1, 2}) {
+    const std::string dir = absl::StrCat(parent, "/", CheckpointDirName(step));
+    fs::create_directories(dir);
+    std::ofstream(dir + "/manifest.json") << json{{"format", 1},
+                                                  {"step", step},
+                                                  {"shards", json::array()},
+                                                  {"extra", json::object()}}
+                                                 .dump();
+  }
+  ASSERT_TRUE(PruneCheckpoints(parent, 2, 2).ok());
+  EXPECT_EQ(listing(), std::set<std::string>({"step-000001", "step-000002", "step-000004",
+                                              "step-000005", "other", "step-notes.txt"}));
   EXPECT_EQ(PruneCheckpoints(parent, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(PruneCheckpoints(dir_ + "/missing", 2).ok());
 }

@@ -68,8 +68,10 @@ class ModuleRuntime {
   virtual std::vector<GradNormShare> GradNormShares() const = 0;
   // The coordinator's decision to commit: scale the gradients by `clip_coefficient`, take the
   // optimizer step of 0-based step `step`, drop the gradients; then write a checkpoint when the
-  // step ends a checkpoint interval or the commit asks for one (`checkpoint`).
-  virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) = 0;
+  // step ends a checkpoint interval or the commit asks for one (`checkpoint`), its shards stamped
+  // with the commit's `commit_id` (StepCommit.commit_id).
+  virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
+                             uint64_t commit_id) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
   // The step of `plan` failed on this rank before RunStep (its groups could not be formed, or a

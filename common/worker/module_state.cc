@@ -303,7 +303,8 @@ std::vector<GradNormShare> ModuleState::GradNormShares() const {
                                                  : train::OwnedGradSums(*params_).square_sum}};
 }
 
-absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool checkpoint_now) {
+absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool checkpoint_now,
+                                uint64_t commit_id) {
   grad_square_sum_.reset();
   HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
@@ -313,11 +314,11 @@ absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool chec
       (checkpoint_now || (checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
        committed == spec_.run().steps());
   if (!due || gradient_rank_ != 0) return absl::OkStatus();
-  return Annotate(WriteCheckpoint(committed),
+  return Annotate(WriteCheckpoint(committed, commit_id),
                   absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
 }
 
-absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
+absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id) {
   // One save at a time: the previous one must have finished (and succeeded) first.
   HETPAR_RETURN_IF_ERROR(FinishCheckpoint());
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
@@ -336,6 +337,7 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
   HETPAR_ASSIGN_OR_RETURN(train::ShardSnapshot snapshot,
                           train::SnapshotShard(id, committed, *params_, optimizer_.get()));
   const double copy_s = absl::ToDoubleSeconds(absl::Now() - copy_start);
+  snapshot.write_id = commit_id;
   // Every module's writers: each TP rank of each stage of one replica.
   std::vector<train::ShardId> expected;
   for (const auto& [module, l] :
@@ -355,11 +357,12 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
       std::launch::async,
       [dir, snapshot = std::move(snapshot), expected = std::move(expected),
        extra = std::move(extra), parent = checkpoint.dir(), keep = checkpoint.keep(), committed,
-       copy_s]() -> absl::Status {
+       copy_s, commit_id]() -> absl::Status {
         const absl::Time start = absl::Now();
         HETPAR_RETURN_IF_ERROR(train::WriteShardSnapshot(dir, snapshot));
         HETPAR_ASSIGN_OR_RETURN(bool complete,
-                                train::CompleteIfAllWritten(dir, expected, committed, extra));
+                                train::CompleteIfAllWritten(dir, expected, committed, extra,
+                                                            commit_id));
         HETPAR_LOG(INFO) << "checkpoint shard " << train::ShardName(snapshot.id) << " of step "
                          << committed << ": " << snapshot.bytes() << " bytes copied in "
                          << absl::StrFormat("%.3f", copy_s) << " s (the step's wait), written in "
@@ -367,7 +370,7 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed) {
                          << " s";
         if (!complete) return absl::OkStatus();
         HETPAR_LOG(INFO) << "checkpoint of step " << committed << " complete: " << dir;
-        return train::PruneCheckpoints(parent, keep);
+        return train::PruneCheckpoints(parent, keep, committed);
       });
   return absl::OkStatus();
 }

@@ -87,7 +87,7 @@ class ModuleState {
   static absl::StatusOr<std::vector<double>> EndSteps(
       const std::vector<std::pair<ModuleState*, at::Tensor>>& states);
   std::vector<GradNormShare> GradNormShares() const;
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint);
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint, uint64_t commit_id);
   void Discard();
   // Waits for a checkpoint still being written first.
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank);
@@ -114,7 +114,7 @@ class ModuleState {
   absl::Status FormGroups(WorkerContext& context, const StepReplicas& replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
-  absl::Status WriteCheckpoint(int64_t committed);
+  absl::Status WriteCheckpoint(int64_t committed, uint64_t commit_id);
   // Waits for the save in progress; its error.
   absl::Status FinishCheckpoint();
 
@@ -134,8 +134,9 @@ absl::Status RegroupStates(WorkerContext& context, int64_t generation, const Ste
 class SingleModuleRuntime : public ModuleRuntime {
  public:
   std::vector<GradNormShare> GradNormShares() const override { return state_.GradNormShares(); }
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint) override {
-    return state_.Apply(step, clip_coefficient, checkpoint);
+  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
+                     uint64_t commit_id) override {
+    return state_.Apply(step, clip_coefficient, checkpoint, commit_id);
   }
   void Discard() override { state_.Discard(); }
   void StepNotRun(const plan::RankStepPlan& plan) override {

@@ -336,7 +336,8 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   const absl::Time optimizer_start = absl::Now();
   const trace::Clock::time_point optimizer_trace_start = trace::Clock::now();
   HETPAR_RETURN_IF_ERROR(Annotate(
-      modules_->Apply(step, norm.grad_norm().clip_coefficient(), commit.commit().checkpoint()),
+      modules_->Apply(step, norm.grad_norm().clip_coefficient(), commit.commit().checkpoint(),
+                      commit.commit().commit_id()),
       absl::StrCat("step ", step, " optimizer")));
   last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
   trace::Record(trace::kStepLane, "optimizer", "optimizer", optimizer_trace_start);

@@ -87,7 +87,7 @@ class RecordingModule : public ModuleRuntime {
     return outcome;
   }
   std::vector<GradNormShare> GradNormShares() const override { return {{v1::MODULE_ENCODER, 4.0}}; }
-  absl::Status Apply(int64_t step, double clip, bool checkpoint) override {
+  absl::Status Apply(int64_t step, double clip, bool checkpoint, uint64_t /*commit_id*/) override {
     calls.push_back(absl::StrCat("apply ", step, " clip ", clip, checkpoint ? " checkpoint" : ""));
     if (!pending) return absl::InternalError("apply without gradients");
     pending = false;
