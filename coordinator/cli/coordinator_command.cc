@@ -46,6 +46,7 @@ struct CoordinatorFlags {
   bool linger = false;
   std::string metrics_listen;
   int eval_threads = 0;
+  double log_every_s = 0;  // also a progress line once this many seconds passed
 };
 
 // A coordinator restarted on a run directory continues the run journaled there only with the
@@ -304,7 +305,13 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     raw->Stop(signal == SIGINT ? "interrupted" : "terminated", /*checkpoint=*/signal == SIGTERM);
   });
 
-  StepMetricsWriter metrics(run_dir->get(), spec.run().peak_tflops(), nullptr, first_step);
+  // A progress line in the log every run.log_every steps: on a cluster, the coordinator's log is
+  // where the run's progress is read (kubectl logs, the Slurm job's output).
+  ProgressLine progress(spec.run().steps(), first_step, spec.run().log_every(), flags.log_every_s,
+                        /*tty=*/false, absl::Now(), stderr);
+  StepMetricsWriter metrics(
+      run_dir->get(), spec.run().peak_tflops(),
+      [&progress](const v1::StepTiming& t) { progress.Committed(t, absl::Now()); }, first_step);
   std::string outputs_failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool metrics_failed = false;
@@ -456,6 +463,12 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
                    "Intra-op threads of the evaluation at the end of the run (default: the "
                    "machine's cores)")
       ->envname("HETPAR_EVAL_THREADS")
+      ->check(CLI::NonNegativeNumber);
+  command
+      ->add_option("--log-every-seconds", flags->log_every_s,
+                   "Also print a progress line once this many seconds have passed since the last "
+                   "(besides every run.log_every steps and the last step)")
+      ->envname("HETPAR_LOG_EVERY_SECONDS")
       ->check(CLI::NonNegativeNumber);
   command->add_flag("--synthetic-batches", flags->synthetic_batches,
                     "Plan steps over seeded synthetic samples instead of the data index");

@@ -87,35 +87,6 @@ struct RunFlags {
 volatile sig_atomic_t g_interrupted = 0;
 void OnSignal(int signal) { g_interrupted = signal; }  // SIGINT or SIGTERM
 
-std::string Duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
-  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
-  return absl::StrFormat("%ds", s);
-}
-
-// One progress line: a bar when stderr is a terminal, a plain line otherwise.
-void ShowProgress(int64_t done, int64_t total, double loss, double tokens_per_s, double flops_per_s,
-                  double eta_s, bool tty) {
-  const int width = 24;
-  const int filled = total > 0 ? static_cast<int>(width * done / total) : 0;
-  const std::string bar = std::string(filled, '#') + std::string(width - filled, '.');
-  // Model FLOPs of both modules (common/plan/flops.h) over the same window.
-  const std::string rate = flops_per_s >= 1e12 ? absl::StrFormat("%.2f TFLOPS", flops_per_s / 1e12)
-                                               : absl::StrFormat("%.1f GFLOP/s", flops_per_s / 1e9);
-  const std::string text =
-      absl::StrFormat("step %d/%d [%s] loss %.4f  %.0f tok/s  %s  ETA %s", done, total, bar, loss,
-                      tokens_per_s, rate, Duration(eta_s));
-  if (tty) {
-    std::fprintf(stderr, "\r%s   ", text.c_str());
-    if (done == total) std::fprintf(stderr, "\n");
-  } else {
-    std::fprintf(stderr, "%s\n", text.c_str());
-  }
-  std::fflush(stderr);
-}
-
 absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
   config::LoadOptions load;
   load.overrides = flags.overrides;
@@ -460,53 +431,19 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   const absl::Time start = absl::Now();
   double last_loss = 0;
-  // The token rate over the last kRateWindow committed steps (from the start until there are
-  // that many): the commit before the window is kept as its start.
-  constexpr size_t kRateWindow = 20;
-  struct Commit {
-    absl::Time when;
-    int64_t tokens;
-    double model_flops;
-  };
-  std::deque<Commit> commits;
-  absl::Time last_line = start;
   int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
   if (!spec.checkpoint().resume_from().empty()) {
     absl::StatusOr<config::CheckpointSummary> resume =
         config::ReadCheckpointSummary(spec.checkpoint().resume_from());
     if (resume.ok()) first_step = resume->step;
   }
+  ProgressLine progress(spec.run().steps(), first_step, spec.run().log_every(), flags.log_every_s,
+                        tty, start, stderr);
   StepMetricsWriter metrics(
       run_dir->get(), spec.run().peak_tflops(),
       [&](const v1::StepTiming& t) {
         last_loss = t.loss();
-        const absl::Time now = absl::Now();
-        double step_flops = 0;
-        for (const auto& [module, split] : t.modules()) step_flops += split.model_flops();
-        commits.push_back({now, t.tokens(), step_flops});
-        if (commits.size() > kRateWindow + 1) commits.pop_front();
-        const bool full = commits.size() == kRateWindow + 1;
-        int64_t window_tokens = 0;
-        double window_flops = 0;
-        for (size_t i = full ? 1 : 0; i < commits.size(); ++i) {
-          window_tokens += commits[i].tokens;
-          window_flops += commits[i].model_flops;
-        }
-        const double window_s =
-            std::max(absl::ToDoubleSeconds(now - (full ? commits.front().when : start)), 1e-9);
-        const int64_t done = t.step() + 1;
-        const int64_t total = spec.run().steps();
-        // On a terminal the line redraws every step; in a log, one line every run.log_every steps,
-        // or once --log-every-seconds have passed since the last line, and at the last step.
-        if (!tty && done != total && done % spec.run().log_every() != 0 &&
-            !(flags.log_every_s > 0 &&
-              absl::ToDoubleSeconds(now - last_line) >= flags.log_every_s)) {
-          return;
-        }
-        last_line = now;
-        const double elapsed = absl::ToDoubleSeconds(now - start);
-        ShowProgress(done, total, last_loss, window_tokens / window_s, window_flops / window_s,
-                     elapsed / done * (total - done), tty);
+        progress.Committed(t, absl::Now());
       },
       first_step);
   std::string failure;
@@ -627,7 +564,7 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   if (!eval_line.empty()) PrintEvaluation(eval_line);
   std::cout << absl::StrFormat(
       "hetpar run: %s done: %d steps in %s, final loss %.4f; run directory %s\n", spec.run().name(),
-      metrics.written(), Duration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
+      metrics.written(), HumanDuration(absl::ToDoubleSeconds(absl::Now() - start)), last_loss, out_dir);
   return kExitOk;
 }
 

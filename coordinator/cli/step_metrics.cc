@@ -1,5 +1,6 @@
 #include "coordinator/cli/step_metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/logging.h"
 #include "common/plan/flops.h"
 #include "common/status.h"
@@ -123,6 +125,69 @@ absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status,
 }
 
 // Sums the owned-parameter files the workers of DP replica 0 write.
+ProgressLine::ProgressLine(int64_t total_steps, int64_t first_step, int64_t log_every,
+                           double log_every_s, bool tty, absl::Time start, std::FILE* out)
+    : total_(total_steps),
+      first_step_(first_step),
+      log_every_(std::max<int64_t>(1, log_every)),
+      log_every_s_(log_every_s),
+      tty_(tty),
+      start_(start),
+      last_line_(start),
+      out_(out) {}
+
+void ProgressLine::Committed(const v1::StepTiming& step, absl::Time now) {
+  constexpr size_t kRateWindow = 20;
+  double step_flops = 0;
+  for (const auto& [module, split] : step.modules()) step_flops += split.model_flops();
+  commits_.push_back({now, step.tokens(), step_flops});
+  if (commits_.size() > kRateWindow + 1) commits_.pop_front();
+  const int64_t done = step.step() + 1;
+  if (!tty_ && done != total_ && done % log_every_ != 0 &&
+      !(log_every_s_ > 0 && absl::ToDoubleSeconds(now - last_line_) >= log_every_s_)) {
+    return;
+  }
+  last_line_ = now;
+  // The commit before a full window is kept as its start.
+  const bool full = commits_.size() == kRateWindow + 1;
+  int64_t window_tokens = 0;
+  double window_flops = 0;
+  for (size_t i = full ? 1 : 0; i < commits_.size(); ++i) {
+    window_tokens += commits_[i].tokens;
+    window_flops += commits_[i].model_flops;
+  }
+  const double window_s =
+      std::max(absl::ToDoubleSeconds(now - (full ? commits_.front().when : start_)), 1e-9);
+  // Model FLOPs of both modules (common/plan/flops.h) over the same window.
+  const double flops_per_s = window_flops / window_s;
+  const std::string rate = flops_per_s >= 1e12 ? absl::StrFormat("%.2f TFLOPS", flops_per_s / 1e12)
+                                               : absl::StrFormat("%.1f GFLOP/s", flops_per_s / 1e9);
+  // This process's steps: a resumed run's earlier steps took no time here.
+  const int64_t here = std::max<int64_t>(1, done - first_step_);
+  const double eta_s = absl::ToDoubleSeconds(now - start_) / here * (total_ - done);
+  constexpr int kWidth = 24;
+  const int filled = total_ > 0 ? static_cast<int>(kWidth * done / total_) : 0;
+  const std::string bar = std::string(filled, '#') + std::string(kWidth - filled, '.');
+  const std::string text =
+      absl::StrFormat("step %d/%d [%s] loss %.4f  %.0f tok/s  %s  ETA %s", done, total_, bar,
+                      step.loss(), window_tokens / window_s, rate, HumanDuration(eta_s));
+  if (tty_) {
+    std::fprintf(out_, "\r%s   ", text.c_str());
+    if (done == total_) std::fprintf(out_, "\n");
+  } else {
+    std::fprintf(out_, "%s\n", text.c_str());
+  }
+  std::fflush(out_);
+}
+
+std::string HumanDuration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return absl::StrFormat("%dh%02dm", s / 3600, (s / 60) % 60);
+  if (s >= 60) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  return absl::StrFormat("%ds", s);
+}
+
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   std::map<std::string, std::pair<double, double>> sums;
   std::error_code ec;

@@ -9,6 +9,7 @@
 #define HETPAR_COORDINATOR_CLI_STEP_METRICS_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <functional>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/run_directory.h"
 #include "hetpar/v1/coordinator.pb.h"
 #include "nlohmann/json.hpp"
@@ -57,6 +59,41 @@ class StepMetricsWriter {
   std::deque<v1::StepTiming> pending_;  // taken from the coordinator, not written yet
   int pool_changes_written_ = 0;
 };
+
+// The progress line of a run, the same for `hetpar run` and `hetpar coordinator`:
+//
+//   step 120/3000 [#.......................] loss 4.1023  5210 tok/s  1.2 GFLOP/s  ETA 9m30s
+//
+// the token and model-FLOP rates over the last 20 committed steps (from the run's start until
+// there are that many), the ETA from this process's steps so far. On a terminal (`tty`) the line
+// redraws at every step; in a log, one line every `log_every` steps (run.log_every), once
+// `log_every_s` seconds have passed since the last line (when > 0), and at the last step.
+class ProgressLine {
+ public:
+  ProgressLine(int64_t total_steps, int64_t first_step, int64_t log_every, double log_every_s,
+               bool tty, absl::Time start, std::FILE* out);
+  // A committed step, as StepMetricsWriter's on_step sees it.
+  void Committed(const v1::StepTiming& step, absl::Time now);
+
+ private:
+  struct Commit {
+    absl::Time when;
+    int64_t tokens;
+    double model_flops;
+  };
+  int64_t total_;
+  int64_t first_step_;
+  int64_t log_every_;
+  double log_every_s_;
+  bool tty_;
+  absl::Time start_;
+  absl::Time last_line_;
+  std::FILE* out_;
+  std::deque<Commit> commits_;
+};
+
+// A duration for people: "42s", "3m07s", "2h05m"; "?" for a negative or infinite one.
+std::string HumanDuration(double seconds);
 
 // The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the
 // owned-parameter sums the workers of DP replica 0 sent into <out_dir>/workers

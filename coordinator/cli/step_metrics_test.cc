@@ -1,5 +1,6 @@
 #include "coordinator/cli/step_metrics.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <filesystem>
@@ -89,6 +90,46 @@ TEST_F(StepMetricsWriterTest, AResumedRunStartsAtItsFirstStep) {
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_EQ(lines[0]["step"].get<int64_t>(), 6);
   EXPECT_EQ(lines[1]["step"].get<int64_t>(), 7);
+}
+
+// The lines `hetpar run` and `hetpar coordinator` print in a log, committing steps one second
+// apart with 100 tokens and 2 GFLOP each.
+std::vector<std::string> ProgressLines(int64_t total, int64_t first_step, int64_t log_every) {
+  char* text = nullptr;
+  size_t size = 0;
+  std::FILE* out = ::open_memstream(&text, &size);
+  const absl::Time start = absl::FromUnixSeconds(1000);
+  ProgressLine line(total, first_step, log_every, /*log_every_s=*/0, /*tty=*/false, start, out);
+  for (int64_t step = first_step; step < total; ++step) {
+    v1::StepTiming t;
+    t.set_step(step);
+    t.set_loss(2.5);
+    t.set_tokens(100);
+    (*t.mutable_modules())["llm"].set_model_flops(2e9);
+    line.Committed(t, start + absl::Seconds(step - first_step + 1));
+  }
+  std::fclose(out);
+  std::vector<std::string> lines;
+  std::istringstream in(std::string(text, size));
+  std::free(text);
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  return lines;
+}
+
+TEST(ProgressLineTest, ALineEveryLogEveryStepsAndAtTheLast) {
+  EXPECT_EQ(ProgressLines(12, 0, 5),
+            (std::vector<std::string>{
+                "step 5/12 [##########..............] loss 2.5000  100 tok/s  2.0 GFLOP/s  ETA 7s",
+                "step 10/12 [####################....] loss 2.5000  100 tok/s  2.0 GFLOP/s  ETA 2s",
+                "step 12/12 [########################] loss 2.5000  100 tok/s  2.0 GFLOP/s  ETA 0s"}));
+}
+
+TEST(ProgressLineTest, AResumedRunsEtaCountsOnlyTheStepsItTrained) {
+  // Resumed at step 6: by step 10 it trained 4 steps in 4 s, 2 are left.
+  const std::vector<std::string> lines = ProgressLines(12, 6, 5);
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_THAT(lines[0], ::testing::StartsWith("step 10/12 "));
+  EXPECT_THAT(lines[0], ::testing::EndsWith("ETA 2s"));
 }
 
 }  // namespace

@@ -247,6 +247,10 @@ TEST_F(ClusterRunTest, SeparateProcessesInSeparateDirectoriesWriteTheRunDirector
     // A worker's working directory holds nothing of the run's outputs.
     EXPECT_TRUE(fs::is_empty(absl::StrCat(dir_, "/worker-", i)));
   }
+  // The coordinator's log shows the run's progress (a line every run.log_every steps and at the
+  // last), as `hetpar run` does.
+  EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"),
+              HasSubstr("step 8/8 [########################] loss "));
   ExpectTheRunDirectoryOfHetparRun(dir_ + "/coordinator/run");
 }
 
