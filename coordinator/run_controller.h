@@ -113,6 +113,7 @@ class RunController {
   // With ControllerOptions::keep_committed_steps: the timings of the steps committed since the
   // last call, oldest first; otherwise none.
   std::vector<v1::StepTiming> TakeCommittedSteps() { return orchestrator_.TakeCommitted(); }
+  const v1::RunSpec& spec() const { return spec_; }
   // Stops the run. With `checkpoint` (and checkpoint.dir set) the step in flight commits first,
   // with a checkpoint, and the stop follows its commit (or its abort, without one).
   v1::StopResponse Stop(const std::string& reason, bool checkpoint, absl::Time now,

@@ -751,10 +751,20 @@ class AdminServiceImpl final : public v1::Admin::CallbackService {
     }
     HETPAR_LOG(INFO) << "stop requested by " << context->peer()
                      << (request->reason().empty() ? "" : ": " + request->reason());
-    *response = impl_->WithController([&](RunController& c, absl::Time now, Actions* actions) {
-      return c.Stop(request->reason(), request->checkpoint(), now, actions);
-    });
-    reactor->Finish(grpc::Status::OK);
+    absl::StatusOr<v1::StopResponse> stopped = impl_->WithController(
+        [&](RunController& c, absl::Time now,
+            Actions* actions) -> absl::StatusOr<v1::StopResponse> {
+          // Asked for, a checkpoint that cannot be written refuses the stop: the run goes on
+          // rather than end without the checkpoint the caller counts on.
+          if (request->checkpoint() && c.spec().checkpoint().dir().empty()) {
+            return absl::FailedPreconditionError(
+                "the run writes no checkpoints (checkpoint.dir is not set): nothing to stop "
+                "with; the run goes on (stop it without --checkpoint to stop it without one)");
+          }
+          return c.Stop(request->reason(), request->checkpoint(), now, actions);
+        });
+    if (stopped.ok()) *response = *std::move(stopped);
+    reactor->Finish(ToGrpcStatus(stopped.status()));
     return reactor;
   }
 

@@ -26,8 +26,8 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
   AddConnectionFlags(command, &flags->connection);
   command->add_option("--reason", flags->reason, "Why (shown to the workers and in status)");
   command->add_flag("--checkpoint", flags->checkpoint,
-                    "Let the step in flight commit and write a checkpoint of it (checkpoint.dir "
-                    "must be set) before stopping");
+                    "Let the step in flight commit and write a checkpoint of it before stopping; "
+                    "refused (exit 2, the run goes on) when the run has no checkpoint.dir");
   command
       ->add_option("--wait", flags->wait_s,
                    "Seconds to wait for the run to be done (exit 1 if it is not by then)")
@@ -43,7 +43,8 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
     auto stopped = admin.Stop(flags->reason, flags->checkpoint);
     if (!stopped.ok()) {
       std::cerr << "hetpar: " << stopped.status().message() << "\n";
-      *exit_code = kExitFailure;
+      *exit_code =
+          absl::IsFailedPrecondition(stopped.status()) ? kExitInvalidInput : kExitFailure;
       return;
     }
     std::cout << "stop requested; the run is " << coordinator::RunStateName(stopped->state())

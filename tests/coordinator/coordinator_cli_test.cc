@@ -121,6 +121,18 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(scale_help->exit_code, 0);
   EXPECT_THAT(scale_help->stdout_text, HasSubstr("encoder.layout.dp"));
 
+  // A stop with a checkpoint the run cannot write (tiny.yaml sets no checkpoint.dir) is refused,
+  // and the run goes on.
+  auto no_checkpoint =
+      Hetpar({"stop", "--checkpoint", "--coordinator", coordinator->address});
+  ASSERT_TRUE(no_checkpoint.ok());
+  EXPECT_EQ(no_checkpoint->exit_code, 2) << no_checkpoint->stdout_text;
+  EXPECT_THAT(no_checkpoint->stderr_text,
+              HasSubstr("the run writes no checkpoints (checkpoint.dir is not set)"));
+  auto still = Hetpar({"status", "--coordinator", coordinator->address});
+  ASSERT_TRUE(still.ok());
+  EXPECT_EQ(StatusWithoutClock(still->stdout_text), StatusWithoutClock(after_scale->stdout_text));
+
   auto stop = Hetpar({"stop", "--wait", "20", "--coordinator", coordinator->address});
   ASSERT_TRUE(stop.ok());
   EXPECT_EQ(stop->exit_code, 0) << stop->stderr_text;
