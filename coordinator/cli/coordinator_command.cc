@@ -198,21 +198,6 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   journal.committed_steps = first_step;
 
-  // The run directory: the normalised config and one metrics.jsonl line per committed step, and
-  // at the end the workers' outputs, the final parameter line and the evaluation.
-  absl::StatusOr<std::unique_ptr<RunDirectory>> run_dir =
-      restarted ? RunDirectory::Continue(out_dir, spec, first_step)
-                : RunDirectory::Create(out_dir, spec);
-  if (!run_dir.ok()) {
-    std::cerr << "hetpar: " << run_dir.status().message() << "\n";
-    return kExitFailure;
-  }
-  ClearRunOutputs(out_dir);
-  if (absl::Status s = coordinator::WriteJournal(out_dir, journal); !s.ok()) {
-    std::cerr << "hetpar: " << s.message() << "\n";
-    return kExitFailure;
-  }
-
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
   options.tls = flags.tls;
@@ -249,6 +234,29 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     return kExitInvalidInput;
   }
 
+  // The run directory, once the checks above passed (a start refused for a bad token or config
+  // leaves no journal to continue): the normalised config and one metrics.jsonl line per
+  // committed step, and at the end the workers' outputs, the final parameter line and the
+  // evaluation.
+  absl::StatusOr<std::unique_ptr<RunDirectory>> run_dir =
+      restarted ? RunDirectory::Continue(out_dir, spec, first_step)
+                : RunDirectory::Create(out_dir, spec);
+  if (!run_dir.ok()) {
+    std::cerr << "hetpar: " << run_dir.status().message() << "\n";
+    return kExitFailure;
+  }
+  ClearRunOutputs(out_dir);
+  if (absl::Status s = coordinator::WriteJournal(out_dir, journal); !s.ok()) {
+    std::cerr << "hetpar: " << s.message() << "\n";
+    return kExitFailure;
+  }
+
+  // A fresh run whose coordinator cannot start leaves no journal either: there is no run to
+  // continue, and a journal would hold the next start to this config.
+  const auto forget_fresh_run = [&] {
+    if (!restarted) ::unlink(coordinator::JournalPath(out_dir).c_str());
+  };
+
   // Signals are taken by one thread with sigwait; block them before gRPC starts its threads.
   // SIGUSR1 only wakes that thread when the run is over.
   sigset_t signals;
@@ -262,6 +270,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       coordinator::CoordinatorServer::Create(run_spec, options, *std::move(planner));
   if (!server.ok()) {
     std::cerr << "hetpar: cannot start the coordinator: " << server.status().message() << "\n";
+    forget_fresh_run();
     return kExitFailure;
   }
   std::string token_path;
@@ -270,6 +279,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     if (absl::Status s = coordinator::WriteLocalTokenFile(token_path, options.token); !s.ok()) {
       std::cerr << "hetpar: " << s.message()
                 << " (set a run token with --token-file or HETPAR_TOKEN instead)\n";
+      (*server)->Shutdown(absl::Seconds(2));
+      forget_fresh_run();
       return kExitFailure;
     }
     HETPAR_LOG(INFO) << "run token: generated, in " << token_path
@@ -289,6 +300,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     if (!started.ok()) {
       std::cerr << "hetpar: coordinator.metrics_listen: " << started.status().message() << "\n";
       raw->Shutdown(absl::Seconds(2));
+      forget_fresh_run();
       return kExitFailure;
     }
     exporter = *std::move(started);

@@ -1,10 +1,15 @@
 // `hetpar coordinator`, `status`, `stop` and `scale` as a user runs them, with simulated worker
 // processes running steps planned from the RunSpec.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <string>
@@ -147,6 +152,38 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_THAT(log, Not(HasSubstr("not-the-run-token")));
   // The generated token goes with the coordinator.
   EXPECT_FALSE(std::filesystem::exists(token_file));
+}
+
+// A start refused (a run token too short) or failed (its port taken) leaves no journal: the next
+// start is a new run, not the continuation of one that never ran (refused, were its config
+// changed in between).
+TEST_F(CoordinatorCliTest, AStartThatFailsLeavesNoRunToContinue) {
+  const std::string out = dir_.File("run");
+  std::ofstream(dir_.File("short.token")) << "12345";
+  auto refused = Hetpar({"coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", out,
+                         "--token-file", dir_.File("short.token")});
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2) << refused->stderr_text;
+  EXPECT_FALSE(std::filesystem::exists(out + "/journal.json"));
+
+  // A port this test listens on.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::string port = std::to_string(ntohs(address.sin_port));
+  auto failed =
+      Hetpar({"coordinator", "--config", kTiny, "--listen", "127.0.0.1:" + port, "--out", out});
+  ::close(fd);
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_EQ(failed->exit_code, 1) << failed->stderr_text;
+  EXPECT_THAT(failed->stderr_text, HasSubstr("cannot start the coordinator"));
+  EXPECT_FALSE(std::filesystem::exists(out + "/journal.json"));
 }
 
 TEST_F(CoordinatorCliTest, MissingWorkersFailTheRunWithTheListOfRanks) {
