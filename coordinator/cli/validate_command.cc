@@ -1,3 +1,4 @@
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -62,8 +63,10 @@ void AddValidateCommand(CLI::App& app, int* exit_code) {
       *exit_code = kExitInvalidInput;
       return;
     }
-    // A synthetic data set's tokenizer is made for the config before a run.
-    if (load.check_files && loaded->spec.data().synth().samples() <= 0) {
+    // A synthetic data set's tokenizer is made for the config before a run, unless the data set
+    // is already there: then the run uses it as it is, and so is it checked.
+    const bool tokenizer_there = std::filesystem::exists(loaded->spec.data().tokenizer());
+    if (load.check_files && (loaded->spec.data().synth().samples() <= 0 || tokenizer_there)) {
       if (std::vector<std::string> problems = TokenizerProblems(*loaded); !problems.empty()) {
         std::cerr << "hetpar: invalid config " << options->config << ":\n";
         for (const std::string& problem : problems) std::cerr << problem << "\n";

@@ -159,6 +159,12 @@ TEST(CliValidateTest, TheTokenizerMustFitTheVocabularyAndHoldTheImageToken) {
   EXPECT_EQ(token->exit_code, 2);
   EXPECT_THAT(token->stderr_text,
               HasSubstr("data.image_token: '<picture>' is not a piece of the tokenizer"));
+  // A synthetic data set already generated is used as it is, so it is checked too.
+  auto generated = with({"--set", "data.synth.samples=8", "--set", "llm.model.vocab=128"});
+  ASSERT_TRUE(generated.ok()) << generated.status();
+  EXPECT_EQ(generated->exit_code, 2) << generated->stdout_text;
+  EXPECT_THAT(generated->stderr_text,
+              HasSubstr("llm.model.vocab: =128 is smaller than the tokenizer's 256 pieces"));
   fs::remove_all(dir);
 }
 
