@@ -36,6 +36,12 @@ absl::StatusOr<std::shared_ptr<CoordinatorConnection>> CoordinatorConnection::Cr
   if (options.address.empty()) {
     return absl::InvalidArgumentError("coordinator address is empty; expected host:port");
   }
+  // Refused at once: gRPC would retry an address without a port until the connect timeout.
+  if (PortOf(options.address) <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator address '", options.address,
+                     "' has no port (1 to 65535); expected host:port, e.g. 10.0.0.5:50051"));
+  }
   if (absl::Status s = ValidateToken(options.token, "the client options"); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(options.tls);

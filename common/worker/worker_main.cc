@@ -351,6 +351,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   at::set_num_threads(
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   SetLogTag(RoleName(options.role));
+  if (coordinator::PortOf(options.coordinator) <= 0) {
+    std::cerr << binary.name << ": --coordinator '" << options.coordinator
+              << "' has no port (1 to 65535); expected host:port, e.g. 10.0.0.5:50051\n";
+    return kExitInvalidInput;
+  }
   auto token = coordinator::ResolveToken(token_file, "");
   if (!token.ok()) {
     std::cerr << binary.name << ": " << token.status().message() << "\n";

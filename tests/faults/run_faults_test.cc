@@ -188,6 +188,20 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"), HasSubstr("wrong run token"));
 }
 
+// A coordinator address without a port is refused at once (exit 2), not retried until the
+// connect timeout (120 s here, past the 60 s this command is given).
+TEST_F(RunFaultsTest, AWorkerGivenAnAddressWithoutAPortStopsAtOnce) {
+  ::setenv("HETPAR_TOKEN", "a-run-token-of-forty-characters-0123456", 1);
+  auto worker = RunCommand({kEncoder, "--coordinator", "coordinator.example", "--connect-timeout",
+                            "120", "--out", dir_ + "/w"},
+                           60);
+  ::unsetenv("HETPAR_TOKEN");
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ(worker->exit_code, 2) << worker->stderr_text;
+  EXPECT_THAT(worker->stderr_text,
+              HasSubstr("--coordinator 'coordinator.example' has no port (1 to 65535)"));
+}
+
 // A worker killed (SIGKILL, at whatever point of a step it is) in a module with two DP replicas
 // takes its replica out of the run; the step is planned again over the other replica and the run
 // goes on. Any layout is exact, so in float64 the losses and final parameters are an
