@@ -108,9 +108,20 @@ void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* wha
     return;
   }
   if (interrupt_ == nullptr) {
-    if (!work->wait(timeout_)) {
+    bool done = false;
+    try {
+      // Throws (rather than returning false) when the timeout passes with the work pending.
+      done = work->wait(timeout_);
+    } catch (const std::exception&) {
+      if (work->isCompleted()) {
+        work->wait();  // its own error, if it failed
+        return;
+      }
+    }
+    if (!done) {
+      // Still running in Gloo's thread: the group must not be destroyed under it (Release).
       abandoned_.store(true);
-      TORCH_CHECK(false, what, " did not complete within ", timeout_.count(), " ms");
+      TORCH_CHECK(false, what, " timed out: not complete within ", timeout_.count(), " ms");
     }
     return;
   }
@@ -133,7 +144,7 @@ void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* wha
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       abandoned_.store(true);
-      TORCH_CHECK(false, what, " did not complete within ", timeout_.count(), " ms");
+      TORCH_CHECK(false, what, " timed out: not complete within ", timeout_.count(), " ms");
     }
   }
 }

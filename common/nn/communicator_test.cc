@@ -271,36 +271,45 @@ TEST(CommunicatorTest, ARendezvousIsGivenUpOnlyWhenArmedAndRaised) {
   }
 }
 
+// Without an interrupt (one wait) and with one that is never raised (waits in slices): a
+// collective past its deadline fails DeadlineExceeded, and its group is abandoned.
 TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
-  auto store = OpenHashStore();
-  absl::Status rank0_result;
-  std::thread rank1([&] {
+  for (const bool with_interrupt : {false, true}) {
+    SCOPED_TRACE(with_interrupt ? "with an interrupt" : "without an interrupt");
+    const std::string prefix = with_interrupt ? "skipper-interruptible" : "skipper";
+    auto store = OpenHashStore();
+    StepInterrupt interrupt;
+    std::thread rank1([&] {
+      CommunicatorOptions options;
+      options.prefix = prefix;
+      options.rank = 1;
+      options.size = 2;
+      options.timeout = absl::Seconds(1);
+      auto comm = Communicator::Create(store, options);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      // Never joins the all-reduce; stays alive until rank 0 has given up.
+      std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    });
     CommunicatorOptions options;
-    options.prefix = "skipper";
-    options.rank = 1;
+    options.prefix = prefix;
+    options.rank = 0;
     options.size = 2;
     options.timeout = absl::Seconds(1);
+    if (with_interrupt) options.interrupt = &interrupt;
     auto comm = Communicator::Create(store, options);
     ASSERT_TRUE(comm.ok()) << comm.status();
-    // Never joins the all-reduce; stays alive until rank 0 has given up.
-    std::this_thread::sleep_for(std::chrono::milliseconds(2000));
-  });
-  CommunicatorOptions options;
-  options.prefix = "skipper";
-  options.rank = 0;
-  options.size = 2;
-  options.timeout = absl::Seconds(1);
-  auto comm = Communicator::Create(store, options);
-  ASSERT_TRUE(comm.ok()) << comm.status();
-  at::Tensor t = at::ones({4});
-  const auto start = std::chrono::steady_clock::now();
-  absl::Status status = (*comm)->AllReduce(t);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  rank1.join();
-  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-  EXPECT_THAT(std::string(status.message()), HasSubstr("all-reduce in group 'skipper'"));
-  EXPECT_LT(seconds, 10.0);
+    at::Tensor t = at::ones({4});
+    const auto start = std::chrono::steady_clock::now();
+    absl::Status status = (*comm)->AllReduce(t);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    rank1.join();
+    EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("all-reduce in group '" + prefix + "'"));
+    EXPECT_LT(seconds, 10.0);
+    // The collective given up may still run in Gloo's thread: the group is not to be destroyed.
+    EXPECT_TRUE((*comm)->group()->abandoned());
+  }
 }
 
 TEST(CommunicatorTest, TcpStoreFormsAGroup) {
