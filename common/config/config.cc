@@ -646,6 +646,9 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
       extra["samples_trained"].is_number_integer()) {
     summary.samples_trained = extra["samples_trained"].get<int64_t>();
   }
+  if (extra.is_object() && extra.contains("seed") && extra["seed"].is_number_integer()) {
+    summary.seed = extra["seed"].get<int64_t>();
+  }
   return summary;
 }
 
@@ -1099,6 +1102,14 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                             " samples in ", step, " steps (a global batch of ", samples / step,
                             "); run.global_batch=", s.run().global_batch(),
                             ": resume with the global batch it was written with"));
+      } else if (checkpoint->seed.has_value() && *checkpoint->seed != s.run().seed()) {
+        // The epoch order follows the seed: another one would train some samples of the
+        // current epoch twice and skip others.
+        c.Fail("run.seed",
+               absl::StrCat("=", s.run().seed(), " differs from the seed ", *checkpoint->seed,
+                            " that checkpoint.resume_from='", s.checkpoint().resume_from(),
+                            "' was trained with: the data order would change mid-epoch; resume "
+                            "with run.seed=", *checkpoint->seed));
       }
     }
   } else if (!synth) {

@@ -12,6 +12,7 @@
 #define HETPAR_COMMON_CONFIG_CONFIG_H_
 
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -75,6 +76,7 @@ struct LoadOptions {
 struct CheckpointSummary {
   int64_t step = 0;              // committed steps
   int64_t samples_trained = -1;  // -1: the manifest does not say
+  std::optional<int64_t> seed;   // run.seed it was trained with; none: the manifest does not say
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

@@ -333,6 +333,14 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
               "trained 64 samples in 4 steps (a global batch of 16); run.global_batch=8");
   ExpectIssue(with_files(step4, 4), "checkpoint.resume_from", 0,
               "is at step 4, which is not before run.steps=4");
+  // Trained under another seed: the epoch order would change mid-epoch.
+  std::ofstream(dir / "step-000004" / "manifest.json")
+      << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32, "seed": 99}})";
+  EXPECT_EQ(ReadCheckpointSummary(step4)->seed, 99);
+  ExpectIssue(with_files(step4, 10), "run.seed", 0,
+              "=1234 differs from the seed 99 that checkpoint.resume_from='" + step4 +
+                  "' was trained with: the data order would change mid-epoch; resume with "
+                  "run.seed=99");
   fs::remove_all(dir);
   // The spec of a run already under way (its evaluation reads its config.yaml): the checkpoint
   // it started from may be pruned by now; the field is dropped, not checked.

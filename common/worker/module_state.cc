@@ -352,6 +352,7 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
   // The manifest also records the RunSpec the checkpoint was written under (normalised YAML).
   nlohmann::json extra = {{"run", spec_.run().name()},
                           {"samples_trained", committed * spec_.run().global_batch()},
+                          {"seed", spec_.run().seed()},
                           {"runspec", config::RunSpecToYaml(spec_)}};
   pending_checkpoint_ = std::async(
       std::launch::async,
