@@ -410,6 +410,16 @@ int RunCoordinator(const CoordinatorFlags& flags) {
               << (outputs_failure.empty() ? final_status.state_message() : outputs_failure) << "\n";
     return kExitFailure;
   }
+  if (final_status.committed_steps() < final_status.total_steps()) {
+    // Stopped before its last step (hetpar stop, a signal): not done, and said so.
+    std::cout << "hetpar coordinator: run " << spec.run().name() << " stopped after "
+              << final_status.committed_steps() << " of " << final_status.total_steps()
+              << " steps (" << final_status.state_message()
+              << "); start the coordinator again on " << out_dir
+              << " to continue it; metrics in " << spec.run().out_dir() << "/metrics.jsonl"
+              << std::endl;
+    return kExitOk;
+  }
   std::cout << "hetpar coordinator: run " << spec.run().name()
             << " done: " << final_status.state_message() << " (" << final_status.committed_steps()
             << "/" << final_status.total_steps() << " steps committed); metrics in "
