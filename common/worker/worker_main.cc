@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <cstring>
 #include <future>
 #include <iostream>
@@ -357,6 +358,18 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     return kExitInvalidInput;
   }
   auto token = coordinator::ResolveToken(token_file, "");
+  if (!token.ok() && absl::IsNotFound(token.status()) && token_file.empty()) {
+    // On the coordinator's machine: the token it generated for itself, as `hetpar status` reads
+    // it (hetpar run passes its workers the token; this is for workers started by hand).
+    const std::string local = coordinator::LocalTokenPath(coordinator::PortOf(options.coordinator));
+    if (std::filesystem::exists(local)) {
+      token = coordinator::ReadTokenFile(local);
+    } else {
+      token = absl::NotFoundError(absl::StrCat(
+          token.status().message(), "; or run on the coordinator's machine, where it keeps a "
+          "generated token in ", local));
+    }
+  }
   if (!token.ok()) {
     std::cerr << binary.name << ": " << token.status().message() << "\n";
     return kExitInvalidInput;

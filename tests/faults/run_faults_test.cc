@@ -188,6 +188,49 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   EXPECT_THAT(ReadFile(dir_ + "/coordinator.log"), HasSubstr("wrong run token"));
 }
 
+// On the coordinator's machine a worker started by hand finds the token the coordinator
+// generated for itself (as `hetpar status` does), without --token-file or HETPAR_TOKEN.
+TEST_F(RunFaultsTest, AWorkerOnTheCoordinatorsMachineUsesItsGeneratedToken) {
+  ::setenv("XDG_RUNTIME_DIR", dir_.c_str(), 1);  // where the generated token goes
+  ::unsetenv("HETPAR_TOKEN");
+  ::unsetenv("HETPAR_TOKEN_FILE");
+  auto coordinator = ChildProcess::Start(
+      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
+       "--set", "coordinator.register_timeout_s=120", "--set",
+       "data.manifest=" + dir_ + "/x.jsonl", "--set", "data.tokenizer=" + dir_ + "/x.model"},
+      dir_ + "/coordinator.log");
+  ASSERT_TRUE(coordinator.ok());
+  std::string address;
+  const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (address.empty() && std::chrono::steady_clock::now() < by) {
+    const std::string log = ReadFile(dir_ + "/coordinator.log");
+    const size_t at = log.find("listening on ");
+    if (at != std::string::npos) {
+      address = log.substr(at + 13, log.find(';', at) - at - 13);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+  ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
+  auto worker = ChildProcess::Start(
+      {kEncoder, "--coordinator", address, "--rank", "0", "--out", dir_ + "/w"},
+      dir_ + "/worker.log");
+  ASSERT_TRUE(worker.ok());
+  bool registered = false;
+  const auto registered_by = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!registered && std::chrono::steady_clock::now() < registered_by) {
+    registered = ReadFile(dir_ + "/coordinator.log").find("registered enc0") != std::string::npos;
+    if (!registered) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(registered) << ReadFile(dir_ + "/worker.log");
+  coordinator->Signal(SIGTERM);
+  auto code = coordinator->Wait(60);
+  EXPECT_TRUE(code.ok()) << code.status();
+  auto worker_code = worker->Wait(60);
+  EXPECT_TRUE(worker_code.ok()) << worker_code.status();
+  ::unsetenv("XDG_RUNTIME_DIR");
+}
+
 // A coordinator address without a port is refused at once (exit 2), not retried until the
 // connect timeout (120 s here, past the 60 s this command is given).
 TEST_F(RunFaultsTest, AWorkerGivenAnAddressWithoutAPortStopsAtOnce) {
