@@ -109,7 +109,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
                                                   " has no descriptor of batch sample ",
                                                   ref.sample));
         }
-        HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
+        HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->RecordFor(*sample));
         HETPAR_ASSIGN_OR_RETURN(data::LoadedSample decoded, data_->loader().Load(record->ordinal));
         it = loaded.emplace(ref.sample, std::move(decoded)).first;
       }

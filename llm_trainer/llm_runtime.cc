@@ -70,7 +70,7 @@ absl::StatusOr<std::vector<std::vector<LlmSample>>> LlmRuntime::LoadSamples(
         return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
                                                 " has no descriptor of batch sample ", index));
       }
-      HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->Record(sample->id));
+      HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->RecordFor(*sample));
       data::LoadedSample loaded;
       loaded.id = record->id;
       HETPAR_ASSIGN_OR_RETURN(loaded.tokens, data_->loader().Tokenize(record->ordinal));

@@ -1,6 +1,7 @@
 #include "common/data/batch_source.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/data/synth.h"
 #include "common/logging.h"
 #include "common/status.h"
@@ -53,6 +54,23 @@ absl::StatusOr<GlobalBatch> BatchSource::Take(const data::SamplerCursor& cursor,
     batch.samples.push_back(DescriptorOf(index_.records[position], position));
   }
   return batch;
+}
+
+absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
+    const plan::SampleDescriptor& sample) const {
+  HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, Record(sample.id));
+  const plan::SampleDescriptor mine = DescriptorOf(*record, sample.id);
+  if (mine == sample) return record;
+  const auto describe = [](const plan::SampleDescriptor& d) {
+    return absl::StrCat(d.text_tokens, " text tokens, ", d.loss_tokens, " loss tokens, images at [",
+                        absl::StrJoin(d.image_starts, ", "), "]");
+  };
+  return absl::FailedPreconditionError(absl::StrCat(
+      "data index position ", sample.id, " (sample '", record->id, "') has ", describe(mine),
+      " here; the coordinator's plan says ", describe(sample),
+      ": this worker's data index differs from the coordinator's (another manifest or "
+      "tokenizer, or data.skip_bad_samples dropping other samples here); give every process "
+      "the same data set"));
 }
 
 absl::StatusOr<const data::IndexRecord*> BatchSource::Record(int64_t id) const {

@@ -46,6 +46,12 @@ class BatchSource {
 
   // The index record of plan sample id `id`; OutOfRange naming the id otherwise.
   absl::StatusOr<const data::IndexRecord*> Record(int64_t id) const;
+  // Record(sample.id), checked against what the plan says of it (the coordinator's index): its
+  // text and loss tokens and image positions. FailedPrecondition, naming both, when they differ:
+  // this worker's data index is not the coordinator's (another manifest or tokenizer, or
+  // data.skip_bad_samples dropping other samples here), and it would train other samples than
+  // the plan's.
+  absl::StatusOr<const data::IndexRecord*> RecordFor(const plan::SampleDescriptor& sample) const;
 
  private:
   BatchSource() = default;

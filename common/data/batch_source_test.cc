@@ -1,0 +1,84 @@
+// BatchSource::RecordFor: a worker whose data index is not the coordinator's (here: its manifest
+// lacks the first line, so every position holds the next sample) refuses the plan's samples,
+// naming both descriptions, instead of training other samples than the plan's.
+#include "common/data/batch_source.h"
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/config/config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hetpar::data {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+class BatchSourceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (fs::temp_directory_path() / "hetpar_batch_source_XXXXXX").string();
+    ASSERT_NE(::mkdtemp(dir_.data()), nullptr);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // tiny.yaml's model over `manifest` in this test's directory (a synthetic set of 24 samples,
+  // generated on first use).
+  v1::RunSpec Spec(const std::string& manifest) const {
+    config::LoadOptions load;
+    load.overrides = {"data.manifest=" + dir_ + "/" + manifest,
+                      "data.val_manifest=" + dir_ + "/val.jsonl",
+                      "data.tokenizer=" + dir_ + "/tokenizer.model", "data.synth.samples=24",
+                      "data.synth.val_samples=4"};
+    load.check_files = false;
+    absl::StatusOr<config::LoadedRunSpec> loaded =
+        config::LoadRunSpecFile(std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml", load);
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    return loaded->spec;
+  }
+
+  std::string dir_;
+};
+
+TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamples) {
+  auto coordinator = BatchSource::Create(Spec("train.jsonl"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  // The same data set but for its first line.
+  std::ifstream in(dir_ + "/train.jsonl");
+  std::string line;
+  std::getline(in, line);
+  std::ostringstream rest;
+  rest << in.rdbuf();
+  std::ofstream(dir_ + "/shifted.jsonl") << rest.str();
+  auto worker = BatchSource::Create(Spec("shifted.jsonl"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+
+  auto batch = (*coordinator)->Take({}, 8);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  int refused = 0;
+  for (const plan::SampleDescriptor& sample : batch->samples) {
+    // The coordinator's own index agrees with its plan.
+    auto same = (*coordinator)->RecordFor(sample);
+    ASSERT_TRUE(same.ok()) << same.status();
+    EXPECT_EQ((*same)->ordinal, sample.id);
+    auto other = (*worker)->RecordFor(sample);
+    if (other.ok()) continue;  // the next sample happens to have the same shape
+    ++refused;
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(other.status().message()),
+                HasSubstr(absl::StrCat("data index position ", sample.id, " (sample '")));
+    EXPECT_THAT(std::string(other.status().message()),
+                HasSubstr("this worker's data index differs from the coordinator's"));
+  }
+  EXPECT_GE(refused, 6) << "of 8 samples";
+}
+
+}  // namespace
+}  // namespace hetpar::data
