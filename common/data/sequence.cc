@@ -1,5 +1,7 @@
 #include "common/data/sequence.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace hetpar::data {
@@ -8,7 +10,7 @@ namespace {
 // One position before labels are derived.
 struct Position {
   int32_t id;
-  int16_t image;  // image index, or -1 for text
+  int32_t image;  // image index, or -1 for text
   bool loss;      // a token of a loss segment: a target
 };
 
@@ -39,33 +41,50 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& seg
     return absl::InvalidArgumentError(
         absl::StrCat("image_token_id=", options.image_token_id, "; expected >= 0"));
   }
-  std::vector<Position> positions;
-  int16_t image = 0;
+  // The length first: a sample far past seq_len (a line of many placeholders) is refused or cut
+  // without expanding all of it.
+  int64_t full_length = 0;
+  int64_t images = 0;
   for (const Segment& segment : segments) {
     if (segment.is_image) {
-      for (int32_t k = 0; k < options.tokens_per_image; ++k) {
+      full_length += options.tokens_per_image;
+      ++images;
+    } else {
+      full_length += static_cast<int64_t>(segment.ids.size());
+    }
+  }
+  if (full_length > options.seq_len && options.overlong == OverlongPolicy::kReject) {
+    const int64_t image_positions = images * options.tokens_per_image;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sequence has ", full_length, " tokens (", full_length - image_positions, " text + ",
+        images, " images x ", options.tokens_per_image, ") > llm.model.seq_len=", options.seq_len,
+        "; shorten the text, or set data.overlong: truncate"));
+  }
+  // One position past seq_len at most: enough to see whether the cut goes through an image.
+  const size_t build = static_cast<size_t>(std::min<int64_t>(full_length, options.seq_len + 1));
+  std::vector<Position> positions;
+  positions.reserve(build);
+  int32_t image = 0;
+  for (const Segment& segment : segments) {
+    if (positions.size() >= build) break;
+    if (segment.is_image) {
+      for (int32_t k = 0; k < options.tokens_per_image && positions.size() < build; ++k) {
         positions.push_back({options.image_token_id, image, false});
       }
       ++image;
     } else {
-      for (int32_t id : segment.ids) positions.push_back({id, -1, segment.loss});
+      for (size_t k = 0; k < segment.ids.size() && positions.size() < build; ++k) {
+        positions.push_back({segment.ids[k], -1, segment.loss});
+      }
     }
   }
 
   TokenSequence seq;
-  const int64_t full_length = static_cast<int64_t>(positions.size());
   if (full_length > options.seq_len) {
-    const int64_t image_positions = static_cast<int64_t>(image) * options.tokens_per_image;
-    if (options.overlong == OverlongPolicy::kReject) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "sequence has ", full_length, " tokens (", full_length - image_positions, " text + ",
-          image, " images x ", options.tokens_per_image, ") > llm.model.seq_len=", options.seq_len,
-          "; shorten the text, or set data.overlong: truncate"));
-    }
     size_t keep = static_cast<size_t>(options.seq_len);
     // Never cut through an image block: drop a partial block and everything after it.
     if (positions[keep - 1].image >= 0 && positions[keep].image == positions[keep - 1].image) {
-      const int16_t cut_image = positions[keep - 1].image;
+      const int32_t cut_image = positions[keep - 1].image;
       while (keep > 0 && positions[keep - 1].image == cut_image) --keep;
     }
     positions.resize(keep);
@@ -76,7 +95,7 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& seg
   seq.input_ids.resize(n);
   seq.labels.assign(n, kIgnoreLabel);
   seq.loss_mask.assign(n, 0);
-  int16_t last_image = -1;
+  int32_t last_image = -1;
   for (size_t i = 0; i < n; ++i) {
     seq.input_ids[i] = positions[i].id;
     if (positions[i].image >= 0) {

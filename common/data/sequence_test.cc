@@ -105,6 +105,37 @@ TEST(SequenceTest, TruncationNeverSplitsAnImage) {
   EXPECT_EQ(t->image_offsets, (std::vector<int32_t>{4}));
 }
 
+// More than 32767 images in one sample: each is still its own block (an image index does not
+// wrap into text).
+TEST(SequenceTest, EveryImageOfAManyImageSampleIsItsOwnBlock) {
+  std::vector<Segment> prompt(40000, Image());
+  absl::StatusOr<TokenSequence> s =
+      BuildTokenSequence(prompt, {Text({20})}, Options(1, 50000, OverlongPolicy::kReject));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->images(), 40000);
+  EXPECT_EQ(s->image_offsets.back(), 40000);  // after the bos
+  EXPECT_EQ(s->text_tokens, 3);               // bos, 20, eos
+}
+
+// A sample of a million images (256 rows each) is cut to seq_len, never expanded in full.
+TEST(SequenceTest, AFarTooLongSampleIsCutToSeqLen) {
+  std::vector<Segment> prompt = {Text({10})};
+  prompt.insert(prompt.end(), 1000000, Image());
+  absl::StatusOr<TokenSequence> refused =
+      BuildTokenSequence({Text({10})}, prompt, Options(256, 1024, OverlongPolicy::kReject));
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("(4 text + 1000000 images x 256) > llm.model.seq_len=1024"));
+  std::vector<Segment> response = {Text({20, 21})};
+  response.insert(response.end(), 1000000, Image());
+  absl::StatusOr<TokenSequence> cut =
+      BuildTokenSequence({Text({10})}, response, Options(256, 1024, OverlongPolicy::kTruncate));
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->length(), 4 + 3 * 256);  // bos, 10, 20, 21, then the images that fit whole
+  EXPECT_EQ(cut->images(), 3);
+  EXPECT_TRUE(cut->truncated);
+}
+
 TEST(SequenceTest, TruncationThatLeavesNoTargetIsAnError) {
   absl::StatusOr<TokenSequence> s = BuildTokenSequence({Image(), Text({10, 11, 12})}, {Text({20})},
                                                        Options(3, 5, OverlongPolicy::kTruncate));
