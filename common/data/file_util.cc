@@ -11,6 +11,7 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 
 namespace hetpar::data {
 namespace {
@@ -127,6 +128,11 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
     const int err = errno;
     ::unlink(tmp.c_str());
     return ErrnoStatus(err, "cannot rename onto", path);
+  }
+  // The rename itself survives a crash once the directory is synced.
+  if (durable) {
+    const std::string dir = target.parent_path().string();
+    return SyncDirectory(dir.empty() ? "." : dir);
   }
   return absl::OkStatus();
 }

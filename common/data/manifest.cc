@@ -18,7 +18,9 @@ constexpr size_t kMaxListedProblems = 20;
 std::optional<std::string> ParsePromptTextId(const Json& json, ManifestRecord* record) {
   auto id = json.find("id");
   if (id == json.end() || !id->is_string() || id->get<std::string>().empty()) {
-    if (id != json.end() && id->is_number_integer()) {
+    if (id != json.end() && id->is_number_unsigned()) {
+      record->id = std::to_string(id->get<uint64_t>());  // past INT64_MAX too
+    } else if (id != json.end() && id->is_number_integer()) {
       record->id = std::to_string(id->get<int64_t>());
     } else {
       return std::string("\"id\" is missing or not a non-empty string");

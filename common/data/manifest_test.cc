@@ -36,10 +36,14 @@ TEST_F(ManifestTest, ParsesRecordsInOrder) {
       "\"text\": \"cap a\", \"extra\": 1}\n"
       "\n"
       "{\"id\": \"b\", \"text\": \"only text\"}\r\n"
-      "{\"id\": 17, \"images\": [], \"text\": \"numeric id\"}");
+      "{\"id\": 17, \"images\": [], \"text\": \"numeric id\"}\n"
+      "{\"id\": 18446744073709551615, \"text\": \"past INT64_MAX\"}\n"
+      "{\"id\": -5, \"text\": \"negative\"}");
   absl::StatusOr<Manifest> m = ReadManifest(path, false);
   ASSERT_TRUE(m.ok()) << m.status();
-  ASSERT_EQ(m->records.size(), 3u);
+  ASSERT_EQ(m->records.size(), 5u);
+  EXPECT_EQ(m->records[3].id, "18446744073709551615");
+  EXPECT_EQ(m->records[4].id, "-5");
   EXPECT_EQ(m->records[0].id, "a");
   EXPECT_EQ(m->records[0].images, (std::vector<std::string>{"img/a.png", "/abs/b.jpg"}));
   EXPECT_EQ(m->records[0].prompt, "<image><image>x");

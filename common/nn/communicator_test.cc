@@ -272,7 +272,8 @@ TEST(CommunicatorTest, ARendezvousIsGivenUpOnlyWhenArmedAndRaised) {
 }
 
 // Without an interrupt (one wait) and with one that is never raised (waits in slices): a
-// collective past its deadline fails DeadlineExceeded, and its group is abandoned.
+// collective past its deadline fails DeadlineExceeded. (Whether its group is then abandoned
+// depends on whether Gloo's own timeout, the same, ended the collective first.)
 TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
   for (const bool with_interrupt : {false, true}) {
     SCOPED_TRACE(with_interrupt ? "with an interrupt" : "without an interrupt");
@@ -307,8 +308,6 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("all-reduce in group '" + prefix + "'"));
     EXPECT_LT(seconds, 10.0);
-    // The collective given up may still run in Gloo's thread: the group is not to be destroyed.
-    EXPECT_TRUE((*comm)->group()->abandoned());
   }
 }
 
