@@ -147,6 +147,7 @@ struct Context {
   uint64_t data_seed = 0;
   int64_t tokens_per_image = 0;
   int64_t llm_layers = 0;
+  std::string manifest;  // --from-data: the data set the batch comes from; empty: synthetic
 };
 
 // "[0, 32) + [96, 128)": the positions a CP rank holds.
@@ -220,12 +221,6 @@ void PrintJson(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
   out["encoder"] = LayoutJson(p.placement.encoder);
   out["llm"] = LayoutJson(p.placement.llm);
   out["batch"] = {{"samples", p.samples.size()},
-                  {"synthetic",
-                   {{"images_per_sample", {ctx.images.lo, ctx.images.hi}},
-                    {"text_tokens", {ctx.text.lo, ctx.text.hi}},
-                    {"tokens_per_image", ctx.tokens_per_image},
-                    {"dataset_size", ctx.dataset_size},
-                    {"seed", ctx.data_seed}}},
                   {"images", stats.images},
                   {"image_rows", stats.image_rows},
                   {"n_global", p.n_global},
@@ -233,6 +228,15 @@ void PrintJson(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
                   {"micro_batch", p.llm.micro_batch},
                   {"seq_len", p.options.seq_len},
                   {"row_bytes", p.options.row_bytes}};
+  if (ctx.manifest.empty()) {
+    out["batch"]["synthetic"] = {{"images_per_sample", {ctx.images.lo, ctx.images.hi}},
+                                 {"text_tokens", {ctx.text.lo, ctx.text.hi}},
+                                 {"tokens_per_image", ctx.tokens_per_image},
+                                 {"dataset_size", ctx.dataset_size},
+                                 {"seed", ctx.data_seed}};
+  } else {
+    out["batch"]["from_data"] = ctx.manifest;
+  }
   out["boundary"] = {{"messages", stats.messages},
                      {"pieces", stats.pieces},
                      {"bytes", stats.boundary_bytes},
@@ -320,10 +324,16 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
   std::cout << "llm        " << pl.llm.ToString() << "; seq_len " << p.options.seq_len
             << ", micro_batch " << p.llm.micro_batch << ", " << p.llm.waves << " waves\n";
   PrintShardsAndStages(p, ctx);
-  std::cout << "batch      " << p.samples.size() << " synthetic samples (" << ctx.images.lo << "-"
-            << ctx.images.hi << " images, " << ctx.text.lo << "-" << ctx.text.hi
-            << " text tokens, dataset of " << ctx.dataset_size << ", seed " << ctx.data_seed
-            << "): " << stats.images << " images, " << stats.image_rows << " image rows, N_global "
+  if (ctx.manifest.empty()) {
+    std::cout << "batch      " << p.samples.size() << " synthetic samples (" << ctx.images.lo
+              << "-" << ctx.images.hi << " images, " << ctx.text.lo << "-" << ctx.text.hi
+              << " text tokens, dataset of " << ctx.dataset_size << ", seed " << ctx.data_seed
+              << "): ";
+  } else {
+    std::cout << "batch      " << p.samples.size() << " samples of step " << p.step << " from "
+              << ctx.manifest << ": ";
+  }
+  std::cout << stats.images << " images, " << stats.image_rows << " image rows, N_global "
             << p.n_global << " loss tokens\n";
   if (p.options.image_gradients) {
     std::cout << "boundary   " << stats.messages << " messages forward and " << stats.messages
@@ -766,9 +776,10 @@ int RunPlan(const Options& o) {
   batch.seq_len = seq_len;
   batch.seed = ctx.data_seed;
   if (o.estimate || o.search) return RunPlanner(o, spec, batch);
-  auto samples = plan::SyntheticBatch(batch);
-  if (!samples.ok()) return Fail(samples.status());
-  auto step_plan = plan::BuildStepPlan(*placement, std::move(*samples), *options);
+  auto batches = PlannerBatches(spec, batch, o.step, 1, o.from_data);
+  if (!batches.ok()) return Fail(batches.status());
+  if (o.from_data) ctx.manifest = spec.data().manifest();
+  auto step_plan = plan::BuildStepPlan(*placement, std::move(batches->front()), *options);
   if (!step_plan.ok()) return Fail(step_plan.status());
   const PlanStats stats = plan::ComputePlanStats(*step_plan);
   if (o.json) {
@@ -833,9 +844,39 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
       ->add_option("--placements", options->placements,
                    "Placements --search tries: all, colocated or non_colocated (default all)")
       ->check(CLI::IsMember({"all", "colocated", "non_colocated"}));
-  command->callback([options, exit_code] {
+  command->callback([options, exit_code, command] {
     if (options->estimate && options->search) {
       std::cerr << "hetpar plan: --estimate and --search are alternatives; pass one\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    // A flag given where it does nothing is refused, not ignored.
+    const auto refuse = [&](const std::string& flag, const std::string& why) {
+      if (command->count(flag) == 0) return false;
+      std::cerr << "hetpar plan: " << flag << " " << why << "\n";
+      *exit_code = kExitInvalidInput;
+      return true;
+    };
+    for (const char* flag : {"--gpus", "--top", "--max-pp", "--max-cp", "--placements"}) {
+      if (!options->search && refuse(flag, "applies to --search only")) return;
+    }
+    if (!options->estimate && !options->search &&
+        refuse("--estimate-steps", "applies to --estimate and --search only")) {
+      return;
+    }
+    for (const char* flag : {"--images-per-sample", "--text-tokens", "--samples", "--data-seed"}) {
+      if (options->from_data && refuse(flag, "describes synthetic batches; --from-data plans "
+                                             "the data set's")) {
+        return;
+      }
+    }
+    if (options->samples < 0 || (command->count("--samples") > 0 && options->samples == 0)) {
+      std::cerr << "hetpar plan: --samples " << options->samples << " must be >= 1\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
+    if (options->search && command->count("--top") > 0 && options->top < 1) {
+      std::cerr << "hetpar plan: --top " << options->top << " must be >= 1\n";
       *exit_code = kExitInvalidInput;
       return;
     }

@@ -2,8 +2,13 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -226,6 +231,66 @@ TEST(CliPlanTest, PlannerInputErrorsExitTwo) {
   EXPECT_THAT(dtype->stderr_text, HasSubstr("peak_tflops.float32"));
   std::remove(file.c_str());
   ::rmdir(dir);
+}
+
+// Flags that would do nothing where they are given are refused, naming the flag.
+TEST(CliPlanTest, FlagsThatDoNothingHereAreRefused) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--gpus", "8"}, "--gpus applies to --search only"},
+      {{"--top", "3"}, "--top applies to --search only"},
+      {{"--max-pp", "2"}, "--max-pp applies to --search only"},
+      {{"--estimate-steps", "2"}, "--estimate-steps applies to --estimate and --search only"},
+      {{"--from-data", "--images-per-sample", "1-1"},
+       "--images-per-sample describes synthetic batches"},
+      {{"--samples", "0"}, "--samples 0 must be >= 1"},
+      {{"--samples", "-5"}, "--samples -5 must be >= 1"},
+      {{"--search", "--gpus", "4", "--top", "0"}, "--top 0 must be >= 1"},
+  };
+  for (const auto& [flags, message] : cases) {
+    std::vector<std::string> argv = {kBin, "plan", "--config", kTiny};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto r = RunCommand(argv);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 2) << message << ": " << r->stdout_text;
+    EXPECT_THAT(r->stderr_text, HasSubstr(message));
+  }
+}
+
+// --from-data plans the batch a run draws at that step: its images are the run's.
+TEST(CliPlanTest, FromDataPlansTheBatchTheRunDraws) {
+  char dir[] = "/tmp/hetpar-plan-data.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  const std::vector<std::string> data = {
+      "--set", "data.manifest=" + d + "/train.jsonl", "--set", "data.val_manifest=" + d + "/val.jsonl",
+      "--set", "data.tokenizer=" + d + "/tokenizer.model", "--set", "data.synth.samples=24",
+      "--set", "data.synth.val_samples=4"};
+  std::vector<std::string> run = {kBin, "run", "--config", kTiny, "--steps", "2", "--threads", "1",
+                                  "--out", d + "/run"};
+  run.insert(run.end(), data.begin(), data.end());
+  auto trained = RunCommand(run, 300);
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  std::map<int64_t, int64_t> images;  // by step, from the run's metrics
+  std::ifstream metrics(d + "/run/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("step")) images[j["step"].get<int64_t>()] = j["images"].get<int64_t>();
+  }
+  ASSERT_EQ(images.size(), 2u);
+  for (int64_t step : {0, 1}) {
+    std::vector<std::string> plan = {kBin, "plan", "--config", kTiny, "--from-data", "--json",
+                                     "--step", std::to_string(step)};
+    plan.insert(plan.end(), data.begin(), data.end());
+    auto r = RunCommand(plan);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->exit_code, 0) << r->stderr_text;
+    const auto j = nlohmann::json::parse(r->stdout_text);
+    EXPECT_EQ(j["batch"]["from_data"], d + "/train.jsonl");
+    EXPECT_FALSE(j["batch"].contains("synthetic"));
+    EXPECT_EQ(j["batch"]["images"].get<int64_t>(), images.at(step)) << "step " << step;
+  }
+  std::filesystem::remove_all(d);
 }
 
 }  // namespace
