@@ -11,8 +11,8 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <iostream>
 #include <memory>
@@ -20,6 +20,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "common/control/security.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
@@ -203,34 +204,34 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   app.add_option("--rank", rank.rank,
                  "Rank to take in the module's grid (default: the lowest free one)")
       ->envname("HETPAR_RANK")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   app.add_option("--replica", rank.replica,
                  "With --ranks-per-replica and --local-rank: take rank replica * "
                  "ranks-per-replica + local-rank (a pod's or node's index)")
       ->envname("HETPAR_REPLICA")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   app.add_option("--ranks-per-replica", rank.ranks_per_replica,
                  "Ranks each replica (pod, node) hosts")
       ->envname("HETPAR_RANKS_PER_REPLICA")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   app.add_option("--local-rank", rank.local_rank, "This worker's rank inside its replica")
       ->envname("HETPAR_LOCAL_RANK")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   app.add_option("--pipeline-stages", rank.pipeline_stages,
                  "With --replica: the replica's ranks are split over this many pipeline stages "
                  "(llm.layout.pp), so its local rank l takes rank l % P of stage l / P, P = "
                  "ranks-per-replica / stages (default 1)")
       ->envname("HETPAR_PIPELINE_STAGES")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   app.add_option("--replicas", rank.replicas,
                  "With --pipeline-stages: the module's DP replicas (llm.layout.dp)")
       ->envname("HETPAR_REPLICAS")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   app.add_option("--cuda-device", options.cuda_device,
                  "The GPU this worker computes on when the run's run.device is cuda (default: "
                  "LOCAL_RANK, else 0: a container given one GPU)")
       ->envname("HETPAR_CUDA_DEVICE")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   CLI::Option* host =
       app.add_option("--host", options.host,
                      "Address this worker's process groups listen on and that it advertises to "
@@ -247,19 +248,19 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
          "Seconds any wait for peers or the coordinator may last before the worker fails "
          "(default: the RunSpec's failure.peer_timeout_s and failure.coordinator_timeout_s)")
       ->envname("HETPAR_TIMEOUT")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   app.add_option("--connect-timeout", connect_timeout_s,
                  "Seconds to wait for the coordinator to answer at start (a worker may start "
                  "before it)")
       ->envname("HETPAR_CONNECT_TIMEOUT")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   app.add_option("--reconnect-timeout", reconnect_timeout_s,
                  "Seconds a worker that lost its coordinator waits for a restarted one to "
                  "register with again, instead of exiting (0: exit at once)")
       ->envname("HETPAR_RECONNECT_TIMEOUT")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   app.add_option("--out", options.out_dir,
                  "Directory for this worker's step timings and timeline (default: none); its "
                  "parameter sums and model files go to the coordinator's run directory")
@@ -270,7 +271,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->envname("HETPAR_TRACE");
   app.add_option("--threads", threads, "Intra-op threads (default: the machine's cores)")
       ->envname("HETPAR_THREADS")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   app.add_flag("--linger", linger,
                "When the run ends, stay idle until terminated instead of exiting (for a "
                "Kubernetes StatefulSet, which would restart the worker into a finished run)")

@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "coordinator/cli/commands.h"
 #include "nlohmann/json.hpp"
 #include "yaml-cpp/yaml.h"
@@ -167,12 +168,12 @@ void AddCompareCommand(CLI::App& app, int* exit_code) {
   command
       ->add_option("--tolerance", options->tolerance,
                    "Relative tolerance instead of the dtype's default")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command
       ->add_option("--grad-norm-tolerance", options->grad_norm_tolerance,
                    "Relative tolerance of the gradient norm, the figure that drifts most (the "
                    "clipped steps amplify rounding), instead of the loss and parameters' one")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command->callback([options, exit_code] {
     *exit_code = Compare(options->a, options->b, options->tolerance, options->grad_norm_tolerance);
   });

@@ -15,6 +15,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/client.h"
 #include "common/control/security.h"
@@ -48,7 +49,7 @@ inline void AddConnectionFlags(CLI::App* command, ConnectionFlags* flags) {
   command->add_option("--tls-server-name", flags->tls.server_name,
                       "Name to check the coordinator's certificate against (default: its host)");
   command->add_option("--timeout", flags->timeout_s, "Seconds to wait for each call")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
 }
 
 // The address and connection the flags describe; errors name the flag or file to fix.

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
 #include "common/logging.h"
@@ -465,11 +466,11 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->add_option("--step-timeout", flags->step_timeout_s,
                    "Seconds a step attempt may take before it is aborted (default: "
                    "failure.step_timeout_s)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command
       ->add_option("--stop-timeout", flags->stop_timeout_s,
                    "Seconds to wait for workers to close their sessions after stop")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command
       ->add_option("--out", flags->out,
                    "Run directory: config.yaml, metrics.jsonl, the workers' outputs (model/, their "
@@ -485,13 +486,13 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
                    "Intra-op threads of the evaluation at the end of the run (default: the "
                    "machine's cores)")
       ->envname("HETPAR_EVAL_THREADS")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   command
       ->add_option("--log-every-seconds", flags->log_every_s,
                    "Also print a progress line once this many seconds have passed since the last "
                    "(besides every run.log_every steps and the last step)")
       ->envname("HETPAR_LOG_EVERY_SECONDS")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   command->add_flag("--synthetic-batches", flags->synthetic_batches,
                     "Plan steps over seeded synthetic samples instead of the data index");
   command->callback([flags, exit_code] { *exit_code = RunCoordinator(*flags); });

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
 #include "common/data/file_util.h"
@@ -123,17 +124,17 @@ void AddCommonFlags(CLI::App* command, DeployFlags* flags) {
   command
       ->add_option("--gpus-per-node", flags->options.gpus_per_node,
                    "GPUs of a node; a replica's ranks must fit on one (with --device gpu)")
-      ->check(CLI::PositiveNumber)
+      ->check(hetpar::kPositiveNumber)
       ->capture_default_str();
   command
       ->add_option("--cpus-per-rank", flags->options.cpus_per_rank,
                    "CPU cores each rank requests (its intra-op threads)")
-      ->check(CLI::PositiveNumber)
+      ->check(hetpar::kPositiveNumber)
       ->capture_default_str();
   command
       ->add_option("--cpus-per-node", flags->options.cpus_per_node,
                    "CPU cores of a node; a replica's ranks must fit on one (0: unchecked)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hetpar::kNonNegativeNumber)
       ->capture_default_str();
   command->add_option("--port", flags->options.coordinator_port, "The coordinator's port")
       ->check(CLI::Range(1, 65535))
@@ -168,7 +169,7 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
       ->capture_default_str();
   k->add_option("--grace-period", k8s->options.grace_period_s,
                 "Seconds a terminated pod gets to finish its step")
-      ->check(CLI::PositiveNumber)
+      ->check(hetpar::kPositiveNumber)
       ->capture_default_str();
   k->callback([k8s, exit_code] { *exit_code = Deploy(*k8s, /*kubernetes=*/true); });
 

@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
 #include "common/data/batch_source.h"
@@ -610,7 +611,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   command->add_option("--set", flags->overrides,
                       "Override a field, e.g. --set llm.layout.tp=2 (repeatable)");
   command->add_option("--steps", flags->steps, "Steps to train (overrides run.steps)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command->add_option("--out", flags->out, "Run directory (overrides run.out_dir)");
   command->add_option("--resume", flags->resume,
                       "Continue from a checkpoint (a step-NNNNNN directory of checkpoint.dir), on "
@@ -621,12 +622,12 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
   command
       ->add_option("--threads", flags->threads,
                    "Intra-op threads per worker (default: cores / workers)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command
       ->add_option("--log-every-seconds", flags->log_every_s,
                    "When stderr is not a terminal, also print a progress line once this many "
                    "seconds have passed since the last (besides every run.log_every steps)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   command
       ->add_option("--trace", flags->trace,
                    "Record a timeline of steps FIRST:LAST (or one STEP, 0-based) of every rank "
@@ -642,7 +643,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                    "peers ended with it (the replica joins the run again at a step boundary), "
                    "for at most this many replicas; 0: the run goes on without the lost replica")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   command->add_flag(
       "--nccl-host-per-worker", flags->nccl_host_per_worker,
       "run.device cuda: give each worker an NCCL host of its own (NCCL_HOSTID; "
@@ -658,7 +659,7 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
       ->add_option("--step-timeout", flags->step_timeout_s,
                    "Seconds a step attempt may take before it is aborted (default: "
                    "failure.step_timeout_s)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command->callback([flags, exit_code] { *exit_code = Run(*flags); });
 }
 

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <memory>
 
+#include "common/cli_checks.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/connection_flags.h"
 
@@ -27,7 +28,7 @@ void AddScaleCommand(CLI::App& app, int* exit_code) {
   AddConnectionFlags(command, &flags->connection);
   command->add_option("--encoders,--encoder-dp", flags->encoders, "Encoder replicas wanted")
       ->required()
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   command->callback([flags, exit_code] {
     auto connection = ConnectFromFlags(flags->connection);
     if (!connection.ok()) {

@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "common/cli_checks.h"
 #include "common/plan/flops.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/connection_flags.h"
@@ -209,7 +210,7 @@ void AddStatusCommand(CLI::App& app, int* exit_code) {
                     "Redraw the status every --interval seconds until the run ends (Ctrl-C "
                     "leaves); in a log, print it each time");
   command->add_option("--interval", flags->interval_s, "Seconds between redraws with --watch")
-      ->check(CLI::PositiveNumber)
+      ->check(hetpar::kPositiveNumber)
       ->capture_default_str();
   command->callback([flags, exit_code] {
     auto connection = ConnectFromFlags(flags->connection);

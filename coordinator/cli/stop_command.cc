@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/time/clock.h"
+#include "common/cli_checks.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/connection_flags.h"
 #include "coordinator/run_controller.h"
@@ -31,7 +32,7 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
   command
       ->add_option("--wait", flags->wait_s,
                    "Seconds to wait for the run to be done (exit 1 if it is not by then)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   command->callback([flags, exit_code] {
     auto connection = ConnectFromFlags(flags->connection);
     if (!connection.ok()) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "common/version.h"
@@ -43,7 +44,7 @@ void AddCommonFlags(CLI::App* command, Flags* flags) {
                       "Override a RunSpec field, e.g. --set run.steps=5 (repeatable)");
   command
       ->add_option("--threads", flags->threads, "Intra-op threads (default: the machine's cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
 }
 
 // Exit code of a failed tool: 2 for input the user must fix, 1 otherwise.
@@ -97,7 +98,7 @@ int main(int argc, char** argv) {
   AddCommonFlags(train, &flags);
   train->add_option("--out", flags.out_dir, "Run directory (default: run.out_dir of the config)");
   train->add_option("--steps", flags.steps, "Steps to train (default: run.steps)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   train->add_flag("--progress", flags.progress, "Log one progress line per step");
   CLI::App* evaluate = app.add_subcommand(
       "evaluate", "Evaluate a run's saved model (<out>/model) on the validation split");
@@ -134,7 +135,7 @@ int main(int argc, char** argv) {
   from_hf
       ->add_option("--seq-len", import_options.seq_len,
                    "llm.model.seq_len to write (default: min(max_position_embeddings, 4096))")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   from_hf->add_option("--seed", import_options.seed, "Seed of a fresh projector (default 1234)");
   CLI::App* to_hf = convert->add_subcommand(
       "to-hf",
@@ -154,11 +155,11 @@ int main(int argc, char** argv) {
   score->add_option("--dtype", score_options.dtype, "float32 (default) or float64")
       ->check(CLI::IsMember({"float32", "float64"}));
   score->add_option("--tp", score_options.tp, "Tensor-parallel ranks (threads; default 1)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   score->add_option("--micro-batch", score_options.micro_batch, "Sequences per forward (default 8)")
-      ->check(CLI::PositiveNumber);
+      ->check(hetpar::kPositiveNumber);
   score->add_option("--threads", flags.threads, "Intra-op threads (default: the machine's cores)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(hetpar::kNonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

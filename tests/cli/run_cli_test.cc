@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <regex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -55,6 +56,21 @@ std::vector<std::string> ProgressSteps(const std::vector<std::string>& extra) {
       << r->stderr_text;
   std::filesystem::remove_all(dir);
   return shown;
+}
+
+// A number out of range or not a number is refused naming the flag, the value and what it must
+// be (not CLI11's "Value 0 not in range 0.000000 to 1797...").
+TEST(CliRunTest, ANumberFlagOutOfRangeSaysWhatItMustBe) {
+  const std::string tiny = kSource + "/configs/tiny.yaml";
+  for (const auto& [value, message] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"0", "--steps: 0 is not a number > 0"},
+           {"ten", "--steps: 'ten' is not a number (expected a number > 0)"}}) {
+    auto r = RunCommand({kBin, "run", "--config", tiny, "--steps", value});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 2);
+    EXPECT_THAT(r->stderr_text, ::testing::HasSubstr(message));
+  }
 }
 
 TEST(CliRunTest, AReferenceRunWithoutOutGoesBesideTheRunItChecks) {
