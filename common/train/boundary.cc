@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -617,6 +619,15 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
     bytes_received_ += transfer.rows * row_bytes;
     if (receive.rows.defined()) continue;  // the rows landed in place
     const char* payload = message.data() + kPrefixBytes + header_size;
+    // The header's length puts the rows anywhere: a tensor over them must start on an element
+    // boundary (float64 rows after a header of 4 mod 8 bytes would not), so such rows are copied.
+    std::vector<double> aligned;
+    if (reinterpret_cast<uintptr_t>(payload) % static_cast<uintptr_t>(rows.element_size()) != 0) {
+      const size_t payload_bytes = message.size() - kPrefixBytes - header_size;
+      aligned.resize((payload_bytes + sizeof(double) - 1) / sizeof(double));
+      std::memcpy(aligned.data(), payload, payload_bytes);
+      payload = reinterpret_cast<const char*>(aligned.data());
+    }
     for (const plan::BlockPiece& piece : transfer.pieces) {
       HETPAR_RETURN_IF_ERROR(CheckPiece(piece.dst_offset, piece.rows, rows.size(0), wave));
       // Staged messages are gradients: added in.
