@@ -238,7 +238,7 @@ absl::StatusOr<RgbImage> DecodeImage(std::string_view bytes, std::string_view so
 }
 
 absl::StatusOr<RgbImage> ReadImageFile(const std::string& path) {
-  absl::StatusOr<std::string> bytes = ReadFileToString(path);
+  absl::StatusOr<std::string> bytes = ReadFileToString(path, kMaxImageFileBytes);
   if (!bytes.ok()) return bytes.status();
   return DecodeImage(*bytes, path);
 }

@@ -36,8 +36,9 @@ enum class ImageFormat { kPng, kJpeg };
 // any pixel buffer is allocated.
 inline constexpr int kMaxImageSide = 16384;
 inline constexpr int64_t kMaxImagePixels = int64_t{1} << 26;
-// The largest image file read (an uncompressed PNG of kMaxImagePixels is 192 MiB).
-inline constexpr int64_t kMaxImageFileBytes = int64_t{256} << 20;
+// The largest image file read: an uncompressed 16-bit RGBA PNG of kMaxImagePixels (512 MiB) and
+// a little more.
+inline constexpr int64_t kMaxImageFileBytes = int64_t{520} << 20;
 
 // The format from the file's magic bytes; InvalidArgument (naming `source`) for anything else.
 absl::StatusOr<ImageFormat> DetectImageFormat(std::string_view bytes, std::string_view source);

@@ -288,7 +288,7 @@ TEST_F(LoaderTest, ImagePathsThatAreNotRegularFilesAreRefusedWithoutReadingThem)
   absl::StatusOr<LoadedSample> zero = loader->Load(1);
   EXPECT_EQ(zero.status().code(), absl::StatusCode::kResourceExhausted) << zero.status();
   EXPECT_THAT(std::string(zero.status().message()),
-              HasSubstr("sample 'zero' (" + path + ":2): /dev/zero is longer than 268435456 bytes"));
+              HasSubstr("sample 'zero' (" + path + ":2): /dev/zero is longer than 545259520 bytes"));
   ::unlink((*dir_ + "/pipe.png").c_str());
 }
 

@@ -429,13 +429,17 @@ absl::StatusOr<SynthReport> GenerateSyntheticDataset(const SynthOptions& options
   return report;
 }
 
+absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec) {
+  HETPAR_ASSIGN_OR_RETURN(SynthOptions options, SynthOptionsFromRunSpec(spec));
+  std::error_code ec;
+  return fs::exists(options.train_manifest, ec) && fs::exists(options.tokenizer, ec) &&
+         (options.val_manifest.empty() || fs::exists(options.val_manifest, ec));
+}
+
 absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, SynthReport* report) {
   if (spec.data().synth().samples() <= 0) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthOptions options, SynthOptionsFromRunSpec(spec));
-  std::error_code ec;
-  const bool present = fs::exists(options.train_manifest, ec) &&
-                       fs::exists(options.tokenizer, ec) &&
-                       (options.val_manifest.empty() || fs::exists(options.val_manifest, ec));
+  HETPAR_ASSIGN_OR_RETURN(const bool present, SyntheticDatasetPresent(spec));
   if (present) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthReport generated, GenerateSyntheticDataset(options));
   if (report != nullptr) *report = generated;

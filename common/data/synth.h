@@ -117,6 +117,10 @@ struct SynthReport {
 // complete data set. Every sample is checked to fit seq_len with the trained tokenizer.
 absl::StatusOr<SynthReport> GenerateSyntheticDataset(const SynthOptions& options);
 
+// Whether the synthetic data set the RunSpec names is on disk (its manifests and tokenizer):
+// EnsureSyntheticDataset then uses it as it is.
+absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec);
+
 // The training runtime's entry point: when data.synth.samples > 0 and the manifest, the
 // validation manifest or the tokenizer is missing, generates the data set the RunSpec names.
 // Returns whether it generated (false: the files were all present, nothing was touched).

@@ -22,7 +22,7 @@
 namespace hetpar::plan {
 
 struct SampleDescriptor {
-  int64_t id = 0;  // dataset sample id; unique within a global batch
+  int64_t id = 0;  // dataset sample id (may repeat in a batch that crosses an epoch's end)
   int64_t text_tokens = 0;
   int64_t loss_tokens = 0;
   int64_t tokens_per_image = 0;

@@ -363,7 +363,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     // On the coordinator's machine: the token it generated for itself, as `hetpar status` reads
     // it (hetpar run passes its workers the token; this is for workers started by hand).
     const std::string local = coordinator::LocalTokenPath(coordinator::PortOf(options.coordinator));
-    if (std::filesystem::exists(local)) {
+    std::error_code unreadable;
+    if (std::filesystem::exists(local, unreadable)) {
       token = coordinator::ReadTokenFile(local);
     } else {
       token = absl::NotFoundError(absl::StrCat(

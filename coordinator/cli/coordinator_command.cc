@@ -390,8 +390,13 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   if (flags.linger) {
     // Under a Deployment an exit would restart the coordinator into a new run: keep answering
     // `hetpar status` with the final state until the pod is deleted.
+    const bool stopped_early = final_status.committed_steps() < final_status.total_steps();
     std::cout << "hetpar coordinator: run " << spec.run().name() << " "
-              << (state == v1::RUN_STATE_DONE ? "done" : "failed")
+              << (state != v1::RUN_STATE_DONE ? "failed"
+                  : stopped_early
+                      ? absl::StrCat("stopped after ", final_status.committed_steps(), " of ",
+                                     final_status.total_steps(), " steps")
+                      : std::string("done"))
               << "; serving its status until terminated (SIGTERM)" << std::endl;
     signal_thread.join();
   } else {
@@ -415,10 +420,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // Stopped before its last step (hetpar stop, a signal): not done, and said so.
     std::cout << "hetpar coordinator: run " << spec.run().name() << " stopped after "
               << final_status.committed_steps() << " of " << final_status.total_steps()
-              << " steps (" << final_status.state_message()
-              << "); start the coordinator again on " << out_dir
-              << " to continue it; metrics in " << spec.run().out_dir() << "/metrics.jsonl"
-              << std::endl;
+              << " steps (" << final_status.state_message() << "); "
+              << (spec.checkpoint().dir().empty()
+                      ? "without checkpoint.dir, a coordinator started again on it starts over"
+                      : absl::StrCat("start the coordinator again on ", out_dir,
+                                     " to continue it from its newest checkpoint"))
+              << "; metrics in " << spec.run().out_dir() << "/metrics.jsonl" << std::endl;
     return kExitOk;
   }
   std::cout << "hetpar coordinator: run " << spec.run().name()

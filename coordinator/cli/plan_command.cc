@@ -757,10 +757,11 @@ int RunPlan(const Options& o) {
   ctx.dataset_size = o.samples > 0                       ? o.samples
                      : spec.data().synth().samples() > 0 ? spec.data().synth().samples()
                                                          : global_batch;
-  if (ctx.dataset_size < global_batch) {
+  if (!o.from_data && ctx.dataset_size < global_batch) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--samples ", ctx.dataset_size, " is smaller than run.global_batch=", global_batch,
-        "; one step needs that many distinct samples")));
+        ": a synthetic batch holds that many distinct samples (--from-data plans a data set of "
+        "any size)")));
   }
   ctx.data_seed =
       static_cast<uint64_t>(o.data_seed >= 0 ? o.data_seed : spec.data().synth().seed());
@@ -860,9 +861,14 @@ void AddPlanCommand(CLI::App& app, int* exit_code) {
     for (const char* flag : {"--gpus", "--top", "--max-pp", "--max-cp", "--placements"}) {
       if (!options->search && refuse(flag, "applies to --search only")) return;
     }
-    if (!options->estimate && !options->search &&
-        refuse("--estimate-steps", "applies to --estimate and --search only")) {
-      return;
+    if (!options->estimate && !options->search) {
+      for (const char* flag : {"--estimate-steps", "--cluster"}) {
+        if (refuse(flag, "applies to --estimate and --search only")) return;
+      }
+    } else {
+      for (const char* flag : {"--wave", "--generation"}) {
+        if (refuse(flag, "applies to a plain plan only (not --estimate or --search)")) return;
+      }
     }
     for (const char* flag : {"--images-per-sample", "--text-tokens", "--samples", "--data-seed"}) {
       if (options->from_data && refuse(flag, "describes synthetic batches; --from-data plans "

@@ -124,7 +124,6 @@ absl::Status StepMetricsWriter::Follow(const v1::StatusResponse& status,
   return absl::OkStatus();
 }
 
-// Sums the owned-parameter files the workers of DP replica 0 write.
 ProgressLine::ProgressLine(int64_t total_steps, int64_t first_step, int64_t log_every,
                            double log_every_s, bool tty, absl::Time start, std::FILE* out)
     : total_(total_steps),
@@ -138,6 +137,11 @@ ProgressLine::ProgressLine(int64_t total_steps, int64_t first_step, int64_t log_
 
 void ProgressLine::Committed(const v1::StepTiming& step, absl::Time now) {
   constexpr size_t kRateWindow = 20;
+  if (commits_.empty()) {
+    // From the first step's start: the wait for workers and the data set before it is no step's.
+    start_ = std::min(now, std::max(start_, now - absl::Seconds(step.duration_s())));
+    last_line_ = start_;
+  }
   double step_flops = 0;
   for (const auto& [module, split] : step.modules()) step_flops += split.model_flops();
   commits_.push_back({now, step.tokens(), step_flops});
@@ -188,6 +192,7 @@ std::string HumanDuration(double seconds) {
   return absl::StrFormat("%ds", s);
 }
 
+// Sums the owned-parameter files the workers of DP replica 0 write.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
   std::map<std::string, std::pair<double, double>> sums;
   std::error_code ec;

@@ -64,8 +64,9 @@ class StepMetricsWriter {
 //
 //   step 120/3000 [#.......................] loss 4.1023  5210 tok/s  1.2 GFLOP/s  ETA 9m30s
 //
-// the token and model-FLOP rates over the last 20 committed steps (from the run's start until
-// there are that many), the ETA from this process's steps so far. On a terminal (`tty`) the line
+// the token and model-FLOP rates over the last 20 committed steps (from the first step's start
+// until there are that many), the ETA from this process's steps so far (the wait for workers
+// before the first step counts for none). On a terminal (`tty`) the line
 // redraws at every step; in a log, one line every `log_every` steps (run.log_every), once
 // `log_every_s` seconds have passed since the last line (when > 0), and at the last step.
 class ProgressLine {

@@ -105,6 +105,7 @@ std::vector<std::string> ProgressLines(int64_t total, int64_t first_step, int64_
     t.set_step(step);
     t.set_loss(2.5);
     t.set_tokens(100);
+    t.set_duration_s(1.0);
     (*t.mutable_modules())["llm"].set_model_flops(2e9);
     line.Committed(t, start + absl::Seconds(step - first_step + 1));
   }

@@ -1,4 +1,3 @@
-#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -6,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
+#include "common/data/synth.h"
 #include "common/data/tokenizer.h"
 #include "coordinator/cli/commands.h"
 
@@ -65,8 +65,10 @@ void AddValidateCommand(CLI::App& app, int* exit_code) {
     }
     // A synthetic data set's tokenizer is made for the config before a run, unless the data set
     // is already there: then the run uses it as it is, and so is it checked.
-    const bool tokenizer_there = std::filesystem::exists(loaded->spec.data().tokenizer());
-    if (load.check_files && (loaded->spec.data().synth().samples() <= 0 || tokenizer_there)) {
+    const absl::StatusOr<bool> present = data::SyntheticDatasetPresent(loaded->spec);
+    const bool generated_for_the_run =
+        loaded->spec.data().synth().samples() > 0 && !(present.ok() && *present);
+    if (load.check_files && !generated_for_the_run) {
       if (std::vector<std::string> problems = TokenizerProblems(*loaded); !problems.empty()) {
         std::cerr << "hetpar: invalid config " << options->config << ":\n";
         for (const std::string& problem : problems) std::cerr << problem << "\n";

@@ -245,6 +245,8 @@ TEST(CliPlanTest, FlagsThatDoNothingHereAreRefused) {
       {{"--samples", "0"}, "--samples 0 must be >= 1"},
       {{"--samples", "-5"}, "--samples -5 must be >= 1"},
       {{"--search", "--gpus", "4", "--top", "0"}, "--top 0 must be >= 1"},
+      {{"--cluster", "a100-80g"}, "--cluster applies to --estimate and --search only"},
+      {{"--estimate", "--wave", "1"}, "--wave applies to a plain plan only"},
   };
   for (const auto& [flags, message] : cases) {
     std::vector<std::string> argv = {kBin, "plan", "--config", kTiny};
