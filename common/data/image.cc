@@ -126,17 +126,7 @@ int DecodeJpegInto(const uint8_t* data, size_t size, JpegErrorManager* err, Jpeg
     return 2;
   }
   cinfo.out_color_space = JCS_RGB;
-  jpeg_start_decompress(&cinfo);
-  if (cinfo.output_width == 0 || cinfo.output_height == 0 || cinfo.output_width > kMaxImageSide ||
-      cinfo.output_height > kMaxImageSide ||
-      static_cast<int64_t>(cinfo.output_width) * cinfo.output_height > kMaxImagePixels) {
-    std::snprintf(err->message, sizeof(err->message),
-                  "%ux%u pixels; expected sides in 1..%d and at most %lld pixels",
-                  cinfo.output_width, cinfo.output_height, kMaxImageSide,
-                  static_cast<long long>(kMaxImagePixels));
-    jpeg_destroy_decompress(&cinfo);
-    return 2;
-  }
+  jpeg_start_decompress(&cinfo);  // output size = the header's (no scaling), checked above
   uint8_t* out = allocate(context, static_cast<int>(cinfo.output_width),
                           static_cast<int>(cinfo.output_height));
   const size_t stride = static_cast<size_t>(cinfo.output_width) * 3;

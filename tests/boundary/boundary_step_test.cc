@@ -312,10 +312,8 @@ struct OneToOnePlans {
   }
 };
 
-void MakeOneToOnePlans(OneToOnePlans* out) {
-  const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
-  out->spec = MakeSpec(c);
-  const hetpar::v1::RunSpec& spec = out->spec;
+// The plan of step 0 of `spec` over its data set.
+void PlanFirstStep(const hetpar::v1::RunSpec& spec, std::optional<plan::StepPlan>* out) {
   auto batches = data::BatchSource::Create(spec);
   ASSERT_TRUE(batches.ok()) << batches.status();
   auto placement = plan::PlacementFromRunSpec(spec);
@@ -326,6 +324,15 @@ void MakeOneToOnePlans(OneToOnePlans* out) {
   ASSERT_TRUE(options.ok());
   auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
   ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  *out = *std::move(step_plan);
+}
+
+void MakeOneToOnePlans(OneToOnePlans* out) {
+  const Case c{"enc_dp1_to_llm_dp1", 1, 1, 1, 1};
+  out->spec = MakeSpec(c);
+  const hetpar::v1::RunSpec& spec = out->spec;
+  std::optional<plan::StepPlan> step_plan;
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(spec, &step_plan));
   auto enc_plan = plan::ExtractRankPlan(*step_plan, 0);
   auto llm_plan = plan::ExtractRankPlan(*step_plan, 1);
   ASSERT_TRUE(enc_plan.ok() && llm_plan.ok());
@@ -515,16 +522,8 @@ TEST(BoundaryAbandonTest, SendsLeftByAFailedAttemptWaitForTheReceiverAndKeepTheC
 // its message in the LLM rank's transport.
 TEST(BoundaryAbandonTest, ADeadSourceOfAWaveLeavesTheLiveSourcesMessagesTaken) {
   const hetpar::v1::RunSpec spec = MakeSpec(Case{"enc_dp2_to_llm_dp1", 2, 1, 1, 1});
-  auto batches = data::BatchSource::Create(spec);
-  ASSERT_TRUE(batches.ok()) << batches.status();
-  auto placement = plan::PlacementFromRunSpec(spec);
-  ASSERT_TRUE(placement.ok()) << placement.status();
-  auto batch = (*batches)->Take({}, spec.run().global_batch());
-  ASSERT_TRUE(batch.ok()) << batch.status();
-  auto options = plan::StepPlanOptionsFromRunSpec(spec, 0, 0);
-  ASSERT_TRUE(options.ok());
-  auto step_plan = plan::BuildStepPlan(*placement, batch->samples, *options);
-  ASSERT_TRUE(step_plan.ok()) << step_plan.status();
+  std::optional<plan::StepPlan> step_plan;
+  ASSERT_NO_FATAL_FAILURE(PlanFirstStep(spec, &step_plan));
   // Ranks 0 and 1 are the encoders, 2 the LLM.
   auto live_plan = plan::ExtractRankPlan(*step_plan, 1);
   auto llm_plan = plan::ExtractRankPlan(*step_plan, 2);

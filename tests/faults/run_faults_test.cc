@@ -104,6 +104,19 @@ class RunFaultsTest : public ::testing::Test {
     return false;
   }
 
+  // The address `hetpar coordinator` prints in <dir>/coordinator.log once listening; "" if it
+  // has not within 120 s (it loads the data set first on a loaded machine).
+  std::string AwaitCoordinatorAddress() const {
+    const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (std::chrono::steady_clock::now() < by) {
+      const std::string log = ReadFile(dir_ + "/coordinator.log");
+      const size_t at = log.find("listening on ");
+      if (at != std::string::npos) return log.substr(at + 13, log.find(';', at) - at - 13);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return "";
+  }
+
   // Asserts that `path` reaches `lines` lines, showing the run's log if it does not.
   void ExpectLines(const std::string& path, int lines) const {
     ASSERT_TRUE(WaitForLines(path, lines))
@@ -159,17 +172,7 @@ TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
       dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
   // The coordinator prints its address once listening (within 120 s on a loaded machine).
-  std::string address;
-  const auto listening_by = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (address.empty() && std::chrono::steady_clock::now() < listening_by) {
-    const std::string log = ReadFile(dir_ + "/coordinator.log");
-    const size_t at = log.find("listening on ");
-    if (at != std::string::npos) {
-      address = log.substr(at + 13, log.find(';', at) - at - 13);
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
+  const std::string address = AwaitCoordinatorAddress();
   ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
   ::setenv("HETPAR_TOKEN", "a-wrong-token", 1);
   // Rejected at once, well before its waits' 120 s --timeout (the bound below leaves a loaded
@@ -200,17 +203,7 @@ TEST_F(RunFaultsTest, AWorkerOnTheCoordinatorsMachineUsesItsGeneratedToken) {
        "data.manifest=" + dir_ + "/x.jsonl", "--set", "data.tokenizer=" + dir_ + "/x.model"},
       dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
-  std::string address;
-  const auto by = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (address.empty() && std::chrono::steady_clock::now() < by) {
-    const std::string log = ReadFile(dir_ + "/coordinator.log");
-    const size_t at = log.find("listening on ");
-    if (at != std::string::npos) {
-      address = log.substr(at + 13, log.find(';', at) - at - 13);
-    } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  }
+  const std::string address = AwaitCoordinatorAddress();
   ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
   auto worker = ChildProcess::Start(
       {kEncoder, "--coordinator", address, "--rank", "0", "--out", dir_ + "/w"},
