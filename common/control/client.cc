@@ -31,17 +31,22 @@ std::chrono::system_clock::time_point DeadlineAfter(absl::Duration timeout) {
 // ------------------------------------------------------------------------------------------------
 // CoordinatorConnection
 
+absl::Status CheckCoordinatorAddress(std::string_view address) {
+  // Refused at once: gRPC would retry an address without a port until the connect timeout.
+  if (PortOf(address) <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("coordinator address '", std::string(address),
+                     "' has no port (1 to 65535); expected host:port, e.g. 10.0.0.5:50051"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<CoordinatorConnection>> CoordinatorConnection::Create(
     ClientOptions options) {
   if (options.address.empty()) {
     return absl::InvalidArgumentError("coordinator address is empty; expected host:port");
   }
-  // Refused at once: gRPC would retry an address without a port until the connect timeout.
-  if (PortOf(options.address) <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("coordinator address '", options.address,
-                     "' has no port (1 to 65535); expected host:port, e.g. 10.0.0.5:50051"));
-  }
+  if (absl::Status s = CheckCoordinatorAddress(options.address); !s.ok()) return s;
   if (absl::Status s = ValidateToken(options.token, "the client options"); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(options.tls);

@@ -50,6 +50,10 @@ struct ClientOptions {
 
 // One channel to the coordinator with the run token attached to every call. Thread-safe;
 // shared by the clients below.
+// InvalidArgument naming `address` when it has no port ("host", "host:"): gRPC would retry
+// such an address until its deadline. CoordinatorConnection::Create checks it too.
+absl::Status CheckCoordinatorAddress(std::string_view address);
+
 class CoordinatorConnection {
  public:
   static absl::StatusOr<std::shared_ptr<CoordinatorConnection>> Create(ClientOptions options);

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <future>
 #include <thread>
 #include <vector>
 
@@ -280,7 +281,8 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
     const std::string prefix = with_interrupt ? "skipper-interruptible" : "skipper";
     auto store = OpenHashStore();
     StepInterrupt interrupt;
-    std::thread rank1([&] {
+    std::promise<void> given_up;  // rank 0's all-reduce returned
+    std::thread rank1([&, done = given_up.get_future()] {
       CommunicatorOptions options;
       options.prefix = prefix;
       options.rank = 1;
@@ -289,7 +291,7 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
       auto comm = Communicator::Create(store, options);
       ASSERT_TRUE(comm.ok()) << comm.status();
       // Never joins the all-reduce; stays alive until rank 0 has given up.
-      std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+      done.wait_for(std::chrono::seconds(60));
     });
     CommunicatorOptions options;
     options.prefix = prefix;
@@ -304,6 +306,7 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
     absl::Status status = (*comm)->AllReduce(t);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    given_up.set_value();
     rank1.join();
     EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
     EXPECT_THAT(std::string(status.message()), HasSubstr("all-reduce in group '" + prefix + "'"));

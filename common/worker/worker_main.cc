@@ -21,6 +21,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
 #include "common/cli_checks.h"
+#include "common/control/client.h"
 #include "common/control/security.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
@@ -353,9 +354,9 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   at::set_num_threads(
       threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   SetLogTag(RoleName(options.role));
-  if (coordinator::PortOf(options.coordinator) <= 0) {
-    std::cerr << binary.name << ": --coordinator '" << options.coordinator
-              << "' has no port (1 to 65535); expected host:port, e.g. 10.0.0.5:50051\n";
+  if (absl::Status address = coordinator::CheckCoordinatorAddress(options.coordinator);
+      !address.ok()) {
+    std::cerr << binary.name << ": --coordinator: " << address.message() << "\n";
     return kExitInvalidInput;
   }
   auto token = coordinator::ResolveToken(token_file, "");

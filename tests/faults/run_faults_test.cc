@@ -235,7 +235,8 @@ TEST_F(RunFaultsTest, AWorkerGivenAnAddressWithoutAPortStopsAtOnce) {
   ASSERT_TRUE(worker.ok()) << worker.status();
   EXPECT_EQ(worker->exit_code, 2) << worker->stderr_text;
   EXPECT_THAT(worker->stderr_text,
-              HasSubstr("--coordinator 'coordinator.example' has no port (1 to 65535)"));
+              HasSubstr("--coordinator: coordinator address 'coordinator.example' has no port "
+                        "(1 to 65535)"));
 }
 
 // A worker killed (SIGKILL, at whatever point of a step it is) in a module with two DP replicas
