@@ -16,7 +16,10 @@
 #include <future>
 #include <iostream>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -64,8 +67,8 @@ void CloseOnExecAboveStderr() {
   for (int fd : fds) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
 }
 
-[[noreturn]] void RestartToReRegister(char** argv, absl::Duration reconnect_timeout,
-                                      const absl::Status& why) {
+[[noreturn]] void RestartToReRegister(const std::vector<std::string>& args,
+                                      absl::Duration reconnect_timeout, const absl::Status& why) {
   const absl::Time deadline = absl::Now() + reconnect_timeout;
   HETPAR_LOG(WARNING) << (absl::IsAborted(why) ? "the coordinator ended this worker's session ("
                                                 : "lost the coordinator (")
@@ -75,12 +78,25 @@ void CloseOnExecAboveStderr() {
   std::cerr.flush();
   std::clog.flush();
   std::fflush(nullptr);
-  ::setenv(kReconnectDeadlineEnv, std::to_string(absl::ToUnixSeconds(deadline)).c_str(), 1);
+  // The copy's arguments and environment are built here, from copies: no setenv (which may
+  // reallocate the environment other threads read), no pointer into memory of the lost run.
+  std::vector<std::string> env;
+  const std::string prefix = std::string(kReconnectDeadlineEnv) + "=";
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    if (std::string_view(*e).substr(0, prefix.size()) != prefix) env.emplace_back(*e);
+  }
+  env.push_back(prefix + std::to_string(absl::ToUnixSeconds(deadline)));
+  std::vector<char*> argv_copy;
+  for (const std::string& a : args) argv_copy.push_back(const_cast<char*>(a.c_str()));
+  argv_copy.push_back(nullptr);
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
   CloseOnExecAboveStderr();
   sigset_t none;
   sigemptyset(&none);
   pthread_sigmask(SIG_SETMASK, &none, nullptr);
-  ::execv("/proc/self/exe", argv);
+  ::execve("/proc/self/exe", argv_copy.data(), envp.data());
   HETPAR_LOG(ERROR) << "cannot restart this worker: execv: " << std::strerror(errno);
   std::fflush(nullptr);
   std::_Exit(kExitFailure);
@@ -326,8 +342,9 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   }
   if (reconnect_timeout_s > 0) {
     const absl::Duration reconnect = absl::Seconds(reconnect_timeout_s);
-    options.on_coordinator_lost = [argv, reconnect](const absl::Status& why) {
-      RestartToReRegister(argv, reconnect, why);
+    options.on_coordinator_lost = [args = std::vector<std::string>(argv, argv + argc),
+                                   reconnect](const absl::Status& why) {
+      RestartToReRegister(args, reconnect, why);
     };
   } else {
     // No restart: a worker the coordinator declared dead exits here, since its step may hang
