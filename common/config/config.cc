@@ -560,6 +560,8 @@ void EmitMessage(YAML::Emitter& out, const pb::Message& message) {
 constexpr int64_t kMaxModuleRanks = int64_t{1} << 20;
 // The largest run.grad_bucket_mib (1 TiB): its byte count stays an exact int64.
 constexpr double kMaxGradBucketMib = 1024.0 * 1024.0;
+// run.max_inflight when a config leaves it out.
+constexpr int64_t kDefaultMaxInflight = 2;
 
 // The product of `factors`, or nullopt where it overflows int64.
 std::optional<int64_t> Product(std::initializer_list<int64_t> factors) {
@@ -785,7 +787,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.Int("run.micro_batch", 1);
   d.Int("run.seed", 1234);
   d.Enum("run.dtype", hetpar::v1::DTYPE_FLOAT32);
-  d.Int("run.max_inflight", 2);
+  d.Int("run.max_inflight", kDefaultMaxInflight);
   d.Double("run.grad_clip", 1.0);
   d.Double("run.grad_bucket_mib", 25.0);
   d.String("run.device", "cpu");
@@ -1202,6 +1204,16 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     } else if (value < 1 || value > dp) {
       c.Fail(field, absl::StrCat("=", value, " must be in [1, ", module, ".layout.dp=", dp, "]"));
     }
+  }
+  // Colocated ranks run every encoder forward of a step before the LLM's waves: no job
+  // window to bound. The default stays accepted because written configs (config.yaml) carry it.
+  if (s.placement() == hetpar::v1::PLACEMENT_COLOCATED &&
+      s.run().max_inflight() != kDefaultMaxInflight) {
+    c.Fail("run.max_inflight",
+           absl::StrCat("=", s.run().max_inflight(),
+                        " has no effect with placement: colocated (each rank runs all its "
+                        "encoder forwards before the LLM's waves, so no jobs are in flight "
+                        "across the boundary); leave it unset"));
   }
   if (const int64_t initial = s.encoder().initial_replicas(); initial != 0) {
     const int64_t dp = std::max<int64_t>(1, s.encoder().layout().dp());

@@ -280,10 +280,13 @@ TEST(ConfigTest, WhatARunCannotDoYetIsRefusedUnlessOnlyPlanning) {
   auto pp = Load(kValid, {"llm.layout.pp=2"});
   ASSERT_TRUE(pp.ok()) << pp.status();
   EXPECT_EQ(pp->spec.llm().layout().pp(), 2);
-  // Colocated too, whatever max_inflight: the encoder's forwards all run before the LLM's waves.
-  auto colocated = Load(kValid, {"placement=colocated", "encoder.layout.dp=4", "llm.layout.pp=2",
-                                 "run.max_inflight=1"});
+  // Colocated needs no job window: the encoder's forwards all run before the LLM's waves, so a
+  // pipelined LLM runs with max_inflight left unset, and setting it is refused as doing nothing.
+  auto colocated = Load(kValid, {"placement=colocated", "encoder.layout.dp=4", "llm.layout.pp=2"});
   EXPECT_TRUE(colocated.ok()) << colocated.status();
+  ExpectIssue(Load(kValid, {"placement=colocated", "encoder.layout.dp=4", "llm.layout.pp=2",
+                            "run.max_inflight=1"}),
+              "run.max_inflight", 0, "=1 has no effect with placement: colocated");
   const std::string text = std::string(kValid) + "checkpoint:\n  dir: ckpt\n  every: 5\n";
   auto checkpoints = Load(text);
   ASSERT_TRUE(checkpoints.ok()) << checkpoints.status();
