@@ -15,6 +15,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -560,6 +561,8 @@ void EmitMessage(YAML::Emitter& out, const pb::Message& message) {
 constexpr int64_t kMaxModuleRanks = int64_t{1} << 20;
 // The largest run.grad_bucket_mib (1 TiB): its byte count stays an exact int64.
 constexpr double kMaxGradBucketMib = 1024.0 * 1024.0;
+// The longest run.name.
+constexpr size_t kMaxRunNameChars = 128;
 // run.max_inflight when a config leaves it out.
 constexpr int64_t kDefaultMaxInflight = 2;
 
@@ -868,7 +871,22 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                         "\" is not a device; expected \"cpu\" or \"cuda\" (each worker then uses "
                         "the GPU of its local rank)"));
   }
-  if (s.run().name().empty()) c.Fail("run.name", "must not be empty");
+  // The name becomes a directory (run.out_dir's default, runs/<name>), job and object names
+  // and log text: one path component of plain characters.
+  if (const std::string& name = s.run().name(); name.empty()) {
+    c.Fail("run.name", "must not be empty");
+  } else if (name.size() > kMaxRunNameChars || !std::isalnum(static_cast<unsigned char>(name[0])) ||
+             !std::all_of(name.begin(), name.end(), [](char ch) {
+               return std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '_' ||
+                      ch == '-';
+             })) {
+    c.Fail("run.name",
+           absl::StrCat("=\"", absl::CHexEscape(name.substr(0, kMaxRunNameChars)),
+                        name.size() > kMaxRunNameChars ? "...\"" : "\"",
+                        " is not a run name; expected at most ", kMaxRunNameChars,
+                        " letters, digits, '.', '_' or '-', starting with a letter or digit "
+                        "(it names the run directory runs/<name>)"));
+  }
   if (s.run().peak_tflops() < 0) {
     c.Fail("run.peak_tflops", absl::StrCat("=", FormatDouble(s.run().peak_tflops()),
                                            " must be >= 0 (0: utilisation not reported)"));

@@ -205,6 +205,21 @@ TEST(ConfigTest, NegativeSize) {
   ExpectIssue(Load(text), "llm.model.hidden", LineOf(text, "-64"), "=-64 must be >= 1");
 }
 
+TEST(ConfigTest, RunNameIsOnePlainPathComponent) {
+  for (const char* good : {"run.name=tiny", "run.name=vit0.6b-llm7b_4images", "run.name=7b"}) {
+    auto loaded = Load(kValid, {good});
+    EXPECT_TRUE(loaded.ok()) << good << ": " << loaded.status();
+  }
+  // Each would leave runs/ (the default run.out_dir is runs/<name>) or start a hidden one.
+  for (const char* bad : {"run.name=../x", "run.name=a/b", "run.name=.hidden", "run.name=-x",
+                          "run.name=a b"}) {
+    SCOPED_TRACE(bad);
+    ExpectIssue(Load(kValid, {bad}), "run.name", 0, "is not a run name; expected at most 128");
+  }
+  ExpectIssue(Load(kValid, {"run.name=" + std::string(129, 'a')}), "run.name", 0,
+              std::string(128, 'a') + "...\" is not a run name");
+}
+
 TEST(ConfigTest, MissingRequiredField) {
   const std::string text = Replace("    vocab: 256\n", "");
   ExpectIssue(Load(text), "llm.model.vocab",
