@@ -98,7 +98,19 @@ while [ ${#step_names[@]} -gt 0 ]; do
     echo "hetpar: job step '$name' done"
   fi
 done
-[ "$status" -eq 0 ] && echo "hetpar: run done; run directory $RUN_DIR"
+if [ "$status" -eq 0 ]; then
+  # The coordinator exits 0 for a run stopped early (hetpar stop) too: its journal tells them apart.
+  journal_field() { sed -n "s/^ *\"$1\": *\([0-9]*\).*/\1/p" "$RUN_DIR/journal.json" 2>/dev/null; }
+  committed=$(journal_field committed_steps)
+  total=$(journal_field total_steps)
+  if [ -n "$committed" ] && [ "$committed" = "$total" ]; then
+    echo "hetpar: run done; run directory $RUN_DIR"
+  elif [ -n "$committed" ] && [ -n "$total" ]; then
+    echo "hetpar: run stopped after $committed of $total steps; submitting this script again continues it from its newest checkpoint, or starts it over without checkpoint.dir (the coordinator's log says which: $RUN_DIR/log/coordinator-0.log)"
+  else
+    echo "hetpar: run ended; its journal ($RUN_DIR/journal.json) is unreadable, so whether it finished is unknown (see $RUN_DIR/log/coordinator-0.log)"
+  fi
+fi
 exit "$status"
 )sh";
 }

@@ -6,8 +6,11 @@
 #      the final parameters and the model, and match the reference trainer under hetpar compare;
 #   2. the heterogeneous-job script (checked with sbatch --test-only, then run for real on the
 #      two nodes, with the same checks);
-#   3. the single-allocation script with workers that cannot start: the job must fail and its
-#      log must name the failing step.
+#   3. the single-allocation script of a pipelined LLM (pp 2), with the same checks;
+#   4. the single-allocation script with workers that cannot start: the job must fail and its
+#      log must name the failing step;
+#   5. a run stopped by `hetpar stop`: the job completes and its log says the run stopped, not
+#      that it is done.
 # Usage: slurm_run_test.sh HETPAR_BIN_DIR REPO_ROOT. Exit 77 (skipped) without Slurm or root.
 set -euo pipefail
 
@@ -58,16 +61,18 @@ coordinator_port() {
 }
 
 # Renders NAME's scripts: a 6-step float64 tiny run on a small synthetic set in this test's
-# directory; workers advertise the loopback interface (the nodes share this host).
+# directory; workers advertise the loopback interface (the nodes share this host). The --set
+# flags given win over these; the coordinator's port is left in $port.
 render() {  # NAME [--set KEY=VALUE ...]
   local name=$1
   shift
-  "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$name" "$@" \
-    --interface lo --cpus-per-rank 1 --bin-dir "$bin" --port "$(coordinator_port)" \
+  port=$(coordinator_port)
+  "$bin/hetpar" deploy slurm --config "$repo/configs/tiny.yaml" --out "$work/$name" \
+    --interface lo --cpus-per-rank 1 --bin-dir "$bin" --port "$port" \
     --set run.steps=6 --set run.dtype=float64 \
     --set data.manifest="$work/data/train.jsonl" --set data.val_manifest="$work/data/val.jsonl" \
     --set data.tokenizer="$work/data/tokenizer.model" \
-    --set data.synth.samples=64 --set data.synth.val_samples=4 >/dev/null
+    --set data.synth.samples=64 --set data.synth.val_samples=4 "$@" >/dev/null
 }
 
 # Submits SCRIPT with extra exported variables; prints the job id.
@@ -126,3 +131,23 @@ fi
 grep -Eq "hetpar: job step '(encoder|llm)' failed with exit code 2" "$work/run-fail/slurm-$job.out" ||
   fail "the failed job's log does not name the failing step"
 echo "slurm_run_test: failing workers: job $job failed, naming the step"
+
+# 5. A run stopped early: the coordinator exits 0, and the job's log says stopped, not done.
+render run-stop --set run.steps=100000
+job=$(submit "$work/run-stop/hetpar.sbatch")
+for _ in $(seq 1 600); do
+  grep -q '"step":1' "$work/run-stop/metrics.jsonl" 2>/dev/null && break
+  squeue -h -j "$job" 2>/dev/null | grep -q . || fail "stop job $job ended before its second step"
+  sleep 0.5
+done
+grep -q '"step":1' "$work/run-stop/metrics.jsonl" || fail "stop job $job committed no second step"
+"$bin/hetpar" stop --coordinator "127.0.0.1:$port" --token-file "$work/run-stop/token" \
+  --reason "slurm_run_test" --timeout 30 >"$work/stop.log" 2>&1 ||
+  fail "hetpar stop: $(cat "$work/stop.log")"
+"$here/local_slurm.sh" wait-job "$work/slurm" "$job" 300 || fail "stopped job $job did not complete"
+grep -Eq "hetpar: run stopped after [0-9]+ of 100000 steps" "$work/run-stop/slurm-$job.out" ||
+  fail "the stopped job's log does not say the run stopped"
+if grep -q "hetpar: run done" "$work/run-stop/slurm-$job.out"; then
+  fail "the stopped job's log says the run is done"
+fi
+echo "slurm_run_test: stopped run: job $job completed, saying the run stopped"
