@@ -7,6 +7,8 @@
 #include <future>
 #include <optional>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -354,8 +356,10 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
                           {"samples_trained", committed * spec_.run().global_batch()},
                           {"seed", spec_.run().seed()},
                           {"runspec", config::RunSpecToYaml(spec_)}};
-  pending_checkpoint_ = std::async(
-      std::launch::async,
+  // A thread of its own, not std::async, whose future would block its destructor: a write hung
+  // on the file system is given up after the deadline (FinishCheckpoint) instead of holding the
+  // worker forever. The thread owns everything it touches.
+  std::packaged_task<absl::Status()> write(
       [dir, snapshot = std::move(snapshot), expected = std::move(expected),
        extra = std::move(extra), parent = checkpoint.dir(), keep = checkpoint.keep(), committed,
        copy_s, commit_id]() -> absl::Status {
@@ -373,17 +377,40 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
         HETPAR_LOG(INFO) << "checkpoint of step " << committed << " complete: " << dir;
         return train::PruneCheckpoints(parent, keep, committed);
       });
+  pending_checkpoint_ = write.get_future();
+  pending_step_ = committed;
+  try {
+    std::thread(std::move(write)).detach();
+  } catch (const std::system_error& e) {
+    pending_checkpoint_ = {};
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot start the checkpoint writer thread: ", e.what()));
+  }
   return absl::OkStatus();
 }
 
 absl::Status ModuleState::FinishCheckpoint() {
   if (!pending_checkpoint_.valid()) return absl::OkStatus();
+  if (checkpoint_hung_) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the ", name_, " checkpoint of step ", pending_step_, " was given up as hung before"));
+  }
+  const double seconds = spec_.failure().step_timeout_s();
+  if (pending_checkpoint_.wait_for(std::chrono::duration<double>(seconds)) !=
+      std::future_status::ready) {
+    checkpoint_hung_ = true;
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the ", name_, " checkpoint of step ", pending_step_, " is still being written after ",
+        config::FormatDouble(seconds), " s (failure.step_timeout_s): is checkpoint.dir (",
+        spec_.checkpoint().dir(), ") on a file system that stopped answering?"));
+  }
   return pending_checkpoint_.get();
 }
 
 ModuleState::~ModuleState() {
-  if (!pending_checkpoint_.valid()) return;
-  const absl::Status status = pending_checkpoint_.get();
+  // A save given up as hung was reported when it was; its thread is left to the process's end.
+  if (!pending_checkpoint_.valid() || checkpoint_hung_) return;
+  const absl::Status status = FinishCheckpoint();
   if (!status.ok()) HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
 }
 

@@ -94,7 +94,7 @@ class ModuleState {
 
   ModuleState(ModuleState&&) = default;
   ModuleState& operator=(ModuleState&&) = default;
-  // Waits for a checkpoint still being written (and logs its error).
+  // Waits for a checkpoint still being written, as FinishCheckpoint does (and logs its error).
   ~ModuleState();
 
  private:
@@ -115,7 +115,8 @@ class ModuleState {
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
   absl::Status WriteCheckpoint(int64_t committed, uint64_t commit_id);
-  // Waits for the save in progress; its error.
+  // Waits for the save in progress, at most failure.step_timeout_s; its error, or
+  // DEADLINE_EXCEEDED (then the save is given up: every later call says so at once).
   absl::Status FinishCheckpoint();
 
   nn::ParameterSet* params_ = nullptr;
@@ -123,6 +124,8 @@ class ModuleState {
   std::unique_ptr<train::ModuleOptimizer> optimizer_;
   v1::RunSpec spec_;  // the checkpoint section, the run's steps and batch, both layouts
   std::future<absl::Status> pending_checkpoint_;  // the save in progress
+  int64_t pending_step_ = 0;                        // its step
+  bool checkpoint_hung_ = false;                    // it outlived its deadline
 };
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of

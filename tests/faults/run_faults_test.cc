@@ -540,6 +540,32 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   EXPECT_EQ(a.count(newest - 1), 0u);  // the resumed run starts at the checkpoint's step
 }
 
+// A checkpoint write that never returns (step 2's manifest is a FIFO with no writer: reading it
+// blocks in open(), as a file system that stopped answering does) is given up after
+// failure.step_timeout_s when the next save needs it: the run fails, naming the step and the
+// directory, instead of waiting forever.
+TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirectory) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  fs::create_directories(checkpoints + "/step-000002");
+  ASSERT_EQ(::mkfifo((checkpoints + "/step-000002/manifest.json").c_str(), 0600), 0);
+  std::vector<std::string> argv = RunArgs(4);
+  for (const std::string& flag :
+       std::vector<std::string>{"checkpoint.dir=" + checkpoints, "checkpoint.every=1",
+                                "failure.step_timeout_s=10"}) {
+    argv.insert(argv.end(), {"--set", flag});
+  }
+  auto result = RunCommand(argv, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const std::string log = ReadFile(dir_ + "/hetpar-run.log") + result->stdout_text +
+                          result->stderr_text;
+  EXPECT_EQ(result->exit_code, 1) << log;
+  EXPECT_THAT(log, HasSubstr("checkpoint of step 2 is still being written after 10.0 s "
+                             "(failure.step_timeout_s): is checkpoint.dir (" +
+                             checkpoints + ")"));
+  // Step 1's checkpoint was written in full before.
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
+}
+
 TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
