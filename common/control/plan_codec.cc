@@ -165,6 +165,7 @@ v1::RankStepPlan RankStepPlanToProto(const plan::RankStepPlan& plan) {
     q->set_loss_tokens(sample.loss_tokens);
     q->set_tokens_per_image(sample.tokens_per_image);
     for (int64_t start : sample.image_starts) q->add_image_starts(start);
+    q->set_id_checksum(sample.id_checksum);
   }
   return p;
 }
@@ -200,6 +201,7 @@ absl::StatusOr<plan::RankStepPlan> RankStepPlanFromProto(const v1::RankStepPlan&
     sample.loss_tokens = q.loss_tokens();
     sample.tokens_per_image = q.tokens_per_image();
     sample.image_starts = ToVector<int64_t>(q.image_starts());
+    sample.id_checksum = q.id_checksum();
     plan.samples.push_back(std::move(sample));
   }
   auto check_sample = [&](int64_t batch_index, const char* field) -> absl::Status {

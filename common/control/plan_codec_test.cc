@@ -54,6 +54,10 @@ plan::StepPlan MakePlan(plan::PlacementKind kind) {
   batch.max_images = 3;
   auto samples = plan::SyntheticBatch(batch);
   EXPECT_TRUE(samples.ok()) << samples.status();
+  // Checksums as a data index gives them, the top bit set in some (fixed32 on the wire).
+  for (size_t i = 0; i < samples->size(); ++i) {
+    (*samples)[i].id_checksum = 0x9e3779b9u * static_cast<uint32_t>(i + 1);
+  }
   plan::StepPlanOptions options;
   options.step = 5;
   options.generation = 2;

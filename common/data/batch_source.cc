@@ -1,5 +1,7 @@
 #include "common/data/batch_source.h"
 
+#include <zlib.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/data/synth.h"
@@ -15,6 +17,8 @@ plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t pos
   d.loss_tokens = record.loss_tokens;
   d.tokens_per_image = record.image_count > 0 ? record.tokens_per_image : 0;
   d.image_starts.assign(record.image_offsets.begin(), record.image_offsets.end());
+  d.id_checksum = static_cast<uint32_t>(
+      ::crc32(0, reinterpret_cast<const Bytef*>(record.id.data()), static_cast<uInt>(record.id.size())));
   return d;
 }
 
@@ -62,7 +66,8 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
   const plan::SampleDescriptor mine = DescriptorOf(*record, sample.id);
   if (mine == sample) return record;
   const auto describe = [](const plan::SampleDescriptor& d) {
-    return absl::StrCat(d.text_tokens, " text tokens, ", d.loss_tokens, " loss tokens, images at [",
+    return absl::StrCat("id checksum ", absl::Hex(d.id_checksum, absl::kZeroPad8), ", ",
+                        d.text_tokens, " text tokens, ", d.loss_tokens, " loss tokens, images at [",
                         absl::StrJoin(d.image_starts, ", "), "]");
   };
   return absl::FailedPreconditionError(absl::StrCat(

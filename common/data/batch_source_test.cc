@@ -1,6 +1,7 @@
-// BatchSource::RecordFor: a worker whose data index is not the coordinator's (here: its manifest
-// lacks the first line, so every position holds the next sample) refuses the plan's samples,
-// naming both descriptions, instead of training other samples than the plan's.
+// BatchSource::RecordFor: a worker whose data index is not the coordinator's (its manifest lacks
+// the first line, so every position holds the next sample; or its samples carry other ids)
+// refuses the plan's samples, naming both descriptions, instead of training other samples than
+// the plan's.
 #include "common/data/batch_source.h"
 
 #include <stdlib.h>
@@ -69,7 +70,7 @@ TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamp
     ASSERT_TRUE(same.ok()) << same.status();
     EXPECT_EQ((*same)->ordinal, sample.id);
     auto other = (*worker)->RecordFor(sample);
-    if (other.ok()) continue;  // the next sample happens to have the same shape
+    if (other.ok()) continue;
     ++refused;
     EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_THAT(std::string(other.status().message()),
@@ -77,7 +78,34 @@ TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamp
     EXPECT_THAT(std::string(other.status().message()),
                 HasSubstr("this worker's data index differs from the coordinator's"));
   }
-  EXPECT_GE(refused, 6) << "of 8 samples";
+  // Each position holds another sample, whatever its shape: its id differs.
+  EXPECT_EQ(refused, 8) << "of 8 samples";
+}
+
+// The same samples, shapes and images under other ids (another copy of the data set, renamed):
+// no shape tells them apart, the ids do.
+TEST_F(BatchSourceTest, ASampleOfTheSameShapeUnderAnotherIdIsRefused) {
+  auto coordinator = BatchSource::Create(Spec("train.jsonl"));
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+  std::ifstream in(dir_ + "/train.jsonl");
+  std::ofstream renamed(dir_ + "/renamed.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t at = line.find("\"id\":\"");
+    ASSERT_NE(at, std::string::npos) << line;
+    renamed << line.insert(at + 6, "copy-") << "\n";
+  }
+  renamed.close();
+  auto worker = BatchSource::Create(Spec("renamed.jsonl"));
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  auto batch = (*coordinator)->Take({}, 8);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  for (const plan::SampleDescriptor& sample : batch->samples) {
+    const auto& mine = (*worker)->RecordFor(sample);
+    ASSERT_FALSE(mine.ok()) << "position " << sample.id;
+    EXPECT_THAT(std::string(mine.status().message()),
+                HasSubstr(absl::StrCat("data index position ", sample.id, " (sample 'copy-")));
+  }
 }
 
 }  // namespace
