@@ -67,9 +67,11 @@ struct OpenedSplit {
 };
 
 // Loads the config and opens its `options.split`; on failure prints why, sets *exit_code and
-// returns nothing. `context` names the subcommand in messages.
+// returns nothing. `context` names the subcommand in messages. With `keep_bad_entries` the
+// loader records malformed manifest entries (Manifest::bad) instead of failing at them, whatever
+// data.skip_bad_samples says; `options` keeps the config's setting.
 std::optional<OpenedSplit> OpenSplit(const ConfigOptions& options, const std::string& context,
-                                     int* exit_code) {
+                                     int* exit_code, bool keep_bad_entries = false) {
   absl::StatusOr<config::LoadedRunSpec> loaded = LoadConfig(options);
   if (!loaded.ok()) {
     std::cerr << "hetpar: invalid config " << options.config << ":\n"
@@ -92,7 +94,9 @@ std::optional<OpenedSplit> OpenSplit(const ConfigOptions& options, const std::st
     return std::nullopt;
   }
   out.options = *loader_options;
-  absl::StatusOr<std::unique_ptr<data::DataLoader>> loader = data::DataLoader::Create(out.options);
+  data::LoaderOptions open = out.options;
+  if (keep_bad_entries) open.skip_bad_samples = true;
+  absl::StatusOr<std::unique_ptr<data::DataLoader>> loader = data::DataLoader::Create(open);
   if (!loader.ok()) {
     *exit_code = Fail(loader.status(), context);
     return std::nullopt;
@@ -293,7 +297,9 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
   AddConfigFlags(command, o.get(), true);
   command->add_option("--split", o->split, "train or val");
   command->callback([o, exit_code] {
-    std::optional<OpenedSplit> opened = OpenSplit(*o, "check", exit_code);
+    // Every bad entry is listed, a malformed manifest line too, not only the first kind met.
+    std::optional<OpenedSplit> opened = OpenSplit(*o, "check", exit_code,
+                                                  /*keep_bad_entries=*/true);
     if (!opened.has_value()) return;
     // The index, when there is an up-to-date one, must agree with every loaded sample.
     const std::string path = IndexPath(opened->loaded.spec, opened->split);

@@ -193,6 +193,16 @@ TEST_F(DataCliTest, BadSamplesAreNamedAndCanBeSkipped) {
   EXPECT_NE(
       index->Find(m->records[0].id == with_images[0]->id ? m->records[2].id : m->records[0].id),
       nullptr);
+
+  // A malformed manifest line is listed with the rest, without data.skip_bad_samples: the
+  // check goes on to every other sample.
+  std::ofstream(dir_ + "/tiny/train.jsonl", std::ios::app) << "{\"id\": broken\n";
+  r = Run({"data", "check", "--config", config});
+  EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
+  EXPECT_THAT(r.stdout_text, HasSubstr("train.jsonl:25): not valid JSON"));
+  EXPECT_THAT(r.stdout_text, HasSubstr("image file not found: " + gone));
+  EXPECT_THAT(r.stdout_text, HasSubstr("corrupt PNG " + corrupt));
+  EXPECT_THAT(r.stdout_text, HasSubstr("22 good, 3 bad"));
 }
 
 TEST_F(DataCliTest, UsageErrorsExitTwo) {
