@@ -1,9 +1,12 @@
 #include "common/data/index.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -94,18 +97,56 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
                                                      absl::UnknownError("not described"));
   const int threads =
       static_cast<int>(std::clamp<int64_t>(options.threads, 1, std::max<int64_t>(1, n)));
+  const absl::Time start = absl::Now();
+  std::function<void(int64_t, int64_t)> progress = options.on_progress;
+  bool started = false;
+  bool reported = false;  // the default's: a line between the first and the last was logged
+  if (!progress) {
+    progress = [&](int64_t done, int64_t total) {
+      const absl::Duration elapsed = absl::Now() - start;
+      const std::string& manifest = loader.options().manifest;
+      if (!started) {
+        started = true;
+        HETPAR_LOG(INFO) << "indexing " << manifest << ": " << total << " samples ("
+                         << (options.verify_images ? "decoding" : "finding") << " their images), "
+                         << threads << " thread(s)";
+      } else if (done < total) {
+        reported = true;
+        std::string left;
+        if (done > 0) {
+          const double rate = static_cast<double>(done) / absl::ToDoubleSeconds(elapsed);
+          left = absl::StrCat(", ", static_cast<int64_t>(rate), " samples/s, about ",
+                              absl::FormatDuration(absl::Trunc(
+                                  absl::Seconds(static_cast<double>(total - done) / rate),
+                                  absl::Seconds(1))),
+                              " left");
+        }
+        HETPAR_LOG(INFO) << "indexing " << manifest << ": " << done << " of " << total
+                         << " samples (" << 100 * done / total << "%)" << left;
+      } else if (reported) {
+        HETPAR_LOG(INFO) << "indexed " << manifest << ": " << total << " samples in "
+                         << absl::FormatDuration(absl::Trunc(elapsed, absl::Seconds(1)));
+      }
+    };
+  }
+  progress(0, n);
+  std::atomic<int64_t> done{0};
+  std::atomic<int> running{threads};
+  absl::Notification finished;
   auto work = [&](int t) {
     for (int64_t i = t; i < n; i += threads) {
       described[static_cast<size_t>(i)] = loader.Describe(i, options.verify_images);
+      done.fetch_add(1, std::memory_order_relaxed);
     }
+    if (running.fetch_sub(1) == 1) finished.Notify();
   };
-  if (threads == 1) {
-    work(0);
-  } else {
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
-    for (std::thread& th : pool) th.join();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) pool.emplace_back(work, t);
+  while (!finished.WaitForNotificationWithTimeout(options.progress_every)) {
+    progress(done.load(std::memory_order_relaxed), n);
   }
+  for (std::thread& th : pool) th.join();
+  progress(n, n);
 
   DataIndex index;
   index.source = *source;

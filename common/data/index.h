@@ -14,12 +14,14 @@
 #define HETPAR_COMMON_DATA_INDEX_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/data/chat_template.h"
 #include "common/data/file_util.h"
 #include "common/data/loader.h"
@@ -66,6 +68,12 @@ struct IndexBuildOptions {
   bool verify_images = true;
   // Worker threads for building (samples are independent).
   int threads = 1;
+  // Progress, as (samples described, samples): called when the build starts, every
+  // `progress_every` while it runs, and when it ends, from the thread that called BuildIndex.
+  // Unset: the build logs (INFO) its start, every `progress_every` how far it is, and its end
+  // when it took longer than that.
+  std::function<void(int64_t done, int64_t total)> on_progress;
+  absl::Duration progress_every = absl::Seconds(10);
 };
 
 // Describes every sample of the loader's manifest. A bad sample (including malformed manifest

@@ -82,6 +82,30 @@ TEST_F(IndexTest, RecordsMatchTheDecodedSamples) {
   }
 }
 
+// A build reports how far it is: (0, n) first, (n, n) last, counts that never go back between.
+TEST_F(IndexTest, ABuildReportsItsProgressFromStartToEnd) {
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  ASSERT_NE(loader, nullptr);
+  for (int threads : {1, 3}) {
+    SCOPED_TRACE(threads);
+    std::vector<std::pair<int64_t, int64_t>> calls;
+    IndexBuildOptions build;
+    build.threads = threads;
+    build.progress_every = absl::Milliseconds(1);
+    build.on_progress = [&](int64_t done, int64_t total) { calls.emplace_back(done, total); };
+    absl::StatusOr<DataIndex> index = BuildIndex(*loader, build);
+    ASSERT_TRUE(index.ok()) << index.status();
+    ASSERT_GE(calls.size(), 2u);
+    EXPECT_EQ(calls.front(), std::make_pair(int64_t{0}, int64_t{40}));
+    EXPECT_EQ(calls.back(), std::make_pair(int64_t{40}, int64_t{40}));
+    for (size_t i = 1; i < calls.size(); ++i) {
+      EXPECT_EQ(calls[i].second, 40);
+      EXPECT_GE(calls[i].first, calls[i - 1].first);
+      EXPECT_LE(calls[i].first, 40);
+    }
+  }
+}
+
 TEST_F(IndexTest, FileRoundTripKeepsEveryField) {
   // The generator already wrote the index; reading it gives what building gives.
   absl::StatusOr<DataIndex> read = ReadIndex(dir_ + "/train.jsonl.index");
