@@ -1032,7 +1032,12 @@ void RunController::MaybeFinishStopping(absl::Time now, Actions* actions) {
     if (worker->session_open) return;
   }
   state_ = v1::RUN_STATE_DONE;
-  HETPAR_LOG(INFO) << "run " << spec_.run().name() << " done: " << state_message_;
+  if (committed_steps_ < spec_.run().steps()) {
+    HETPAR_LOG(INFO) << "run " << spec_.run().name() << " stopped after " << committed_steps_
+                     << " of " << spec_.run().steps() << " steps: " << state_message_;
+  } else {
+    HETPAR_LOG(INFO) << "run " << spec_.run().name() << " done: " << state_message_;
+  }
 }
 
 void RunController::Fail(const std::string& reason, absl::Time now, Actions* actions) {

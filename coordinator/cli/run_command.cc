@@ -41,6 +41,7 @@
 #include "coordinator/cli/commands.h"
 #include "coordinator/cli/local_process.h"
 #include "coordinator/cli/step_metrics.h"
+#include "coordinator/journal.h"
 #include "coordinator/membership.h"
 #include "coordinator/metrics_exporter.h"
 #include "coordinator/server.h"
@@ -544,6 +545,23 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   (*server)->Shutdown(absl::Seconds(2));
   if (state == v1::RUN_STATE_FAILED && failure.empty()) {
     failure = final_status.state_message() + not_told;
+  }
+  if (failure == "interrupted" && state != v1::RUN_STATE_FAILED) {
+    // Stopped as asked (Ctrl-C, SIGTERM): not a failure, and it says how the run goes on.
+    std::string next = "it wrote no checkpoint (no checkpoint.dir): a new run starts over";
+    if (!spec.checkpoint().dir().empty()) {
+      const std::optional<coordinator::FoundCheckpoint> newest =
+          coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir());
+      next = newest.has_value()
+                 ? absl::StrCat("continue it with --resume ", newest->path, " (step ",
+                                newest->step, ")")
+                 : std::string("it has no complete checkpoint yet: a new run starts over");
+    }
+    std::cerr << "hetpar run: " << spec.run().name() << " stopped ("
+              << (g_interrupted == SIGTERM ? "terminated" : "interrupted") << ") after "
+              << final_status.committed_steps() << " of " << final_status.total_steps()
+              << " steps; " << next << "; run directory " << out_dir << "\n";
+    return 130;
   }
   if (!failure.empty()) {
     std::cerr << "hetpar run: " << spec.run().name() << " failed after " << metrics.written()

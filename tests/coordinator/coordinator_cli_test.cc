@@ -147,7 +147,8 @@ TEST_F(CoordinatorCliTest, TinyConfigWaitsForItsWorkersAndStops) {
   EXPECT_EQ(*exit_code, 0);
   const std::string log = ReadFile(coordinator->log);
   EXPECT_THAT(log, HasSubstr("rejected Admin.Status from ipv4:127.0.0.1:"));
-  EXPECT_THAT(log, HasSubstr("run tiny done: stop requested"));
+  EXPECT_THAT(log, HasSubstr("run tiny stopped after "));
+  EXPECT_THAT(log, HasSubstr(" steps: stop requested"));
   EXPECT_THAT(log, HasSubstr("hetpar coordinator: run tiny stopped after 0 of 3000 steps (stop "
                              "requested); without checkpoint.dir, a coordinator started again "
                              "on it starts over"));
