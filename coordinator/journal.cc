@@ -116,6 +116,30 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   return std::optional<Journal>(std::move(journal));
 }
 
+absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec) {
+  const std::string& dir = spec.checkpoint().dir();
+  const std::optional<FoundCheckpoint> newest = NewestCompleteCheckpoint(dir);
+  if (!newest.has_value()) return absl::OkStatus();
+  if (const std::string& from = spec.checkpoint().resume_from(); !from.empty()) {
+    // The step directory's parent, however either path is written (a trailing slash, a link).
+    std::error_code error;
+    const std::filesystem::path step = std::filesystem::weakly_canonical(from, error);
+    if (!error && std::filesystem::equivalent(step.parent_path(), dir, error) && !error) {
+      return absl::OkStatus();
+    }
+  }
+  absl::StatusOr<config::CheckpointSummary> summary = config::ReadCheckpointSummary(newest->path);
+  const std::string of_run = summary.ok() && !summary->run.empty()
+                                 ? absl::StrCat(", written by run '", summary->run, "'")
+                                 : std::string();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint.dir '", dir, "' already holds checkpoints (the newest: ", newest->path,
+      ", step ", newest->step, of_run,
+      "); a new run there would overwrite them step by step and prune them. Resume from it "
+      "(checkpoint.resume_from, or hetpar run --resume ",
+      newest->path, "), or give this run another checkpoint.dir"));
+}
+
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir,
                                                         int64_t at_most) {
   std::optional<FoundCheckpoint> newest;

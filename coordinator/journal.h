@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "hetpar/v1/coordinator.pb.h"
+#include "hetpar/v1/run_spec.pb.h"
 
 namespace hetpar::coordinator {
 
@@ -66,6 +67,12 @@ struct FoundCheckpoint {
 };
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
     const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max());
+
+// A run started afresh (not continued from its journal) writes into checkpoint.dir only when the
+// directory holds no complete checkpoint, or when the run resumes from one of them: the
+// checkpoints of another run there would be overwritten step by step and pruned with this run's
+// (checkpoint.keep). FailedPrecondition naming the newest one and what to do otherwise.
+absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec);
 
 }  // namespace hetpar::coordinator
 

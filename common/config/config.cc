@@ -631,6 +631,12 @@ class Checker {
 
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) {
   const std::string path = (fs::path(dir) / "manifest.json").string();
+  // Not opened unless a regular file: opening a FIFO would wait for a writer.
+  std::error_code error;
+  if (const fs::file_status status = fs::status(path, error);
+      fs::exists(status) && !fs::is_regular_file(status)) {
+    return absl::DataLossError(absl::StrCat("'", path, "' is not a regular file"));
+  }
   std::ifstream in(path);
   if (!in) {
     return absl::NotFoundError(
@@ -653,6 +659,9 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
   }
   if (extra.is_object() && extra.contains("seed") && extra["seed"].is_number_integer()) {
     summary.seed = extra["seed"].get<int64_t>();
+  }
+  if (extra.is_object() && extra.contains("run") && extra["run"].is_string()) {
+    summary.run = extra["run"].get<std::string>();
   }
   return summary;
 }

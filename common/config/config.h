@@ -77,6 +77,7 @@ struct CheckpointSummary {
   int64_t step = 0;              // committed steps
   int64_t samples_trained = -1;  // -1: the manifest does not say
   std::optional<int64_t> seed;   // run.seed it was trained with; none: the manifest does not say
+  std::string run;               // run.name it was written by; empty: the manifest does not say
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

@@ -197,6 +197,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
                                  : std::string("no checkpoint to resume from; starting over"))
               << std::endl;
   }
+  if (!restarted) {
+    if (absl::Status s = coordinator::CheckCheckpointDirForNewRun(run_spec); !s.ok()) {
+      std::cerr << "hetpar: " << s.message() << "\n";
+      return kExitInvalidInput;
+    }
+  }
   journal.committed_steps = first_step;
 
   coordinator::ServerOptions options;

@@ -171,6 +171,10 @@ void PrintEvaluation(const std::string& eval_line) {
 int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const std::string out_dir = spec.run().out_dir();
   const bool colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
+  if (absl::Status s = coordinator::CheckCheckpointDirForNewRun(spec); !s.ok()) {
+    std::cerr << "hetpar run: " << s.message() << "\n";
+    return kExitInvalidInput;
+  }
   auto run_dir = RunDirectory::Create(out_dir, spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar run: " << run_dir.status().message() << "\n";

@@ -566,6 +566,41 @@ TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirect
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
 }
 
+// A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
+// them step by step and prune them) and names the newest; resuming from it there is allowed.
+TEST_F(RunFaultsTest, ANewRunRefusesACheckpointDirectoryThatHoldsAnotherRunsCheckpoints) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> first = RunArgs(2);
+  first.insert(first.end(), {"--set", "checkpoint.dir=" + checkpoints});
+  auto written = RunCommand(first, 240);
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_EQ(written->exit_code, 0) << written->stderr_text;
+  const std::string manifest = checkpoints + "/step-000002/manifest.json";
+  const std::string before = ReadFile(manifest);
+  ASSERT_FALSE(before.empty());
+
+  std::vector<std::string> other = RunArgs(2);
+  other[5] = dir_ + "/other";  // the value of --out
+  other.insert(other.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set", "run.name=other"});
+  auto refused = RunCommand(other, 240);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2) << refused->stderr_text;
+  EXPECT_THAT(refused->stderr_text,
+              HasSubstr("checkpoint.dir '" + checkpoints + "' already holds checkpoints (the "
+                        "newest: " + checkpoints + "/step-000002, step 2, written by run 'tiny')"));
+  EXPECT_EQ(ReadFile(manifest), before);
+  EXPECT_TRUE(ProcessesWith(dir_ + "/other").empty());
+
+  std::vector<std::string> resumed = RunArgs(4);
+  resumed[5] = dir_ + "/resumed";
+  resumed.insert(resumed.end(), {"--set", "checkpoint.dir=" + checkpoints, "--resume",
+                                 checkpoints + "/step-000002/"});
+  auto continued = RunCommand(resumed, 240);
+  ASSERT_TRUE(continued.ok()) << continued.status();
+  EXPECT_EQ(continued->exit_code, 0) << continued->stderr_text;
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-000004/manifest.json"));
+}
+
 TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
