@@ -67,6 +67,9 @@ void CloseOnExecAboveStderr() {
   for (int fd : fds) ::fcntl(fd, F_SETFD, FD_CLOEXEC);
 }
 
+// Tries of the restart's execve that fail for a reason that can pass (see RestartToReRegister).
+constexpr int kRestartAttempts = 5;
+
 [[noreturn]] void RestartToReRegister(const std::vector<std::string>& args,
                                       absl::Duration reconnect_timeout, const absl::Status& why) {
   const absl::Time deadline = absl::Now() + reconnect_timeout;
@@ -96,8 +99,25 @@ void CloseOnExecAboveStderr() {
   sigset_t none;
   sigemptyset(&none);
   pthread_sigmask(SIG_SETMASK, &none, nullptr);
-  ::execve("/proc/self/exe", argv_copy.data(), envp.data());
-  HETPAR_LOG(ERROR) << "cannot restart this worker: execv: " << std::strerror(errno);
+  // A failure that can pass (ENOMEM, EAGAIN, ETXTBSY) is tried again, a few times. So is
+  // EFAULT: an execve of an earlier form of this restart failed with it once under load, for a
+  // cause not established; the arguments are now this thread's own copies.
+  for (int attempt = 1;; ++attempt) {
+    ::execve("/proc/self/exe", argv_copy.data(), envp.data());
+    const int error = errno;
+    const bool transient = error == EFAULT || error == ENOMEM || error == EAGAIN ||
+                           error == ETXTBSY;
+    if (!transient || attempt == kRestartAttempts) {
+      HETPAR_LOG(ERROR) << "cannot restart this worker: execve (attempt " << attempt << " of "
+                        << kRestartAttempts << "): " << std::strerror(error);
+      break;
+    }
+    HETPAR_LOG(WARNING) << "restarting this worker: execve: " << std::strerror(error)
+                        << "; trying again (attempt " << attempt + 1 << " of "
+                        << kRestartAttempts << ")";
+    std::fflush(nullptr);
+    absl::SleepFor(absl::Milliseconds(500) * attempt);
+  }
   std::fflush(nullptr);
   std::_Exit(kExitFailure);
 }
