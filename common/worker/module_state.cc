@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <future>
 #include <optional>
@@ -380,7 +382,7 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
   pending_checkpoint_ = write.get_future();
   pending_step_ = committed;
   try {
-    std::thread(std::move(write)).detach();
+    writer_ = std::thread(std::move(write));
   } catch (const std::system_error& e) {
     pending_checkpoint_ = {};
     return absl::ResourceExhaustedError(
@@ -389,29 +391,57 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
   return absl::OkStatus();
 }
 
+namespace {
+// Set once any save of this process is given up as hung: the file system under checkpoint.dir
+// stopped answering, and no other save (a colocated worker's other module) is waited for again.
+std::atomic<bool> g_checkpoint_hung{false};
+// A wait longer than this (about 31 years; failure.step_timeout_s may be .inf) has no bound: in
+// nanoseconds it would overflow.
+constexpr double kMaxCheckpointWaitS = 1e9;
+}  // namespace
+
 absl::Status ModuleState::FinishCheckpoint() {
   if (!pending_checkpoint_.valid()) return absl::OkStatus();
-  if (checkpoint_hung_) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the ", name_, " checkpoint of step ", pending_step_, " was given up as hung before"));
+  // Half the step timeout: the coordinator's clock for the next step started with this step's
+  // commit, and this error, not its "did not finish", should say what went wrong.
+  const double seconds = spec_.failure().step_timeout_s() / 2;
+  const bool ready =
+      g_checkpoint_hung.load()
+          ? pending_checkpoint_.wait_for(std::chrono::seconds(0)) == std::future_status::ready
+      : !(seconds < kMaxCheckpointWaitS)
+          ? (pending_checkpoint_.wait(), true)
+          : pending_checkpoint_.wait_for(std::chrono::duration<double>(seconds)) ==
+                std::future_status::ready;
+  if (!ready) {
+    const bool first = !g_checkpoint_hung.exchange(true);
+    // The thread holds its own copy of everything it writes; the process's end takes it.
+    if (writer_.joinable()) writer_.detach();
+    return absl::DeadlineExceededError(
+        first ? absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
+                             " is still being written after ", config::FormatDouble(seconds),
+                             " s (half of failure.step_timeout_s): is checkpoint.dir (",
+                             spec_.checkpoint().dir(), ") on a file system that stopped answering?")
+              : absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
+                             " is not written, and another save of this process was given up as "
+                             "hung"));
   }
-  const double seconds = spec_.failure().step_timeout_s();
-  if (pending_checkpoint_.wait_for(std::chrono::duration<double>(seconds)) !=
-      std::future_status::ready) {
-    checkpoint_hung_ = true;
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the ", name_, " checkpoint of step ", pending_step_, " is still being written after ",
-        config::FormatDouble(seconds), " s (failure.step_timeout_s): is checkpoint.dir (",
-        spec_.checkpoint().dir(), ") on a file system that stopped answering?"));
-  }
+  // Done: the thread has set its result; join it, so that what it owns is freed here, not
+  // while the process exits.
+  if (writer_.joinable()) writer_.join();
   return pending_checkpoint_.get();
 }
 
 ModuleState::~ModuleState() {
-  // A save given up as hung was reported when it was; its thread is left to the process's end.
-  if (!pending_checkpoint_.valid() || checkpoint_hung_) return;
+  if (!pending_checkpoint_.valid()) {
+    if (writer_.joinable()) writer_.detach();  // given up as hung
+    return;
+  }
   const absl::Status status = FinishCheckpoint();
-  if (!status.ok()) HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
+  // A save given up as hung was reported where it was, and its thread is left to the process's
+  // end.
+  if (!status.ok() && !absl::IsDeadlineExceeded(status)) {
+    HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
+  }
 }
 
 void ModuleState::Discard() {

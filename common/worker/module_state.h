@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -93,7 +94,8 @@ class ModuleState {
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank);
 
   ModuleState(ModuleState&&) = default;
-  ModuleState& operator=(ModuleState&&) = default;
+  // No move assignment: it would have to finish the save in progress of the state it replaces.
+  ModuleState& operator=(ModuleState&&) = delete;
   // Waits for a checkpoint still being written, as FinishCheckpoint does (and logs its error).
   ~ModuleState();
 
@@ -115,8 +117,9 @@ class ModuleState {
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
   absl::Status WriteCheckpoint(int64_t committed, uint64_t commit_id);
-  // Waits for the save in progress, at most failure.step_timeout_s; its error, or
-  // DEADLINE_EXCEEDED (then the save is given up: every later call says so at once).
+  // Waits for the save in progress, at most half of failure.step_timeout_s; its error, or
+  // DEADLINE_EXCEEDED (then the save is given up, and so is every other save of this process
+  // still running when a later call asks).
   absl::Status FinishCheckpoint();
 
   nn::ParameterSet* params_ = nullptr;
@@ -124,8 +127,8 @@ class ModuleState {
   std::unique_ptr<train::ModuleOptimizer> optimizer_;
   v1::RunSpec spec_;  // the checkpoint section, the run's steps and batch, both layouts
   std::future<absl::Status> pending_checkpoint_;  // the save in progress
+  std::thread writer_;                              // its thread (detached once given up)
   int64_t pending_step_ = 0;                        // its step
-  bool checkpoint_hung_ = false;                    // it outlived its deadline
 };
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of

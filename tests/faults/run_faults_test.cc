@@ -541,9 +541,9 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
 }
 
 // A checkpoint write that never returns (step 2's manifest is a FIFO with no writer: reading it
-// blocks in open(), as a file system that stopped answering does) is given up after
-// failure.step_timeout_s when the next save needs it: the run fails, naming the step and the
-// directory, instead of waiting forever.
+// blocks in open(), as a file system that stopped answering does) is given up after half of
+// failure.step_timeout_s when the next save needs it, before the coordinator's step deadline: the
+// run fails, naming the step and the directory, instead of waiting forever.
 TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirectory) {
   const std::string checkpoints = dir_ + "/ckpt";
   fs::create_directories(checkpoints + "/step-000002");
@@ -551,7 +551,7 @@ TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirect
   std::vector<std::string> argv = RunArgs(4);
   for (const std::string& flag :
        std::vector<std::string>{"checkpoint.dir=" + checkpoints, "checkpoint.every=1",
-                                "failure.step_timeout_s=10"}) {
+                                "failure.step_timeout_s=30"}) {
     argv.insert(argv.end(), {"--set", flag});
   }
   auto result = RunCommand(argv, 240);
@@ -559,8 +559,8 @@ TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirect
   const std::string log = ReadFile(dir_ + "/hetpar-run.log") + result->stdout_text +
                           result->stderr_text;
   EXPECT_EQ(result->exit_code, 1) << log;
-  EXPECT_THAT(log, HasSubstr("checkpoint of step 2 is still being written after 10.0 s "
-                             "(failure.step_timeout_s): is checkpoint.dir (" +
+  EXPECT_THAT(log, HasSubstr("checkpoint of step 2 is still being written after 15.0 s "
+                             "(half of failure.step_timeout_s): is checkpoint.dir (" +
                              checkpoints + ")"));
   // Step 1's checkpoint was written in full before.
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
