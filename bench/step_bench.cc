@@ -61,6 +61,7 @@
 #include "bench/built_path.h"
 #include "bench/hetpar_run_util.h"
 #include "nlohmann/json.hpp"
+#include "yaml-cpp/yaml.h"
 
 using hetpar::bench::Median;
 using hetpar::bench::Quote;
@@ -150,15 +151,35 @@ int main(int argc, char** argv) {
   // "traced" repeats the first case with every step's timeline recorded (--trace): its step
   // time against the first case's is the cost of tracing (a step_trace line).
   // It runs right after the first case, so both see the machine in the same state.
-  const std::string pipeline =
-      " --set run.micro_batch=1 --set run.max_inflight=4 --set encoder.layout.dp=1"
-      " --set llm.model.layers=4 --set llm.layout.tp=1 --set llm.layout.pp=";
+  // A non-colocated encoder keeps as many jobs in flight as there are stages (4 at most here); a
+  // colocated run has no such window and refuses the field, and its encoder covers the LLM's
+  // ranks (one encoder replica per stage).
+  std::string placement = "non_colocated";
+  try {
+    const YAML::Node root = YAML::LoadFile(config);
+    if (root["placement"]) placement = root["placement"].as<std::string>();
+  } catch (const YAML::Exception& e) {
+    std::fprintf(stderr, "step_bench: --config %s: %s\n", config.c_str(), e.what());
+    return 2;
+  }
+  for (const std::string& o : overrides) {
+    if (o.rfind("placement=", 0) == 0) placement = o.substr(10);
+  }
+  const bool colocated = placement == "colocated";
+  const auto pipeline = [&](int stages) {
+    return " --set run.micro_batch=1" +
+           (colocated ? std::string() : std::string(" --set run.max_inflight=4")) +
+           " --set encoder.layout.dp=" + std::to_string(colocated ? stages : 1) +
+           " --set encoder.layout.tp=1 --set llm.model.layers=4 --set llm.layout.dp=1"
+           " --set llm.layout.tp=1 --set llm.layout.pp=" +
+           std::to_string(stages);
+  };
   const std::vector<Case> cases = {{"as_configured", ""},
                                    {"traced", " --trace 0:" + std::to_string(steps)},
                                    {"micro_batch_1", " --set run.micro_batch=1"},
-                                   {"pipeline_pp1", pipeline + "1"},
-                                   {"pipeline_pp2", pipeline + "2"},
-                                   {"pipeline_pp4", pipeline + "4"}};
+                                   {"pipeline_pp1", pipeline(1)},
+                                   {"pipeline_pp2", pipeline(2)},
+                                   {"pipeline_pp4", pipeline(4)}};
   for (const std::string& name : only) {
     if (std::none_of(cases.begin(), cases.end(), [&](const Case& c) { return c.name == name; })) {
       std::string known;

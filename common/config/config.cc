@@ -563,8 +563,6 @@ constexpr int64_t kMaxModuleRanks = int64_t{1} << 20;
 constexpr double kMaxGradBucketMib = 1024.0 * 1024.0;
 // The longest run.name.
 constexpr size_t kMaxRunNameChars = 128;
-// run.max_inflight when a config leaves it out.
-constexpr int64_t kDefaultMaxInflight = 2;
 
 // The product of `factors`, or nullopt where it overflows int64.
 std::optional<int64_t> Product(std::initializer_list<int64_t> factors) {

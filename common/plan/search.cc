@@ -119,6 +119,10 @@ absl::StatusOr<SearchResult> SearchLayouts(
         ImageGradientsCross(c.spec)) {
       c.spec.mutable_run()->set_max_inflight(lpp);
     }
+    // A colocated run has no job window: the field takes its default, whatever the base says.
+    if (placement == v1::PLACEMENT_COLOCATED) {
+      c.spec.mutable_run()->set_max_inflight(config::kDefaultMaxInflight);
+    }
     config::LoadedRunSpec loaded;
     loaded.spec = c.spec;
     if (!config::Validate(loaded, /*check_files=*/false, /*require_runnable=*/false).empty()) {

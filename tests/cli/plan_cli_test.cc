@@ -186,14 +186,19 @@ TEST(CliPlanTest, SearchOffersRunnablePipelinedLlms) {
   std::istringstream lines(r->stdout_text);
   std::string line;
   int pipelined = 0;
+  int homogeneous = 0;
   while (std::getline(lines, line)) {
     const auto c = nlohmann::json::parse(line);
+    // The colocated candidates take max_inflight's default (a colocated run refuses another),
+    // so the base's 1 does not drop them.
+    if (c["placement"] == "homogeneous") ++homogeneous;
     if (c["llm_layout"].get<std::string>().find("pp2") == std::string::npos) continue;
     ++pipelined;
     // One job in flight is too few for 2 stages fed by an encoder pool: the search raises it.
     EXPECT_TRUE(c["runnable"].get<bool>()) << line;
   }
   EXPECT_GT(pipelined, 0) << r->stdout_text;
+  EXPECT_GT(homogeneous, 0) << r->stdout_text;
 }
 
 TEST(CliPlanTest, PlannerInputErrorsExitTwo) {
