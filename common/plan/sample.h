@@ -27,8 +27,8 @@ struct SampleDescriptor {
   int64_t loss_tokens = 0;
   int64_t tokens_per_image = 0;
   std::vector<int64_t> image_starts;  // first placeholder position of each image
-  // CRC-32 of the sample's manifest id (0 for samples no data index named): a worker checks that
-  // its index holds the same sample at `id` (data::BatchSource::RecordFor).
+  // CRC-32 of the sample's manifest id (0: not given, e.g. samples no data index named): a worker
+  // checks that its index holds the same sample at `id` (data::BatchSource::RecordFor).
   uint32_t id_checksum = 0;
 
   int64_t image_count() const { return static_cast<int64_t>(image_starts.size()); }

@@ -100,7 +100,8 @@ while [ ${#step_names[@]} -gt 0 ]; do
 done
 if [ "$status" -eq 0 ]; then
   # The coordinator exits 0 for a run stopped early (hetpar stop) too: its journal tells them apart.
-  journal_field() { sed -n "s/^ *\"$1\": *\([0-9]*\).*/\1/p" "$RUN_DIR/journal.json" 2>/dev/null; }
+  # (|| true: under set -e a missing journal must reach the "unreadable" line, not end the job.)
+  journal_field() { sed -n "s/^ *\"$1\": *\([0-9]*\).*/\1/p" "$RUN_DIR/journal.json" 2>/dev/null || true; }
   committed=$(journal_field committed_steps)
   total=$(journal_field total_steps)
   if [ -n "$committed" ] && [ "$committed" = "$total" ]; then
