@@ -526,6 +526,12 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     if (code == 0) continue;
     if (state != v1::RUN_STATE_FAILED &&
         (lost.count(process.get()) != 0 || taken_out.count(process.get()) != 0)) {
+      // One whose exit the loop above did not see (the run ended first) is told here.
+      if (lost.count(process.get()) == 0) {
+        std::cerr << "hetpar run: " << process->name() << " (pid " << process->pid()
+                  << ") exited with code " << code
+                  << "; the coordinator had taken its replica out of the run\n";
+      }
       continue;
     }
     if (state == v1::RUN_STATE_DONE && is_late(process.get())) {
