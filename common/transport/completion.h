@@ -60,7 +60,8 @@ class Completion {
 // holds `std::shared_ptr<Completion> completion`), kept alive with the backend's `Core` (which
 // has Cancel(op) and Abandon(op)). Destroying it unfinished cancels the operation, waits up to
 // `abandon_timeout`, then abandons it (the backend tears down the peer's connection to release
-// the buffer) and waits up to `release_timeout` for the backend to let go.
+// the buffer) and waits up to `release_timeout` (the backend's teardown deadline) and a margin
+// for the backend to let go.
 template <class Core, class Op>
 class CompletionOperation final : public Operation {
  public:
@@ -79,11 +80,16 @@ class CompletionOperation final : public Operation {
                         << ": destroyed before it finished and could not be cancelled; tearing "
                            "down the connection to release the buffer";
     core_->Abandon(op_);
-    if (!op_->completion->WaitUntil(absl::Now() + release_timeout_)) {
+    // The backend's own deadline for the teardown starts when its thread takes the abandon,
+    // a little after this one: the margin keeps this wait from ending first, while the backend
+    // may still write into the buffer. The wait ends as soon as the backend lets go.
+    if (!op_->completion->WaitUntil(absl::Now() + release_timeout_ + kReleaseMargin)) {
       HETPAR_LOG(ERROR) << op_->completion->description()
                         << ": still held by the backend after the connection was torn down";
     }
   }
+
+  static constexpr absl::Duration kReleaseMargin = absl::Seconds(5);
 
   bool Done() const override { return op_->completion->done(); }
   absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
