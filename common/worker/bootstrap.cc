@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
                      << absl::FormatDuration(options.connect_timeout) << ")";
     HETPAR_RETURN_IF_ERROR(ctx->connection_->WaitForConnected(options.connect_timeout));
   }
+  HETPAR_LOG(INFO) << "data plane up; registering with the coordinator at " << options.coordinator;
   coordinator::WorkerSession::Options session_options;
   v1::RegisterRequest& request = session_options.registration;
   request.set_role(options.role == Role::kEncoder ? v1::WORKER_ROLE_ENCODER

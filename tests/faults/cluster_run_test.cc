@@ -190,6 +190,26 @@ class ClusterRunTest : public ::testing::Test {
     return cluster;
   }
 
+  // Where a live process's threads wait (state and kernel wait channel of each), for a failure
+  // message: what a worker that did not register was doing.
+  static std::string ThreadsOf(pid_t pid) {
+    std::string out = absl::StrCat("process ", pid, ":\n");
+    std::error_code error;
+    const std::string task = absl::StrCat("/proc/", pid, "/task");
+    for (const auto& entry : fs::directory_iterator(task, error)) {
+      const std::string dir = entry.path().string();
+      std::string stat = ReadFile(dir + "/stat");
+      const size_t close = stat.rfind(')');
+      std::string comm = ReadFile(dir + "/comm");
+      while (!comm.empty() && comm.back() == '\n') comm.pop_back();
+      absl::StrAppend(&out, "  ", entry.path().filename().string(), " ", comm, " state ",
+                      close == std::string::npos ? "?" : stat.substr(close + 2, 1), " wchan ",
+                      ReadFile(dir + "/wchan"), "\n");
+    }
+    if (error) absl::StrAppend(&out, "  (gone: ", error.message(), ")\n");
+    return out;
+  }
+
   // `hetpar run --reference` of the same settings: the numbers to compare with.
   std::string ReferenceRun() {
     std::vector<std::string> argv = {
@@ -450,8 +470,9 @@ TEST_F(ClusterRunTest, ARestartAfterAnEncoderReplicaWasLostGoesOnWithoutIt) {
   ASSERT_TRUE(code.ok()) << code.status();
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
   ASSERT_EQ(*code, 0) << restarted << "\nLLM rank 0:\n"
-                      << ReadFile(dir_ + "/worker-2.log") << "\nLLM rank 1:\n"
-                      << ReadFile(dir_ + "/worker-3.log");
+                      << ReadFile(dir_ + "/worker-2.log") << ThreadsOf(workers[2]->pid())
+                      << "\nLLM rank 1:\n"
+                      << ReadFile(dir_ + "/worker-3.log") << ThreadsOf(workers[3]->pid());
   EXPECT_THAT(restarted, HasSubstr("encoder replica 1 did not register within register_timeout 25s "
                                    "of the coordinator's restart"));
   EXPECT_THAT(restarted, HasSubstr("on 1 of 2 encoder replicas [0]"));
