@@ -523,6 +523,10 @@ absl::Status WorkerSession::Close(absl::Duration timeout) {
     // A cancelled call always completes promptly.
     mu_.Await(absl::Condition(&ended));
   }
+  // A lost coordinator's callback (a worker restarting itself) may still be running: it ends by
+  // returning or by replacing the process, never by waiting on this thread.
+  auto returned = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return on_lost_returned_; };
+  mu_.Await(absl::Condition(&returned));
   return final_status_;
 }
 
@@ -636,6 +640,8 @@ void WorkerSession::OnStreamDone(const absl::Status& status) {
     }
   }
   if (!lost.ok() && options_.on_lost) options_.on_lost(lost);
+  absl::MutexLock lock(&mu_);
+  on_lost_returned_ = true;
 }
 
 }  // namespace hetpar::coordinator

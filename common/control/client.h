@@ -212,6 +212,10 @@ class WorkerSession {
   v1::Assignment assignment_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::CoordinatorMessage> inbox_ ABSL_GUARDED_BY(mu_);
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  // OnStreamDone has returned from Options::on_lost (which may never return: a worker's restart
+  // replaces the process). Close waits for it, so that the session, and the callback with what it
+  // captured, are not destroyed under a restart that is still using them.
+  bool on_lost_returned_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status final_status_ ABSL_GUARDED_BY(mu_);
   bool stop_heartbeats_ ABSL_GUARDED_BY(mu_) = false;
   bool heartbeats_paused_ ABSL_GUARDED_BY(mu_) = false;
