@@ -60,8 +60,8 @@
 #include "CLI/CLI.hpp"
 #include "bench/built_path.h"
 #include "bench/hetpar_run_util.h"
+#include "common/config/config.h"
 #include "nlohmann/json.hpp"
-#include "yaml-cpp/yaml.h"
 
 using hetpar::bench::Median;
 using hetpar::bench::Quote;
@@ -154,18 +154,17 @@ int main(int argc, char** argv) {
   // A non-colocated encoder keeps as many jobs in flight as there are stages (4 at most here); a
   // colocated run has no such window and refuses the field, and its encoder covers the LLM's
   // ranks (one encoder replica per stage).
-  std::string placement = "non_colocated";
-  try {
-    const YAML::Node root = YAML::LoadFile(config);
-    if (root["placement"]) placement = root["placement"].as<std::string>();
-  } catch (const YAML::Exception& e) {
-    std::fprintf(stderr, "step_bench: --config %s: %s\n", config.c_str(), e.what());
+  hetpar::config::LoadOptions load;
+  load.overrides = overrides;
+  load.check_files = false;
+  load.require_runnable = false;
+  const auto loaded = hetpar::config::LoadRunSpecFile(config, load);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "step_bench: --config %s: %s\n", config.c_str(),
+                 std::string(loaded.status().message()).c_str());
     return 2;
   }
-  for (const std::string& o : overrides) {
-    if (o.rfind("placement=", 0) == 0) placement = o.substr(10);
-  }
-  const bool colocated = placement == "colocated";
+  const bool colocated = loaded->spec.placement() == hetpar::v1::PLACEMENT_COLOCATED;
   const auto pipeline = [&](int stages) {
     return " --set run.micro_batch=1" +
            (colocated ? std::string() : std::string(" --set run.max_inflight=4")) +

@@ -6,7 +6,7 @@
 add_executable(step_bench "${CMAKE_CURRENT_LIST_DIR}/step_bench.cc")
 hetpar_target_defaults(step_bench)
 target_include_directories(step_bench PRIVATE "${PROJECT_SOURCE_DIR}")
-target_link_libraries(step_bench PRIVATE nlohmann_json::nlohmann_json CLI11::CLI11 yaml-cpp)
+target_link_libraries(step_bench PRIVATE hetpar_common nlohmann_json::nlohmann_json CLI11::CLI11)
 target_compile_definitions(step_bench PRIVATE HETPAR_BIN="$<TARGET_FILE:hetpar>"
                                               HETPAR_SOURCE_DIR="${PROJECT_SOURCE_DIR}"
                                               TRANSPORT_BW_BIN="$<TARGET_FILE:transport_bw>")

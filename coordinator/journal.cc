@@ -128,10 +128,8 @@ absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec) {
       return absl::OkStatus();
     }
   }
-  absl::StatusOr<config::CheckpointSummary> summary = config::ReadCheckpointSummary(newest->path);
-  const std::string of_run = summary.ok() && !summary->run.empty()
-                                 ? absl::StrCat(", written by run '", summary->run, "'")
-                                 : std::string();
+  const std::string of_run =
+      newest->run.empty() ? std::string() : absl::StrCat(", written by run '", newest->run, "'");
   return absl::FailedPreconditionError(absl::StrCat(
       "checkpoint.dir '", dir, "' already holds checkpoints (the newest: ", newest->path,
       ", step ", newest->step, of_run,
@@ -153,7 +151,7 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& check
     if (!summary.ok()) continue;  // incomplete, or not a checkpoint
     if (summary->step > at_most) continue;
     if (!newest.has_value() || summary->step > newest->step) {
-      newest = FoundCheckpoint{entry.path().string(), summary->step};
+      newest = FoundCheckpoint{entry.path().string(), summary->step, summary->run};
     }
   }
   return newest;

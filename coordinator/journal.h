@@ -64,6 +64,7 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir);
 struct FoundCheckpoint {
   std::string path;
   int64_t step = 0;
+  std::string run;  // the run.name its manifest records; empty: it does not say
 };
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
     const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max());

@@ -70,12 +70,12 @@ struct LoadOptions {
   bool require_runnable = true;
 };
 
-// What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
-// was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
-// manifest without a step.
 // run.max_inflight when a config leaves it out, and the only value a colocated run accepts.
 inline constexpr int64_t kDefaultMaxInflight = 2;
 
+// What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
+// was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
+// manifest without a step.
 struct CheckpointSummary {
   int64_t step = 0;              // committed steps
   int64_t samples_trained = -1;  // -1: the manifest does not say

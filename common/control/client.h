@@ -48,12 +48,12 @@ struct ClientOptions {
   bool dedicated_connection = false;
 };
 
-// One channel to the coordinator with the run token attached to every call. Thread-safe;
-// shared by the clients below.
 // InvalidArgument naming `address` when it has no port ("host", "host:"): gRPC would retry
 // such an address until its deadline. CoordinatorConnection::Create checks it too.
 absl::Status CheckCoordinatorAddress(std::string_view address);
 
+// One channel to the coordinator with the run token attached to every call. Thread-safe;
+// shared by the clients below.
 class CoordinatorConnection {
  public:
   static absl::StatusOr<std::shared_ptr<CoordinatorConnection>> Create(ClientOptions options);

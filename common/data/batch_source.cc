@@ -17,8 +17,8 @@ plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t pos
   d.loss_tokens = record.loss_tokens;
   d.tokens_per_image = record.image_count > 0 ? record.tokens_per_image : 0;
   d.image_starts.assign(record.image_offsets.begin(), record.image_offsets.end());
-  d.id_checksum = static_cast<uint32_t>(
-      ::crc32(0, reinterpret_cast<const Bytef*>(record.id.data()), static_cast<uInt>(record.id.size())));
+  d.id_checksum = static_cast<uint32_t>(::crc32(
+      0, reinterpret_cast<const Bytef*>(record.id.data()), static_cast<uInt>(record.id.size())));
   return d;
 }
 

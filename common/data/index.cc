@@ -113,7 +113,7 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
       } else if (done < total) {
         reported = true;
         std::string left;
-        if (done > 0) {
+        if (done > 0 && elapsed > absl::ZeroDuration()) {
           const double rate = static_cast<double>(done) / absl::ToDoubleSeconds(elapsed);
           left = absl::StrCat(", ", static_cast<int64_t>(rate), " samples/s, about ",
                               absl::FormatDuration(absl::Trunc(

@@ -89,8 +89,6 @@ class CompletionOperation final : public Operation {
     }
   }
 
-  static constexpr absl::Duration kReleaseMargin = absl::Seconds(5);
-
   bool Done() const override { return op_->completion->done(); }
   absl::Status Wait(absl::Time deadline) override { return op_->completion->Wait(deadline); }
   void Cancel() override { core_->Cancel(op_); }
@@ -102,6 +100,7 @@ class CompletionOperation final : public Operation {
   std::shared_ptr<Op> op_;
   const absl::Duration abandon_timeout_;
   const absl::Duration release_timeout_;
+  static constexpr absl::Duration kReleaseMargin = absl::Seconds(5);
 };
 
 }  // namespace hetpar::transport

@@ -99,14 +99,11 @@ constexpr int kRestartAttempts = 5;
   sigset_t none;
   sigemptyset(&none);
   pthread_sigmask(SIG_SETMASK, &none, nullptr);
-  // A failure that can pass (ENOMEM, EAGAIN, ETXTBSY) is tried again, a few times. So is
-  // EFAULT: an execve of an earlier form of this restart failed with it once under load, for a
-  // cause not established; the arguments are now this thread's own copies.
+  // A failure that can pass (ENOMEM, EAGAIN, ETXTBSY) is tried again, a few times.
   for (int attempt = 1;; ++attempt) {
     ::execve("/proc/self/exe", argv_copy.data(), envp.data());
     const int error = errno;
-    const bool transient = error == EFAULT || error == ENOMEM || error == EAGAIN ||
-                           error == ETXTBSY;
+    const bool transient = error == ENOMEM || error == EAGAIN || error == ETXTBSY;
     if (!transient || attempt == kRestartAttempts) {
       HETPAR_LOG(ERROR) << "cannot restart this worker: execve (attempt " << attempt << " of "
                         << kRestartAttempts << "): " << std::strerror(error);

@@ -556,11 +556,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   if (state == v1::RUN_STATE_FAILED && failure.empty()) {
     failure = final_status.state_message() + not_told;
   }
+  // A signal that came as the last step committed leaves the run done.
   if (failure == "interrupted" && state != v1::RUN_STATE_FAILED &&
       final_status.committed_steps() >= final_status.total_steps()) {
-    failure.clear();  // the signal came as the last step committed: the run is done
-  }
-  if (failure == "interrupted" && state != v1::RUN_STATE_FAILED) {
+    failure.clear();
+  } else if (failure == "interrupted" && state != v1::RUN_STATE_FAILED) {
     // Stopped as asked (Ctrl-C, SIGTERM): not a failure, and it says how the run goes on.
     std::string next = "it wrote no checkpoint (no checkpoint.dir): a new run starts over";
     if (!spec.checkpoint().dir().empty()) {
