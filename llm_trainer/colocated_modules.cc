@@ -72,6 +72,11 @@ absl::Status ColocatedModules::Regroup(int64_t generation, const worker::StepRep
   return llm_->Regroup(generation, replicas);
 }
 
+absl::Status ColocatedModules::Skip(int64_t step, bool checkpoint, uint64_t commit_id) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Skip(step, checkpoint, commit_id));
+  return llm_->Skip(step, checkpoint, commit_id);
+}
+
 void ColocatedModules::Discard() {
   encoder_->Discard();
   llm_->Discard();

@@ -28,6 +28,7 @@ class ColocatedModules : public worker::ModuleRuntime {
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
                      uint64_t commit_id) override;
   void Discard() override;
+  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) override;
   void StepNotRun(const plan::RankStepPlan& plan) override;
   absl::Status Regroup(int64_t generation, const worker::StepReplicas& replicas) override;
   absl::Status WriteOutputs(const worker::OutputSender& send, int64_t world_rank) override;

@@ -74,6 +74,10 @@ class ModuleRuntime {
                              uint64_t commit_id) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
+  // The coordinator committed step `step` without an update (a non-finite gradient norm): drop
+  // its gradients, parameters stay as they were; then write the checkpoint Apply would have
+  // written (the state after the step is the one before it).
+  virtual absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) = 0;
   // The step of `plan` failed on this rank before RunStep (its groups could not be formed, or a
   // joined replica's state did not arrive): the boundary messages live peers still send in it
   // are absorbed, as when RunStep fails. Left unmatched, a sender's large message would hold its

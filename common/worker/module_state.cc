@@ -16,6 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "common/nn/torch_status.h"
@@ -311,6 +314,15 @@ absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool chec
                                 uint64_t commit_id) {
   grad_square_sum_.reset();
   HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
+  return CheckpointIfDue(step, checkpoint_now, commit_id);
+}
+
+absl::Status ModuleState::Skip(int64_t step, bool checkpoint_now, uint64_t commit_id) {
+  Discard();
+  return CheckpointIfDue(step, checkpoint_now, commit_id);
+}
+
+absl::Status ModuleState::CheckpointIfDue(int64_t step, bool checkpoint_now, uint64_t commit_id) {
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const int64_t committed = step + 1;
   const bool due =
@@ -320,6 +332,43 @@ absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool chec
   if (!due || gradient_rank_ != 0) return absl::OkStatus();
   return Annotate(WriteCheckpoint(committed, commit_id),
                   absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
+}
+
+namespace {
+// Set once any save of this process is given up as hung: the file system under checkpoint.dir
+// stopped answering, and no other save (a colocated worker's other module) is waited for again.
+std::atomic<bool> g_checkpoint_hung{false};
+// A wait longer than this (about 31 years; failure.step_timeout_s may be .inf) has no bound: in
+// nanoseconds it would overflow.
+constexpr double kMaxCheckpointWaitS = 1e9;
+
+// The checkpoint writes of this process still running, and the latest time one of them may still
+// be waited for (its start plus half of failure.step_timeout_s, FinishCheckpoint's bound): what
+// a worker that restarts itself waits for first (AwaitCheckpointWrites).
+absl::Mutex g_writes_mu;
+int g_writes_running ABSL_GUARDED_BY(g_writes_mu) = 0;
+absl::Time g_writes_bound ABSL_GUARDED_BY(g_writes_mu) = absl::InfinitePast();
+
+absl::Duration HalfStepTimeout(const v1::RunSpec& spec) {
+  const double seconds = spec.failure().step_timeout_s() / 2;
+  return seconds < kMaxCheckpointWaitS ? absl::Seconds(seconds) : absl::InfiniteDuration();
+}
+}  // namespace
+
+int RunningCheckpointWrites() {
+  absl::MutexLock lock(&g_writes_mu);
+  return g_writes_running;
+}
+
+int AwaitCheckpointWrites() {
+  absl::MutexLock lock(&g_writes_mu);
+  // A save given up as hung is not waited for again.
+  if (!g_checkpoint_hung.load()) {
+    g_writes_mu.AwaitWithDeadline(
+        absl::Condition(+[](int* running) { return *running == 0; }, &g_writes_running),
+        g_writes_bound);
+  }
+  return g_writes_running;
 }
 
 absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id) {
@@ -365,6 +414,12 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
       [dir, snapshot = std::move(snapshot), expected = std::move(expected),
        extra = std::move(extra), parent = checkpoint.dir(), keep = checkpoint.keep(), committed,
        copy_s, commit_id]() -> absl::Status {
+        struct Done {
+          ~Done() {
+            absl::MutexLock lock(&g_writes_mu);
+            --g_writes_running;
+          }
+        } done;
         const absl::Time start = absl::Now();
         HETPAR_RETURN_IF_ERROR(train::WriteShardSnapshot(dir, snapshot));
         HETPAR_ASSIGN_OR_RETURN(bool complete,
@@ -381,24 +436,24 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
       });
   pending_checkpoint_ = write.get_future();
   pending_step_ = committed;
+  {
+    absl::MutexLock lock(&g_writes_mu);
+    ++g_writes_running;
+    g_writes_bound = std::max(g_writes_bound, absl::Now() + HalfStepTimeout(spec_));
+  }
   try {
     writer_ = std::thread(std::move(write));
   } catch (const std::system_error& e) {
+    {
+      absl::MutexLock lock(&g_writes_mu);
+      --g_writes_running;
+    }
     pending_checkpoint_ = {};
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot start the checkpoint writer thread: ", e.what()));
   }
   return absl::OkStatus();
 }
-
-namespace {
-// Set once any save of this process is given up as hung: the file system under checkpoint.dir
-// stopped answering, and no other save (a colocated worker's other module) is waited for again.
-std::atomic<bool> g_checkpoint_hung{false};
-// A wait longer than this (about 31 years; failure.step_timeout_s may be .inf) has no bound: in
-// nanoseconds it would overflow.
-constexpr double kMaxCheckpointWaitS = 1e9;
-}  // namespace
 
 absl::Status ModuleState::FinishCheckpoint() {
   if (!pending_checkpoint_.valid()) return absl::OkStatus();

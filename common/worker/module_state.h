@@ -90,6 +90,8 @@ class ModuleState {
   std::vector<GradNormShare> GradNormShares() const;
   absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint, uint64_t commit_id);
   void Discard();
+  // A step committed without an update: Discard, then the checkpoint Apply would write.
+  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id);
   // Waits for a checkpoint still being written first.
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank);
 
@@ -121,6 +123,8 @@ class ModuleState {
   // DEADLINE_EXCEEDED (then the save is given up, and so is every other save of this process
   // still running when a later call asks).
   absl::Status FinishCheckpoint();
+  // After step `step` committed: the checkpoint its interval or the commit asks for, if any.
+  absl::Status CheckpointIfDue(int64_t step, bool checkpoint_now, uint64_t commit_id);
 
   nn::ParameterSet* params_ = nullptr;
   std::optional<double> grad_square_sum_;  // EndStep's read of this step's share
@@ -130,6 +134,14 @@ class ModuleState {
   std::thread writer_;                              // its thread (detached once given up)
   int64_t pending_step_ = 0;                        // its step
 };
+
+// Waits until no checkpoint write of this process is running, at most until the bound each
+// write's own wait has (half of failure.step_timeout_s after it started), and not at all once a
+// save was given up as hung. Returns the number of writes still running. A worker that replaces
+// its process (a lost coordinator) calls it first, so that the checkpoint of the step it just
+// committed is not cut off halfway.
+int AwaitCheckpointWrites();
+int RunningCheckpointWrites();  // the writes running now
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
 // `generation` (once), then forms each state's groups in it.
@@ -145,6 +157,9 @@ class SingleModuleRuntime : public ModuleRuntime {
     return state_.Apply(step, clip_coefficient, checkpoint, commit_id);
   }
   void Discard() override { state_.Discard(); }
+  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) override {
+    return state_.Skip(step, checkpoint, commit_id);
+  }
   void StepNotRun(const plan::RankStepPlan& plan) override {
     context_->boundary().AbandonUnrun(plan);
   }

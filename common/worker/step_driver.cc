@@ -324,9 +324,11 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   if (norm.grad_norm().skip()) {
     // A non-finite norm: the step is committed without an update.
     HETPAR_LOG(WARNING) << "step " << step << " skipped: its gradient norm is "
-                        << norm.grad_norm().norm()
-                        << (commit.commit().checkpoint() ? " (and not checkpointed)" : "");
-    modules_->Discard();
+                        << norm.grad_norm().norm();
+    // Committed all the same: its checkpoint, when one is due, holds the state it left.
+    HETPAR_RETURN_IF_ERROR(Annotate(
+        modules_->Skip(step, commit.commit().checkpoint(), commit.commit().commit_id()),
+        absl::StrCat("step ", step, " (skipped)")));
     ++steps_skipped_;
     last_optimizer_s_ = 0;
     state_ = State::kAwaitingPlan;

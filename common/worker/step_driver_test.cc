@@ -98,6 +98,11 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
+  absl::Status Skip(int64_t step, bool checkpoint, uint64_t /*commit_id*/) override {
+    calls.push_back(absl::StrCat("skip ", step, checkpoint ? " checkpoint" : ""));
+    pending = false;
+    return absl::OkStatus();
+  }
   void StepNotRun(const plan::RankStepPlan& plan) override {
     calls.push_back(absl::StrCat("not run ", plan.step));
   }
@@ -289,13 +294,15 @@ TEST(StepDriverTest, ACommittedStepWithANonFiniteNormIsDiscardedNotApplied) {
   RecordingModule module;
   v1::CoordinatorMessage skip = Norm(2, 1.0);
   skip.mutable_grad_norm()->set_skip(true);
-  for (auto m : {Plan(2), skip, Commit(2), Plan(3), Norm(3, 1.0), Commit(3), Stop()}) {
+  // The commit asks for a checkpoint (a stop with one): the skipped step still writes it.
+  for (auto m : {Plan(2), skip, Commit(2, /*checkpoint=*/true), Plan(3), Norm(3, 1.0), Commit(3),
+                 Stop()}) {
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
   StepDriver driver(&channel, &module, RecordingApplied(&applied_steps));
   ASSERT_TRUE(driver.Run().ok());
-  EXPECT_THAT(module.calls, ElementsAre("run 2", "discard", "run 3", "apply 3 clip 1"));
+  EXPECT_THAT(module.calls, ElementsAre("run 2", "skip 2 checkpoint", "run 3", "apply 3 clip 1"));
   EXPECT_EQ(driver.steps_skipped(), 1);
   EXPECT_EQ(driver.steps_applied(), 1);
   EXPECT_THAT(applied_steps, ElementsAre(3));

@@ -23,6 +23,7 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/cli_checks.h"
 #include "common/control/client.h"
 #include "common/control/security.h"
@@ -32,6 +33,7 @@
 #include "common/trace/recorder.h"
 #include "common/version.h"
 #include "common/worker/launch_options.h"
+#include "common/worker/module_state.h"
 #include "common/worker/outputs.h"
 #include "common/worker/step_driver.h"
 
@@ -51,7 +53,10 @@ constexpr char kReconnectDeadlineEnv[] = "HETPAR_RECONNECT_DEADLINE";
 // The session of the run this worker trains in, while its step driver runs: a SIGTERM then asks
 // the coordinator to let the worker leave after the step in flight (Leave) instead of ending the
 // process at once.
-std::atomic<coordinator::WorkerSession*> g_training_session{nullptr};
+// Held while the signal thread uses the session, so that Serve's clearing of it waits for that
+// use to end before the session can be destroyed.
+absl::Mutex g_training_session_mu;
+coordinator::WorkerSession* g_training_session ABSL_GUARDED_BY(g_training_session_mu) = nullptr;
 
 // Marks every descriptor above stderr close-on-exec: the copy must not keep the sockets of the
 // lost run's process groups open, or its peers would not see them close.
@@ -78,6 +83,15 @@ constexpr int kRestartAttempts = 5;
                       << why.message()
                       << "); restarting this worker to register again with it (waiting up to "
                       << absl::FormatDuration(reconnect_timeout) << ", --reconnect-timeout)";
+  // The checkpoint of the step just committed may still be being written: a restarted
+  // coordinator resumes from it once it is complete, so it is not cut off here.
+  if (RunningCheckpointWrites() > 0) {
+    HETPAR_LOG(INFO) << "waiting for the checkpoint being written to finish before restarting";
+  }
+  if (const int running = AwaitCheckpointWrites(); running > 0) {
+    HETPAR_LOG(WARNING) << running << " checkpoint write(s) still running past their deadline; "
+                        << "restarting without them";
+  }
   std::cerr.flush();
   std::clog.flush();
   std::fflush(nullptr);
@@ -176,9 +190,15 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     HETPAR_LOG(INFO) << "joined the running run; the module's state comes from a live replica "
                         "before the first step";
   }
-  g_training_session.store(&context->session());
+  {
+    absl::MutexLock lock(&g_training_session_mu);
+    g_training_session = &context->session();
+  }
   const absl::Status run = driver.Run();
-  g_training_session.store(nullptr);
+  {
+    absl::MutexLock lock(&g_training_session_mu);
+    g_training_session = nullptr;
+  }
   flush_trace();
   HETPAR_RETURN_IF_ERROR(run);
   if (driver.left_run()) {
@@ -321,6 +341,10 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     const int code = app.exit(e);
     return code == 0 ? 0 : kExitInvalidInput;
   }
+  // A write to a peer that has gone (a Gloo socket whose peer restarted or died; Gloo writes
+  // with writev, without MSG_NOSIGNAL) must fail that write with EPIPE, which the step reports,
+  // not end this process without a word.
+  ::signal(SIGPIPE, SIG_IGN);
   // SIGINT and SIGTERM go to one thread (below): block them before any thread starts (the
   // intra-op pool, gRPC, UCX), so every thread inherits the mask.
   sigset_t signals;
@@ -429,10 +453,12 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
         terminated.set_value();
         return;
       }
-      coordinator::WorkerSession* session = g_training_session.load();
+      absl::ReleasableMutexLock lock(&g_training_session_mu);
+      coordinator::WorkerSession* session = g_training_session;
       if (signal == SIGTERM && !leave_asked.load() && session != nullptr) {
         leave_asked.store(true);
         const absl::Status sent = session->SendLeave("SIGTERM");
+        lock.Release();
         HETPAR_LOG(WARNING) << "SIGTERM: "
                             << (sent.ok() ? "asked the coordinator to let this worker leave "
                                             "after the step in flight (a second signal ends it "
