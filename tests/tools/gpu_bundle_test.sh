@@ -166,6 +166,32 @@ main = [l for l in lines if l.get("part") == "main"][0]
 assert main["not_run"] and main["failed"] == 0 and main["failures"] == [], main
 EOF
 
+# ---- A GPU that libtorch does not see ----
+# nvidia-smi lists a GPU (here a stand-in on PATH for the host's) that torch cannot use (a driver
+# too old for its CUDA, say): the check fails, where it used to carry on as on a CPU machine and
+# end ok. (With --deadline 1 nothing else runs.)
+mkdir -p "$work/smi"
+cat >"$work/smi/nvidia-smi" <<'EOF'
+#!/bin/sh
+case "$*" in
+  -L) echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000-0000-0000-0000-000000000000)" ;;
+  *compute_mode*) echo Default ;;
+  *driver_version*) echo 550.54.15 ;;
+  *) exit 1 ;;
+esac
+EOF
+chmod +x "$work/smi/nvidia-smi"
+status=0
+PATH="$work/smi:$PATH" "$repo/tools/gpu-check" --bundle "$work/bundle" --no-train --deadline 1 \
+  >"$work/unseen.jsonl" 2>"$work/unseen.log" || status=$?
+[ "$status" = 1 ] || fail "a listed GPU that torch cannot see: exit status $status, expected 1"
+grep -q "FAILED: nvidia-smi lists a GPU that libtorch did not use" "$work/unseen.log" ||
+  { tail -n 20 "$work/unseen.log" >&2; fail "a listed GPU that torch cannot see: not named as the failure"; }
+grep -q '"check":"gpu_present","nvidia_smi":true,"gpus":1,.*"driver":"550.54.15",.*"torch_gpus":0' \
+  "$work/unseen.jsonl" || { cat "$work/unseen.jsonl" >&2; fail "gpu_present without the GPU, driver or torch's count"; }
+grep -q '"check":"gpu_check","ok":false,"gpu":false,"gpu_listed":true' "$work/unseen.jsonl" ||
+  { cat "$work/unseen.jsonl" >&2; fail "the summary does not say a listed GPU went unused"; }
+
 # ---- Refusals ----
 # expect_refusal NAME BUNDLE PATTERN WHAT [PREFIX...]: gpu-check (after PREFIX) on BUNDLE exits 1
 # with a line matching PATTERN, and runs no gpu test; WHAT names the case in failures.
