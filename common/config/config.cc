@@ -339,9 +339,12 @@ class YamlToProto {
   void Issue(const std::string& path, std::string message, const YAML::Node& at) {
     std::string where = source_->source_name();
     if (at.Mark().line >= 0) where = absl::StrCat(where, ":", at.Mark().line + 1);
-    // A node a --set put there has its line in the flag's text, not in the file.
+    // A node a --set put there has its line in the flag's text, not in the file. A mapping on
+    // the way to a --set's key that the file did not have (no line: the --set made it, so a
+    // misspelt `--set llm.modle.heads=2` is told at its flag) is the flag's too.
     for (const auto& [overridden, assignment] : overrides_) {
-      if (path == overridden || absl::StartsWith(path, overridden + ".")) {
+      if (path == overridden || absl::StartsWith(path, overridden + ".") ||
+          (at.Mark().line < 0 && absl::StartsWith(overridden, path + "."))) {
         where = absl::StrCat("--set ", assignment);
       }
     }
@@ -1080,11 +1083,19 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     const auto& o = module == "encoder" ? s.encoder().optimizer() : s.llm().optimizer();
     const std::string p = module + ".optimizer.";
     if (!(o.lr() > 0)) c.Fail(p + "lr", absl::StrCat("=", FormatDouble(o.lr()), " must be > 0"));
-    if (o.weight_decay() < 0) c.Fail(p + "weight_decay", "must be >= 0");
-    if (o.beta1() < 0 || o.beta1() >= 1) c.Fail(p + "beta1", "must be in [0, 1)");
-    if (o.beta2() < 0 || o.beta2() >= 1) c.Fail(p + "beta2", "must be in [0, 1)");
-    if (!(o.eps() > 0)) c.Fail(p + "eps", "must be > 0");
-    if (o.warmup_steps() < 0) c.Fail(p + "warmup_steps", "must be >= 0");
+    if (!(o.weight_decay() >= 0)) {
+      c.Fail(p + "weight_decay", absl::StrCat("=", FormatDouble(o.weight_decay()), " must be >= 0"));
+    }
+    for (const auto& [name, beta] : {std::pair<const char*, double>{"beta1", o.beta1()},
+                                     {"beta2", o.beta2()}}) {
+      if (!(beta >= 0 && beta < 1)) {
+        c.Fail(p + name, absl::StrCat("=", FormatDouble(beta), " must be in [0, 1)"));
+      }
+    }
+    if (!(o.eps() > 0)) c.Fail(p + "eps", absl::StrCat("=", FormatDouble(o.eps()), " must be > 0"));
+    if (o.warmup_steps() < 0) {
+      c.Fail(p + "warmup_steps", absl::StrCat("=", o.warmup_steps(), " must be >= 0"));
+    }
   }
 
   // data

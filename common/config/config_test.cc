@@ -494,6 +494,21 @@ TEST(ConfigTest, AnOverrideProblemNamesTheFlagNotALineOfTheFile) {
               HasSubstr("llm.layout.tp: expected an integer, got 'x' (--set llm.layout={tp: x})"));
 }
 
+TEST(ConfigTest, AMisspeltKeyOnAnOverridesWayNamesTheFlag) {
+  // The flag made the mapping `modle` (and a top-level `optimizer`): the file has no line of it.
+  EXPECT_THAT(std::string(Load(kValid, {"llm.modle.heads=2"}).status().message()),
+              HasSubstr("llm.modle: unknown key 'modle'"));
+  EXPECT_THAT(std::string(Load(kValid, {"llm.modle.heads=2"}).status().message()),
+              HasSubstr("(--set llm.modle.heads=2)"));
+  EXPECT_THAT(std::string(Load(kValid, {"optimizer.lr=1"}).status().message()),
+              HasSubstr("(--set optimizer.lr=1)"));
+  // A key the file wrote keeps the file's line, whatever a --set under it does.
+  const std::string text = Replace("  steps: 3", "  steps: 3\n  stpes: {a: 1}");
+  const std::string message(Load(text, {"run.stpes.x=1"}).status().message());
+  EXPECT_THAT(message, HasSubstr("run.stpes: unknown key"));
+  EXPECT_THAT(message, ::testing::Not(HasSubstr("(--set run.stpes.x=1)")));
+}
+
 TEST(ConfigTest, AMappingOverrideMergesIntoTheFilesMapping) {
   // The file's llm.layout is {dp: 2, tp: 2}: setting tp alone keeps dp.
   auto result = Load(kValid, {"llm.layout={tp: 1}"});

@@ -2,8 +2,9 @@
 // where it is, the run token and TLS.
 //
 // Address: --coordinator, else $HETPAR_COORDINATOR, else coordinator.listen of --config, else
-// 127.0.0.1:50051. Token: --token-file, else $HETPAR_TOKEN, else coordinator.token_file of
-// --config, else the token a local coordinator generated (security.h, LocalTokenPath).
+// 127.0.0.1:50051. Token: --token-file, else $HETPAR_TOKEN_FILE, else $HETPAR_TOKEN, else
+// coordinator.token_file of --config, else the token a local coordinator generated (security.h,
+// LocalTokenPath).
 #ifndef HETPAR_COORDINATOR_CLI_CONNECTION_FLAGS_H_
 #define HETPAR_COORDINATOR_CLI_CONNECTION_FLAGS_H_
 
@@ -40,7 +41,8 @@ inline void AddConnectionFlags(CLI::App* command, ConnectionFlags* flags) {
   command->add_option("-c,--config", flags->config,
                       "RunSpec YAML: its coordinator.listen and coordinator.token_file are used");
   command->add_option("--token-file", flags->token_file,
-                      "File with the run token (default: $HETPAR_TOKEN, the config's "
+                      "File with the run token (default: $HETPAR_TOKEN_FILE, then the token in "
+                      "$HETPAR_TOKEN, the config's "
                       "coordinator.token_file, or the token a local coordinator generated)");
   command->add_option("--tls-ca", flags->tls.ca_file,
                       "PEM CA of the coordinator's certificate; enables TLS");
