@@ -37,12 +37,9 @@ absl::Status Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create run directory '", path, "': ", ec.message()));
   }
-  std::ofstream config(path + "/config.yaml");
-  config << config::RunSpecToYaml(spec);
-  if (!config) {
-    return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "/config.yaml'"));
-  }
-  return absl::OkStatus();
+  // Whole or not at all: a coordinator continuing the run reads it back, and a file cut short
+  // by a crash or a full disk would not load.
+  return WriteFileAtomically(path + "/config.yaml", config::RunSpecToYaml(spec));
 }
 
 }  // namespace

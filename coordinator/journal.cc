@@ -139,7 +139,7 @@ absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec) {
 }
 
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir,
-                                                        int64_t at_most) {
+                                                        int64_t at_most, const std::string& run) {
   std::optional<FoundCheckpoint> newest;
   std::error_code ec;
   if (checkpoint_dir.empty()) return newest;
@@ -150,6 +150,7 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& check
         config::ReadCheckpointSummary(entry.path().string());
     if (!summary.ok()) continue;  // incomplete, or not a checkpoint
     if (summary->step > at_most) continue;
+    if (!run.empty() && !summary->run.empty() && summary->run != run) continue;
     if (!newest.has_value() || summary->step > newest->step) {
       newest = FoundCheckpoint{entry.path().string(), summary->step, summary->run};
     }

@@ -66,8 +66,11 @@ struct FoundCheckpoint {
   int64_t step = 0;
   std::string run;  // the run.name its manifest records; empty: it does not say
 };
+// With `run`, only the checkpoints that run wrote (or whose manifest names no run) count: a
+// directory may also hold the checkpoints of a run this one resumed from.
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
-    const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max());
+    const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max(),
+    const std::string& run = "");
 
 // A run started afresh (not continued from its journal) writes into checkpoint.dir only when the
 // directory holds no complete checkpoint, or when the run resumes from one of them: the

@@ -83,7 +83,7 @@ class JournalTest : public ::testing::Test {
 
   // A complete checkpoint of `step` at <dir_>/<name>, with a manifest as CompleteIfAllWritten
   // (common/train/checkpoint.cc) writes it.
-  std::string MakeCheckpoint(const std::string& name, int64_t step) {
+  std::string MakeCheckpoint(const std::string& name, int64_t step, const std::string& run = "") {
     const std::string path = dir_ + "/" + name;
     fs::create_directories(path);
     const nlohmann::json manifest = {
@@ -94,7 +94,9 @@ class JournalTest : public ::testing::Test {
                                            {"bytes", 16},
                                            {"crc32", 1234}}})},
         {"extra", {{"samples_trained", step * 8}}}};
-    WriteText(path + "/manifest.json", manifest.dump(2) + "\n");
+    nlohmann::json written = manifest;
+    if (!run.empty()) written["extra"]["run"] = run;
+    WriteText(path + "/manifest.json", written.dump(2) + "\n");
     return path;
   }
 
@@ -394,6 +396,19 @@ TEST_F(JournalTest, NewestCheckpointIsTheHighestStep) {
   ASSERT_TRUE(found.has_value());
   EXPECT_EQ(found->step, 12);
   EXPECT_EQ(fs::path(found->path).filename(), "step-000012");
+}
+
+TEST_F(JournalTest, NewestCheckpointOfARunPassesOverAnotherRunsNewerOnes) {
+  // Run b resumed from run a's step 2 in the same directory; a also wrote step 6.
+  MakeCheckpoint("step-000002", 2, "a");
+  MakeCheckpoint("step-000004", 4, "b");
+  MakeCheckpoint("step-000006", 6, "a");
+  MakeCheckpoint("step-000008", 8);  // names no run: anyone's
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 7, "b")->step, 4);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 7, "a")->step, 6);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 7)->step, 6);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "b")->step, 8);
+  EXPECT_FALSE(NewestCompleteCheckpoint(dir_, 3, "b").has_value());
 }
 
 }  // namespace

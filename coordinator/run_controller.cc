@@ -947,9 +947,17 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
                       &actions->messages);
 }
 
+void RunController::OutputProgress(absl::Time now) {
+  if (state_ == v1::RUN_STATE_STOPPING) {
+    stop_deadline_ = std::max(stop_deadline_, now + options_.stop_timeout);
+  }
+}
+
 void RunController::Tick(absl::Time now, Actions* actions) {
   if (state_ == v1::RUN_STATE_DONE || state_ == v1::RUN_STATE_FAILED) return;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
+    // An earlier loss in this loop may have ended this worker's replica with it.
+    if (!worker->alive) continue;
     const absl::Duration silent = now - worker->last_heartbeat;
     if (silent > options_.heartbeat_timeout) {
       LoseWorker(worker,
@@ -970,9 +978,12 @@ void RunController::Tick(absl::Time now, Actions* actions) {
             worker->worker_id, absl::AbortedError(absl::StrCat("run stopped: ", state_message_)));
         membership_.MarkDead(worker->worker_id, "did not close its session after stop");
       }
-      HETPAR_LOG(WARNING) << open.size() << " worker(s) did not close their session within "
+      HETPAR_LOG(WARNING) << open.size()
+                          << " worker(s) did not close their session by the stop's deadline ("
                           << absl::FormatDuration(options_.stop_timeout)
-                          << " of stop: " << absl::StrJoin(open, ", ");
+                          << " after the stop, its last checkpoint or its last output): "
+                          << absl::StrJoin(open, ", ");
+      cut_at_stop_ = open;
       state_ = v1::RUN_STATE_DONE;
     }
     return;
@@ -1005,6 +1016,12 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   state_ = v1::RUN_STATE_STOPPING;
   state_message_ = reason;
   stop_deadline_ = now + options_.stop_timeout;
+  if (!spec_.checkpoint().dir().empty()) {
+    // Before its outputs each worker waits for its last checkpoint, at most half of
+    // failure.step_timeout_s (ModuleState::FinishCheckpoint).
+    const double half = spec_.failure().step_timeout_s() / 2;
+    stop_deadline_ += half < 1e9 ? absl::Seconds(half) : absl::InfiniteDuration();
+  }
   HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (!worker->session_open) continue;

@@ -19,7 +19,9 @@
 //    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
 //    max_step_attempts times in a row fails the run. After run.steps commits the run stops.
 //  * stopping: StopRun has been sent; the run is done when every session has closed, or at
-//    stop_timeout.
+//    the stop's deadline: stop_timeout, plus half of failure.step_timeout_s when the workers
+//    may still be writing a checkpoint (what a worker waits for it before its outputs), and
+//    moved on while outputs arrive (OutputProgress).
 //
 // Every method takes the current time and appends what the server must do to `Actions`. Not
 // thread-safe: the server calls it with its own lock held.
@@ -108,6 +110,13 @@ class RunController {
   }
   // Prepare has returned: the first step may start, or the run fails with its error.
   void PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions);
+
+  // A chunk of a worker's outputs arrived: while the run stops, its deadline moves to at least
+  // stop_timeout from now, so a large model still uploading is not cut off.
+  void OutputProgress(absl::Time now);
+  // The workers whose sessions were still open at the stop's deadline and were ended: their
+  // outputs may be missing. Empty when every worker closed its session itself.
+  const std::vector<std::string>& cut_at_stop() const { return cut_at_stop_; }
 
   v1::StatusResponse Status(absl::Time now) const;
   // With ControllerOptions::keep_committed_steps: the timings of the steps committed since the
@@ -203,6 +212,7 @@ class RunController {
   // When ranks became missing (creation); InfiniteFuture once complete.
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();
+  std::vector<std::string> cut_at_stop_;  // see cut_at_stop()
   int64_t committed_steps_ = 0;
   std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
   int step_attempts_ = 0;         // aborts of the current step in a row

@@ -986,6 +986,32 @@ TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
   EXPECT_EQ(controller_->Stop("again", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
 }
 
+// With checkpoint.dir set the stop's deadline allows for the workers' wait for their last
+// checkpoint (half of failure.step_timeout_s, 20 s here) after --stop-timeout (10 s), and each
+// chunk of outputs that arrives moves it to at least --stop-timeout later. Sessions the deadline
+// ends are named.
+TEST_F(RunControllerTest, TheStopsDeadlineWaitsForTheLastCheckpointAndOutputsStillArriving) {
+  v1::RunSpec spec = TinySpec(5, "/ckpt");
+  spec.mutable_failure()->set_step_timeout_s(40);
+  CreateWith(spec);
+  StartAll();
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  auto tick = [&](absl::Duration after) {
+    for (auto* w : controller_->membership().LiveWorkers()) w->last_heartbeat = kT0 + after;
+    controller_->Tick(kT0 + after, &actions_);
+    return controller_->state();
+  };
+  EXPECT_EQ(tick(absl::Seconds(29)), v1::RUN_STATE_STOPPING);  // 10 s alone would have ended it
+  controller_->OutputProgress(kT0 + absl::Seconds(28));
+  EXPECT_EQ(tick(absl::Seconds(37)), v1::RUN_STATE_STOPPING);
+  EXPECT_TRUE(controller_->cut_at_stop().empty());
+  controller_->SessionEnded(ids_[0], "closed by the worker", kT0 + absl::Seconds(37), &actions_);
+  EXPECT_EQ(tick(absl::Seconds(38)), v1::RUN_STATE_DONE);
+  std::vector<std::string> open(ids_.begin() + 1, ids_.end());
+  EXPECT_THAT(controller_->cut_at_stop(), ::testing::UnorderedElementsAreArray(open));
+}
+
 // The messages of `kind` sent to `id` since `actions` was last cleared, in order.
 std::vector<v1::CoordinatorMessage::KindCase> KindsTo(const Actions& actions,
                                                       const std::string& id) {

@@ -279,6 +279,11 @@ class ServerCore {
     return controller_->TakeCommittedSteps();
   }
 
+  std::vector<std::string> CutAtStop() const {
+    absl::MutexLock lock(&mu_);
+    return controller_->cut_at_stop();
+  }
+
   v1::RunState WaitForEnd(absl::Duration timeout) const {
     absl::MutexLock lock(&mu_);
     auto ended = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -495,6 +500,9 @@ class PutOutputReactor : public grpc::ServerReadReactor<v1::OutputChunk> {
       total_bytes_ = chunk_.total_bytes();
     }
     HETPAR_RETURN_IF_ERROR(upload_->Append(chunk_.data()));
+    // An upload in progress keeps a stopping run's deadline ahead of it.
+    impl_->WithController(
+        [](RunController& c, absl::Time now, Actions*) { c.OutputProgress(now); });
     if (chunk_.last()) {
       HETPAR_RETURN_IF_ERROR(upload_->Finish(chunk_.crc32()));
       response_->set_bytes(total_bytes_);
@@ -916,6 +924,7 @@ v1::StatusResponse CoordinatorServer::Status() const { return impl_->Status(); }
 std::vector<v1::StepTiming> CoordinatorServer::TakeCommittedSteps() {
   return impl_->TakeCommittedSteps();
 }
+std::vector<std::string> CoordinatorServer::CutAtStop() const { return impl_->CutAtStop(); }
 int64_t CoordinatorServer::pending_key_value_waits() const { return impl_->kv_.pending_waits(); }
 
 v1::StopResponse CoordinatorServer::Stop(const std::string& reason, bool checkpoint) {

@@ -59,6 +59,8 @@ class CoordinatorServer {
   // last call, oldest first (ControllerOptions).
   std::vector<v1::StepTiming> TakeCommittedSteps();
   v1::StopResponse Stop(const std::string& reason, bool checkpoint = false);
+  // The workers whose sessions the stop's deadline ended (RunController::cut_at_stop).
+  std::vector<std::string> CutAtStop() const;
   // Key-value Wait and Get calls waiting for their keys now (lets a test see a reader block).
   int64_t pending_key_value_waits() const;
   // Waits up to `timeout` for the run to be done or failed; returns the state then.

@@ -124,8 +124,13 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   }
 
   // 2. Everyone is here: peers and the rendezvous store.
-  HETPAR_ASSIGN_OR_RETURN(ctx->assignment_,
-                          ctx->session_->WaitForRunStart(ctx->coordinator_timeout_));
+  // The coordinator starts the run once every rank has registered, or fails it (and says so
+  // on this session) after coordinator.register_timeout_s: a worker that registered early
+  // waits that long and its own coordinator timeout besides, not less.
+  const double register_s = ctx->spec_.coordinator().register_timeout_s();
+  const absl::Duration start_wait =
+      ctx->coordinator_timeout_ + (register_s > 0 ? absl::Seconds(register_s) : absl::Seconds(120));
+  HETPAR_ASSIGN_OR_RETURN(ctx->assignment_, ctx->session_->WaitForRunStart(start_wait));
   const int expected_ranks = options.role == Role::kColocated ? 2 : 1;
   if (ctx->assignment_.ranks_size() != expected_ranks) {
     return absl::FailedPreconditionError(

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/cli_checks.h"
@@ -154,10 +156,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // the run resumes from the one before and trains its last steps again.
     const int64_t recorded_to = RunDirectory::StepAfterLastLine(out_dir, first_step);
     const int64_t last_step = spec.run().steps() - 1;
+    // Only this run's own checkpoints: the directory may also hold those of a run it resumed
+    // from, at steps this run does not write again.
     std::optional<coordinator::FoundCheckpoint> newest = coordinator::NewestCompleteCheckpoint(
-        spec.checkpoint().dir(), std::min(recorded_to, last_step));
-    const std::optional<coordinator::FoundCheckpoint> newer =
-        coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(), last_step);
+        spec.checkpoint().dir(), std::min(recorded_to, last_step), spec.run().name());
+    const std::optional<coordinator::FoundCheckpoint> newer = coordinator::NewestCompleteCheckpoint(
+        spec.checkpoint().dir(), last_step, spec.run().name());
     if (newer.has_value() && newer->step > recorded_to) {
       if (newest.has_value() && newest->step >= first_step) {
         HETPAR_LOG(INFO) << "resuming at step " << newest->step << " rather than from the newer "
@@ -188,10 +192,13 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       run_spec = continued->spec;
       first_step = newest->step;
     }
+    // How the recorded run ended: its coordinator lost mid-run, the run failed, or stopped.
+    const char* ended = lost.state == v1::RUN_STATE_FAILED ? "when it failed"
+                        : lost.state == v1::RUN_STATE_DONE ? "when it was stopped"
+                                                           : "when its coordinator was lost";
     std::cout << "hetpar coordinator: continuing run " << spec.run().name() << " from its journal ("
-              << lost.committed_steps << " of " << lost.total_steps
-              << " steps were committed when its coordinator was lost, generation "
-              << lost.generation << "): "
+              << lost.committed_steps << " of " << lost.total_steps << " steps were committed "
+              << ended << ", generation " << lost.generation << "): "
               << (first_step > 0 ? absl::StrCat("resuming at step ", first_step, " from ",
                                                 run_spec.checkpoint().resume_from())
                                  : std::string("no checkpoint to resume from; starting over"))
@@ -344,7 +351,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     next.committed_steps = status.committed_steps();
     if (next.committed_steps != journal.committed_steps || run_state != journal.state) {
       if (std::optional<coordinator::FoundCheckpoint> newest =
-              coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir())) {
+              coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(),
+                                                    std::numeric_limits<int64_t>::max(),
+                                                    spec.run().name())) {
         next.last_checkpoint = newest->path;
         next.last_checkpoint_step = newest->step;
       }
@@ -380,11 +389,17 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   // The workers sent their parameter sums and model files before closing their sessions.
   if (state == v1::RUN_STATE_DONE) {
+    const std::vector<std::string> cut = (*server)->CutAtStop();
     if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.eval_threads, nullptr);
-        absl::IsNotFound(s)) {
+        absl::IsNotFound(s) && cut.empty()) {
       // Workers that send no outputs (e.g. simulated ones): the run itself is done.
       HETPAR_LOG(WARNING) << "no final outputs: " << s.message();
     } else if (!s.ok()) {
+      if (!cut.empty()) {
+        s = absl::Status(s.code(), absl::StrCat(s.message(), " (the stop's deadline ended the "
+                                                "sessions of ", absl::StrJoin(cut, ", "),
+                                                " before they had sent them)"));
+      }
       HETPAR_LOG(ERROR) << "the run's outputs are incomplete: " << s.message();
       state = v1::RUN_STATE_FAILED;
       outputs_failure = std::string(s.message());
@@ -464,7 +479,8 @@ void AddCoordinatorCommand(CLI::App& app, int* exit_code) {
       ->envname("HETPAR_LISTEN");
   command
       ->add_option("--token-file", flags->token_file,
-                   "File with the run token (default: $HETPAR_TOKEN, coordinator.token_file, "
+                   "File with the run token (default: $HETPAR_TOKEN_FILE, then the token in "
+                   "$HETPAR_TOKEN, coordinator.token_file, "
                    "else a generated token kept in the per-user runtime directory)")
       ->envname(coordinator::kTokenFileEnvVar);
   command->add_option("--tls-cert", flags->tls.cert_file, "PEM server certificate; enables TLS")

@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/cli_checks.h"
 #include "common/config/config.h"
@@ -135,6 +136,13 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
     absl::SleepFor(absl::Milliseconds(100));
   }
   const int code = *(*process)->Poll();
+  if (code != 0 && g_interrupted) {
+    // The trainer ended by the signal hetpar passed on (or by the terminal's own SIGINT).
+    std::cerr << "hetpar run: the reference run stopped ("
+              << (g_interrupted == SIGTERM ? "terminated" : "interrupted")
+              << ") before its last step; its log: " << (*process)->log_path() << "\n";
+    return 130;
+  }
   if (code != 0) {
     std::cerr << "hetpar run: the reference trainer failed (exit " << code << "):\n"
               << (*process)->LogTail(15);
@@ -589,6 +597,10 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::string eval_line;
   if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.threads, &eval_line); !s.ok()) {
     std::cerr << "hetpar run: " << s.message() << "\n";
+    if (const std::vector<std::string> cut = (*server)->CutAtStop(); !cut.empty()) {
+      std::cerr << "hetpar run: the stop's deadline ended the sessions of "
+                << absl::StrJoin(cut, ", ") << " before they had sent their outputs\n";
+    }
     return kExitFailure;
   }
   if (!flags.trace.empty()) {

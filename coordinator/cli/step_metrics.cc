@@ -193,8 +193,9 @@ std::string HumanDuration(double seconds) {
 }
 
 // Sums the owned-parameter files the workers of DP replica 0 write.
-absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
+absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir, const v1::RunSpec& spec) {
   std::map<std::string, std::pair<double, double>> sums;
+  std::map<std::string, int64_t> ranks;  // module -> the files of DP replica 0 read
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/workers", ec)) {
     if (entry.path().extension() != ".json") continue;  // rank-<r>.json; not the .steps.jsonl
@@ -207,10 +208,24 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir) {
     auto& s = sums[j["module"].get<std::string>()];
     s.first += j["sum"].get<double>();
     s.second += j["square_sum"].get<double>();
+    ++ranks[j["module"].get<std::string>()];
   }
   if (sums.size() != 2) {
     return absl::NotFoundError(
         absl::StrCat("the workers' parameter sums under '", out_dir, "/workers' are incomplete"));
+  }
+  // Every TP rank of every stage of replica 0 (its CP rank 0) sends its share: a sum of fewer
+  // is not the model's.
+  for (const auto& [module, layout] :
+       {std::pair<std::string, const v1::Layout*>{"encoder", &spec.encoder().layout()},
+        {"llm", &spec.llm().layout()}}) {
+    const int64_t expected = std::max<int64_t>(1, layout->tp()) * std::max<int64_t>(1, layout->pp());
+    if (ranks[module] != expected) {
+      return absl::DataLossError(absl::StrCat(
+          "the workers' parameter sums under '", out_dir, "/workers' are incomplete: ",
+          ranks[module], " of the ", expected, " ranks of the ", module,
+          "'s DP replica 0 sent theirs"));
+    }
   }
   nlohmann::json out;
   for (const auto& [module, s] : sums)
@@ -235,7 +250,7 @@ void ClearRunOutputs(const std::string& out_dir) {
 absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
                                 std::string* eval_line) {
   const std::string& out_dir = dir.path();
-  HETPAR_ASSIGN_OR_RETURN(nlohmann::json params, FinalParams(out_dir));
+  HETPAR_ASSIGN_OR_RETURN(nlohmann::json params, FinalParams(out_dir, spec));
   HETPAR_RETURN_IF_ERROR(dir.AppendMetrics(nlohmann::json{{"final_params", params}}.dump()));
   if (std::filesystem::exists(out_dir + "/trace")) {
     absl::StatusOr<int64_t> events =

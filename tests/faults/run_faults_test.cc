@@ -629,6 +629,25 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   }
 }
 
+// Ctrl-C stops `hetpar run --reference` the same way: exit 130 and a stop, not a failure.
+TEST_F(RunFaultsTest, CtrlCStopsAReferenceRun) {
+  std::vector<std::string> argv = RunArgs(4000);
+  argv.push_back("--reference");
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 2));
+  ASSERT_TRUE(run->Signal(SIGINT));
+  auto code = run->Wait(60);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string run_log = ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_EQ(*code, 130) << run_log;
+  EXPECT_THAT(run_log, HasSubstr("hetpar run: the reference run stopped (interrupted) before its "
+                                 "last step; its log: " +
+                                 dir_ + "/run/log/reference.log"));
+  EXPECT_THAT(run_log, ::testing::Not(HasSubstr("failed")));
+  EXPECT_TRUE(ProcessesWith(dir_ + "/run --progress").empty());
+}
+
 // SIGTERM (a scheduler ending the job) with checkpoint.dir set: the step in flight commits, every
 // rank checkpoints it, then the run stops; the checkpoint holds every committed step.
 TEST_F(RunFaultsTest, SigtermCheckpointsTheStepInFlightThenStops) {
