@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -163,9 +164,26 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "Put this file's run token in the Secret (default: a fresh one)");
   k->add_option("--storage-class", k8s->options.storage_class,
                 "StorageClass of the volumes, which need ReadWriteMany (default: the cluster's)");
-  k->add_option("--run-volume-size", k8s->options.run_volume_size, "Size of the run volume")
+  // A Kubernetes quantity of bytes: 20Gi, 500M, 1.5Ti.
+  const CLI::Validator quantity(
+      [](std::string& value) -> std::string {
+        static const std::regex kQuantity(R"(^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$)");
+        return std::regex_match(value, kQuantity)
+                   ? std::string()
+                   : "'" + value + "' is not a Kubernetes quantity of bytes (e.g. 20Gi, 500Mi)";
+      },
+      "QUANTITY");
+  k->add_option("--run-volume-size", k8s->options.run_volume_size,
+                "Size of the run volume (the run directory and checkpoint.dir's checkpoints)")
+      ->check(quantity)
       ->capture_default_str();
   k->add_option("--data-volume-size", k8s->options.data_volume_size, "Size of the data volume")
+      ->check(quantity)
+      ->capture_default_str();
+  k->add_option("--shm-size", k8s->options.shm_size,
+                "Size of each worker pod's /dev/shm (memory-backed; UCX's and NCCL's shared "
+                "memory)")
+      ->check(quantity)
       ->capture_default_str();
   k->add_option("--grace-period", k8s->options.grace_period_s,
                 "Seconds a terminated pod gets to finish its step")
@@ -190,6 +208,11 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "Network interface whose address workers advertise (default: the node's name)");
   s->add_option("--partition", slurm->options.partition, "Partition (default: the cluster's)");
   s->add_option("--time", slurm->options.time_limit, "Time limit of the job")
+      ->capture_default_str();
+  s->add_option("--stop-before-limit", slurm->options.stop_before_limit_s,
+                "Seconds before the time limit at which the run stops after a checkpoint of the "
+                "step in flight (submitting the script again continues it); 60 to 65535")
+      ->check(CLI::Range(60, 65535))
       ->capture_default_str();
   s->callback([slurm, exit_code] { *exit_code = Deploy(*slurm, /*kubernetes=*/false); });
 }

@@ -164,6 +164,21 @@ v1::RunSpec RelocatedSpec(const v1::RunSpec& spec, const std::string& data_dir,
     *p = (std::filesystem::path(data_dir) / relative).string();
   }
   if (data_root != nullptr) *data_root = root.string();
+  // Checkpoints go on the run's volume, the one place every pod writes and keeps: the
+  // config's directory is a path on the machine that rendered it. A checkpoint to resume from
+  // that lies under it keeps its place below the new one.
+  if (!spec.checkpoint().dir().empty()) {
+    const std::filesystem::path from = std::filesystem::path(spec.checkpoint().dir()).lexically_normal();
+    const std::filesystem::path to = std::filesystem::path(out_dir) / "checkpoints";
+    out.mutable_checkpoint()->set_dir(to.string());
+    if (const std::string& resume = spec.checkpoint().resume_from(); !resume.empty()) {
+      const std::filesystem::path relative =
+          std::filesystem::path(resume).lexically_normal().lexically_relative(from);
+      if (!relative.empty() && *relative.begin() != "..") {
+        out.mutable_checkpoint()->set_resume_from((to / relative).string());
+      }
+    }
+  }
   out.mutable_run()->set_out_dir(out_dir);
   out.mutable_coordinator()->clear_token_file();
   return out;

@@ -42,6 +42,7 @@ struct DeployOptions {
   std::string run_volume_size = "20Gi";
   std::string data_volume_size = "50Gi";
   int64_t grace_period_s = 300;  // terminationGracePeriodSeconds: time to finish a step
+  std::string shm_size = "8Gi";  // each worker pod's /dev/shm (memory-backed)
 
   // Slurm.
   std::string bin_dir;    // where the binaries are on the nodes (absolute)
@@ -49,6 +50,9 @@ struct DeployOptions {
   std::string interface;  // network interface whose address workers advertise ("" = node name)
   std::string partition;  // "" = the cluster's default
   std::string time_limit = "1-00:00:00";
+  // Seconds before the time limit at which the run is stopped after a checkpoint (Slurm signals
+  // the batch script, which signals the coordinator).
+  int64_t stop_before_limit_s = 600;
 };
 
 struct RenderedFile {
@@ -72,7 +76,8 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
 // volumes, the coordinator's Deployment and Service, the workers' headless Service and
 // StatefulSets) and kustomization.yaml naming them (`kubectl apply -k DIR`, a base for overlays).
 // The RunSpec in the ConfigMap has its data paths moved under kContainerDataDir (keeping their
-// layout below the deepest directory holding them all) and run.out_dir = kContainerRunDir.
+// layout below the deepest directory holding them all), run.out_dir = kContainerRunDir and a
+// checkpoint.dir moved to kContainerRunDir/checkpoints (with a checkpoint.resume_from below it).
 absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedRunSpec& loaded,
                                                            const DeployOptions& options);
 

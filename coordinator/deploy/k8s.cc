@@ -65,13 +65,22 @@ Json Volumes(const Names& n, bool with_runspec) {
   return volumes;
 }
 
+// Shared memory for the workers: UCX's and NCCL's shared-memory transports map their segments
+// in /dev/shm, which a container gets 64 MiB of by default.
+Json ShmVolume(const DeployOptions& options) {
+  return {{"name", "shm"}, {"emptyDir", {{"medium", "Memory"}, {"sizeLimit", options.shm_size}}}};
+}
+
 // The image's user (deploy/docker/Dockerfile); fsGroup lets it read the token and write the
 // volumes.
 Json PodSecurity() {
   return {{"runAsNonRoot", true},
           {"runAsUser", kImageUid},
           {"runAsGroup", kImageUid},
-          {"fsGroup", kImageUid}};
+          {"fsGroup", kImageUid},
+          // The volumes' files are handed to fsGroup only when their root is not already:
+          // otherwise every pod start walks the whole data set.
+          {"fsGroupChangePolicy", "OnRootMismatch"}};
 }
 
 Json VolumeMounts(bool with_runspec) {
@@ -83,6 +92,18 @@ Json VolumeMounts(bool with_runspec) {
   mounts.push_back({{"name", "run"}, {"mountPath", kContainerRunDir}});
   mounts.push_back({{"name", "data"}, {"mountPath", kContainerDataDir}});
   return mounts;
+}
+
+Json WorkerMounts() {
+  Json mounts = VolumeMounts(/*with_runspec=*/false);
+  mounts.push_back({{"name", "shm"}, {"mountPath", "/dev/shm"}});
+  return mounts;
+}
+
+Json WorkerVolumes(const Names& n, const DeployOptions& options) {
+  Json volumes = Volumes(n, /*with_runspec=*/false);
+  volumes.push_back(ShmVolume(options));
+  return volumes;
 }
 
 Json Resources(const DeployOptions& options, int64_t ranks) {
@@ -195,7 +216,7 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
                           {"args", args},
                           {"env", env},
                           {"resources", Resources(options, 1)},
-                          {"volumeMounts", VolumeMounts(/*with_runspec=*/false)}});
+                          {"volumeMounts", WorkerMounts()}});
   }
   return {{"apiVersion", "apps/v1"},
           {"kind", "StatefulSet"},
@@ -212,7 +233,7 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
                {{"terminationGracePeriodSeconds", options.grace_period_s},
                 {"securityContext", PodSecurity()},
                 {"containers", containers},
-                {"volumes", Volumes(n, /*with_runspec=*/false)}}}}}}}};
+                {"volumes", WorkerVolumes(n, options)}}}}}}}};
 }
 
 std::string Document(const Json& objects) {
@@ -261,7 +282,12 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
       RelocatedSpec(spec, kContainerDataDir, kContainerRunDir, &data_root);
   const std::string header = absl::StrCat(
       "# hetpar run '", spec.run().name(), "', rendered by `hetpar deploy k8s`. Copy the data set ",
-      "(", data_root, ") into the volume ", n.data_volume, " before the workers start.\n");
+      "(", data_root, ") into the volume ", n.data_volume, " before the workers start.",
+      spec.checkpoint().dir().empty()
+          ? std::string()
+          : absl::StrCat(" Checkpoints go to ", container_spec.checkpoint().dir(), " on the volume ",
+                         n.run_volume, ": size it for them (--run-volume-size)."),
+      "\n");
 
   std::vector<RenderedFile> files;
   files.push_back(

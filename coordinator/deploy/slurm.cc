@@ -48,7 +48,10 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "head_node=$(scontrol show hostnames \"", head_nodes, "\" | head -n 1)\n",
       "export HETPAR_COORDINATOR=\"${HETPAR_COORDINATOR_HOST:-$head_node}:$PORT\"\n",
       "export HETPAR_OUT=\"$RUN_DIR\"\n", "export HETPAR_THREADS=\"${SLURM_CPUS_PER_TASK:-",
-      options.cpus_per_rank, "}\"\n");
+      options.cpus_per_rank, "}\"\n",
+      "# The job's own GPU request (#SBATCH --gpus) is exported to every srun, which would read it\n",
+      "# as its step's: each step asks for its own GPUs (or none) instead.\n",
+      "unset SLURM_GPUS SLURM_GPUS_PER_NODE SLURM_GPUS_PER_TASK SLURM_TRES_PER_TASK\n");
   if (!options.interface.empty()) {
     absl::StrAppend(&s, "# Workers advertise this interface's address to their peers.\n",
                     "export HETPAR_INTERFACE=", Quote(options.interface), "\n");
@@ -58,8 +61,26 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "# Every step in the background; the job ends when all are done, or at the first that\n",
       "# fails, naming it.\n", "declare -A step_names=()\n",
       "start_step() {  # NAME SRUN-ARGS...\n", "  local name=$1\n", "  shift\n",
-      "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \"$@\" &\n",
-      "  step_names[$!]=$name\n", "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n");
+      "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \\\n",
+      "    --cpus-per-task=\"${SLURM_CPUS_PER_TASK:-", options.cpus_per_rank, "}\" \"$@\" &\n",
+      "  step_names[$!]=$name\n",
+      "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n",
+      "# Before the time limit Slurm signals this script (#SBATCH --signal=B:TERM@...): the\n",
+      "# coordinator's step alone is told (scancel --signal; srun would end its step instead),\n",
+      "# so that the step in flight commits with a checkpoint and the run stops; submitting the\n",
+      "# script again continues it.\n",
+      "stop_for_time_limit() {\n",
+      "  echo \"hetpar: the job is near its time limit: stopping the run after a checkpoint\"\n",
+      "  local step\n",
+      "  step=$(squeue -h --steps -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null |\n",
+      "    awk '$2 == \"coordinator\" { print $1; exit }' || true)\n",
+      "  if [ -n \"$step\" ]; then\n",
+      "    scancel --signal=TERM \"$step\" || echo \"hetpar: cannot signal step $step\" >&2\n",
+      "  else\n",
+      "    echo \"hetpar: no coordinator step to signal\" >&2\n",
+      "  fi\n",
+      "}\n",
+      "trap stop_for_time_limit TERM\n");
   return s;
 }
 
@@ -84,8 +105,18 @@ std::string WaitLoop() {
   return R"sh(
 status=0
 while [ ${#step_names[@]} -gt 0 ]; do
+  # The first step that ended (bash 4 has no wait -n -p): its pid no longer answers once bash
+  # has reaped it, and wait PID then gives its exit code.
+  finished=""
+  for pid in "${!step_names[@]}"; do
+    if ! kill -0 "$pid" 2>/dev/null; then finished=$pid; break; fi
+  done
+  if [ -z "$finished" ]; then
+    sleep 1
+    continue
+  fi
   code=0
-  wait -n -p finished "${!step_names[@]}" || code=$?
+  wait "$finished" || code=$?
   name=${step_names[$finished]}
   unset "step_names[$finished]"
   if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
@@ -119,7 +150,8 @@ exit "$status"
 std::string CommonDirectives(const Job& job, const DeployOptions& options) {
   std::string s = absl::StrCat("#SBATCH --job-name=hetpar-", job.name, "\n",
                                "#SBATCH --output=", options.run_dir, "/slurm-%j.out\n",
-                               "#SBATCH --time=", options.time_limit, "\n");
+                               "#SBATCH --time=", options.time_limit, "\n",
+                               "#SBATCH --signal=B:TERM@", options.stop_before_limit_s, "\n");
   if (!options.partition.empty())
     absl::StrAppend(&s, "#SBATCH --partition=", options.partition, "\n");
   return s;

@@ -169,6 +169,50 @@ TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
   CheckContainers(llm["spec"]["template"]["spec"], "vit400m-llm8b-token");
 }
 
+// The config's checkpoint.dir is a path of the machine that rendered it: the checkpoints go on
+// the run volume instead, which every pod mounts, and a checkpoint to resume from below it moves
+// with it. Worker pods get a memory-backed /dev/shm of --shm-size; a size that is not a
+// quantity is refused.
+TEST(DeployK8sTest, CheckpointsGoOnTheRunVolumeAndWorkersGetSharedMemory) {
+  Rendered r;
+  RenderK8s("tiny.yaml", &r,
+            {"--set", "checkpoint.dir=/somewhere/ckpt", "--set",
+             "checkpoint.resume_from=/somewhere/ckpt/step-000004", "--set", "run.steps=20",
+             "--shm-size", "2Gi"});
+  const YAML::Node runspec = Named(r.objects, "ConfigMap", "tiny-runspec");
+  ASSERT_TRUE(runspec);
+  const YAML::Node spec = YAML::Load(runspec["data"]["run.yaml"].as<std::string>());
+  EXPECT_EQ(spec["checkpoint"]["dir"].as<std::string>(), "/var/lib/hetpar/run/checkpoints");
+  EXPECT_EQ(spec["checkpoint"]["resume_from"].as<std::string>(),
+            "/var/lib/hetpar/run/checkpoints/step-000004");
+  for (const char* name : {"tiny-encoder", "tiny-llm"}) {
+    const YAML::Node pod = Named(r.objects, "StatefulSet", name)["spec"]["template"]["spec"];
+    EXPECT_EQ(pod["securityContext"]["fsGroupChangePolicy"].as<std::string>(), "OnRootMismatch");
+    bool shm_volume = false;
+    for (const YAML::Node& v : pod["volumes"]) {
+      if (v["name"].as<std::string>() != "shm") continue;
+      shm_volume = true;
+      EXPECT_EQ(v["emptyDir"]["medium"].as<std::string>(), "Memory");
+      EXPECT_EQ(v["emptyDir"]["sizeLimit"].as<std::string>(), "2Gi");
+    }
+    EXPECT_TRUE(shm_volume) << name;
+    for (const YAML::Node& c : pod["containers"]) {
+      bool mounted = false;
+      for (const YAML::Node& m : c["volumeMounts"]) {
+        mounted |= m["name"].as<std::string>() == "shm" &&
+                   m["mountPath"].as<std::string>() == "/dev/shm";
+      }
+      EXPECT_TRUE(mounted) << name << " " << c["name"];
+    }
+  }
+  TempDir dir;
+  const CommandResult refused =
+      RunOk({kHetparBin, "deploy", "k8s", "--config", kSourceDir + "/configs/tiny.yaml", "--image",
+             "registry.example/hetpar:test", "--out", dir.path(), "--shm-size", "lots"});
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_THAT(refused.stderr_text, HasSubstr("'lots' is not a Kubernetes quantity of bytes"));
+}
+
 // With pipeline stages a pod still holds one DP replica, its containers that replica's ranks of
 // every stage: the workers get the layout's DP size and stage count to find their ranks
 // (worker::RankRequest).

@@ -60,11 +60,17 @@ class ManifestsRunTest : public ::testing::Test {
   void RunTheManifests(const std::vector<std::string>& sets, size_t expected_workers);
   std::map<std::string, std::string> worker_logs_;  // container name -> its log
 
-  // Local directory for a pod volume: Secrets and ConfigMaps are written out as files.
+  // Local directory for a pod volume: Secrets and ConfigMaps are written out as files, an
+  // emptyDir is an empty directory.
   std::string VolumeDir(const YAML::Node& volume) {
     const std::string name = volume["name"].as<std::string>();
     if (volume["persistentVolumeClaim"]) {
       return dir_.File("volumes/" + volume["persistentVolumeClaim"]["claimName"].as<std::string>());
+    }
+    if (volume["emptyDir"]) {  // the workers' /dev/shm: the local processes use the host's
+      const std::string local = dir_.File("emptydirs/" + name);
+      std::filesystem::create_directories(local);
+      return local;
     }
     const bool secret = static_cast<bool>(volume["secret"]);
     const std::string object_name = secret ? volume["secret"]["secretName"].as<std::string>()
