@@ -390,7 +390,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   // The workers sent their parameter sums and model files before closing their sessions.
   if (state == v1::RUN_STATE_DONE) {
     const std::vector<std::string> cut = (*server)->CutAtStop();
-    if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.eval_threads, nullptr);
+    // A coordinator's machine may lack what the model computes on (a CPU-only pod of a GPU
+    // run): an evaluation that fails there leaves the trained run done, and says how to
+    // evaluate it elsewhere.
+    std::string evaluation_error;
+    if (absl::Status s =
+            FinishRunDirectory(**run_dir, spec, flags.eval_threads, nullptr, &evaluation_error);
         absl::IsNotFound(s) && cut.empty()) {
       // Workers that send no outputs (e.g. simulated ones): the run itself is done.
       HETPAR_LOG(WARNING) << "no final outputs: " << s.message();
@@ -403,6 +408,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       HETPAR_LOG(ERROR) << "the run's outputs are incomplete: " << s.message();
       state = v1::RUN_STATE_FAILED;
       outputs_failure = std::string(s.message());
+    } else if (!evaluation_error.empty()) {
+      HETPAR_LOG(ERROR) << "the run is done, but its " << evaluation_error;
     }
   }
   // Done with every step committed and the run directory complete: a coordinator started on it

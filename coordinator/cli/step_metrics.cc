@@ -248,7 +248,7 @@ void ClearRunOutputs(const std::string& out_dir) {
 }
 
 absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
-                                std::string* eval_line) {
+                                std::string* eval_line, std::string* evaluation_error) {
   const std::string& out_dir = dir.path();
   HETPAR_ASSIGN_OR_RETURN(nlohmann::json params, FinalParams(out_dir, spec));
   HETPAR_RETURN_IF_ERROR(dir.AppendMetrics(nlohmann::json{{"final_params", params}}.dump()));
@@ -282,8 +282,15 @@ absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int 
   std::ifstream in(out_dir + "/eval.json");
   std::string line;
   if (code != 0 || !std::getline(in, line)) {
-    return absl::InternalError(
-        absl::StrCat("the evaluation failed (exit ", code, "):\n", (*evaluator)->LogTail(10)));
+    const std::string failed =
+        absl::StrCat("the evaluation failed (exit ", code, "):\n", (*evaluator)->LogTail(10));
+    if (evaluation_error == nullptr) return absl::InternalError(failed);
+    *evaluation_error = absl::StrCat(
+        failed, "\nThe run's model is in ", out_dir, "/model; evaluate it where run.device (",
+        spec.run().device().empty() ? "cpu" : spec.run().device(), ") is at hand: ",
+        WorkerBinary("hetpar-reference"), " evaluate --config ", out_dir, "/config.yaml --out ",
+        out_dir);
+    return absl::OkStatus();
   }
   HETPAR_RETURN_IF_ERROR(dir.AppendMetrics(line));
   if (eval_line != nullptr) *eval_line = line;

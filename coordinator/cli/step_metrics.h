@@ -111,9 +111,10 @@ void ClearRunOutputs(const std::string& out_dir);
 // the RunSpec has a validation split, evaluates the model files the workers sent
 // (`hetpar-reference evaluate`, its log in log/evaluate.log, `threads` intra-op threads; 0: its
 // default) and appends the {"eval": ...} line. `eval_line` receives that line. Progress goes to
-// the log; errors name what is missing.
+// the log; errors name what is missing. With `evaluation_error`, a failed evaluation is told
+// there (with how to run it again) instead of failing the call: the model is saved by then.
 absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
-                                std::string* eval_line);
+                                std::string* eval_line, std::string* evaluation_error = nullptr);
 
 }  // namespace hetpar::cli
 
