@@ -53,14 +53,27 @@ namespace hetpar::cli {
 namespace {
 
 // The GPUs this machine shows its workers: CUDA_VISIBLE_DEVICES's entries when it is set, else
-// the NVIDIA driver's (/proc/driver/nvidia/gpus), else 1.
+// the GPU device nodes this process can see (/dev/nvidia<N>: a container given some of the
+// machine's GPUs has only theirs, and CUDA numbers those from 0), else the NVIDIA driver's list
+// (/proc/driver/nvidia/gpus, every GPU of the machine), else 1.
 int64_t VisibleGpus() {
   if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
     const std::vector<std::string> ids = absl::StrSplit(visible, ',', absl::SkipEmpty());
     return std::max<int64_t>(1, static_cast<int64_t>(ids.size()));
   }
   std::error_code error;
+  int64_t nodes = 0;
+  for (auto it = std::filesystem::directory_iterator("/dev", error);
+       !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos) {
+      ++nodes;
+    }
+  }
+  if (nodes > 0) return nodes;
   int64_t gpus = 0;
+  error.clear();
   for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", error);
        !error && it != std::filesystem::directory_iterator(); it.increment(error)) {
     ++gpus;
