@@ -1,9 +1,12 @@
 // `hetpar deploy slurm`: batch scripts of one run (see deploy.h and docs/deploy.md).
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "common/control/security.h"
 #include "coordinator/deploy/deploy.h"
 
@@ -21,6 +24,37 @@ std::string Quote(const std::string& s) {
     }
   }
   return out + "'";
+}
+
+// Seconds of a Slurm time limit (sbatch --time): "M", "M:S", "H:M:S", "D-H", "D-H:M" or
+// "D-H:M:S"; nullopt for anything else ("UNLIMITED" included).
+std::optional<int64_t> TimeLimitSeconds(const std::string& text) {
+  int64_t days = 0;
+  std::string rest = text;
+  const size_t dash = text.find('-');
+  if (dash != std::string::npos) {
+    if (!absl::SimpleAtoi(text.substr(0, dash), &days) || days < 0) return std::nullopt;
+    rest = text.substr(dash + 1);
+  }
+  std::vector<int64_t> parts;
+  for (absl::string_view part : absl::StrSplit(rest, ':')) {
+    int64_t value = 0;
+    if (part.empty() || !absl::SimpleAtoi(part, &value) || value < 0) return std::nullopt;
+    parts.push_back(value);
+  }
+  if (parts.empty() || parts.size() > 3) return std::nullopt;
+  if (dash != std::string::npos) {  // D-H, D-H:M, D-H:M:S
+    while (parts.size() < 3) parts.push_back(0);
+    return ((days * 24 + parts[0]) * 60 + parts[1]) * 60 + parts[2];
+  }
+  switch (parts.size()) {
+    case 1:
+      return parts[0] * 60;  // minutes
+    case 2:
+      return parts[0] * 60 + parts[1];  // minutes:seconds
+    default:
+      return (parts[0] * 60 + parts[1]) * 60 + parts[2];  // hours:minutes:seconds
+  }
 }
 
 struct Job {
@@ -65,22 +99,26 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "    --cpus-per-task=\"${SLURM_CPUS_PER_TASK:-", options.cpus_per_rank, "}\" \"$@\" &\n",
       "  step_names[$!]=$name\n",
       "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n",
-      "# Before the time limit Slurm signals this script (#SBATCH --signal=B:TERM@...): the\n",
-      "# coordinator's step alone is told (scancel --signal; srun would end its step instead),\n",
-      "# so that the step in flight commits with a checkpoint and the run stops; submitting the\n",
-      "# script again continues it.\n",
-      "stop_for_time_limit() {\n",
+      "# The run stops by itself near the job's time limit: STOP_BEFORE seconds before the end\n",
+      "# time squeue gives, the coordinator's step alone gets SIGTERM (scancel --signal), so that\n",
+      "# the step in flight commits with a checkpoint and the run stops; submitting the script\n",
+      "# again continues it. (Slurm's own --signal would reach every srun too, and srun ends its\n",
+      "# step on SIGTERM.)\n",
+      "STOP_BEFORE=", options.stop_before_limit_s, "\n",
+      "stop_before_time_limit() {\n",
+      "  local end step\n",
+      "  end=$(date -d \"$(squeue -h -j \"$SLURM_JOB_ID\" -o %e 2>/dev/null)\" +%s 2>/dev/null) ||\n",
+      "    return 0  # no end time: no limit\n",
+      "  sleep $((end - STOP_BEFORE > $(date +%s) ? end - STOP_BEFORE - $(date +%s) : 0))\n",
       "  echo \"hetpar: the job is near its time limit: stopping the run after a checkpoint\"\n",
-      "  local step\n",
-      "  step=$(squeue -h --steps -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null |\n",
-      "    awk '$2 == \"coordinator\" { print $1; exit }' || true)\n",
-      "  if [ -n \"$step\" ]; then\n",
-      "    scancel --signal=TERM \"$step\" || echo \"hetpar: cannot signal step $step\" >&2\n",
-      "  else\n",
-      "    echo \"hetpar: no coordinator step to signal\" >&2\n",
-      "  fi\n",
-      "}\n",
-      "trap stop_for_time_limit TERM\n");
+      "  for _ in 1 2 3 4 5 6 7 8 9 10; do\n",
+      "    step=$(squeue -h --steps -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null |\n",
+      "      awk '$2 == \"coordinator\" { print $1; exit }' || true)\n",
+      "    if [ -n \"$step\" ] && scancel --signal=TERM \"$step\"; then return 0; fi\n",
+      "    sleep 3\n",
+      "  done\n",
+      "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n",
+      "}\n");
   return s;
 }
 
@@ -103,6 +141,8 @@ std::string WorkerCommand(const std::string& binary, bool colocated, const Deplo
 
 std::string WaitLoop() {
   return R"sh(
+stop_before_time_limit &
+timer_pid=$!
 status=0
 while [ ${#step_names[@]} -gt 0 ]; do
   # The first step that ended (bash 4 has no wait -n -p): its pid no longer answers once bash
@@ -129,6 +169,7 @@ while [ ${#step_names[@]} -gt 0 ]; do
     echo "hetpar: job step '$name' done"
   fi
 done
+kill "$timer_pid" 2>/dev/null || true
 if [ "$status" -eq 0 ]; then
   # The coordinator exits 0 for a run stopped early (hetpar stop) too: its journal tells them apart.
   # (|| true: under set -e a missing journal must reach the "unreadable" line, not end the job.)
@@ -150,8 +191,7 @@ exit "$status"
 std::string CommonDirectives(const Job& job, const DeployOptions& options) {
   std::string s = absl::StrCat("#SBATCH --job-name=hetpar-", job.name, "\n",
                                "#SBATCH --output=", options.run_dir, "/slurm-%j.out\n",
-                               "#SBATCH --time=", options.time_limit, "\n",
-                               "#SBATCH --signal=B:TERM@", options.stop_before_limit_s, "\n");
+                               "#SBATCH --time=", options.time_limit, "\n");
   if (!options.partition.empty())
     absl::StrAppend(&s, "#SBATCH --partition=", options.partition, "\n");
   return s;
@@ -245,6 +285,18 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
     return absl::InvalidArgumentError(absl::StrCat("the binaries' directory ('", options.bin_dir,
                                                    "') and the run directory ('", options.run_dir,
                                                    "') must be absolute paths every node sees"));
+  }
+  const std::optional<int64_t> limit = TimeLimitSeconds(options.time_limit);
+  if (!limit.has_value()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--time '", options.time_limit,
+                     "': expected minutes, M:S, H:M:S, D-H, D-H:M or D-H:M:S (e.g. 1-00:00:00)"));
+  }
+  if (options.stop_before_limit_s >= *limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stop-before-limit ", options.stop_before_limit_s,
+                     " s is not shorter than the job's time limit (--time ", options.time_limit,
+                     ", ", *limit, " s): the run would stop as it starts"));
   }
   const v1::RunSpec& spec = loaded.spec;
   if (const std::string& metrics = spec.coordinator().metrics_listen();
