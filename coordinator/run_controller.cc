@@ -830,6 +830,15 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
       ++committed_steps_;
+      {
+        // The workers write a checkpoint after this commit when it ends an interval, is the
+        // run's last, or came with a stop that asked for one (ModuleState::CheckpointIfDue).
+        const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
+        last_commit_checkpointed_ =
+            !checkpoint.dir().empty() &&
+            ((checkpoint.every() > 0 && committed_steps_ % checkpoint.every() == 0) ||
+             committed_steps_ == spec_.run().steps() || !stop_after_step_.empty());
+      }
       // Replicas that joined trained this step from the state they received: they hold it now.
       encoder_joining_.clear();
       llm_joining_.clear();
@@ -1016,9 +1025,10 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   state_ = v1::RUN_STATE_STOPPING;
   state_message_ = reason;
   stop_deadline_ = now + options_.stop_timeout;
-  if (!spec_.checkpoint().dir().empty()) {
-    // Before its outputs each worker waits for its last checkpoint, at most half of
-    // failure.step_timeout_s (ModuleState::FinishCheckpoint).
+  if (last_commit_checkpointed_) {
+    // Before its outputs each worker waits for the checkpoint of the last commit, at most half
+    // of failure.step_timeout_s (ModuleState::FinishCheckpoint), or without a bound when that
+    // is infinite, as the user asked.
     const double half = spec_.failure().step_timeout_s() / 2;
     stop_deadline_ += half < 1e9 ? absl::Seconds(half) : absl::InfiniteDuration();
   }

@@ -986,15 +986,29 @@ TEST_F(RunControllerTest, StopWaitsForSessionsThenTimesOut) {
   EXPECT_EQ(controller_->Stop("again", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
 }
 
-// With checkpoint.dir set the stop's deadline allows for the workers' wait for their last
-// checkpoint (half of failure.step_timeout_s, 20 s here) after --stop-timeout (10 s), and each
+// After a commit that had the workers write a checkpoint, the stop's deadline allows for their
+// wait for it (half of failure.step_timeout_s, 20 s here) after --stop-timeout (10 s), and each
 // chunk of outputs that arrives moves it to at least --stop-timeout later. Sessions the deadline
-// ends are named.
+// ends are named. Without such a commit a stop's deadline is --stop-timeout.
 TEST_F(RunControllerTest, TheStopsDeadlineWaitsForTheLastCheckpointAndOutputsStillArriving) {
   v1::RunSpec spec = TinySpec(5, "/ckpt");
   spec.mutable_failure()->set_step_timeout_s(40);
+  spec.mutable_checkpoint()->set_every(2);
   CreateWith(spec);
   StartAll();
+  CompleteStep(0);  // not a checkpoint step
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  for (auto* w : controller_->membership().LiveWorkers()) {
+    w->last_heartbeat = kT0 + absl::Seconds(10);
+  }
+  controller_->Tick(kT0 + absl::Seconds(10), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+
+  ids_.clear();
+  CreateWith(spec);
+  StartAll();
+  CompleteStep(0);
+  CompleteStep(1);  // its commit has every worker write the checkpoint of step 2
   controller_->Stop("maintenance", false, kT0, &actions_);
   ASSERT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
   auto tick = [&](absl::Duration after) {

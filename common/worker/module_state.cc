@@ -343,8 +343,10 @@ std::atomic<bool> g_checkpoint_hung{false};
 constexpr double kMaxCheckpointWaitS = 1e9;
 
 // The checkpoint writes of this process still running, and the latest time one of them may still
-// be waited for (its start plus half of failure.step_timeout_s, FinishCheckpoint's bound): what
-// a worker that restarts itself waits for first (AwaitCheckpointWrites).
+// be waited for: what a worker that restarts itself waits for first (AwaitCheckpointWrites). A
+// write's bound is its start plus the smaller of half of failure.step_timeout_s (what
+// FinishCheckpoint waits) and half of coordinator.register_timeout_s: a restarted coordinator
+// waits that long for this worker to register again.
 absl::Mutex g_writes_mu;
 int g_writes_running ABSL_GUARDED_BY(g_writes_mu) = 0;
 absl::Time g_writes_bound ABSL_GUARDED_BY(g_writes_mu) = absl::InfinitePast();
@@ -439,7 +441,11 @@ absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id)
   {
     absl::MutexLock lock(&g_writes_mu);
     ++g_writes_running;
-    g_writes_bound = std::max(g_writes_bound, absl::Now() + HalfStepTimeout(spec_));
+    const double register_s = spec_.coordinator().register_timeout_s();
+    const absl::Duration bound =
+        register_s > 0 ? std::min(HalfStepTimeout(spec_), absl::Seconds(register_s / 2))
+                       : HalfStepTimeout(spec_);
+    g_writes_bound = std::max(g_writes_bound, absl::Now() + bound);
   }
   try {
     writer_ = std::thread(std::move(write));

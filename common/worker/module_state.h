@@ -135,9 +135,9 @@ class ModuleState {
   int64_t pending_step_ = 0;                        // its step
 };
 
-// Waits until no checkpoint write of this process is running, at most until the bound each
-// write's own wait has (half of failure.step_timeout_s after it started), and not at all once a
-// save was given up as hung. Returns the number of writes still running. A worker that replaces
+// Waits until no checkpoint write of this process is running, at most until each write's bound
+// (after its start, the smaller of half of failure.step_timeout_s and half of
+// coordinator.register_timeout_s), and not at all once a save was given up as hung. Returns the number of writes still running. A worker that replaces
 // its process (a lost coordinator) calls it first, so that the checkpoint of the step it just
 // committed is not cut off halfway.
 int AwaitCheckpointWrites();

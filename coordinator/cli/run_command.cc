@@ -5,6 +5,7 @@
 //
 // `--reference` trains the same batches in one process at tp = 1, dp = 1 instead (the parity
 // baseline; compare the two with `hetpar compare`).
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -53,9 +54,9 @@ namespace hetpar::cli {
 namespace {
 
 // The GPUs this machine shows its workers: CUDA_VISIBLE_DEVICES's entries when it is set, else
-// the GPU device nodes this process can see (/dev/nvidia<N>: a container given some of the
-// machine's GPUs has only theirs, and CUDA numbers those from 0), else the NVIDIA driver's list
-// (/proc/driver/nvidia/gpus, every GPU of the machine), else 1.
+// the GPU device nodes this process can open (/dev/nvidia<N>: a container given some of the
+// machine's GPUs has only theirs, or may open only theirs, and CUDA numbers those from 0), else
+// the NVIDIA driver's list (/proc/driver/nvidia/gpus, every GPU of the machine), else 1.
 int64_t VisibleGpus() {
   if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {
     const std::vector<std::string> ids = absl::StrSplit(visible, ',', absl::SkipEmpty());
@@ -68,7 +69,11 @@ int64_t VisibleGpus() {
     const std::string name = it->path().filename().string();
     if (name.size() > 6 && name.rfind("nvidia", 0) == 0 &&
         name.find_first_not_of("0123456789", 6) == std::string::npos) {
-      ++nodes;
+      const int fd = ::open(it->path().c_str(), O_RDWR | O_CLOEXEC);
+      if (fd >= 0) {
+        ::close(fd);
+        ++nodes;
+      }
     }
   }
   if (nodes > 0) return nodes;

@@ -197,8 +197,10 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir, const v1:
   std::map<std::string, std::pair<double, double>> sums;
   std::map<std::string, int64_t> ranks;  // module -> the files of DP replica 0 read
   std::error_code ec;
+  int64_t files = 0;  // every sums file, of any replica
   for (const auto& entry : std::filesystem::directory_iterator(out_dir + "/workers", ec)) {
     if (entry.path().extension() != ".json") continue;  // rank-<r>.json; not the .steps.jsonl
+    ++files;
     std::ifstream in(entry.path());
     nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
     if (j.is_discarded()) {
@@ -210,12 +212,12 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir, const v1:
     s.second += j["square_sum"].get<double>();
     ++ranks[j["module"].get<std::string>()];
   }
-  if (sums.size() != 2) {
+  if (files == 0) {
     return absl::NotFoundError(
-        absl::StrCat("the workers' parameter sums under '", out_dir, "/workers' are incomplete"));
+        absl::StrCat("no worker sent its parameter sums (", out_dir, "/workers)"));
   }
-  // Every TP rank of every stage of replica 0 (its CP rank 0) sends its share: a sum of fewer
-  // is not the model's.
+  // Every TP rank of every stage of replica 0 (its CP rank 0) sends its share: a sum of fewer,
+  // or none of a module while other workers sent theirs, is not the model's.
   for (const auto& [module, layout] :
        {std::pair<std::string, const v1::Layout*>{"encoder", &spec.encoder().layout()},
         {"llm", &spec.llm().layout()}}) {
@@ -266,7 +268,7 @@ absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int 
   for (const char* module : {"encoder", "llm"}) {
     const std::string model = absl::StrCat(out_dir, "/model/", module, ".hpar");
     if (!std::filesystem::exists(model)) {
-      return absl::NotFoundError(absl::StrCat("cannot evaluate: ", model,
+      return absl::DataLossError(absl::StrCat("cannot evaluate: ", model,
                                               " is missing (DP replica 0 of the ", module,
                                               " sends it when the run ends)"));
     }

@@ -98,8 +98,9 @@ std::string HumanDuration(double seconds);
 
 // The final parameter line's value, {"encoder": {"sum", "l2"}, "llm": {...}}, from the
 // owned-parameter sums the workers of DP replica 0 sent into <out_dir>/workers
-// (common/worker/outputs.h). NotFound when a module's sums are missing, DataLoss when only some
-// of the ranks that hold replica 0's parameters (TP x PP of `spec`'s layout) sent theirs.
+// (common/worker/outputs.h). NotFound when no worker sent any (workers that send no outputs),
+// DataLoss when not every rank that holds replica 0's parameters (TP x PP of each module's
+// layout in `spec`) sent its sums.
 absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir, const v1::RunSpec& spec);
 
 // Removes what a previous run left in the run directory that the coordinator's end-of-run steps

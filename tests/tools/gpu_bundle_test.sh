@@ -170,6 +170,8 @@ EOF
 # nvidia-smi lists a GPU (here a stand-in on PATH for the host's) that torch cannot use (a driver
 # too old for its CUDA, say): the check fails, where it used to carry on as on a CPU machine and
 # end ok. (With --deadline 1 nothing else runs.)
+# (Only where torch sees no GPU, as the first check's gpu_present line says.)
+if grep -q '"check":"gpu_present",.*"torch_gpus":0}' "$work/check.jsonl"; then
 mkdir -p "$work/smi"
 cat >"$work/smi/nvidia-smi" <<'EOF'
 #!/bin/sh
@@ -191,6 +193,7 @@ grep -q '"check":"gpu_present","nvidia_smi":true,"gpus":1,.*"driver":"550.54.15"
   "$work/unseen.jsonl" || { cat "$work/unseen.jsonl" >&2; fail "gpu_present without the GPU, driver or torch's count"; }
 grep -q '"check":"gpu_check","ok":false,"gpu":false,"gpu_listed":true' "$work/unseen.jsonl" ||
   { cat "$work/unseen.jsonl" >&2; fail "the summary does not say a listed GPU went unused"; }
+fi
 
 # ---- Refusals ----
 # expect_refusal NAME BUNDLE PATTERN WHAT [PREFIX...]: gpu-check (after PREFIX) on BUNDLE exits 1
