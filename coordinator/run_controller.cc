@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/config/config.h"
+#include "common/control/client.h"
 #include "common/control/grpc_status.h"
 #include "common/logging.h"
 #include "common/plan/step_plan.h"
@@ -289,6 +290,12 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
     }
     case v1::WorkerMessage::kProgress:
       if (!message.progress().ended()) worker->progress = message.progress();
+      if (state_ == v1::RUN_STATE_STOPPING && !message.progress().ended() &&
+          message.progress().phase() == kOutputsPhase) {
+        // A worker writing its outputs (waiting for its last checkpoint, gathering the model,
+        // sending it) gets as long as a step for them.
+        stop_deadline_ = std::max(stop_deadline_, now + options_.step_timeout);
+      }
       if (message.progress().ended()) {
         worker->ended_generation =
             std::max(worker->ended_generation, message.progress().generation());

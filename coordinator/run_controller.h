@@ -21,7 +21,9 @@
 //  * stopping: StopRun has been sent; the run is done when every session has closed, or at
 //    the stop's deadline: stop_timeout, plus half of failure.step_timeout_s when the last
 //    commit had the workers write a checkpoint (what a worker waits for it before its
-//    outputs), and moved on while outputs arrive (OutputProgress).
+//    outputs); a worker that says it began its outputs (Progress.phase kOutputsPhase) moves it
+//    to a step's timeout from then, and each chunk of outputs to stop_timeout from then
+//    (OutputProgress).
 //
 // Every method takes the current time and appends what the server must do to `Actions`. Not
 // thread-safe: the server calls it with its own lock held.

@@ -2,6 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/control/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -1024,6 +1025,24 @@ TEST_F(RunControllerTest, TheStopsDeadlineWaitsForTheLastCheckpointAndOutputsSti
   EXPECT_EQ(tick(absl::Seconds(38)), v1::RUN_STATE_DONE);
   std::vector<std::string> open(ids_.begin() + 1, ids_.end());
   EXPECT_THAT(controller_->cut_at_stop(), ::testing::UnorderedElementsAreArray(open));
+}
+
+// A worker that says it has begun its outputs gets as long as a step (100 s here) from then.
+TEST_F(RunControllerTest, AWorkerWritingItsOutputsGetsAStepsTimeoutBeforeTheStopsDeadline) {
+  Create(5);
+  StartAll();
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  v1::WorkerMessage outputs;
+  outputs.mutable_progress()->set_phase(kOutputsPhase);
+  Send(ids_[2], outputs, kT0 + absl::Seconds(5));
+  auto tick = [&](absl::Duration after) {
+    for (auto* w : controller_->membership().LiveWorkers()) w->last_heartbeat = kT0 + after;
+    controller_->Tick(kT0 + after, &actions_);
+    return controller_->state();
+  };
+  EXPECT_EQ(tick(absl::Seconds(104)), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(tick(absl::Seconds(105)), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->cut_at_stop().size(), 4u);
 }
 
 // The messages of `kind` sent to `id` since `actions` was last cleared, in order.

@@ -129,6 +129,11 @@ class KeyValueClient : public rendezvous::KeyValueStore {
   int64_t generation_;
 };
 
+// Progress.phase of a worker that has begun its final outputs after the stop (the wait for its
+// last checkpoint, the model's gather, the upload): the coordinator then gives it as long as a
+// step before the stop's deadline.
+inline constexpr char kOutputsPhase[] = "outputs";
+
 // A worker's membership in a run: Register, then the session stream. Messages from the
 // coordinator are queued for Next() (or handed to Options::on_message). Thread-safe.
 //

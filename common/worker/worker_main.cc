@@ -210,6 +210,13 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   context->interrupt().Clear();
   HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied, " << driver.steps_discarded()
                    << " discarded";
+  // Tells the coordinator the outputs are under way: gathering a large model and writing it
+  // takes a while before its first chunk arrives, and the stop's deadline allows for it.
+  v1::Progress outputs;
+  outputs.set_phase(coordinator::kOutputsPhase);
+  if (absl::Status s = context->session().SendProgress(outputs); !s.ok()) {
+    HETPAR_LOG(WARNING) << "cannot tell the coordinator the outputs are under way: " << s;
+  }
   HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(
       [&](const std::string& name, const std::string& local_path) {
         return context->PutOutput(name, local_path);
