@@ -629,6 +629,25 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   }
 }
 
+// A step whose gradient norm is not finite is committed without an update, and still writes the
+// checkpoint it is due: a learning rate of 1e30 makes step 0's update overflow the weights, so
+// steps 1 to 3 are skipped, and the checkpoints of steps 2 and 4 (after steps 1 and 3) are there.
+// (No validation split: the diverged model's evaluation has nothing to say.)
+TEST_F(RunFaultsTest, ASkippedStepStillWritesTheCheckpointItIsDue) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> argv = RunArgs(4);
+  argv.insert(argv.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set", "checkpoint.every=2",
+                           "--set", "llm.optimizer.lr=1e30", "--set", "encoder.optimizer.lr=1e30",
+                           "--set", "data.val_manifest=\"\""});
+  auto run = RunCommand(argv, 240);
+  ASSERT_TRUE(run.ok()) << run.status();
+  ASSERT_EQ(run->exit_code, 0) << run->stderr_text;
+  EXPECT_THAT(ReadFile(dir_ + "/run/log/llm-0.log"), HasSubstr("step 3 skipped: its gradient norm"));
+  for (const char* step : {"step-000002", "step-000004"}) {
+    EXPECT_TRUE(fs::exists(checkpoints + "/" + step + "/manifest.json")) << step;
+  }
+}
+
 // Ctrl-C stops `hetpar run --reference` the same way: exit 130 and a stop, not a failure.
 TEST_F(RunFaultsTest, CtrlCStopsAReferenceRun) {
   std::vector<std::string> argv = RunArgs(4000);
