@@ -409,7 +409,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       state = v1::RUN_STATE_FAILED;
       outputs_failure = std::string(s.message());
     } else if (!evaluation_error.empty()) {
-      HETPAR_LOG(ERROR) << "the run is done, but its " << evaluation_error;
+      HETPAR_LOG(ERROR) << "the run is done, but " << evaluation_error;
     }
   }
   // Done with every step committed and the run directory complete: a coordinator started on it

@@ -296,6 +296,30 @@ TEST_F(ClusterRunTest, SeparateProcessesInSeparateDirectoriesWriteTheRunDirector
   ExpectTheRunDirectoryOfHetparRun(dir_ + "/coordinator/run");
 }
 
+// A coordinator whose end-of-run evaluation fails (a deployed coordinator may lack the run's
+// device; here the model diverged: a learning rate of 1e30 in float32 leaves NaN weights, whose
+// logits have no argmax) leaves the trained run done, exits 0, and says how to evaluate it again.
+TEST_F(ClusterRunTest, AFailedEvaluationLeavesTheTrainedRunDoneAndSaysHowToRunItAgain) {
+  const Cluster cluster =
+      StartCluster({"run.dtype=float32", "llm.optimizer.lr=1e30", "encoder.optimizer.lr=1e30"});
+  ASSERT_NE(cluster.coordinator, nullptr);
+  auto code = cluster.coordinator->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string log = ReadFile(dir_ + "/coordinator.log");
+  ASSERT_EQ(*code, 0) << log;
+  EXPECT_THAT(log, HasSubstr("the run is done, but the evaluation failed (exit 1)"));
+  EXPECT_THAT(log, HasSubstr("NaN logit"));
+  EXPECT_THAT(log, HasSubstr("hetpar-reference evaluate --config "));
+  const std::string run = dir_ + "/coordinator/run";
+  EXPECT_EQ(nlohmann::json::parse(ReadFile(run + "/journal.json"))["state"], "done");
+  EXPECT_TRUE(fs::exists(run + "/model/llm.hpar"));
+  for (ChildProcess* w : cluster.workers) {
+    auto worker_code = w->Wait(60);
+    ASSERT_TRUE(worker_code.ok()) << worker_code.status();
+    EXPECT_EQ(*worker_code, 0);
+  }
+}
+
 TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFinishesTheRun) {
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=2"};
