@@ -180,6 +180,10 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
   k->add_option("--data-volume-size", k8s->options.data_volume_size, "Size of the data volume")
       ->check(quantity)
       ->capture_default_str();
+  k->add_option("--memory-per-rank", k8s->options.memory_per_rank,
+                "Memory each worker container requests and is limited to (e.g. 96Gi; default: "
+                "none, which leaves its pod the first evicted under memory pressure)")
+      ->check(quantity);
   k->add_option("--shm-size", k8s->options.shm_size,
                 "Size of each worker pod's /dev/shm (memory-backed; UCX's and NCCL's shared "
                 "memory)")

@@ -43,6 +43,7 @@ struct DeployOptions {
   std::string data_volume_size = "50Gi";
   int64_t grace_period_s = 300;  // terminationGracePeriodSeconds: time to finish a step
   std::string shm_size = "8Gi";  // each worker pod's /dev/shm (memory-backed)
+  std::string memory_per_rank;   // each worker container's memory request and limit; "" = none
 
   // Slurm.
   std::string bin_dir;    // where the binaries are on the nodes (absolute)

@@ -109,6 +109,12 @@ Json WorkerVolumes(const Names& n, const DeployOptions& options) {
 Json Resources(const DeployOptions& options, int64_t ranks) {
   Json requests = {{"cpu", std::to_string(options.cpus_per_rank * ranks)}};
   Json limits = Json::object();
+  // Requested and limited alike: a pod holding tens of GB with no request is the first evicted
+  // under memory pressure. (One rank per container.)
+  if (!options.memory_per_rank.empty()) {
+    requests["memory"] = options.memory_per_rank;
+    limits["memory"] = options.memory_per_rank;
+  }
   if (options.device == Device::kGpu) {
     limits["nvidia.com/gpu"] = std::to_string(ranks);
   }

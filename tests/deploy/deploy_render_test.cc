@@ -171,14 +171,14 @@ TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
 
 // The config's checkpoint.dir is a path of the machine that rendered it: the checkpoints go on
 // the run volume instead, which every pod mounts, and a checkpoint to resume from below it moves
-// with it. Worker pods get a memory-backed /dev/shm of --shm-size; a size that is not a
-// quantity is refused.
+// with it. Worker pods get a memory-backed /dev/shm of --shm-size and --memory-per-rank as their
+// containers' memory request and limit; a size that is not a quantity is refused.
 TEST(DeployK8sTest, CheckpointsGoOnTheRunVolumeAndWorkersGetSharedMemory) {
   Rendered r;
   RenderK8s("tiny.yaml", &r,
             {"--set", "checkpoint.dir=/somewhere/ckpt", "--set",
              "checkpoint.resume_from=/somewhere/ckpt/step-000004", "--set", "run.steps=20",
-             "--shm-size", "2Gi"});
+             "--shm-size", "2Gi", "--memory-per-rank", "3Gi"});
   const YAML::Node runspec = Named(r.objects, "ConfigMap", "tiny-runspec");
   ASSERT_TRUE(runspec);
   const YAML::Node spec = YAML::Load(runspec["data"]["run.yaml"].as<std::string>());
@@ -197,6 +197,8 @@ TEST(DeployK8sTest, CheckpointsGoOnTheRunVolumeAndWorkersGetSharedMemory) {
     }
     EXPECT_TRUE(shm_volume) << name;
     for (const YAML::Node& c : pod["containers"]) {
+      EXPECT_EQ(c["resources"]["requests"]["memory"].as<std::string>(), "3Gi");
+      EXPECT_EQ(c["resources"]["limits"]["memory"].as<std::string>(), "3Gi");
       bool mounted = false;
       for (const YAML::Node& m : c["volumeMounts"]) {
         mounted |= m["name"].as<std::string>() == "shm" &&
