@@ -99,7 +99,7 @@ class ClusterRunTest : public ::testing::Test {
   // small synthetic data set in the test's directory.
   std::vector<std::string> Settings(const std::vector<std::string>& extra = {}) const {
     std::vector<std::string> sets = {"run.dtype=float64",
-                                     "run.steps=" + std::to_string(kSteps),
+                                     "run.steps=" + std::to_string(steps_),
                                      "data.manifest=" + dir_ + "/data/train.jsonl",
                                      "data.val_manifest=" + dir_ + "/data/val.jsonl",
                                      "data.tokenizer=" + dir_ + "/data/tokenizer.model",
@@ -257,7 +257,7 @@ class ClusterRunTest : public ::testing::Test {
     const std::string reference = ReferenceRun();
     const auto a = MetricsByStep(run);
     const auto b = MetricsByStep(reference);
-    for (int64_t step = 0; step < kSteps; ++step) EXPECT_EQ(a.count(step), 1u) << step;
+    for (int64_t step = 0; step < steps_; ++step) EXPECT_EQ(a.count(step), 1u) << step;
     ASSERT_EQ(a.count(-1), 1u) << "no final_params line";
     ASSERT_EQ(a.count(-2), 1u) << "no eval line";
     ASSERT_EQ(b.count(-2), 1u);
@@ -272,6 +272,7 @@ class ClusterRunTest : public ::testing::Test {
   }
 
   std::string dir_;
+  int64_t steps_ = kSteps;              // run.steps of the runs Settings describes
   std::deque<ChildProcess> processes_;  // stable addresses: tests hold pointers
 };
 
@@ -321,6 +322,9 @@ TEST_F(ClusterRunTest, AFailedEvaluationLeavesTheTrainedRunDoneAndSaysHowToRunIt
 }
 
 TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFinishesTheRun) {
+  // Steps enough that the run is still going when the test sees its first checkpoint (8 of the
+  // tiny model's can all pass in half a second, before a poll sees one).
+  steps_ = 40;
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=2"};
   const Cluster cluster = StartCluster(checkpoints);
@@ -330,18 +334,25 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   const std::vector<ChildProcess*>& workers = cluster.workers;
   std::vector<pid_t> pids;
   for (ChildProcess* w : workers) pids.push_back(w->pid());
-  // Killed once a checkpoint is complete and a step after it committed.
+  // Killed once a checkpoint of step 4 or later is complete and a step after step 4 committed
+  // (checkpoint.keep prunes the older ones as the run goes on).
   const std::string run = dir_ + "/coordinator/run";
+  std::string complete;
   ASSERT_TRUE(WaitFor(
       [&] {
-        return fs::exists(dir_ + "/checkpoints/step-000004/manifest.json") &&
-               CountLines(run + "/metrics.jsonl") >= 5;
+        std::error_code error;
+        for (const auto& entry : fs::directory_iterator(dir_ + "/checkpoints", error)) {
+          if (entry.path().filename().string() >= "step-000004" &&
+              fs::exists(entry.path() / "manifest.json")) {
+            complete = (entry.path() / "manifest.json").string();
+          }
+        }
+        return !complete.empty() && CountLines(run + "/metrics.jsonl") >= 5;
       },
       120))
       << ReadFile(dir_ + "/coordinator.log");
   // The checkpoint records the RunSpec it was written under.
-  const nlohmann::json manifest =
-      nlohmann::json::parse(ReadFile(dir_ + "/checkpoints/step-000004/manifest.json"));
+  const nlohmann::json manifest = nlohmann::json::parse(ReadFile(complete));
   EXPECT_THAT(manifest["extra"]["runspec"].get<std::string>(), HasSubstr("name: \"tiny\""));
   EXPECT_THAT(manifest["extra"]["runspec"].get<std::string>(), HasSubstr("every: 2"));
   ASSERT_TRUE(first->Signal(SIGKILL));
@@ -398,7 +409,7 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
   EXPECT_THAT(restarted, HasSubstr("continuing run tiny from its journal"));
   EXPECT_THAT(restarted, HasSubstr("resuming at step "));
-  EXPECT_THAT(restarted, HasSubstr("from " + dir_ + "/checkpoints/step-00000"));
+  EXPECT_THAT(restarted, HasSubstr("from " + dir_ + "/checkpoints/step-0000"));
   // From an older checkpoint than the newest, whose step has a line: the steps after it get
   // their lines again (checked below against a run never interrupted).
   EXPECT_THAT(restarted, HasSubstr(absl::StrFormat(
@@ -413,11 +424,11 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
     EXPECT_THAT(log, HasSubstr("lost the coordinator")) << i;
     EXPECT_THAT(log, HasSubstr("registering again after the coordinator was lost")) << i;
     EXPECT_EQ(workers[i]->pid(), pids[i]);
-    EXPECT_THAT(log, HasSubstr("AdamW state from " + dir_ + "/checkpoints/step-00000")) << i;
+    EXPECT_THAT(log, HasSubstr("AdamW state from " + dir_ + "/checkpoints/step-0000")) << i;
   }
   const nlohmann::json after = nlohmann::json::parse(ReadFile(run + "/journal.json"));
   EXPECT_EQ(after["state"], "done");
-  EXPECT_EQ(after["committed_steps"].get<int64_t>(), kSteps);
+  EXPECT_EQ(after["committed_steps"].get<int64_t>(), steps_);
   EXPECT_EQ(after["restarts"].get<int64_t>(), 1);
   EXPECT_GE(after["generation"].get<int64_t>(), 2);
   ExpectTheRunDirectoryOfHetparRun(run);
@@ -425,7 +436,7 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   // step's global_batch of 8 (configs/tiny.yaml) trained once.
   const auto lines = MetricsByStep(run);
   ASSERT_EQ(lines.count(-3), 1u) << "no ledger line";
-  EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
+  EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), steps_ * 8) << lines.at(-3);
   EXPECT_EQ(lines.at(-3)["ledger"]["repeated"].get<int64_t>(), 0) << lines.at(-3);
   EXPECT_EQ(lines.at(-3)["ledger"]["lost"].get<int64_t>(), 0) << lines.at(-3);
 }
