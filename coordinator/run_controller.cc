@@ -292,8 +292,8 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
       if (!message.progress().ended()) worker->progress = message.progress();
       if (state_ == v1::RUN_STATE_STOPPING && !message.progress().ended() &&
           message.progress().phase() == kOutputsPhase) {
-        // A worker writing its outputs (waiting for its last checkpoint, gathering the model,
-        // sending it) gets as long as a step for them.
+        // A worker writing its outputs (waiting for its last checkpoint, at most half of
+        // failure.step_timeout_s; gathering the model; sending it) gets as long as a step.
         stop_deadline_ = std::max(stop_deadline_, now + options_.step_timeout);
       }
       if (message.progress().ended()) {
@@ -837,15 +837,6 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
     case StepOrchestrator::Outcome::kCommitted:
       if (planner_ != nullptr) planner_->Committed(orchestrator_.step());
       ++committed_steps_;
-      {
-        // The workers write a checkpoint after this commit when it ends an interval, is the
-        // run's last, or came with a stop that asked for one (ModuleState::CheckpointIfDue).
-        const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
-        last_commit_checkpointed_ =
-            !checkpoint.dir().empty() &&
-            ((checkpoint.every() > 0 && committed_steps_ % checkpoint.every() == 0) ||
-             committed_steps_ == spec_.run().steps() || !stop_after_step_.empty());
-      }
       // Replicas that joined trained this step from the state they received: they hold it now.
       encoder_joining_.clear();
       llm_joining_.clear();
@@ -1031,14 +1022,9 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   }
   state_ = v1::RUN_STATE_STOPPING;
   state_message_ = reason;
+  // Moved on by a worker that begins its outputs, and by their chunks (HandleMessage,
+  // OutputProgress).
   stop_deadline_ = now + options_.stop_timeout;
-  if (last_commit_checkpointed_) {
-    // Before its outputs each worker waits for the checkpoint of the last commit, at most half
-    // of failure.step_timeout_s (ModuleState::FinishCheckpoint), or without a bound when that
-    // is infinite, as the user asked.
-    const double half = spec_.failure().step_timeout_s() / 2;
-    stop_deadline_ += half < 1e9 ? absl::Seconds(half) : absl::InfiniteDuration();
-  }
   HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (!worker->session_open) continue;

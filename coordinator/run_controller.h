@@ -19,11 +19,10 @@
 //    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
 //    max_step_attempts times in a row fails the run. After run.steps commits the run stops.
 //  * stopping: StopRun has been sent; the run is done when every session has closed, or at
-//    the stop's deadline: stop_timeout, plus half of failure.step_timeout_s when the last
-//    commit had the workers write a checkpoint (what a worker waits for it before its
-//    outputs); a worker that says it began its outputs (Progress.phase kOutputsPhase) moves it
-//    to a step's timeout from then, and each chunk of outputs to stop_timeout from then
-//    (OutputProgress).
+//    the stop's deadline: stop_timeout after the stop; a worker that says it began its outputs
+//    (Progress.phase kOutputsPhase: its wait for its last checkpoint, the model's gather, the
+//    upload) moves it to a step's timeout from then, and each chunk of outputs to stop_timeout
+//    from then (OutputProgress).
 //
 // Every method takes the current time and appends what the server must do to `Actions`. Not
 // thread-safe: the server calls it with its own lock held.
@@ -215,7 +214,6 @@ class RunController {
   absl::Time incomplete_since_;
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   std::vector<std::string> cut_at_stop_;  // see cut_at_stop()
-  bool last_commit_checkpointed_ = false;  // the workers write a checkpoint after the last commit
   int64_t committed_steps_ = 0;
   std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
   int step_attempts_ = 0;         // aborts of the current step in a row

@@ -1084,7 +1084,8 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     const std::string p = module + ".optimizer.";
     if (!(o.lr() > 0)) c.Fail(p + "lr", absl::StrCat("=", FormatDouble(o.lr()), " must be > 0"));
     if (!(o.weight_decay() >= 0)) {
-      c.Fail(p + "weight_decay", absl::StrCat("=", FormatDouble(o.weight_decay()), " must be >= 0"));
+      c.Fail(p + "weight_decay",
+             absl::StrCat("=", FormatDouble(o.weight_decay()), " must be >= 0"));
     }
     for (const auto& [name, beta] : {std::pair<const char*, double>{"beta1", o.beta1()},
                                      {"beta2", o.beta2()}}) {

@@ -357,15 +357,11 @@ absl::Duration HalfStepTimeout(const v1::RunSpec& spec) {
 }
 }  // namespace
 
-int RunningCheckpointWrites() {
-  absl::MutexLock lock(&g_writes_mu);
-  return g_writes_running;
-}
-
 int AwaitCheckpointWrites() {
   absl::MutexLock lock(&g_writes_mu);
   // A save given up as hung is not waited for again.
-  if (!g_checkpoint_hung.load()) {
+  if (g_writes_running > 0 && !g_checkpoint_hung.load()) {
+    HETPAR_LOG(INFO) << "waiting for the checkpoint being written to finish";
     g_writes_mu.AwaitWithDeadline(
         absl::Condition(+[](int* running) { return *running == 0; }, &g_writes_running),
         g_writes_bound);
@@ -465,13 +461,13 @@ absl::Status ModuleState::FinishCheckpoint() {
   if (!pending_checkpoint_.valid()) return absl::OkStatus();
   // Half the step timeout: the coordinator's clock for the next step started with this step's
   // commit, and this error, not its "did not finish", should say what went wrong.
-  const double seconds = spec_.failure().step_timeout_s() / 2;
+  const absl::Duration wait = HalfStepTimeout(spec_);
   const bool ready =
       g_checkpoint_hung.load()
           ? pending_checkpoint_.wait_for(std::chrono::seconds(0)) == std::future_status::ready
-      : !(seconds < kMaxCheckpointWaitS)
+      : wait == absl::InfiniteDuration()
           ? (pending_checkpoint_.wait(), true)
-          : pending_checkpoint_.wait_for(std::chrono::duration<double>(seconds)) ==
+          : pending_checkpoint_.wait_for(absl::ToChronoNanoseconds(wait)) ==
                 std::future_status::ready;
   if (!ready) {
     const bool first = !g_checkpoint_hung.exchange(true);
@@ -479,7 +475,8 @@ absl::Status ModuleState::FinishCheckpoint() {
     if (writer_.joinable()) writer_.detach();
     return absl::DeadlineExceededError(
         first ? absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
-                             " is still being written after ", config::FormatDouble(seconds),
+                             " is still being written after ",
+                             config::FormatDouble(absl::ToDoubleSeconds(wait)),
                              " s (half of failure.step_timeout_s): is checkpoint.dir (",
                              spec_.checkpoint().dir(), ") on a file system that stopped answering?")
               : absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,

@@ -137,11 +137,11 @@ class ModuleState {
 
 // Waits until no checkpoint write of this process is running, at most until each write's bound
 // (after its start, the smaller of half of failure.step_timeout_s and half of
-// coordinator.register_timeout_s), and not at all once a save was given up as hung. Returns the number of writes still running. A worker that replaces
-// its process (a lost coordinator) calls it first, so that the checkpoint of the step it just
-// committed is not cut off halfway.
+// coordinator.register_timeout_s), and not at all once a save was given up as hung; logs that it
+// waits. Returns the number of writes still running. A worker that replaces its process (a lost
+// coordinator) calls it first, so that the checkpoint of the step it just committed is not cut
+// off halfway.
 int AwaitCheckpointWrites();
-int RunningCheckpointWrites();  // the writes running now
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
 // `generation` (once), then forms each state's groups in it.

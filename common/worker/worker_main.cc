@@ -85,9 +85,6 @@ constexpr int kRestartAttempts = 5;
                       << absl::FormatDuration(reconnect_timeout) << ", --reconnect-timeout)";
   // The checkpoint of the step just committed may still be being written: a restarted
   // coordinator resumes from it once it is complete, so it is not cut off here.
-  if (RunningCheckpointWrites() > 0) {
-    HETPAR_LOG(INFO) << "waiting for the checkpoint being written to finish before restarting";
-  }
   if (const int running = AwaitCheckpointWrites(); running > 0) {
     HETPAR_LOG(WARNING) << running << " checkpoint write(s) still running past their deadline; "
                         << "restarting without them";

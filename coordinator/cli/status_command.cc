@@ -45,7 +45,8 @@ void PrintStatus(const v1::StatusResponse& s) {
   // A run that ended before its last step stopped; it is not done.
   const bool stopped = s.state() == v1::RUN_STATE_DONE && s.committed_steps() < s.total_steps();
   std::cout << "run " << s.run_name() << ": "
-            << (stopped ? std::string("stopped") : std::string(coordinator::RunStateName(s.state())))
+            << (stopped ? std::string("stopped")
+                        : std::string(coordinator::RunStateName(s.state())))
             << (s.state_message().empty() ? "" : " (" + s.state_message() + ")") << "\n";
   std::cout << "coordinator " << s.listen_address() << ", up " << Seconds(s.uptime_s()) << ", cpu "
             << absl::StrFormat("%.2fs", s.cpu_seconds()) << ", generation " << s.generation()

@@ -221,7 +221,8 @@ absl::StatusOr<nlohmann::json> FinalParams(const std::string& out_dir, const v1:
   for (const auto& [module, layout] :
        {std::pair<std::string, const v1::Layout*>{"encoder", &spec.encoder().layout()},
         {"llm", &spec.llm().layout()}}) {
-    const int64_t expected = std::max<int64_t>(1, layout->tp()) * std::max<int64_t>(1, layout->pp());
+    const int64_t expected =
+        std::max<int64_t>(1, layout->tp()) * std::max<int64_t>(1, layout->pp());
     if (ranks[module] != expected) {
       return absl::DataLossError(absl::StrCat(
           "the workers' parameter sums under '", out_dir, "/workers' are incomplete: ",

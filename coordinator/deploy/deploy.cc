@@ -168,7 +168,8 @@ v1::RunSpec RelocatedSpec(const v1::RunSpec& spec, const std::string& data_dir,
   // config's directory is a path on the machine that rendered it. A checkpoint to resume from
   // that lies under it keeps its place below the new one.
   if (!spec.checkpoint().dir().empty()) {
-    const std::filesystem::path from = std::filesystem::path(spec.checkpoint().dir()).lexically_normal();
+    const std::filesystem::path from =
+        std::filesystem::path(spec.checkpoint().dir()).lexically_normal();
     const std::filesystem::path to = std::filesystem::path(out_dir) / "checkpoints";
     out.mutable_checkpoint()->set_dir(to.string());
     if (const std::string& resume = spec.checkpoint().resume_from(); !resume.empty()) {

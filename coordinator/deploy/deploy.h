@@ -51,8 +51,8 @@ struct DeployOptions {
   std::string interface;  // network interface whose address workers advertise ("" = node name)
   std::string partition;  // "" = the cluster's default
   std::string time_limit = "1-00:00:00";
-  // Seconds before the time limit at which the run is stopped after a checkpoint (Slurm signals
-  // the batch script, which signals the coordinator).
+  // Seconds before the time limit at which the batch script's timer stops the run after a
+  // checkpoint (SIGTERM to the coordinator's step).
   int64_t stop_before_limit_s = 600;
 };
 

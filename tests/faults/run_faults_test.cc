@@ -642,7 +642,8 @@ TEST_F(RunFaultsTest, ASkippedStepStillWritesTheCheckpointItIsDue) {
   auto run = RunCommand(argv, 240);
   ASSERT_TRUE(run.ok()) << run.status();
   ASSERT_EQ(run->exit_code, 0) << run->stderr_text;
-  EXPECT_THAT(ReadFile(dir_ + "/run/log/llm-0.log"), HasSubstr("step 3 skipped: its gradient norm"));
+  EXPECT_THAT(ReadFile(dir_ + "/run/log/llm-0.log"),
+              HasSubstr("step 3 skipped: its gradient norm"));
   for (const char* step : {"step-000002", "step-000004"}) {
     EXPECT_TRUE(fs::exists(checkpoints + "/" + step + "/manifest.json")) << step;
   }
