@@ -5,9 +5,12 @@
 #ifndef HETPAR_COMMON_STATUS_H_
 #define HETPAR_COMMON_STATUS_H_
 
+#include <string_view>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
+#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
 
 #define HETPAR_STATUS_CONCAT_INNER_(a, b) a##b
@@ -32,10 +35,30 @@
 
 namespace hetpar {
 
-// Prefixes a status message with context, keeping its code: "loading checkpoint: <message>".
+// Prefixes a status message with context, keeping its code and payloads: "loading checkpoint:
+// <message>".
 inline absl::Status Annotate(const absl::Status& status, std::string_view context) {
   if (status.ok()) return status;
-  return absl::Status(status.code(), std::string(context) + ": " + std::string(status.message()));
+  absl::Status annotated(status.code(),
+                         std::string(context) + ": " + std::string(status.message()));
+  status.ForEachPayload([&annotated](absl::string_view type_url, const absl::Cord& payload) {
+    annotated.SetPayload(type_url, payload);
+  });
+  return annotated;
+}
+
+// Marks an error whose cause is not one worker's own: every replica of the run would meet it in
+// turn (a checkpoint that cannot be written to checkpoint.dir). A worker that fails with it asks
+// the coordinator to fail the run instead of going on without the worker's replica.
+inline constexpr char kEndsRunPayload[] = "type.hetpar/ends-run";
+
+inline absl::Status EndsRun(absl::Status status) {
+  if (!status.ok()) status.SetPayload(kEndsRunPayload, absl::Cord());
+  return status;
+}
+
+inline bool IsEndsRun(const absl::Status& status) {
+  return status.GetPayload(kEndsRunPayload).has_value();
 }
 
 }  // namespace hetpar

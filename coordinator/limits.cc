@@ -1,7 +1,6 @@
 #include "coordinator/limits.h"
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 
 namespace hetpar::coordinator {
@@ -65,10 +64,26 @@ absl::Status CheckKeys(const std::vector<std::string>& keys) {
   return absl::OkStatus();
 }
 
-std::string Printable(absl::string_view text) {
-  if (text.size() <= kMaxLoggedBytes) return absl::CHexEscape(text);
-  return absl::StrCat(absl::CHexEscape(text.substr(0, kMaxLoggedBytes)), "...(", text.size(),
-                      " bytes)");
+std::string Printable(absl::string_view text, size_t max_bytes) {
+  const absl::string_view kept = text.substr(0, max_bytes);
+  std::string out;
+  out.reserve(kept.size());
+  for (const char ch : kept) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(ch);  // quotes and backslashes too: error messages quote names and paths
+    } else if (ch == '\n') {
+      out += "\\n";
+    } else if (ch == '\r') {
+      out += "\\r";
+    } else if (ch == '\t') {
+      out += "\\t";
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(c, absl::kZeroPad2));
+    }
+  }
+  if (text.size() > max_bytes) absl::StrAppend(&out, "...(", text.size(), " bytes)");
+  return out;
 }
 
 }  // namespace hetpar::coordinator

@@ -34,15 +34,18 @@ inline constexpr size_t kMaxValueBytes = 1 << 20;
 inline constexpr size_t kMaxKeysPerCall = 1024;
 // Peer-provided text in a log line or a status message keeps at most this many bytes.
 inline constexpr size_t kMaxLoggedBytes = 256;
+// A worker's own error (WorkerFailure, a failed StepReport) keeps more: it names files and
+// causes.
+inline constexpr size_t kMaxErrorBytes = 4096;
 
 absl::Status CheckRegistration(const v1::RegisterRequest& request);
 absl::Status CheckKey(absl::string_view key);
 absl::Status CheckValue(absl::string_view field, absl::string_view value);
 absl::Status CheckKeys(const std::vector<std::string>& keys);
 
-// `text` as it may enter a log or a message: control and non-ASCII bytes escaped, and cut to
-// kMaxLoggedBytes with the full size noted ("...(1048576 bytes)").
-std::string Printable(absl::string_view text);
+// `text` as it may enter a log or a message: control and non-ASCII bytes escaped (\n, \x01), and
+// cut to `max_bytes` with the full size noted ("...(1048576 bytes)").
+std::string Printable(absl::string_view text, size_t max_bytes = kMaxLoggedBytes);
 
 }  // namespace hetpar::coordinator
 

@@ -55,6 +55,8 @@ TEST(LimitsTest, OversizedOrStrangeRegistrationsAreRefusedNamingTheLimit) {
 TEST(LimitsTest, PrintableEscapesAndCuts) {
   EXPECT_EQ(Printable("ok"), "ok");
   EXPECT_EQ(Printable("a\nb\x01"), "a\\nb\\x01");
+  EXPECT_EQ(Printable("it's \"x\" \\ \xc3\xa9"), "it's \"x\" \\ \\xc3\\xa9");
+  EXPECT_EQ(Printable("abcdef", 3), "abc...(6 bytes)");
   const std::string cut = Printable(std::string(1 << 20, 'x'));
   EXPECT_EQ(cut, std::string(256, 'x') + "...(1048576 bytes)");
 }

@@ -320,6 +320,9 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
     case v1::WorkerMessage::kLeave:
       Leave(worker, Printable(message.leave().reason()), now, actions);
       return absl::OkStatus();
+    case v1::WorkerMessage::kFailure:
+      WorkerFailed(worker, message.failure(), now, actions);
+      return absl::OkStatus();
     case v1::WorkerMessage::kOpen:
       return absl::InvalidArgumentError(
           absl::StrCat("worker ", worker_id, " sent a second SessionOpen on its session"));
@@ -456,13 +459,8 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   }
   const std::string cannot = WhyALossEndsTheRun(*worker);
   if (!cannot.empty()) {
-    const std::string resume =
-        spec_.checkpoint().dir().empty()
-            ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
-            : absl::StrCat("resume it from its newest checkpoint under ", spec_.checkpoint().dir(),
-                           " (start `hetpar coordinator` again on the run directory, or set "
-                           "checkpoint.resume_from)");
-    Fail(absl::StrCat(cause, "; the run cannot go on: ", cannot, "; ", resume), now, actions);
+    Fail(absl::StrCat(cause, "; the run cannot go on: ", cannot, "; ", HowToResume()), now,
+         actions);
     return;
   }
   membership_.RetireReplica(module, replica);
@@ -503,6 +501,35 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
   RebalanceOpen(actions);
   HandleOutcome(outcome, now, actions);
   MaybeStartStep(now, actions);
+}
+
+std::string RunController::HowToResume() const {
+  return spec_.checkpoint().dir().empty()
+             ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
+             : absl::StrCat("resume it from its newest checkpoint under ",
+                            spec_.checkpoint().dir(),
+                            " (start `hetpar coordinator` again on the run directory, or set "
+                            "checkpoint.resume_from)");
+}
+
+void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& failure,
+                                 absl::Time now, Actions* actions) {
+  const std::string error = Printable(failure.error(), kMaxErrorBytes);
+  const bool ended = state_ == v1::RUN_STATE_DONE || state_ == v1::RUN_STATE_FAILED;
+  if (!failure.ends_run() || ended) {
+    // Its session's end follows; the loss is taken now, with the worker's own words.
+    LoseWorker(worker, absl::StrCat("failed: ", error), /*end_session=*/false, now, actions);
+    return;
+  }
+  // Another replica would take over the failed one's part and meet the same error: the run
+  // stops with it, its checkpoints (but the failed one) as they were.
+  membership_.MarkDead(worker->worker_id, absl::StrCat("failed: ", error));
+  HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " failed: " << error;
+  Fail(absl::StrCat("worker ", worker->Describe(), " failed: ", error,
+                    "; every replica would meet this error in turn, so the run stops; fix the "
+                    "cause, then ",
+                    HowToResume()),
+       now, actions);
 }
 
 std::vector<v1::PeerInfo> RunController::EndReplicaWorkers(v1::Module module, int64_t replica,

@@ -169,6 +169,12 @@ class RunController {
   // boundary when the pool may shrink; any other worker stops the run (after a checkpoint of the
   // step in flight when checkpoint.dir is set).
   void Leave(WorkerRecord* worker, const std::string& reason, absl::Time now, Actions* actions);
+  // A worker told why it is about to exit (WorkerFailure): it is lost with its error as the
+  // reason, or, when the error would meet every replica (ends_run), the run fails with it.
+  void WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& failure, absl::Time now,
+                    Actions* actions);
+  // How a failed run goes on: from its newest checkpoint, or from the start without any.
+  std::string HowToResume() const;
   // Opens vacant encoder replicas (lowest first) until the replicas training and open reach the
   // target; closes open ones beyond it (stopping their joining workers).
   void RebalanceOpen(Actions* actions);

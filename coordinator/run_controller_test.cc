@@ -1,5 +1,7 @@
 #include "coordinator/run_controller.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/control/client.h"
@@ -1251,6 +1253,59 @@ TEST_F(RunControllerTest, ALeavingEncoderWorkerTakesItsReplicaOutAndALeavingLlmW
   auto llm_stops = SentTo(ids_[3], v1::CoordinatorMessage::kStop);
   ASSERT_EQ(llm_stops.size(), 1u);
   EXPECT_FALSE(llm_stops[0].stop().leave_run());
+}
+
+// A worker about to exit says why (WorkerFailure): its loss carries its error, and the run goes
+// on without its replica as after any loss.
+TEST_F(RunControllerTest, AWorkerThatFailsIsLostWithItsOwnError) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  v1::WorkerMessage failure;
+  failure.mutable_failure()->set_error("step 0 optimizer: CUDA out of memory");
+  Send(ids_[0], failure);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  auto changes = SentTo(ids_[1], v1::CoordinatorMessage::kMembershipChange);
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_THAT(changes[0].membership_change().reason(),
+              HasSubstr("lost: failed: step 0 optimizer: CUDA out of memory"));
+  const v1::StatusResponse status = controller_->Status(kT0);
+  const auto failed = std::find_if(status.workers().begin(), status.workers().end(),
+                                   [&](const v1::WorkerStatus& w) {
+                                     return w.worker_id() == ids_[0];
+                                   });
+  ASSERT_NE(failed, status.workers().end());
+  EXPECT_EQ(failed->dead_reason(), "failed: step 0 optimizer: CUDA out of memory");
+  // The worker's session then ends: nothing more is lost.
+  actions_ = {};
+  controller_->SessionEnded(ids_[0], "closed", kT0, &actions_);
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kMembershipChange).empty());
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+}
+
+// An error every replica would meet in turn (a checkpoint.dir that cannot be written) fails the
+// run at once, though the run would survive the loss of the worker's replica, instead of taking
+// the replicas out one after another.
+TEST_F(RunControllerTest, AFailureEveryReplicaWouldMeetFailsTheRunWithTheWorkersError) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  v1::WorkerMessage failure;
+  failure.mutable_failure()->set_error(
+      "writing the encoder checkpoint of step 2 into /runs/ckpt: No space left on device");
+  failure.mutable_failure()->set_ends_run(true);
+  Send(ids_[0], failure);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("failed: writing the encoder checkpoint of step 2 into /runs/ckpt: No "
+                        "space left on device; every replica would meet this error in turn"));
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("resume it from its newest checkpoint under /runs/ckpt"));
+  EXPECT_TRUE(SentTo(ids_[1], v1::CoordinatorMessage::kMembershipChange).empty());
+  for (size_t i : {1, 2, 3}) {
+    auto stops = SentTo(ids_[i], v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u) << i;
+    EXPECT_TRUE(stops[0].stop().run_failed());
+    EXPECT_THAT(stops[0].stop().reason(), HasSubstr("No space left on device"));
+  }
 }
 
 TEST_F(RunControllerTest, ARunStartsWithItsInitialEncoderReplicas) {

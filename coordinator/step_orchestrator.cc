@@ -149,7 +149,8 @@ StepOrchestrator::Outcome StepOrchestrator::OnReport(const WorkerRecord& worker,
   if (!report.ok()) {
     return DoAbort(
         absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
-                     report.error().empty() ? "no reason given" : Printable(report.error())),
+                     report.error().empty() ? "no reason given"
+                                            : Printable(report.error(), kMaxErrorBytes)),
         now, out);
   }
   if (!reported_.insert(worker.worker_id).second) {

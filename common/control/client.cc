@@ -497,6 +497,13 @@ absl::Status WorkerSession::SendLeave(const std::string& reason) {
   return Send(std::move(message));
 }
 
+absl::Status WorkerSession::SendFailure(const std::string& error, bool ends_run) {
+  v1::WorkerMessage message;
+  message.mutable_failure()->set_error(error);
+  message.mutable_failure()->set_ends_run(ends_run);
+  return Send(std::move(message));
+}
+
 void WorkerSession::PauseHeartbeats(bool paused) {
   absl::MutexLock lock(&mu_);
   heartbeats_paused_ = paused;

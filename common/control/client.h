@@ -190,6 +190,9 @@ class WorkerSession {
   // Asks the coordinator to let this worker leave the run (v1::Leave): it answers with a StopRun
   // (leave_run for an encoder replica that may leave, else the whole run's stop).
   absl::Status SendLeave(const std::string& reason);
+  // Tells the coordinator why this worker is about to exit (v1::WorkerFailure); `ends_run`: the
+  // cause would meet every replica (a checkpoint that cannot be written), so the run fails.
+  absl::Status SendFailure(const std::string& error, bool ends_run);
 
   // Stops (true) or resumes sending heartbeats while keeping the stream open, as a hung worker.
   void PauseHeartbeats(bool paused);

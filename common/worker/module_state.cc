@@ -329,9 +329,16 @@ absl::Status ModuleState::CheckpointIfDue(int64_t step, bool checkpoint_now, uin
       !checkpoint.dir().empty() &&
       (checkpoint_now || (checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
        committed == spec_.run().steps());
-  if (!due || gradient_rank_ != 0) return absl::OkStatus();
-  return Annotate(WriteCheckpoint(committed, commit_id),
-                  absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
+  if (!due || gradient_rank_ != 0) {
+    // A save that ended since is taken in now: its failure is told at the first commit after
+    // it, not only at the next save (checkpoint.every steps later) or the run's end.
+    if (pending_checkpoint_.valid() &&
+        pending_checkpoint_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      return FinishCheckpoint();
+    }
+    return absl::OkStatus();
+  }
+  return WriteCheckpoint(committed, commit_id);
 }
 
 namespace {
@@ -372,6 +379,11 @@ int AwaitCheckpointWrites() {
 absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id) {
   // One save at a time: the previous one must have finished (and succeeded) first.
   HETPAR_RETURN_IF_ERROR(FinishCheckpoint());
+  return Annotate(StartCheckpoint(committed, commit_id),
+                  absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
+}
+
+absl::Status ModuleState::StartCheckpoint(int64_t committed, uint64_t commit_id) {
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const std::string dir =
       (std::filesystem::path(checkpoint.dir()) / train::CheckpointDirName(committed)).string();
@@ -473,7 +485,8 @@ absl::Status ModuleState::FinishCheckpoint() {
     const bool first = !g_checkpoint_hung.exchange(true);
     // The thread holds its own copy of everything it writes; the process's end takes it.
     if (writer_.joinable()) writer_.detach();
-    return absl::DeadlineExceededError(
+    // The file system under checkpoint.dir, shared by every replica's writers: the run ends.
+    return EndsRun(absl::DeadlineExceededError(
         first ? absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
                              " is still being written after ",
                              config::FormatDouble(absl::ToDoubleSeconds(wait)),
@@ -481,12 +494,17 @@ absl::Status ModuleState::FinishCheckpoint() {
                              spec_.checkpoint().dir(), ") on a file system that stopped answering?")
               : absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
                              " is not written, and another save of this process was given up as "
-                             "hung"));
+                             "hung")));
   }
   // Done: the thread has set its result; join it, so that what it owns is freed here, not
   // while the process exits.
   if (writer_.joinable()) writer_.join();
-  return pending_checkpoint_.get();
+  const absl::Status written = pending_checkpoint_.get();
+  // Every replica's writers write into checkpoint.dir: one that cannot (full, read-only, an I/O
+  // error) ends the run rather than one replica after another.
+  return EndsRun(Annotate(written, absl::StrCat("writing the ", name_, " checkpoint of step ",
+                                                pending_step_, " into ",
+                                                spec_.checkpoint().dir())));
 }
 
 ModuleState::~ModuleState() {
@@ -498,7 +516,7 @@ ModuleState::~ModuleState() {
   // A save given up as hung was reported where it was, and its thread is left to the process's
   // end.
   if (!status.ok() && !absl::IsDeadlineExceeded(status)) {
-    HETPAR_LOG(ERROR) << name_ << " checkpoint: " << status;
+    HETPAR_LOG(ERROR) << status.message();
   }
 }
 
@@ -513,7 +531,7 @@ absl::Status ModuleState::WriteOutputs(const OutputSender& send, int64_t world_r
   // other ranks are not left waiting, then report the save's error first.
   const absl::Status written =
       WriteModuleOutputs(send, world_rank, name_, gradient_rank_, *params_, *tp_, *pp_);
-  HETPAR_RETURN_IF_ERROR(Annotate(saved, absl::StrCat("the ", name_, " checkpoint")));
+  HETPAR_RETURN_IF_ERROR(saved);
   return written;
 }
 

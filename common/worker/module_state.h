@@ -119,11 +119,14 @@ class ModuleState {
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
   absl::Status WriteCheckpoint(int64_t committed, uint64_t commit_id);
+  // WriteCheckpoint's copy and thread, once the previous save is finished.
+  absl::Status StartCheckpoint(int64_t committed, uint64_t commit_id);
   // Waits for the save in progress, at most half of failure.step_timeout_s; its error, or
   // DEADLINE_EXCEEDED (then the save is given up, and so is every other save of this process
-  // still running when a later call asks).
+  // still running when a later call asks). Both name the save's step and are marked EndsRun.
   absl::Status FinishCheckpoint();
-  // After step `step` committed: the checkpoint its interval or the commit asks for, if any.
+  // After step `step` committed: the checkpoint its interval or the commit asks for, if any;
+  // else the result of a save that has ended since the last call.
   absl::Status CheckpointIfDue(int64_t step, bool checkpoint_now, uint64_t commit_id);
 
   nn::ParameterSet* params_ = nullptr;

@@ -140,6 +140,9 @@ class StepDriver {
   // The stop that ended Run was StopRun.replica_left: a worker of this worker's replica was lost
   // and the replica left a run that goes on. Run returned the stop's reason as a failure.
   bool replica_left() const { return replica_left_; }
+  // Run's failure came from the coordinator (a failed run's stop, or its replica's): the
+  // coordinator knows why, and the worker has nothing to tell it.
+  bool ended_by_coordinator() const { return !run_failed_.ok(); }
 
  private:
   // Waits for the next message other than heartbeat acks, assignments and membership changes

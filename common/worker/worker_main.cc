@@ -197,7 +197,22 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     g_training_session = nullptr;
   }
   flush_trace();
-  HETPAR_RETURN_IF_ERROR(run);
+  // A failure of this worker's own (not a stop the coordinator sent) is told to the coordinator
+  // before the exit, so that it names the error where it takes the worker out; the session's
+  // close delivers it before the half-close.
+  const auto tell_coordinator = [&context](const absl::Status& failure) {
+    if (absl::Status s = context->session().SendFailure(std::string(failure.message()),
+                                                        IsEndsRun(failure));
+        !s.ok()) {
+      HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << s;
+      return;
+    }
+    (void)context->Close(absl::Seconds(10));
+  };
+  if (!run.ok()) {
+    if (!driver.ended_by_coordinator()) tell_coordinator(run);
+    return run;
+  }
   if (driver.left_run()) {
     // The run goes on without this worker's replica: its outputs are the others' to write.
     HETPAR_LOG(INFO) << driver.steps_applied() << " steps applied; left the run";
@@ -214,11 +229,15 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   if (absl::Status s = context->session().SendProgress(outputs); !s.ok()) {
     HETPAR_LOG(WARNING) << "cannot tell the coordinator the outputs are under way: " << s;
   }
-  HETPAR_RETURN_IF_ERROR(modules->WriteOutputs(
-      [&](const std::string& name, const std::string& local_path) {
-        return context->PutOutput(name, local_path);
-      },
-      world_rank));
+  if (absl::Status s = modules->WriteOutputs(
+          [&](const std::string& name, const std::string& local_path) {
+            return context->PutOutput(name, local_path);
+          },
+          world_rank);
+      !s.ok()) {
+    tell_coordinator(s);
+    return s;
+  }
   return context->Close(absl::Seconds(10));
 }
 
@@ -485,7 +504,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
   const bool replica_left = replica_left_flag->load();
-  if (!status.ok()) HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << status;
+  // The message without the status's payloads (EndsRun's mark).
+  if (!status.ok()) {
+    HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: "
+                      << absl::StatusCodeToString(status.code()) << ": " << status.message();
+  }
   const int code = status.ok() ? 0 : kExitFailure;
   if (replica_left && linger) {
     // The run goes on: a copy started again registers into the vacant replica.

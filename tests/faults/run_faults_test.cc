@@ -34,6 +34,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ChildProcess;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RunCommand;
 
 const std::string kBin = HETPAR_BIN;
@@ -568,6 +569,37 @@ TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirect
                              checkpoints + ")"));
   // Step 1's checkpoint was written in full before.
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
+}
+
+// A checkpoint that cannot be written (step 2's directory is a file in the way, as a full or
+// read-only checkpoint.dir would fail it) fails the run with the writer's error, said by the
+// coordinator. With two replicas of each module, losing replica 0 alone would let the run go on,
+// and the next replica would meet the same directory: the run stops instead of shedding them.
+TEST_F(RunFaultsTest, ACheckpointThatCannotBeWrittenFailsTheRunWithTheWritersError) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  fs::create_directories(checkpoints);
+  { std::ofstream(checkpoints + "/step-000002") << "in the way\n"; }
+  std::vector<std::string> argv = RunArgs(6);
+  for (const std::string& flag :
+       std::vector<std::string>{"checkpoint.dir=" + checkpoints, "checkpoint.every=1",
+                                "llm.layout.tp=1", "llm.layout.dp=2"}) {
+    argv.insert(argv.end(), {"--set", flag});
+  }
+  auto result = RunCommand(argv, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const std::string log = result->stdout_text + result->stderr_text;
+  EXPECT_EQ(result->exit_code, 1) << log;
+  // The coordinator's reason, which the run's failure repeats, holds the writer's error.
+  EXPECT_THAT(log, ::testing::ContainsRegex(
+                       "run tiny failed: worker \\S+ \\((encoder|llm) rank 0 \\(dp 0[^)]*\\), "
+                       "host [^)]*\\) failed: committing step [0-9]+: writing the (encoder|llm) "
+                       "checkpoint of step 2 "
+                       "into " + checkpoints + ": creating checkpoint directory " +
+                       checkpoints + "/step-000002: "));
+  EXPECT_THAT(log, HasSubstr("every replica would meet this error in turn"));
+  EXPECT_THAT(log, Not(HasSubstr("left the run")));
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
+  EXPECT_FALSE(fs::exists(checkpoints + "/step-000003/manifest.json"));
 }
 
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
