@@ -900,11 +900,18 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
         return;
       }
       if (!stop_after_step_.empty()) {
-        BeginStopping(absl::StrCat(stop_after_step_,
-                                   " (the step to checkpoint was aborted: no "
-                                   "checkpoint)"),
-                      now, actions);
-        return;
+        if (stop_retry_taken_) {
+          BeginStopping(absl::StrCat(stop_after_step_,
+                                     " (the step to checkpoint was aborted twice: no "
+                                     "checkpoint)"),
+                        now, actions);
+          return;
+        }
+        // Stopping now would lose every step since the last checkpoint: the next attempt
+        // commits with the checkpoint instead (once; MaybeStartStep asks for it).
+        stop_retry_taken_ = true;
+        HETPAR_LOG(INFO) << stop_after_step_ << ": step " << orchestrator_.step()
+                         << " was aborted; its next attempt commits with the checkpoint";
       }
       // A worker's death often reaches the coordinator after its peers' reports of the failures
       // it caused (a collective's connection reset): planned at once, the next attempt would
@@ -979,6 +986,8 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
   std::vector<const WorkerRecord*> participants(live.begin(), live.end());
   orchestrator_.Begin(committed_steps_, generation_, *std::move(plan), participants, now,
                       &actions->messages);
+  // A stop with a checkpoint that came between attempts, or whose step was aborted.
+  if (!stop_after_step_.empty()) orchestrator_.CheckpointAtCommit();
 }
 
 void RunController::OutputProgress(absl::Time now) {
@@ -1107,13 +1116,17 @@ void RunController::Fail(const std::string& reason, absl::Time now, Actions* act
 v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint, absl::Time now,
                                      Actions* actions) {
   const std::string why = reason.empty() ? "stop requested" : "stop requested: " + reason;
-  if (checkpoint && state_ == v1::RUN_STATE_RUNNING && orchestrator_.in_flight() &&
-      !spec_.checkpoint().dir().empty()) {
+  // Between an abort and the next attempt (waiting for the workers to give the aborted one up),
+  // the step to checkpoint is the next attempt.
+  const bool retry_pending = !unheard_since_abort_.empty() || !not_ended_since_abort_.empty();
+  if (checkpoint && state_ == v1::RUN_STATE_RUNNING &&
+      (orchestrator_.in_flight() || retry_pending) && !spec_.checkpoint().dir().empty()) {
     if (stop_after_step_.empty()) {
       stop_after_step_ = why;
-      orchestrator_.CheckpointAtCommit();
-      HETPAR_LOG(INFO) << why << ": stopping once step " << orchestrator_.step()
-                       << " commits, with a checkpoint";
+      if (orchestrator_.in_flight()) orchestrator_.CheckpointAtCommit();
+      HETPAR_LOG(INFO) << why << ": stopping once step " << committed_steps_
+                       << " commits, with a checkpoint"
+                       << (orchestrator_.in_flight() ? "" : " (its next attempt)");
     }
   } else if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
     if (checkpoint) {

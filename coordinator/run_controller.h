@@ -221,7 +221,10 @@ class RunController {
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   std::vector<std::string> cut_at_stop_;  // see cut_at_stop()
   int64_t committed_steps_ = 0;
-  std::string stop_after_step_;   // a stop waiting for the step in flight (Stop with checkpoint)
+  // A stop waiting for the step in flight, or for the next attempt of an aborted one, to commit
+  // with a checkpoint (Stop with checkpoint).
+  std::string stop_after_step_;
+  bool stop_retry_taken_ = false;  // an attempt under stop_after_step_ was aborted once already
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
   std::vector<v1::PoolChange> pool_changes_;  // replicas that left or joined, oldest first

@@ -1076,6 +1076,61 @@ TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) 
   EXPECT_EQ(stops[0].stop().reason(), "stop requested: preempted (checkpointed after 1 steps)");
 }
 
+// A stop with a checkpoint whose step is aborted (a replica lost), or that comes while the
+// coordinator waits for the workers to give an aborted attempt up, checkpoints the next attempt
+// instead of stopping without one (which would lose every step since the last checkpoint).
+TEST_F(RunControllerTest, AStopWithACheckpointAroundAnAbortCheckpointsTheNextAttempt) {
+  for (const bool stop_first : {true, false}) {
+    SCOPED_TRACE(stop_first ? "stop, then the abort" : "the abort, then the stop");
+    ids_.clear();
+    actions_ = {};
+    Create(5, true, false, "/ckpt");
+    StartAll();
+    if (stop_first) controller_->Stop("preempted", true, kT0, &actions_);
+    // Encoder replica 1 dies in step 0: the step is aborted, and its next attempt waits for the
+    // others to give this one up.
+    controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+    if (!stop_first) {
+      EXPECT_EQ(controller_->Stop("preempted", true, kT0, &actions_).state(),
+                v1::RUN_STATE_RUNNING);
+    }
+    EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+    EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
+    HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
+    ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);  // the retry
+    CompleteStep(0, 0, {0, 2, 3});
+    const auto commits = SentTo(ids_[0], v1::CoordinatorMessage::kCommit);
+    ASSERT_EQ(commits.size(), 1u);
+    EXPECT_TRUE(commits[0].commit().checkpoint());
+    EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+    const auto stops = SentTo(ids_[0], v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u);
+    EXPECT_EQ(stops[0].stop().reason(),
+              "stop requested: preempted (checkpointed after 1 steps)");
+  }
+}
+
+// Only one attempt is waited for: a stop whose retry is aborted too stops without a checkpoint.
+TEST_F(RunControllerTest, AStopWithACheckpointWhoseRetryIsAbortedTooStopsWithoutOne) {
+  Create(5, true, false, "/ckpt");
+  StartAll();
+  controller_->Stop("preempted", true, kT0, &actions_);
+  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
+  ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);
+  v1::WorkerMessage failed;
+  failed.mutable_report()->set_step(0);
+  failed.mutable_report()->set_generation(controller_->generation());
+  failed.mutable_report()->set_ok(false);
+  failed.mutable_report()->set_error("connection reset by peer");
+  Send(ids_[2], failed, kT0 + absl::Seconds(3));
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(controller_->committed_steps(), 0);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("stop requested: preempted (the step to checkpoint was aborted twice: no "
+                        "checkpoint)"));
+}
+
 TEST_F(RunControllerTest, AStopWithACheckpointStopsAtOnceWithoutACheckpointDirectory) {
   Create(5);
   StartAll();
