@@ -218,6 +218,12 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "step in flight (submitting the script again continues it); 60 to 65535")
       ->check(CLI::Range(60, 65535))
       ->capture_default_str();
+  s->add_option("--ranks-per-node", slurm->options.ranks_per_node,
+                "Ranks each node runs: the job asks for whole nodes, and each module's replicas "
+                "tile them (as many whole replicas per node as fit), so that no replica straddles "
+                "two nodes; 0: Slurm places the tasks wherever it finds room (default: "
+                "--gpus-per-node with --device gpu, else 0)")
+      ->check(hetpar::kNonNegativeNumber);
   s->callback([slurm, exit_code] { *exit_code = Deploy(*slurm, /*kubernetes=*/false); });
 }
 

@@ -185,6 +185,11 @@ v1::RunSpec RelocatedSpec(const v1::RunSpec& spec, const std::string& data_dir,
   return out;
 }
 
+int64_t RanksPerNode(const DeployOptions& options) {
+  if (options.ranks_per_node >= 0) return options.ranks_per_node;
+  return options.device == Device::kGpu ? options.gpus_per_node : 0;
+}
+
 std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                                            const DeployOptions& options) {
   const v1::RunSpec& spec = loaded.spec;
@@ -198,6 +203,13 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                        module, " replica, more than a node has (--gpus-per-node ",
                        options.gpus_per_node, "); a replica's ranks share a node (", where, ")"));
     }
+    if (options.ranks_per_node > 0 && shape.ranks_per_replica > options.ranks_per_node) {
+      problems.push_back(absl::StrCat(field, ": =", value, " puts ", shape.ranks_per_replica,
+                                      " ranks in one ", module,
+                                      " replica, more than a node runs (--ranks-per-node ",
+                                      options.ranks_per_node, "); a replica's ranks share a node (",
+                                      where, ")"));
+    }
     if (options.cpus_per_node > 0 &&
         shape.ranks_per_replica * options.cpus_per_rank > options.cpus_per_node) {
       problems.push_back(absl::StrCat(field, ": =", value, " puts ", shape.ranks_per_replica,
@@ -207,6 +219,20 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                                       options.cpus_per_node, ") (", where, ")"));
     }
   };
+  if (options.ranks_per_node > 0) {
+    if (options.device == Device::kGpu && options.ranks_per_node > options.gpus_per_node) {
+      problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node,
+                                      " is more than a node's GPUs (--gpus-per-node ",
+                                      options.gpus_per_node, "); each rank takes one"));
+    }
+    if (options.cpus_per_node > 0 &&
+        options.ranks_per_node * options.cpus_per_rank > options.cpus_per_node) {
+      problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node, " x ",
+                                      options.cpus_per_rank, " CPUs (--cpus-per-rank) is more "
+                                      "than a node's CPUs (--cpus-per-node ",
+                                      options.cpus_per_node, ")"));
+    }
+  }
   if (spec.placement() == v1::PLACEMENT_COLOCATED) {
     check("colocated", "llm.layout.tp", spec.llm().layout().tp(), LlmShape(spec));
   } else {

@@ -54,6 +54,11 @@ struct DeployOptions {
   // Seconds before the time limit at which the batch script's timer stops the run after a
   // checkpoint (SIGTERM to the coordinator's step).
   int64_t stop_before_limit_s = 600;
+  // Ranks each node runs (--ranks-per-node): the job asks for whole nodes, and each module's
+  // replicas tile them (as many whole replicas as fit in this many ranks per node), so that no
+  // replica straddles two nodes. 0: Slurm places the tasks wherever it finds room. -1 (unset):
+  // gpus_per_node with Device::kGpu, else 0.
+  int64_t ranks_per_node = -1;
 };
 
 struct RenderedFile {
@@ -67,6 +72,9 @@ inline constexpr char kContainerRunDir[] = "/var/lib/hetpar/run";
 inline constexpr char kContainerDataDir[] = "/var/lib/hetpar/data";
 inline constexpr char kContainerConfigDir[] = "/etc/hetpar";
 inline constexpr char kContainerTokenDir[] = "/var/run/secrets/hetpar";
+
+// DeployOptions::ranks_per_node with its default applied: gpus_per_node on GPUs, else 0.
+int64_t RanksPerNode(const DeployOptions& options);
 
 // Problems that stop a RunSpec from being placed with `options`, as "field: =value ... (where)".
 std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,

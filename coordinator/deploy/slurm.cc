@@ -1,4 +1,5 @@
 // `hetpar deploy slurm`: batch scripts of one run (see deploy.h and docs/deploy.md).
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,18 +58,37 @@ std::optional<int64_t> TimeLimitSeconds(const std::string& text) {
   }
 }
 
+// How a module's tasks lie on whole nodes (DeployOptions::ranks_per_node): as many whole
+// replicas per node as fit, so that none straddles two nodes.
+struct NodeTiling {
+  int64_t tasks_per_node = 0;  // 0: not tiled (Slurm places the tasks)
+  int64_t nodes = 0;
+};
+
+NodeTiling Tile(const ModuleShape& shape, int64_t ranks_per_node) {
+  if (ranks_per_node <= 0 || shape.replicas == 0) return {};
+  // >= 1: PlacementProblems refuses a replica larger than a node.
+  const int64_t replicas_per_node =
+      std::min(shape.replicas, ranks_per_node / shape.ranks_per_replica);
+  return {replicas_per_node * shape.ranks_per_replica,
+          (shape.replicas + replicas_per_node - 1) / replicas_per_node};
+}
+
 struct Job {
   std::string name;
   int64_t encoder_ranks = 0;  // 0 when colocated
   int64_t llm_ranks = 0;      // colocated: the shared ranks
   bool colocated = false;
   ModuleShape llm;  // the LLM's (colocated: the shared ranks') replicas and stages
+  NodeTiling encoder_nodes;  // whole nodes (ranks_per_node > 0), else unset
+  NodeTiling llm_nodes;
+  bool tiled() const { return llm_nodes.tasks_per_node > 0; }
 };
 
 // The part both scripts share after the #SBATCH lines: paths, the token, the coordinator's
 // address, and the function that starts a step and the loop that waits for them.
 std::string Prologue(const DeployOptions& options, const std::string& config,
-                     const std::string& head_nodes) {
+                     const std::string& head_nodes, bool tiled) {
   std::string s = absl::StrCat(
       "set -euo pipefail\n\n", "BIN=", Quote(options.bin_dir), "\n",
       "RUN_DIR=", Quote(options.run_dir), "\n", "CONFIG=", Quote(config), "\n",
@@ -123,7 +143,35 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "  done\n",
       "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n",
       "}\n");
+  if (tiled) {
+    absl::StrAppend(
+        &s,
+        "# Whole nodes: a step's tasks go to the nodes its host file lists, one line per task\n",
+        "# in rank order (srun --distribution=arbitrary), so that each node holds whole\n",
+        "# replicas and no replica straddles two nodes.\n",
+        "write_hosts() {  # FILE NODELIST TASKS-PER-NODE TASKS\n",
+        "  local file=$1 per=$3 tasks=$4 node t n=0\n",
+        "  : > \"$file\"\n",
+        "  for node in $(scontrol show hostnames \"$2\"); do\n",
+        "    for ((t = 0; t < per && n < tasks; t++, n++)); do echo \"$node\" >> \"$file\"; done\n",
+        "  done\n",
+        "  if [ \"$n\" -lt \"$tasks\" ]; then\n",
+        "    echo \"hetpar: the job's nodes ($2) hold $n of the $tasks tasks of $file\" >&2\n",
+        "    exit 1\n",
+        "  fi\n",
+        "}\n");
+  }
   return s;
+}
+
+// The flags of a worker step on whole nodes: its tasks' host file (SLURM_HOSTFILE, written
+// from `nodes`, a node list expression of the script), or nothing when not tiled.
+std::string TiledStep(const std::string& name, const NodeTiling& tiling, int64_t tasks,
+                      const std::string& nodes) {
+  if (tiling.tasks_per_node == 0) return "";
+  return absl::StrCat("write_hosts \"$RUN_DIR/hosts-", name, "\" \"", nodes, "\" ",
+                      tiling.tasks_per_node, " ", tasks, "\n", "SLURM_HOSTFILE=\"$RUN_DIR/hosts-",
+                      name, "\" ");
 }
 
 // A worker step's command: its rank is the task's SLURM_PROCID within the step. With pipeline
@@ -221,23 +269,46 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
           ? absl::StrCat(job.llm_ranks, " colocated ranks")
           : absl::StrCat(job.encoder_ranks, " encoder ranks and ", job.llm_ranks, " LLM ranks"),
       " run as job steps. Submit with: sbatch ", options.run_dir, "/hetpar.sbatch\n",
-      CommonDirectives(job, options), "#SBATCH --ntasks=", workers + 1, "\n",
-      "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
-  if (options.device == Device::kGpu) absl::StrAppend(&s, "#SBATCH --gpus=", workers, "\n");
-  absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST"), "\n");
-  absl::StrAppend(&s,
-                  "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\"",
-                  NoGpuFlag(options),
+      CommonDirectives(job, options));
+  if (job.tiled()) {
+    // Whole nodes, the encoder's first, then the LLM's; the coordinator shares the first.
+    const int64_t per_node =
+        std::max(job.encoder_nodes.tasks_per_node, job.llm_nodes.tasks_per_node);
+    absl::StrAppend(&s, "#SBATCH --nodes=", job.encoder_nodes.nodes + job.llm_nodes.nodes, "\n",
+                    "#SBATCH --ntasks-per-node=", per_node, "\n",
+                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+    if (options.device == Device::kGpu) {
+      absl::StrAppend(&s, "#SBATCH --gpus-per-node=", per_node, "\n");
+    }
+  } else {
+    absl::StrAppend(&s, "#SBATCH --ntasks=", workers + 1, "\n",
+                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+    if (options.device == Device::kGpu) absl::StrAppend(&s, "#SBATCH --gpus=", workers, "\n");
+  }
+  absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST", job.tiled()), "\n");
+  if (job.tiled()) {
+    absl::StrAppend(&s, "mapfile -t job_nodes < <(scontrol show hostnames \"$SLURM_JOB_NODELIST\")\n",
+                    "encoder_nodes=$(IFS=,; echo \"${job_nodes[*]:0:", job.encoder_nodes.nodes,
+                    "}\")\n", "llm_nodes=$(IFS=,; echo \"${job_nodes[*]:", job.encoder_nodes.nodes,
+                    ":", job.llm_nodes.nodes, "}\")\n");
+  }
+  absl::StrAppend(&s, "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\"",
+                  job.tiled() ? " --overlap" : "", NoGpuFlag(options),
                   " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" --listen \"0.0.0.0:$PORT\" "
                   "--out \"$RUN_DIR\"\n");
+  const std::string arbitrary = job.tiled() ? " --distribution=arbitrary" : "";
   if (job.colocated) {
-    absl::StrAppend(&s, "start_step colocated --exact --ntasks=", job.llm_ranks, GpuFlag(options),
-                    " ", WorkerCommand("hetpar-llm", true, options), "\n");
+    absl::StrAppend(&s, TiledStep("colocated", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
+                    "start_step colocated --exact", arbitrary, " --ntasks=", job.llm_ranks,
+                    GpuFlag(options), " ", WorkerCommand("hetpar-llm", true, options), "\n");
   } else {
-    absl::StrAppend(&s, "start_step encoder --exact --ntasks=", job.encoder_ranks, GpuFlag(options),
-                    " ", WorkerCommand("hetpar-encoder", false, options), "\n");
-    absl::StrAppend(&s, "start_step llm --exact --ntasks=", job.llm_ranks, GpuFlag(options), " ",
-                    WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
+    absl::StrAppend(&s, TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$encoder_nodes"),
+                    "start_step encoder --exact", arbitrary, " --ntasks=", job.encoder_ranks,
+                    GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
+    absl::StrAppend(&s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
+                    "start_step llm --exact", arbitrary, " --ntasks=", job.llm_ranks,
+                    GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm),
+                    "\n");
   }
   absl::StrAppend(&s, WaitLoop());
   return s;
@@ -250,27 +321,45 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
                                "slurm`:\n# component 0 holds the encoder pool (", job.encoder_ranks,
                                " ranks), component 1 the LLM ranks (", job.llm_ranks,
                                ") and the coordinator. Submit with: sbatch ", options.run_dir,
-                               "/hetpar-het.sbatch\n", CommonDirectives(job, options),
-                               "#SBATCH --ntasks=", job.encoder_ranks, "\n",
-                               "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
-  if (options.device == Device::kGpu) {
-    absl::StrAppend(&s, "#SBATCH --gpus=", job.encoder_ranks, "\n");
-  }
-  absl::StrAppend(&s, "#SBATCH hetjob\n", "#SBATCH --ntasks=", job.llm_ranks + 1, "\n",
-                  "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
-  if (options.device == Device::kGpu) {
-    absl::StrAppend(&s, "#SBATCH --gpus=", job.llm_ranks, "\n");
-  }
-  absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1"), "\n");
+                               "/hetpar-het.sbatch\n", CommonDirectives(job, options));
+  // A component's tasks: whole nodes, or a task count (the LLM's, with the coordinator's).
+  const auto component = [&](const NodeTiling& tiling, int64_t tasks) {
+    std::string c;
+    if (job.tiled()) {
+      absl::StrAppend(&c, "#SBATCH --nodes=", tiling.nodes, "\n", "#SBATCH --ntasks-per-node=",
+                      tiling.tasks_per_node, "\n");
+    } else {
+      absl::StrAppend(&c, "#SBATCH --ntasks=", tasks, "\n");
+    }
+    absl::StrAppend(&c, "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+    if (options.device == Device::kGpu) {
+      absl::StrAppend(&c, job.tiled() ? absl::StrCat("#SBATCH --gpus-per-node=",
+                                                     tiling.tasks_per_node, "\n")
+                                      : absl::StrCat("#SBATCH --gpus=", tasks, "\n"));
+    }
+    return c;
+  };
+  absl::StrAppend(&s, component(job.encoder_nodes, job.encoder_ranks), "#SBATCH hetjob\n",
+                  component(job.llm_nodes, job.llm_ranks + 1));
+  absl::StrAppend(&s, "\n",
+                  Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1", job.tiled()),
+                  "\n");
   absl::StrAppend(&s,
                   "start_step coordinator --het-group=1 --exact --ntasks=1 --nodes=1 "
                   "--nodelist=\"$head_node\"",
-                  NoGpuFlag(options),
+                  job.tiled() ? " --overlap" : "", NoGpuFlag(options),
                   " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" "
                   "--listen \"0.0.0.0:$PORT\" --out \"$RUN_DIR\"\n");
-  absl::StrAppend(&s, "start_step encoder --het-group=0 --exact --ntasks=", job.encoder_ranks,
-                  GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
-  absl::StrAppend(&s, "start_step llm --het-group=1 --exact --ntasks=", job.llm_ranks,
+  const std::string arbitrary = job.tiled() ? " --distribution=arbitrary" : "";
+  absl::StrAppend(&s,
+                  TiledStep("encoder", job.encoder_nodes, job.encoder_ranks,
+                            "$SLURM_JOB_NODELIST_HET_GROUP_0"),
+                  "start_step encoder --het-group=0 --exact", arbitrary,
+                  " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
+                  WorkerCommand("hetpar-encoder", false, options), "\n");
+  absl::StrAppend(&s,
+                  TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
+                  "start_step llm --het-group=1 --exact", arbitrary, " --ntasks=", job.llm_ranks,
                   GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm),
                   "\n");
   absl::StrAppend(&s, WaitLoop());
@@ -318,6 +407,9 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
   job.llm_ranks = llm.replicas * llm.ranks_per_replica;
   job.llm = llm;
   job.encoder_ranks = job.colocated ? 0 : encoder.replicas * encoder.ranks_per_replica;
+  const int64_t ranks_per_node = RanksPerNode(options);
+  job.llm_nodes = Tile(llm, ranks_per_node);
+  if (!job.colocated) job.encoder_nodes = Tile(encoder, ranks_per_node);
   v1::RunSpec run_spec = spec;
   run_spec.mutable_run()->set_out_dir(options.run_dir);
   run_spec.mutable_coordinator()->clear_token_file();

@@ -22,6 +22,7 @@ namespace hetpar::testing {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 const std::string kBinDir = std::filesystem::path(kHetparBin).parent_path().string();
 
@@ -410,6 +411,98 @@ TEST(DeploySlurmTest, OnGpusTheCoordinatorStepTakesNoGpu) {
             0);
   EXPECT_THAT(ReadFile(cpu.File("run") + "/hetpar.sbatch"),
               ::testing::Not(HasSubstr("--gres")));
+}
+
+// --ranks-per-node: whole nodes, each holding as many whole replicas as fit, the encoder's
+// first; every worker task is placed by a host file (srun --distribution=arbitrary), and the
+// coordinator shares a node (--overlap). slurm_run_test runs such a job.
+TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
+  TempDir dir;
+  // 3 encoder replicas of 1 rank on nodes of 2 ranks: 2 nodes (2 + 1 tasks); 1 LLM replica of
+  // 2 ranks: 1 node.
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("run"), "--interface", "lo", "--ranks-per-node", "2", "--set",
+             "encoder.layout.dp=3"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const std::string single = ReadFile(dir.File("run") + "/hetpar.sbatch");
+  EXPECT_THAT(single, HasSubstr("#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=2\n"));
+  EXPECT_THAT(single, Not(HasSubstr("#SBATCH --ntasks=")));
+  EXPECT_THAT(single, HasSubstr("encoder_nodes=$(IFS=,; echo \"${job_nodes[*]:0:2}\")"));
+  EXPECT_THAT(single, HasSubstr("llm_nodes=$(IFS=,; echo \"${job_nodes[*]:2:1}\")"));
+  EXPECT_THAT(single, HasSubstr("write_hosts \"$RUN_DIR/hosts-encoder\" \"$encoder_nodes\" 2 3\n"
+                                "SLURM_HOSTFILE=\"$RUN_DIR/hosts-encoder\" start_step encoder "
+                                "--exact --distribution=arbitrary --ntasks=3 "));
+  EXPECT_THAT(single, HasSubstr("write_hosts \"$RUN_DIR/hosts-llm\" \"$llm_nodes\" 2 2\n"));
+  EXPECT_THAT(single, ::testing::MatchesRegex(
+                          "(.|\n)*start_step coordinator [^\n]*--overlap [^\n]*(.|\n)*"));
+  const std::string het = ReadFile(dir.File("run") + "/hetpar-het.sbatch");
+  EXPECT_THAT(het, HasSubstr("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n"
+                             "#SBATCH --cpus-per-task=2\n#SBATCH hetjob\n"
+                             "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"));
+  for (const std::string& text : {single, het}) {
+    EXPECT_THAT(text, HasSubstr("write_hosts() {"));
+  }
+  for (const char* script : {"hetpar.sbatch", "hetpar-het.sbatch"}) {
+    const CommandResult syntax = RunOk({"bash", "-n", dir.File("run") + "/" + script});
+    EXPECT_EQ(syntax.exit_code, 0) << script << ": " << syntax.stderr_text;
+  }
+  // The write_hosts function, run: one line per task, a node's tasks together, the last node
+  // partly used.
+  TempDir hosts;
+  const std::string function = single.substr(single.find("write_hosts() {"),
+                                             single.find("\n}\n", single.find("write_hosts() {")) -
+                                                 single.find("write_hosts() {") + 3);
+  const CommandResult written = RunOk(
+      {"bash", "-c",
+       function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
+           hosts.File("h") + "\" a,b 2 3"});
+  ASSERT_EQ(written.exit_code, 0) << written.stderr_text;
+  EXPECT_EQ(ReadFile(hosts.File("h")), "a\na\nb\n");
+  const CommandResult short_of_nodes = RunOk(
+      {"bash", "-c",
+       function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
+           hosts.File("h") + "\" a 2 3"});
+  EXPECT_EQ(short_of_nodes.exit_code, 1);
+  EXPECT_THAT(short_of_nodes.stderr_text, HasSubstr("the job's nodes (a) hold 2 of the 3 tasks"));
+
+  // On GPUs whole nodes are the default (--gpus-per-node ranks each), asked for by GPUs per
+  // node; --ranks-per-node 0 leaves the placement to Slurm.
+  TempDir gpu;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", gpu.File("run"), "--device", "gpu", "--set", "run.device=cuda",
+                   "--gpus-per-node", "4"})
+                .exit_code,
+            0);
+  EXPECT_THAT(ReadFile(gpu.File("run") + "/hetpar.sbatch"),
+              HasSubstr("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n"
+                        "#SBATCH --cpus-per-task=2\n#SBATCH --gpus-per-node=2\n"));
+  TempDir free;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", free.File("run"), "--device", "gpu", "--set", "run.device=cuda",
+                   "--ranks-per-node", "0"})
+                .exit_code,
+            0);
+  const std::string placed_by_slurm = ReadFile(free.File("run") + "/hetpar.sbatch");
+  EXPECT_THAT(placed_by_slurm, HasSubstr("#SBATCH --ntasks=5\n"));
+  EXPECT_THAT(placed_by_slurm, Not(HasSubstr("--distribution=arbitrary")));
+
+  // A replica larger than a node, and more ranks than a node's GPUs, are refused.
+  const CommandResult too_small =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("refused"), "--ranks-per-node", "1"});
+  EXPECT_EQ(too_small.exit_code, 2);
+  EXPECT_THAT(too_small.stderr_text,
+              HasSubstr("llm.layout.tp: =2 puts 2 ranks in one LLM replica, more than a node runs "
+                        "(--ranks-per-node 1)"));
+  const CommandResult too_many =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("refused"), "--device", "gpu", "--set", "run.device=cuda",
+             "--ranks-per-node", "16"});
+  EXPECT_EQ(too_many.exit_code, 2);
+  EXPECT_THAT(too_many.stderr_text,
+              HasSubstr("--ranks-per-node 16 is more than a node's GPUs (--gpus-per-node 8)"));
+  EXPECT_FALSE(std::filesystem::exists(dir.File("refused")));
 }
 
 TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {

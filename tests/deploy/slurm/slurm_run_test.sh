@@ -2,10 +2,12 @@
 # The batch scripts `hetpar deploy slurm` renders, run by a real Slurm: a throw-away cluster on
 # this machine (local_slurm.sh: munged, slurmctld and two slurmd, in a temporary directory,
 # stopped by pid) runs
-#   1. the single-allocation script of a 6-step tiny run: the run directory must hold the steps,
-#      the final parameters and the model, and match the reference trainer under hetpar compare;
-#   2. the heterogeneous-job script (checked with sbatch --test-only, then run for real on the
-#      two nodes, with the same checks);
+#   1. the single-allocation script of a 6-step tiny run on whole nodes (--ranks-per-node 2: the
+#      encoder pool's step on one node, the LLM's on the other, as squeue shows them): the run
+#      directory must hold the steps, the final parameters and the model, and match the
+#      reference trainer under hetpar compare;
+#   2. the heterogeneous-job script on whole nodes (checked with sbatch --test-only, then run for
+#      real on the two nodes, with the same checks);
 #   3. the single-allocation script of a pipelined LLM (pp 2), with the same checks;
 #   4. the single-allocation script with workers that cannot start: the job must fail and its
 #      log must name the failing step;
@@ -94,22 +96,56 @@ check_run() {  # RUN_DIR [REFERENCE_DIR]
     fail "hetpar compare $dir against the reference: $(cat "$dir/compare.txt")"
 }
 
-# 1. One allocation.
-render run
+# The nodes each step ran on, polled while JOB runs: "NAME NODELIST" lines. (Every step of the
+# cluster: a heterogeneous job's second component has steps of its own, and this test runs one
+# job at a time.)
+step_nodes() {  # JOB
+  local job=$1 seen=""
+  while [ -n "$(squeue -h -j "$job" -o %T 2>/dev/null)" ]; do
+    seen+="$(squeue -h --steps -o '%j %N' 2>/dev/null || true)"$'\n'
+    sleep 0.3
+  done
+  printf '%s' "$seen" | sed '/^$/d' | sort -u
+}
+
+# With --ranks-per-node 2 the job takes two whole nodes: the encoder pool's 2 ranks on one, the
+# LLM's replica (tp 2) on the other, each step on exactly one node.
+check_whole_nodes() {  # NODES-FILE
+  local enc llm
+  enc=$(awk '$1 == "encoder" { print $2 }' "$1" | sort -u)
+  llm=$(awk '$1 == "llm" { print $2 }' "$1" | sort -u)
+  [ "$(printf '%s\n' "$enc" | wc -l)" -eq 1 ] && [ "$(printf '%s\n' "$llm" | wc -l)" -eq 1 ] ||
+    fail "steps seen on more node lists than one each: $(cat "$1")"
+  case "$enc$llm" in *[],[]*) fail "a step spans nodes: $(cat "$1")" ;; esac
+  [ -n "$enc" ] && [ -n "$llm" ] && [ "$enc" != "$llm" ] ||
+    fail "the encoder (${enc:-not seen}) and the LLM (${llm:-not seen}) should each have a node of their own: $(cat "$1")"
+}
+
+# 1. One allocation, on whole nodes.
+render run --ranks-per-node 2
+grep -q '^#SBATCH --nodes=2$' "$work/run/hetpar.sbatch" || fail "no --nodes=2 in hetpar.sbatch"
 job=$(submit "$work/run/hetpar.sbatch")
+step_nodes "$job" >"$work/run-nodes.txt" &
+nodes_pid=$!
 "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "job $job did not complete"
+wait "$nodes_pid" || true
+check_whole_nodes "$work/run-nodes.txt"
 grep -q "hetpar: run done" "$work/run/slurm-$job.out" || fail "no 'run done' in the job's log"
 "$bin/hetpar" run --reference --config "$work/run/run.yaml" --out "$work/reference" \
   >"$work/reference.log" 2>&1 || fail "reference run: $(tail -n 5 "$work/reference.log")"
 check_run "$work/run"
 echo "slurm_run_test: single allocation: job $job completed and matches the reference"
 
-# 2. The heterogeneous job.
-render run-het
+# 2. The heterogeneous job, on whole nodes.
+render run-het --ranks-per-node 2
 sbatch --test-only "$work/run-het/hetpar-het.sbatch" >"$work/het-test-only.txt" 2>&1 ||
   fail "sbatch --test-only refused the heterogeneous script: $(cat "$work/het-test-only.txt")"
 job=$(submit "$work/run-het/hetpar-het.sbatch")
+step_nodes "$job" >"$work/run-het-nodes.txt" &
+nodes_pid=$!
 "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "het job $job did not complete"
+wait "$nodes_pid" || true
+check_whole_nodes "$work/run-het-nodes.txt"
 check_run "$work/run-het"
 echo "slurm_run_test: heterogeneous job: job $job completed and matches the reference"
 
