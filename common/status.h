@@ -9,9 +9,9 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/string_view.h"
-#include "absl/status/statusor.h"
 
 #define HETPAR_STATUS_CONCAT_INNER_(a, b) a##b
 #define HETPAR_STATUS_CONCAT_(a, b) HETPAR_STATUS_CONCAT_INNER_(a, b)

@@ -268,6 +268,12 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
                                           const v1::WorkerMessage& message, absl::Time now,
                                           Actions* actions) {
   WorkerRecord* worker = membership_.Find(worker_id);
+  if (worker != nullptr && !worker->alive && message.has_failure()) {
+    // Ended with its replica (a peer's loss came first) before its own word arrived: an error
+    // every replica would meet still fails the run.
+    if (message.failure().ends_run()) WorkerFailed(worker, message.failure(), now, actions);
+    return absl::OkStatus();
+  }
   if (worker == nullptr || !worker->alive) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker ", worker_id, " is no longer in the run",
@@ -506,8 +512,7 @@ void RunController::LoseWorker(WorkerRecord* worker, const std::string& reason, 
 std::string RunController::HowToResume() const {
   return spec_.checkpoint().dir().empty()
              ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
-             : absl::StrCat("resume it from its newest checkpoint under ",
-                            spec_.checkpoint().dir(),
+             : absl::StrCat("resume it from its newest checkpoint under ", spec_.checkpoint().dir(),
                             " (start `hetpar coordinator` again on the run directory, or set "
                             "checkpoint.resume_from)");
 }
@@ -518,13 +523,24 @@ void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& 
   const bool ended = state_ == v1::RUN_STATE_DONE || state_ == v1::RUN_STATE_FAILED;
   if (!failure.ends_run() || ended) {
     // Its session's end follows; the loss is taken now, with the worker's own words.
-    LoseWorker(worker, absl::StrCat("failed: ", error), /*end_session=*/false, now, actions);
+    if (worker->alive) {
+      LoseWorker(worker, absl::StrCat("failed: ", error), /*end_session=*/false, now, actions);
+    }
+    return;
+  }
+  if (worker->alive) membership_.MarkDead(worker->worker_id, absl::StrCat("failed: ", error));
+  HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " failed: " << error;
+  if (state_ == v1::RUN_STATE_STOPPING) {
+    // The other workers are writing their final outputs: they finish, and the run then ends
+    // failed with this error (its last checkpoint is missing) instead of done.
+    if (stop_failure_.empty()) {
+      stop_failure_ = absl::StrCat("worker ", worker->Describe(), " failed: ", error);
+    }
+    MaybeFinishStopping(now, actions);
     return;
   }
   // Another replica would take over the failed one's part and meet the same error: the run
   // stops with it, its checkpoints (but the failed one) as they were.
-  membership_.MarkDead(worker->worker_id, absl::StrCat("failed: ", error));
-  HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " failed: " << error;
   Fail(absl::StrCat("worker ", worker->Describe(), " failed: ", error,
                     "; every replica would meet this error in turn, so the run stops; fix the "
                     "cause, then ",
@@ -1027,7 +1043,7 @@ void RunController::Tick(absl::Time now, Actions* actions) {
                           << " after the stop, its last checkpoint or its last output): "
                           << absl::StrJoin(open, ", ");
       cut_at_stop_ = open;
-      state_ = v1::RUN_STATE_DONE;
+      EndStopping();
     }
     return;
   }
@@ -1087,6 +1103,17 @@ void RunController::MaybeFinishStopping(absl::Time now, Actions* actions) {
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (worker->session_open) return;
   }
+  EndStopping();
+}
+
+void RunController::EndStopping() {
+  if (!stop_failure_.empty()) {
+    state_ = v1::RUN_STATE_FAILED;
+    state_message_ =
+        absl::StrCat(stop_failure_, " (as the run stopped: ", state_message_, "); ", HowToResume());
+    HETPAR_LOG(ERROR) << "run " << spec_.run().name() << " failed: " << state_message_;
+    return;
+  }
   state_ = v1::RUN_STATE_DONE;
   if (committed_steps_ < spec_.run().steps()) {
     HETPAR_LOG(INFO) << "run " << spec_.run().name() << " stopped after " << committed_steps_
@@ -1124,6 +1151,8 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
     if (stop_after_step_.empty()) {
       stop_after_step_ = why;
       if (orchestrator_.in_flight()) orchestrator_.CheckpointAtCommit();
+      // The next attempt is the one retry a stop waits for.
+      if (!orchestrator_.in_flight()) stop_retry_taken_ = true;
       HETPAR_LOG(INFO) << why << ": stopping once step " << committed_steps_
                        << " commits, with a checkpoint"
                        << (orchestrator_.in_flight() ? "" : " (its next attempt)");

@@ -205,6 +205,8 @@ class RunController {
   void BeginStopping(const std::string& reason, absl::Time now, Actions* actions);
   void Fail(const std::string& reason, absl::Time now, Actions* actions);
   void MaybeFinishStopping(absl::Time now, Actions* actions);
+  // Every session closed, or the stop's deadline passed: DONE, or FAILED with stop_failure_.
+  void EndStopping();
 
   v1::RunSpec spec_;
   Membership membership_;
@@ -225,6 +227,9 @@ class RunController {
   // with a checkpoint (Stop with checkpoint).
   std::string stop_after_step_;
   bool stop_retry_taken_ = false;  // an attempt under stop_after_step_ was aborted once already
+  // A worker's error every replica would meet (WorkerFailure.ends_run) while the run stopped:
+  // the run ends FAILED with it once the others' outputs are in.
+  std::string stop_failure_;
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK
   std::vector<v1::PoolChange> pool_changes_;  // replicas that left or joined, oldest first

@@ -1105,30 +1105,35 @@ TEST_F(RunControllerTest, AStopWithACheckpointAroundAnAbortCheckpointsTheNextAtt
     EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
     const auto stops = SentTo(ids_[0], v1::CoordinatorMessage::kStop);
     ASSERT_EQ(stops.size(), 1u);
-    EXPECT_EQ(stops[0].stop().reason(),
-              "stop requested: preempted (checkpointed after 1 steps)");
+    EXPECT_EQ(stops[0].stop().reason(), "stop requested: preempted (checkpointed after 1 steps)");
   }
 }
 
 // Only one attempt is waited for: a stop whose retry is aborted too stops without a checkpoint.
 TEST_F(RunControllerTest, AStopWithACheckpointWhoseRetryIsAbortedTooStopsWithoutOne) {
-  Create(5, true, false, "/ckpt");
-  StartAll();
-  controller_->Stop("preempted", true, kT0, &actions_);
-  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
-  HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
-  ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);
-  v1::WorkerMessage failed;
-  failed.mutable_report()->set_step(0);
-  failed.mutable_report()->set_generation(controller_->generation());
-  failed.mutable_report()->set_ok(false);
-  failed.mutable_report()->set_error("connection reset by peer");
-  Send(ids_[2], failed, kT0 + absl::Seconds(3));
-  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
-  EXPECT_EQ(controller_->committed_steps(), 0);
-  EXPECT_THAT(controller_->state_message(),
-              HasSubstr("stop requested: preempted (the step to checkpoint was aborted twice: no "
-                        "checkpoint)"));
+  for (const bool stop_first : {true, false}) {
+    SCOPED_TRACE(stop_first ? "stop, then the abort" : "the abort, then the stop");
+    ids_.clear();
+    actions_ = {};
+    Create(5, true, false, "/ckpt");
+    StartAll();
+    if (stop_first) controller_->Stop("preempted", true, kT0, &actions_);
+    controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+    if (!stop_first) controller_->Stop("preempted", true, kT0, &actions_);
+    HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
+    ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);
+    v1::WorkerMessage failed;
+    failed.mutable_report()->set_step(0);
+    failed.mutable_report()->set_generation(controller_->generation());
+    failed.mutable_report()->set_ok(false);
+    failed.mutable_report()->set_error("connection reset by peer");
+    Send(ids_[2], failed, kT0 + absl::Seconds(3));
+    EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+    EXPECT_EQ(controller_->committed_steps(), 0);
+    EXPECT_THAT(controller_->state_message(),
+                HasSubstr("stop requested: preempted (the step to checkpoint was aborted twice: no "
+                          "checkpoint)"));
+  }
 }
 
 TEST_F(RunControllerTest, AStopWithACheckpointStopsAtOnceWithoutACheckpointDirectory) {
@@ -1324,10 +1329,9 @@ TEST_F(RunControllerTest, AWorkerThatFailsIsLostWithItsOwnError) {
   EXPECT_THAT(changes[0].membership_change().reason(),
               HasSubstr("lost: failed: step 0 optimizer: CUDA out of memory"));
   const v1::StatusResponse status = controller_->Status(kT0);
-  const auto failed = std::find_if(status.workers().begin(), status.workers().end(),
-                                   [&](const v1::WorkerStatus& w) {
-                                     return w.worker_id() == ids_[0];
-                                   });
+  const auto failed =
+      std::find_if(status.workers().begin(), status.workers().end(),
+                   [&](const v1::WorkerStatus& w) { return w.worker_id() == ids_[0]; });
   ASSERT_NE(failed, status.workers().end());
   EXPECT_EQ(failed->dead_reason(), "failed: step 0 optimizer: CUDA out of memory");
   // The worker's session then ends: nothing more is lost.
@@ -1361,6 +1365,51 @@ TEST_F(RunControllerTest, AFailureEveryReplicaWouldMeetFailsTheRunWithTheWorkers
     EXPECT_TRUE(stops[0].stop().run_failed());
     EXPECT_THAT(stops[0].stop().reason(), HasSubstr("No space left on device"));
   }
+}
+
+// The same error as the run stops (its last checkpoint): the others finish their outputs, and
+// the run then ends failed with it instead of done.
+TEST_F(RunControllerTest,
+       AFailureEveryReplicaWouldMeetWhileStoppingEndsTheRunFailedAfterTheOutputs) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  actions_ = {};
+  v1::WorkerMessage failure;
+  failure.mutable_failure()->set_error(
+      "writing the llm checkpoint of step 4 into /runs/ckpt: No space left on device");
+  failure.mutable_failure()->set_ends_run(true);
+  Send(ids_[2], failure);
+  // Nobody else is stopped or cut off.
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_TRUE(actions_.end_sessions.empty());
+  for (size_t i : {0, 1, 3}) EXPECT_TRUE(SentTo(ids_[i], v1::CoordinatorMessage::kStop).empty());
+  for (size_t i : {0, 1, 2}) controller_->SessionEnded(ids_[i], "closed", kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);  // llm rank 1 still writes its outputs
+  controller_->SessionEnded(ids_[3], "closed", kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("failed: writing the llm checkpoint of step 4 into /runs/ckpt: No space "
+                        "left on device (as the run stopped: stop requested: maintenance); "
+                        "resume it from its newest checkpoint under /runs/ckpt"));
+}
+
+// A worker ended with its replica (a peer's loss came first) whose own error every replica
+// would meet arrives after: the run still fails with it.
+TEST_F(RunControllerTest, AFailureEveryReplicaWouldMeetFromAWorkerAlreadyEndedFailsTheRun) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  controller_->SessionEnded(ids_[0], "connection reset", kT0, &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  v1::WorkerMessage failure;
+  failure.mutable_failure()->set_error("No space left on device");
+  Send(ids_[0], failure);  // not every replica's: nothing more
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  failure.mutable_failure()->set_ends_run(true);
+  Send(ids_[0], failure);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(), HasSubstr("No space left on device; every replica"));
 }
 
 TEST_F(RunControllerTest, ARunStartsWithItsInitialEncoderReplicas) {

@@ -147,11 +147,10 @@ StepOrchestrator::Outcome StepOrchestrator::OnReport(const WorkerRecord& worker,
     return Outcome::kPending;
   }
   if (!report.ok()) {
-    return DoAbort(
-        absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
-                     report.error().empty() ? "no reason given"
-                                            : Printable(report.error(), kMaxErrorBytes)),
-        now, out);
+    return DoAbort(absl::StrCat("worker ", worker.Describe(), " failed step ", step_, ": ",
+                                report.error().empty() ? "no reason given"
+                                                       : Printable(report.error(), kMaxErrorBytes)),
+                   now, out);
   }
   if (!reported_.insert(worker.worker_id).second) {
     return DoAbort(absl::StrCat("worker ", worker.Describe(), " reported step ", step_, " twice"),

@@ -485,8 +485,8 @@ absl::Status ModuleState::FinishCheckpoint() {
     const bool first = !g_checkpoint_hung.exchange(true);
     // The thread holds its own copy of everything it writes; the process's end takes it.
     if (writer_.joinable()) writer_.detach();
-    // The file system under checkpoint.dir, shared by every replica's writers: the run ends.
-    return EndsRun(absl::DeadlineExceededError(
+    // A hang may be this node's alone (its NFS client): the replica is lost, not the run.
+    return absl::DeadlineExceededError(
         first ? absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
                              " is still being written after ",
                              config::FormatDouble(absl::ToDoubleSeconds(wait)),
@@ -494,17 +494,20 @@ absl::Status ModuleState::FinishCheckpoint() {
                              spec_.checkpoint().dir(), ") on a file system that stopped answering?")
               : absl::StrCat("the ", name_, " checkpoint of step ", pending_step_,
                              " is not written, and another save of this process was given up as "
-                             "hung")));
+                             "hung"));
   }
   // Done: the thread has set its result; join it, so that what it owns is freed here, not
   // while the process exits.
   if (writer_.joinable()) writer_.join();
-  const absl::Status written = pending_checkpoint_.get();
-  // Every replica's writers write into checkpoint.dir: one that cannot (full, read-only, an I/O
-  // error) ends the run rather than one replica after another.
-  return EndsRun(Annotate(written, absl::StrCat("writing the ", name_, " checkpoint of step ",
-                                                pending_step_, " into ",
-                                                spec_.checkpoint().dir())));
+  const absl::Status written = Annotate(
+      pending_checkpoint_.get(), absl::StrCat("writing the ", name_, " checkpoint of step ",
+                                              pending_step_, " into ", spec_.checkpoint().dir()));
+  // A full or read-only checkpoint.dir, or one this run may not write (ENOSPC, EDQUOT, EROFS,
+  // EACCES, EPERM: ErrnoStatus's ResourceExhausted and PermissionDenied), is every replica's:
+  // the next replica's writers would meet it in turn, so the run ends with it instead of losing
+  // one replica after another. Other errors (EIO, ESTALE, a hang) may be this node's alone.
+  return absl::IsResourceExhausted(written) || absl::IsPermissionDenied(written) ? EndsRun(written)
+                                                                                 : written;
 }
 
 ModuleState::~ModuleState() {

@@ -123,7 +123,8 @@ class ModuleState {
   absl::Status StartCheckpoint(int64_t committed, uint64_t commit_id);
   // Waits for the save in progress, at most half of failure.step_timeout_s; its error, or
   // DEADLINE_EXCEEDED (then the save is given up, and so is every other save of this process
-  // still running when a later call asks). Both name the save's step and are marked EndsRun.
+  // still running when a later call asks). Both name the save's step; a full, read-only or
+  // forbidden checkpoint.dir is marked EndsRun.
   absl::Status FinishCheckpoint();
   // After step `step` committed: the checkpoint its interval or the commit asks for, if any;
   // else the result of a save that has ended since the last call.

@@ -201,8 +201,9 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   // before the exit, so that it names the error where it takes the worker out; the session's
   // close delivers it before the half-close.
   const auto tell_coordinator = [&context](const absl::Status& failure) {
-    if (absl::Status s = context->session().SendFailure(std::string(failure.message()),
-                                                        IsEndsRun(failure));
+    if (context->session().ended()) return;  // the coordinator ended it: nobody to tell
+    if (absl::Status s =
+            context->session().SendFailure(std::string(failure.message()), IsEndsRun(failure));
         !s.ok()) {
       HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << s;
       return;
@@ -506,8 +507,9 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   const bool replica_left = replica_left_flag->load();
   // The message without the status's payloads (EndsRun's mark).
   if (!status.ok()) {
-    HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: "
-                      << absl::StatusCodeToString(status.code()) << ": " << status.message();
+    HETPAR_LOG(ERROR) << RoleName(options.role)
+                      << " worker failed: " << absl::StatusCodeToString(status.code()) << ": "
+                      << status.message();
   }
   const int code = status.ok() ? 0 : kExitFailure;
   if (replica_left && linger) {

@@ -571,11 +571,10 @@ TEST_F(RunFaultsTest, ACheckpointWriteThatHangsFailsTheRunNamingItsStepAndDirect
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
 }
 
-// A checkpoint that cannot be written (step 2's directory is a file in the way, as a full or
-// read-only checkpoint.dir would fail it) fails the run with the writer's error, said by the
-// coordinator. With two replicas of each module, losing replica 0 alone would let the run go on,
-// and the next replica would meet the same directory: the run stops instead of shedding them.
-TEST_F(RunFaultsTest, ACheckpointThatCannotBeWrittenFailsTheRunWithTheWritersError) {
+// A checkpoint write that fails for a reason that may be the writing node's own (here step 2's
+// directory is a file in the way, standing for an I/O error) loses the writer's replica, named
+// with the writer's error, and the run goes on: the next replica writes the later checkpoints.
+TEST_F(RunFaultsTest, ACheckpointWriteErrorOfOneWriterLosesItsReplicaAndTheRunGoesOn) {
   const std::string checkpoints = dir_ + "/ckpt";
   fs::create_directories(checkpoints);
   { std::ofstream(checkpoints + "/step-000002") << "in the way\n"; }
@@ -588,18 +587,56 @@ TEST_F(RunFaultsTest, ACheckpointThatCannotBeWrittenFailsTheRunWithTheWritersErr
   auto result = RunCommand(argv, 240);
   ASSERT_TRUE(result.ok()) << result.status();
   const std::string log = result->stdout_text + result->stderr_text;
+  EXPECT_EQ(result->exit_code, 0) << log;
+  // The loss names the writer's error (WorkerFailure), not only its session's end.
+  EXPECT_THAT(log, HasSubstr("(dp 0, tp 0), host 127.0.0.1) is dead: failed: committing step 2: "
+                             "writing the encoder checkpoint of step 2 into " +
+                             checkpoints + ": creating checkpoint directory " + checkpoints +
+                             "/step-000002: Not a directory"));
+  EXPECT_THAT(log, HasSubstr("left the run"));
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-000006/manifest.json")) << log;
+}
+
+// A full checkpoint.dir (a 5 MiB tmpfs, in a mount namespace of the run's own, holds two
+// checkpoints of the tiny model) is every replica's: the run fails at once with the writer's error,
+// said by the coordinator, instead of losing its replicas one after another (each module has two
+// here, so the first loss alone would be survived).
+TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a tmpfs in a mount namespace needs root";
+  auto probe = RunCommand({"unshare", "--mount", "--propagation", "private", "true"}, 30);
+  if (!probe.ok() || probe->exit_code != 0) {
+    GTEST_SKIP() << "unshare --mount does not work here: "
+                 << (probe.ok() ? probe->stderr_text : probe.status().ToString());
+  }
+  const std::string checkpoints = dir_ + "/ckpt";
+  fs::create_directories(checkpoints);
+  std::vector<std::string> argv = {
+      "unshare",
+      "--mount",
+      "--propagation",
+      "private",
+      "sh",
+      "-c",
+      "mount -t tmpfs -o size=5m hetpar-test \"$0\" && shift && exec \"$@\"",
+      checkpoints,
+      "--"};
+  for (const std::string& a : RunArgs(6)) argv.push_back(a);
+  for (const std::string& flag :
+       std::vector<std::string>{"checkpoint.dir=" + checkpoints, "checkpoint.every=1",
+                                "llm.layout.tp=1", "llm.layout.dp=2"}) {
+    argv.insert(argv.end(), {"--set", flag});
+  }
+  auto result = RunCommand(argv, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const std::string log = result->stdout_text + result->stderr_text;
   EXPECT_EQ(result->exit_code, 1) << log;
-  // The coordinator's reason, which the run's failure repeats, holds the writer's error.
   EXPECT_THAT(log, ::testing::ContainsRegex(
                        "run tiny failed: worker \\S+ \\((encoder|llm) rank 0 \\(dp 0[^)]*\\), "
                        "host [^)]*\\) failed: committing step [0-9]+: writing the (encoder|llm) "
-                       "checkpoint of step 2 "
-                       "into " + checkpoints + ": creating checkpoint directory " +
-                       checkpoints + "/step-000002: "));
-  EXPECT_THAT(log, HasSubstr("every replica would meet this error in turn"));
+                       "checkpoint of step [0-9]+ into "));
+  EXPECT_THAT(log, HasSubstr("No space left on device; every replica would meet this error in "
+                             "turn, so the run stops"));
   EXPECT_THAT(log, Not(HasSubstr("left the run")));
-  EXPECT_TRUE(fs::exists(checkpoints + "/step-000001/manifest.json"));
-  EXPECT_FALSE(fs::exists(checkpoints + "/step-000003/manifest.json"));
 }
 
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
