@@ -189,6 +189,10 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "memory)")
       ->check(quantity)
       ->capture_default_str();
+  k->add_flag("!--no-disruption-budgets", k8s->options.disruption_budgets,
+              "Render no PodDisruptionBudgets (by default a node drain waits for the run rather "
+              "than evict its coordinator or an LLM pod, either of which stops the run, and "
+              "takes encoder pods one at a time while the pool may shrink)");
   k->add_option("--grace-period", k8s->options.grace_period_s,
                 "Seconds a terminated pod gets to finish its step")
       ->check(hetpar::kPositiveNumber)

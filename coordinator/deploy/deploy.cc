@@ -204,11 +204,10 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                        options.gpus_per_node, "); a replica's ranks share a node (", where, ")"));
     }
     if (options.ranks_per_node > 0 && shape.ranks_per_replica > options.ranks_per_node) {
-      problems.push_back(absl::StrCat(field, ": =", value, " puts ", shape.ranks_per_replica,
-                                      " ranks in one ", module,
-                                      " replica, more than a node runs (--ranks-per-node ",
-                                      options.ranks_per_node, "); a replica's ranks share a node (",
-                                      where, ")"));
+      problems.push_back(
+          absl::StrCat(field, ": =", value, " puts ", shape.ranks_per_replica, " ranks in one ",
+                       module, " replica, more than a node runs (--ranks-per-node ",
+                       options.ranks_per_node, "); a replica's ranks share a node (", where, ")"));
     }
     if (options.cpus_per_node > 0 &&
         shape.ranks_per_replica * options.cpus_per_rank > options.cpus_per_node) {
@@ -224,13 +223,6 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
       problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node,
                                       " is more than a node's GPUs (--gpus-per-node ",
                                       options.gpus_per_node, "); each rank takes one"));
-    }
-    if (options.cpus_per_node > 0 &&
-        options.ranks_per_node * options.cpus_per_rank > options.cpus_per_node) {
-      problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node, " x ",
-                                      options.cpus_per_rank, " CPUs (--cpus-per-rank) is more "
-                                      "than a node's CPUs (--cpus-per-node ",
-                                      options.cpus_per_node, ")"));
     }
   }
   if (spec.placement() == v1::PLACEMENT_COLOCATED) {

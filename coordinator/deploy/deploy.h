@@ -44,6 +44,9 @@ struct DeployOptions {
   int64_t grace_period_s = 300;  // terminationGracePeriodSeconds: time to finish a step
   std::string shm_size = "8Gi";  // each worker pod's /dev/shm (memory-backed)
   std::string memory_per_rank;   // each worker container's memory request and limit; "" = none
+  // PodDisruptionBudgets: drains take no coordinator or LLM pod, and encoder pods one at a time
+  // while the pool may shrink (manifests/disruption.yaml).
+  bool disruption_budgets = true;
 
   // Slurm.
   std::string bin_dir;    // where the binaries are on the nodes (absolute)
@@ -80,13 +83,14 @@ int64_t RanksPerNode(const DeployOptions& options);
 std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                                            const DeployOptions& options);
 
-// manifests/{secret,runspec,volumes,coordinator,workers}.yaml (plain objects for
+// manifests/{secret,runspec,volumes,coordinator,workers,disruption}.yaml (plain objects for
 // `kubectl apply -f DIR/manifests`: the token Secret, the RunSpec ConfigMap, the run and data
 // volumes, the coordinator's Deployment and Service, the workers' headless Service and
-// StatefulSets) and kustomization.yaml naming them (`kubectl apply -k DIR`, a base for overlays).
-// The RunSpec in the ConfigMap has its data paths moved under kContainerDataDir (keeping their
-// layout below the deepest directory holding them all), run.out_dir = kContainerRunDir and a
-// checkpoint.dir moved to kContainerRunDir/checkpoints (with a checkpoint.resume_from below it).
+// StatefulSets, the PodDisruptionBudgets unless options.disruption_budgets is false) and
+// kustomization.yaml naming them (`kubectl apply -k DIR`, a base for overlays). The RunSpec in the
+// ConfigMap has its data paths moved under kContainerDataDir (keeping their layout below the
+// deepest directory holding them all), run.out_dir = kContainerRunDir and a checkpoint.dir moved to
+// kContainerRunDir/checkpoints (with a checkpoint.resume_from below it).
 absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedRunSpec& loaded,
                                                            const DeployOptions& options);
 

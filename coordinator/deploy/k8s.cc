@@ -248,6 +248,21 @@ std::string Document(const Json& objects) {
   return absl::StrJoin(docs, "---\n");
 }
 
+// A PodDisruptionBudget over one component's pods: how many a voluntary disruption (a node
+// drain, an eviction) may take at once. What an evicted pod costs is decided by its SIGTERM:
+// an encoder worker leaves the pool (Leave) while the pool may shrink; an LLM or colocated
+// worker stops the whole run with a checkpoint; the coordinator stops it too, and its
+// Deployment's next pod continues it.
+Json DisruptionBudget(const Names& n, const std::string& component, int64_t max_unavailable,
+                      const DeployOptions& options) {
+  return {{"apiVersion", "policy/v1"},
+          {"kind", "PodDisruptionBudget"},
+          {"metadata", Metadata(absl::StrCat(n.run, "-", component), n.run, component, options)},
+          {"spec",
+           {{"maxUnavailable", max_unavailable},
+            {"selector", {{"matchLabels", Selector(n.run, component)}}}}}};
+}
+
 std::string Pvc(const Names& n, const std::string& name, const std::string& component,
                 const std::string& size, const DeployOptions& options) {
   Json spec = {{"accessModes", Json::array({"ReadWriteMany"})},
@@ -341,12 +356,29 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
   }
   files.push_back({"manifests/workers.yaml", absl::StrCat(header, Document(workers))});
 
+  std::vector<std::string> resources = {"manifests/secret.yaml", "manifests/runspec.yaml",
+                                        "manifests/volumes.yaml", "manifests/coordinator.yaml",
+                                        "manifests/workers.yaml"};
+  if (options.disruption_budgets) {
+    Json budgets = Json::array();
+    budgets.push_back(DisruptionBudget(n, "coordinator", 0, options));
+    if (spec.placement() == v1::PLACEMENT_COLOCATED) {
+      budgets.push_back(DisruptionBudget(n, "colocated", 0, options));
+    } else {
+      // One encoder pod at a time while the pool may shrink by one (Leave's rule); LLM pods none.
+      const int64_t minimum = std::max<int64_t>(1, spec.failure().min_encoder_replicas());
+      budgets.push_back(DisruptionBudget(
+          n, "encoder", EncoderShape(spec).replicas - 1 >= minimum ? 1 : 0, options));
+      budgets.push_back(DisruptionBudget(n, "llm", 0, options));
+    }
+    files.push_back({"manifests/disruption.yaml", absl::StrCat(header, Document(budgets))});
+    resources.push_back("manifests/disruption.yaml");
+  }
+
   Json kustomization = {{"apiVersion", "kustomize.config.k8s.io/v1beta1"},
                         {"kind", "Kustomization"}};
   if (!options.namespace_name.empty()) kustomization["namespace"] = options.namespace_name;
-  kustomization["resources"] =
-      Json::array({"manifests/secret.yaml", "manifests/runspec.yaml", "manifests/volumes.yaml",
-                   "manifests/coordinator.yaml", "manifests/workers.yaml"});
+  kustomization["resources"] = resources;
   files.push_back({"kustomization.yaml", absl::StrCat(header, JsonToYaml(kustomization))});
   return files;
 }

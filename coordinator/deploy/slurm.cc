@@ -1,5 +1,6 @@
 // `hetpar deploy slurm`: batch scripts of one run (see deploy.h and docs/deploy.md).
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -103,9 +104,12 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "export HETPAR_COORDINATOR=\"${HETPAR_COORDINATOR_HOST:-$head_node}:$PORT\"\n",
       "export HETPAR_OUT=\"$RUN_DIR\"\n", "export HETPAR_THREADS=\"${SLURM_CPUS_PER_TASK:-",
       options.cpus_per_rank, "}\"\n",
-      "# The job's own GPU request (#SBATCH --gpus) is exported to every srun, which would read it\n",
+      "# The job's own GPU request (#SBATCH --gpus) is exported to every srun, which would read "
+      "it\n",
       "# as its step's: each step asks for its own GPUs (or none) instead.\n",
-      "unset SLURM_GPUS SLURM_GPUS_PER_NODE SLURM_GPUS_PER_TASK SLURM_TRES_PER_TASK\n");
+      "unset SLURM_GPUS SLURM_GPUS_PER_NODE SLURM_GPUS_PER_TASK SLURM_TRES_PER_TASK\n",
+      "# The same for the job's task shape (#SBATCH --ntasks-per-node): each step gives its own.\n",
+      "unset SLURM_NTASKS_PER_NODE\n");
   if (!options.interface.empty()) {
     absl::StrAppend(&s, "# Workers advertise this interface's address to their peers.\n",
                     "export HETPAR_INTERFACE=", Quote(options.interface), "\n");
@@ -150,16 +154,12 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
         "# in rank order (srun --distribution=arbitrary), so that each node holds whole\n",
         "# replicas and no replica straddles two nodes.\n",
         "write_hosts() {  # FILE NODELIST TASKS-PER-NODE TASKS\n",
-        "  local file=$1 per=$3 tasks=$4 node t n=0\n",
-        "  : > \"$file\"\n",
+        "  local file=$1 per=$3 tasks=$4 node t n=0\n", "  : > \"$file\"\n",
         "  for node in $(scontrol show hostnames \"$2\"); do\n",
         "    for ((t = 0; t < per && n < tasks; t++, n++)); do echo \"$node\" >> \"$file\"; done\n",
-        "  done\n",
-        "  if [ \"$n\" -lt \"$tasks\" ]; then\n",
+        "  done\n", "  if [ \"$n\" -lt \"$tasks\" ]; then\n",
         "    echo \"hetpar: the job's nodes ($2) hold $n of the $tasks tasks of $file\" >&2\n",
-        "    exit 1\n",
-        "  fi\n",
-        "}\n");
+        "    exit 1\n", "  fi\n", "}\n");
   }
   return s;
 }
@@ -287,12 +287,14 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
   }
   absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST", job.tiled()), "\n");
   if (job.tiled()) {
-    absl::StrAppend(&s, "mapfile -t job_nodes < <(scontrol show hostnames \"$SLURM_JOB_NODELIST\")\n",
+    absl::StrAppend(&s,
+                    "mapfile -t job_nodes < <(scontrol show hostnames \"$SLURM_JOB_NODELIST\")\n",
                     "encoder_nodes=$(IFS=,; echo \"${job_nodes[*]:0:", job.encoder_nodes.nodes,
                     "}\")\n", "llm_nodes=$(IFS=,; echo \"${job_nodes[*]:", job.encoder_nodes.nodes,
                     ":", job.llm_nodes.nodes, "}\")\n");
   }
-  absl::StrAppend(&s, "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\"",
+  absl::StrAppend(&s,
+                  "start_step coordinator --exact --ntasks=1 --nodes=1 --nodelist=\"$head_node\"",
                   job.tiled() ? " --overlap" : "", NoGpuFlag(options),
                   " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" --listen \"0.0.0.0:$PORT\" "
                   "--out \"$RUN_DIR\"\n");
@@ -302,7 +304,8 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
                     "start_step colocated --exact", arbitrary, " --ntasks=", job.llm_ranks,
                     GpuFlag(options), " ", WorkerCommand("hetpar-llm", true, options), "\n");
   } else {
-    absl::StrAppend(&s, TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$encoder_nodes"),
+    absl::StrAppend(&s,
+                    TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$encoder_nodes"),
                     "start_step encoder --exact", arbitrary, " --ntasks=", job.encoder_ranks,
                     GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
     absl::StrAppend(&s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
@@ -326,24 +329,23 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
   const auto component = [&](const NodeTiling& tiling, int64_t tasks) {
     std::string c;
     if (job.tiled()) {
-      absl::StrAppend(&c, "#SBATCH --nodes=", tiling.nodes, "\n", "#SBATCH --ntasks-per-node=",
-                      tiling.tasks_per_node, "\n");
+      absl::StrAppend(&c, "#SBATCH --nodes=", tiling.nodes, "\n",
+                      "#SBATCH --ntasks-per-node=", tiling.tasks_per_node, "\n");
     } else {
       absl::StrAppend(&c, "#SBATCH --ntasks=", tasks, "\n");
     }
     absl::StrAppend(&c, "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
     if (options.device == Device::kGpu) {
-      absl::StrAppend(&c, job.tiled() ? absl::StrCat("#SBATCH --gpus-per-node=",
-                                                     tiling.tasks_per_node, "\n")
-                                      : absl::StrCat("#SBATCH --gpus=", tasks, "\n"));
+      absl::StrAppend(
+          &c, job.tiled() ? absl::StrCat("#SBATCH --gpus-per-node=", tiling.tasks_per_node, "\n")
+                          : absl::StrCat("#SBATCH --gpus=", tasks, "\n"));
     }
     return c;
   };
   absl::StrAppend(&s, component(job.encoder_nodes, job.encoder_ranks), "#SBATCH hetjob\n",
                   component(job.llm_nodes, job.llm_ranks + 1));
   absl::StrAppend(&s, "\n",
-                  Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1", job.tiled()),
-                  "\n");
+                  Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1", job.tiled()), "\n");
   absl::StrAppend(&s,
                   "start_step coordinator --het-group=1 --exact --ntasks=1 --nodes=1 "
                   "--nodelist=\"$head_node\"",
@@ -351,17 +353,15 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
                   " \"$BIN/hetpar\" coordinator --config \"$CONFIG\" "
                   "--listen \"0.0.0.0:$PORT\" --out \"$RUN_DIR\"\n");
   const std::string arbitrary = job.tiled() ? " --distribution=arbitrary" : "";
-  absl::StrAppend(&s,
-                  TiledStep("encoder", job.encoder_nodes, job.encoder_ranks,
-                            "$SLURM_JOB_NODELIST_HET_GROUP_0"),
-                  "start_step encoder --het-group=0 --exact", arbitrary,
-                  " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
-                  WorkerCommand("hetpar-encoder", false, options), "\n");
-  absl::StrAppend(&s,
-                  TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
-                  "start_step llm --het-group=1 --exact", arbitrary, " --ntasks=", job.llm_ranks,
-                  GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm),
-                  "\n");
+  absl::StrAppend(
+      &s,
+      TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_0"),
+      "start_step encoder --het-group=0 --exact", arbitrary, " --ntasks=", job.encoder_ranks,
+      GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
+  absl::StrAppend(
+      &s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
+      "start_step llm --het-group=1 --exact", arbitrary, " --ntasks=", job.llm_ranks,
+      GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   absl::StrAppend(&s, WaitLoop());
   return s;
 }
@@ -408,8 +408,40 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
   job.llm = llm;
   job.encoder_ranks = job.colocated ? 0 : encoder.replicas * encoder.ranks_per_replica;
   const int64_t ranks_per_node = RanksPerNode(options);
-  job.llm_nodes = Tile(llm, ranks_per_node);
-  if (!job.colocated) job.encoder_nodes = Tile(encoder, ranks_per_node);
+  if (ranks_per_node > 0) {
+    // What must not straddle two nodes: a DP replica (an encoder's, or an LLM's with all its
+    // stages, consecutive tasks). Colocated ranks run pp outermost, so there it is a TP x CP
+    // group of the LLM and a TP group of the encoder (pipeline stages may span nodes).
+    ModuleShape unit = llm;
+    if (job.colocated) {
+      const auto& l = spec.llm().layout();
+      const int64_t group =
+          std::lcm(l.tp() * l.cp(), std::max<int64_t>(1, encoder.ranks_per_replica));
+      unit = {job.llm_ranks / group, group, 1};
+    }
+    std::vector<std::string> problems;
+    if (unit.ranks_per_replica > ranks_per_node) {
+      problems.push_back(absl::StrCat(
+          "colocated ranks form groups of ", unit.ranks_per_replica,
+          " (the LLM's tp x cp and the encoder's tp) that must share a node, more than a node "
+          "runs (--ranks-per-node ",
+          ranks_per_node, ")"));
+    } else {
+      job.llm_nodes = Tile(unit, ranks_per_node);
+      if (!job.colocated) job.encoder_nodes = Tile(encoder, ranks_per_node);
+      // The tasks a node runs, each with its CPUs (the single allocation asks every node for
+      // the larger module's).
+      const int64_t per_node =
+          std::max(job.encoder_nodes.tasks_per_node, job.llm_nodes.tasks_per_node);
+      if (options.cpus_per_node > 0 && per_node * options.cpus_per_rank > options.cpus_per_node) {
+        problems.push_back(absl::StrCat(
+            per_node, " ranks per node (whole replicas, --ranks-per-node ", ranks_per_node, ") x ",
+            options.cpus_per_rank, " CPUs (--cpus-per-rank) is more than a node's CPUs (",
+            "--cpus-per-node ", options.cpus_per_node, ")"));
+      }
+    }
+    if (!problems.empty()) return absl::InvalidArgumentError(absl::StrJoin(problems, "\n"));
+  }
   v1::RunSpec run_spec = spec;
   run_spec.mutable_run()->set_out_dir(options.run_dir);
   run_spec.mutable_coordinator()->clear_token_file();

@@ -140,7 +140,41 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
   for (const YAML::Node& file : k["resources"]) {
     EXPECT_TRUE(std::filesystem::exists(r.dir.path() + "/" + file.as<std::string>())) << file;
   }
-  EXPECT_EQ(k["resources"].size(), 5u);
+  EXPECT_EQ(k["resources"].size(), 6u);
+  // Disruption budgets select the pods of their component: a drain takes no coordinator or LLM
+  // pod (either stops the run) and one encoder pod at a time (the pool of 2 may shrink to 1).
+  const std::map<std::string, int> budgets = {{"coordinator", 0}, {"encoder", 1}, {"llm", 0}};
+  for (const auto& [component, max_unavailable] : budgets) {
+    const YAML::Node pdb = Named(r.objects, "PodDisruptionBudget", "tiny-" + component);
+    ASSERT_TRUE(pdb) << component;
+    EXPECT_EQ(pdb["apiVersion"].as<std::string>(), "policy/v1");
+    EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), max_unavailable) << component;
+    EXPECT_EQ(
+        pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"].as<std::string>(),
+        component);
+    const YAML::Node owner = component == "coordinator"
+                                 ? coordinator
+                                 : Named(r.objects, "StatefulSet", "tiny-" + component);
+    const YAML::Node pods = owner["spec"]["template"]["metadata"]["labels"];
+    for (const auto& label : pdb["spec"]["selector"]["matchLabels"]) {
+      EXPECT_EQ(pods[label.first.as<std::string>()].as<std::string>(),
+                label.second.as<std::string>())
+          << component << " pods lack the budget's label " << label.first;
+    }
+  }
+  // A pool at its minimum may not lose a pod either; --no-disruption-budgets renders none.
+  Rendered minimum;
+  RenderK8s("tiny.yaml", &minimum, {"--set", "failure.min_encoder_replicas=2"});
+  EXPECT_EQ(Named(minimum.objects, "PodDisruptionBudget", "tiny-encoder")["spec"]["maxUnavailable"]
+                .as<int>(),
+            0);
+  Rendered none;
+  RenderK8s("tiny.yaml", &none, {"--no-disruption-budgets"});
+  for (const YAML::Node& object : none.objects) {
+    EXPECT_NE(object["kind"].as<std::string>(), "PodDisruptionBudget");
+  }
+  EXPECT_FALSE(std::filesystem::exists(none.dir.path() + "/manifests/disruption.yaml"));
+  EXPECT_EQ(YAML::LoadFile(none.dir.path() + "/kustomization.yaml")["resources"].size(), 5u);
 }
 
 TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
@@ -450,19 +484,19 @@ TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
   // The write_hosts function, run: one line per task, a node's tasks together, the last node
   // partly used.
   TempDir hosts;
-  const std::string function = single.substr(single.find("write_hosts() {"),
-                                             single.find("\n}\n", single.find("write_hosts() {")) -
-                                                 single.find("write_hosts() {") + 3);
-  const CommandResult written = RunOk(
-      {"bash", "-c",
-       function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
-           hosts.File("h") + "\" a,b 2 3"});
+  const std::string function = single.substr(
+      single.find("write_hosts() {"),
+      single.find("\n}\n", single.find("write_hosts() {")) - single.find("write_hosts() {") + 3);
+  const CommandResult written =
+      RunOk({"bash", "-c",
+             function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
+                 hosts.File("h") + "\" a,b 2 3"});
   ASSERT_EQ(written.exit_code, 0) << written.stderr_text;
   EXPECT_EQ(ReadFile(hosts.File("h")), "a\na\nb\n");
-  const CommandResult short_of_nodes = RunOk(
-      {"bash", "-c",
-       function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
-           hosts.File("h") + "\" a 2 3"});
+  const CommandResult short_of_nodes =
+      RunOk({"bash", "-c",
+             function + "scontrol() { shift 2; tr ',' '\\n' <<< \"$1\"; }\nwrite_hosts \"" +
+                 hosts.File("h") + "\" a 2 3"});
   EXPECT_EQ(short_of_nodes.exit_code, 1);
   EXPECT_THAT(short_of_nodes.stderr_text, HasSubstr("the job's nodes (a) hold 2 of the 3 tasks"));
 
@@ -497,12 +531,33 @@ TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
                         "(--ranks-per-node 1)"));
   const CommandResult too_many =
       RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
-             dir.File("refused"), "--device", "gpu", "--set", "run.device=cuda",
-             "--ranks-per-node", "16"});
+             dir.File("refused"), "--device", "gpu", "--set", "run.device=cuda", "--ranks-per-node",
+             "16"});
   EXPECT_EQ(too_many.exit_code, 2);
   EXPECT_THAT(too_many.stderr_text,
               HasSubstr("--ranks-per-node 16 is more than a node's GPUs (--gpus-per-node 8)"));
+  // Tiles whose CPUs a node does not have (2 replicas of 1 rank x 2 CPUs on 3-CPU nodes).
+  const CommandResult cpus =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("refused"), "--ranks-per-node", "2", "--cpus-per-node", "3", "--set",
+             "llm.layout.tp=1", "--set", "llm.layout.dp=2"});
+  EXPECT_EQ(cpus.exit_code, 2);
+  EXPECT_THAT(cpus.stderr_text, HasSubstr("2 ranks per node (whole replicas, --ranks-per-node 2) "
+                                          "x 2 CPUs (--cpus-per-rank) is more than a node's CPUs "
+                                          "(--cpus-per-node 3)"));
   EXPECT_FALSE(std::filesystem::exists(dir.File("refused")));
+
+  // Colocated ranks (pp outermost) keep the LLM's TP x CP groups on a node: tiny-colocated's
+  // 4 ranks of tp 4 on one node of 4.
+  TempDir colocated;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config",
+                   kSourceDir + "/configs/tiny-colocated.yaml", "--out", colocated.File("run"),
+                   "--ranks-per-node", "4"})
+                .exit_code,
+            0);
+  const std::string shared = ReadFile(colocated.File("run") + "/hetpar.sbatch");
+  EXPECT_THAT(shared, HasSubstr("#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=4\n"));
+  EXPECT_THAT(shared, HasSubstr("write_hosts \"$RUN_DIR/hosts-colocated\" \"$llm_nodes\" 4 4\n"));
 }
 
 TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {
