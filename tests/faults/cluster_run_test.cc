@@ -3,7 +3,9 @@
 // run directory must come out as `hetpar run` writes it (the workers send their outputs through
 // the control plane), and a coordinator killed mid-run and restarted on its run directory must
 // finish the run with the same numbers as a run that was never interrupted.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -33,6 +35,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::ChildProcess;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RunCommand;
 
 const std::string kBin = HETPAR_BIN;
@@ -439,6 +442,61 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), steps_ * 8) << lines.at(-3);
   EXPECT_EQ(lines.at(-3)["ledger"]["repeated"].get<int64_t>(), 0) << lines.at(-3);
   EXPECT_EQ(lines.at(-3)["ledger"]["lost"].get<int64_t>(), 0) << lines.at(-3);
+}
+
+// A worker that restarts itself to register again (its coordinator lost) first waits for the
+// checkpoint it is writing, so that a restarted coordinator finds it complete. Step 4's write
+// blocks (its directory holds a manifest that is a FIFO with no writer, as a slow file system
+// would hold it); the coordinator is killed; only once the test lets the write go on does the
+// writer finish it, and only then does it restart.
+TEST_F(ClusterRunTest, AWorkerRestartingItselfWaitsForTheCheckpointItIsWriting) {
+  steps_ = 40;
+  const std::string checkpoints = dir_ + "/checkpoints";
+  fs::create_directories(checkpoints + "/step-000004");
+  const std::string fifo = checkpoints + "/step-000004/manifest.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // Half of step_timeout_s bounds the wait: long enough for a loaded machine.
+  const Cluster cluster =
+      StartCluster({"checkpoint.dir=" + checkpoints, "checkpoint.every=2",
+                    "failure.step_timeout_s=120"});
+  ASSERT_NE(cluster.coordinator, nullptr);
+  const std::string log = dir_ + "/worker-0.log";  // encoder rank 0: replica 0 writes
+  const std::string run = dir_ + "/coordinator/run";
+  // Steps 4 and 5 commit while step 4's write is blocked.
+  ASSERT_TRUE(WaitFor([&] { return CountLines(run + "/metrics.jsonl") >= 5; }, 120))
+      << ReadFile(dir_ + "/coordinator.log");
+  ASSERT_THAT(ReadFile(log), Not(HasSubstr("encoder-pp0-tp0 of step 4")));
+  ASSERT_TRUE(cluster.coordinator->Signal(SIGKILL));
+  ASSERT_TRUE(cluster.coordinator->Wait(30).ok());
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(log).find("waiting for the checkpoint being written to finish") !=
+               std::string::npos;
+      },
+      60))
+      << ReadFile(log);
+  // Not restarted while the write is blocked.
+  EXPECT_THAT(ReadFile(log), Not(HasSubstr("registering again after the coordinator was lost")));
+  // Let the write go on: the writers blocked opening the FIFO read an empty manifest, take it
+  // for another write's, remove it and write their shards.
+  const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+  ASSERT_GE(fd, 0) << "no reader has the FIFO open: " << std::strerror(errno);
+  ::close(fd);
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(log).find("registering again after the coordinator was lost") !=
+               std::string::npos;
+      },
+      60))
+      << ReadFile(log);
+  const std::string text = ReadFile(log);
+  const size_t waiting = text.find("waiting for the checkpoint being written to finish");
+  const size_t written = text.find("checkpoint shard encoder-pp0-tp0 of step 4");
+  const size_t restarted = text.find("registering again after the coordinator was lost");
+  ASSERT_NE(written, std::string::npos) << text;
+  EXPECT_LT(waiting, written) << text;
+  EXPECT_LT(written, restarted) << text;
+  EXPECT_THAT(text, Not(HasSubstr("still running past their deadline"))) << text;
 }
 
 // The coordinator lost after the last step committed, while it gathered the outputs: its journal
