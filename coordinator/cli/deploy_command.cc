@@ -222,6 +222,10 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "step in flight (submitting the script again continues it); 60 to 65535")
       ->check(CLI::Range(60, 65535))
       ->capture_default_str();
+  s->add_option("--memory-per-rank", slurm->options.memory_per_rank,
+                "Memory each rank requests, in Slurm's units (K, M, G, T: powers of 1024; M when "
+                "none), e.g. 96G: #SBATCH --mem-per-cpu of it over --cpus-per-rank (default: "
+                "none, the cluster's DefMemPerCPU)");
   s->add_option("--ranks-per-node", slurm->options.ranks_per_node,
                 "Ranks each node runs: the job asks for whole nodes, and each module's replicas "
                 "tile them (as many whole replicas per node as fit), so that no replica straddles "

@@ -43,7 +43,9 @@ struct DeployOptions {
   std::string data_volume_size = "50Gi";
   int64_t grace_period_s = 300;  // terminationGracePeriodSeconds: time to finish a step
   std::string shm_size = "8Gi";  // each worker pod's /dev/shm (memory-backed)
-  std::string memory_per_rank;   // each worker container's memory request and limit; "" = none
+  // Each rank's memory; "" = none. Kubernetes: each worker container's request and limit (a
+  // quantity, 96Gi). Slurm: #SBATCH --mem-per-cpu of it over cpus_per_rank (96G, powers of 1024).
+  std::string memory_per_rank;
   // PodDisruptionBudgets: drains take no coordinator or LLM pod, and encoder pods one at a time
   // while the pool may shrink (manifests/disruption.yaml).
   bool disruption_budgets = true;

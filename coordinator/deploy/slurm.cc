@@ -1,5 +1,6 @@
 // `hetpar deploy slurm`: batch scripts of one run (see deploy.h and docs/deploy.md).
 #include <algorithm>
+#include <cctype>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -59,6 +60,29 @@ std::optional<int64_t> TimeLimitSeconds(const std::string& text) {
   }
 }
 
+// MiB of a Slurm memory size (sbatch --mem: a number with an optional K, M, G or T suffix,
+// powers of 1024, M by default); nullopt for anything else.
+std::optional<int64_t> MemoryMiB(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  std::string digits = text;
+  int64_t per_unit_kib = 1024;  // M
+  switch (text.back()) {
+    case 'K': per_unit_kib = 1; break;
+    case 'M': per_unit_kib = 1024; break;
+    case 'G': per_unit_kib = 1024 * 1024; break;
+    case 'T': per_unit_kib = int64_t{1024} * 1024 * 1024; break;
+    default:
+      if (!std::isdigit(static_cast<unsigned char>(text.back()))) return std::nullopt;
+  }
+  if (!std::isdigit(static_cast<unsigned char>(text.back()))) digits.pop_back();
+  int64_t value = 0;
+  if (digits.empty() || !absl::SimpleAtoi(digits, &value) || value <= 0 ||
+      value > (int64_t{1} << 40) / per_unit_kib) {
+    return std::nullopt;
+  }
+  return (value * per_unit_kib + 1023) / 1024;
+}
+
 // How a module's tasks lie on whole nodes (DeployOptions::ranks_per_node): as many whole
 // replicas per node as fit, so that none straddles two nodes.
 struct NodeTiling {
@@ -84,6 +108,7 @@ struct Job {
   NodeTiling encoder_nodes;  // whole nodes (ranks_per_node > 0), else unset
   NodeTiling llm_nodes;
   bool tiled() const { return llm_nodes.tasks_per_node > 0; }
+  int64_t mem_per_cpu_mib = 0;  // 0: no memory request
 };
 
 // The part both scripts share after the #SBATCH lines: paths, the token, the coordinator's
@@ -249,6 +274,14 @@ std::string CommonDirectives(const Job& job, const DeployOptions& options) {
   return s;
 }
 
+// A component's memory: each rank's (--memory-per-rank) spread over its CPUs, which every step
+// takes from the batch environment (SLURM_MEM_PER_CPU); nothing without --memory-per-rank.
+std::string MemoryDirective(const Job& job) {
+  return job.mem_per_cpu_mib > 0
+             ? absl::StrCat("#SBATCH --mem-per-cpu=", job.mem_per_cpu_mib, "M\n")
+             : std::string();
+}
+
 std::string GpuFlag(const DeployOptions& options) {
   return options.device == Device::kGpu ? " --gpus-per-task=1" : "";
 }
@@ -276,13 +309,15 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
         std::max(job.encoder_nodes.tasks_per_node, job.llm_nodes.tasks_per_node);
     absl::StrAppend(&s, "#SBATCH --nodes=", job.encoder_nodes.nodes + job.llm_nodes.nodes, "\n",
                     "#SBATCH --ntasks-per-node=", per_node, "\n",
-                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n",
+                    MemoryDirective(job));
     if (options.device == Device::kGpu) {
       absl::StrAppend(&s, "#SBATCH --gpus-per-node=", per_node, "\n");
     }
   } else {
     absl::StrAppend(&s, "#SBATCH --ntasks=", workers + 1, "\n",
-                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+                    "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n",
+                    MemoryDirective(job));
     if (options.device == Device::kGpu) absl::StrAppend(&s, "#SBATCH --gpus=", workers, "\n");
   }
   absl::StrAppend(&s, "\n", Prologue(options, config, "$SLURM_JOB_NODELIST", job.tiled()), "\n");
@@ -334,7 +369,8 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
     } else {
       absl::StrAppend(&c, "#SBATCH --ntasks=", tasks, "\n");
     }
-    absl::StrAppend(&c, "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n");
+    absl::StrAppend(&c, "#SBATCH --cpus-per-task=", options.cpus_per_rank, "\n",
+                    MemoryDirective(job));
     if (options.device == Device::kGpu) {
       absl::StrAppend(
           &c, job.tiled() ? absl::StrCat("#SBATCH --gpus-per-node=", tiling.tasks_per_node, "\n")
@@ -407,6 +443,16 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
   job.llm_ranks = llm.replicas * llm.ranks_per_replica;
   job.llm = llm;
   job.encoder_ranks = job.colocated ? 0 : encoder.replicas * encoder.ranks_per_replica;
+  if (!options.memory_per_rank.empty()) {
+    const std::optional<int64_t> mib = MemoryMiB(options.memory_per_rank);
+    if (!mib.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--memory-per-rank '", options.memory_per_rank,
+          "': expected a Slurm memory size, a number with K, M, G or T (powers of 1024; M when "
+          "none), e.g. 96G"));
+    }
+    job.mem_per_cpu_mib = (*mib + options.cpus_per_rank - 1) / options.cpus_per_rank;
+  }
   const int64_t ranks_per_node = RanksPerNode(options);
   if (ranks_per_node > 0) {
     // What must not straddle two nodes: a DP replica (an encoder's, or an LLM's with all its

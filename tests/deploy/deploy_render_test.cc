@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "coordinator/deploy/deploy.h"
 #include "tests/coordinator/coordinator_test_util.h"
 #include "tests/deploy/k8s_util.h"
@@ -558,6 +559,47 @@ TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
   const std::string shared = ReadFile(colocated.File("run") + "/hetpar.sbatch");
   EXPECT_THAT(shared, HasSubstr("#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=4\n"));
   EXPECT_THAT(shared, HasSubstr("write_hosts \"$RUN_DIR/hosts-colocated\" \"$llm_nodes\" 4 4\n"));
+}
+
+// --memory-per-rank: each rank's memory over its CPUs, for every component; Slurm's units only.
+TEST(DeploySlurmTest, MemoryPerRankIsAskedForPerCpu) {
+  TempDir dir;
+  const CommandResult r =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("run"), "--memory-per-rank", "96G", "--cpus-per-rank", "4"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_THAT(ReadFile(dir.File("run") + "/hetpar.sbatch"),
+              HasSubstr("#SBATCH --cpus-per-task=4\n#SBATCH --mem-per-cpu=24576M\n"));
+  const std::string het = ReadFile(dir.File("run") + "/hetpar-het.sbatch");
+  const size_t first = het.find("#SBATCH --mem-per-cpu=24576M\n");
+  ASSERT_NE(first, std::string::npos) << het;
+  EXPECT_NE(het.find("#SBATCH --mem-per-cpu=24576M\n", first + 1), std::string::npos)
+      << "both components ask for it: " << het;
+  // Rounded up to whole MiB per CPU: 1000M over 3 CPUs.
+  TempDir odd;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", odd.File("run"), "--memory-per-rank", "1000", "--cpus-per-rank", "3"})
+                .exit_code,
+            0);
+  EXPECT_THAT(ReadFile(odd.File("run") + "/hetpar.sbatch"), HasSubstr("--mem-per-cpu=334M\n"));
+  for (const char* bad : {"96GB", "1.5G", "G", "0"}) {
+    const CommandResult refused =
+        RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+               "--out", dir.File("refused"), "--memory-per-rank", bad});
+    EXPECT_EQ(refused.exit_code, 2) << bad;
+    EXPECT_THAT(refused.stderr_text,
+                HasSubstr(absl::StrCat("--memory-per-rank '", bad, "': expected a Slurm memory "
+                                       "size")))
+        << bad;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.File("refused")));
+  // Without it, nothing: the cluster's default.
+  TempDir none;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", none.File("run")})
+                .exit_code,
+            0);
+  EXPECT_THAT(ReadFile(none.File("run") + "/hetpar.sbatch"), Not(HasSubstr("--mem")));
 }
 
 TEST(JsonToYamlTest, ReadsBackAsTheSameValuesAndTypes) {

@@ -6,8 +6,8 @@
 #      encoder pool's step on one node, the LLM's on the other, as squeue shows them): the run
 #      directory must hold the steps, the final parameters and the model, and match the
 #      reference trainer under hetpar compare;
-#   2. the heterogeneous-job script on whole nodes (checked with sbatch --test-only, then run for
-#      real on the two nodes, with the same checks);
+#   2. the heterogeneous-job script on whole nodes, with --memory-per-rank (checked with sbatch
+#      --test-only, then run for real on the two nodes, with the same checks);
 #   3. the single-allocation script of a pipelined LLM (pp 2), with the same checks;
 #   4. the single-allocation script with workers that cannot start: the job must fail and its
 #      log must name the failing step;
@@ -137,8 +137,10 @@ grep -q "hetpar: run done" "$work/run/slurm-$job.out" || fail "no 'run done' in 
 check_run "$work/run"
 echo "slurm_run_test: single allocation: job $job completed and matches the reference"
 
-# 2. The heterogeneous job, on whole nodes.
-render run-het --ranks-per-node 2
+# 2. The heterogeneous job, on whole nodes, each rank asking for memory.
+render run-het --ranks-per-node 2 --memory-per-rank 256M
+grep -q '^#SBATCH --mem-per-cpu=256M$' "$work/run-het/hetpar-het.sbatch" ||
+  fail "no --mem-per-cpu=256M in hetpar-het.sbatch"
 sbatch --test-only "$work/run-het/hetpar-het.sbatch" >"$work/het-test-only.txt" 2>&1 ||
   fail "sbatch --test-only refused the heterogeneous script: $(cat "$work/het-test-only.txt")"
 job=$(submit "$work/run-het/hetpar-het.sbatch")
