@@ -5,6 +5,7 @@
 #ifndef HETPAR_COMMON_STATUS_H_
 #define HETPAR_COMMON_STATUS_H_
 
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -45,6 +46,12 @@ inline absl::Status Annotate(const absl::Status& status, std::string_view contex
     annotated.SetPayload(type_url, payload);
   });
   return annotated;
+}
+
+// A status for a log line or a message: its code and message, without the payloads that
+// travel with it for the code (ErrnoOf's errno, EndsRun's mark, a data path).
+inline std::string StatusText(const absl::Status& status) {
+  return status.ToString(absl::StatusToStringMode::kWithNoExtraData);
 }
 
 // Marks an error whose cause is not one worker's own: every replica of the run would meet it in

@@ -513,13 +513,25 @@ std::string RunController::HowToResume() const {
   return spec_.checkpoint().dir().empty()
              ? "the run writes no checkpoints (checkpoint.dir), so it must start over"
              : absl::StrCat("resume it from its newest checkpoint under ", spec_.checkpoint().dir(),
-                            " (start `hetpar coordinator` again on the run directory, or set "
-                            "checkpoint.resume_from)");
+                            " (start `hetpar coordinator` again on the run directory, pass it to "
+                            "`hetpar run --resume`, or set checkpoint.resume_from)");
 }
 
 void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& failure,
                                  absl::Time now, Actions* actions) {
   const std::string error = Printable(failure.error(), kMaxErrorBytes);
+  if (state_ == v1::RUN_STATE_STOPPING) {
+    // Training is over: the others finish their outputs, and the run ends as it would, its
+    // message saying what failed (most often the last checkpoint).
+    if (worker->alive) membership_.MarkDead(worker->worker_id, absl::StrCat("failed: ", error));
+    HETPAR_LOG(WARNING) << "worker " << worker->Describe()
+                        << " failed as the run stopped: " << error;
+    if (stop_failure_.empty()) {
+      stop_failure_ = absl::StrCat("worker ", worker->Describe(), " failed: ", error);
+    }
+    MaybeFinishStopping(now, actions);
+    return;
+  }
   const bool ended = state_ == v1::RUN_STATE_DONE || state_ == v1::RUN_STATE_FAILED;
   if (!failure.ends_run() || ended) {
     // Its session's end follows; the loss is taken now, with the worker's own words.
@@ -530,15 +542,6 @@ void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& 
   }
   if (worker->alive) membership_.MarkDead(worker->worker_id, absl::StrCat("failed: ", error));
   HETPAR_LOG(WARNING) << "worker " << worker->Describe() << " failed: " << error;
-  if (state_ == v1::RUN_STATE_STOPPING) {
-    // The other workers are writing their final outputs: they finish, and the run then ends
-    // failed with this error (its last checkpoint is missing) instead of done.
-    if (stop_failure_.empty()) {
-      stop_failure_ = absl::StrCat("worker ", worker->Describe(), " failed: ", error);
-    }
-    MaybeFinishStopping(now, actions);
-    return;
-  }
   // Another replica would take over the failed one's part and meet the same error: the run
   // stops with it, its checkpoints (but the failed one) as they were.
   Fail(absl::StrCat("worker ", worker->Describe(), " failed: ", error,
@@ -1107,14 +1110,14 @@ void RunController::MaybeFinishStopping(absl::Time now, Actions* actions) {
 }
 
 void RunController::EndStopping() {
-  if (!stop_failure_.empty()) {
-    state_ = v1::RUN_STATE_FAILED;
-    state_message_ =
-        absl::StrCat(stop_failure_, " (as the run stopped: ", state_message_, "); ", HowToResume());
-    HETPAR_LOG(ERROR) << "run " << spec_.run().name() << " failed: " << state_message_;
-    return;
-  }
   state_ = v1::RUN_STATE_DONE;
+  if (!stop_failure_.empty()) {
+    // The outputs decide whether the run is usable (the CLIs check them); the message keeps
+    // what failed, since a continued run then resumes from an older checkpoint.
+    absl::StrAppend(&state_message_, "; but ", stop_failure_, " as the run stopped");
+    HETPAR_LOG(WARNING) << "run " << spec_.run().name() << ": " << stop_failure_
+                        << " as the run stopped; its last checkpoint may be missing";
+  }
   if (committed_steps_ < spec_.run().steps()) {
     HETPAR_LOG(INFO) << "run " << spec_.run().name() << " stopped after " << committed_steps_
                      << " of " << spec_.run().steps() << " steps: " << state_message_;

@@ -170,7 +170,9 @@ class RunController {
   // step in flight when checkpoint.dir is set).
   void Leave(WorkerRecord* worker, const std::string& reason, absl::Time now, Actions* actions);
   // A worker told why it is about to exit (WorkerFailure): it is lost with its error as the
-  // reason, or, when the error would meet every replica (ends_run), the run fails with it.
+  // reason, or, when the error would meet every replica (ends_run), the run fails with it, even
+  // when the worker was already ended with its replica. While the run stops, the error is kept
+  // for the run's final message (stop_failure_) and the others finish their outputs.
   void WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& failure, absl::Time now,
                     Actions* actions);
   // How a failed run goes on: from its newest checkpoint, or from the start without any.
@@ -205,7 +207,7 @@ class RunController {
   void BeginStopping(const std::string& reason, absl::Time now, Actions* actions);
   void Fail(const std::string& reason, absl::Time now, Actions* actions);
   void MaybeFinishStopping(absl::Time now, Actions* actions);
-  // Every session closed, or the stop's deadline passed: DONE, or FAILED with stop_failure_.
+  // Every session closed, or the stop's deadline passed: DONE, its message naming stop_failure_.
   void EndStopping();
 
   v1::RunSpec spec_;
@@ -227,8 +229,8 @@ class RunController {
   // with a checkpoint (Stop with checkpoint).
   std::string stop_after_step_;
   bool stop_retry_taken_ = false;  // an attempt under stop_after_step_ was aborted once already
-  // A worker's error every replica would meet (WorkerFailure.ends_run) while the run stopped:
-  // the run ends FAILED with it once the others' outputs are in.
+  // The first worker's error (WorkerFailure) while the run stopped: the run's final message
+  // names it (its last checkpoint may be missing).
   std::string stop_failure_;
   int step_attempts_ = 0;         // aborts of the current step in a row
   bool planner_prepared_ = true;  // false until StepPlanner::Prepare has returned OK

@@ -114,7 +114,7 @@ void LlmModule::AbandonStage(const plan::RankStepPlan& plan) {
     // The data set did not open, so the messages cannot be sized: the attempt's receives and
     // sends are left to the link's next attempt (its sends still complete or fail).
     HETPAR_LOG(WARNING) << "step " << plan.step << ": cannot size the neighbouring stages' "
-                        << "messages to absorb them: " << s;
+                        << "messages to absorb them: " << StatusText(s);
     stage_link_->Reset();
     return;
   }

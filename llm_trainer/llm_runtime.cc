@@ -93,7 +93,7 @@ void LlmRuntime::AbandonStage(const plan::RankStepPlan& plan) {
     if (!wave_samples.ok()) {
       HETPAR_LOG(WARNING) << "step " << plan.step << " (attempt " << plan.attempt
                           << "): cannot size the neighbouring stages' messages to absorb them: "
-                          << wave_samples.status();
+                          << StatusText(wave_samples.status());
       return;
     }
     stage_rows_ = {plan.step, plan.attempt, {}};

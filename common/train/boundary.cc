@@ -422,7 +422,7 @@ void BoundaryCommunicator::Abandon(const plan::RankStepPlan& plan) {
       // Into staging: the message is only absorbed.
       if (absl::Status s = PostAhead(plan, direction, transfer.wave, at::Tensor()); !s.ok()) {
         HETPAR_LOG(WARNING) << "step " << plan.step << ": cannot post the receives of wave "
-                            << transfer.wave << " to absorb them: " << s;
+                            << transfer.wave << " to absorb them: " << StatusText(s);
       }
     }
   }

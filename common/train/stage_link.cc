@@ -235,7 +235,7 @@ void StageLink::Abandon(int64_t step, const std::vector<Expected>& expected, int
                           << Describe(step, attempt_, message.direction, message.microbatch,
                                       message.rows)
                           << " from pipeline rank " << message.src
-                          << " to absorb it: " << op.status();
+                          << " to absorb it: " << StatusText(op.status());
       continue;
     }
     posted.op = std::move(op).value();

@@ -20,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/config/config.h"
+#include "common/errno_status.h"
 #include "common/logging.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -502,12 +503,14 @@ absl::Status ModuleState::FinishCheckpoint() {
   const absl::Status written = Annotate(
       pending_checkpoint_.get(), absl::StrCat("writing the ", name_, " checkpoint of step ",
                                               pending_step_, " into ", spec_.checkpoint().dir()));
-  // A full or read-only checkpoint.dir, or one this run may not write (ENOSPC, EDQUOT, EROFS,
-  // EACCES, EPERM: ErrnoStatus's ResourceExhausted and PermissionDenied), is every replica's:
-  // the next replica's writers would meet it in turn, so the run ends with it instead of losing
-  // one replica after another. Other errors (EIO, ESTALE, a hang) may be this node's alone.
-  return absl::IsResourceExhausted(written) || absl::IsPermissionDenied(written) ? EndsRun(written)
-                                                                                 : written;
+  // A full or read-only checkpoint.dir, or one this run may not write, is every replica's: the
+  // next replica's writers would meet it in turn, so the run ends with it instead of losing one
+  // replica after another. Other errors (EIO, ESTALE, a hang, this host out of memory) may be
+  // this node's alone.
+  const std::optional<int> err = ErrnoOf(written);
+  const bool directory_wide = err.has_value() && (*err == ENOSPC || *err == EDQUOT ||
+                                                  *err == EROFS || *err == EACCES || *err == EPERM);
+  return directory_wide ? EndsRun(written) : written;
 }
 
 ModuleState::~ModuleState() {

@@ -96,7 +96,7 @@ absl::StatusOr<v1::CoordinatorMessage> StepDriver::NextRelevant() {
       if (options_.on_membership_change) {
         if (absl::Status s = options_.on_membership_change(change); !s.ok()) {
           HETPAR_LOG(WARNING) << "membership change of generation " << change.generation()
-                              << " not followed: " << s;
+                              << " not followed: " << StatusText(s);
         }
       }
       continue;
@@ -195,7 +195,7 @@ void StepDriver::SendEnded(int64_t step, int64_t generation) {
   // A session that ended shows up at the driver's next wait.
   if (absl::Status s = channel_->SendProgress(ended); !s.ok()) {
     HETPAR_LOG(WARNING) << "cannot tell the coordinator this rank gave step " << step
-                        << " (generation " << generation << ") up: " << s;
+                        << " (generation " << generation << ") up: " << StatusText(s);
   }
 }
 
@@ -256,7 +256,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   if (!outcome.ok()) {
     // The coordinator decides what follows (it aborts the step, and plans it again or stops).
     HETPAR_LOG(WARNING) << "step " << step << " (generation " << step_message.generation()
-                        << ") failed on this rank: " << outcome.status();
+                        << ") failed on this rank: " << StatusText(outcome.status());
     report.set_ok(false);
     report.set_error(std::string(outcome.status().message()));
     modules_->Discard();

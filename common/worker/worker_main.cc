@@ -170,14 +170,14 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
       pending_trace.push_back(std::move(e));
     }
     if (absl::Status s = trace::AppendEvents(trace_path, pending_trace); !s.ok()) {
-      HETPAR_LOG(WARNING) << "trace events not written: " << s;
+      HETPAR_LOG(WARNING) << "trace events not written: " << StatusText(s);
     }
     pending_trace.clear();
   };
   driver_options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& timings) {
     for (const ModuleTimings& t : timings) {
       if (absl::Status s = AppendStepTimings(options.out_dir, world_rank, step, t); !s.ok()) {
-        HETPAR_LOG(WARNING) << "step timings not written: " << s;
+        HETPAR_LOG(WARNING) << "step timings not written: " << StatusText(s);
       }
     }
     flush_trace();
@@ -205,7 +205,7 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     if (absl::Status s =
             context->session().SendFailure(std::string(failure.message()), IsEndsRun(failure));
         !s.ok()) {
-      HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << s;
+      HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << StatusText(s);
       return;
     }
     (void)context->Close(absl::Seconds(10));
@@ -228,7 +228,8 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   v1::Progress outputs;
   outputs.set_phase(coordinator::kOutputsPhase);
   if (absl::Status s = context->session().SendProgress(outputs); !s.ok()) {
-    HETPAR_LOG(WARNING) << "cannot tell the coordinator the outputs are under way: " << s;
+    HETPAR_LOG(WARNING) << "cannot tell the coordinator the outputs are under way: "
+                        << StatusText(s);
   }
   if (absl::Status s = modules->WriteOutputs(
           [&](const std::string& name, const std::string& local_path) {

@@ -190,9 +190,9 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
       ->check(quantity)
       ->capture_default_str();
   k->add_flag("!--no-disruption-budgets", k8s->options.disruption_budgets,
-              "Render no PodDisruptionBudgets (by default a node drain waits for the run rather "
-              "than evict its coordinator or an LLM pod, either of which stops the run, and "
-              "takes encoder pods one at a time while the pool may shrink)");
+              "Render no PodDisruptionBudgets (by default a node drain evicts none of the run's "
+              "pods, since evicting the coordinator, an LLM pod or encoder pods faster than they "
+              "rejoin stops the run; it waits until they are deleted)");
   k->add_option("--grace-period", k8s->options.grace_period_s,
                 "Seconds a terminated pod gets to finish its step")
       ->check(hetpar::kPositiveNumber)

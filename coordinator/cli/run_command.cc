@@ -568,7 +568,18 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     }
     if (state == v1::RUN_STATE_FAILED) {
       const std::string tail = process->LogTail(8);
-      if (tail.find("run failed: ") == std::string::npos) {
+      // Its own last words ("... worker failed: CODE: <error>"), which it told the coordinator
+      // (WorkerFailure): not repeated when the run's reason holds them.
+      std::string own;
+      if (const size_t at = tail.rfind("worker failed: "); at != std::string::npos) {
+        const size_t code_end = tail.find(": ", at + 15);
+        if (code_end != std::string::npos) {
+          own = tail.substr(code_end + 2, tail.find('\n', code_end) - code_end - 2);
+          own = own.substr(0, 200);
+        }
+      }
+      const bool told = !own.empty() && final_status.state_message().find(own) != std::string::npos;
+      if (tail.find("run failed: ") == std::string::npos && !told) {
         absl::StrAppend(&not_told, "\n", process->name(), " exited with code ", code,
                         "; the end of its log:\n", tail);
       }
@@ -579,8 +590,10 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   exporter.reset();
   (*server)->Shutdown(absl::Seconds(2));
-  if (state == v1::RUN_STATE_FAILED && failure.empty()) {
-    failure = final_status.state_message() + not_told;
+  if (state == v1::RUN_STATE_FAILED && (failure.empty() || failure == "interrupted")) {
+    // A run that failed after a signal (as it stopped) failed: its reason, not "interrupted".
+    failure = absl::StrCat(final_status.state_message(), not_told,
+                           failure == "interrupted" ? " (after the run was interrupted)" : "");
   }
   // A signal that came as the last step committed leaves the run done.
   if (failure == "interrupted" && state != v1::RUN_STATE_FAILED &&

@@ -46,8 +46,7 @@ struct DeployOptions {
   // Each rank's memory; "" = none. Kubernetes: each worker container's request and limit (a
   // quantity, 96Gi). Slurm: #SBATCH --mem-per-cpu of it over cpus_per_rank (96G, powers of 1024).
   std::string memory_per_rank;
-  // PodDisruptionBudgets: drains take no coordinator or LLM pod, and encoder pods one at a time
-  // while the pool may shrink (manifests/disruption.yaml).
+  // PodDisruptionBudgets: drains evict none of the run's pods (manifests/disruption.yaml).
   bool disruption_budgets = true;
 
   // Slurm.

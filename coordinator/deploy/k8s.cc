@@ -248,11 +248,13 @@ std::string Document(const Json& objects) {
   return absl::StrJoin(docs, "---\n");
 }
 
-// A PodDisruptionBudget over one component's pods: how many a voluntary disruption (a node
-// drain, an eviction) may take at once. What an evicted pod costs is decided by its SIGTERM:
-// an encoder worker leaves the pool (Leave) while the pool may shrink; an LLM or colocated
-// worker stops the whole run with a checkpoint; the coordinator stops it too, and its
-// Deployment's next pod continues it.
+// A PodDisruptionBudget over one component's pods that lets a voluntary disruption (a node
+// drain, an eviction) take none of them. An evicted LLM or colocated worker stops the whole run
+// (its SIGTERM asks to leave, and its state is held by no other worker), so does the
+// coordinator (its Deployment's next pod continues the run after every worker restarted), and
+// encoder pods evicted faster than their replacements rejoin shrink the pool below its minimum,
+// which stops the run too: a worker pod is Ready before it has joined, so a budget of one pod
+// at a time would not wait for the rejoin.
 Json DisruptionBudget(const Names& n, const std::string& component, int64_t max_unavailable,
                       const DeployOptions& options) {
   return {{"apiVersion", "policy/v1"},
@@ -365,10 +367,7 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
     if (spec.placement() == v1::PLACEMENT_COLOCATED) {
       budgets.push_back(DisruptionBudget(n, "colocated", 0, options));
     } else {
-      // One encoder pod at a time while the pool may shrink by one (Leave's rule); LLM pods none.
-      const int64_t minimum = std::max<int64_t>(1, spec.failure().min_encoder_replicas());
-      budgets.push_back(DisruptionBudget(
-          n, "encoder", EncoderShape(spec).replicas - 1 >= minimum ? 1 : 0, options));
+      budgets.push_back(DisruptionBudget(n, "encoder", 0, options));
       budgets.push_back(DisruptionBudget(n, "llm", 0, options));
     }
     files.push_back({"manifests/disruption.yaml", absl::StrCat(header, Document(budgets))});

@@ -60,13 +60,17 @@ std::optional<int64_t> TimeLimitSeconds(const std::string& text) {
   }
 }
 
-// MiB of a Slurm memory size (sbatch --mem: a number with an optional K, M, G or T suffix,
-// powers of 1024, M by default); nullopt for anything else.
-std::optional<int64_t> MemoryMiB(const std::string& text) {
+// MiB of a Slurm memory size (sbatch --mem: a number with an optional K, M, G or T suffix, in
+// either case and optionally followed by B, powers of 1024, M by default); nullopt for anything
+// else, 0 for zero.
+std::optional<int64_t> MemoryMiB(std::string text) {
+  if (!text.empty() && (text.back() == 'B' || text.back() == 'b') && text.size() > 1 &&
+      std::isalpha(static_cast<unsigned char>(text[text.size() - 2]))) {
+    text.pop_back();  // 96GB, 96gb
+  }
   if (text.empty()) return std::nullopt;
-  std::string digits = text;
   int64_t per_unit_kib = 1024;  // M
-  switch (text.back()) {
+  switch (std::toupper(static_cast<unsigned char>(text.back()))) {
     case 'K': per_unit_kib = 1; break;
     case 'M': per_unit_kib = 1024; break;
     case 'G': per_unit_kib = 1024 * 1024; break;
@@ -74,10 +78,10 @@ std::optional<int64_t> MemoryMiB(const std::string& text) {
     default:
       if (!std::isdigit(static_cast<unsigned char>(text.back()))) return std::nullopt;
   }
-  if (!std::isdigit(static_cast<unsigned char>(text.back()))) digits.pop_back();
+  if (!std::isdigit(static_cast<unsigned char>(text.back()))) text.pop_back();
   int64_t value = 0;
-  if (digits.empty() || !absl::SimpleAtoi(digits, &value) || value <= 0 ||
-      value > (int64_t{1} << 40) / per_unit_kib) {
+  if (text.empty() || text[0] == '-' || text[0] == '+' || !absl::SimpleAtoi(text, &value) ||
+      value < 0 || value > (int64_t{1} << 40) / per_unit_kib) {
     return std::nullopt;
   }
   return (value * per_unit_kib + 1023) / 1024;
@@ -450,6 +454,10 @@ absl::StatusOr<std::vector<RenderedFile>> RenderSlurm(const config::LoadedRunSpe
           "--memory-per-rank '", options.memory_per_rank,
           "': expected a Slurm memory size, a number with K, M, G or T (powers of 1024; M when "
           "none), e.g. 96G"));
+    }
+    if (*mib == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--memory-per-rank '", options.memory_per_rank, "' must be more than 0"));
     }
     job.mem_per_cpu_mib = (*mib + options.cpus_per_rank - 1) / options.cpus_per_rank;
   }

@@ -19,6 +19,7 @@
 #include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "common/version.h"
 #include "llm_trainer/hf/hf_convert.h"
 #include "llm_trainer/hf/score.h"
@@ -60,7 +61,8 @@ int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
     hetpar::SetLogTag("from-hf");
     auto imported = hetpar::hf::ImportFromHf(*import_options);
     if (!imported.ok()) {
-      HETPAR_LOG(ERROR) << "import failed (nothing written): " << imported.status();
+      HETPAR_LOG(ERROR) << "import failed (nothing written): "
+                        << hetpar::StatusText(imported.status());
       return ExitCodeOf(imported.status());
     }
     for (const std::string& note : imported->notes) HETPAR_LOG(INFO) << "note: " << note;
@@ -71,7 +73,7 @@ int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
     hetpar::SetLogTag("to-hf");
     auto exported = hetpar::hf::ExportToHf(export_dirs.first, export_dirs.second);
     if (!exported.ok()) {
-      HETPAR_LOG(ERROR) << "export failed: " << exported.status();
+      HETPAR_LOG(ERROR) << "export failed: " << hetpar::StatusText(exported.status());
       return ExitCodeOf(exported.status());
     }
     for (const std::string& file : exported->written) HETPAR_LOG(INFO) << "wrote " << file;
@@ -79,7 +81,7 @@ int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
   }
   hetpar::SetLogTag("score");
   if (absl::Status status = hetpar::hf::Score(*score_options); !status.ok()) {
-    HETPAR_LOG(ERROR) << "score failed: " << status;
+    HETPAR_LOG(ERROR) << "score failed: " << hetpar::StatusText(status);
     return ExitCodeOf(status);
   }
   return 0;
@@ -196,7 +198,7 @@ int main(int argc, char** argv) {
     hetpar::SetLogTag("export");
     if (absl::Status status = hetpar::llm::ExportCheckpoint(spec, checkpoint, flags.out_dir);
         !status.ok()) {
-      HETPAR_LOG(ERROR) << "export failed: " << status;
+      HETPAR_LOG(ERROR) << "export failed: " << hetpar::StatusText(status);
       return kExitFailure;
     }
     HETPAR_LOG(INFO) << "wrote " << flags.out_dir << "/encoder.hpar and " << flags.out_dir
@@ -207,7 +209,7 @@ int main(int argc, char** argv) {
     hetpar::SetLogTag("evaluate");
     auto line = hetpar::llm::EvaluateSavedModel(spec, flags.out_dir + "/model", spec.run().steps());
     if (!line.ok()) {
-      HETPAR_LOG(ERROR) << "evaluation failed: " << line.status();
+      HETPAR_LOG(ERROR) << "evaluation failed: " << hetpar::StatusText(line.status());
       return kExitFailure;
     }
     std::ofstream(flags.out_dir + "/eval.json") << *line << "\n";
@@ -219,7 +221,7 @@ int main(int argc, char** argv) {
   options.out_dir = flags.out_dir.empty() ? spec.run().out_dir() : flags.out_dir;
   options.progress = flags.progress;
   if (absl::Status status = hetpar::llm::RunReference(spec, options); !status.ok()) {
-    HETPAR_LOG(ERROR) << "reference run failed: " << status;
+    HETPAR_LOG(ERROR) << "reference run failed: " << hetpar::StatusText(status);
     return kExitFailure;
   }
   HETPAR_LOG(INFO) << "run directory: " << options.out_dir;

@@ -142,14 +142,12 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
     EXPECT_TRUE(std::filesystem::exists(r.dir.path() + "/" + file.as<std::string>())) << file;
   }
   EXPECT_EQ(k["resources"].size(), 6u);
-  // Disruption budgets select the pods of their component: a drain takes no coordinator or LLM
-  // pod (either stops the run) and one encoder pod at a time (the pool of 2 may shrink to 1).
-  const std::map<std::string, int> budgets = {{"coordinator", 0}, {"encoder", 1}, {"llm", 0}};
-  for (const auto& [component, max_unavailable] : budgets) {
+  // Disruption budgets select the pods of their component, and a drain may evict none.
+  for (const std::string component : {"coordinator", "encoder", "llm"}) {
     const YAML::Node pdb = Named(r.objects, "PodDisruptionBudget", "tiny-" + component);
-    ASSERT_TRUE(pdb) << component;
+    ASSERT_TRUE(pdb.IsMap()) << component;
     EXPECT_EQ(pdb["apiVersion"].as<std::string>(), "policy/v1");
-    EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), max_unavailable) << component;
+    EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), 0) << component;
     EXPECT_EQ(
         pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"].as<std::string>(),
         component);
@@ -163,12 +161,17 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
           << component << " pods lack the budget's label " << label.first;
     }
   }
-  // A pool at its minimum may not lose a pod either; --no-disruption-budgets renders none.
-  Rendered minimum;
-  RenderK8s("tiny.yaml", &minimum, {"--set", "failure.min_encoder_replicas=2"});
-  EXPECT_EQ(Named(minimum.objects, "PodDisruptionBudget", "tiny-encoder")["spec"]["maxUnavailable"]
-                .as<int>(),
-            0);
+  // A colocated run's budget selects its one StatefulSet's pods; --no-disruption-budgets renders
+  // none.
+  Rendered colocated;
+  RenderK8s("tiny-colocated.yaml", &colocated);
+  const YAML::Node shared =
+      Named(colocated.objects, "PodDisruptionBudget", "tiny-colocated-colocated");
+  ASSERT_TRUE(shared.IsMap());
+  EXPECT_EQ(
+      shared["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"].as<std::string>(),
+      "colocated");
+  EXPECT_TRUE(Named(colocated.objects, "StatefulSet", "tiny-colocated-colocated").IsMap());
   Rendered none;
   RenderK8s("tiny.yaml", &none, {"--no-disruption-budgets"});
   for (const YAML::Node& object : none.objects) {
@@ -559,6 +562,19 @@ TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
   const std::string shared = ReadFile(colocated.File("run") + "/hetpar.sbatch");
   EXPECT_THAT(shared, HasSubstr("#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=4\n"));
   EXPECT_THAT(shared, HasSubstr("write_hosts \"$RUN_DIR/hosts-colocated\" \"$llm_nodes\" 4 4\n"));
+  // With pipeline stages a colocated replica's ranks are not consecutive: the unit is a TP group
+  // (2 ranks), 3 to a node of 6, not one replica of 4 (tp 2 x pp 2) per node.
+  TempDir staged;
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config",
+                   kSourceDir + "/configs/tiny-colocated.yaml", "--out", staged.File("run"),
+                   "--ranks-per-node", "6", "--set", "llm.layout.tp=2", "--set", "llm.layout.pp=2",
+                   "--set", "llm.layout.dp=2", "--set", "encoder.layout.dp=8"})
+                .exit_code,
+            0);
+  const std::string pipelined = ReadFile(staged.File("run") + "/hetpar.sbatch");
+  EXPECT_THAT(pipelined, HasSubstr("#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=6\n"));
+  EXPECT_THAT(pipelined,
+              HasSubstr("write_hosts \"$RUN_DIR/hosts-colocated\" \"$llm_nodes\" 6 8\n"));
 }
 
 // --memory-per-rank: each rank's memory over its CPUs, for every component; Slurm's units only.
@@ -582,7 +598,23 @@ TEST(DeploySlurmTest, MemoryPerRankIsAskedForPerCpu) {
                 .exit_code,
             0);
   EXPECT_THAT(ReadFile(odd.File("run") + "/hetpar.sbatch"), HasSubstr("--mem-per-cpu=334M\n"));
-  for (const char* bad : {"96GB", "1.5G", "G", "0"}) {
+  // Slurm's other spellings of a size.
+  for (const char* size : {"96g", "96GB", "96gb", "98304"}) {
+    TempDir other;
+    ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                     "--out", other.File("run"), "--memory-per-rank", size})
+                  .exit_code,
+              0)
+        << size;
+    EXPECT_THAT(ReadFile(other.File("run") + "/hetpar.sbatch"), HasSubstr("--mem-per-cpu=49152M\n"))
+        << size;
+  }
+  const CommandResult zero =
+      RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml", "--out",
+             dir.File("refused"), "--memory-per-rank", "0G"});
+  EXPECT_EQ(zero.exit_code, 2);
+  EXPECT_THAT(zero.stderr_text, HasSubstr("--memory-per-rank '0G' must be more than 0"));
+  for (const char* bad : {"96GiB", "1.5G", "G", "-1G", "96X"}) {
     const CommandResult refused =
         RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
                "--out", dir.File("refused"), "--memory-per-rank", bad});

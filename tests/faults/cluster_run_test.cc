@@ -458,11 +458,11 @@ TEST_F(ClusterRunTest, AWorkerRestartingItselfWaitsForTheCheckpointItIsWriting) 
   // Half of step_timeout_s bounds the wait: long enough for a loaded machine.
   const Cluster cluster =
       StartCluster({"checkpoint.dir=" + checkpoints, "checkpoint.every=2",
-                    "failure.step_timeout_s=120"});
+                    "failure.step_timeout_s=120", "coordinator.register_timeout_s=600"});
   ASSERT_NE(cluster.coordinator, nullptr);
   const std::string log = dir_ + "/worker-0.log";  // encoder rank 0: replica 0 writes
   const std::string run = dir_ + "/coordinator/run";
-  // Steps 4 and 5 commit while step 4's write is blocked.
+  // Steps 0 to 4 commit (the steps after step 3's commit while step 4's write is blocked).
   ASSERT_TRUE(WaitFor([&] { return CountLines(run + "/metrics.jsonl") >= 5; }, 120))
       << ReadFile(dir_ + "/coordinator.log");
   ASSERT_THAT(ReadFile(log), Not(HasSubstr("encoder-pp0-tp0 of step 4")));
@@ -477,13 +477,13 @@ TEST_F(ClusterRunTest, AWorkerRestartingItselfWaitsForTheCheckpointItIsWriting) 
       << ReadFile(log);
   // Not restarted while the write is blocked.
   EXPECT_THAT(ReadFile(log), Not(HasSubstr("registering again after the coordinator was lost")));
-  // Let the write go on: the writers blocked opening the FIFO read an empty manifest, take it
-  // for another write's, remove it and write their shards.
-  const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
-  ASSERT_GE(fd, 0) << "no reader has the FIFO open: " << std::strerror(errno);
-  ::close(fd);
+  // Let the write go on: the writers blocked opening the FIFO (encoder rank 0, both LLM ranks)
+  // read an empty manifest, take it for another write's, remove it and write their shards. Opened
+  // and closed again until the encoder's restart, for a writer that comes to it late.
   ASSERT_TRUE(WaitFor(
       [&] {
+        const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+        if (fd >= 0) ::close(fd);
         return ReadFile(log).find("registering again after the coordinator was lost") !=
                std::string::npos;
       },

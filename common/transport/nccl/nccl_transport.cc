@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "common/transport/completion.h"
 #include "common/transport/nccl/device_mover.h"
 #include "common/transport/nccl/service_mover.h"
@@ -522,7 +523,7 @@ bool Core::PollControl(PeerState* s) {
     if (!status.ok() || length != sizeof(ControlMessage) || message.magic != kControlMagic) {
       HETPAR_LOG(WARNING) << "nccl transport '" << name_
                           << "': ignoring a malformed control message of " << length
-                          << " bytes from peer '" << s->name << "' (" << status << ")";
+                          << " bytes from peer '" << s->name << "' (" << StatusText(status) << ")";
       continue;
     }
     HandleControl(s, message);
