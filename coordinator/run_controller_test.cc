@@ -208,6 +208,27 @@ class RunControllerTest : public ::testing::Test {
     }
   }
 
+  // A 5-step run with checkpoint.dir whose step 0 is aborted (encoder replica 1 lost) around a
+  // stop with a checkpoint (before the loss when `stop_first`, else after it); the retry has
+  // begun when it returns.
+  void StopWithACheckpointAroundAnAbort(bool stop_first) {
+    ids_.clear();
+    actions_ = {};
+    Create(5, true, false, "/ckpt");
+    StartAll();
+    if (stop_first) controller_->Stop("preempted", true, kT0, &actions_);
+    controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+    if (!stop_first) {
+      EXPECT_EQ(controller_->Stop("preempted", true, kT0, &actions_).state(),
+                v1::RUN_STATE_RUNNING);
+    }
+    EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+    EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
+    // The retry waits for the others to give the aborted attempt up.
+    HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
+    ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);
+  }
+
   bool keep_committed_steps_ = false;  // ControllerOptions::keep_committed_steps
   bool continues_lost_run_ = false;    // ControllerOptions::continues_lost_run
   CountingPlanner* planner_ = nullptr;
@@ -1082,22 +1103,7 @@ TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) 
 TEST_F(RunControllerTest, AStopWithACheckpointAroundAnAbortCheckpointsTheNextAttempt) {
   for (const bool stop_first : {true, false}) {
     SCOPED_TRACE(stop_first ? "stop, then the abort" : "the abort, then the stop");
-    ids_.clear();
-    actions_ = {};
-    Create(5, true, false, "/ckpt");
-    StartAll();
-    if (stop_first) controller_->Stop("preempted", true, kT0, &actions_);
-    // Encoder replica 1 dies in step 0: the step is aborted, and its next attempt waits for the
-    // others to give this one up.
-    controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
-    if (!stop_first) {
-      EXPECT_EQ(controller_->Stop("preempted", true, kT0, &actions_).state(),
-                v1::RUN_STATE_RUNNING);
-    }
-    EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
-    EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
-    HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
-    ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);  // the retry
+    ASSERT_NO_FATAL_FAILURE(StopWithACheckpointAroundAnAbort(stop_first));
     CompleteStep(0, 0, {0, 2, 3});
     const auto commits = SentTo(ids_[0], v1::CoordinatorMessage::kCommit);
     ASSERT_EQ(commits.size(), 1u);
@@ -1113,15 +1119,7 @@ TEST_F(RunControllerTest, AStopWithACheckpointAroundAnAbortCheckpointsTheNextAtt
 TEST_F(RunControllerTest, AStopWithACheckpointWhoseRetryIsAbortedTooStopsWithoutOne) {
   for (const bool stop_first : {true, false}) {
     SCOPED_TRACE(stop_first ? "stop, then the abort" : "the abort, then the stop");
-    ids_.clear();
-    actions_ = {};
-    Create(5, true, false, "/ckpt");
-    StartAll();
-    if (stop_first) controller_->Stop("preempted", true, kT0, &actions_);
-    controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
-    if (!stop_first) controller_->Stop("preempted", true, kT0, &actions_);
-    HearFrom({0, 2, 3}, kT0 + absl::Seconds(2));
-    ASSERT_EQ(SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan).size(), 2u);
+    ASSERT_NO_FATAL_FAILURE(StopWithACheckpointAroundAnAbort(stop_first));
     v1::WorkerMessage failed;
     failed.mutable_report()->set_step(0);
     failed.mutable_report()->set_generation(controller_->generation());
