@@ -1390,6 +1390,23 @@ TEST_F(RunControllerTest, AWorkerFailingAsTheRunStopsLetsTheOthersFinishAndIsNam
               HasSubstr("stop requested: maintenance; but worker llm0-3 (llm rank 0 (dp 0, tp 0, "
                         "cp 0, pp 0), host host) failed: writing the llm checkpoint of step 4 "
                         "into /runs/ckpt: No space left on device as the run stopped"));
+
+  // The same when the stop's deadline ends the others' sessions.
+  ids_.clear();
+  actions_ = {};
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  Send(ids_[2], failure);
+  for (auto* w : controller_->membership().LiveWorkers()) {
+    w->last_heartbeat = kT0 + absl::Seconds(60);
+  }
+  controller_->Tick(kT0 + absl::Seconds(60), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->cut_at_stop().size(), 3u);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("; but worker llm0-3 (llm rank 0 (dp 0, tp 0, cp 0, pp 0), host host) "
+                        "failed: writing the llm checkpoint of step 4"));
 }
 
 // A worker ended with its replica (a peer's loss came first) whose own error every replica
