@@ -1153,9 +1153,11 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
       (orchestrator_.in_flight() || retry_pending) && !spec_.checkpoint().dir().empty()) {
     if (stop_after_step_.empty()) {
       stop_after_step_ = why;
-      if (orchestrator_.in_flight()) orchestrator_.CheckpointAtCommit();
-      // The next attempt is the one retry a stop waits for.
-      if (!orchestrator_.in_flight()) stop_retry_taken_ = true;
+      if (orchestrator_.in_flight()) {
+        orchestrator_.CheckpointAtCommit();
+      } else {
+        stop_retry_taken_ = true;  // the next attempt is the one retry a stop waits for
+      }
       HETPAR_LOG(INFO) << why << ": stopping once step " << committed_steps_
                        << " commits, with a checkpoint"
                        << (orchestrator_.in_flight() ? "" : " (its next attempt)");

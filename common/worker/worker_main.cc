@@ -506,11 +506,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   const absl::Status status = Serve(options, factory);
   run_over.store(true);
   const bool replica_left = replica_left_flag->load();
-  // The message without the status's payloads (EndsRun's mark).
   if (!status.ok()) {
-    HETPAR_LOG(ERROR) << RoleName(options.role)
-                      << " worker failed: " << absl::StatusCodeToString(status.code()) << ": "
-                      << status.message();
+    HETPAR_LOG(ERROR) << RoleName(options.role) << " worker failed: " << StatusText(status);
   }
   const int code = status.ok() ? 0 : kExitFailure;
   if (replica_left && linger) {

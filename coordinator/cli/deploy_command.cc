@@ -189,8 +189,8 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "memory)")
       ->check(quantity)
       ->capture_default_str();
-  k->add_flag("!--no-disruption-budgets", k8s->options.disruption_budgets,
-              "Render no PodDisruptionBudgets (by default a node drain evicts none of the run's "
+  k->add_flag("!--no-disruption-budget", k8s->options.disruption_budget,
+              "Render no PodDisruptionBudget (by default a node drain evicts none of the run's "
               "pods, since evicting the coordinator, an LLM pod or encoder pods faster than they "
               "rejoin stops the run; it waits until they are deleted)");
   k->add_option("--grace-period", k8s->options.grace_period_s,

@@ -218,12 +218,10 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
                                       options.cpus_per_node, ") (", where, ")"));
     }
   };
-  if (options.ranks_per_node > 0) {
-    if (options.device == Device::kGpu && options.ranks_per_node > options.gpus_per_node) {
-      problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node,
-                                      " is more than a node's GPUs (--gpus-per-node ",
-                                      options.gpus_per_node, "); each rank takes one"));
-    }
+  if (options.device == Device::kGpu && options.ranks_per_node > options.gpus_per_node) {
+    problems.push_back(absl::StrCat("--ranks-per-node ", options.ranks_per_node,
+                                    " is more than a node's GPUs (--gpus-per-node ",
+                                    options.gpus_per_node, "); each rank takes one"));
   }
   if (spec.placement() == v1::PLACEMENT_COLOCATED) {
     check("colocated", "llm.layout.tp", spec.llm().layout().tp(), LlmShape(spec));

@@ -248,21 +248,22 @@ std::string Document(const Json& objects) {
   return absl::StrJoin(docs, "---\n");
 }
 
-// A PodDisruptionBudget over one component's pods that lets a voluntary disruption (a node
+// A PodDisruptionBudget over every pod of the run that lets a voluntary disruption (a node
 // drain, an eviction) take none of them. An evicted LLM or colocated worker stops the whole run
 // (its SIGTERM asks to leave, and its state is held by no other worker), so does the
 // coordinator (its Deployment's next pod continues the run after every worker restarted), and
 // encoder pods evicted faster than their replacements rejoin shrink the pool below its minimum,
 // which stops the run too: a worker pod is Ready before it has joined, so a budget of one pod
 // at a time would not wait for the rejoin.
-Json DisruptionBudget(const Names& n, const std::string& component, int64_t max_unavailable,
-                      const DeployOptions& options) {
+Json DisruptionBudget(const Names& n, const DeployOptions& options) {
   return {{"apiVersion", "policy/v1"},
           {"kind", "PodDisruptionBudget"},
-          {"metadata", Metadata(absl::StrCat(n.run, "-", component), n.run, component, options)},
+          {"metadata", Metadata(n.run, n.run, "run", options)},
           {"spec",
-           {{"maxUnavailable", max_unavailable},
-            {"selector", {{"matchLabels", Selector(n.run, component)}}}}}};
+           {{"maxUnavailable", 0},
+            {"selector",
+             {{"matchLabels",
+               {{"app.kubernetes.io/name", "hetpar"}, {"app.kubernetes.io/instance", n.run}}}}}}}};
 }
 
 std::string Pvc(const Names& n, const std::string& name, const std::string& component,
@@ -361,16 +362,9 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
   std::vector<std::string> resources = {"manifests/secret.yaml", "manifests/runspec.yaml",
                                         "manifests/volumes.yaml", "manifests/coordinator.yaml",
                                         "manifests/workers.yaml"};
-  if (options.disruption_budgets) {
-    Json budgets = Json::array();
-    budgets.push_back(DisruptionBudget(n, "coordinator", 0, options));
-    if (spec.placement() == v1::PLACEMENT_COLOCATED) {
-      budgets.push_back(DisruptionBudget(n, "colocated", 0, options));
-    } else {
-      budgets.push_back(DisruptionBudget(n, "encoder", 0, options));
-      budgets.push_back(DisruptionBudget(n, "llm", 0, options));
-    }
-    files.push_back({"manifests/disruption.yaml", absl::StrCat(header, Document(budgets))});
+  if (options.disruption_budget) {
+    files.push_back({"manifests/disruption.yaml",
+                     absl::StrCat(header, JsonToYaml(DisruptionBudget(n, options)))});
     resources.push_back("manifests/disruption.yaml");
   }
 

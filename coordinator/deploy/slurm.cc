@@ -205,7 +205,8 @@ std::string TiledStep(const std::string& name, const NodeTiling& tiling, int64_t
 
 // A worker step's command: its rank is the task's SLURM_PROCID within the step. With pipeline
 // stages (`staged`), consecutive tasks (a node's, in Slurm's block distribution) are one DP
-// replica's ranks of every stage instead (worker::RankRequest), as a Kubernetes pod's are.
+// replica's ranks of every stage instead (worker::RankRequest), as a Kubernetes pod's are. Each
+// task's log begins with the node it runs on.
 std::string WorkerCommand(const std::string& binary, bool colocated, const DeployOptions& options,
                           const ModuleShape* staged = nullptr) {
   std::string host = options.interface.empty() ? " --host \"$SLURMD_NODENAME\"" : "";
@@ -216,8 +217,10 @@ std::string WorkerCommand(const std::string& binary, bool colocated, const Deplo
                         " --local-rank $((SLURM_PROCID % ", r, ")) --replicas ", staged->replicas,
                         " --pipeline-stages ", staged->pipeline_stages);
   }
-  return absl::StrCat("bash -c 'exec \"$0\" ", rank, host, " \"$@\"' \"$BIN/", binary, "\"",
-                      colocated ? " --colocated" : "");
+  return absl::StrCat(
+      "bash -c 'echo \"hetpar: task $SLURM_PROCID of step $SLURM_STEP_ID on node "
+      "$SLURMD_NODENAME\" >&2; exec \"$0\" ",
+      rank, host, " \"$@\"' \"$BIN/", binary, "\"", colocated ? " --colocated" : "");
 }
 
 std::string WaitLoop() {

@@ -142,38 +142,25 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
     EXPECT_TRUE(std::filesystem::exists(r.dir.path() + "/" + file.as<std::string>())) << file;
   }
   EXPECT_EQ(k["resources"].size(), 6u);
-  // Disruption budgets select the pods of their component, and a drain may evict none.
-  for (const std::string component : {"coordinator", "encoder", "llm"}) {
-    const YAML::Node pdb = Named(r.objects, "PodDisruptionBudget", "tiny-" + component);
-    ASSERT_TRUE(pdb.IsMap()) << component;
-    EXPECT_EQ(pdb["apiVersion"].as<std::string>(), "policy/v1");
-    EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), 0) << component;
-    EXPECT_EQ(
-        pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"].as<std::string>(),
-        component);
-    const YAML::Node owner = component == "coordinator"
-                                 ? coordinator
-                                 : Named(r.objects, "StatefulSet", "tiny-" + component);
+  // One disruption budget selects every pod of the run (and nothing else's), and a drain may
+  // evict none of them.
+  const YAML::Node pdb = Named(r.objects, "PodDisruptionBudget", "tiny");
+  ASSERT_TRUE(pdb.IsMap());
+  EXPECT_EQ(pdb["apiVersion"].as<std::string>(), "policy/v1");
+  EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), 0);
+  ASSERT_EQ(pdb["spec"]["selector"]["matchLabels"].size(), 2u);
+  for (const YAML::Node& owner : {coordinator, encoder, llm}) {
     const YAML::Node pods = owner["spec"]["template"]["metadata"]["labels"];
     for (const auto& label : pdb["spec"]["selector"]["matchLabels"]) {
       EXPECT_EQ(pods[label.first.as<std::string>()].as<std::string>(),
                 label.second.as<std::string>())
-          << component << " pods lack the budget's label " << label.first;
+          << owner["metadata"]["name"] << " pods lack the budget's label " << label.first;
     }
   }
-  // A colocated run's budget selects its one StatefulSet's pods; --no-disruption-budgets renders
-  // none.
-  Rendered colocated;
-  RenderK8s("tiny-colocated.yaml", &colocated);
-  const YAML::Node shared =
-      Named(colocated.objects, "PodDisruptionBudget", "tiny-colocated-colocated");
-  ASSERT_TRUE(shared.IsMap());
-  EXPECT_EQ(
-      shared["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"].as<std::string>(),
-      "colocated");
-  EXPECT_TRUE(Named(colocated.objects, "StatefulSet", "tiny-colocated-colocated").IsMap());
+  EXPECT_EQ(pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"].as<std::string>(),
+            "tiny");
   Rendered none;
-  RenderK8s("tiny.yaml", &none, {"--no-disruption-budgets"});
+  RenderK8s("tiny.yaml", &none, {"--no-disruption-budget"});
   for (const YAML::Node& object : none.objects) {
     EXPECT_NE(object["kind"].as<std::string>(), "PodDisruptionBudget");
   }
@@ -367,6 +354,11 @@ TEST(DeployK8sTest, AReplicaLargerThanANodeIsRefusedWithFieldValueAndLine) {
   EXPECT_FALSE(std::filesystem::exists(dir.File("out")));
 }
 
+// How every worker task starts: it says which node it runs on, then becomes the worker.
+const std::string kTaskStart =
+    "bash -c 'echo \"hetpar: task $SLURM_PROCID of step $SLURM_STEP_ID on node $SLURMD_NODENAME\" "
+    ">&2; exec \"$0\" ";
+
 TEST(DeploySlurmTest, ScriptsAreValidBashAndStartEveryRankWithARealBinary) {
   TempDir dir;
   const CommandResult r =
@@ -380,9 +372,11 @@ TEST(DeploySlurmTest, ScriptsAreValidBashAndStartEveryRankWithARealBinary) {
     const std::string text = ReadFile(path);
     EXPECT_THAT(text, HasSubstr("BIN='" + kBinDir + "'"));
     EXPECT_THAT(text, HasSubstr("\"$BIN/hetpar\" coordinator --config \"$CONFIG\""));
-    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 " + kTaskStart +
+                                "--rank \"$SLURM_PROCID\" \"$@\"' "
                                 "\"$BIN/hetpar-encoder\""));
-    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 " + kTaskStart +
+                                "--rank \"$SLURM_PROCID\" \"$@\"' "
                                 "\"$BIN/hetpar-llm\""));
     EXPECT_THAT(text, HasSubstr("export HETPAR_INTERFACE='lo'"));
   }
@@ -408,11 +402,13 @@ TEST(DeploySlurmTest, WithPipelineStagesTheLlmTasksAreToldTheReplicasAndStages) 
     const CommandResult syntax = RunOk({"bash", "-n", path});
     EXPECT_EQ(syntax.exit_code, 0) << script << ": " << syntax.stderr_text;
     const std::string text = ReadFile(path);
-    EXPECT_THAT(text, HasSubstr("--ntasks=4 bash -c 'exec \"$0\" --replica $((SLURM_PROCID / 2)) "
+    EXPECT_THAT(text, HasSubstr("--ntasks=4 " + kTaskStart +
+                                "--replica $((SLURM_PROCID / 2)) "
                                 "--ranks-per-replica 2 --local-rank $((SLURM_PROCID % 2)) "
                                 "--replicas 2 --pipeline-stages 2 \"$@\"' \"$BIN/hetpar-llm\""));
     // The encoder has no stages.
-    EXPECT_THAT(text, HasSubstr("--ntasks=2 bash -c 'exec \"$0\" --rank \"$SLURM_PROCID\" \"$@\"' "
+    EXPECT_THAT(text, HasSubstr("--ntasks=2 " + kTaskStart +
+                                "--rank \"$SLURM_PROCID\" \"$@\"' "
                                 "\"$BIN/hetpar-encoder\""));
   }
 }

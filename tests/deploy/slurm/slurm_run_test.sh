@@ -3,7 +3,7 @@
 # this machine (local_slurm.sh: munged, slurmctld and two slurmd, in a temporary directory,
 # stopped by pid) runs
 #   1. the single-allocation script of a 6-step tiny run on whole nodes (--ranks-per-node 2: the
-#      encoder pool's step on one node, the LLM's on the other, as squeue shows them): the run
+#      encoder pool's step on one node, the LLM's on the other, as each task's log says): the run
 #      directory must hold the steps, the final parameters and the model, and match the
 #      reference trainer under hetpar compare;
 #   2. the heterogeneous-job script on whole nodes, with --memory-per-rank (checked with sbatch
@@ -96,41 +96,34 @@ check_run() {  # RUN_DIR [REFERENCE_DIR]
     fail "hetpar compare $dir against the reference: $(cat "$dir/compare.txt")"
 }
 
-# The nodes each step ran on, polled while JOB runs: "NAME NODELIST" lines. (Every step of the
-# cluster: a heterogeneous job's second component has steps of its own, and this test runs one
-# job at a time.)
-step_nodes() {  # JOB
-  local job=$1 seen=""
-  while [ -n "$(squeue -h -j "$job" -o %T 2>/dev/null)" ]; do
-    seen+="$(squeue -h --steps -o '%j %N' 2>/dev/null || true)"$'\n'
-    sleep 0.3
-  done
-  printf '%s' "$seen" | sed '/^$/d' | sort -u
+# The nodes the tasks of RUN_DIR's step NAME ran on, one per line: each task's log begins with
+# "hetpar: task T of step S on node N".
+task_nodes() {  # RUN_DIR NAME
+  cat "$1/log/$2"-*.log 2>/dev/null | sed -n 's/^hetpar: task [0-9]* of step .* on node //p' |
+    sort -u
 }
 
 # With --ranks-per-node 2 each worker step runs on exactly one node (the encoder pool's 2 ranks,
 # the LLM's replica of tp 2); in one allocation (DISTINCT=1) the two are the job's two nodes.
 # (Slurm may put both components of a heterogeneous job on one node.)
-check_whole_nodes() {  # NODES-FILE DISTINCT
+check_whole_nodes() {  # RUN_DIR DISTINCT
   local enc llm distinct=$2
-  enc=$(awk '$1 == "encoder" { print $2 }' "$1" | sort -u)
-  llm=$(awk '$1 == "llm" { print $2 }' "$1" | sort -u)
+  enc=$(task_nodes "$1" encoder)
+  llm=$(task_nodes "$1" llm)
+  [ -n "$enc" ] && [ -n "$llm" ] ||
+    fail "no task log names its node (encoder: '$enc', llm: '$llm')"
   [ "$(printf '%s\n' "$enc" | wc -l)" -eq 1 ] && [ "$(printf '%s\n' "$llm" | wc -l)" -eq 1 ] ||
-    fail "steps seen on more node lists than one each: $(cat "$1")"
-  case "$enc$llm" in *[],[]*) fail "a step spans nodes: $(cat "$1")" ;; esac
-  [ -n "$enc" ] && [ -n "$llm" ] && { [ "$distinct" = 0 ] || [ "$enc" != "$llm" ]; } ||
-    fail "the encoder's step (on ${enc:-no node seen}) and the LLM's (on ${llm:-no node seen}): expected a node each (DISTINCT=$distinct): $(cat "$1")"
+    fail "a step's tasks ran on more than one node: encoder on $enc; llm on $llm"
+  [ "$distinct" = 0 ] || [ "$enc" != "$llm" ] ||
+    fail "the encoder's and the LLM's steps both ran on $enc; expected a node each"
 }
 
 # 1. One allocation, on whole nodes.
 render run --ranks-per-node 2
 grep -q '^#SBATCH --nodes=2$' "$work/run/hetpar.sbatch" || fail "no --nodes=2 in hetpar.sbatch"
 job=$(submit "$work/run/hetpar.sbatch")
-step_nodes "$job" >"$work/run-nodes.txt" &
-nodes_pid=$!
 "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "job $job did not complete"
-wait "$nodes_pid" || true
-check_whole_nodes "$work/run-nodes.txt" 1
+check_whole_nodes "$work/run" 1
 grep -q "hetpar: run done" "$work/run/slurm-$job.out" || fail "no 'run done' in the job's log"
 "$bin/hetpar" run --reference --config "$work/run/run.yaml" --out "$work/reference" \
   >"$work/reference.log" 2>&1 || fail "reference run: $(tail -n 5 "$work/reference.log")"
@@ -144,11 +137,8 @@ grep -q '^#SBATCH --mem-per-cpu=256M$' "$work/run-het/hetpar-het.sbatch" ||
 sbatch --test-only "$work/run-het/hetpar-het.sbatch" >"$work/het-test-only.txt" 2>&1 ||
   fail "sbatch --test-only refused the heterogeneous script: $(cat "$work/het-test-only.txt")"
 job=$(submit "$work/run-het/hetpar-het.sbatch")
-step_nodes "$job" >"$work/run-het-nodes.txt" &
-nodes_pid=$!
 "$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 || fail "het job $job did not complete"
-wait "$nodes_pid" || true
-check_whole_nodes "$work/run-het-nodes.txt" 0
+check_whole_nodes "$work/run-het" 0
 check_run "$work/run-het"
 echo "slurm_run_test: heterogeneous job: job $job completed and matches the reference"
 
