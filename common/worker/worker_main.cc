@@ -27,6 +27,7 @@
 #include "common/cli_checks.h"
 #include "common/control/client.h"
 #include "common/control/security.h"
+#include "common/errno_status.h"
 #include "common/logging.h"
 #include "common/nn/communicator.h"
 #include "common/status.h"
@@ -42,6 +43,54 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitInvalidInput = 2;
+
+// --ready-file: the file exists while this worker trains with the run, from its first applied
+// step until its step driver returns, so that a container's readiness probe (`test -e FILE`)
+// says whether the worker is an active member (docs/deploy.md). Set once at start, before any
+// thread, and read-only afterwards.
+std::string g_ready_file;
+
+// At start: removes a copy an earlier process left (one that crashed, or this one before it
+// restarted itself to register again), and checks that the file can be made there, so that a
+// probe that could never succeed fails the start instead of holding the pod unready.
+absl::Status PrepareReadyFile(const std::string& path) {
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return ErrnoStatus(errno, absl::StrCat("removing '", path, "', left by an earlier start"));
+  }
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating '", path, "'"));
+  ::close(fd);
+  if (::unlink(path.c_str()) != 0) return ErrnoStatus(errno, absl::StrCat("removing '", path, "'"));
+  return absl::OkStatus();
+}
+
+// Makes the ready file, holding the step this worker first applied; false (and a warning) when
+// it cannot.
+bool MarkReady(int64_t step) {
+  const std::string text = absl::StrCat("trains with the run since step ", step, "\n");
+  const int fd = ::open(g_ready_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const bool written =
+      fd >= 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const int error = errno;
+  if (fd >= 0) ::close(fd);
+  if (!written) {
+    HETPAR_LOG(WARNING) << "--ready-file: cannot write '" << g_ready_file
+                        << "': " << std::strerror(error) << "; this worker stays unready";
+    return false;
+  }
+  HETPAR_LOG(INFO) << "ready: trains with the run since step " << step << " ('" << g_ready_file
+                   << "' made)";
+  return true;
+}
+
+// Removes the ready file, if any: the worker no longer trains with the run.
+void ClearReady() {
+  if (g_ready_file.empty()) return;
+  if (::unlink(g_ready_file.c_str()) != 0 && errno != ENOENT) {
+    HETPAR_LOG(WARNING) << "--ready-file: cannot remove '" << g_ready_file
+                        << "': " << std::strerror(errno);
+  }
+}
 
 // A worker that lost its coordinator replaces itself with a fresh copy of its program (execv of
 // its own binary, the same arguments), so nothing of the interrupted run survives (process
@@ -83,6 +132,7 @@ constexpr int kRestartAttempts = 5;
                       << why.message()
                       << "); restarting this worker to register again with it (waiting up to "
                       << absl::FormatDuration(reconnect_timeout) << ", --reconnect-timeout)";
+  ClearReady();  // no longer trains with the run; the copy makes it again after its first step
   // The checkpoint of the step just committed may still be being written: a restarted
   // coordinator resumes from it once it is complete, so it is not cut off here.
   if (const int running = AwaitCheckpointWrites(); running > 0) {
@@ -174,7 +224,9 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     }
     pending_trace.clear();
   };
+  bool ready = false;
   driver_options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& timings) {
+    if (!ready && !g_ready_file.empty()) ready = MarkReady(step);
     for (const ModuleTimings& t : timings) {
       if (absl::Status s = AppendStepTimings(options.out_dir, world_rank, step, t); !s.ok()) {
         HETPAR_LOG(WARNING) << "step timings not written: " << StatusText(s);
@@ -196,6 +248,7 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     absl::MutexLock lock(&g_training_session_mu);
     g_training_session = nullptr;
   }
+  ClearReady();
   flush_trace();
   // A failure of this worker's own (not a stop the coordinator sent) is told to the coordinator
   // before the exit, so that it names the error where it takes the worker out; the session's
@@ -351,6 +404,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   app.add_option("--threads", threads, "Intra-op threads (default: the machine's cores)")
       ->envname("HETPAR_THREADS")
       ->check(hetpar::kNonNegativeNumber);
+  app.add_option("--ready-file", options.ready_file,
+                 "A file this worker makes once it trains with the run (its first step applied) "
+                 "and removes when it stops training, for a readiness probe (test -e FILE); "
+                 "its directory must exist")
+      ->envname("HETPAR_READY_FILE");
   app.add_flag("--linger", linger,
                "When the run ends, stay idle until terminated instead of exiting (for a "
                "Kubernetes StatefulSet, which would restart the worker into a finished run)")
@@ -383,6 +441,13 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     return kExitInvalidInput;
   }
   options.requested_rank = requested->value_or(-1);
+  if (!options.ready_file.empty()) {
+    if (absl::Status s = PrepareReadyFile(options.ready_file); !s.ok()) {
+      std::cerr << binary.name << ": --ready-file: " << s.message() << "\n";
+      return kExitInvalidInput;
+    }
+    g_ready_file = options.ready_file;
+  }
   if (!interface.empty()) {
     absl::StatusOr<std::string> address = InterfaceAddress(interface);
     if (!address.ok()) {
@@ -418,6 +483,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
     options.on_coordinator_lost = [name = binary.name](const absl::Status& why) {
       if (!absl::IsAborted(why)) return;
       HETPAR_LOG(ERROR) << "the coordinator ended this worker's session: " << why.message();
+      ClearReady();
       std::cerr.flush();
       std::fflush(nullptr);
       std::_Exit(kExitFailure);
@@ -493,6 +559,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
         if (sent.ok()) continue;
       }
       HETPAR_LOG(WARNING) << "terminated by signal " << signal << " during the run";
+      ClearReady();
       std::cerr.flush();
       std::clog.flush();
       std::fflush(nullptr);

@@ -190,9 +190,9 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
       ->check(quantity)
       ->capture_default_str();
   k->add_flag("!--no-disruption-budget", k8s->options.disruption_budget,
-              "Render no PodDisruptionBudget (by default a node drain evicts none of the run's "
-              "pods, since evicting the coordinator, an LLM pod or encoder pods faster than they "
-              "rejoin stops the run; it waits until they are deleted)");
+              "Render no PodDisruptionBudgets (by default a node drain evicts neither the "
+              "coordinator nor an LLM pod, which would stop the run, and evicts encoder pods "
+              "only while failure.min_encoder_replicas rejoined ones remain)");
   k->add_option("--grace-period", k8s->options.grace_period_s,
                 "Seconds a terminated pod gets to finish its step")
       ->check(hetpar::kPositiveNumber)

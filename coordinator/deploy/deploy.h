@@ -46,7 +46,9 @@ struct DeployOptions {
   // Each rank's memory; "" = none. Kubernetes: each worker container's request and limit (a
   // quantity, 96Gi). Slurm: #SBATCH --mem-per-cpu of it over cpus_per_rank (96G, powers of 1024).
   std::string memory_per_rank;
-  // A PodDisruptionBudget: drains evict none of the run's pods (manifests/disruption.yaml).
+  // PodDisruptionBudgets: drains evict neither the coordinator nor LLM (colocated) pods, and
+  // encoder pods only while failure.min_encoder_replicas Ready ones remain
+  // (manifests/disruption.yaml).
   bool disruption_budget = true;
 
   // Slurm.
@@ -87,7 +89,7 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
 // manifests/{secret,runspec,volumes,coordinator,workers,disruption}.yaml (plain objects for
 // `kubectl apply -f DIR/manifests`: the token Secret, the RunSpec ConfigMap, the run and data
 // volumes, the coordinator's Deployment and Service, the workers' headless Service and
-// StatefulSets, the PodDisruptionBudget unless options.disruption_budget is false) and
+// StatefulSets, the PodDisruptionBudgets unless options.disruption_budget is false) and
 // kustomization.yaml naming them (`kubectl apply -k DIR`, a base for overlays). The RunSpec in the
 // ConfigMap has its data paths moved under kContainerDataDir (keeping their layout below the
 // deepest directory holding them all), run.out_dir = kContainerRunDir and a checkpoint.dir moved to

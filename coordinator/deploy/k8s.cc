@@ -216,13 +216,23 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
          EnvField("HETPAR_REPLICA", absl::StrCat("metadata.labels['", kPodIndexLabel, "']")),
          EnvField("HETPAR_HOST", "status.podIP"), EnvValue("HETPAR_OUT", kContainerRunDir),
          EnvValue("HETPAR_THREADS", std::to_string(options.cpus_per_rank))});
-    containers.push_back({{"name", absl::StrCat("rank-", local)},
-                          {"image", options.image},
-                          {"command", Json::array({binary})},
-                          {"args", args},
-                          {"env", env},
-                          {"resources", Resources(options, 1)},
-                          {"volumeMounts", WorkerMounts()}});
+    // Ready while the worker trains with the run (from its first applied step until it stops,
+    // leaves or fails): a pod is Ready once every rank it hosts has joined, which the encoder
+    // pods' disruption budget counts on. In /dev/shm, a volume of the pod's own: the root file
+    // system may be read-only.
+    const std::string name = absl::StrCat("rank-", local);
+    const std::string ready_file = absl::StrCat("/dev/shm/hetpar-ready-", name);
+    env.push_back(EnvValue("HETPAR_READY_FILE", ready_file));
+    containers.push_back(
+        {{"name", name},
+         {"image", options.image},
+         {"command", Json::array({binary})},
+         {"args", args},
+         {"env", env},
+         {"readinessProbe",
+          {{"exec", {{"command", Json::array({"test", "-e", ready_file})}}}, {"periodSeconds", 5}}},
+         {"resources", Resources(options, 1)},
+         {"volumeMounts", WorkerMounts()}});
   }
   return {{"apiVersion", "apps/v1"},
           {"kind", "StatefulSet"},
@@ -248,22 +258,37 @@ std::string Document(const Json& objects) {
   return absl::StrJoin(docs, "---\n");
 }
 
-// A PodDisruptionBudget over every pod of the run that lets a voluntary disruption (a node
-// drain, an eviction) take none of them. An evicted LLM or colocated worker stops the whole run
-// (its SIGTERM asks to leave, and its state is held by no other worker), so does the
-// coordinator (its Deployment's next pod continues the run after every worker restarted), and
-// encoder pods evicted faster than their replacements rejoin shrink the pool below its minimum,
-// which stops the run too: a worker pod is Ready before it has joined, so a budget of one pod
-// at a time would not wait for the rejoin.
-Json DisruptionBudget(const Names& n, const DeployOptions& options) {
-  return {{"apiVersion", "policy/v1"},
-          {"kind", "PodDisruptionBudget"},
-          {"metadata", Metadata(n.run, n.run, "run", options)},
-          {"spec",
-           {{"maxUnavailable", 0},
-            {"selector",
-             {{"matchLabels",
-               {{"app.kubernetes.io/name", "hetpar"}, {"app.kubernetes.io/instance", n.run}}}}}}}};
+// The run's PodDisruptionBudgets, which a voluntary disruption (a node drain, an eviction) must
+// respect. An evicted LLM or colocated worker stops the whole run (its SIGTERM asks to leave, and
+// its state is held by no other worker), and so does the coordinator (its Deployment's next pod
+// continues the run after every worker restarted): `<run>` lets none of them go. An evicted
+// encoder pod leaves the pool after the step in flight and its replacement rejoins, so `<run>-
+// encoder` lets them go while failure.min_encoder_replicas Ready pods (pods whose ranks train
+// with the run, --ready-file) would remain; a pod being replaced is not Ready until it has
+// rejoined. A pod may be in one budget only, so `<run>` leaves the encoder pods out.
+Json DisruptionBudgets(const v1::RunSpec& spec, const Names& n, const DeployOptions& options) {
+  const bool colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
+  Json selector = {{"matchLabels",
+                    {{"app.kubernetes.io/name", "hetpar"}, {"app.kubernetes.io/instance", n.run}}}};
+  if (!colocated) {
+    selector["matchExpressions"] = Json::array({{{"key", "app.kubernetes.io/component"},
+                                                 {"operator", "NotIn"},
+                                                 {"values", Json::array({"encoder"})}}});
+  }
+  Json budgets = Json::array({{{"apiVersion", "policy/v1"},
+                               {"kind", "PodDisruptionBudget"},
+                               {"metadata", Metadata(n.run, n.run, "run", options)},
+                               {"spec", {{"maxUnavailable", 0}, {"selector", selector}}}}});
+  if (!colocated) {
+    budgets.push_back(
+        {{"apiVersion", "policy/v1"},
+         {"kind", "PodDisruptionBudget"},
+         {"metadata", Metadata(n.run + "-encoder", n.run, "encoder", options)},
+         {"spec",
+          {{"minAvailable", std::max<int64_t>(1, spec.failure().min_encoder_replicas())},
+           {"selector", {{"matchLabels", Selector(n.run, "encoder")}}}}}});
+  }
+  return budgets;
 }
 
 std::string Pvc(const Names& n, const std::string& name, const std::string& component,
@@ -364,7 +389,7 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
                                         "manifests/workers.yaml"};
   if (options.disruption_budget) {
     files.push_back({"manifests/disruption.yaml",
-                     absl::StrCat(header, JsonToYaml(DisruptionBudget(n, options)))});
+                     absl::StrCat(header, Document(DisruptionBudgets(spec, n, options)))});
     resources.push_back("manifests/disruption.yaml");
   }
 

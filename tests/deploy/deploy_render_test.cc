@@ -54,14 +54,49 @@ void RenderK8s(const std::string& config, Rendered* out, std::vector<std::string
   out->objects = LoadObjects(out->dir.path());
 }
 
+// Whether a label selector (matchLabels and matchExpressions, as Kubernetes reads them) selects
+// a pod with `labels`.
+bool Selects(const YAML::Node& selector, const YAML::Node& labels) {
+  for (const auto& l : selector["matchLabels"]) {
+    const YAML::Node value = labels[l.first.as<std::string>()];
+    if (!value || value.as<std::string>() != l.second.as<std::string>()) return false;
+  }
+  for (const YAML::Node& e : selector["matchExpressions"]) {
+    const YAML::Node value = labels[e["key"].as<std::string>()];
+    const std::string op = e["operator"].as<std::string>();
+    std::set<std::string> values;
+    for (const YAML::Node& v : e["values"]) values.insert(v.as<std::string>());
+    const bool in = value && values.count(value.as<std::string>()) > 0;
+    if (op == "In" && !in) return false;
+    if (op == "NotIn" && in) return false;
+    if (op == "Exists" && !value) return false;
+    if (op == "DoesNotExist" && value) return false;
+  }
+  return true;
+}
+
+// The PodDisruptionBudgets that select the pods of `workload` (a StatefulSet or Deployment).
+std::vector<YAML::Node> BudgetsOf(const std::vector<YAML::Node>& objects,
+                                  const YAML::Node& workload) {
+  std::vector<YAML::Node> budgets;
+  for (const YAML::Node& pdb : OfKind(objects, "PodDisruptionBudget")) {
+    if (Selects(pdb["spec"]["selector"], workload["spec"]["template"]["metadata"]["labels"])) {
+      budgets.push_back(pdb);
+    }
+  }
+  return budgets;
+}
+
 // Checks every container of `pod_spec`: a real binary, flags and HETPAR_* variables it documents,
-// the token file inside a mount of the Secret `secret`.
+// the token file inside a mount of the Secret `secret`; a worker's readiness probe tests for
+// its --ready-file, in a mount, one of its own.
 void CheckContainers(const YAML::Node& pod_spec, const std::string& secret) {
   std::map<std::string, std::string> volume_secret;  // volume name -> secret name
   for (const YAML::Node& v : pod_spec["volumes"]) {
     if (v["secret"])
       volume_secret[v["name"].as<std::string>()] = v["secret"]["secretName"].as<std::string>();
   }
+  std::set<std::string> ready_files;
   for (const YAML::Node& c : pod_spec["containers"]) {
     const std::vector<std::string> command = c["command"].as<std::vector<std::string>>();
     ASSERT_FALSE(command.empty());
@@ -99,6 +134,21 @@ void CheckContainers(const YAML::Node& pod_spec, const std::string& secret) {
       }
     }
     EXPECT_TRUE(from_secret) << token_file << " is not in a mount of the Secret " << secret;
+    if (binary == "hetpar") continue;  // the coordinator's probe is gRPC health
+    std::string ready_file;
+    for (const YAML::Node& e : c["env"]) {
+      if (e["name"].as<std::string>() == "HETPAR_READY_FILE")
+        ready_file = e["value"].as<std::string>();
+    }
+    ASSERT_FALSE(ready_file.empty()) << c["name"] << " has no ready file";
+    EXPECT_TRUE(ready_files.insert(ready_file).second) << ready_file << " is two containers'";
+    EXPECT_EQ(c["readinessProbe"]["exec"]["command"].as<std::vector<std::string>>(),
+              (std::vector<std::string>{"test", "-e", ready_file}));
+    bool in_mount = false;
+    for (const YAML::Node& m : c["volumeMounts"]) {
+      in_mount = in_mount || ready_file.rfind(m["mountPath"].as<std::string>() + "/", 0) == 0;
+    }
+    EXPECT_TRUE(in_mount) << ready_file << " is in no volume of the pod";
   }
 }
 
@@ -142,23 +192,45 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
     EXPECT_TRUE(std::filesystem::exists(r.dir.path() + "/" + file.as<std::string>())) << file;
   }
   EXPECT_EQ(k["resources"].size(), 6u);
-  // One disruption budget selects every pod of the run (and nothing else's), and a drain may
-  // evict none of them.
-  const YAML::Node pdb = Named(r.objects, "PodDisruptionBudget", "tiny");
-  ASSERT_TRUE(pdb.IsMap());
-  EXPECT_EQ(pdb["apiVersion"].as<std::string>(), "policy/v1");
-  EXPECT_EQ(pdb["spec"]["maxUnavailable"].as<int>(), 0);
-  ASSERT_EQ(pdb["spec"]["selector"]["matchLabels"].size(), 2u);
-  for (const YAML::Node& owner : {coordinator, encoder, llm}) {
-    const YAML::Node pods = owner["spec"]["template"]["metadata"]["labels"];
-    for (const auto& label : pdb["spec"]["selector"]["matchLabels"]) {
-      EXPECT_EQ(pods[label.first.as<std::string>()].as<std::string>(),
-                label.second.as<std::string>())
-          << owner["metadata"]["name"] << " pods lack the budget's label " << label.first;
-    }
+  // Every pod of the run is in one disruption budget (Kubernetes refuses to evict a pod in two):
+  // a drain may evict neither the coordinator nor an LLM pod, and encoder pods only while
+  // failure.min_encoder_replicas (default 1) Ready ones remain.
+  for (const YAML::Node& owner : {coordinator, llm}) {
+    const std::vector<YAML::Node> budgets = BudgetsOf(r.objects, owner);
+    ASSERT_EQ(budgets.size(), 1u) << owner["metadata"]["name"];
+    EXPECT_EQ(budgets[0]["metadata"]["name"].as<std::string>(), "tiny");
+    EXPECT_EQ(budgets[0]["apiVersion"].as<std::string>(), "policy/v1");
+    EXPECT_EQ(budgets[0]["spec"]["maxUnavailable"].as<int>(), 0);
   }
-  EXPECT_EQ(pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"].as<std::string>(),
-            "tiny");
+  std::vector<YAML::Node> encoder_budgets = BudgetsOf(r.objects, encoder);
+  ASSERT_EQ(encoder_budgets.size(), 1u);
+  EXPECT_EQ(encoder_budgets[0]["metadata"]["name"].as<std::string>(), "tiny-encoder");
+  EXPECT_EQ(encoder_budgets[0]["spec"]["minAvailable"].as<int>(), 1);
+  EXPECT_FALSE(encoder_budgets[0]["spec"]["maxUnavailable"]);
+  EXPECT_EQ(OfKind(r.objects, "PodDisruptionBudget").size(), 2u);
+  // Nothing of another run's: each budget names this run's instance label.
+  for (const YAML::Node& pdb : OfKind(r.objects, "PodDisruptionBudget")) {
+    EXPECT_EQ(
+        pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"].as<std::string>(),
+        "tiny");
+  }
+  Rendered two;
+  RenderK8s("tiny.yaml", &two, {"--set", "failure.min_encoder_replicas=2"});
+  encoder_budgets = BudgetsOf(two.objects, Named(two.objects, "StatefulSet", "tiny-encoder"));
+  ASSERT_EQ(encoder_budgets.size(), 1u);
+  EXPECT_EQ(encoder_budgets[0]["spec"]["minAvailable"].as<int>(), 2);
+  // Colocated: any pod's loss stops the run; one budget, every pod in it.
+  Rendered colocated;
+  RenderK8s("tiny-colocated.yaml", &colocated);
+  ASSERT_EQ(OfKind(colocated.objects, "PodDisruptionBudget").size(), 1u);
+  for (const YAML::Node& owner :
+       {Named(colocated.objects, "StatefulSet", "tiny-colocated-colocated"),
+        Named(colocated.objects, "Deployment", "tiny-colocated-coordinator")}) {
+    ASSERT_TRUE(owner);
+    const std::vector<YAML::Node> budgets = BudgetsOf(colocated.objects, owner);
+    ASSERT_EQ(budgets.size(), 1u) << owner["metadata"]["name"];
+    EXPECT_EQ(budgets[0]["spec"]["maxUnavailable"].as<int>(), 0);
+  }
   Rendered none;
   RenderK8s("tiny.yaml", &none, {"--no-disruption-budget"});
   for (const YAML::Node& object : none.objects) {

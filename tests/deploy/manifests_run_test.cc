@@ -53,6 +53,7 @@ int FreePort() {
 struct LocalContainer {
   std::string name;  // pod/container
   std::vector<std::string> argv;
+  std::vector<std::string> probe;  // its readiness probe's command, if it has one
 };
 
 class ManifestsRunTest : public ::testing::Test {
@@ -60,15 +61,15 @@ class ManifestsRunTest : public ::testing::Test {
   void RunTheManifests(const std::vector<std::string>& sets, size_t expected_workers);
   std::map<std::string, std::string> worker_logs_;  // container name -> its log
 
-  // Local directory for a pod volume: Secrets and ConfigMaps are written out as files, an
-  // emptyDir is an empty directory.
-  std::string VolumeDir(const YAML::Node& volume) {
+  // Local directory for a volume of pod `pod`: Secrets and ConfigMaps are written out as files,
+  // an emptyDir is an empty directory of the pod's own.
+  std::string VolumeDir(const YAML::Node& volume, const std::string& pod) {
     const std::string name = volume["name"].as<std::string>();
     if (volume["persistentVolumeClaim"]) {
       return dir_.File("volumes/" + volume["persistentVolumeClaim"]["claimName"].as<std::string>());
     }
     if (volume["emptyDir"]) {  // the workers' /dev/shm: the local processes use the host's
-      const std::string local = dir_.File("emptydirs/" + name);
+      const std::string local = dir_.File("emptydirs/" + pod + "/" + name);
       std::filesystem::create_directories(local);
       return local;
     }
@@ -101,19 +102,20 @@ class ManifestsRunTest : public ::testing::Test {
   std::vector<LocalContainer> Containers(const YAML::Node& workload, int64_t replicas) {
     std::vector<LocalContainer> out;
     const YAML::Node pod = workload["spec"]["template"]["spec"];
-    std::map<std::string, std::string> volume_dirs;
-    for (const YAML::Node& v : pod["volumes"]) {
-      volume_dirs[v["name"].as<std::string>()] = VolumeDir(v);
-    }
     for (int64_t index = 0; index < replicas; ++index) {
+      const std::string pod_name =
+          absl::StrCat(workload["metadata"]["name"].as<std::string>(), "-", index);
+      std::map<std::string, std::string> volume_dirs;
+      for (const YAML::Node& v : pod["volumes"]) {
+        volume_dirs[v["name"].as<std::string>()] = VolumeDir(v, pod_name);
+      }
       for (const YAML::Node& c : pod["containers"]) {
         std::map<std::string, std::string> mounts;
         for (const YAML::Node& m : c["volumeMounts"]) {
           mounts[m["mountPath"].as<std::string>()] = volume_dirs[m["name"].as<std::string>()];
         }
         LocalContainer local;
-        local.name = absl::StrCat(workload["metadata"]["name"].as<std::string>(), "-", index, "-",
-                                  c["name"].as<std::string>());
+        local.name = absl::StrCat(pod_name, "-", c["name"].as<std::string>());
         local.argv = {"/usr/bin/env", "-i", "PATH=" + kBinDir + ":/usr/bin:/bin"};
         for (const YAML::Node& e : c["env"]) {
           std::string value;
@@ -143,6 +145,12 @@ class ManifestsRunTest : public ::testing::Test {
           for (const std::string& a : c["args"].as<std::vector<std::string>>()) {
             EXPECT_EQ(a.find("$("), std::string::npos) << "unexpanded reference in " << a;
             local.argv.push_back(Localize(a, mounts));
+          }
+        }
+        if (c["readinessProbe"]["exec"]) {
+          for (const std::string& word :
+               c["readinessProbe"]["exec"]["command"].as<std::vector<std::string>>()) {
+            local.probe.push_back(Localize(word, mounts));
           }
         }
         out.push_back(std::move(local));
@@ -242,6 +250,14 @@ void ManifestsRunTest::RunTheManifests(const std::vector<std::string>& sets,
     ASSERT_TRUE(AwaitInFile(logs[i], "idle until terminated", absl::Seconds(60)).ok())
         << logs[i] << ":\n"
         << ReadFile(logs[i]);
+    // Each worker was ready (its probe's file made) from the first step, and is not once the
+    // run is over: its probe, run here on its localized path, fails.
+    EXPECT_THAT(ReadFile(logs[i]), HasSubstr("ready: trains with the run since step 0"));
+    ASSERT_EQ(workers[i].probe.size(), 3u) << workers[i].name;
+    EXPECT_EQ(workers[i].probe[0], "test");
+    auto probe = RunCommand(workers[i].probe, 30);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    EXPECT_EQ(probe->exit_code, 1) << workers[i].probe[2];
   }
   for (ChildProcess& p : processes) {
     p.Signal(SIGTERM);

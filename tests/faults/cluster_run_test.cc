@@ -638,7 +638,7 @@ TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
     return StartIn(absl::StrCat(dir_, "/", name),
                    {encoder ? kEncoder : kLlm, "--coordinator", "127.0.0.1:" + port, "--token-file",
                     dir_ + "/token", "--rank", std::to_string(encoder ? i : i - 2), "--threads",
-                    "1", "--timeout", "120", "--linger"});
+                    "1", "--timeout", "120", "--linger", "--ready-file", dir_ + "/ready-" + name});
   };
   std::vector<ChildProcess*> workers;
   for (int i = 0; i < 6; ++i) workers.push_back(start(i, absl::StrCat("worker-", i)));
@@ -673,6 +673,91 @@ TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
       },
       60))
       << ReadFile(dir_ + "/worker-3-again.log");
+  // The peer that exited is no longer ready; the restarted one is once it has trained a step
+  // with the run, a step after the first (it joined a running run).
+  EXPECT_FALSE(fs::exists(dir_ + "/ready-worker-3"));
+  const std::string ready = dir_ + "/ready-worker-3-again";
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(ready); }, 60))
+      << ReadFile(dir_ + "/worker-3-again.log");
+  int64_t since = -1;
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return std::sscanf(ReadFile(ready).c_str(), "trains with the run since step %ld", &since) ==
+               1;
+      },
+      10))
+      << ReadFile(ready);
+  EXPECT_GT(since, 0);
+}
+
+// A worker's --ready-file (a Kubernetes readiness probe's, docs/deploy.md) exists while the
+// worker trains with the run: a copy left by an earlier start is removed as it starts, it is
+// made once the worker has applied its first step, and removed when the run ends, though the
+// worker lingers.
+TEST_F(ClusterRunTest, AWorkersReadyFileExistsWhileItTrainsWithTheRun) {
+  steps_ = 100000;  // the test stops the run
+  ChildProcess* coordinator = StartCoordinator("127.0.0.1:0", {}, "coordinator.log");
+  ASSERT_NE(coordinator, nullptr);
+  const std::string port = AwaitPort("coordinator.log");
+  ASSERT_FALSE(port.empty());
+  std::vector<ChildProcess*> workers;
+  const auto ready = [&](int i) { return absl::StrCat(dir_, "/ready-", i); };
+  const auto log = [&](int i) { return absl::StrCat(dir_, "/worker-", i, ".log"); };
+  const auto start = [&](int i) {
+    std::ofstream(ready(i)) << "left by an earlier start\n";
+    const bool encoder = i < 2;
+    workers.push_back(
+        StartIn(absl::StrCat(dir_, "/worker-", i),
+                {encoder ? kEncoder : kLlm, "--coordinator", "127.0.0.1:" + port, "--token-file",
+                 dir_ + "/token", "--rank", std::to_string(encoder ? i : i - 2), "--threads", "1",
+                 "--timeout", "120", "--linger", "--ready-file", ready(i)}));
+    ASSERT_NE(workers.back(), nullptr);
+  };
+  // Three of the four ranks: registered, they wait for the fourth, and none is ready.
+  for (int i = 0; i < 3; ++i) start(i);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return ReadFile(log(i)).find("registering with the coordinator") != std::string::npos;
+        },
+        60))
+        << ReadFile(log(i));
+    EXPECT_FALSE(fs::exists(ready(i))) << ReadFile(log(i));
+  }
+  start(3);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(WaitFor(
+        [&] { return ReadFile(ready(i)).rfind("trains with the run since step ", 0) == 0; }, 120))
+        << ReadFile(log(i));
+    EXPECT_EQ(ReadFile(ready(i)), "trains with the run since step 0\n");
+  }
+  auto stop = RunCommand({kBin, "stop", "--wait", "60", "--coordinator", "127.0.0.1:" + port,
+                          "--token-file", dir_ + "/token"},
+                         90);
+  ASSERT_TRUE(stop.ok()) << stop.status();
+  EXPECT_EQ(stop->exit_code, 0) << stop->stderr_text;
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(WaitFor(
+        [&] { return ReadFile(log(i)).find("idle until terminated") != std::string::npos; }, 60))
+        << ReadFile(log(i));
+    EXPECT_FALSE(fs::exists(ready(i))) << ReadFile(log(i));
+    ASSERT_TRUE(workers[i]->Signal(SIGTERM));
+    auto code = workers[i]->Wait(60);
+    ASSERT_TRUE(code.ok()) << code.status();
+    EXPECT_EQ(*code, 0) << ReadFile(log(i));
+  }
+}
+
+// A --ready-file the worker could never make fails its start, naming the flag and the path.
+TEST(WorkerReadyFileTest, AReadyFileInAMissingDirectoryFailsTheStart) {
+  auto result = RunCommand(
+      {kEncoder, "--coordinator", "127.0.0.1:1", "--ready-file", "/nonexistent-hetpar-dir/ready"},
+      60);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 2);
+  EXPECT_THAT(result->stderr_text,
+              HasSubstr("hetpar-encoder: --ready-file: creating '/nonexistent-hetpar-dir/ready': "
+                        "No such file or directory"));
 }
 
 }  // namespace
