@@ -55,8 +55,8 @@ struct WorkerOptions {
   // How long a worker started before its coordinator waits for it to answer.
   absl::Duration connect_timeout = absl::Seconds(300);
   int64_t trace_first = -1;  // the first traced step (trace::Recorder); -1: no trace
-  // A file that exists while this worker trains with the run, from its first applied step until
-  // its step driver returns, for a readiness probe ("" = none; --ready-file).
+  // A file that exists while this worker trains with the run, from its first committed step
+  // until its step driver returns, for a readiness probe ("" = none; --ready-file).
   std::string ready_file;
   // The GPU a run.device "cuda" run computes on; -1: HETPAR_CUDA_DEVICE, else LOCAL_RANK,
   // else 0 (nn::LocalCudaIndexFromEnvironment).

@@ -332,6 +332,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     ++steps_skipped_;
     last_optimizer_s_ = 0;
     state_ = State::kAwaitingPlan;
+    if (options_.on_committed) options_.on_committed(step);
     return absl::OkStatus();
   }
   state_ = State::kApplying;
@@ -346,6 +347,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   if (options_.on_applied) options_.on_applied(step, outcome->modules);
   ++steps_applied_;
   state_ = State::kAwaitingPlan;
+  if (options_.on_committed) options_.on_committed(step);
   return absl::OkStatus();
 }
 

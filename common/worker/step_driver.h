@@ -82,6 +82,9 @@ struct StepDriverOptions {
   // Called after each committed and applied step with the rank's per-module split (the
   // report's timings).
   std::function<void(int64_t step, const std::vector<ModuleTimings>& timings)> on_applied;
+  // Called after each committed step, applied or skipped (a non-finite gradient norm), after
+  // on_applied.
+  std::function<void(int64_t step)> on_committed;
   // The generation the rank's groups were formed in at its start (the Assignment's), and the
   // replicas they were formed over.
   int64_t initial_generation = 0;

@@ -300,12 +300,17 @@ TEST(StepDriverTest, ACommittedStepWithANonFiniteNormIsDiscardedNotApplied) {
     channel.Push(m);
   }
   std::vector<int64_t> applied_steps;
-  StepDriver driver(&channel, &module, RecordingApplied(&applied_steps));
+  std::vector<int64_t> committed_steps;
+  StepDriverOptions options = RecordingApplied(&applied_steps);
+  options.on_committed = [&committed_steps](int64_t step) { committed_steps.push_back(step); };
+  StepDriver driver(&channel, &module, options);
   ASSERT_TRUE(driver.Run().ok());
   EXPECT_THAT(module.calls, ElementsAre("run 2", "skip 2 checkpoint", "run 3", "apply 3 clip 1"));
   EXPECT_EQ(driver.steps_skipped(), 1);
   EXPECT_EQ(driver.steps_applied(), 1);
   EXPECT_THAT(applied_steps, ElementsAre(3));
+  // Both were committed: the worker trains with the run from the skipped one on (--ready-file).
+  EXPECT_THAT(committed_steps, ElementsAre(2, 3));
   // The skipped step was still reported: the coordinator commits it.
   EXPECT_THAT(channel.sent, ElementsAre("partial 2", "report 2 ok", "partial 3", "report 3 ok"));
 }

@@ -44,10 +44,10 @@ namespace {
 constexpr int kExitFailure = 1;
 constexpr int kExitInvalidInput = 2;
 
-// --ready-file: the file exists while this worker trains with the run, from its first applied
-// step until its step driver returns, so that a container's readiness probe (`test -e FILE`)
-// says whether the worker is an active member (docs/deploy.md). Set once at start, before any
-// thread, and read-only afterwards.
+// --ready-file: the file exists while this worker trains with the run, from its first committed
+// step (applied or skipped) until its step driver returns, so that a container's readiness probe
+// (`test -e FILE`) says whether the worker is an active member (docs/deploy.md). Set once at start,
+// before any thread, and read-only afterwards.
 std::string g_ready_file;
 
 // At start: removes a copy an earlier process left (one that crashed, or this one before it
@@ -64,7 +64,7 @@ absl::Status PrepareReadyFile(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Makes the ready file, holding the step this worker first applied; false (and a warning) when
+// Makes the ready file, holding the first step this worker committed; false (and a warning) when
 // it cannot.
 bool MarkReady(int64_t step) {
   const std::string text = absl::StrCat("trains with the run since step ", step, "\n");
@@ -225,8 +225,10 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
     pending_trace.clear();
   };
   bool ready = false;
-  driver_options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& timings) {
+  driver_options.on_committed = [&ready](int64_t step) {
     if (!ready && !g_ready_file.empty()) ready = MarkReady(step);
+  };
+  driver_options.on_applied = [&](int64_t step, const std::vector<ModuleTimings>& timings) {
     for (const ModuleTimings& t : timings) {
       if (absl::Status s = AppendStepTimings(options.out_dir, world_rank, step, t); !s.ok()) {
         HETPAR_LOG(WARNING) << "step timings not written: " << StatusText(s);
@@ -405,7 +407,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->envname("HETPAR_THREADS")
       ->check(hetpar::kNonNegativeNumber);
   app.add_option("--ready-file", options.ready_file,
-                 "A file this worker makes once it trains with the run (its first step applied) "
+                 "A file this worker makes once it trains with the run (its first step committed) "
                  "and removes when it stops training, for a readiness probe (test -e FILE); "
                  "its directory must exist")
       ->envname("HETPAR_READY_FILE");

@@ -17,6 +17,7 @@ constexpr char kTokenKey[] = "token";
 constexpr char kRunSpecKey[] = "run.yaml";
 constexpr char kPodIndexLabel[] = "apps.kubernetes.io/pod-index";
 constexpr int kImageUid = 10001;
+constexpr char kReadyFile[] = "/tmp/hetpar-ready";  // a worker container's --ready-file
 
 Json Metadata(const std::string& name, const std::string& run, const std::string& component,
               const DeployOptions& options) {
@@ -216,23 +217,25 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
          EnvField("HETPAR_REPLICA", absl::StrCat("metadata.labels['", kPodIndexLabel, "']")),
          EnvField("HETPAR_HOST", "status.podIP"), EnvValue("HETPAR_OUT", kContainerRunDir),
          EnvValue("HETPAR_THREADS", std::to_string(options.cpus_per_rank))});
-    // Ready while the worker trains with the run (from its first applied step until it stops,
-    // leaves or fails): a pod is Ready once every rank it hosts has joined, which the encoder
-    // pods' disruption budget counts on. In /dev/shm, a volume of the pod's own: the root file
-    // system may be read-only.
+    // Ready while the worker trains with the run (from its first committed step until it
+    // stops, leaves or fails): a pod is Ready once every rank it hosts has joined, which the
+    // encoder pods' disruption budget counts on. In the container's own /tmp, not in a volume
+    // of the pod: a container restarted after a crash must not find its predecessor's file and
+    // be Ready before its worker has removed it. Probed every 2 s, and unready at the first
+    // miss, so that a worker that stopped training is not counted for long.
     const std::string name = absl::StrCat("rank-", local);
-    const std::string ready_file = absl::StrCat("/dev/shm/hetpar-ready-", name);
-    env.push_back(EnvValue("HETPAR_READY_FILE", ready_file));
-    containers.push_back(
-        {{"name", name},
-         {"image", options.image},
-         {"command", Json::array({binary})},
-         {"args", args},
-         {"env", env},
-         {"readinessProbe",
-          {{"exec", {{"command", Json::array({"test", "-e", ready_file})}}}, {"periodSeconds", 5}}},
-         {"resources", Resources(options, 1)},
-         {"volumeMounts", WorkerMounts()}});
+    env.push_back(EnvValue("HETPAR_READY_FILE", kReadyFile));
+    containers.push_back({{"name", name},
+                          {"image", options.image},
+                          {"command", Json::array({binary})},
+                          {"args", args},
+                          {"env", env},
+                          {"readinessProbe",
+                           {{"exec", {{"command", Json::array({"test", "-e", kReadyFile})}}},
+                            {"periodSeconds", 2},
+                            {"failureThreshold", 1}}},
+                          {"resources", Resources(options, 1)},
+                          {"volumeMounts", WorkerMounts()}});
   }
   return {{"apiVersion", "apps/v1"},
           {"kind", "StatefulSet"},

@@ -1,9 +1,9 @@
 // "Runs the manifests": renders the Kubernetes manifests of a small tiny run, reads each
 // container's command, arguments and environment, and starts them as local processes, changing
 // only addresses (the coordinator Service and pod IPs become loopback, the pod index the replica)
-// and paths (each volume mount becomes a local directory). The workers start first and wait for
-// the coordinator. The run must complete, write its run directory, and match the reference
-// trainer under `hetpar compare`.
+// and paths (each volume mount, and each container's /tmp, becomes a local directory). The
+// workers start first and wait for the coordinator. The run must complete, write its run
+// directory, and match the reference trainer under `hetpar compare`.
 #include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -110,12 +110,14 @@ class ManifestsRunTest : public ::testing::Test {
         volume_dirs[v["name"].as<std::string>()] = VolumeDir(v, pod_name);
       }
       for (const YAML::Node& c : pod["containers"]) {
-        std::map<std::string, std::string> mounts;
+        LocalContainer local;
+        local.name = absl::StrCat(pod_name, "-", c["name"].as<std::string>());
+        // The container's own /tmp (its writable layer) is a directory of its own.
+        std::map<std::string, std::string> mounts = {{"/tmp", dir_.File("tmp/" + local.name)}};
+        std::filesystem::create_directories(mounts["/tmp"]);
         for (const YAML::Node& m : c["volumeMounts"]) {
           mounts[m["mountPath"].as<std::string>()] = volume_dirs[m["name"].as<std::string>()];
         }
-        LocalContainer local;
-        local.name = absl::StrCat(pod_name, "-", c["name"].as<std::string>());
         local.argv = {"/usr/bin/env", "-i", "PATH=" + kBinDir + ":/usr/bin:/bin"};
         for (const YAML::Node& e : c["env"]) {
           std::string value;
@@ -250,11 +252,13 @@ void ManifestsRunTest::RunTheManifests(const std::vector<std::string>& sets,
     ASSERT_TRUE(AwaitInFile(logs[i], "idle until terminated", absl::Seconds(60)).ok())
         << logs[i] << ":\n"
         << ReadFile(logs[i]);
-    // Each worker was ready (its probe's file made) from the first step, and is not once the
-    // run is over: its probe, run here on its localized path, fails.
-    EXPECT_THAT(ReadFile(logs[i]), HasSubstr("ready: trains with the run since step 0"));
+    // Each worker was ready (the file its probe tests made) from the first step, and is not
+    // once the run is over: its probe, run here on its localized path, fails.
     ASSERT_EQ(workers[i].probe.size(), 3u) << workers[i].name;
     EXPECT_EQ(workers[i].probe[0], "test");
+    EXPECT_THAT(ReadFile(logs[i]),
+                HasSubstr(absl::StrCat("ready: trains with the run since step 0 ('",
+                                       workers[i].probe[2], "' made)")));
     auto probe = RunCommand(workers[i].probe, 30);
     ASSERT_TRUE(probe.ok()) << probe.status();
     EXPECT_EQ(probe->exit_code, 1) << workers[i].probe[2];

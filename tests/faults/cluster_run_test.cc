@@ -274,6 +274,9 @@ class ClusterRunTest : public ::testing::Test {
     EXPECT_THAT(compare->stdout_text, HasSubstr("runs agree"));
   }
 
+  // The --ready-file of worker i (encoder ranks first, then LLM ranks), kept by its restarts.
+  std::string Ready(int i) const { return absl::StrCat(dir_, "/ready-", i); }
+
   std::string dir_;
   int64_t steps_ = kSteps;              // run.steps of the runs Settings describes
   std::deque<ChildProcess> processes_;  // stable addresses: tests hold pointers
@@ -638,7 +641,7 @@ TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
     return StartIn(absl::StrCat(dir_, "/", name),
                    {encoder ? kEncoder : kLlm, "--coordinator", "127.0.0.1:" + port, "--token-file",
                     dir_ + "/token", "--rank", std::to_string(encoder ? i : i - 2), "--threads",
-                    "1", "--timeout", "120", "--linger", "--ready-file", dir_ + "/ready-" + name});
+                    "1", "--timeout", "120", "--linger", "--ready-file", Ready(i)});
   };
   std::vector<ChildProcess*> workers;
   for (int i = 0; i < 6; ++i) workers.push_back(start(i, absl::StrCat("worker-", i)));
@@ -654,9 +657,22 @@ TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
   const std::string peer_log = ReadFile(dir_ + "/worker-3.log");
   EXPECT_THAT(peer_log, HasSubstr("llm replica 1 left the run"));
   EXPECT_THAT(peer_log, HasSubstr("not lingering"));
+  // Its ready file went as it stopped training; the killed one's is left, as after a crash.
+  EXPECT_FALSE(fs::exists(Ready(3)));
+  EXPECT_EQ(ReadFile(Ready(5)), "trains with the run since step 0\n");
   // Restarted, both join the run at a step boundary with the live replica's state.
   ASSERT_NE(start(3, "worker-3-again"), nullptr);
   ASSERT_NE(start(5, "worker-5-again"), nullptr);
+  // The file the killed worker left is gone before its successor registers (which then makes
+  // its own, naming a later step).
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return ReadFile(dir_ + "/worker-5-again.log").find("registering with the coordinator") !=
+               std::string::npos;
+      },
+      60))
+      << ReadFile(dir_ + "/worker-5-again.log");
+  EXPECT_NE(ReadFile(Ready(5)), "trains with the run since step 0\n");
   ASSERT_TRUE(WaitFor(
       [&] {
         return ReadFile(dir_ + "/coordinator.log").find("llm replica 1 joined the run") !=
@@ -673,26 +689,24 @@ TEST_F(ClusterRunTest, ALingeringPeerOfALostWorkerExitsAndItsReplicaComesBack) {
       },
       60))
       << ReadFile(dir_ + "/worker-3-again.log");
-  // The peer that exited is no longer ready; the restarted one is once it has trained a step
-  // with the run, a step after the first (it joined a running run).
-  EXPECT_FALSE(fs::exists(dir_ + "/ready-worker-3"));
-  const std::string ready = dir_ + "/ready-worker-3-again";
-  ASSERT_TRUE(WaitFor([&] { return fs::exists(ready); }, 60))
-      << ReadFile(dir_ + "/worker-3-again.log");
-  int64_t since = -1;
-  ASSERT_TRUE(WaitFor(
-      [&] {
-        return std::sscanf(ReadFile(ready).c_str(), "trains with the run since step %ld", &since) ==
-               1;
-      },
-      10))
-      << ReadFile(ready);
-  EXPECT_GT(since, 0);
+  // The restarted ones are ready once they have trained a step with the run, a step after the
+  // first (they joined a running run).
+  for (int i : {3, 5}) {
+    int64_t since = -1;
+    ASSERT_TRUE(WaitFor(
+        [&] {
+          return std::sscanf(ReadFile(Ready(i)).c_str(), "trains with the run since step %ld",
+                             &since) == 1;
+        },
+        60))
+        << ReadFile(absl::StrCat(dir_, "/worker-", i, "-again.log"));
+    EXPECT_GT(since, 0) << i;
+  }
 }
 
 // A worker's --ready-file (a Kubernetes readiness probe's, docs/deploy.md) exists while the
 // worker trains with the run: a copy left by an earlier start is removed as it starts, it is
-// made once the worker has applied its first step, and removed when the run ends, though the
+// made once the worker has committed its first step, and removed when the run ends, though the
 // worker lingers.
 TEST_F(ClusterRunTest, AWorkersReadyFileExistsWhileItTrainsWithTheRun) {
   steps_ = 100000;  // the test stops the run
@@ -701,16 +715,15 @@ TEST_F(ClusterRunTest, AWorkersReadyFileExistsWhileItTrainsWithTheRun) {
   const std::string port = AwaitPort("coordinator.log");
   ASSERT_FALSE(port.empty());
   std::vector<ChildProcess*> workers;
-  const auto ready = [&](int i) { return absl::StrCat(dir_, "/ready-", i); };
   const auto log = [&](int i) { return absl::StrCat(dir_, "/worker-", i, ".log"); };
   const auto start = [&](int i) {
-    std::ofstream(ready(i)) << "left by an earlier start\n";
+    std::ofstream(Ready(i)) << "left by an earlier start\n";
     const bool encoder = i < 2;
     workers.push_back(
         StartIn(absl::StrCat(dir_, "/worker-", i),
                 {encoder ? kEncoder : kLlm, "--coordinator", "127.0.0.1:" + port, "--token-file",
                  dir_ + "/token", "--rank", std::to_string(encoder ? i : i - 2), "--threads", "1",
-                 "--timeout", "120", "--linger", "--ready-file", ready(i)}));
+                 "--timeout", "120", "--linger", "--ready-file", Ready(i)}));
     ASSERT_NE(workers.back(), nullptr);
   };
   // Three of the four ranks: registered, they wait for the fourth, and none is ready.
@@ -722,14 +735,14 @@ TEST_F(ClusterRunTest, AWorkersReadyFileExistsWhileItTrainsWithTheRun) {
         },
         60))
         << ReadFile(log(i));
-    EXPECT_FALSE(fs::exists(ready(i))) << ReadFile(log(i));
+    EXPECT_FALSE(fs::exists(Ready(i))) << ReadFile(log(i));
   }
   start(3);
   for (int i = 0; i < 4; ++i) {
     ASSERT_TRUE(WaitFor(
-        [&] { return ReadFile(ready(i)).rfind("trains with the run since step ", 0) == 0; }, 120))
+        [&] { return ReadFile(Ready(i)).rfind("trains with the run since step ", 0) == 0; }, 120))
         << ReadFile(log(i));
-    EXPECT_EQ(ReadFile(ready(i)), "trains with the run since step 0\n");
+    EXPECT_EQ(ReadFile(Ready(i)), "trains with the run since step 0\n");
   }
   auto stop = RunCommand({kBin, "stop", "--wait", "60", "--coordinator", "127.0.0.1:" + port,
                           "--token-file", dir_ + "/token"},
@@ -740,7 +753,7 @@ TEST_F(ClusterRunTest, AWorkersReadyFileExistsWhileItTrainsWithTheRun) {
     ASSERT_TRUE(WaitFor(
         [&] { return ReadFile(log(i)).find("idle until terminated") != std::string::npos; }, 60))
         << ReadFile(log(i));
-    EXPECT_FALSE(fs::exists(ready(i))) << ReadFile(log(i));
+    EXPECT_FALSE(fs::exists(Ready(i))) << ReadFile(log(i));
     ASSERT_TRUE(workers[i]->Signal(SIGTERM));
     auto code = workers[i]->Wait(60);
     ASSERT_TRUE(code.ok()) << code.status();
