@@ -143,7 +143,10 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& check
   std::optional<FoundCheckpoint> newest;
   std::error_code ec;
   if (checkpoint_dir.empty()) return newest;
-  for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir, ec)) {
+  // Not a range-for: its increment throws on an error (a file system that stops answering).
+  for (std::filesystem::directory_iterator it(checkpoint_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::filesystem::directory_entry& entry = *it;
     const std::string name = entry.path().filename().string();
     if (name.rfind(kStepPrefix, 0) != 0) continue;
     absl::StatusOr<config::CheckpointSummary> summary =

@@ -961,9 +961,15 @@ void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, 
 
 void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
   if (dropping_stuck_ || state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr ||
-      !planner_prepared_ ||
-      orchestrator_.in_flight() || committed_steps_ >= spec_.run().steps() ||
-      !membership_.Complete()) {
+      !planner_prepared_ || orchestrator_.in_flight() || !membership_.Complete()) {
+    return;
+  }
+  if (committed_steps_ >= spec_.run().steps()) {
+    // Continued from the checkpoint of the run's last step (its coordinator was lost as it
+    // gathered the outputs): nothing is left to train, and the workers write the outputs from
+    // it. They load it first, which a step's timeout allows for as it does before a first step.
+    BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
+    stop_deadline_ = std::max(stop_deadline_, now + options_.step_timeout);
     return;
   }
   while (!unheard_since_abort_.empty()) {

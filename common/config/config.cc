@@ -855,7 +855,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
 }
 
 std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
-                                  bool require_runnable) {
+                                  bool require_runnable, bool resume_at_end) {
   std::vector<ConfigIssue> issues;
   Checker c(loaded, &issues);
   const RunSpec& s = loaded.spec;
@@ -1128,7 +1128,8 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
       if (!checkpoint.ok()) {
         c.Fail("checkpoint.resume_from", absl::StrCat("='", s.checkpoint().resume_from(),
                                                       "': ", checkpoint.status().message()));
-      } else if (const int64_t step = checkpoint->step; step >= s.run().steps()) {
+      } else if (const int64_t step = checkpoint->step;
+                 step > s.run().steps() || (step == s.run().steps() && !resume_at_end)) {
         c.Fail("checkpoint.resume_from",
                absl::StrCat("='", s.checkpoint().resume_from(), "' is at step ", step,
                             ", which is not before run.steps=", s.run().steps(),
@@ -1275,7 +1276,8 @@ namespace {
 absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& options) {
   if (!options.resume) loaded.spec.mutable_checkpoint()->clear_resume_from();
   ApplyDefaults(&loaded);
-  std::vector<ConfigIssue> issues = Validate(loaded, options.check_files, options.require_runnable);
+  std::vector<ConfigIssue> issues =
+      Validate(loaded, options.check_files, options.require_runnable, options.resume_at_end);
   if (issues.empty()) return loaded;
   std::vector<std::string> lines;
   for (const auto& issue : issues) lines.push_back(issue.ToString());

@@ -64,6 +64,10 @@ struct LoadOptions {
   // way or done (its evaluation, a restarted coordinator's check of its config.yaml): the field is
   // then cleared, since the checkpoint the run started from may have been pruned since.
   bool resume = true;
+  // Accept a checkpoint.resume_from of run.steps committed steps: a restarted coordinator
+  // continuing a run whose every step was committed, so that its workers write the outputs from
+  // that checkpoint. Any other resume must leave a step to train.
+  bool resume_at_end = false;
   // Refuse what a run cannot do yet (the in-process transport, fewer encoder jobs in flight
   // than LLM pipeline stages), so that a config that validates is one that runs. `hetpar plan`
   // turns this off: the plan library already routes those layouts.
@@ -94,9 +98,10 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
 void ApplyDefaults(LoadedRunSpec* loaded);
 
 // Semantic checks over a spec with defaults applied: sizes, divisibility, layouts, files, and
-// with `require_runnable` the features a run does not have yet (see LoadOptions).
+// with `require_runnable` the features a run does not have yet (see LoadOptions); with
+// `resume_at_end` a checkpoint.resume_from at run.steps (LoadOptions::resume_at_end).
 std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files = true,
-                                  bool require_runnable = true);
+                                  bool require_runnable = true, bool resume_at_end = false);
 
 // Parse + defaults + validation of a YAML text. Errors are InvalidArgument, one issue per line.
 absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,

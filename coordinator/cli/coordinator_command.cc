@@ -151,17 +151,16 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     // The lost coordinator wrote metrics.jsonl a little behind the commits, and the workers
     // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
     // last line written. Resume from the newest checkpoint that the lines reach, so that the
-    // steps without a line are trained again and get theirs. A checkpoint of the run's last step
-    // (the coordinator was lost while it gathered the outputs) leaves no step to train them in:
-    // the run resumes from the one before and trains its last steps again.
+    // steps without a line are trained again and get theirs. That may be the checkpoint of the
+    // run's last step (the coordinator was lost while it gathered the outputs, every line
+    // written): nothing is left to train, and the workers write the outputs from it.
     const int64_t recorded_to = RunDirectory::StepAfterLastLine(out_dir, first_step);
-    const int64_t last_step = spec.run().steps() - 1;
     // Only this run's own checkpoints: the directory may also hold those of a run it resumed
     // from, at steps this run does not write again.
     std::optional<coordinator::FoundCheckpoint> newest = coordinator::NewestCompleteCheckpoint(
-        spec.checkpoint().dir(), std::min(recorded_to, last_step), spec.run().name());
+        spec.checkpoint().dir(), recorded_to, spec.run().name());
     const std::optional<coordinator::FoundCheckpoint> newer = coordinator::NewestCompleteCheckpoint(
-        spec.checkpoint().dir(), last_step, spec.run().name());
+        spec.checkpoint().dir(), spec.run().steps(), spec.run().name());
     if (newer.has_value() && newer->step > recorded_to) {
       if (newest.has_value() && newest->step >= first_step) {
         HETPAR_LOG(INFO) << "resuming at step " << newest->step << " rather than from the newer "
@@ -178,9 +177,25 @@ int RunCoordinator(const CoordinatorFlags& flags) {
         newest = newer;
       }
     }
+    if ((!newest.has_value() || newest->step <= first_step) &&
+        lost.last_checkpoint_step > first_step) {
+      // The lost coordinator saw a checkpoint past the run's start complete, and none can be
+      // read now (a file system not mounted or not answering, checkpoints removed): going on
+      // would train the run again from its start and drop metrics.jsonl's lines after it.
+      std::cerr << "hetpar: cannot continue run " << spec.run().name() << ": its journal ("
+                << coordinator::JournalPath(out_dir) << ") records the complete checkpoint "
+                << lost.last_checkpoint << " (step " << lost.last_checkpoint_step
+                << "), but no complete checkpoint of this run from step " << first_step + 1
+                << " on can be read in checkpoint.dir '" << spec.checkpoint().dir()
+                << "' now; check that it is mounted and readable, then start the coordinator "
+                   "again (going on would train the run again from step "
+                << first_step << ")\n";
+      return kExitFailure;
+    }
     if (newest.has_value() && newest->step > first_step) {
       config::LoadOptions resume = load;
       resume.overrides.push_back(absl::StrCat("checkpoint.resume_from=", newest->path));
+      resume.resume_at_end = true;  // a checkpoint of the last step: only the outputs are left
       absl::StatusOr<config::LoadedRunSpec> continued =
           config::LoadRunSpecFile(flags.config, resume);
       if (!continued.ok()) {

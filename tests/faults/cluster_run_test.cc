@@ -126,19 +126,35 @@ class ClusterRunTest : public ::testing::Test {
     return &processes_.back();
   }
 
-  // `hetpar coordinator` in <dir>/coordinator, its run directory <dir>/coordinator/run (given
-  // relative to its working directory). Returns its port.
-  ChildProcess* StartCoordinator(const std::string& listen, const std::vector<std::string>& extra,
-                                 const std::string& log_name) {
-    std::vector<std::string> argv = {kBin,       "coordinator", "--config",       kTiny,
-                                     "--listen", listen,        "--token-file",   dir_ + "/token",
-                                     "--out",    "run",         "--eval-threads", "1"};
+  // The command line of `hetpar coordinator` in <dir>/coordinator (created), its run directory
+  // <dir>/coordinator/run (given relative to its working directory).
+  std::vector<std::string> CoordinatorArgv(const std::string& listen,
+                                           const std::vector<std::string>& extra) const {
+    std::vector<std::string> argv = {"/bin/sh",
+                                     "-c",
+                                     "cd \"$0\" && exec \"$@\"",
+                                     dir_ + "/coordinator",
+                                     kBin,
+                                     "coordinator",
+                                     "--config",
+                                     kTiny,
+                                     "--listen",
+                                     listen,
+                                     "--token-file",
+                                     dir_ + "/token",
+                                     "--out",
+                                     "run",
+                                     "--eval-threads",
+                                     "1"};
     for (const std::string& f : Settings(extra)) argv.push_back(f);
     fs::create_directories(dir_ + "/coordinator");
-    std::vector<std::string> shell = {"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"",
-                                      dir_ + "/coordinator"};
-    shell.insert(shell.end(), argv.begin(), argv.end());
-    auto child = ChildProcess::Start(shell, dir_ + "/" + log_name);
+    return argv;
+  }
+
+  // `hetpar coordinator` (CoordinatorArgv), its output in <dir>/<log_name>.
+  ChildProcess* StartCoordinator(const std::string& listen, const std::vector<std::string>& extra,
+                                 const std::string& log_name) {
+    auto child = ChildProcess::Start(CoordinatorArgv(listen, extra), dir_ + "/" + log_name);
     EXPECT_TRUE(child.ok()) << child.status();
     if (!child.ok()) return nullptr;
     processes_.push_back(*std::move(child));
@@ -522,6 +538,23 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   journal["state"] = "stopping";
   std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
 
+  // With its checkpoints out of reach (a file system not mounted), a restart refuses to train
+  // the run again from step 0, and leaves the run directory as it was.
+  fs::rename(dir_ + "/checkpoints", dir_ + "/checkpoints-away");
+  const std::string metrics = ReadFile(run + "/metrics.jsonl");
+  auto refused = RunCommand(CoordinatorArgv("127.0.0.1:0", checkpoints), 120);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 1) << refused->stdout_text;
+  EXPECT_THAT(refused->stderr_text,
+              HasSubstr(absl::StrFormat("records the complete checkpoint "
+                                        "%s/checkpoints/step-000008 (step 8), but no complete "
+                                        "checkpoint of this run from step 1 on can be read in "
+                                        "checkpoint.dir '%s/checkpoints' now",
+                                        dir_, dir_)));
+  EXPECT_EQ(ReadFile(run + "/metrics.jsonl"), metrics);
+  EXPECT_EQ(nlohmann::json::parse(ReadFile(run + "/journal.json")), journal);
+  fs::rename(dir_ + "/checkpoints-away", dir_ + "/checkpoints");
+
   const Cluster again = StartCluster(checkpoints, "restarted.log");
   ASSERT_NE(again.coordinator, nullptr);
   const std::vector<ChildProcess*>& workers = again.workers;
@@ -529,8 +562,12 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   ASSERT_TRUE(code.ok()) << code.status();
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
   ASSERT_EQ(*code, 0) << restarted;
+  // Every step's line was written, so the checkpoint of the last step leaves nothing to train
+  // again: the workers write the outputs from it.
   EXPECT_THAT(restarted, HasSubstr(absl::StrFormat(
-                             "resuming at step 4 from %s/checkpoints/step-000004", dir_)));
+                             "resuming at step 8 from %s/checkpoints/step-000008", dir_)));
+  EXPECT_THAT(restarted, HasSubstr("stopping run tiny: completed 8 steps"));
+  EXPECT_THAT(restarted, Not(HasSubstr("step 8/8")));  // no step committed (the progress line)
   for (int i = 0; i < 4; ++i) {
     auto worker_code = workers[i]->Wait(60);
     ASSERT_TRUE(worker_code.ok()) << worker_code.status();
