@@ -1263,8 +1263,10 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
                                    ? name.substr(sizeof(kStepPrefix) - 1)
                                    : "";
     StepDir dir;
+    std::error_code kind_error;  // the throwing is_directory() would end the writer's thread
     if (digits.empty() || !std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit) ||
-        !absl::SimpleAtoi(digits, &dir.step) || !it->is_directory() || dir.step > newest_step) {
+        !absl::SimpleAtoi(digits, &dir.step) || !it->is_directory(kind_error) ||
+        dir.step > newest_step) {
       continue;
     }
     dir.path = it->path();

@@ -443,7 +443,15 @@ absl::Status ModuleState::StartCheckpoint(int64_t committed, uint64_t commit_id)
                          << " s";
         if (!complete) return absl::OkStatus();
         HETPAR_LOG(INFO) << "checkpoint of step " << committed << " complete: " << dir;
-        return train::PruneCheckpoints(parent, keep, committed);
+        // The checkpoint is written: older ones left in place (another user's files, a file
+        // system refusing a removal) cost space, not the save. A later save tries again.
+        if (absl::Status pruned = train::PruneCheckpoints(parent, keep, committed); !pruned.ok()) {
+          HETPAR_LOG(WARNING) << "the checkpoint of step " << committed
+                              << " is complete, but older ones are not pruned (checkpoint.keep "
+                              << keep << "): " << pruned.message()
+                              << "; a later checkpoint tries again";
+        }
+        return absl::OkStatus();
       });
   pending_checkpoint_ = write.get_future();
   pending_step_ = committed;

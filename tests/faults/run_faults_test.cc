@@ -126,6 +126,18 @@ class RunFaultsTest : public ::testing::Test {
         << ReadFile(dir_ + "/hetpar-run.log");
   }
 
+  // Why a tmpfs cannot be mounted on `dir` in a mount namespace of its own here (not root; a
+  // container's default seccomp or AppArmor profile denies mounts), or "" when it can.
+  static std::string CannotMountTmpfs(const std::string& dir) {
+    if (::geteuid() != 0) return "a tmpfs in a mount namespace needs root";
+    auto probe = RunCommand({"unshare", "--mount", "--propagation", "private", "mount", "-t",
+                             "tmpfs", "-o", "size=1m", "hetpar-probe", dir},
+                            30);
+    if (probe.ok() && probe->exit_code == 0) return "";
+    return "cannot mount a tmpfs in a mount namespace here: " +
+           (probe.ok() ? probe->stderr_text : probe.status().ToString());
+  }
+
   std::string dir_;
   int samples_ = 128;  // training samples of the synthetic data set
 };
@@ -605,17 +617,9 @@ TEST_F(RunFaultsTest, ACheckpointWriteErrorOfOneWriterLosesItsReplicaAndTheRunGo
 // at once with the writer's error, said by the coordinator, instead of losing its replicas one
 // after another (each module has two here, so the first loss alone would be survived).
 TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a tmpfs in a mount namespace needs root";
   const std::string checkpoints = dir_ + "/ckpt";
   fs::create_directories(checkpoints);
-  // Where mounts are denied (a container's default seccomp or AppArmor profile), skipped.
-  auto probe = RunCommand({"unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs",
-                           "-o", "size=1m", "hetpar-probe", checkpoints},
-                          30);
-  if (!probe.ok() || probe->exit_code != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs in a mount namespace here: "
-                 << (probe.ok() ? probe->stderr_text : probe.status().ToString());
-  }
+  if (const std::string why = CannotMountTmpfs(checkpoints); !why.empty()) GTEST_SKIP() << why;
   std::vector<std::string> argv = {
       "unshare",
       "--mount",
@@ -643,6 +647,45 @@ TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
   EXPECT_THAT(log, HasSubstr("No space left on device; every replica would meet this error in "
                              "turn, so the run stops"));
   EXPECT_THAT(log, Not(HasSubstr("left the run")));
+}
+
+// A checkpoint that is complete stays a success when the older ones cannot be pruned: here an
+// incomplete step-000001 is a mount point (a tmpfs, in a mount namespace of the run's own), whose
+// removal fails with EBUSY. The writer says so, and the run (one LLM replica, which a lost writer
+// would end) completes with the later checkpoints.
+TEST_F(RunFaultsTest, ACheckpointWhoseOlderOnesCannotBePrunedIsStillASuccess) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  const std::string stuck = checkpoints + "/step-000001";
+  fs::create_directories(stuck);
+  if (const std::string why = CannotMountTmpfs(stuck); !why.empty()) GTEST_SKIP() << why;
+  std::vector<std::string> argv = {
+      "unshare",
+      "--mount",
+      "--propagation",
+      "private",
+      "sh",
+      "-c",
+      "mount -t tmpfs -o size=1m hetpar-test \"$0\" && shift && exec \"$@\"",
+      stuck,
+      "--"};
+  for (const std::string& a : RunArgs(4)) argv.push_back(a);
+  for (const std::string& flag : std::vector<std::string>{
+           "checkpoint.dir=" + checkpoints, "checkpoint.every=2", "checkpoint.keep=1"}) {
+    argv.insert(argv.end(), {"--set", flag});
+  }
+  auto result = RunCommand(argv, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  std::string log = result->stdout_text + result->stderr_text;
+  for (const auto& entry : fs::directory_iterator(dir_ + "/run/log")) {
+    absl::StrAppend(&log, ReadFile(entry.path().string()));
+  }
+  EXPECT_EQ(result->exit_code, 0) << log;
+  EXPECT_THAT(log, HasSubstr("the checkpoint of step 2 is complete, but older ones are not pruned "
+                             "(checkpoint.keep 1): removing checkpoint " +
+                             stuck + ": Device or resource busy"));
+  EXPECT_THAT(log, Not(HasSubstr("left the run")));
+  EXPECT_TRUE(fs::exists(checkpoints + "/step-000004/manifest.json")) << log;
+  EXPECT_FALSE(fs::exists(checkpoints + "/step-000002")) << log;  // keep 1: pruned at step 4
 }
 
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
