@@ -183,7 +183,27 @@ constexpr int kRestartAttempts = 5;
 absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<WorkerContext> context,
                           WorkerContext::Bootstrap(options));
-  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<ModuleRuntime> modules, factory(*context));
+  // A failure of this worker's own (not a stop the coordinator sent) is told to the coordinator
+  // before the exit, so that it names the error where it takes the worker out; the session's
+  // close delivers it before the half-close.
+  const auto tell_coordinator = [&context](const absl::Status& failure) {
+    if (context->session().ended()) return;  // the coordinator ended it: nobody to tell
+    if (absl::Status s =
+            context->session().SendFailure(std::string(failure.message()), IsEndsRun(failure));
+        !s.ok()) {
+      HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << StatusText(s);
+      return;
+    }
+    (void)context->Close(absl::Seconds(10));
+  };
+  // The modules, with the state a resumed run loads (a checkpoint shard that fails its CRC-32,
+  // a missing file): every rank registered by now, so the coordinator hears why this one goes.
+  absl::StatusOr<std::unique_ptr<ModuleRuntime>> created = factory(*context);
+  if (!created.ok()) {
+    tell_coordinator(created.status());
+    return created.status();
+  }
+  std::unique_ptr<ModuleRuntime> modules = *std::move(created);
   SessionChannel channel(&context->session());
   StepDriverOptions driver_options;
   driver_options.timeout = context->coordinator_timeout();
@@ -252,19 +272,6 @@ absl::Status Serve(const WorkerOptions& options, const ModuleFactory& factory) {
   }
   ClearReady();
   flush_trace();
-  // A failure of this worker's own (not a stop the coordinator sent) is told to the coordinator
-  // before the exit, so that it names the error where it takes the worker out; the session's
-  // close delivers it before the half-close.
-  const auto tell_coordinator = [&context](const absl::Status& failure) {
-    if (context->session().ended()) return;  // the coordinator ended it: nobody to tell
-    if (absl::Status s =
-            context->session().SendFailure(std::string(failure.message()), IsEndsRun(failure));
-        !s.ok()) {
-      HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: " << StatusText(s);
-      return;
-    }
-    (void)context->Close(absl::Seconds(10));
-  };
   if (!run.ok()) {
     if (!driver.ended_by_coordinator()) tell_coordinator(run);
     return run;

@@ -4,10 +4,11 @@
 #include <limits.h>
 #include <signal.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -686,6 +687,44 @@ TEST_F(RunFaultsTest, ACheckpointWhoseOlderOnesCannotBePrunedIsStillASuccess) {
   EXPECT_THAT(log, Not(HasSubstr("left the run")));
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000004/manifest.json")) << log;
   EXPECT_FALSE(fs::exists(checkpoints + "/step-000002")) << log;  // keep 1: pruned at step 4
+}
+
+// A resume from a checkpoint whose shard is corrupt (a byte flipped in the LLM's TP rank 0 shard,
+// which both LLM ranks read) fails the run at once, and the run's reason is the loading rank's
+// own error, naming the shard and its CRC-32, not only that its session ended.
+TEST_F(RunFaultsTest, AResumeFromACorruptShardFailsTheRunNamingTheShard) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> first = RunArgs(2);
+  first.insert(first.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set",
+                             "checkpoint.every=2", "--set", "data.val_manifest=\"\""});
+  auto trained = RunCommand(first, 240);
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  const std::string shard = checkpoints + "/step-000002/llm-pp0-tp0.hpar";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f) << shard;
+    f.seekg(static_cast<std::streamoff>(fs::file_size(shard) / 2));
+    char byte = 0;
+    f.read(&byte, 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(shard) / 2));
+    byte = static_cast<char>(byte ^ 0xff);
+    f.write(&byte, 1);
+  }
+  std::vector<std::string> resumed = RunArgs(4);
+  *(std::find(resumed.begin(), resumed.end(), "--out") + 1) = dir_ + "/resumed";
+  resumed.insert(resumed.end(), {"--resume", checkpoints + "/step-000002", "--set",
+                                 "checkpoint.dir=" + checkpoints, "--set", "checkpoint.every=2",
+                                 "--set", "data.val_manifest=\"\""});
+  auto result = RunCommand(resumed, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const std::string log = result->stdout_text + result->stderr_text;
+  EXPECT_EQ(result->exit_code, 1) << log;
+  EXPECT_THAT(log, ::testing::ContainsRegex(
+                       "hetpar run: tiny failed after 2 committed steps: worker \\S+ \\(llm rank "
+                       "[01] [^\n]* lost: failed: resuming the llm from checkpoint.resume_from="));
+  EXPECT_THAT(log, HasSubstr("checkpoint shard " + shard + ": entry '"));
+  EXPECT_THAT(log, HasSubstr("fails its CRC-32"));
 }
 
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
