@@ -365,6 +365,13 @@ absl::Duration HalfStepTimeout(const v1::RunSpec& spec) {
 }
 }  // namespace
 
+RunningCheckpointWrites CheckpointWritesRunning() {
+  absl::MutexLock lock(&g_writes_mu);
+  // A save given up as hung is not waited for again.
+  if (g_checkpoint_hung.load()) return {};
+  return {g_writes_running, g_writes_bound};
+}
+
 int AwaitCheckpointWrites() {
   absl::MutexLock lock(&g_writes_mu);
   // A save given up as hung is not waited for again.

@@ -24,6 +24,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/nn/communicator.h"
 #include "common/nn/parameters.h"
 #include "common/train/optimizer.h"
@@ -146,6 +147,14 @@ class ModuleState {
 // coordinator) calls it first, so that the checkpoint of the step it just committed is not cut
 // off halfway.
 int AwaitCheckpointWrites();
+
+// The checkpoint writes of this process still running (none once a save was given up as hung),
+// and the latest time one of them may still be waited for (see AwaitCheckpointWrites).
+struct RunningCheckpointWrites {
+  int running = 0;
+  absl::Time bound = absl::InfinitePast();
+};
+RunningCheckpointWrites CheckpointWritesRunning();
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
 // `generation` (once), then forms each state's groups in it.

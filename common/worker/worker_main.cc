@@ -569,6 +569,21 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       }
       HETPAR_LOG(WARNING) << "terminated by signal " << signal << " during the run";
       ClearReady();
+      // The checkpoint of a committed step being written (a terminal's Ctrl-C reaches every
+      // worker at once) is let finish within its bound: cut off, it would be lost. Another
+      // signal ends the wait.
+      if (RunningCheckpointWrites writes = CheckpointWritesRunning(); writes.running > 0) {
+        HETPAR_LOG(WARNING) << "waiting for the checkpoint being written to finish before "
+                               "exiting (another signal ends this worker at once)";
+        const timespec slice = {0, 100 * 1000 * 1000};
+        while (writes.running > 0 && absl::Now() < writes.bound) {
+          if (sigtimedwait(&signals, nullptr, &slice) > 0) {
+            HETPAR_LOG(WARNING) << "another signal: exiting without the checkpoint";
+            break;
+          }
+          writes = CheckpointWritesRunning();
+        }
+      }
       std::cerr.flush();
       std::clog.flush();
       std::fflush(nullptr);

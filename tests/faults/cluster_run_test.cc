@@ -54,13 +54,7 @@ int CountLines(const std::string& path) {
 // Polls until `done()` holds, at most `timeout_s`; returns whether it did.
 template <typename Fn>
 bool WaitFor(Fn done, double timeout_s) {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(int(timeout_s * 1000));
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return done();
+  return testing::PollUntil(done, absl::Seconds(timeout_s));
 }
 
 // The lines of a run's metrics.jsonl by step (-1: final_params, -2: eval, -3: the ledger).

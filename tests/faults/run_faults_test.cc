@@ -36,6 +36,7 @@ namespace fs = std::filesystem;
 using testing::ChildProcess;
 using ::testing::HasSubstr;
 using ::testing::Not;
+using testing::PollUntil;
 using testing::RunCommand;
 
 const std::string kBin = HETPAR_BIN;
@@ -784,6 +785,55 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
     EXPECT_THAT(log, HasSubstr("stop:")) << name << ":\n" << log;
     EXPECT_THAT(log, ::testing::Not(HasSubstr("worker failed"))) << name;
   }
+}
+
+// A terminal's Ctrl-C reaches `hetpar run` and every worker at once (one process group, here
+// made with setsid). A worker writing the checkpoint of a committed step lets the write finish
+// before it exits: step 2's write is held (its manifest is a FIFO with no writer, as a slow file
+// system would hold it) until the writer says it waits, and the checkpoint is complete after.
+TEST_F(RunFaultsTest, CtrlCOfTheTerminalLetsTheCheckpointBeingWrittenFinish) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  fs::create_directories(checkpoints + "/step-000002");
+  const std::string fifo = checkpoints + "/step-000002/manifest.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::vector<std::string> argv = {"setsid"};
+  for (const std::string& a : RunArgs(400)) argv.push_back(a);
+  // Half of step_timeout_s bounds the wait: long enough for a loaded machine.
+  argv.insert(argv.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set", "checkpoint.every=2",
+                           "--set", "failure.step_timeout_s=120"});
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok()) << run.status();
+  // Steps 0 to 2 commit; step 2's write is held.
+  ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 3));
+  const std::string writer = dir_ + "/run/log/encoder-0.log";  // replica 0 writes
+  ASSERT_THAT(ReadFile(writer), Not(HasSubstr("encoder-pp0-tp0 of step 2")));
+  ASSERT_EQ(::kill(-run->pid(), SIGINT), 0);
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        return ReadFile(writer).find(
+                   "waiting for the checkpoint being written to finish before "
+                   "exiting") != std::string::npos;
+      },
+      absl::Seconds(60)))
+      << ReadFile(writer);
+  // Let the write go on (opened and closed again until the run ends, for a writer that comes to
+  // the FIFO late).
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+        if (fd >= 0) ::close(fd);
+        return run->Wait(0).ok();
+      },
+      absl::Seconds(90)))
+      << ReadFile(dir_ + "/hetpar-run.log");
+  const std::string text = ReadFile(writer);
+  const size_t waiting = text.find("waiting for the checkpoint being written to finish");
+  const size_t written = text.find("checkpoint shard encoder-pp0-tp0 of step 2");
+  ASSERT_NE(written, std::string::npos) << text;
+  EXPECT_LT(waiting, written) << text;
+  EXPECT_THAT(text, Not(HasSubstr("exiting without the checkpoint")));
+  // Complete: its manifest is a file now, written after every shard.
+  EXPECT_TRUE(fs::is_regular_file(fifo)) << ReadFile(dir_ + "/hetpar-run.log");
 }
 
 // A step whose gradient norm is not finite is committed without an update, and still writes the

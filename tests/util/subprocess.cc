@@ -178,6 +178,15 @@ bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* b
   return false;
 }
 
+bool PollUntil(const std::function<bool()>& done, absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (done()) return true;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  return done();
+}
+
 std::vector<pid_t> ProcessesWith(const std::vector<std::string>& needles) {
   std::vector<pid_t> pids;
   std::error_code ec;

@@ -5,6 +5,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,10 @@ std::string ReadTextFile(const std::string& path);
 // for the other's. WaitForFile reads `path` into `bytes` once it exists, false if it did not
 // appear within `timeout`.
 bool WaitForFile(const std::string& path, absl::Duration timeout, std::string* bytes);
+
+// Polls `done` (what another process does: a log line, a file) every 50 ms until it holds, at
+// most `timeout`; returns whether it did.
+bool PollUntil(const std::function<bool()>& done, absl::Duration timeout);
 
 // Pids of the processes whose command line (arguments joined by spaces) contains every one of
 // `needles`, other than this process.
