@@ -19,7 +19,8 @@ absl::StatusOr<std::unique_ptr<EncoderModule>> EncoderModule::Create(
   model_options.device = context.execution().device();
   HETPAR_ASSIGN_OR_RETURN(
       m->model_, VisionEncoder::Create(spec.encoder().model(), model_options, m->state_.tp()));
-  if (!spec.encoder().init_from().empty()) {
+  // A resumed run takes every parameter from its checkpoint (ModuleState::Train).
+  if (!spec.encoder().init_from().empty() && spec.checkpoint().resume_from().empty()) {
     HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(m->model_->parameters(), "encoder.init_from",
                                                      spec.encoder().init_from()));
     HETPAR_LOG(INFO) << "encoder parameters from " << spec.encoder().init_from();

@@ -53,7 +53,8 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
                      << m->model_->cp_size()
                      << " (load-balanced chunks, keys and values all-gathered per layer)";
   }
-  if (!spec.llm().init_from().empty()) {
+  // A resumed run takes every parameter from its checkpoint (ModuleState::Train).
+  if (!spec.llm().init_from().empty() && spec.checkpoint().resume_from().empty()) {
     HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(
         m->model_->parameters(), "llm.init_from", spec.llm().init_from(),
         model_options.pp_stages > 1 ? nn::FileScope::kModelIsPart : nn::FileScope::kWholeModel));

@@ -1120,8 +1120,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
       c.FileExists("data.val_manifest", s.data().val_manifest(), false);
     }
     c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
-    c.FileExists("encoder.init_from", s.encoder().init_from(), false);
-    c.FileExists("llm.init_from", s.llm().init_from(), false);
+    // A resumed run's parameters all come from its checkpoint: the files it started from may
+    // be gone.
+    if (s.checkpoint().resume_from().empty()) {
+      c.FileExists("encoder.init_from", s.encoder().init_from(), false);
+      c.FileExists("llm.init_from", s.llm().init_from(), false);
+    }
     if (!s.checkpoint().resume_from().empty()) {
       absl::StatusOr<CheckpointSummary> checkpoint =
           ReadCheckpointSummary(s.checkpoint().resume_from());

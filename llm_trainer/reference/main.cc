@@ -183,6 +183,11 @@ int main(int argc, char** argv) {
   load.overrides = flags.overrides;
   // The evaluation of a finished run needs no checkpoint it may have started from.
   load.resume = !evaluate->parsed();
+  if (evaluate->parsed() || export_command->parsed()) {
+    // Their parameters all come from the model files or the checkpoint: the files the run
+    // started from (init_from) may be gone.
+    load.overrides.insert(load.overrides.end(), {"encoder.init_from=\"\"", "llm.init_from=\"\""});
+  }
   auto loaded = hetpar::config::LoadRunSpecFile(flags.config_path, load);
   if (!loaded.ok()) {
     std::cerr << "hetpar-reference: invalid config " << flags.config_path << ":\n"

@@ -728,6 +728,39 @@ TEST_F(RunFaultsTest, AResumeFromACorruptShardFailsTheRunNamingTheShard) {
   EXPECT_THAT(log, HasSubstr("fails its CRC-32"));
 }
 
+// A resumed run takes every parameter from its checkpoint: the init_from files it started from
+// may be gone (a purged scratch file system), and the resume still runs and is evaluated.
+TEST_F(RunFaultsTest, AResumeNeedsNotTheInitFromFilesItsRunStartedFrom) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> first = RunArgs(2);
+  first.insert(first.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set",
+                             "checkpoint.every=2", "--set", "data.val_manifest=\"\""});
+  auto trained = RunCommand(first, 240);
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  std::vector<std::string> resumed = RunArgs(4);
+  *(std::find(resumed.begin(), resumed.end(), "--out") + 1) = dir_ + "/resumed";
+  resumed.insert(resumed.end(), {"--resume", checkpoints + "/step-000002", "--set",
+                                 "checkpoint.dir=" + checkpoints, "--set",
+                                 "encoder.init_from=" + dir_ + "/gone/encoder.hpar", "--set",
+                                 "llm.init_from=" + dir_ + "/gone/llm.hpar"});
+  auto result = RunCommand(resumed, 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->exit_code, 0) << result->stdout_text << result->stderr_text;
+  // Trained to the end, and evaluated (hetpar-reference evaluate reads the model files alone).
+  const std::string metrics = ReadFile(dir_ + "/resumed/metrics.jsonl");
+  EXPECT_THAT(metrics, HasSubstr("\"step\":3"));
+  EXPECT_THAT(metrics, HasSubstr("\"eval\""));
+  // Without the resume, the missing file is refused as before.
+  std::vector<std::string> fresh = RunArgs(2);
+  *(std::find(fresh.begin(), fresh.end(), "--out") + 1) = dir_ + "/fresh";
+  fresh.insert(fresh.end(), {"--set", "encoder.init_from=" + dir_ + "/gone/encoder.hpar"});
+  auto refused = RunCommand(fresh, 60);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2);
+  EXPECT_THAT(refused->stderr_text, HasSubstr("encoder.init_from"));
+}
+
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
 // them step by step and prune them) and names the newest; resuming from it there is allowed.
 TEST_F(RunFaultsTest, ANewRunRefusesACheckpointDirectoryThatHoldsAnotherRunsCheckpoints) {
