@@ -1,5 +1,6 @@
 #include "coordinator/journal.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -32,22 +33,29 @@ bool Journal::operator==(const Journal& o) const {
   return run == o.run && state == o.state && generation == o.generation &&
          committed_steps == o.committed_steps && total_steps == o.total_steps &&
          checkpoint_dir == o.checkpoint_dir && last_checkpoint == o.last_checkpoint &&
-         last_checkpoint_step == o.last_checkpoint_step && restarts == o.restarts;
+         last_checkpoint_step == o.last_checkpoint_step && restarts == o.restarts &&
+         foreign_checkpoints == o.foreign_checkpoints;
 }
 
 std::string JournalPath(const std::string& run_dir) { return run_dir + "/journal.json"; }
 
 absl::Status WriteJournal(const std::string& run_dir, const Journal& journal) {
-  const nlohmann::json j = {{"format", kFormat},
-                            {"run", journal.run},
-                            {"state", RunStateName(journal.state)},
-                            {"generation", journal.generation},
-                            {"committed_steps", journal.committed_steps},
-                            {"total_steps", journal.total_steps},
-                            {"checkpoint_dir", journal.checkpoint_dir},
-                            {"last_checkpoint", journal.last_checkpoint},
-                            {"last_checkpoint_step", journal.last_checkpoint_step},
-                            {"restarts", journal.restarts}};
+  nlohmann::json j = {{"format", kFormat},
+                      {"run", journal.run},
+                      {"state", RunStateName(journal.state)},
+                      {"generation", journal.generation},
+                      {"committed_steps", journal.committed_steps},
+                      {"total_steps", journal.total_steps},
+                      {"checkpoint_dir", journal.checkpoint_dir},
+                      {"last_checkpoint", journal.last_checkpoint},
+                      {"last_checkpoint_step", journal.last_checkpoint_step},
+                      {"restarts", journal.restarts}};
+  if (!journal.foreign_checkpoints.empty()) {
+    nlohmann::json& foreign = j["foreign_checkpoints"] = nlohmann::json::array();
+    for (const CheckpointWrite& c : journal.foreign_checkpoints) {
+      foreign.push_back({{"step", c.step}, {"write_id", c.write_id}});
+    }
+  }
   return WriteFileAtomically(JournalPath(run_dir), j.dump(2) + "\n");
 }
 
@@ -108,6 +116,22 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   string("last_checkpoint", &journal.last_checkpoint);
   integer("last_checkpoint_step", -1, &journal.last_checkpoint_step);
   integer("restarts", 0, &journal.restarts);
+  // Optional: a journal of a run that found no other run's checkpoints has none.
+  if (bad.empty() && j.contains("foreign_checkpoints")) {
+    const nlohmann::json& foreign = j["foreign_checkpoints"];
+    if (!foreign.is_array()) bad = "foreign_checkpoints";
+    for (size_t i = 0; bad.empty() && i < foreign.size(); ++i) {
+      const nlohmann::json& c = foreign[i];
+      if (!c.is_object() || !c.contains("step") || !c["step"].is_number_integer() ||
+          c["step"].get<int64_t>() < 0 || !c.contains("write_id") ||
+          !c["write_id"].is_number_unsigned()) {
+        bad = "foreign_checkpoints";
+        break;
+      }
+      journal.foreign_checkpoints.push_back(
+          {c["step"].get<int64_t>(), c["write_id"].get<uint64_t>()});
+    }
+  }
   if (!bad.empty()) {
     return absl::DataLossError(absl::StrCat("the journal ", path, " has a missing or malformed \"",
                                             bad, "\"",
@@ -138,8 +162,9 @@ absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec) {
       newest->path, "), or give this run another checkpoint.dir"));
 }
 
-std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& checkpoint_dir,
-                                                        int64_t at_most, const std::string& run) {
+std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
+    const std::string& checkpoint_dir, int64_t at_most, const std::string& run,
+    const std::vector<CheckpointWrite>& foreign) {
   std::optional<FoundCheckpoint> newest;
   std::error_code ec;
   if (checkpoint_dir.empty()) return newest;
@@ -154,11 +179,33 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(const std::string& check
     if (!summary.ok()) continue;  // incomplete, or not a checkpoint
     if (summary->step > at_most) continue;
     if (!run.empty() && !summary->run.empty() && summary->run != run) continue;
+    if (std::find(foreign.begin(), foreign.end(),
+                  CheckpointWrite{summary->step, summary->write_id}) != foreign.end()) {
+      continue;
+    }
     if (!newest.has_value() || summary->step > newest->step) {
-      newest = FoundCheckpoint{entry.path().string(), summary->step, summary->run};
+      newest =
+          FoundCheckpoint{entry.path().string(), summary->step, summary->run, summary->write_id};
     }
   }
   return newest;
+}
+
+std::vector<CheckpointWrite> CompleteCheckpointsAfter(const std::string& checkpoint_dir,
+                                                      int64_t after) {
+  std::vector<CheckpointWrite> found;
+  std::error_code ec;
+  if (checkpoint_dir.empty()) return found;
+  for (std::filesystem::directory_iterator it(checkpoint_dir, ec), end; !ec && it != end;
+       it.increment(ec)) {
+    if (it->path().filename().string().rfind(kStepPrefix, 0) != 0) continue;
+    absl::StatusOr<config::CheckpointSummary> summary =
+        config::ReadCheckpointSummary(it->path().string());
+    if (summary.ok() && summary->step > after) found.push_back({summary->step, summary->write_id});
+  }
+  std::sort(found.begin(), found.end(),
+            [](const CheckpointWrite& a, const CheckpointWrite& b) { return a.step < b.step; });
+  return found;
 }
 
 }  // namespace hetpar::coordinator

@@ -23,6 +23,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,16 @@
 #include "hetpar/v1/run_spec.pb.h"
 
 namespace hetpar::coordinator {
+
+// A complete checkpoint named by its step and the write id its manifest records: a later write
+// of the same step (another id) is another checkpoint.
+struct CheckpointWrite {
+  int64_t step = 0;
+  uint64_t write_id = 0;
+  bool operator==(const CheckpointWrite& o) const {
+    return step == o.step && write_id == o.write_id;
+  }
+};
 
 struct Journal {
   std::string run;  // run.name
@@ -41,6 +52,10 @@ struct Journal {
   std::string last_checkpoint;  // the newest complete checkpoint; empty: none yet
   int64_t last_checkpoint_step = -1;
   int64_t restarts = 0;  // times a coordinator continued this run from the journal
+  // The complete checkpoints checkpoint.dir held past the run's first step when it started: those
+  // of a run it resumed from that went further, with its run.name. Never this run's to continue
+  // from.
+  std::vector<CheckpointWrite> foreign_checkpoints;
 
   // The run has not trained all its steps and written its outputs: it was lost, stopped early
   // or failed. A coordinator that starts on its run directory continues it.
@@ -64,13 +79,20 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir);
 struct FoundCheckpoint {
   std::string path;
   int64_t step = 0;
-  std::string run;  // the run.name its manifest records; empty: it does not say
+  std::string run;        // the run.name its manifest records; empty: it does not say
+  uint64_t write_id = 0;  // 0: its manifest records none
 };
 // With `run`, only the checkpoints that run wrote (or whose manifest names no run) count: a
-// directory may also hold the checkpoints of a run this one resumed from.
+// directory may also hold the checkpoints of a run this one resumed from. Those in `foreign`
+// (Journal::foreign_checkpoints: such a run's, with the same run.name) never count.
 std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
     const std::string& checkpoint_dir, int64_t at_most = std::numeric_limits<int64_t>::max(),
-    const std::string& run = "");
+    const std::string& run = "", const std::vector<CheckpointWrite>& foreign = {});
+
+// The complete checkpoints under `checkpoint_dir` past step `after`, as a new run that starts at
+// that step finds them (Journal::foreign_checkpoints).
+std::vector<CheckpointWrite> CompleteCheckpointsAfter(const std::string& checkpoint_dir,
+                                                      int64_t after);
 
 // A run started afresh (not continued from its journal) writes into checkpoint.dir only when the
 // directory holds no complete checkpoint, or when the run resumes from one of them: the

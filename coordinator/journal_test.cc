@@ -83,12 +83,14 @@ class JournalTest : public ::testing::Test {
 
   // A complete checkpoint of `step` at <dir_>/<name>, with a manifest as CompleteIfAllWritten
   // (common/train/checkpoint.cc) writes it.
-  std::string MakeCheckpoint(const std::string& name, int64_t step, const std::string& run = "") {
+  std::string MakeCheckpoint(const std::string& name, int64_t step, const std::string& run = "",
+                             uint64_t write_id = 0) {
     const std::string path = dir_ + "/" + name;
     fs::create_directories(path);
     const nlohmann::json manifest = {
         {"format", 1},
         {"step", step},
+        {"write_id", write_id},
         {"shards", nlohmann::json::array({{{"name", "encoder.tp0of1.pp0of1"},
                                            {"file", "encoder.tp0of1.pp0of1.bin"},
                                            {"bytes", 16},
@@ -409,6 +411,49 @@ TEST_F(JournalTest, NewestCheckpointOfARunPassesOverAnotherRunsNewerOnes) {
   EXPECT_EQ(NewestCompleteCheckpoint(dir_, 7)->step, 6);
   EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "b")->step, 8);
   EXPECT_FALSE(NewestCompleteCheckpoint(dir_, 3, "b").has_value());
+}
+
+// Run "tiny" resumed from its own step 4 in a directory where the same-named run it resumed
+// from went on to steps 6 and 8: those are foreign to the resumed run, which then writes its
+// own step 8 (another write id) and step 10.
+TEST_F(JournalTest, ForeignCheckpointsAreThoseAfterTheStartAndNeverCount) {
+  MakeCheckpoint("step-000004", 4, "tiny", 41);
+  MakeCheckpoint("step-000006", 6, "tiny", 61);
+  MakeCheckpoint("step-000008", 8, "tiny", 81);
+  const std::vector<CheckpointWrite> foreign = CompleteCheckpointsAfter(dir_, 4);
+  EXPECT_EQ(foreign, (std::vector<CheckpointWrite>{{6, 61}, {8, 81}}));
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny", foreign)->step, 4);
+  // Without them, the newest is the other run's.
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny")->step, 8);
+  // The resumed run's own write of step 8 replaces the other's: it counts.
+  MakeCheckpoint("step-000008", 8, "tiny", 82);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny", foreign)->step, 8);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny", foreign)->write_id, 82u);
+  MakeCheckpoint("step-000010", 10, "tiny", 101);
+  EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny", foreign)->step, 10);
+}
+
+TEST_F(JournalTest, ForeignCheckpointsRoundTripAndAreOptional) {
+  Journal written = FullJournal();
+  written.foreign_checkpoints = {{6, 61}, {8, 18446744073709551615u}};
+  ASSERT_TRUE(WriteJournal(dir_, written).ok());
+  absl::StatusOr<std::optional<Journal>> read = ReadJournal(dir_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ((*read)->foreign_checkpoints, written.foreign_checkpoints);
+  // A journal without the field (none found, or written before it existed) has none.
+  WriteText(dir_ + "/journal.json", FullJournalJson().dump());
+  read = ReadJournal(dir_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE((*read)->foreign_checkpoints.empty());
+  // A malformed one is named.
+  for (const nlohmann::json& bad : {nlohmann::json(3), nlohmann::json::array({{{"step", 6}}}),
+                                    nlohmann::json::array({{{"step", -1}, {"write_id", 1}}}),
+                                    nlohmann::json::array({{{"step", 6}, {"write_id", -1}}})}) {
+    const absl::Status status =
+        ReadEdited([&](nlohmann::json& j) { j["foreign_checkpoints"] = bad; });
+    EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << bad;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("\"foreign_checkpoints\"")) << bad;
+  }
 }
 
 }  // namespace

@@ -652,6 +652,9 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
   }
   CheckpointSummary summary;
   summary.step = manifest["step"].get<int64_t>();
+  if (manifest.contains("write_id") && manifest["write_id"].is_number_unsigned()) {
+    summary.write_id = manifest["write_id"].get<uint64_t>();
+  }
   // Written by the workers (common/worker/module_state.cc).
   const nlohmann::json& extra = manifest.value("extra", nlohmann::json::object());
   if (extra.is_object() && extra.contains("samples_trained") &&

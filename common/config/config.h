@@ -85,6 +85,7 @@ struct CheckpointSummary {
   int64_t samples_trained = -1;  // -1: the manifest does not say
   std::optional<int64_t> seed;   // run.seed it was trained with; none: the manifest does not say
   std::string run;               // run.name it was written by; empty: the manifest does not say
+  uint64_t write_id = 0;         // the write's id (a new one each time a step is written); 0: none
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

@@ -148,6 +148,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
     journal.generation = lost.generation + 1;
     journal.restarts = lost.restarts + 1;
+    journal.foreign_checkpoints = lost.foreign_checkpoints;
     // The lost coordinator wrote metrics.jsonl a little behind the commits, and the workers
     // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
     // last line written. Resume from the newest checkpoint that the lines reach, so that the
@@ -157,10 +158,11 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     const int64_t recorded_to = RunDirectory::StepAfterLastLine(out_dir, first_step);
     // Only this run's own checkpoints: the directory may also hold those of a run it resumed
     // from, at steps this run does not write again.
+    // Nor those of a run of the same name that this one resumed from, which went further.
     std::optional<coordinator::FoundCheckpoint> newest = coordinator::NewestCompleteCheckpoint(
-        spec.checkpoint().dir(), recorded_to, spec.run().name());
+        spec.checkpoint().dir(), recorded_to, spec.run().name(), lost.foreign_checkpoints);
     const std::optional<coordinator::FoundCheckpoint> newer = coordinator::NewestCompleteCheckpoint(
-        spec.checkpoint().dir(), spec.run().steps(), spec.run().name());
+        spec.checkpoint().dir(), spec.run().steps(), spec.run().name(), lost.foreign_checkpoints);
     if (newer.has_value() && newer->step > recorded_to) {
       if (newest.has_value() && newest->step >= first_step) {
         HETPAR_LOG(INFO) << "resuming at step " << newest->step << " rather than from the newer "
@@ -177,7 +179,7 @@ int RunCoordinator(const CoordinatorFlags& flags) {
         newest = newer;
       }
     }
-    if ((!newest.has_value() || newest->step <= first_step) &&
+    if ((!newer.has_value() || newer->step <= first_step) &&
         lost.last_checkpoint_step > first_step) {
       // The lost coordinator saw a checkpoint past the run's start complete, and none can be
       // read now (a file system not mounted or not answering, checkpoints removed): going on
@@ -224,6 +226,11 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       std::cerr << "hetpar: " << s.message() << "\n";
       return kExitInvalidInput;
     }
+    // Resumed in a directory whose run went further (the same run.name, from an earlier
+    // checkpoint): those later checkpoints are not this run's, should its coordinator be lost
+    // before it writes its own.
+    journal.foreign_checkpoints =
+        coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), first_step);
   }
   journal.committed_steps = first_step;
 
@@ -366,9 +373,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     next.committed_steps = status.committed_steps();
     if (next.committed_steps != journal.committed_steps || run_state != journal.state) {
       if (std::optional<coordinator::FoundCheckpoint> newest =
-              coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(),
-                                                    std::numeric_limits<int64_t>::max(),
-                                                    spec.run().name())) {
+              coordinator::NewestCompleteCheckpoint(
+                  spec.checkpoint().dir(), std::numeric_limits<int64_t>::max(), spec.run().name(),
+                  journal.foreign_checkpoints)) {
         next.last_checkpoint = newest->path;
         next.last_checkpoint_step = newest->step;
       }

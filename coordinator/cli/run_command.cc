@@ -201,6 +201,16 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: " << s.message() << "\n";
     return kExitInvalidInput;
   }
+  // Resumed in a directory whose run went further: its later checkpoints are not this run's to
+  // continue from (below, the stopped run's "continue it with --resume").
+  std::vector<coordinator::CheckpointWrite> foreign;
+  if (!spec.checkpoint().resume_from().empty()) {
+    if (absl::StatusOr<config::CheckpointSummary> resume =
+            config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+        resume.ok()) {
+      foreign = coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), resume->step);
+    }
+  }
   auto run_dir = RunDirectory::Create(out_dir, spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
@@ -604,8 +614,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::string next = "it wrote no checkpoint (no checkpoint.dir): a new run starts over";
     if (!spec.checkpoint().dir().empty()) {
       const std::optional<coordinator::FoundCheckpoint> newest =
-          coordinator::NewestCompleteCheckpoint(spec.checkpoint().dir(),
-                                                final_status.committed_steps());
+          coordinator::NewestCompleteCheckpoint(
+              spec.checkpoint().dir(), final_status.committed_steps(), spec.run().name(), foreign);
       next = newest.has_value()
                  ? absl::StrCat("continue it with --resume ", newest->path, " (step ",
                                 newest->step, ")")

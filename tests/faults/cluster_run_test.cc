@@ -574,6 +574,69 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
 }
 
+// Run "tiny" resumed from its step 4 with another learning rate, in the directory where the run it
+// resumed from (also "tiny") went on to steps 6 and 8. Its coordinator lost after step 7 (whose
+// line it had not written yet), a restart must continue from the resumed run's own checkpoints,
+// not from the other run's step 6: it resumes at step 4, and its losses are those of the
+// uninterrupted resumed run.
+TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
+  const std::string checkpoints = dir_ + "/checkpoints";
+  const Cluster before = StartCluster(
+      {"checkpoint.dir=" + checkpoints, "checkpoint.every=2", "checkpoint.keep=10"}, "a.log");
+  ASSERT_NE(before.coordinator, nullptr);
+  auto code = before.coordinator->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/a.log");
+  for (ChildProcess* w : before.workers) ASSERT_TRUE(w->Wait(60).ok());
+  ASSERT_TRUE(fs::exists(checkpoints + "/step-000006/manifest.json"));
+  const std::string run = dir_ + "/coordinator/run";
+  fs::remove_all(run);  // the resumed run's directory (same path), afresh
+
+  const std::vector<std::string> resumed = {
+      "checkpoint.dir=" + checkpoints, "checkpoint.every=100", "checkpoint.keep=10",
+      "checkpoint.resume_from=" + checkpoints + "/step-000004", "llm.optimizer.lr=0.003"};
+  const Cluster b = StartCluster(resumed, "b.log");
+  ASSERT_NE(b.coordinator, nullptr);
+  code = b.coordinator->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/b.log");
+  for (ChildProcess* w : b.workers) ASSERT_TRUE(w->Wait(60).ok());
+  const auto uninterrupted = MetricsByStep(run);
+  ASSERT_EQ(uninterrupted.count(7), 1u);
+  // Its coordinator lost after step 7's commit, before that step's line.
+  nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  journal["state"] = "running";
+  std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
+  {
+    std::istringstream lines(ReadFile(run + "/metrics.jsonl"));
+    std::string kept;
+    for (std::string line; std::getline(lines, line);) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      if (j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() < 7) {
+        kept += line + "\n";
+      }
+    }
+    std::ofstream(run + "/metrics.jsonl", std::ios::trunc) << kept;
+  }
+
+  const Cluster again = StartCluster(resumed, "restarted.log");
+  ASSERT_NE(again.coordinator, nullptr);
+  code = again.coordinator->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string restarted = ReadFile(dir_ + "/restarted.log");
+  ASSERT_EQ(*code, 0) << restarted;
+  EXPECT_THAT(restarted, HasSubstr(absl::StrFormat("resuming at step 4 rather than from the newer "
+                                                   "%s/step-000008",
+                                                   checkpoints)));
+  const auto lines = MetricsByStep(run);
+  for (int64_t step = 4; step < 8; ++step) {
+    ASSERT_EQ(lines.count(step), 1u) << step;
+    EXPECT_EQ(lines.at(step)["loss"].get<double>(), uninterrupted.at(step)["loss"].get<double>())
+        << "step " << step;
+  }
+  for (ChildProcess* w : again.workers) ASSERT_TRUE(w->Wait(60).ok());
+}
+
 // An encoder replica lost, then the coordinator: the restarted coordinator waits
 // register_timeout for the lost replica's rank, then starts on the replica left and finishes the
 // run with the reference's numbers.
