@@ -204,6 +204,16 @@ class ClusterRunTest : public ::testing::Test {
     return cluster;
   }
 
+  // Waits for `cluster`'s coordinator to exit 0 (its log, <dir>/<log_name>, shown if it does not)
+  // and for its workers to exit.
+  void RunToTheEnd(const Cluster& cluster, const std::string& log_name) {
+    ASSERT_NE(cluster.coordinator, nullptr);
+    auto code = cluster.coordinator->Wait(300);
+    ASSERT_TRUE(code.ok()) << code.status();
+    ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/" + log_name);
+    for (ChildProcess* w : cluster.workers) ASSERT_TRUE(w->Wait(60).ok());
+  }
+
   // Where a live process's threads wait (state and kernel wait channel of each), for a failure
   // message: what a worker that did not register was doing.
   // Whether process `pid` ignores `signal` (its SigIgn mask in /proc).
@@ -514,17 +524,12 @@ TEST_F(ClusterRunTest, AWorkerRestartingItselfWaitsForTheCheckpointItIsWriting) 
 
 // The coordinator lost after the last step committed, while it gathered the outputs: its journal
 // says "stopping" with every step committed, and the newest checkpoint is of the last step. A
-// coordinator restarted on the run directory, with fresh workers, trains the steps after the
-// checkpoint before it again and finishes the run.
+// coordinator restarted on the run directory, with fresh workers, finishes the run from that
+// checkpoint without training a step again.
 TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFinishesTheRun) {
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
                                                 "checkpoint.every=4"};
-  const Cluster lost = StartCluster(checkpoints);
-  ASSERT_NE(lost.coordinator, nullptr);
-  auto code = lost.coordinator->Wait(300);
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/coordinator.log");
-  for (ChildProcess* w : lost.workers) ASSERT_TRUE(w->Wait(60).ok());
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(checkpoints), "coordinator.log"));
   ASSERT_TRUE(fs::exists(dir_ + "/checkpoints/step-000008/manifest.json"));
   const std::string run = dir_ + "/coordinator/run";
   nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
@@ -552,7 +557,7 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   const Cluster again = StartCluster(checkpoints, "restarted.log");
   ASSERT_NE(again.coordinator, nullptr);
   const std::vector<ChildProcess*>& workers = again.workers;
-  code = again.coordinator->Wait(300);
+  auto code = again.coordinator->Wait(300);
   ASSERT_TRUE(code.ok()) << code.status();
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
   ASSERT_EQ(*code, 0) << restarted;
@@ -581,13 +586,10 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
 // uninterrupted resumed run.
 TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
   const std::string checkpoints = dir_ + "/checkpoints";
-  const Cluster before = StartCluster(
-      {"checkpoint.dir=" + checkpoints, "checkpoint.every=2", "checkpoint.keep=10"}, "a.log");
-  ASSERT_NE(before.coordinator, nullptr);
-  auto code = before.coordinator->Wait(300);
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/a.log");
-  for (ChildProcess* w : before.workers) ASSERT_TRUE(w->Wait(60).ok());
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(
+      StartCluster({"checkpoint.dir=" + checkpoints, "checkpoint.every=2", "checkpoint.keep=10"},
+                   "a.log"),
+      "a.log"));
   ASSERT_TRUE(fs::exists(checkpoints + "/step-000006/manifest.json"));
   const std::string run = dir_ + "/coordinator/run";
   fs::remove_all(run);  // the resumed run's directory (same path), afresh
@@ -595,12 +597,7 @@ TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
   const std::vector<std::string> resumed = {
       "checkpoint.dir=" + checkpoints, "checkpoint.every=100", "checkpoint.keep=10",
       "checkpoint.resume_from=" + checkpoints + "/step-000004", "llm.optimizer.lr=0.003"};
-  const Cluster b = StartCluster(resumed, "b.log");
-  ASSERT_NE(b.coordinator, nullptr);
-  code = b.coordinator->Wait(300);
-  ASSERT_TRUE(code.ok()) << code.status();
-  ASSERT_EQ(*code, 0) << ReadFile(dir_ + "/b.log");
-  for (ChildProcess* w : b.workers) ASSERT_TRUE(w->Wait(60).ok());
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(resumed, "b.log"), "b.log"));
   const auto uninterrupted = MetricsByStep(run);
   ASSERT_EQ(uninterrupted.count(7), 1u);
   // Its coordinator lost after step 7's commit, before that step's line.
@@ -619,12 +616,8 @@ TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
     std::ofstream(run + "/metrics.jsonl", std::ios::trunc) << kept;
   }
 
-  const Cluster again = StartCluster(resumed, "restarted.log");
-  ASSERT_NE(again.coordinator, nullptr);
-  code = again.coordinator->Wait(300);
-  ASSERT_TRUE(code.ok()) << code.status();
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(resumed, "restarted.log"), "restarted.log"));
   const std::string restarted = ReadFile(dir_ + "/restarted.log");
-  ASSERT_EQ(*code, 0) << restarted;
   EXPECT_THAT(restarted, HasSubstr(absl::StrFormat("resuming at step 4 rather than from the newer "
                                                    "%s/step-000008",
                                                    checkpoints)));
@@ -634,7 +627,6 @@ TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
     EXPECT_EQ(lines.at(step)["loss"].get<double>(), uninterrupted.at(step)["loss"].get<double>())
         << "step " << step;
   }
-  for (ChildProcess* w : again.workers) ASSERT_TRUE(w->Wait(60).ok());
 }
 
 // An encoder replica lost, then the coordinator: the restarted coordinator waits

@@ -140,6 +140,23 @@ class RunFaultsTest : public ::testing::Test {
            (probe.ok() ? probe->stderr_text : probe.status().ToString());
   }
 
+  // `argv` run in a mount namespace of its own, with a tmpfs of `size` mounted on `dir` first.
+  static std::vector<std::string> WithTmpfsOn(const std::string& dir, const std::string& size,
+                                              const std::vector<std::string>& argv) {
+    std::vector<std::string> wrapped = {
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount -t tmpfs -o size=" + size + " hetpar-test \"$0\" && shift && exec \"$@\"",
+        dir,
+        "--"};
+    wrapped.insert(wrapped.end(), argv.begin(), argv.end());
+    return wrapped;
+  }
+
   std::string dir_;
   int samples_ = 128;  // training samples of the synthetic data set
 };
@@ -622,17 +639,7 @@ TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
   const std::string checkpoints = dir_ + "/ckpt";
   fs::create_directories(checkpoints);
   if (const std::string why = CannotMountTmpfs(checkpoints); !why.empty()) GTEST_SKIP() << why;
-  std::vector<std::string> argv = {
-      "unshare",
-      "--mount",
-      "--propagation",
-      "private",
-      "sh",
-      "-c",
-      "mount -t tmpfs -o size=5m hetpar-test \"$0\" && shift && exec \"$@\"",
-      checkpoints,
-      "--"};
-  for (const std::string& a : RunArgs(6)) argv.push_back(a);
+  std::vector<std::string> argv = WithTmpfsOn(checkpoints, "5m", RunArgs(6));
   for (const std::string& flag :
        std::vector<std::string>{"checkpoint.dir=" + checkpoints, "checkpoint.every=1",
                                 "checkpoint.keep=100", "llm.layout.tp=1", "llm.layout.dp=2"}) {
@@ -660,17 +667,7 @@ TEST_F(RunFaultsTest, ACheckpointWhoseOlderOnesCannotBePrunedIsStillASuccess) {
   const std::string stuck = checkpoints + "/step-000001";
   fs::create_directories(stuck);
   if (const std::string why = CannotMountTmpfs(stuck); !why.empty()) GTEST_SKIP() << why;
-  std::vector<std::string> argv = {
-      "unshare",
-      "--mount",
-      "--propagation",
-      "private",
-      "sh",
-      "-c",
-      "mount -t tmpfs -o size=1m hetpar-test \"$0\" && shift && exec \"$@\"",
-      stuck,
-      "--"};
-  for (const std::string& a : RunArgs(4)) argv.push_back(a);
+  std::vector<std::string> argv = WithTmpfsOn(stuck, "1m", RunArgs(4));
   for (const std::string& flag : std::vector<std::string>{
            "checkpoint.dir=" + checkpoints, "checkpoint.every=2", "checkpoint.keep=1"}) {
     argv.insert(argv.end(), {"--set", flag});
