@@ -140,6 +140,16 @@ class RunFaultsTest : public ::testing::Test {
            (probe.ok() ? probe->stderr_text : probe.status().ToString());
   }
 
+  // Two steps into `checkpoints` (the checkpoint of step 2), without an evaluation.
+  void TrainTwoStepsInto(const std::string& checkpoints) const {
+    std::vector<std::string> argv = RunArgs(2);
+    argv.insert(argv.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set",
+                             "checkpoint.every=2", "--set", "data.val_manifest=\"\""});
+    auto trained = RunCommand(argv, 240);
+    ASSERT_TRUE(trained.ok()) << trained.status();
+    ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  }
+
   // `argv` run in a mount namespace of its own, with a tmpfs of `size` mounted on `dir` first.
   static std::vector<std::string> WithTmpfsOn(const std::string& dir, const std::string& size,
                                               const std::vector<std::string>& argv) {
@@ -692,12 +702,7 @@ TEST_F(RunFaultsTest, ACheckpointWhoseOlderOnesCannotBePrunedIsStillASuccess) {
 // own error, naming the shard and its CRC-32, not only that its session ended.
 TEST_F(RunFaultsTest, AResumeFromACorruptShardFailsTheRunNamingTheShard) {
   const std::string checkpoints = dir_ + "/ckpt";
-  std::vector<std::string> first = RunArgs(2);
-  first.insert(first.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set",
-                             "checkpoint.every=2", "--set", "data.val_manifest=\"\""});
-  auto trained = RunCommand(first, 240);
-  ASSERT_TRUE(trained.ok()) << trained.status();
-  ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoStepsInto(checkpoints));
   const std::string shard = checkpoints + "/step-000002/llm-pp0-tp0.hpar";
   {
     std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
@@ -729,12 +734,7 @@ TEST_F(RunFaultsTest, AResumeFromACorruptShardFailsTheRunNamingTheShard) {
 // may be gone (a purged scratch file system), and the resume still runs and is evaluated.
 TEST_F(RunFaultsTest, AResumeNeedsNotTheInitFromFilesItsRunStartedFrom) {
   const std::string checkpoints = dir_ + "/ckpt";
-  std::vector<std::string> first = RunArgs(2);
-  first.insert(first.end(), {"--set", "checkpoint.dir=" + checkpoints, "--set",
-                             "checkpoint.every=2", "--set", "data.val_manifest=\"\""});
-  auto trained = RunCommand(first, 240);
-  ASSERT_TRUE(trained.ok()) << trained.status();
-  ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
+  ASSERT_NO_FATAL_FAILURE(TrainTwoStepsInto(checkpoints));
   std::vector<std::string> resumed = RunArgs(4);
   *(std::find(resumed.begin(), resumed.end(), "--out") + 1) = dir_ + "/resumed";
   resumed.insert(resumed.end(), {"--resume", checkpoints + "/step-000002", "--set",
