@@ -967,7 +967,11 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
   if (committed_steps_ >= spec_.run().steps()) {
     // Continued from the checkpoint of the run's last step (its coordinator was lost as it
     // gathered the outputs): nothing is left to train, and the workers write the outputs from
-    // it. They load it first, which a step's timeout allows for as it does before a first step.
+    // it, once each has its session open (its assignment with its peers went out on it). They
+    // load the checkpoint first, which a step's timeout allows for as before a first step.
+    for (const WorkerRecord* worker : membership_.TrainingWorkers()) {
+      if (!worker->session_open) return;
+    }
     BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
     stop_deadline_ = std::max(stop_deadline_, now + options_.step_timeout);
     return;

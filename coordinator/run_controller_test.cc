@@ -1,6 +1,8 @@
 #include "coordinator/run_controller.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -268,6 +270,40 @@ TEST(RunControllerOptionsTest, StepDeadlineAndAttemptsComeFromTheFailureSectionU
   ASSERT_TRUE(bare.ok()) << bare.status();
   EXPECT_EQ((*bare)->options().step_timeout, absl::Minutes(10));
   EXPECT_EQ((*bare)->options().max_step_attempts, 3);
+}
+
+// A run continued from the checkpoint of its last step (its coordinator lost as it gathered the
+// outputs) has nothing to train: it stops once every worker's session is open, so that each has
+// had its assignment with its peers first, and no step is planned.
+TEST_F(RunControllerTest, ARunContinuedFromItsLastStepsCheckpointStopsOnceEverySessionIsOpen) {
+  const std::string checkpoint = (std::filesystem::temp_directory_path() /
+                                  absl::StrCat("hetpar_rc_", ::getpid(), "/step-000002"))
+                                     .string();
+  std::filesystem::create_directories(checkpoint);
+  std::ofstream(checkpoint + "/manifest.json") << "{\"step\": 2}\n";
+  v1::RunSpec spec = TinySpec(/*steps=*/2);
+  spec.mutable_checkpoint()->set_resume_from(checkpoint);
+  CreateWith(spec);
+  std::filesystem::remove_all(std::filesystem::path(checkpoint).parent_path());
+  for (v1::WorkerRole role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
+                              v1::WORKER_ROLE_LLM}) {
+    ids_.push_back(Register(role));
+  }
+  // Every rank registered: the run is running, but not stopping while a session is not open.
+  for (size_t i = 0; i + 1 < ids_.size(); ++i) {
+    ASSERT_TRUE(controller_->OpenSession(ids_[i], kT0, &actions_).ok());
+    EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << i;
+  }
+  ASSERT_TRUE(controller_->OpenSession(ids_.back(), kT0, &actions_).ok());
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(planner_->calls, 0);
+  for (const std::string& id : ids_) {
+    // Its assignment (with its peers), then the stop.
+    EXPECT_EQ(SentTo(id, v1::CoordinatorMessage::kAssignment).size(), 1u) << id;
+    const auto stops = SentTo(id, v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u) << id;
+    EXPECT_THAT(stops[0].stop().reason(), ::testing::HasSubstr("completed 2 steps"));
+  }
 }
 
 TEST_F(RunControllerTest, RunStartsWhenEveryRankHasRegistered) {

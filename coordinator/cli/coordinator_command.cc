@@ -66,6 +66,7 @@ absl::Status SameRun(const coordinator::Journal& lost, const v1::RunSpec& spec,
   }
   config::LoadOptions recorded_options;
   recorded_options.resume = false;
+  recorded_options.check_files = false;  // compared only: files the run started from may be gone
   absl::StatusOr<config::LoadedRunSpec> recorded =
       config::LoadRunSpecFile(out_dir + "/config.yaml", recorded_options);
   if (!recorded.ok()) {
@@ -149,6 +150,10 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     journal.generation = lost.generation + 1;
     journal.restarts = lost.restarts + 1;
     journal.foreign_checkpoints = lost.foreign_checkpoints;
+    // Kept until a commit finds a newer one: a restart lost before its first commit still knows
+    // the checkpoint the run had (the refusal below relies on it).
+    journal.last_checkpoint = lost.last_checkpoint;
+    journal.last_checkpoint_step = lost.last_checkpoint_step;
     // The lost coordinator wrote metrics.jsonl a little behind the commits, and the workers
     // complete a step's checkpoint right after its commit: the newest checkpoint can be past the
     // last line written. Resume from the newest checkpoint that the lines reach, so that the
