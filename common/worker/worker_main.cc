@@ -561,8 +561,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
         lock.Release();
         HETPAR_LOG(WARNING) << "SIGTERM: "
                             << (sent.ok() ? "asked the coordinator to let this worker leave "
-                                            "after the step in flight (a second signal ends it "
-                                            "at once)"
+                                            "after the step in flight (a second signal ends it, "
+                                            "once the checkpoint being written is)"
                                           : absl::StrCat("cannot ask the coordinator to leave (",
                                                          sent.message(), ")"));
         if (sent.ok()) continue;
@@ -575,9 +575,14 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       if (RunningCheckpointWrites writes = CheckpointWritesRunning(); writes.running > 0) {
         HETPAR_LOG(WARNING) << "waiting for the checkpoint being written to finish before "
                                "exiting (another signal ends this worker at once)";
+        // The bound of the writes running now: later ones (the worker trains on meanwhile when
+        // only it got the signal) do not move it.
+        const absl::Time bound = writes.bound;
         const timespec slice = {0, 100 * 1000 * 1000};
-        while (writes.running > 0 && absl::Now() < writes.bound) {
-          if (sigtimedwait(&signals, nullptr, &slice) > 0) {
+        while (writes.running > 0 && absl::Now() < bound) {
+          // Once the run is over, the main thread's wake-up (a SIGTERM of its own) is no one's
+          // request to hurry.
+          if (sigtimedwait(&signals, nullptr, &slice) > 0 && !run_over.load()) {
             HETPAR_LOG(WARNING) << "another signal: exiting without the checkpoint";
             break;
           }

@@ -245,6 +245,10 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
             {"replicas", shape.replicas},
             // Every replica starts at once: the run needs all of them.
             {"podManagementPolicy", "Parallel"},
+            // A changed template replaces no pod by itself: a rolling update would delete a pod
+            // of a training run and then wait for its successor to be Ready, which it is only
+            // once the run trains with every replica again (docs/deploy.md).
+            {"updateStrategy", {{"type", "OnDelete"}}},
             {"selector", {{"matchLabels", Selector(n.run, component)}}},
             {"template",
              {{"metadata", {{"labels", Selector(n.run, component)}}},

@@ -166,6 +166,10 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
   EXPECT_EQ(encoder["spec"]["template"]["spec"]["containers"].size(), 1u);
   EXPECT_EQ(llm["spec"]["replicas"].as<int>(), 1);
   EXPECT_EQ(llm["spec"]["template"]["spec"]["containers"].size(), 2u);
+  // A changed template replaces no training pod by itself.
+  for (const YAML::Node& set : {encoder, llm}) {
+    EXPECT_EQ(set["spec"]["updateStrategy"]["type"].as<std::string>(), "OnDelete");
+  }
   const YAML::Node secret = Named(r.objects, "Secret", "tiny-token");
   ASSERT_TRUE(secret);
   EXPECT_EQ(secret["stringData"]["token"].as<std::string>().size(), 64u);
