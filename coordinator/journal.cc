@@ -34,7 +34,7 @@ bool Journal::operator==(const Journal& o) const {
          committed_steps == o.committed_steps && total_steps == o.total_steps &&
          checkpoint_dir == o.checkpoint_dir && last_checkpoint == o.last_checkpoint &&
          last_checkpoint_step == o.last_checkpoint_step && restarts == o.restarts &&
-         foreign_checkpoints == o.foreign_checkpoints;
+         foreign_checkpoints == o.foreign_checkpoints && first_step == o.first_step;
 }
 
 std::string JournalPath(const std::string& run_dir) { return run_dir + "/journal.json"; }
@@ -50,6 +50,7 @@ absl::Status WriteJournal(const std::string& run_dir, const Journal& journal) {
                       {"last_checkpoint", journal.last_checkpoint},
                       {"last_checkpoint_step", journal.last_checkpoint_step},
                       {"restarts", journal.restarts}};
+  if (journal.first_step >= 0) j["first_step"] = journal.first_step;
   if (!journal.foreign_checkpoints.empty()) {
     nlohmann::json& foreign = j["foreign_checkpoints"] = nlohmann::json::array();
     for (const CheckpointWrite& c : journal.foreign_checkpoints) {
@@ -116,6 +117,8 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   string("last_checkpoint", &journal.last_checkpoint);
   integer("last_checkpoint_step", -1, &journal.last_checkpoint_step);
   integer("restarts", 0, &journal.restarts);
+  // Optional: a journal written before it was recorded has none.
+  if (bad.empty() && j.contains("first_step")) integer("first_step", 0, &journal.first_step);
   // Optional: a journal of a run that found no other run's checkpoints has none.
   if (bad.empty() && j.contains("foreign_checkpoints")) {
     const nlohmann::json& foreign = j["foreign_checkpoints"];

@@ -52,6 +52,9 @@ struct Journal {
   std::string last_checkpoint;  // the newest complete checkpoint; empty: none yet
   int64_t last_checkpoint_step = -1;
   int64_t restarts = 0;  // times a coordinator continued this run from the journal
+  // The step the run started at (its checkpoint.resume_from's, else 0); -1: not recorded (a
+  // journal written before it was). A restart needs it when that checkpoint is gone.
+  int64_t first_step = -1;
   // The complete checkpoints checkpoint.dir held past the run's first step when it started: those
   // of a run it resumed from that went further, with its run.name. Never this run's to continue
   // from.

@@ -433,18 +433,21 @@ TEST_F(JournalTest, ForeignCheckpointsAreThoseAfterTheStartAndNeverCount) {
   EXPECT_EQ(NewestCompleteCheckpoint(dir_, 100, "tiny", foreign)->step, 10);
 }
 
-TEST_F(JournalTest, ForeignCheckpointsRoundTripAndAreOptional) {
+TEST_F(JournalTest, ForeignCheckpointsAndFirstStepRoundTripAndAreOptional) {
   Journal written = FullJournal();
   written.foreign_checkpoints = {{6, 61}, {8, 18446744073709551615u}};
+  written.first_step = 4;
   ASSERT_TRUE(WriteJournal(dir_, written).ok());
   absl::StatusOr<std::optional<Journal>> read = ReadJournal(dir_);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ((*read)->foreign_checkpoints, written.foreign_checkpoints);
+  EXPECT_EQ((*read)->first_step, 4);
   // A journal without the field (none found, or written before it existed) has none.
   WriteText(dir_ + "/journal.json", FullJournalJson().dump());
   read = ReadJournal(dir_);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_TRUE((*read)->foreign_checkpoints.empty());
+  EXPECT_EQ((*read)->first_step, -1);
   // A malformed one is named.
   for (const nlohmann::json& bad : {nlohmann::json(3), nlohmann::json::array({{{"step", 6}}}),
                                     nlohmann::json::array({{{"step", -1}, {"write_id", 1}}}),

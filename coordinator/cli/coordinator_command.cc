@@ -112,6 +112,26 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     load.overrides.push_back(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen));
   }
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
+  // A run continued from its journal needs not the checkpoint it was first resumed from, which
+  // checkpoint.keep may have pruned since: the journal says where the run started.
+  std::optional<int64_t> journaled_start;
+  if (!loaded.ok()) {
+    config::LoadOptions without = load;
+    without.resume = false;
+    absl::StatusOr<config::LoadedRunSpec> bare = config::LoadRunSpecFile(flags.config, without);
+    if (bare.ok()) {
+      absl::StatusOr<std::optional<coordinator::Journal>> lost =
+          coordinator::ReadJournal(bare->spec.run().out_dir());
+      if (lost.ok() && lost->has_value() && (*lost)->Unfinished() && (*lost)->first_step >= 0) {
+        HETPAR_LOG(WARNING) << "continuing run " << bare->spec.run().name()
+                            << " from its journal, which says it started at step "
+                            << (*lost)->first_step << "; its config does not load as a new run ("
+                            << loaded.status().message() << ")";
+        journaled_start = (*lost)->first_step;
+        loaded = std::move(bare);
+      }
+    }
+  }
   if (!loaded.ok()) {
     std::cerr << "hetpar: invalid config " << flags.config << ":\n"
               << loaded.status().message() << "\n";
@@ -133,12 +153,13 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   journal.total_steps = spec.run().steps();
   journal.checkpoint_dir = spec.checkpoint().dir();
   v1::RunSpec run_spec = spec;  // what the coordinator trains: `spec`, or its continuation
-  int64_t first_step = 0;
+  int64_t first_step = journaled_start.value_or(0);
   if (!spec.checkpoint().resume_from().empty()) {
     absl::StatusOr<config::CheckpointSummary> resume =
         config::ReadCheckpointSummary(spec.checkpoint().resume_from());
     if (resume.ok()) first_step = resume->step;
   }
+  journal.first_step = first_step;
   const bool restarted = previous->has_value() && (*previous)->Unfinished();
   const int64_t run_first_step = first_step;  // where the run itself started
   if (restarted) {
@@ -197,6 +218,14 @@ int RunCoordinator(const CoordinatorFlags& flags) {
                 << "' now; check that it is mounted and readable, then start the coordinator "
                    "again (going on would train the run again from step "
                 << first_step << ")\n";
+      return kExitFailure;
+    }
+    if (journaled_start.has_value() && (!newest.has_value() || newest->step <= first_step)) {
+      // The checkpoint the run started from is gone, and no later one of its own is left.
+      std::cerr << "hetpar: cannot continue run " << spec.run().name() << ": it started at step "
+                << first_step << " from a checkpoint that cannot be read now, and no later "
+                << "complete checkpoint of it is in checkpoint.dir '" << spec.checkpoint().dir()
+                << "'\n";
       return kExitFailure;
     }
     if (newest.has_value() && newest->step > first_step) {

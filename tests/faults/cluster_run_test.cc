@@ -627,6 +627,19 @@ TEST_F(ClusterRunTest, ARestartPassesOverTheCheckpointsOfTheRunItResumedFrom) {
     EXPECT_EQ(lines.at(step)["loss"].get<double>(), uninterrupted.at(step)["loss"].get<double>())
         << "step " << step;
   }
+
+  // Lost again, now as it gathered the outputs, and checkpoint.keep has pruned the checkpoint
+  // the run started from (step 4), which its config still names: the journal says where the
+  // run started, and a restart finishes it from its own last checkpoint.
+  journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  ASSERT_EQ(journal["state"], "done");
+  EXPECT_EQ(journal["first_step"], 4);
+  journal["state"] = "stopping";
+  std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
+  fs::remove_all(checkpoints + "/step-000004");
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(resumed, "again.log"), "again.log"));
+  EXPECT_THAT(ReadFile(dir_ + "/again.log"),
+              HasSubstr("resuming at step 8 from " + checkpoints + "/step-000008"));
 }
 
 // An encoder replica lost, then the coordinator: the restarted coordinator waits
