@@ -959,6 +959,13 @@ void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, 
   MaybeStartStep(now, actions);
 }
 
+bool RunController::EverySessionOpen() const {
+  for (const WorkerRecord* worker : membership_.TrainingWorkers()) {
+    if (!worker->session_open) return false;
+  }
+  return true;
+}
+
 void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
   if (dropping_stuck_ || state_ != v1::RUN_STATE_RUNNING || planner_ == nullptr ||
       !planner_prepared_ || orchestrator_.in_flight() || !membership_.Complete()) {
@@ -969,9 +976,7 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
     // gathered the outputs): nothing is left to train, and the workers write the outputs from
     // it, once each has its session open (its assignment with its peers went out on it). They
     // load the checkpoint first, which a step's timeout allows for as before a first step.
-    for (const WorkerRecord* worker : membership_.TrainingWorkers()) {
-      if (!worker->session_open) return;
-    }
+    if (!EverySessionOpen()) return;
     BeginStopping(absl::StrCat("completed ", committed_steps_, " steps"), now, actions);
     stop_deadline_ = std::max(stop_deadline_, now + options_.step_timeout);
     return;
@@ -997,10 +1002,8 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
       return;
     }
   }
+  if (!EverySessionOpen()) return;
   std::vector<WorkerRecord*> live = membership_.TrainingWorkers();
-  for (const WorkerRecord* worker : live) {
-    if (!worker->session_open) return;
-  }
   // A step boundary: the encoder pool changes here (and only here).
   ChangePoolAtBoundary(now, actions);
   live = membership_.TrainingWorkers();

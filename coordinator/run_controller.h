@@ -204,6 +204,8 @@ class RunController {
                         const std::string& cause, absl::Time now);
   void HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time now, Actions* actions);
   void MaybeStartStep(absl::Time now, Actions* actions);
+  // Every worker of the run has its session open (its assignment went out on it).
+  bool EverySessionOpen() const;
   void BeginStopping(const std::string& reason, absl::Time now, Actions* actions);
   void Fail(const std::string& reason, absl::Time now, Actions* actions);
   void MaybeFinishStopping(absl::Time now, Actions* actions);

@@ -1123,13 +1123,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
       c.FileExists("data.val_manifest", s.data().val_manifest(), false);
     }
     c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
-    // A resumed run's parameters all come from its checkpoint: the files it started from may
-    // be gone.
     if (s.checkpoint().resume_from().empty()) {
       c.FileExists("encoder.init_from", s.encoder().init_from(), false);
       c.FileExists("llm.init_from", s.llm().init_from(), false);
-    }
-    if (!s.checkpoint().resume_from().empty()) {
+    } else {
+      // A resumed run's parameters all come from its checkpoint (init_from's files may be gone,
+      // and are not checked); the checkpoint must fit the run.
       absl::StatusOr<CheckpointSummary> checkpoint =
           ReadCheckpointSummary(s.checkpoint().resume_from());
       if (!checkpoint.ok()) {

@@ -189,7 +189,7 @@ void AddDeployCommand(CLI::App& app, int* exit_code) {
                 "memory)")
       ->check(quantity)
       ->capture_default_str();
-  k->add_flag("!--no-disruption-budget", k8s->options.disruption_budget,
+  k->add_flag("!--no-disruption-budgets,!--no-disruption-budget", k8s->options.disruption_budgets,
               "Render no PodDisruptionBudgets (by default a node drain evicts neither the "
               "coordinator nor an LLM pod, which would stop the run, and evicts encoder pods "
               "only while failure.min_encoder_replicas rejoined ones remain)");

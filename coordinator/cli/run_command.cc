@@ -201,16 +201,18 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: " << s.message() << "\n";
     return kExitInvalidInput;
   }
+  int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
+  if (!spec.checkpoint().resume_from().empty()) {
+    absl::StatusOr<config::CheckpointSummary> resume =
+        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
+    if (resume.ok()) first_step = resume->step;
+  }
   // Resumed in a directory whose run went further: its later checkpoints are not this run's to
   // continue from (below, the stopped run's "continue it with --resume").
-  std::vector<coordinator::CheckpointWrite> foreign;
-  if (!spec.checkpoint().resume_from().empty()) {
-    if (absl::StatusOr<config::CheckpointSummary> resume =
-            config::ReadCheckpointSummary(spec.checkpoint().resume_from());
-        resume.ok()) {
-      foreign = coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), resume->step);
-    }
-  }
+  const std::vector<coordinator::CheckpointWrite> foreign =
+      spec.checkpoint().resume_from().empty()
+          ? std::vector<coordinator::CheckpointWrite>()
+          : coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), first_step);
   auto run_dir = RunDirectory::Create(out_dir, spec);
   if (!run_dir.ok()) {
     std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
@@ -473,12 +475,6 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const bool tty = ::isatty(STDERR_FILENO) != 0;
   const absl::Time start = absl::Now();
   double last_loss = 0;
-  int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
-  if (!spec.checkpoint().resume_from().empty()) {
-    absl::StatusOr<config::CheckpointSummary> resume =
-        config::ReadCheckpointSummary(spec.checkpoint().resume_from());
-    if (resume.ok()) first_step = resume->step;
-  }
   ProgressLine progress(spec.run().steps(), first_step, spec.run().log_every(), flags.log_every_s,
                         tty, start, stderr);
   StepMetricsWriter metrics(

@@ -49,7 +49,7 @@ struct DeployOptions {
   // PodDisruptionBudgets: drains evict neither the coordinator nor LLM (colocated) pods, and
   // encoder pods only while failure.min_encoder_replicas Ready ones remain
   // (manifests/disruption.yaml).
-  bool disruption_budget = true;
+  bool disruption_budgets = true;
 
   // Slurm.
   std::string bin_dir;    // where the binaries are on the nodes (absolute)
@@ -89,7 +89,7 @@ std::vector<std::string> PlacementProblems(const config::LoadedRunSpec& loaded,
 // manifests/{secret,runspec,volumes,coordinator,workers,disruption}.yaml (plain objects for
 // `kubectl apply -f DIR/manifests`: the token Secret, the RunSpec ConfigMap, the run and data
 // volumes, the coordinator's Deployment and Service, the workers' headless Service and
-// StatefulSets, the PodDisruptionBudgets unless options.disruption_budget is false) and
+// StatefulSets, the PodDisruptionBudgets unless options.disruption_budgets is false) and
 // kustomization.yaml naming them (`kubectl apply -k DIR`, a base for overlays). The RunSpec in the
 // ConfigMap has its data paths moved under kContainerDataDir (keeping their layout below the
 // deepest directory holding them all), run.out_dir = kContainerRunDir and a checkpoint.dir moved to

@@ -394,7 +394,7 @@ absl::StatusOr<std::vector<RenderedFile>> RenderKubernetes(const config::LoadedR
   std::vector<std::string> resources = {"manifests/secret.yaml", "manifests/runspec.yaml",
                                         "manifests/volumes.yaml", "manifests/coordinator.yaml",
                                         "manifests/workers.yaml"};
-  if (options.disruption_budget) {
+  if (options.disruption_budgets) {
     files.push_back({"manifests/disruption.yaml",
                      absl::StrCat(header, Document(DisruptionBudgets(spec, n, options)))});
     resources.push_back("manifests/disruption.yaml");

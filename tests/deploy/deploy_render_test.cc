@@ -237,13 +237,17 @@ TEST(DeployK8sTest, TinyObjectsFollowTheLayoutsAndRunRealBinaries) {
     ASSERT_EQ(budgets.size(), 1u) << owner["metadata"]["name"];
     EXPECT_EQ(budgets[0]["spec"]["maxUnavailable"].as<int>(), 0);
   }
-  Rendered none;
-  RenderK8s("tiny.yaml", &none, {"--no-disruption-budget"});
-  for (const YAML::Node& object : none.objects) {
-    EXPECT_NE(object["kind"].as<std::string>(), "PodDisruptionBudget");
+  // Without budgets (the flag's singular spelling, of an earlier release, too).
+  for (const char* flag : {"--no-disruption-budgets", "--no-disruption-budget"}) {
+    Rendered none;
+    RenderK8s("tiny.yaml", &none, {flag});
+    for (const YAML::Node& object : none.objects) {
+      EXPECT_NE(object["kind"].as<std::string>(), "PodDisruptionBudget") << flag;
+    }
+    EXPECT_FALSE(std::filesystem::exists(none.dir.path() + "/manifests/disruption.yaml")) << flag;
+    EXPECT_EQ(YAML::LoadFile(none.dir.path() + "/kustomization.yaml")["resources"].size(), 5u)
+        << flag;
   }
-  EXPECT_FALSE(std::filesystem::exists(none.dir.path() + "/manifests/disruption.yaml"));
-  EXPECT_EQ(YAML::LoadFile(none.dir.path() + "/kustomization.yaml")["resources"].size(), 5u);
 }
 
 TEST(DeployK8sTest, LargeExampleRequestsOneGpuPerRankAndAPodPerReplica) {
