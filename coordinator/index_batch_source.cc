@@ -55,6 +55,13 @@ class IndexBatchSource : public BatchSource {
   std::string Position() const override { return committed_.ToString(); }
   data::SamplerCursor CommittedCursor() const override { return committed_; }
   data::SamplerCursor PendingCursor() const override { return pending_.value_or(committed_); }
+  int64_t IndexSamples() const override {
+    return source_ == nullptr ? 0 : static_cast<int64_t>(source_->index().records.size());
+  }
+  void Restore(const data::SamplerCursor& cursor) override {
+    committed_ = cursor;
+    pending_.reset();
+  }
 
  private:
   v1::RunSpec spec_;

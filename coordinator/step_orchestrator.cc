@@ -33,6 +33,7 @@ void StepOrchestrator::Begin(int64_t step, int64_t generation, PlannedStep plan,
   generation_ = generation;
   started_ = now;
   global_loss_tokens_ = plan.global_loss_tokens;
+  data_after_ = plan.data_after;
   tokens_ = plan.tokens;
   images_ = plan.images;
   model_flops_ = plan.model_flops;
@@ -189,6 +190,7 @@ StepOrchestrator::Outcome StepOrchestrator::MaybeCommit(absl::Time now, Outbox* 
   commit->set_loss(loss);
   commit->set_checkpoint(checkpoint_at_commit_);
   commit->set_commit_id(NewCommitId());
+  *commit->mutable_data() = data_after_;
   Broadcast(message, out);
   in_flight_ = false;
   Record(true, loss, now, "");

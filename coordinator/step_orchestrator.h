@@ -60,6 +60,8 @@ struct PlannedStep {
   // step (StepPlan.encoder_joining).
   std::vector<int64_t> encoder_joining;
   std::vector<int64_t> llm_joining;  // the same for the LLM (StepPlan.llm_joining)
+  // Where the data stands once the step commits (StepCommit.data); unset without a data index.
+  v1::DataPosition data_after;
 };
 
 // Builds step plans. Plan, Committed and DataPosition are called with the RunController's lock
@@ -175,6 +177,7 @@ class StepOrchestrator {
   int64_t generation_ = 0;
   absl::Time started_;
   int64_t global_loss_tokens_ = 0;
+  v1::DataPosition data_after_;  // PlannedStep.data_after of the step in flight
   int64_t tokens_ = 0;
   int64_t images_ = 0;
   std::map<std::string, double> model_flops_;

@@ -43,6 +43,9 @@ class StepOrchestratorTest : public ::testing::Test {
     plan.global_loss_tokens = global_tokens;
     plan.worker_plans[e0_->worker_id].set_rank(e0_->world_rank);
     plan.worker_plans[l1_->worker_id].set_rank(l1_->world_rank);
+    plan.data_after.set_index_samples(40);
+    plan.data_after.set_epoch(1);
+    plan.data_after.set_offset(8 + step);
     out_.clear();
     orchestrator_->Begin(step, 1, plan, {e0_, e1_, l0_, l1_}, kT0, &out_);
   }
@@ -131,7 +134,13 @@ TEST_F(StepOrchestratorTest, CombinesGradNormThenCommits) {
   EXPECT_EQ(Report(l0_, true, 250.0, 100), Outcome::kCommitted);
   auto commits = Sent(v1::CoordinatorMessage::kCommit);
   ASSERT_EQ(commits.size(), 4u);
-  EXPECT_DOUBLE_EQ(commits[0].second.commit().loss(), 2.5);
+  for (const auto& [id, m] : commits) {
+    EXPECT_DOUBLE_EQ(m.commit().loss(), 2.5);
+    // Where the plan said the data stands after the step, for the checkpoint's manifest.
+    EXPECT_EQ(m.commit().data().index_samples(), 40);
+    EXPECT_EQ(m.commit().data().epoch(), 1);
+    EXPECT_EQ(m.commit().data().offset(), 8);
+  }
   EXPECT_FALSE(orchestrator_->in_flight());
   ASSERT_EQ(orchestrator_->recent().size(), 1u);
   const v1::StepTiming& timing = orchestrator_->recent().front();

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/control/plan_codec.h"
+#include "common/logging.h"
 #include "common/plan/flops.h"
 #include "common/plan/synthetic_batch.h"
 
@@ -78,6 +79,7 @@ absl::StatusOr<std::unique_ptr<PlanLibraryPlanner>> PlanLibraryPlanner::Create(
         config::ReadCheckpointSummary(spec.checkpoint().resume_from());
     if (!checkpoint.ok()) return checkpoint.status();
     planner->skip_steps_ = checkpoint->step;
+    planner->resume_ = *std::move(checkpoint);
   }
   planner->ledger_from_step_ = ledger_from_step;
   return planner;
@@ -110,10 +112,15 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
       batches_->Next(spec_.run().global_batch());
   if (!samples.ok()) return samples.status();
   planned_ = PlannedSamples{from, batches_->PendingCursor(), static_cast<int64_t>(samples->size())};
+  PlannedStep planned;
+  if (const int64_t index_samples = batches_->IndexSamples(); index_samples > 0) {
+    planned.data_after.set_index_samples(index_samples);
+    planned.data_after.set_epoch(planned_->to.epoch);
+    planned.data_after.set_offset(planned_->to.offset);
+  }
   absl::StatusOr<plan::StepPlan> step_plan =
       plan::BuildStepPlan(subset ? subset->planned() : placement_, *std::move(samples), *options);
   if (!step_plan.ok()) return step_plan.status();
-  PlannedStep planned;
   planned.global_loss_tokens = step_plan->n_global;
   for (const plan::SampleDescriptor& sample : step_plan->samples) {
     planned.tokens += sample.sequence_length();
@@ -150,6 +157,24 @@ absl::Status PlanLibraryPlanner::Prepare() {
     absl::Status opened = batches_->Open();
     if (!opened.ok()) return opened;
   }
+  if (resume_.has_value() && skip_steps_ > 0) {
+    absl::StatusOr<std::optional<data::SamplerCursor>> restart =
+        ResumeCursor(spec_, *resume_, batches_->IndexSamples());
+    if (!restart.ok()) return restart.status();
+    if (restart->has_value()) {
+      // The steps before the checkpoint trained over another index: none of them is replayed
+      // (nor recorded in the ledger); the run goes on with a new epoch over this one.
+      HETPAR_LOG(WARNING) << "the data index changed since checkpoint "
+                          << spec_.checkpoint().resume_from() << " ("
+                          << resume_->data->index_samples << " samples, now "
+                          << batches_->IndexSamples()
+                          << "); it ended an epoch, so the run goes on with epoch "
+                          << (*restart)->epoch << " over the new index";
+      batches_->Restore(**restart);
+      skip_steps_ = 0;
+      return absl::OkStatus();
+    }
+  }
   // A resumed run continues after the samples its checkpoint's steps trained.
   for (int64_t step = 0; skip_steps_ > 0; --skip_steps_, ++step) {
     const data::SamplerCursor from = batches_->CommittedCursor();
@@ -169,6 +194,27 @@ bool PlanLibraryPlanner::NeedsPreparation() const {
 }
 
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
+
+absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
+    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples) {
+  if (!checkpoint.data.has_value() || index_samples <= 0 ||
+      checkpoint.data->index_samples == index_samples) {
+    return std::nullopt;
+  }
+  const config::CheckpointDataPosition& at = *checkpoint.data;
+  if (at.AtEpochBoundary()) {
+    return data::SamplerCursor{at.offset == 0 ? at.epoch : at.epoch + 1, 0};
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint.resume_from='", spec.checkpoint().resume_from(), "' stopped ", at.offset,
+      " samples into epoch ", at.epoch, " of a data index of ", at.index_samples,
+      " samples, and data.manifest='", spec.data().manifest(), "' now indexes ", index_samples,
+      ": the rest of epoch ", at.epoch,
+      " would follow another order, training some of its samples twice and others never. Resume "
+      "over the data it was trained on, or from a checkpoint at the end of an epoch, or start a "
+      "new run from its parameters (`hetpar-reference export`, then encoder.init_from and "
+      "llm.init_from)"));
+}
 
 absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(
     const v1::RunSpec& spec, bool synthetic_batches, std::unique_ptr<data::BatchSource> opened,

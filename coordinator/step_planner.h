@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/config/config.h"
 #include "common/data/batch_source.h"
 #include "common/data/sampler.h"
 #include "common/plan/sample.h"
@@ -44,6 +45,11 @@ class BatchSource {
   // successful Open fails. Sources with nothing to open return OK and need no Open.
   virtual absl::Status Open() { return absl::OkStatus(); }
   virtual bool NeedsOpen() const { return false; }
+  // Samples in the data index, once open; 0 for a source without one (synthetic batches).
+  virtual int64_t IndexSamples() const { return 0; }
+  // Moves the committed position to `cursor` (a resume at an epoch boundary of a data index
+  // that changed: see ResumeCursor). Only for a source with an index.
+  virtual void Restore(const data::SamplerCursor& cursor) { (void)cursor; }
 };
 
 // Seeded synthetic samples (common/plan/synthetic_batch.h) sized from the RunSpec: consecutive
@@ -77,6 +83,16 @@ class SyntheticBatchSource : public BatchSource {
 // before it starts any process): it is used as it is and needs no Open.
 absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
     const v1::RunSpec& spec, std::unique_ptr<data::BatchSource> opened = nullptr);
+
+// Where a run resumed from `checkpoint` (checkpoint.resume_from) continues over a data index of
+// `index_samples` samples. nullopt: by replaying the checkpoint's steps over the index, as
+// always (the index has the size the checkpoint records, or the manifest records none). A
+// cursor: at the start of the checkpoint's next epoch, when the index has another size and the
+// checkpoint is at an epoch boundary (the new epoch's order is over the new index).
+// FailedPrecondition, naming both sizes and the epoch, when the index changed mid-epoch: the rest
+// of the epoch's order would be another one, training some of its samples twice and others never.
+absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
+    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples);
 
 // The coordinator's StepPlanner over the plan library. A run resumed from a checkpoint
 // (checkpoint.resume_from) starts at the checkpoint's step: Prepare skips the samples of the
@@ -113,6 +129,7 @@ class PlanLibraryPlanner : public StepPlanner {
   std::unique_ptr<BatchSource> batches_;
   // Steps of a resumed run's checkpoint whose samples Prepare skips (checkpoint.resume_from).
   int64_t skip_steps_ = 0;
+  std::optional<config::CheckpointSummary> resume_;  // what checkpoint.resume_from's manifest says
   int64_t ledger_from_step_ = -1;  // the first skipped step the ledger records; -1: none
   // Replaced by every Plan (an aborted step is planned again), cleared by Committed.
   std::optional<PlannedSamples> planned_;

@@ -175,6 +175,97 @@ TEST(StepPlannerTest, ASkippedStepIsInTheLedgerFromTheStepItIsAskedTo) {
   std::filesystem::remove_all(checkpoint);
 }
 
+// The samples of a planned step, in the plan's order of ids.
+std::set<int64_t> Expected(const std::vector<int64_t>& order, size_t from, size_t count) {
+  return std::set<int64_t>(order.begin() + from, order.begin() + from + count);
+}
+
+// A resume over a data index of another size than its checkpoint's manifest records: refused
+// mid-epoch (the rest of the epoch would follow another order), and at an epoch boundary the run
+// goes on with the next epoch's order over the new index, instead of replaying the checkpoint's
+// steps over the new index (which lands mid-epoch elsewhere).
+TEST(StepPlannerTest, AResumeOverAnIndexOfAnotherSizeGoesOnOnlyFromAnEpochBoundary) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("hetpar_planner_data_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "ckpt");
+  // Two generated data sets: 40 samples, and 24.
+  auto over = [&](const std::string& name, int64_t samples) {
+    v1::RunSpec spec = Spec();
+    spec.mutable_run()->set_steps(10);
+    const std::string data = (dir / name).string();
+    fs::create_directories(data);
+    spec.mutable_data()->set_manifest(data + "/train.jsonl");
+    spec.mutable_data()->set_tokenizer(data + "/tokenizer.model");
+    spec.mutable_data()->set_index(data + "/train.jsonl.index");
+    spec.mutable_data()->set_image_token("<image>");
+    spec.mutable_data()->set_chat_template("plain");
+    spec.mutable_data()->mutable_synth()->set_samples(samples);
+    spec.mutable_data()->mutable_synth()->set_seed(3);
+    spec.mutable_checkpoint()->set_resume_from((dir / "ckpt").string());
+    return spec;
+  };
+  auto checkpoint = [&](int64_t step, const std::string& data) {
+    std::ofstream(dir / "ckpt" / "manifest.json")
+        << R"({"format": 1, "step": )" << step << R"(, "extra": {"samples_trained": )" << step * 8
+        << R"(, "data": )" << data << "}}";
+  };
+  const v1::RunSpec forty = over("forty", 40);
+  const v1::RunSpec twenty_four = over("twenty-four", 24);
+  const Membership membership = FullMembership(forty);
+
+  // Step 3 of the 40 (24 samples into epoch 0).
+  checkpoint(3, R"({"index_samples": 40, "epoch": 0, "offset": 24})");
+  {
+    auto same = MakeStepPlanner(forty, /*synthetic_batches=*/false);
+    ASSERT_TRUE(same.ok()) << same.status();
+    ASSERT_TRUE((*same)->Prepare().ok());
+    EXPECT_EQ((*same)->DataPosition(), "epoch=0,offset=24");
+    auto step = (*same)->Plan(3, 1, membership);
+    ASSERT_TRUE(step.ok()) << step.status();
+    // The plan says where the data stands once the step commits.
+    EXPECT_EQ(step->data_after.index_samples(), 40);
+    EXPECT_EQ(step->data_after.epoch(), 0);
+    EXPECT_EQ(step->data_after.offset(), 32);
+  }
+  {
+    auto changed = MakeStepPlanner(twenty_four, false);
+    ASSERT_TRUE(changed.ok()) << changed.status();
+    const absl::Status prepared = (*changed)->Prepare();
+    EXPECT_EQ(prepared.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(prepared.message()),
+                HasSubstr("stopped 24 samples into epoch 0 of a data index of 40 samples, and "
+                          "data.manifest='" +
+                          twenty_four.data().manifest() + "' now indexes 24"));
+  }
+
+  // Step 5 of the 40: the end of epoch 0. Over the 24, the run goes on with epoch 1's order.
+  checkpoint(5, R"({"index_samples": 40, "epoch": 0, "offset": 40})");
+  auto planner = MakeStepPlanner(twenty_four, false);
+  ASSERT_TRUE(planner.ok()) << planner.status();
+  ASSERT_TRUE((*planner)->Prepare().ok());
+  EXPECT_EQ((*planner)->DataPosition(), "epoch=1,offset=0");
+  auto sampler = data::EpochSampler::Create(24, /*seed=*/5);
+  ASSERT_TRUE(sampler.ok()) << sampler.status();
+  const std::vector<int64_t> epoch1 = (*sampler)->EpochOrder(1);
+  for (int64_t step = 5; step < 8; ++step) {
+    auto planned = (*planner)->Plan(step, 1, membership);
+    ASSERT_TRUE(planned.ok()) << planned.status();
+    EXPECT_EQ(SampleIds(*planned), Expected(epoch1, 8 * (step - 5), 8)) << step;
+    EXPECT_EQ(planned->data_after.index_samples(), 24);
+    EXPECT_EQ(planned->data_after.epoch(), 1);
+    EXPECT_EQ(planned->data_after.offset(), 8 * (step - 4));
+    (*planner)->Committed(step);
+  }
+  // The same at the start of an epoch (offset 0).
+  checkpoint(5, R"({"index_samples": 40, "epoch": 1, "offset": 0})");
+  auto started = MakeStepPlanner(twenty_four, false);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_TRUE((*started)->Prepare().ok());
+  EXPECT_EQ((*started)->DataPosition(), "epoch=1,offset=0");
+  fs::remove_all(dir);
+}
+
 TEST(StepPlannerTest, BatchThatDoesNotDivideFailsAtCreation) {
   v1::RunSpec spec = Spec();
   spec.mutable_run()->set_global_batch(7);

@@ -60,10 +60,10 @@ std::vector<worker::GradNormShare> ColocatedModules::GradNormShares() const {
   return shares;
 }
 
-absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient, bool checkpoint,
-                                     uint64_t commit_id) {
-  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, checkpoint, commit_id));
-  return llm_->Apply(step, clip_coefficient, checkpoint, commit_id);
+absl::Status ColocatedModules::Apply(int64_t step, double clip_coefficient,
+                                     const v1::StepCommit& commit) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Apply(step, clip_coefficient, commit));
+  return llm_->Apply(step, clip_coefficient, commit);
 }
 
 absl::Status ColocatedModules::Regroup(int64_t generation, const worker::StepReplicas& replicas) {
@@ -72,9 +72,9 @@ absl::Status ColocatedModules::Regroup(int64_t generation, const worker::StepRep
   return llm_->Regroup(generation, replicas);
 }
 
-absl::Status ColocatedModules::Skip(int64_t step, bool checkpoint, uint64_t commit_id) {
-  HETPAR_RETURN_IF_ERROR(encoder_->Skip(step, checkpoint, commit_id));
-  return llm_->Skip(step, checkpoint, commit_id);
+absl::Status ColocatedModules::Skip(int64_t step, const v1::StepCommit& commit) {
+  HETPAR_RETURN_IF_ERROR(encoder_->Skip(step, commit));
+  return llm_->Skip(step, commit);
 }
 
 void ColocatedModules::Discard() {

@@ -25,10 +25,9 @@ class ColocatedModules : public worker::ModuleRuntime {
 
   absl::StatusOr<worker::StepOutcome> RunStep(const plan::RankStepPlan& plan) override;
   std::vector<worker::GradNormShare> GradNormShares() const override;
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
-                     uint64_t commit_id) override;
+  absl::Status Apply(int64_t step, double clip_coefficient, const v1::StepCommit& commit) override;
   void Discard() override;
-  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) override;
+  absl::Status Skip(int64_t step, const v1::StepCommit& commit) override;
   void StepNotRun(const plan::RankStepPlan& plan) override;
   absl::Status Regroup(int64_t generation, const worker::StepReplicas& replicas) override;
   absl::Status WriteOutputs(const worker::OutputSender& send, int64_t world_rank) override;

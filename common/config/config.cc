@@ -667,6 +667,18 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
   if (extra.is_object() && extra.contains("run") && extra["run"].is_string()) {
     summary.run = extra["run"].get<std::string>();
   }
+  if (extra.is_object() && extra.contains("data") && extra["data"].is_object()) {
+    const nlohmann::json& data = extra["data"];
+    const auto count = [&data](const char* key) -> int64_t {
+      return data.contains(key) && data[key].is_number_integer() ? data[key].get<int64_t>() : -1;
+    };
+    CheckpointDataPosition position{count("index_samples"), count("epoch"), count("offset")};
+    // Only a position that fits its own index: anything else is read as not recorded.
+    if (position.index_samples > 0 && position.epoch >= 0 && position.offset >= 0 &&
+        position.offset <= position.index_samples) {
+      summary.data = position;
+    }
+  }
   return summary;
 }
 
@@ -1148,9 +1160,11 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                             " samples in ", step, " steps (a global batch of ", samples / step,
                             "); run.global_batch=", s.run().global_batch(),
                             ": resume with the global batch it was written with"));
-      } else if (checkpoint->seed.has_value() && *checkpoint->seed != s.run().seed()) {
+      } else if (checkpoint->seed.has_value() && *checkpoint->seed != s.run().seed() &&
+                 !(checkpoint->data.has_value() && checkpoint->data->AtEpochBoundary())) {
         // The epoch order follows the seed: another one would train some samples of the
-        // current epoch twice and skip others.
+        // current epoch twice and skip others. At an epoch boundary (as the checkpoint records)
+        // the next epoch's order simply follows the new seed.
         c.Fail("run.seed",
                absl::StrCat("=", s.run().seed(), " differs from the seed ", *checkpoint->seed,
                             " that checkpoint.resume_from='", s.checkpoint().resume_from(),

@@ -80,12 +80,23 @@ inline constexpr int64_t kDefaultMaxInflight = 2;
 // What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
 // was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
 // manifest without a step.
+// Where the training data stood at a checkpoint (StepCommit.data): `offset` samples of epoch
+// `epoch`'s order taken over a data index of `index_samples` samples.
+struct CheckpointDataPosition {
+  int64_t index_samples = 0;
+  int64_t epoch = 0;
+  int64_t offset = 0;
+  // No sample of an epoch taken yet, or all of them: the next step starts a new epoch's order.
+  bool AtEpochBoundary() const { return offset == 0 || offset == index_samples; }
+};
+
 struct CheckpointSummary {
   int64_t step = 0;              // committed steps
   int64_t samples_trained = -1;  // -1: the manifest does not say
   std::optional<int64_t> seed;   // run.seed it was trained with; none: the manifest does not say
   std::string run;               // run.name it was written by; empty: the manifest does not say
   uint64_t write_id = 0;         // the write's id (a new one each time a step is written); 0: none
+  std::optional<CheckpointDataPosition> data;  // none: the manifest does not say
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

@@ -359,6 +359,31 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
               "=1234 differs from the seed 99 that checkpoint.resume_from='" + step4 +
                   "' was trained with: the data order would change mid-epoch; resume with "
                   "run.seed=99");
+  // Mid-epoch as the manifest records it (32 of 40 samples of epoch 0): still refused.
+  std::ofstream(dir / "step-000004" / "manifest.json")
+      << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32, "seed": 99, "data": )"
+      << R"({"index_samples": 40, "epoch": 0, "offset": 32}}})";
+  ASSERT_TRUE(ReadCheckpointSummary(step4)->data.has_value());
+  EXPECT_EQ(ReadCheckpointSummary(step4)->data->index_samples, 40);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->data->epoch, 0);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->data->offset, 32);
+  ExpectIssue(with_files(step4, 10), "run.seed", 0, "differs from the seed 99");
+  // At the end of an epoch (32 of 32, or 0 of the next): the next epoch's order may follow
+  // another seed.
+  for (const char* position : {R"({"index_samples": 32, "epoch": 0, "offset": 32})",
+                               R"({"index_samples": 16, "epoch": 2, "offset": 0})"}) {
+    std::ofstream(dir / "step-000004" / "manifest.json")
+        << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32, "seed": 99, "data": )"
+        << position << "}}";
+    auto reseeded = with_files(step4, 10);
+    EXPECT_TRUE(reseeded.ok()) << position << ": " << reseeded.status();
+  }
+  // A position that does not fit its own index is read as none (the seed check stands).
+  std::ofstream(dir / "step-000004" / "manifest.json")
+      << R"({"format": 1, "step": 4, "extra": {"samples_trained": 32, "seed": 99, "data": )"
+      << R"({"index_samples": 16, "epoch": 2, "offset": 17}}})";
+  EXPECT_FALSE(ReadCheckpointSummary(step4)->data.has_value());
+  ExpectIssue(with_files(step4, 10), "run.seed", 0, "differs from the seed 99");
   fs::remove_all(dir);
   // The spec of a run already under way (its evaluation reads its config.yaml): the checkpoint
   // it started from may be pruned by now; the field is dropped, not checked.

@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/plan/step_plan.h"
+#include "hetpar/v1/coordinator.pb.h"
 #include "hetpar/v1/plan.pb.h"
 
 namespace hetpar::worker {
@@ -68,16 +69,16 @@ class ModuleRuntime {
   virtual std::vector<GradNormShare> GradNormShares() const = 0;
   // The coordinator's decision to commit: scale the gradients by `clip_coefficient`, take the
   // optimizer step of 0-based step `step`, drop the gradients; then write a checkpoint when the
-  // step ends a checkpoint interval or the commit asks for one (`checkpoint`), its shards stamped
-  // with the commit's `commit_id` (StepCommit.commit_id).
-  virtual absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
-                             uint64_t commit_id) = 0;
+  // step ends a checkpoint interval or `commit` asks for one (StepCommit.checkpoint), its shards
+  // stamped with the commit's commit_id and its manifest recording the commit's data position.
+  virtual absl::Status Apply(int64_t step, double clip_coefficient,
+                             const v1::StepCommit& commit) = 0;
   // The coordinator aborted the step: drop its gradients; parameters stay as they were.
   virtual void Discard() = 0;
   // The coordinator committed step `step` without an update (a non-finite gradient norm): drop
   // its gradients, parameters stay as they were; then write the checkpoint Apply would have
   // written (the state after the step is the one before it).
-  virtual absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) = 0;
+  virtual absl::Status Skip(int64_t step, const v1::StepCommit& commit) = 0;
   // The step of `plan` failed on this rank before RunStep (its groups could not be formed, or a
   // joined replica's state did not arrive): the boundary messages live peers still send in it
   // are absorbed, as when RunStep fails. Left unmatched, a sender's large message would hold its

@@ -311,24 +311,24 @@ std::vector<GradNormShare> ModuleState::GradNormShares() const {
                                                  : train::OwnedGradSums(*params_).square_sum}};
 }
 
-absl::Status ModuleState::Apply(int64_t step, double clip_coefficient, bool checkpoint_now,
-                                uint64_t commit_id) {
+absl::Status ModuleState::Apply(int64_t step, double clip_coefficient,
+                                const v1::StepCommit& commit) {
   grad_square_sum_.reset();
   HETPAR_RETURN_IF_ERROR(optimizer_->Step(step, clip_coefficient));
-  return CheckpointIfDue(step, checkpoint_now, commit_id);
+  return CheckpointIfDue(step, commit);
 }
 
-absl::Status ModuleState::Skip(int64_t step, bool checkpoint_now, uint64_t commit_id) {
+absl::Status ModuleState::Skip(int64_t step, const v1::StepCommit& commit) {
   Discard();
-  return CheckpointIfDue(step, checkpoint_now, commit_id);
+  return CheckpointIfDue(step, commit);
 }
 
-absl::Status ModuleState::CheckpointIfDue(int64_t step, bool checkpoint_now, uint64_t commit_id) {
+absl::Status ModuleState::CheckpointIfDue(int64_t step, const v1::StepCommit& commit) {
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const int64_t committed = step + 1;
   const bool due =
       !checkpoint.dir().empty() &&
-      (checkpoint_now || (checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
+      (commit.checkpoint() || (checkpoint.every() > 0 && committed % checkpoint.every() == 0) ||
        committed == spec_.run().steps());
   if (!due || gradient_rank_ != 0) {
     // A save that ended since is taken in now: its failure is told at the first commit after
@@ -339,7 +339,7 @@ absl::Status ModuleState::CheckpointIfDue(int64_t step, bool checkpoint_now, uin
     }
     return absl::OkStatus();
   }
-  return WriteCheckpoint(committed, commit_id);
+  return WriteCheckpoint(committed, commit);
 }
 
 namespace {
@@ -384,14 +384,15 @@ int AwaitCheckpointWrites() {
   return g_writes_running;
 }
 
-absl::Status ModuleState::WriteCheckpoint(int64_t committed, uint64_t commit_id) {
+absl::Status ModuleState::WriteCheckpoint(int64_t committed, const v1::StepCommit& commit) {
   // One save at a time: the previous one must have finished (and succeeded) first.
   HETPAR_RETURN_IF_ERROR(FinishCheckpoint());
-  return Annotate(StartCheckpoint(committed, commit_id),
+  return Annotate(StartCheckpoint(committed, commit),
                   absl::StrCat("writing the ", name_, " checkpoint of step ", committed));
 }
 
-absl::Status ModuleState::StartCheckpoint(int64_t committed, uint64_t commit_id) {
+absl::Status ModuleState::StartCheckpoint(int64_t committed, const v1::StepCommit& commit) {
+  const uint64_t commit_id = commit.commit_id();
   const v1::CheckpointSpec& checkpoint = spec_.checkpoint();
   const std::string dir =
       (std::filesystem::path(checkpoint.dir()) / train::CheckpointDirName(committed)).string();
@@ -425,6 +426,13 @@ absl::Status ModuleState::StartCheckpoint(int64_t committed, uint64_t commit_id)
                           {"samples_trained", committed * spec_.run().global_batch()},
                           {"seed", spec_.run().seed()},
                           {"runspec", config::RunSpecToYaml(spec_)}};
+  // Where the data order stood, for a resume to check that it continues the same order
+  // (config::CheckpointDataPosition; not known with synthetic batches).
+  if (const v1::DataPosition& data = commit.data(); data.index_samples() > 0) {
+    extra["data"] = {{"index_samples", data.index_samples()},
+                     {"epoch", data.epoch()},
+                     {"offset", data.offset()}};
+  }
   // A thread of its own, not std::async, whose future would block its destructor: a write hung
   // on the file system is given up after the deadline (FinishCheckpoint) instead of holding the
   // worker forever. The thread owns everything it touches.

@@ -89,10 +89,10 @@ class ModuleState {
   static absl::StatusOr<std::vector<double>> EndSteps(
       const std::vector<std::pair<ModuleState*, at::Tensor>>& states);
   std::vector<GradNormShare> GradNormShares() const;
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint, uint64_t commit_id);
+  absl::Status Apply(int64_t step, double clip_coefficient, const v1::StepCommit& commit);
   void Discard();
   // A step committed without an update: Discard, then the checkpoint Apply would write.
-  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id);
+  absl::Status Skip(int64_t step, const v1::StepCommit& commit);
   // Waits for a checkpoint still being written first.
   absl::Status WriteOutputs(const OutputSender& send, int64_t world_rank);
 
@@ -119,9 +119,9 @@ class ModuleState {
   absl::Status FormGroups(WorkerContext& context, const StepReplicas& replicas);
   // Copies this rank's shard of the checkpoint after `committed` steps and starts writing it on
   // a thread of its own (and, if it is the last shard, the manifest), after the previous save.
-  absl::Status WriteCheckpoint(int64_t committed, uint64_t commit_id);
+  absl::Status WriteCheckpoint(int64_t committed, const v1::StepCommit& commit);
   // WriteCheckpoint's copy and thread, once the previous save is finished.
-  absl::Status StartCheckpoint(int64_t committed, uint64_t commit_id);
+  absl::Status StartCheckpoint(int64_t committed, const v1::StepCommit& commit);
   // Waits for the save in progress, at most half of failure.step_timeout_s; its error, or
   // DEADLINE_EXCEEDED (then the save is given up, and so is every other save of this process
   // still running when a later call asks). Both name the save's step; a full, read-only or
@@ -129,7 +129,7 @@ class ModuleState {
   absl::Status FinishCheckpoint();
   // After step `step` committed: the checkpoint its interval or the commit asks for, if any;
   // else the result of a save that has ended since the last call.
-  absl::Status CheckpointIfDue(int64_t step, bool checkpoint_now, uint64_t commit_id);
+  absl::Status CheckpointIfDue(int64_t step, const v1::StepCommit& commit);
 
   nn::ParameterSet* params_ = nullptr;
   std::optional<double> grad_square_sum_;  // EndStep's read of this step's share
@@ -165,13 +165,12 @@ absl::Status RegroupStates(WorkerContext& context, int64_t generation, const Ste
 class SingleModuleRuntime : public ModuleRuntime {
  public:
   std::vector<GradNormShare> GradNormShares() const override { return state_.GradNormShares(); }
-  absl::Status Apply(int64_t step, double clip_coefficient, bool checkpoint,
-                     uint64_t commit_id) override {
-    return state_.Apply(step, clip_coefficient, checkpoint, commit_id);
+  absl::Status Apply(int64_t step, double clip_coefficient, const v1::StepCommit& commit) override {
+    return state_.Apply(step, clip_coefficient, commit);
   }
   void Discard() override { state_.Discard(); }
-  absl::Status Skip(int64_t step, bool checkpoint, uint64_t commit_id) override {
-    return state_.Skip(step, checkpoint, commit_id);
+  absl::Status Skip(int64_t step, const v1::StepCommit& commit) override {
+    return state_.Skip(step, commit);
   }
   void StepNotRun(const plan::RankStepPlan& plan) override {
     context_->boundary().AbandonUnrun(plan);

@@ -326,9 +326,8 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
     HETPAR_LOG(WARNING) << "step " << step << " skipped: its gradient norm is "
                         << norm.grad_norm().norm();
     // Committed all the same: its checkpoint, when one is due, holds the state it left.
-    HETPAR_RETURN_IF_ERROR(
-        Annotate(modules_->Skip(step, commit.commit().checkpoint(), commit.commit().commit_id()),
-                 absl::StrCat("committing step ", step, " (skipped)")));
+    HETPAR_RETURN_IF_ERROR(Annotate(modules_->Skip(step, commit.commit()),
+                                    absl::StrCat("committing step ", step, " (skipped)")));
     ++steps_skipped_;
     last_optimizer_s_ = 0;
     state_ = State::kAwaitingPlan;
@@ -339,8 +338,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
   const absl::Time optimizer_start = absl::Now();
   const trace::Clock::time_point optimizer_trace_start = trace::Clock::now();
   HETPAR_RETURN_IF_ERROR(
-      Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient(),
-                               commit.commit().checkpoint(), commit.commit().commit_id()),
+      Annotate(modules_->Apply(step, norm.grad_norm().clip_coefficient(), commit.commit()),
                absl::StrCat("committing step ", step)));
   last_optimizer_s_ = absl::ToDoubleSeconds(absl::Now() - optimizer_start);
   trace::Record(trace::kStepLane, "optimizer", "optimizer", optimizer_trace_start);

@@ -87,8 +87,9 @@ class RecordingModule : public ModuleRuntime {
     return outcome;
   }
   std::vector<GradNormShare> GradNormShares() const override { return {{v1::MODULE_ENCODER, 4.0}}; }
-  absl::Status Apply(int64_t step, double clip, bool checkpoint, uint64_t /*commit_id*/) override {
-    calls.push_back(absl::StrCat("apply ", step, " clip ", clip, checkpoint ? " checkpoint" : ""));
+  absl::Status Apply(int64_t step, double clip, const v1::StepCommit& commit) override {
+    calls.push_back(
+        absl::StrCat("apply ", step, " clip ", clip, commit.checkpoint() ? " checkpoint" : ""));
     if (!pending) return absl::InternalError("apply without gradients");
     pending = false;
     ++updates;
@@ -98,8 +99,8 @@ class RecordingModule : public ModuleRuntime {
     calls.push_back("discard");
     pending = false;
   }
-  absl::Status Skip(int64_t step, bool checkpoint, uint64_t /*commit_id*/) override {
-    calls.push_back(absl::StrCat("skip ", step, checkpoint ? " checkpoint" : ""));
+  absl::Status Skip(int64_t step, const v1::StepCommit& commit) override {
+    calls.push_back(absl::StrCat("skip ", step, commit.checkpoint() ? " checkpoint" : ""));
     pending = false;
     return absl::OkStatus();
   }

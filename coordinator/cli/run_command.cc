@@ -202,10 +202,14 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     return kExitInvalidInput;
   }
   int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
+  std::optional<config::CheckpointSummary> resumed;
   if (!spec.checkpoint().resume_from().empty()) {
     absl::StatusOr<config::CheckpointSummary> resume =
         config::ReadCheckpointSummary(spec.checkpoint().resume_from());
-    if (resume.ok()) first_step = resume->step;
+    if (resume.ok()) {
+      first_step = resume->step;
+      resumed = *std::move(resume);
+    }
   }
   // Resumed in a directory whose run went further: its later checkpoints are not this run's to
   // continue from (below, the stopped run's "continue it with --resume").
@@ -226,6 +230,15 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     std::cerr << "hetpar run: cannot open the training data: " << batches.status().message()
               << "\n";
     return kExitInvalidInput;
+  }
+  if (resumed.has_value()) {
+    // Before any worker starts: a data index that changed mid-epoch cannot continue the order.
+    const absl::StatusOr<std::optional<data::SamplerCursor>> cursor = coordinator::ResumeCursor(
+        spec, *resumed, static_cast<int64_t>((*batches)->index().records.size()));
+    if (!cursor.ok()) {
+      std::cerr << "hetpar run: " << cursor.status().message() << "\n";
+      return kExitInvalidInput;
+    }
   }
 
   auto token = coordinator::GenerateToken();

@@ -758,6 +758,39 @@ TEST_F(RunFaultsTest, AResumeNeedsNotTheInitFromFilesItsRunStartedFrom) {
   EXPECT_THAT(refused->stderr_text, HasSubstr("encoder.init_from"));
 }
 
+// A checkpoint records where the data order stood (the index size, the epoch and the offset into
+// it); a resume over a data set of another size mid-epoch is refused before any worker starts,
+// naming both sizes, instead of going on in another order.
+TEST_F(RunFaultsTest, AResumeOverDataOfAnotherSizeMidEpochIsRefused) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  ASSERT_NO_FATAL_FAILURE(TrainTwoStepsInto(checkpoints));
+  const nlohmann::json manifest =
+      nlohmann::json::parse(ReadFile(checkpoints + "/step-000002/manifest.json"), nullptr, false);
+  ASSERT_TRUE(manifest.is_object()) << ReadFile(checkpoints + "/step-000002/manifest.json");
+  // 2 steps of global_batch 8 over the 128 samples.
+  EXPECT_EQ(manifest["extra"]["data"],
+            nlohmann::json::parse(R"({"index_samples": 128, "epoch": 0, "offset": 16})"));
+  std::vector<std::string> resumed = RunArgs(4);
+  for (std::string& arg : resumed) {
+    // Another data set, of 100 samples.
+    if (const size_t at = arg.find(dir_ + "/data/"); at != std::string::npos) {
+      arg.replace(at, dir_.size() + 6, dir_ + "/data2/");
+    }
+    if (arg == "data.synth.samples=128") arg = "data.synth.samples=100";
+  }
+  *(std::find(resumed.begin(), resumed.end(), "--out") + 1) = dir_ + "/resumed";
+  resumed.insert(resumed.end(), {"--resume", checkpoints + "/step-000002", "--set",
+                                 "checkpoint.dir=" + checkpoints});
+  auto refused = RunCommand(resumed, 120);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2) << refused->stdout_text << refused->stderr_text;
+  EXPECT_THAT(refused->stderr_text,
+              HasSubstr("stopped 16 samples into epoch 0 of a data index of 128 samples, and "
+                        "data.manifest='" +
+                        dir_ + "/data2/train.jsonl' now indexes 100"));
+  EXPECT_TRUE(WorkersOf("hetpar-llm").empty());
+}
+
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
 // them step by step and prune them) and names the newest; resuming from it there is allowed.
 TEST_F(RunFaultsTest, ANewRunRefusesACheckpointDirectoryThatHoldsAnotherRunsCheckpoints) {
