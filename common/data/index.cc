@@ -150,6 +150,7 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
 
   DataIndex index;
   index.source = *source;
+  index.images_verified = options.verify_images;
   // Malformed manifest lines the loader skipped and the samples' own problems, by line.
   std::vector<std::pair<int64_t, BadSample>> bad;
   for (const BadSample& b : loader.manifest().bad) {
@@ -207,6 +208,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"overlong", OverlongName(s.overlong)},
                  {"chat_template", ChatTemplateName(s.chat_template)},
                  {"skip_bad_samples", s.skip_bad_samples},
+                 {"images_verified", index.images_verified},
                  {"samples", index.records.size()},
                  {"bad_samples", index.bad.size()}};
   std::string out = Dump(header);
@@ -280,6 +282,7 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         }
         s.chat_template = *chat_template;
         s.skip_bad_samples = json.at("skip_bad_samples").get<bool>();
+        index.images_verified = json.value("images_verified", false);
         expected_samples = json.at("samples").get<int64_t>();
         expected_bad = json.at("bad_samples").get<int64_t>();
         continue;
@@ -386,6 +389,13 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
   absl::StatusOr<DataIndex> existing = ReadIndex(path);
   if (existing.ok()) {
     absl::Status fresh = CheckIndexSource(*existing, *current);
+    if (fresh.ok() && options.verify_images && !existing->images_verified) {
+      // A bad image it let through would fail a training step, again on every retry, even
+      // under data.skip_bad_samples.
+      fresh = absl::FailedPreconditionError(
+          "it was built without decoding its images (hetpar data index --no-verify-images, or an "
+          "index written before that was recorded), and training decodes each image once first");
+    }
     if (fresh.ok()) {
       for (const BadSample& b : existing->bad) {
         HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();
@@ -398,7 +408,13 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
   }
   absl::StatusOr<DataIndex> built = BuildIndex(loader, options);
   if (!built.ok()) return built.status();
-  if (absl::Status s = WriteIndex(*built, path); !s.ok()) return s;
+  if (absl::Status s = WriteIndex(*built, path); !s.ok()) {
+    // A data set on a read-only mount: the index is good, only not kept for the next start.
+    HETPAR_LOG(WARNING) << "the data index built for " << loader.options().manifest
+                        << " is not saved (" << s.message() << "); it is built again at every "
+                        << "start: set data.index to a writable path, or write it once with "
+                        << "`hetpar data index`";
+  }
   if (rebuilt != nullptr) *rebuilt = true;
   return built;
 }

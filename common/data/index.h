@@ -53,6 +53,9 @@ struct DataIndex {
   IndexSource source;
   std::vector<IndexRecord> records;  // usable samples, in manifest order
   std::vector<BadSample> bad;        // samples skipped (skip_bad_samples), in manifest order
+  // Built with IndexBuildOptions::verify_images: every kept image decoded. Absent from older
+  // files: false.
+  bool images_verified = false;
 
   // The record of `id`, or nullptr.
   const IndexRecord* Find(const std::string& id) const;
@@ -89,8 +92,10 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path);
 // OK when `index` was built from `current`; FailedPrecondition naming what changed otherwise.
 absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current);
 
-// Reads the index at `path` when it matches the loader's files and settings; otherwise builds
-// it and writes it to `path`. *rebuilt (optional) tells which happened.
+// Reads the index at `path` when it matches the loader's files and settings (and, when `options`
+// verify images, was built decoding them); otherwise builds it and writes it to `path`. A `path`
+// that cannot be written (a read-only data set) only warns: the index built is returned.
+// *rebuilt (optional) tells which happened.
 absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
                                            const IndexBuildOptions& options,
                                            bool* rebuilt = nullptr);

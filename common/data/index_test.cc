@@ -171,6 +171,64 @@ TEST_F(IndexTest, StaleIndexIsDetectedAndRebuilt) {
   EXPECT_EQ(again->records.size(), 41u);
 }
 
+// An index built without decoding images (hetpar data index --no-verify-images) let a corrupt
+// image through; a caller that verifies (training) rebuilds it and skips the sample, instead of
+// failing the step that meets it.
+TEST_F(IndexTest, AnIndexBuiltWithoutDecodingImagesIsRebuiltByACallerThatDecodes) {
+  std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
+  png.resize(png.size() / 2);
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/half.png", png).ok());
+  ManifestRecord corrupt;
+  corrupt.id = "corrupt";
+  corrupt.prompt = "<image>describe the image.";
+  corrupt.images = {"half.png"};
+  corrupt.text = "the image is cut.";
+  const std::string manifest = dir_ + "/cut.jsonl";
+  ASSERT_TRUE(
+      WriteFileAtomically(manifest, ManifestRecordToJson(MakeSynthSample(3, "train", 0, 3).record) +
+                                        "\n" + ManifestRecordToJson(corrupt) + "\n")
+          .ok());
+  LoaderOptions skip = Options(manifest);
+  skip.skip_bad_samples = true;
+  std::unique_ptr<DataLoader> loader = Make(skip);
+  ASSERT_NE(loader, nullptr);
+  const std::string path = manifest + ".index";
+  IndexBuildOptions quick;
+  quick.verify_images = false;
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> unverified = LoadOrBuildIndex(*loader, path, quick, &rebuilt);
+  ASSERT_TRUE(unverified.ok()) << unverified.status();
+  EXPECT_EQ(unverified->records.size(), 2u);  // the file exists
+  EXPECT_FALSE(ReadIndex(path)->images_verified);
+  // Another quick load takes it as it is.
+  ASSERT_TRUE(LoadOrBuildIndex(*loader, path, quick, &rebuilt).ok());
+  EXPECT_FALSE(rebuilt);
+  absl::StatusOr<DataIndex> verified =
+      LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(verified.ok()) << verified.status();
+  EXPECT_TRUE(rebuilt);
+  ASSERT_EQ(verified->records.size(), 1u);
+  EXPECT_EQ(verified->records[0].id, "train-000000");
+  ASSERT_EQ(verified->bad.size(), 1u);
+  EXPECT_EQ(verified->bad[0].id, "corrupt");
+  EXPECT_TRUE(ReadIndex(path)->images_verified);
+  ASSERT_TRUE(LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt).ok());
+  EXPECT_FALSE(rebuilt);
+}
+
+// A data set whose index cannot be written (a read-only mount; here a path below a regular
+// file, which no one can create) is still opened: the index is built and returned, only not kept.
+TEST_F(IndexTest, AnIndexThatCannotBeSavedIsStillUsed) {
+  const std::string path = dir_ + "/train.jsonl/train.jsonl.index";
+  ASSERT_FALSE(WriteIndex(*BuildIndex(*Make(Options()), IndexBuildOptions()), path).ok());
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> index =
+      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(index->records.size(), 40u);
+}
+
 TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   // Lines 1-3 good, 4 missing image, 5 corrupt manifest line, 6 good, 7 corrupt image.
   std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
