@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/data/loader.h"
+#include "common/logging.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 #include "common/train/batch.h"
@@ -18,24 +19,20 @@
 namespace hetpar::llm {
 namespace {
 
-// Predictions for samples [begin, end) of `loader`, one vector per sample, and the samples'
-// token sequences (for the metrics).
+// Predictions for loaded samples, one vector per sample, and the samples' token sequences (for
+// the metrics).
 struct MicrobatchPredictions {
   std::vector<data::LoadedSample> samples;
   std::vector<std::vector<int32_t>> ids;
 };
 
-absl::StatusOr<MicrobatchPredictions> PredictMicrobatch(const data::DataLoader& loader,
-                                                        int64_t begin, int64_t end,
+absl::StatusOr<MicrobatchPredictions> PredictMicrobatch(std::vector<data::LoadedSample> samples,
                                                         encoder::VisionEncoder& encoder,
                                                         LanguageModel& llm) {
   MicrobatchPredictions out;
+  out.samples = std::move(samples);
   std::vector<LlmSample> llm_samples;
   std::vector<const std::vector<float>*> pixels;
-  for (int64_t ordinal = begin; ordinal < end; ++ordinal) {
-    HETPAR_ASSIGN_OR_RETURN(data::LoadedSample sample, loader.Load(ordinal));
-    out.samples.push_back(std::move(sample));
-  }
   for (const data::LoadedSample& sample : out.samples) {
     llm_samples.push_back(LlmSampleOf(sample, encoder.tokens_per_image()));
     for (const std::vector<float>& image : sample.images) pixels.push_back(&image);
@@ -64,7 +61,8 @@ std::string EvaluationResult::ToJson() const {
   std::string out = "{\"eval\":{";
   if (step >= 0) absl::StrAppend(&out, "\"step\":", step, ",");
   absl::StrAppend(&out, "\"split\":\"val\",\"samples\":", captions.with_images.samples,
-                  ",\"micro_batch\":", micro_batch, ",\"seconds\":", config::FormatDouble(seconds),
+                  ",\"skipped\":", skipped, ",\"micro_batch\":", micro_batch,
+                  ",\"seconds\":", config::FormatDouble(seconds),
                   ",\"with_images\":", captions.with_images.ToJson(),
                   ",\"blank_images\":", captions.blank_images.ToJson(),
                   ",\"image_reliance\":", captions.reliance.ToJson(), "}}");
@@ -109,12 +107,31 @@ absl::StatusOr<EvaluationResult> EvaluateCaptioning(const hetpar::v1::RunSpec& s
                                               /*blank_images=*/false);
   data::CaptionMetricsAccumulator blank_images(&blank_loader->tokenizer(), options.lexicon,
                                                /*blank_images=*/true);
-  for (int64_t begin = 0; begin < n; begin += result.micro_batch) {
-    const int64_t end = std::min(n, begin + result.micro_batch);
+  for (int64_t next = 0; next < n;) {
+    // The next micro_batch samples that load. Under data.skip_bad_samples one that does not (a
+    // missing or corrupt image, an overlong sample under overlong: reject) is skipped, as the
+    // training index skips its kind; otherwise it fails the evaluation, naming it.
+    std::vector<data::LoadedSample> with_samples;
+    std::vector<data::LoadedSample> blank_samples;
+    while (next < n && static_cast<int64_t>(with_samples.size()) < result.micro_batch) {
+      const int64_t ordinal = next++;
+      absl::StatusOr<data::LoadedSample> sample = loader->Load(ordinal);
+      if (!sample.ok()) {
+        if (!loader_options.skip_bad_samples) return sample.status();
+        HETPAR_LOG(WARNING) << "evaluation: skipping bad sample: "
+                            << loader->DescribeProblem(ordinal, sample.status()).ToString();
+        ++result.skipped;
+        continue;
+      }
+      HETPAR_ASSIGN_OR_RETURN(data::LoadedSample blank, blank_loader->Load(ordinal));
+      with_samples.push_back(*std::move(sample));
+      blank_samples.push_back(std::move(blank));
+    }
+    if (with_samples.empty()) break;
     HETPAR_ASSIGN_OR_RETURN(MicrobatchPredictions with,
-                            PredictMicrobatch(*loader, begin, end, encoder, llm));
+                            PredictMicrobatch(std::move(with_samples), encoder, llm));
     HETPAR_ASSIGN_OR_RETURN(MicrobatchPredictions blank,
-                            PredictMicrobatch(*blank_loader, begin, end, encoder, llm));
+                            PredictMicrobatch(std::move(blank_samples), encoder, llm));
     for (size_t i = 0; i < with.samples.size(); ++i) {
       const data::LoadedSample& sample = with.samples[i];
       HETPAR_RETURN_IF_ERROR(with_images.Add(sample.tokens, with.ids[i], sample.id));

@@ -56,12 +56,13 @@ struct SamplePredictions {
 struct EvaluationResult {
   int64_t step = -1;  // EvaluationOptions::step
   int64_t micro_batch = 0;
+  int64_t skipped = 0;                         // bad samples left out (data.skip_bad_samples)
   data::CaptionEvaluation captions;            // with_images, blank_images, reliance
   double seconds = 0;                          // wall time of the evaluation
   std::vector<SamplePredictions> predictions;  // with keep_predictions, in split order
 
   // One metrics.jsonl line:
-  // {"eval":{"step":120,"split":"val","samples":128,"micro_batch":2,"seconds":1.5,
+  // {"eval":{"step":120,"split":"val","samples":128,"skipped":0,"micro_batch":2,"seconds":1.5,
   //  "with_images":{...},"blank_images":{...},"image_reliance":{...}}}
   // ("step" only when >= 0; the nested objects are data::CaptionEvaluation's).
   std::string ToJson() const;
@@ -71,7 +72,8 @@ struct EvaluationResult {
 // `encoder` and `llm`. `spec` has defaults applied; the models are built from it (any TP size).
 // Errors: InvalidArgument for a negative micro_batch, a spec without data.val_manifest, or models
 // whose sizes do not match the spec (tokens per image, encoder out_hidden vs llm hidden); the
-// loader's errors naming the sample; the models' errors.
+// loader's errors naming the sample (a bad sample under data.skip_bad_samples is skipped and
+// counted instead); the models' errors.
 absl::StatusOr<EvaluationResult> EvaluateCaptioning(const hetpar::v1::RunSpec& spec,
                                                     encoder::VisionEncoder& encoder,
                                                     LanguageModel& llm,

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 
@@ -360,6 +361,48 @@ TEST_F(EvaluationTest, ToJsonIsOneMetricsLine) {
   EvaluationResult no_step = result;
   no_step.step = -1;
   EXPECT_FALSE(nlohmann::json::parse(no_step.ToJson()).at("eval").contains("step"));
+}
+
+// A bad validation sample (here a missing image) is skipped and counted under
+// data.skip_bad_samples, and the others are evaluated as without it; otherwise it fails the
+// evaluation, named.
+TEST_F(EvaluationTest, ABadSampleIsSkippedUnderSkipBadSamplesAndNamedOtherwise) {
+  const std::string manifest = *dir_ + "/val-with-bad.jsonl";
+  {
+    std::ifstream in(*dir_ + "/val.jsonl");
+    std::ofstream out(manifest);
+    std::string line;
+    for (int i = 0; std::getline(in, line); ++i) {
+      if (i == 5) {
+        out << R"({"id": "lost", "prompt": "<image>describe the image.", "images": ["gone.png"], )"
+            << R"("text": "the image is gone."})"
+            << "\n";
+      }
+      out << line << "\n";
+    }
+  }
+  hetpar::v1::RunSpec skipping = *spec_;
+  skipping.mutable_data()->set_val_manifest(manifest);
+  skipping.mutable_data()->set_skip_bad_samples(true);
+  auto single = nn::Communicator::CreateSingle();
+  auto m = BuildModels(*spec_, *single, false);
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto clean = EvaluateCaptioning(*spec_, *m->encoder, *m->llm, EvaluationOptions());
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  auto skipped = EvaluateCaptioning(skipping, *m->encoder, *m->llm, EvaluationOptions());
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_EQ(skipped->skipped, 1);
+  EXPECT_EQ(clean->skipped, 0);
+  EXPECT_EQ(skipped->captions.with_images.samples, kValSamples);
+  EXPECT_EQ(nlohmann::json::parse(skipped->ToJson()).at("eval").at("skipped"), 1);
+  skipped->skipped = 0;
+  EXPECT_EQ(Deterministic(*skipped), Deterministic(*clean));
+
+  hetpar::v1::RunSpec strict = skipping;
+  strict.mutable_data()->set_skip_bad_samples(false);
+  auto failed = EvaluateCaptioning(strict, *m->encoder, *m->llm, EvaluationOptions());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(failed.status().message()), HasSubstr("gone.png"));
 }
 
 TEST_F(EvaluationTest, ErrorsSayWhatToFix) {
