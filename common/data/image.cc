@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <jpeglib.h>
+// After jpeglib.h: the message codes (JWRN_*).
+#include <jerror.h>
 #include <png.h>
 // clang-format on
 
@@ -76,6 +78,7 @@ struct JpegErrorManager {
   jpeg_error_mgr pub;
   std::jmp_buf jump;
   char message[JMSG_LENGTH_MAX];
+  bool corrupt = false;  // a warning that the pixels are not all the file's (see JpegEmitMessage)
 };
 
 void JpegErrorExit(j_common_ptr cinfo) {
@@ -84,10 +87,29 @@ void JpegErrorExit(j_common_ptr cinfo) {
   std::longjmp(err->jump, 1);
 }
 
-// Keeps the text of the last warning (libjpeg reports corrupt data as warnings).
-void JpegOutputMessage(j_common_ptr cinfo) {
+// libjpeg reports lost data as warnings, among harmless ones. Lost data: the file ends early, a
+// segment is cut by a marker, entropy-coded data does not decode, restart markers are out of
+// step; the image is then partly grey. Harmless (the file decodes in full, as Pillow, which the
+// LLaVA pipelines use, also takes it): stray bytes before a marker, an unknown JFIF revision, an
+// odd Adobe transform, a bad ICC profile. Keeps the text of the first lost-data warning.
+void JpegEmitMessage(j_common_ptr cinfo, int msg_level) {
+  if (msg_level >= 0) return;  // trace messages
   auto* err = reinterpret_cast<JpegErrorManager*>(cinfo->err);
-  (*cinfo->err->format_message)(cinfo, err->message);
+  ++err->pub.num_warnings;
+  switch (err->pub.msg_code) {
+    case JWRN_JPEG_EOF:
+    case JWRN_HIT_MARKER:
+    case JWRN_HUFF_BAD_CODE:
+    case JWRN_ARITH_BAD_CODE:
+    case JWRN_MUST_RESYNC:
+    case JWRN_NOT_SEQUENTIAL:
+    case JWRN_BOGUS_PROGRESSION:
+      if (!err->corrupt) (*cinfo->err->format_message)(cinfo, err->message);
+      err->corrupt = true;
+      break;
+    default:
+      break;
+  }
 }
 
 // Returns 0 on success, 1 on a decoder error, 2 on bad dimensions (message in err->message).
@@ -98,8 +120,9 @@ int DecodeJpegInto(const uint8_t* data, size_t size, JpegErrorManager* err, Jpeg
   jpeg_decompress_struct cinfo;
   cinfo.err = jpeg_std_error(&err->pub);
   err->pub.error_exit = JpegErrorExit;
-  err->pub.output_message = JpegOutputMessage;
+  err->pub.emit_message = JpegEmitMessage;
   err->message[0] = '\0';
+  err->corrupt = false;
   if (setjmp(err->jump)) {
     jpeg_destroy_decompress(&cinfo);
     return 1;
@@ -158,7 +181,7 @@ absl::StatusOr<RgbImage> DecodeJpeg(std::string_view bytes, std::string_view sou
     return absl::InvalidArgumentError(
         absl::StrCat("JPEG ", std::string(source), ": ", err.message));
   }
-  if (err.pub.num_warnings > 0) {
+  if (err.corrupt) {
     return absl::DataLossError(absl::StrCat("corrupt JPEG ", std::string(source), ": ",
                                             err.message[0] ? err.message : "corrupt data"));
   }
@@ -266,8 +289,9 @@ int EncodeJpegInto(const uint8_t* pixels, int width, int height, int quality, Jp
   jpeg_compress_struct cinfo;
   cinfo.err = jpeg_std_error(&err->pub);
   err->pub.error_exit = JpegErrorExit;
-  err->pub.output_message = JpegOutputMessage;
+  err->pub.emit_message = JpegEmitMessage;
   err->message[0] = '\0';
+  err->corrupt = false;
   if (setjmp(err->jump)) {
     jpeg_destroy_compress(&cinfo);
     return 1;

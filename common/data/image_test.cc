@@ -154,6 +154,27 @@ TEST(ImageTest, TruncatedFilesAreDataLoss) {
   EXPECT_THAT(std::string(j.status().message()), HasSubstr("corrupt JPEG half.jpg"));
 }
 
+// A JPEG with stray bytes before its end marker (libjpeg warns "N extraneous bytes before marker
+// 0xd9") decodes in full, as Pillow takes it; one cut short or with its entropy-coded data
+// damaged is still refused.
+TEST(ImageTest, AJpegWithHarmlessWarningsDecodesAndOneWithLostDataDoesNot) {
+  const RgbImage pattern = Pattern(64, 64);
+  const std::string jpeg = *EncodeJpeg(pattern, 90);
+  ASSERT_EQ(jpeg.substr(jpeg.size() - 2), "\xff\xd9");
+  std::string stray = jpeg;
+  stray.insert(stray.size() - 2, "\x01\x02\x03");
+  absl::StatusOr<RgbImage> clean = DecodeImage(jpeg, "clean.jpg");
+  ASSERT_TRUE(clean.ok()) << clean.status();
+  absl::StatusOr<RgbImage> decoded = DecodeImage(stray, "stray.jpg");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->pixels, clean->pixels);
+  // The entropy-coded data cut before its end, the end marker kept: lost data.
+  std::string cut = jpeg.substr(0, jpeg.size() * 3 / 4) + "\xff\xd9";
+  absl::StatusOr<RgbImage> lost = DecodeImage(cut, "cut.jpg");
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss) << lost.status();
+  EXPECT_THAT(std::string(lost.status().message()), HasSubstr("corrupt JPEG cut.jpg"));
+}
+
 TEST(ImageTest, OversizedImagesAreRejectedBeforeDecoding) {
   std::string png = *EncodePng(Pattern(4, 4));
   // IHDR starts at byte 8: length (4), "IHDR", width (4), height (4), ..., CRC over type+data.
