@@ -79,6 +79,22 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
       "the same data set"));
 }
 
+absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
+                                      const TokenSequence& tokens) {
+  if (tokens.text_tokens == record.text_tokens && tokens.loss_tokens == record.loss_tokens &&
+      tokens.image_offsets == record.image_offsets) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sample '", record.id, "' (line ", record.line, ") has ", tokens.text_tokens,
+      " text tokens, ", tokens.loss_tokens, " loss tokens, images at [",
+      absl::StrJoin(tokens.image_offsets, ", "), "] as tokenized now, but the data index says ",
+      record.text_tokens, ", ", record.loss_tokens, ", [",
+      absl::StrJoin(record.image_offsets, ", "),
+      "]: the index is stale (its tokenizer or tokenizer_config.json changed after it was "
+      "built); rebuild it (`hetpar data index --rebuild`) and start the run again"));
+}
+
 absl::StatusOr<const data::IndexRecord*> BatchSource::Record(int64_t id) const {
   if (id < 0 || id >= static_cast<int64_t>(index_.records.size())) {
     return absl::OutOfRangeError(absl::StrCat("sample id ", id, " is outside the data index of ",

@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
+#include "common/data/synth.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -84,6 +85,40 @@ TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamp
 
 // The same samples, shapes and images under other ids (another copy of the data set, renamed):
 // no shape tells them apart, the ids do.
+// A sample that tokenizes otherwise now than when the index was built (here with the tokenizer of
+// another synthetic data set, of half the vocabulary) is refused, named, instead of being trained
+// in the shapes and loss divisor of the stale index.
+TEST_F(BatchSourceTest, TokensThatNoLongerMatchTheIndexAreRefusedNamingTheSample) {
+  auto source = BatchSource::Create(Spec("train.jsonl"));
+  ASSERT_TRUE(source.ok()) << source.status();
+  absl::StatusOr<const IndexRecord*> record = (*source)->Record(3);
+  ASSERT_TRUE(record.ok()) << record.status();
+  absl::StatusOr<TokenSequence> now = (*source)->loader().Tokenize((*record)->ordinal);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_TRUE(BatchSource::CheckTokens(**record, *now).ok());
+  SynthOptions small = SynthOptionsForDirectory(dir_ + "/small");
+  small.samples = 4;
+  small.val_samples = 0;
+  small.val_manifest.clear();
+  small.vocab_size = 128;
+  small.seq_len = 1024;  // longer sequences under the smaller vocabulary
+  absl::StatusOr<SynthReport> generated = GenerateSyntheticDataset(small);
+  ASSERT_TRUE(generated.ok()) << generated.status();
+  LoaderOptions retokenized = (*source)->loader().options();
+  retokenized.tokenizer = small.tokenizer;
+  absl::StatusOr<std::unique_ptr<DataLoader>> other = DataLoader::Create(retokenized);
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::StatusOr<TokenSequence> changed = (*other)->Tokenize((*record)->ordinal);
+  ASSERT_TRUE(changed.ok()) << changed.status();
+  ASSERT_NE(changed->text_tokens, now->text_tokens);
+  const absl::Status refused = BatchSource::CheckTokens(**record, *changed);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr(absl::StrCat("sample '", (*record)->id, "' (line ", (*record)->line,
+                                     ") has ", changed->text_tokens, " text tokens")));
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("the index is stale"));
+}
+
 TEST_F(BatchSourceTest, ASampleOfTheSameShapeUnderAnotherIdIsRefused) {
   auto coordinator = BatchSource::Create(Spec("train.jsonl"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <filesystem>
 #include <functional>
 #include <thread>
 
@@ -56,6 +57,13 @@ absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
   absl::StatusOr<FileStamp> tokenizer = StatFile(options.tokenizer);
   if (!tokenizer.ok()) return Annotate(tokenizer.status(), "tokenizer");
   source.tokenizer_stamp = *tokenizer;
+  const std::string config =
+      (std::filesystem::path(options.tokenizer).parent_path() / "tokenizer_config.json").string();
+  if (absl::StatusOr<FileStamp> stamp = StatFile(config); stamp.ok()) {
+    source.tokenizer_config_stamp = *stamp;
+  } else if (!absl::IsNotFound(stamp.status())) {
+    return Annotate(stamp.status(), "tokenizer config");
+  }
   source.image_token = options.image_token;
   source.tokens_per_image = options.tokens_per_image;
   source.seq_len = options.seq_len;
@@ -202,6 +210,8 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"tokenizer", s.tokenizer},
                  {"tokenizer_size", s.tokenizer_stamp.size},
                  {"tokenizer_mtime_ns", s.tokenizer_stamp.mtime_ns},
+                 {"tokenizer_config_size", s.tokenizer_config_stamp.size},
+                 {"tokenizer_config_mtime_ns", s.tokenizer_config_stamp.mtime_ns},
                  {"image_token", s.image_token},
                  {"tokens_per_image", s.tokens_per_image},
                  {"seq_len", s.seq_len},
@@ -267,6 +277,9 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         s.tokenizer = json.at("tokenizer").get<std::string>();
         s.tokenizer_stamp.size = json.at("tokenizer_size").get<int64_t>();
         s.tokenizer_stamp.mtime_ns = json.at("tokenizer_mtime_ns").get<int64_t>();
+        // Absent from older files: none (a config there now makes them stale).
+        s.tokenizer_config_stamp.size = json.value("tokenizer_config_size", int64_t{-1});
+        s.tokenizer_config_stamp.mtime_ns = json.value("tokenizer_config_mtime_ns", int64_t{-1});
         s.image_token = json.at("image_token").get<std::string>();
         s.tokens_per_image = json.at("tokens_per_image").get<int32_t>();
         s.seq_len = json.at("seq_len").get<int32_t>();
@@ -344,6 +357,14 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
         "manifest ", current.manifest, " is now ", current.manifest_stamp.size, " bytes, mtime ",
         current.manifest_stamp.mtime_ns, " ns (index built from ", built.manifest_stamp.size,
         " bytes, mtime ", built.manifest_stamp.mtime_ns, " ns)"));
+  }
+  if (built.tokenizer_config_stamp != current.tokenizer_config_stamp) {
+    changes.push_back(absl::StrCat(
+        "the tokenizer_config.json beside ", current.tokenizer,
+        current.tokenizer_config_stamp.size < 0
+            ? std::string(" is gone")
+            : absl::StrCat(" changed (now ", current.tokenizer_config_stamp.size, " bytes, mtime ",
+                           current.tokenizer_config_stamp.mtime_ns, " ns)")));
   }
   if (built.tokenizer_stamp != current.tokenizer_stamp) {
     changes.push_back(absl::StrCat("tokenizer ", current.tokenizer, " changed (now ",

@@ -38,6 +38,9 @@ struct IndexSource {
   FileStamp manifest_stamp;
   std::string tokenizer;
   FileStamp tokenizer_stamp;
+  // The tokenizer_config.json beside the tokenizer (a Hugging Face tokenizer's bos and eos);
+  // {-1, -1}: none there.
+  FileStamp tokenizer_config_stamp{-1, -1};
   std::string image_token;
   int32_t tokens_per_image = 0;
   int32_t seq_len = 0;

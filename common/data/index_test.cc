@@ -229,6 +229,26 @@ TEST_F(IndexTest, AnIndexThatCannotBeSavedIsStillUsed) {
   EXPECT_EQ(index->records.size(), 40u);
 }
 
+// A Hugging Face tokenizer's bos and eos come from the tokenizer_config.json beside it: one
+// added, changed or removed makes the index stale.
+TEST_F(IndexTest, TheTokenizerConfigBesideTheTokenizerIsPartOfTheIndexSource) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  bool rebuilt = false;
+  ASSERT_TRUE(LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt).ok());
+  const std::string config = dir_ + "/tokenizer_config.json";
+  ASSERT_TRUE(WriteFileAtomically(config, R"({"eos_token": "</s>"})").ok());
+  absl::Status stale = CheckIndexSource(*ReadIndex(path), *CurrentIndexSource(Options()));
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()),
+              HasSubstr("the tokenizer_config.json beside " + dir_ + "/tokenizer.model changed"));
+  ASSERT_TRUE(LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt).ok());
+  EXPECT_TRUE(rebuilt);
+  EXPECT_TRUE(CheckIndexSource(*ReadIndex(path), *CurrentIndexSource(Options())).ok());
+  fs::remove(config);
+  stale = CheckIndexSource(*ReadIndex(path), *CurrentIndexSource(Options()));
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("tokenizer.model is gone"));
+}
+
 TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   // Lines 1-3 good, 4 missing image, 5 corrupt manifest line, 6 good, 7 corrupt image.
   std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
