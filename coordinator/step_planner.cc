@@ -157,11 +157,15 @@ absl::Status PlanLibraryPlanner::Prepare() {
     absl::Status opened = batches_->Open();
     if (!opened.ok()) return opened;
   }
-  if (resume_.has_value() && skip_steps_ > 0) {
-    absl::StatusOr<std::optional<data::SamplerCursor>> restart =
+  // Where the checkpoint says the data stood, when it says so. Not checked for a checkpoint of the
+  // run's last step (a restart that only writes the outputs: nothing is left to train).
+  std::optional<data::SamplerCursor> recorded;
+  if (resume_.has_value() && skip_steps_ > 0 && skip_steps_ < spec_.run().steps()) {
+    absl::StatusOr<std::optional<data::SamplerCursor>> cursor =
         ResumeCursor(spec_, *resume_, batches_->IndexSamples());
-    if (!restart.ok()) return restart.status();
-    if (restart->has_value()) {
+    if (!cursor.ok()) return cursor.status();
+    recorded = *cursor;
+    if (recorded.has_value() && resume_->data->index_samples != batches_->IndexSamples()) {
       // The steps before the checkpoint trained over another index: none of them is replayed
       // (nor recorded in the ledger); the run goes on with a new epoch over this one.
       HETPAR_LOG(WARNING) << "the data index changed since checkpoint "
@@ -169,23 +173,37 @@ absl::Status PlanLibraryPlanner::Prepare() {
                           << resume_->data->index_samples << " samples, now "
                           << batches_->IndexSamples()
                           << "); it ended an epoch, so the run goes on with epoch "
-                          << (*restart)->epoch << " over the new index";
-      batches_->Restore(**restart);
+                          << recorded->epoch << " over the new index";
+      batches_->Restore(*recorded);
       skip_steps_ = 0;
       return absl::OkStatus();
     }
   }
-  // A resumed run continues after the samples its checkpoint's steps trained.
+  // A resumed run continues after the samples its checkpoint's steps trained: the position its
+  // steps reach in the epoch orders of this index, as the checkpoint records it.
+  SampleLedger replayed;
   for (int64_t step = 0; skip_steps_ > 0; --skip_steps_, ++step) {
     const data::SamplerCursor from = batches_->CommittedCursor();
     absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
         batches_->Next(spec_.run().global_batch());
     if (!samples.ok()) return samples.status();
     if (ledger_from_step_ >= 0 && step >= ledger_from_step_) {
-      ledger_.Record(from, batches_->PendingCursor(), static_cast<int64_t>(samples->size()));
+      replayed.Record(from, batches_->PendingCursor(), static_cast<int64_t>(samples->size()));
     }
     batches_->Commit();
   }
+  if (recorded.has_value() && !(batches_->CommittedCursor() == *recorded)) {
+    // The run (or one it resumed from) went on with a new epoch when its index changed: the
+    // position no longer follows from the step, and the replayed steps are not its order.
+    HETPAR_LOG(WARNING) << "checkpoint " << spec_.checkpoint().resume_from()
+                        << " records the data position " << recorded->ToString() << ", not "
+                        << batches_->Position()
+                        << " that its steps reach from the start (its run went on with a new "
+                           "epoch when the data index changed); continuing from the recorded one";
+    batches_->Restore(*recorded);
+    return absl::OkStatus();
+  }
+  ledger_ = std::move(replayed);
   return absl::OkStatus();
 }
 
@@ -197,11 +215,9 @@ std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position
 
 absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
     const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples) {
-  if (!checkpoint.data.has_value() || index_samples <= 0 ||
-      checkpoint.data->index_samples == index_samples) {
-    return std::nullopt;
-  }
+  if (!checkpoint.data.has_value() || index_samples <= 0) return std::nullopt;
   const config::CheckpointDataPosition& at = *checkpoint.data;
+  if (at.index_samples == index_samples) return data::SamplerCursor{at.epoch, at.offset};
   if (at.AtEpochBoundary()) {
     return data::SamplerCursor{at.offset == 0 ? at.epoch : at.epoch + 1, 0};
   }
@@ -211,9 +227,9 @@ absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
       " samples, and data.manifest='", spec.data().manifest(), "' now indexes ", index_samples,
       ": the rest of epoch ", at.epoch,
       " would follow another order, training some of its samples twice and others never. Resume "
-      "over the data it was trained on, or from a checkpoint at the end of an epoch, or start a "
-      "new run from its parameters (`hetpar-reference export`, then encoder.init_from and "
-      "llm.init_from)"));
+      "over the data index it was trained on (the same samples, and the same ones skipped as bad), "
+      "or from a checkpoint at the end of an epoch, or start a new run from its parameters "
+      "(`hetpar-reference export`, then encoder.init_from and llm.init_from)"));
 }
 
 absl::StatusOr<std::unique_ptr<StepPlanner>> MakeStepPlanner(

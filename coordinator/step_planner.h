@@ -85,10 +85,12 @@ absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
     const v1::RunSpec& spec, std::unique_ptr<data::BatchSource> opened = nullptr);
 
 // Where a run resumed from `checkpoint` (checkpoint.resume_from) continues over a data index of
-// `index_samples` samples. nullopt: by replaying the checkpoint's steps over the index, as
-// always (the index has the size the checkpoint records, or the manifest records none). A
-// cursor: at the start of the checkpoint's next epoch, when the index has another size and the
-// checkpoint is at an epoch boundary (the new epoch's order is over the new index).
+// `index_samples` samples. nullopt: the manifest records no position (the checkpoint's steps are
+// replayed over the index, as they always were). The recorded position when the index has the
+// size the checkpoint records (where replaying its steps lands too, unless the run went on with a
+// new epoch over a changed index before). The start of the checkpoint's next epoch when the index
+// has another size and the checkpoint is at an epoch boundary (the new epoch's order is over the
+// new index).
 // FailedPrecondition, naming both sizes and the epoch, when the index changed mid-epoch: the rest
 // of the epoch's order would be another one, training some of its samples twice and others never.
 absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(

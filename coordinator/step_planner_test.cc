@@ -257,6 +257,17 @@ TEST(StepPlannerTest, AResumeOverAnIndexOfAnotherSizeGoesOnOnlyFromAnEpochBounda
     EXPECT_EQ(planned->data_after.offset(), 8 * (step - 4));
     (*planner)->Committed(step);
   }
+  // That run's later checkpoint (step 8, at {1, 24} of the 24): its position no longer follows
+  // from its steps (64 samples from the start would be {2, 16}); a resume continues from the
+  // recorded one, with epoch 2.
+  checkpoint(8, R"({"index_samples": 24, "epoch": 1, "offset": 24})");
+  auto later = MakeStepPlanner(twenty_four, false);
+  ASSERT_TRUE(later.ok()) << later.status();
+  ASSERT_TRUE((*later)->Prepare().ok());
+  EXPECT_EQ((*later)->DataPosition(), "epoch=1,offset=24");
+  auto next = (*later)->Plan(8, 1, membership);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(SampleIds(*next), Expected((*sampler)->EpochOrder(2), 0, 8));
   // The same at the start of an epoch (offset 0).
   checkpoint(5, R"({"index_samples": 40, "epoch": 1, "offset": 0})");
   auto started = MakeStepPlanner(twenty_four, false);

@@ -50,22 +50,13 @@ absl::StatusOr<FileStamp> StatFile(const std::string& path) {
 }
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path, int64_t max_bytes) {
-  // Non-blocking open: a FIFO without a writer would block the open itself, and then its reads.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);
   std::string contents;
   struct stat st;
-  if (::fstat(fd, &st) == 0) {
-    if (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode)) {
-      ::close(fd);
-      return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
-    }
-    if (st.st_size > 0) {
-      contents.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, max_bytes)));
-    }
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    contents.reserve(static_cast<size_t>(std::min<int64_t>(st.st_size, max_bytes)));
   }
-  // Blocking reads again (a device such as a tape or a terminal may need them).
-  if (const int flags = ::fcntl(fd, F_GETFL); flags >= 0) ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
   char buffer[1 << 16];
   while (true) {
     if (static_cast<int64_t>(contents.size()) > max_bytes) {

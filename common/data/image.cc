@@ -91,7 +91,8 @@ void JpegErrorExit(j_common_ptr cinfo) {
 // segment is cut by a marker, entropy-coded data does not decode, restart markers are out of
 // step; the image is then partly grey. Harmless (the file decodes in full, as Pillow, which the
 // LLaVA pipelines use, also takes it): stray bytes before a marker, an unknown JFIF revision, an
-// odd Adobe transform, a bad ICC profile. Keeps the text of the first lost-data warning.
+// odd Adobe transform, a bad ICC profile, a baseline file with zeroed scan parameters ("Invalid
+// SOS parameters for sequential JPEG"). Keeps the text of the first lost-data warning.
 void JpegEmitMessage(j_common_ptr cinfo, int msg_level) {
   if (msg_level >= 0) return;  // trace messages
   auto* err = reinterpret_cast<JpegErrorManager*>(cinfo->err);
@@ -102,7 +103,6 @@ void JpegEmitMessage(j_common_ptr cinfo, int msg_level) {
     case JWRN_HUFF_BAD_CODE:
     case JWRN_ARITH_BAD_CODE:
     case JWRN_MUST_RESYNC:
-    case JWRN_NOT_SEQUENTIAL:
     case JWRN_BOGUS_PROGRESSION:
       if (!err->corrupt) (*cinfo->err->format_message)(cinfo, err->message);
       err->corrupt = true;

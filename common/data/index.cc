@@ -240,7 +240,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
     out += Dump(Json{{"bad", BadToJson(b)}});
     out.push_back('\n');
   }
-  return WriteFileAtomically(path, out);
+  return Annotate(WriteFileAtomically(path, out), absl::StrCat("writing data index ", path));
 }
 
 absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
@@ -277,9 +277,9 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         s.tokenizer = json.at("tokenizer").get<std::string>();
         s.tokenizer_stamp.size = json.at("tokenizer_size").get<int64_t>();
         s.tokenizer_stamp.mtime_ns = json.at("tokenizer_mtime_ns").get<int64_t>();
-        // Absent from older files: none (a config there now makes them stale).
-        s.tokenizer_config_stamp.size = json.value("tokenizer_config_size", int64_t{-1});
-        s.tokenizer_config_stamp.mtime_ns = json.value("tokenizer_config_mtime_ns", int64_t{-1});
+        // Absent from older files: not recorded, and not compared.
+        s.tokenizer_config_stamp.size = json.value("tokenizer_config_size", int64_t{-2});
+        s.tokenizer_config_stamp.mtime_ns = json.value("tokenizer_config_mtime_ns", int64_t{-2});
         s.image_token = json.at("image_token").get<std::string>();
         s.tokens_per_image = json.at("tokens_per_image").get<int32_t>();
         s.seq_len = json.at("seq_len").get<int32_t>();
@@ -295,7 +295,7 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         }
         s.chat_template = *chat_template;
         s.skip_bad_samples = json.at("skip_bad_samples").get<bool>();
-        index.images_verified = json.value("images_verified", false);
+        index.images_verified = json.value("images_verified", true);
         expected_samples = json.at("samples").get<int64_t>();
         expected_bad = json.at("bad_samples").get<int64_t>();
         continue;
@@ -358,7 +358,8 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
         current.manifest_stamp.mtime_ns, " ns (index built from ", built.manifest_stamp.size,
         " bytes, mtime ", built.manifest_stamp.mtime_ns, " ns)"));
   }
-  if (built.tokenizer_config_stamp != current.tokenizer_config_stamp) {
+  if (built.tokenizer_config_stamp.size != -2 &&
+      built.tokenizer_config_stamp != current.tokenizer_config_stamp) {
     changes.push_back(absl::StrCat(
         "the tokenizer_config.json beside ", current.tokenizer,
         current.tokenizer_config_stamp.size < 0
@@ -414,8 +415,8 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
       // A bad image it let through would fail a training step, again on every retry, even
       // under data.skip_bad_samples.
       fresh = absl::FailedPreconditionError(
-          "it was built without decoding its images (hetpar data index --no-verify-images, or an "
-          "index written before that was recorded), and training decodes each image once first");
+          "it was built without decoding its images (hetpar data index --no-verify-images), and "
+          "training decodes each image once first");
     }
     if (fresh.ok()) {
       for (const BadSample& b : existing->bad) {
@@ -430,6 +431,7 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
   absl::StatusOr<DataIndex> built = BuildIndex(loader, options);
   if (!built.ok()) return built.status();
   if (absl::Status s = WriteIndex(*built, path); !s.ok()) {
+    if (options.require_saved) return s;
     // A data set on a read-only mount: the index is good, only not kept for the next start.
     HETPAR_LOG(WARNING) << "the data index built for " << loader.options().manifest
                         << " is not saved (" << s.message() << "); it is built again at every "

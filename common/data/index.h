@@ -39,7 +39,7 @@ struct IndexSource {
   std::string tokenizer;
   FileStamp tokenizer_stamp;
   // The tokenizer_config.json beside the tokenizer (a Hugging Face tokenizer's bos and eos);
-  // {-1, -1}: none there.
+  // {-1, -1}: none there; {-2, -2}: not recorded (an index written before it was), not compared.
   FileStamp tokenizer_config_stamp{-1, -1};
   std::string image_token;
   int32_t tokens_per_image = 0;
@@ -57,7 +57,7 @@ struct DataIndex {
   std::vector<IndexRecord> records;  // usable samples, in manifest order
   std::vector<BadSample> bad;        // samples skipped (skip_bad_samples), in manifest order
   // Built with IndexBuildOptions::verify_images: every kept image decoded. Absent from older
-  // files: false.
+  // files: true (what the default build did).
   bool images_verified = false;
 
   // The record of `id`, or nullptr.
@@ -74,6 +74,9 @@ struct IndexBuildOptions {
   bool verify_images = true;
   // Worker threads for building (samples are independent).
   int threads = 1;
+  // LoadOrBuildIndex fails when the index it built cannot be written (`hetpar data index`, whose
+  // job is the file), instead of warning and returning it.
+  bool require_saved = false;
   // Progress, as (samples described, samples): called when the build starts, every
   // `progress_every` while it runs, and when it ends, from the thread that called BuildIndex.
   // Unset: the build logs (INFO) its start, every `progress_every` how far it is, and its end
@@ -97,7 +100,8 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
 
 // Reads the index at `path` when it matches the loader's files and settings (and, when `options`
 // verify images, was built decoding them); otherwise builds it and writes it to `path`. A `path`
-// that cannot be written (a read-only data set) only warns: the index built is returned.
+// that cannot be written (a read-only data set) only warns, unless `options` require the file:
+// the index built is returned.
 // *rebuilt (optional) tells which happened.
 absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
                                            const IndexBuildOptions& options,

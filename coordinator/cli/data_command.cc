@@ -263,6 +263,7 @@ void AddIndexCommand(CLI::App* data, int* exit_code) {
     data::IndexBuildOptions build;
     build.verify_images = !o->no_verify;
     build.threads = o->threads;
+    build.require_saved = true;  // the file is what this command makes
     bool rebuilt = true;
     absl::StatusOr<data::DataIndex> index;
     if (o->rebuild) {
@@ -324,6 +325,14 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
       ++bad;
     }
     for (int64_t i = 0; i < opened->loader->size(); ++i) {
+      // Described first: an image path that is not a regular file (a FIFO without a writer would
+      // block the read below) is refused without being opened.
+      if (absl::StatusOr<data::IndexRecord> described = opened->loader->Describe(i, false);
+          !described.ok()) {
+        std::cout << "bad: " << described.status().message() << "\n";
+        ++bad;
+        continue;
+      }
       absl::StatusOr<data::LoadedSample> sample = opened->loader->Load(i);
       if (!sample.ok()) {
         std::cout << "bad: " << sample.status().message() << "\n";

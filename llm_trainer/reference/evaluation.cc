@@ -144,6 +144,11 @@ absl::StatusOr<EvaluationResult> EvaluateCaptioning(const hetpar::v1::RunSpec& s
   }
   result.captions.with_images = with_images.metrics();
   result.captions.blank_images = blank_images.metrics();
+  if (result.captions.with_images.samples == 0 && result.skipped > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "evaluation: all ", result.skipped, " validation samples of ", loader_options.manifest,
+        " were skipped as bad (data.skip_bad_samples; each is in the log): nothing to evaluate"));
+  }
   HETPAR_ASSIGN_OR_RETURN(
       result.captions.reliance,
       data::CompareWithBlankImages(result.captions.with_images, result.captions.blank_images));

@@ -1,5 +1,7 @@
 // `hetpar data synth | index | check | show` as a user runs them.
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -203,6 +205,48 @@ TEST_F(DataCliTest, BadSamplesAreNamedAndCanBeSkipped) {
   EXPECT_THAT(r.stdout_text, HasSubstr("image file not found: " + gone));
   EXPECT_THAT(r.stdout_text, HasSubstr("corrupt PNG " + corrupt));
   EXPECT_THAT(r.stdout_text, HasSubstr("22 good, 3 bad"));
+}
+
+// `hetpar data index` fails when it cannot write the index (here data.index below a regular
+// file), naming the path, rather than reporting an index it did not keep.
+TEST_F(DataCliTest, IndexFailsWhenTheIndexCannotBeWritten) {
+  const std::string config = TinyConfig();
+  ASSERT_EQ(
+      Run({"data", "synth", "--config", config, "--samples", "8", "--val-samples", "2"}).exit_code,
+      0);
+  const std::string path = dir_ + "/tiny/train.jsonl/train.jsonl.index";
+  testing::CommandResult r =
+      Run({"data", "index", "--config", config, "--rebuild", "--set", "data.index=" + path});
+  EXPECT_EQ(r.exit_code, 1) << r.stdout_text << r.stderr_text;
+  EXPECT_THAT(r.stderr_text, HasSubstr(path));
+  r = Run({"data", "index", "--config", config, "--set", "data.index=" + path});
+  EXPECT_EQ(r.exit_code, 1) << r.stdout_text << r.stderr_text;
+  EXPECT_THAT(r.stderr_text, HasSubstr(path));
+  EXPECT_THAT(r.stdout_text, Not(HasSubstr("(built)")));
+}
+
+// An image path that is a FIFO (no writer) is listed as bad by `check`, which goes on, instead of
+// blocking in the read for good.
+TEST_F(DataCliTest, CheckListsAFifoImageWithoutWaitingForAWriter) {
+  const std::string config = TinyConfig();
+  ASSERT_EQ(
+      Run({"data", "synth", "--config", config, "--samples", "8", "--val-samples", "2"}).exit_code,
+      0);
+  absl::StatusOr<data::Manifest> m = data::ReadManifest(dir_ + "/tiny/train.jsonl", false);
+  ASSERT_TRUE(m.ok());
+  const data::ManifestRecord* with_image = nullptr;
+  for (const data::ManifestRecord& r : m->records) {
+    if (!r.images.empty() && with_image == nullptr) with_image = &r;
+  }
+  ASSERT_NE(with_image, nullptr);
+  const std::string fifo = m->ResolveImagePath(with_image->images[0]);
+  ASSERT_EQ(::unlink(fifo.c_str()), 0);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  testing::CommandResult r = Run({"data", "check", "--config", config});
+  EXPECT_EQ(r.exit_code, 1) << r.stderr_text;
+  EXPECT_THAT(r.stdout_text, HasSubstr("bad: sample '" + with_image->id + "'"));
+  EXPECT_THAT(r.stdout_text, HasSubstr(fifo + " is not a regular file"));
+  EXPECT_THAT(r.stdout_text, HasSubstr("7 good, 1 bad"));
 }
 
 TEST_F(DataCliTest, UsageErrorsExitTwo) {
