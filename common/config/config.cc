@@ -871,6 +871,17 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
 
 std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
                                   bool require_runnable, bool resume_at_end) {
+  LoadOptions options;
+  options.check_files = check_files;
+  options.require_runnable = require_runnable;
+  options.resume_at_end = resume_at_end;
+  return Validate(loaded, options);
+}
+
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions& options) {
+  const bool check_files = options.check_files;
+  const bool require_runnable = options.require_runnable;
+  const bool resume_at_end = options.resume_at_end;
   std::vector<ConfigIssue> issues;
   Checker c(loaded, &issues);
   const RunSpec& s = loaded.spec;
@@ -1136,8 +1147,10 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files,
     }
     c.FileExists("coordinator.token_file", s.coordinator().token_file(), false);
     if (s.checkpoint().resume_from().empty()) {
-      c.FileExists("encoder.init_from", s.encoder().init_from(), false);
-      c.FileExists("llm.init_from", s.llm().init_from(), false);
+      if (options.check_init_from) {
+        c.FileExists("encoder.init_from", s.encoder().init_from(), false);
+        c.FileExists("llm.init_from", s.llm().init_from(), false);
+      }
     } else {
       // A resumed run's parameters all come from its checkpoint (init_from's files may be gone,
       // and are not checked); the checkpoint must fit the run.
@@ -1296,8 +1309,7 @@ namespace {
 absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& options) {
   if (!options.resume) loaded.spec.mutable_checkpoint()->clear_resume_from();
   ApplyDefaults(&loaded);
-  std::vector<ConfigIssue> issues =
-      Validate(loaded, options.check_files, options.require_runnable, options.resume_at_end);
+  std::vector<ConfigIssue> issues = Validate(loaded, options);
   if (issues.empty()) return loaded;
   std::vector<std::string> lines;
   for (const auto& issue : issues) lines.push_back(issue.ToString());

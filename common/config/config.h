@@ -72,14 +72,16 @@ struct LoadOptions {
   // than LLM pipeline stages), so that a config that validates is one that runs. `hetpar plan`
   // turns this off: the plan library already routes those layouts.
   bool require_runnable = true;
+  // Check that encoder.init_from and llm.init_from exist (with check_files, for a run that is not
+  // resumed). Off for a restarted coordinator's first look at its config: a run continued from a
+  // checkpoint of its own needs not the files it started from (and it checks them itself when it
+  // has to start over).
+  bool check_init_from = true;
 };
 
 // run.max_inflight when a config leaves it out, and the only value a colocated run accepts.
 inline constexpr int64_t kDefaultMaxInflight = 2;
 
-// What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
-// was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
-// manifest without a step.
 // Where the training data stood at a checkpoint (StepCommit.data): `offset` samples of epoch
 // `epoch`'s order taken over a data index of `index_samples` samples.
 struct CheckpointDataPosition {
@@ -90,6 +92,9 @@ struct CheckpointDataPosition {
   bool AtEpochBoundary() const { return offset == 0 || offset == index_samples; }
 };
 
+// What a complete checkpoint's manifest.json (train/checkpoint.h writes it) says of where the run
+// was: NotFound without a manifest (the checkpoint is incomplete or not one), DataLoss for a
+// manifest without a step.
 struct CheckpointSummary {
   int64_t step = 0;              // committed steps
   int64_t samples_trained = -1;  // -1: the manifest does not say
@@ -114,6 +119,8 @@ void ApplyDefaults(LoadedRunSpec* loaded);
 // `resume_at_end` a checkpoint.resume_from at run.steps (LoadOptions::resume_at_end).
 std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, bool check_files = true,
                                   bool require_runnable = true, bool resume_at_end = false);
+// The same with every option of `options` (check_init_from too).
+std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions& options);
 
 // Parse + defaults + validation of a YAML text. Errors are InvalidArgument, one issue per line.
 absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,

@@ -113,11 +113,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
   // A run continued from its journal needs not the checkpoint it was first resumed from, which
-  // checkpoint.keep may have pruned since: the journal says where the run started.
+  // checkpoint.keep may have pruned since: the journal says where the run started. Nor the
+  // init_from files it started from, when a checkpoint of its own is left (checked below).
   std::optional<int64_t> journaled_start;
+  std::string new_run_error;  // why the config does not load as a new run, when it does not
   if (!loaded.ok()) {
+    new_run_error = std::string(loaded.status().message());
     config::LoadOptions without = load;
     without.resume = false;
+    without.check_init_from = false;
     absl::StatusOr<config::LoadedRunSpec> bare = config::LoadRunSpecFile(flags.config, without);
     if (bare.ok()) {
       absl::StatusOr<std::optional<coordinator::Journal>> lost =
@@ -219,6 +223,16 @@ int RunCoordinator(const CoordinatorFlags& flags) {
                    "again (going on would train the run again from step "
                 << first_step << ")\n";
       return kExitFailure;
+    }
+    if (journaled_start.has_value() && first_step == 0 &&
+        (!newest.has_value() || newest->step <= 0)) {
+      // No checkpoint of the run is left, and it would start over: from its config, which must
+      // then load as that of a new run (init_from's files among others).
+      std::cerr << "hetpar: cannot continue run " << spec.run().name() << ": no complete "
+                << "checkpoint of it is in checkpoint.dir '" << spec.checkpoint().dir()
+                << "', so it would start over, and its config does not load as a new run:\n"
+                << new_run_error << "\n";
+      return kExitInvalidInput;
     }
     if (journaled_start.has_value() && (!newest.has_value() || newest->step <= first_step)) {
       // The checkpoint the run started from is gone, and no later one of its own is left.

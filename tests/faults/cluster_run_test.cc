@@ -577,6 +577,52 @@ TEST_F(ClusterRunTest, ACoordinatorLostWhileGatheringTheOutputsIsRestartedAndFin
   EXPECT_EQ(lines.at(-3)["ledger"]["trained"].get<int64_t>(), kSteps * 8) << lines.at(-3);
 }
 
+// A run started from init_from files, its coordinator lost as it gathered the outputs, and the
+// files removed since (a scratch volume cleaned): a restart continues from the run's own
+// checkpoint, which holds every parameter, without them. With no checkpoint of the run left it
+// would start over, and then it refuses, naming the missing file.
+TEST_F(ClusterRunTest, ARestartFromACheckpointNeedsNotTheInitFromFilesTheRunStartedFrom) {
+  // The files: the model a one-step `hetpar run` writes.
+  std::vector<std::string> first = {kBin,           "run",       "--config", kTiny,     "--out",
+                                    dir_ + "/init", "--threads", "1",        "--steps", "1"};
+  for (const std::string& f : Settings()) first.push_back(f);
+  auto made = RunCommand(first, 300);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->exit_code, 0) << made->stderr_text;
+  const std::vector<std::string> settings = {
+      "checkpoint.dir=" + dir_ + "/checkpoints", "checkpoint.every=4",
+      "encoder.init_from=" + dir_ + "/init/model/encoder.hpar",
+      "llm.init_from=" + dir_ + "/init/model/llm.hpar"};
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(settings), "coordinator.log"));
+  const std::string run = dir_ + "/coordinator/run";
+  nlohmann::json journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  journal["state"] = "stopping";
+  std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
+  fs::rename(dir_ + "/init", dir_ + "/init-gone");
+
+  ASSERT_NO_FATAL_FAILURE(RunToTheEnd(StartCluster(settings, "restarted.log"), "restarted.log"));
+  EXPECT_THAT(ReadFile(dir_ + "/restarted.log"),
+              HasSubstr("resuming at step 8 from " + dir_ + "/checkpoints/step-000008"));
+  EXPECT_EQ(nlohmann::json::parse(ReadFile(run + "/journal.json"))["state"], "done");
+
+  // No checkpoint left, nor one in the journal: the run would start over from its init_from
+  // files, which are gone.
+  journal = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  journal["state"] = "running";
+  journal["last_checkpoint"] = "";
+  journal["last_checkpoint_step"] = -1;
+  std::ofstream(run + "/journal.json", std::ios::trunc) << journal.dump(2);
+  fs::remove_all(dir_ + "/checkpoints");
+  auto refused = RunCommand(CoordinatorArgv("127.0.0.1:0", settings), 120);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->exit_code, 2) << refused->stdout_text << refused->stderr_text;
+  EXPECT_THAT(refused->stderr_text,
+              HasSubstr("cannot continue run tiny: no complete checkpoint of it is in "
+                        "checkpoint.dir '" +
+                        dir_ + "/checkpoints', so it would start over"));
+  EXPECT_THAT(refused->stderr_text, HasSubstr("encoder.init_from"));
+}
+
 // Run "tiny" resumed from its step 4 with another learning rate, in the directory where the run it
 // resumed from (also "tiny") went on to steps 6 and 8. Its coordinator lost after step 7 (whose
 // line it had not written yet), a restart must continue from the resumed run's own checkpoints,
