@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <filesystem>
 #include <functional>
 #include <thread>
 
@@ -45,25 +44,13 @@ Json BadToJson(const BadSample& bad) {
               {"path", bad.path}, {"reason", bad.reason}, {"code", static_cast<int>(bad.code)}};
 }
 
-}  // namespace
-
-absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
+IndexSource IndexSourceWith(const LoaderOptions& options, const SourceStamps& stamps) {
   IndexSource source;
   source.manifest = options.manifest;
-  absl::StatusOr<FileStamp> manifest = StatFile(options.manifest);
-  if (!manifest.ok()) return Annotate(manifest.status(), "manifest");
-  source.manifest_stamp = *manifest;
+  source.manifest_stamp = stamps.manifest;
   source.tokenizer = options.tokenizer;
-  absl::StatusOr<FileStamp> tokenizer = StatFile(options.tokenizer);
-  if (!tokenizer.ok()) return Annotate(tokenizer.status(), "tokenizer");
-  source.tokenizer_stamp = *tokenizer;
-  const std::string config =
-      (std::filesystem::path(options.tokenizer).parent_path() / "tokenizer_config.json").string();
-  if (absl::StatusOr<FileStamp> stamp = StatFile(config); stamp.ok()) {
-    source.tokenizer_config_stamp = *stamp;
-  } else if (!absl::IsNotFound(stamp.status())) {
-    return Annotate(stamp.status(), "tokenizer config");
-  }
+  source.tokenizer_stamp = stamps.tokenizer;
+  source.tokenizer_config_stamp = stamps.tokenizer_config;
   source.image_token = options.image_token;
   source.tokens_per_image = options.tokens_per_image;
   source.seq_len = options.seq_len;
@@ -71,6 +58,20 @@ absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
   source.chat_template = options.chat_template;
   source.skip_bad_samples = options.skip_bad_samples;
   return source;
+}
+
+// What `loader` read: its files' stamps from before it read them.
+absl::StatusOr<IndexSource> LoaderIndexSource(const DataLoader& loader) {
+  if (!loader.stamps().has_value()) return CurrentIndexSource(loader.options());
+  return IndexSourceWith(loader.options(), *loader.stamps());
+}
+
+}  // namespace
+
+absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
+  absl::StatusOr<SourceStamps> stamps = StampSources(options);
+  if (!stamps.ok()) return stamps.status();
+  return IndexSourceWith(options, *stamps);
 }
 
 const IndexRecord* DataIndex::Find(const std::string& id) const {
@@ -97,8 +98,8 @@ int64_t DataIndex::total_images() const {
 }
 
 absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options) {
-  // Stat before reading any sample: a manifest edited during the build then looks stale.
-  absl::StatusOr<IndexSource> source = CurrentIndexSource(loader.options());
+  // The files as the loader read them: a manifest edited since then looks stale.
+  absl::StatusOr<IndexSource> source = LoaderIndexSource(loader);
   if (!source.ok()) return source.status();
   const int64_t n = loader.size();
   std::vector<absl::StatusOr<IndexRecord>> described(static_cast<size_t>(n),
@@ -406,7 +407,8 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
 absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
                                            const IndexBuildOptions& options, bool* rebuilt) {
   if (rebuilt != nullptr) *rebuilt = false;
-  absl::StatusOr<IndexSource> current = CurrentIndexSource(loader.options());
+  // An index of the files as the loader read them, which it then reads samples of.
+  absl::StatusOr<IndexSource> current = LoaderIndexSource(loader);
   if (!current.ok()) return current.status();
   absl::StatusOr<DataIndex> existing = ReadIndex(path);
   if (existing.ok()) {

@@ -249,6 +249,37 @@ TEST_F(IndexTest, TheTokenizerConfigBesideTheTokenizerIsPartOfTheIndexSource) {
   EXPECT_THAT(std::string(stale.message()), HasSubstr("tokenizer.model is gone"));
 }
 
+// An index is of the files as its loader read them: a sample appended to the manifest after the
+// loader read it (while a large manifest is parsed, or the build runs) leaves the index built
+// from that loader stale, so the next start indexes the new sample instead of taking the index
+// for fresh without it.
+TEST_F(IndexTest, AManifestEditedAfterItsLoaderReadItLeavesTheIndexStale) {
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  ASSERT_NE(loader, nullptr);
+  {
+    std::ofstream out(dir_ + "/train.jsonl", std::ios::app);
+    ManifestRecord r;
+    r.id = "late";
+    r.prompt = "what is two plus two?";
+    r.text = "four.";
+    out << ManifestRecordToJson(r) << "\n";
+  }
+  const std::string path = dir_ + "/train.jsonl.index";
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> built = LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(built.ok()) << built.status();
+  EXPECT_EQ(built->records.size(), 40u);  // what the loader read
+  const absl::Status stale = CheckIndexSource(*ReadIndex(path), *CurrentIndexSource(Options()));
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("manifest " + dir_ + "/train.jsonl is now"));
+  absl::StatusOr<DataIndex> next =
+      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(rebuilt);
+  ASSERT_EQ(next->records.size(), 41u);
+  EXPECT_EQ(next->records.back().id, "late");
+}
+
 TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   // Lines 1-3 good, 4 missing image, 5 corrupt manifest line, 6 good, 7 corrupt image.
   std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");

@@ -2,12 +2,14 @@
 
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/data/file_util.h"
+#include "common/status.h"
 
 namespace hetpar::data {
 namespace {
@@ -53,6 +55,24 @@ DataLoader::DataLoader(LoaderOptions options, Manifest manifest,
       tokenizer_(std::move(tokenizer)),
       image_token_id_(image_token_id) {}
 
+absl::StatusOr<SourceStamps> StampSources(const LoaderOptions& options) {
+  SourceStamps stamps;
+  absl::StatusOr<FileStamp> manifest = StatFile(options.manifest);
+  if (!manifest.ok()) return Annotate(manifest.status(), "manifest");
+  stamps.manifest = *manifest;
+  absl::StatusOr<FileStamp> tokenizer = StatFile(options.tokenizer);
+  if (!tokenizer.ok()) return Annotate(tokenizer.status(), "tokenizer");
+  stamps.tokenizer = *tokenizer;
+  const std::string config =
+      (std::filesystem::path(options.tokenizer).parent_path() / "tokenizer_config.json").string();
+  if (absl::StatusOr<FileStamp> stamp = StatFile(config); stamp.ok()) {
+    stamps.tokenizer_config = *stamp;
+  } else if (!absl::IsNotFound(stamp.status())) {
+    return Annotate(stamp.status(), "tokenizer config");
+  }
+  return stamps;
+}
+
 absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptions& options) {
   if (options.image_size <= 0) {
     return absl::InvalidArgumentError(
@@ -75,6 +95,8 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptio
           "normalisation stddev[", c, "]=", options.normalization.stddev[c], "; expected > 0"));
     }
   }
+  // Before reading them; a stat that fails leaves them unknown (the reads below then say why).
+  absl::StatusOr<SourceStamps> stamps = StampSources(options);
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::Load(options.tokenizer);
   if (!tokenizer.ok()) return tokenizer.status();
   if (options.max_vocab > 0 && (*tokenizer)->vocab_size() > options.max_vocab) {
@@ -92,8 +114,10 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptio
   }
   absl::StatusOr<Manifest> manifest = ReadManifest(options.manifest, options.skip_bad_samples);
   if (!manifest.ok()) return manifest.status();
-  return std::unique_ptr<DataLoader>(
+  std::unique_ptr<DataLoader> loader(
       new DataLoader(options, std::move(*manifest), std::move(*tokenizer), *image_id));
+  if (stamps.ok()) loader->stamps_ = *stamps;
+  return loader;
 }
 
 absl::StatusOr<int64_t> DataLoader::Ordinal(const std::string& id) const {

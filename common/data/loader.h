@@ -12,11 +12,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/data/chat_template.h"
+#include "common/data/file_util.h"
 #include "common/data/image.h"
 #include "common/data/manifest.h"
 #include "common/data/record.h"
@@ -65,6 +67,16 @@ struct LoadedSample {
 
 // Owns a parsed manifest and a tokenizer. Immutable after Create; Load/Describe are const and
 // may be called from many threads at once.
+// The size and modification time of the files a loader reads: the manifest, the tokenizer, and
+// the tokenizer_config.json beside it (a Hugging Face tokenizer's bos and eos; {-1, -1}: none).
+struct SourceStamps {
+  FileStamp manifest;
+  FileStamp tokenizer;
+  FileStamp tokenizer_config{-1, -1};
+};
+// The stamps of `options`' files as they are now; the stat's error, naming the file, otherwise.
+absl::StatusOr<SourceStamps> StampSources(const LoaderOptions& options);
+
 class DataLoader {
  public:
   // Reads the manifest and the tokenizer and checks the options (the image token must be one
@@ -75,6 +87,9 @@ class DataLoader {
 
   const LoaderOptions& options() const { return options_; }
   const Manifest& manifest() const { return manifest_; }
+  // The stamps of its files taken before Create read them (an index built from this loader is
+  // of those files as they were then: one edited meanwhile looks stale); none when a stat failed.
+  const std::optional<SourceStamps>& stamps() const { return stamps_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   int32_t image_token_id() const { return image_token_id_; }
   // Readable manifest records (ordinals are 0 .. size() - 1).
@@ -104,6 +119,7 @@ class DataLoader {
   absl::StatusOr<std::vector<float>> LoadImage(const ManifestRecord& record, size_t k) const;
 
   LoaderOptions options_;
+  std::optional<SourceStamps> stamps_;
   Manifest manifest_;
   std::unique_ptr<Tokenizer> tokenizer_;
   int32_t image_token_id_;
