@@ -1162,6 +1162,7 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
   // Between an abort and the next attempt (waiting for the workers to give the aborted one up),
   // the step to checkpoint is the next attempt.
   const bool retry_pending = !unheard_since_abort_.empty() || !not_ended_since_abort_.empty();
+  v1::StopResponse response;
   if (checkpoint && state_ == v1::RUN_STATE_RUNNING &&
       (orchestrator_.in_flight() || retry_pending) && !spec_.checkpoint().dir().empty()) {
     if (stop_after_step_.empty()) {
@@ -1175,16 +1176,24 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
                        << " commits, with a checkpoint"
                        << (orchestrator_.in_flight() ? "" : " (its next attempt)");
     }
+    response.set_checkpoint(absl::StrCat("the run stops once step ", committed_steps_,
+                                         " commits, with a checkpoint of it in ",
+                                         spec_.checkpoint().dir()));
   } else if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
     if (checkpoint) {
-      HETPAR_LOG(WARNING) << why << ": no checkpoint ("
-                          << (spec_.checkpoint().dir().empty() ? "checkpoint.dir is not set"
-                                                               : "no step in flight")
-                          << ")";
+      const std::string none =
+          absl::StrCat("no checkpoint: ",
+                       spec_.checkpoint().dir().empty() ? std::string("checkpoint.dir is not set")
+                       : state_ == v1::RUN_STATE_WAITING
+                           ? std::string("the run had not started training")
+                           : absl::StrCat("no step was in flight (", committed_steps_,
+                                          " steps committed; the newest checkpoint is the one "
+                                          "checkpoint.every or an earlier stop wrote)"));
+      HETPAR_LOG(WARNING) << why << ": " << none;
+      response.set_checkpoint(none);
     }
     BeginStopping(why, now, actions);
   }
-  v1::StopResponse response;
   response.set_state(state_);
   return response;
 }

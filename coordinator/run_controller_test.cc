@@ -1108,8 +1108,19 @@ TEST_F(RunControllerTest, AStopThatAbortsTheStepInFlightComesInANewGeneration) {
 
 TEST_F(RunControllerTest, StopWhileWaitingIsDoneAtOnce) {
   Create();
-  EXPECT_EQ(controller_->Stop("", false, kT0, &actions_).state(), v1::RUN_STATE_DONE);
+  const v1::StopResponse response = controller_->Stop("", false, kT0, &actions_);
+  EXPECT_EQ(response.state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(response.checkpoint(), "");  // none asked for
   EXPECT_EQ(controller_->state_message(), "stop requested");
+}
+
+// A stop that asks for a checkpoint which cannot be written says so, and why, to the one who
+// asked (`hetpar stop --checkpoint` prints it).
+TEST_F(RunControllerTest, AStopWithACheckpointThatCannotBeWrittenSaysWhy) {
+  Create(5, true, false, "/ckpt");
+  const v1::StopResponse waiting = controller_->Stop("preempted", true, kT0, &actions_);
+  EXPECT_EQ(waiting.state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(waiting.checkpoint(), "no checkpoint: the run had not started training");
 }
 
 TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) {
@@ -1119,6 +1130,8 @@ TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) 
   auto response = controller_->Stop("preempted", true, kT0, &actions_);
   // Step 0 goes on: nothing stops yet.
   EXPECT_EQ(response.state(), v1::RUN_STATE_RUNNING);
+  EXPECT_EQ(response.checkpoint(),
+            "the run stops once step 0 commits, with a checkpoint of it in /ckpt");
   EXPECT_TRUE(SentTo(ids_[0], v1::CoordinatorMessage::kStop).empty());
   CompleteStep(0);
   const auto commits = SentTo(ids_[0], v1::CoordinatorMessage::kCommit);

@@ -50,6 +50,7 @@ void AddStopCommand(CLI::App& app, int* exit_code) {
     }
     std::cout << "stop requested; the run is " << coordinator::RunStateName(stopped->state())
               << std::endl;
+    if (!stopped->checkpoint().empty()) std::cout << stopped->checkpoint() << std::endl;
     v1::RunState state = stopped->state();
     const absl::Time deadline = absl::Now() + absl::Seconds(flags->wait_s);
     while (flags->wait_s > 0 && state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
