@@ -41,6 +41,15 @@ class IndexTest : public ::testing::Test {
     o.seq_len = 128;
     return o;
   }
+  // LoadOrBuildIndex at `path` over a new loader of the 40 samples: built anew, with all of them.
+  void ExpectBuiltInFull(const std::string& path) const {
+    bool rebuilt = false;
+    absl::StatusOr<DataIndex> index =
+        LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
+    ASSERT_TRUE(index.ok()) << index.status();
+    EXPECT_TRUE(rebuilt);
+    EXPECT_EQ(index->records.size(), 40u);
+  }
   std::unique_ptr<DataLoader> Make(const LoaderOptions& o) const {
     absl::StatusOr<std::unique_ptr<DataLoader>> loader = DataLoader::Create(o);
     EXPECT_TRUE(loader.ok()) << loader.status();
@@ -221,12 +230,7 @@ TEST_F(IndexTest, AnIndexBuiltWithoutDecodingImagesIsRebuiltByACallerThatDecodes
 TEST_F(IndexTest, AnIndexThatCannotBeSavedIsStillUsed) {
   const std::string path = dir_ + "/train.jsonl/train.jsonl.index";
   ASSERT_FALSE(WriteIndex(*BuildIndex(*Make(Options()), IndexBuildOptions()), path).ok());
-  bool rebuilt = false;
-  absl::StatusOr<DataIndex> index =
-      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
-  ASSERT_TRUE(index.ok()) << index.status();
-  EXPECT_TRUE(rebuilt);
-  EXPECT_EQ(index->records.size(), 40u);
+  ExpectBuiltInFull(path);
 }
 
 // A Hugging Face tokenizer's bos and eos come from the tokenizer_config.json beside it: one
@@ -379,12 +383,7 @@ TEST_F(IndexTest, DamagedIndexFilesAreDataLoss) {
   EXPECT_EQ(ReadIndex(dir_ + "/none.index").status().code(), absl::StatusCode::kNotFound);
   // A damaged index is rebuilt by LoadOrBuildIndex.
   ASSERT_TRUE(WriteFileAtomically(path, text).ok());
-  bool rebuilt = false;
-  absl::StatusOr<DataIndex> index =
-      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
-  ASSERT_TRUE(index.ok()) << index.status();
-  EXPECT_TRUE(rebuilt);
-  EXPECT_EQ(index->records.size(), 40u);
+  ExpectBuiltInFull(path);
 }
 
 TEST_F(IndexTest, TheChatTemplateIsPartOfTheIndexSource) {
