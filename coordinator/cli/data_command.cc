@@ -369,6 +369,7 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
   struct Options {
     ConfigOptions config;
     std::string id;
+    int64_t position = -1;
   };
   auto o = std::make_shared<Options>();
   CLI::App* command = data->add_subcommand(
@@ -377,11 +378,46 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
       "each image's placeholder block");
   AddConfigFlags(command, &o->config, true);
   command->add_option("--split", o->config.split, "train or val");
-  command->add_option("--id", o->id, "Sample id")->required();
+  CLI::Option* id = command->add_option("--id", o->id, "Sample id (the manifest's)");
+  command
+      ->add_option("--position", o->position,
+                   "Position in the data index: the sample id of step plans and of the workers' "
+                   "data errors ('data index position N')")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(id);
   command->callback([o, exit_code] {
+    if (o->id.empty() && o->position < 0) {
+      std::cerr << "hetpar data show: give the sample as --id ID or --position N\n";
+      *exit_code = kExitInvalidInput;
+      return;
+    }
     std::optional<OpenedSplit> opened = OpenSplit(o->config, "show", exit_code);
     if (!opened.has_value()) return;
-    absl::StatusOr<int64_t> ordinal = opened->loader->Ordinal(o->id);
+    absl::StatusOr<int64_t> ordinal;
+    std::string position;  // "index position N, " when shown by position
+    if (o->position >= 0) {
+      // Positions are the index's (samples skipped as bad shift those after them): load it, or
+      // build it as training would.
+      const std::string path = IndexPath(opened->loaded.spec, opened->split);
+      absl::StatusOr<data::DataIndex> index =
+          data::LoadOrBuildIndex(*opened->loader, path, data::IndexBuildOptions());
+      if (!index.ok()) {
+        *exit_code = Fail(index.status(), "show");
+        return;
+      }
+      if (o->position >= static_cast<int64_t>(index->records.size())) {
+        *exit_code = Fail(absl::InvalidArgumentError(absl::StrCat(
+                              "--position ", o->position, " is outside the data index ", path,
+                              " of ", index->records.size(), " samples (positions 0 to ",
+                              index->records.size() - 1, ")")),
+                          "show");
+        return;
+      }
+      ordinal = index->records[static_cast<size_t>(o->position)].ordinal;
+      position = absl::StrCat("index position ", o->position, ", ");
+    } else {
+      ordinal = opened->loader->Ordinal(o->id);
+    }
     if (!ordinal.ok()) {
       *exit_code = Fail(ordinal.status(), "show");
       return;
@@ -394,10 +430,11 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
     const data::Tokenizer& tok = opened->loader->tokenizer();
     const data::ManifestRecord& record =
         opened->loader->manifest().records[static_cast<size_t>(*ordinal)];
-    std::cout << "sample '" << record.id << "' (" << opened->loader->manifest().Where(record.line)
-              << "): " << seq->length() << " tokens, " << seq->images() << " images, "
-              << seq->text_tokens << " text tokens, " << seq->loss_tokens << " loss tokens"
-              << (seq->truncated ? ", truncated" : "") << "\n";
+    std::cout << "sample '" << record.id << "' (" << position
+              << opened->loader->manifest().Where(record.line) << "): " << seq->length()
+              << " tokens, " << seq->images() << " images, " << seq->text_tokens << " text tokens, "
+              << seq->loss_tokens << " loss tokens" << (seq->truncated ? ", truncated" : "")
+              << "\n";
     std::cout << "pos  id    piece            label  loss\n";
     size_t image = 0;
     for (int32_t i = 0; i < seq->length(); ++i) {

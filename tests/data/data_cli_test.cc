@@ -195,6 +195,22 @@ TEST_F(DataCliTest, BadSamplesAreNamedAndCanBeSkipped) {
   EXPECT_NE(
       index->Find(m->records[0].id == with_images[0]->id ? m->records[2].id : m->records[0].id),
       nullptr);
+  // `show --position` takes the index's positions (the ids of step plans and worker errors),
+  // which the skipped samples shift off the manifest's ordinals.
+  const data::IndexRecord& last = index->records.back();
+  ASSERT_NE(last.ordinal, static_cast<int64_t>(index->records.size()) - 1);
+  r = Run({"data", "show", "--config", config, "--set", "data.skip_bad_samples=true", "--position",
+           "21"});
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_THAT(r.stdout_text, HasSubstr("sample '" + last.id + "' (index position 21, "));
+  r = Run({"data", "show", "--config", config, "--set", "data.skip_bad_samples=true", "--position",
+           "22"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.stderr_text, HasSubstr("--position 22 is outside the data index"));
+  EXPECT_THAT(r.stderr_text, HasSubstr("of 22 samples (positions 0 to 21)"));
+  r = Run({"data", "show", "--config", config});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.stderr_text, HasSubstr("--id ID or --position N"));
 
   // A malformed manifest line is listed with the rest, without data.skip_bad_samples: the
   // check goes on to every other sample.
