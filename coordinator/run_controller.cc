@@ -1181,14 +1181,14 @@ v1::StopResponse RunController::Stop(const std::string& reason, bool checkpoint,
                                          spec_.checkpoint().dir()));
   } else if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
     if (checkpoint) {
-      const std::string none =
-          absl::StrCat("no checkpoint: ",
-                       spec_.checkpoint().dir().empty() ? std::string("checkpoint.dir is not set")
-                       : state_ == v1::RUN_STATE_WAITING
-                           ? std::string("the run had not started training")
-                           : absl::StrCat("no step was in flight (", committed_steps_,
-                                          " steps committed; the newest checkpoint is the one "
-                                          "checkpoint.every or an earlier stop wrote)"));
+      const std::string none = absl::StrCat(
+          "no checkpoint: ",
+          spec_.checkpoint().dir().empty()
+              ? std::string("checkpoint.dir is not set")
+              : absl::StrCat(
+                    state_ == v1::RUN_STATE_WAITING ? "the run is waiting for its workers (" : "",
+                    "no step was in flight; ", committed_steps_, " steps committed",
+                    state_ == v1::RUN_STATE_WAITING ? ")" : ""));
       HETPAR_LOG(WARNING) << why << ": " << none;
       response.set_checkpoint(none);
     }

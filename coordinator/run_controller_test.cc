@@ -1120,7 +1120,9 @@ TEST_F(RunControllerTest, AStopWithACheckpointThatCannotBeWrittenSaysWhy) {
   Create(5, true, false, "/ckpt");
   const v1::StopResponse waiting = controller_->Stop("preempted", true, kT0, &actions_);
   EXPECT_EQ(waiting.state(), v1::RUN_STATE_DONE);
-  EXPECT_EQ(waiting.checkpoint(), "no checkpoint: the run had not started training");
+  EXPECT_EQ(waiting.checkpoint(),
+            "no checkpoint: the run is waiting for its workers (no step was in flight; 0 steps "
+            "committed)");
 }
 
 TEST_F(RunControllerTest, AStopWithACheckpointLetsTheStepInFlightCommitWithOne) {

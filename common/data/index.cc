@@ -60,13 +60,13 @@ IndexSource IndexSourceWith(const LoaderOptions& options, const SourceStamps& st
   return source;
 }
 
-// What `loader` read: its files' stamps from before it read them.
-absl::StatusOr<IndexSource> LoaderIndexSource(const DataLoader& loader) {
-  if (!loader.stamps().has_value()) return CurrentIndexSource(loader.options());
-  return IndexSourceWith(loader.options(), *loader.stamps());
-}
-
 }  // namespace
+
+absl::StatusOr<IndexSource> LoadedIndexSource(const DataLoader& loader,
+                                              const LoaderOptions& options) {
+  if (!loader.stamps().has_value()) return CurrentIndexSource(options);
+  return IndexSourceWith(options, *loader.stamps());
+}
 
 absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
   absl::StatusOr<SourceStamps> stamps = StampSources(options);
@@ -99,7 +99,7 @@ int64_t DataIndex::total_images() const {
 
 absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options) {
   // The files as the loader read them: a manifest edited since then looks stale.
-  absl::StatusOr<IndexSource> source = LoaderIndexSource(loader);
+  absl::StatusOr<IndexSource> source = LoadedIndexSource(loader, loader.options());
   if (!source.ok()) return source.status();
   const int64_t n = loader.size();
   std::vector<absl::StatusOr<IndexRecord>> described(static_cast<size_t>(n),
@@ -408,7 +408,7 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
                                            const IndexBuildOptions& options, bool* rebuilt) {
   if (rebuilt != nullptr) *rebuilt = false;
   // An index of the files as the loader read them, which it then reads samples of.
-  absl::StatusOr<IndexSource> current = LoaderIndexSource(loader);
+  absl::StatusOr<IndexSource> current = LoadedIndexSource(loader, loader.options());
   if (!current.ok()) return current.status();
   absl::StatusOr<DataIndex> existing = ReadIndex(path);
   if (existing.ok()) {

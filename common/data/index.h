@@ -51,6 +51,11 @@ struct IndexSource {
 
 // The IndexSource for a loader's options as the files are now (stat of manifest and tokenizer).
 absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options);
+// The IndexSource of `options` with the files as `loader` read them (DataLoader::stamps; as they
+// are now when it has none). `options` may differ from the loader's in what they keep of bad
+// entries (`hetpar data check` reads them all).
+absl::StatusOr<IndexSource> LoadedIndexSource(const DataLoader& loader,
+                                              const LoaderOptions& options);
 
 struct DataIndex {
   IndexSource source;

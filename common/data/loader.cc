@@ -95,7 +95,8 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptio
           "normalisation stddev[", c, "]=", options.normalization.stddev[c], "; expected > 0"));
     }
   }
-  // Before reading them; a stat that fails leaves them unknown (the reads below then say why).
+  // Before reading them, and again after (below); a stat that fails leaves them unknown (the
+  // reads below then say why).
   absl::StatusOr<SourceStamps> stamps = StampSources(options);
   absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = Tokenizer::Load(options.tokenizer);
   if (!tokenizer.ok()) return tokenizer.status();
@@ -116,7 +117,17 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptio
   if (!manifest.ok()) return manifest.status();
   std::unique_ptr<DataLoader> loader(
       new DataLoader(options, std::move(*manifest), std::move(*tokenizer), *image_id));
-  if (stamps.ok()) loader->stamps_ = *stamps;
+  if (stamps.ok()) {
+    loader->stamps_ = *stamps;
+    // A file replaced while it was read (after the first stat): what was read is of neither
+    // stamp, so it is given one that no file has, and an index of it is never taken for fresh.
+    absl::StatusOr<SourceStamps> after = StampSources(options);
+    if (!after.ok() || after->manifest != stamps->manifest ||
+        after->tokenizer != stamps->tokenizer ||
+        after->tokenizer_config != stamps->tokenizer_config) {
+      loader->stamps_->manifest = FileStamp{-3, -3};
+    }
+  }
   return loader;
 }
 

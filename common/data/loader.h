@@ -88,7 +88,8 @@ class DataLoader {
   const LoaderOptions& options() const { return options_; }
   const Manifest& manifest() const { return manifest_; }
   // The stamps of its files taken before Create read them (an index built from this loader is
-  // of those files as they were then: one edited meanwhile looks stale); none when a stat failed.
+  // of those files as they were then: one edited since looks stale; one replaced while Create
+  // read it gets a manifest stamp no file has); none when a stat failed.
   const std::optional<SourceStamps>& stamps() const { return stamps_; }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
   int32_t image_token_id() const { return image_token_id_; }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/data/index.h"
 #include "common/data/loader.h"
@@ -306,7 +307,9 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
     const std::string path = IndexPath(opened->loaded.spec, opened->split);
     std::unique_ptr<data::DataIndex> index;
     absl::StatusOr<data::DataIndex> read = data::ReadIndex(path);
-    absl::StatusOr<data::IndexSource> current = data::CurrentIndexSource(opened->options);
+    // The files as the loader read them, with the split's own options.
+    absl::StatusOr<data::IndexSource> current =
+        data::LoadedIndexSource(*opened->loader, opened->options);
     if (read.ok() && current.ok()) {
       absl::Status fresh = data::CheckIndexSource(*read, *current);
       if (fresh.ok()) {
@@ -383,7 +386,7 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
       ->add_option("--position", o->position,
                    "Position in the data index: the sample id of step plans and of the workers' "
                    "data errors ('data index position N')")
-      ->check(CLI::NonNegativeNumber)
+      ->check(hetpar::kNonNegativeNumber)
       ->excludes(id);
   command->callback([o, exit_code] {
     if (o->id.empty() && o->position < 0) {
@@ -399,11 +402,17 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
       // Positions are the index's (samples skipped as bad shift those after them): load it, or
       // build it as training would.
       const std::string path = IndexPath(opened->loaded.spec, opened->split);
+      bool rebuilt = false;
       absl::StatusOr<data::DataIndex> index =
-          data::LoadOrBuildIndex(*opened->loader, path, data::IndexBuildOptions());
+          data::LoadOrBuildIndex(*opened->loader, path, data::IndexBuildOptions(), &rebuilt);
       if (!index.ok()) {
         *exit_code = Fail(index.status(), "show");
         return;
+      }
+      if (rebuilt) {
+        std::cerr << "hetpar data show: the data index " << path << " was built anew (its files "
+                  << "changed, or it was missing): a run started before uses the positions of "
+                  << "its own index, which may differ\n";
       }
       if (o->position >= static_cast<int64_t>(index->records.size())) {
         *exit_code = Fail(absl::InvalidArgumentError(absl::StrCat(
