@@ -16,7 +16,9 @@ namespace {
 class IndexBatchSource : public BatchSource {
  public:
   IndexBatchSource(v1::RunSpec spec, std::unique_ptr<data::BatchSource> opened)
-      : spec_(std::move(spec)), source_(std::move(opened)) {}
+      : spec_(std::move(spec)), source_(std::move(opened)) {
+    if (source_ != nullptr) digest_ = source_->index().IdDigest();
+  }
 
   // A synthetic data set the RunSpec names is generated here, so the coordinator can start (and
   // admit workers) before the data set exists.
@@ -30,6 +32,7 @@ class IndexBatchSource : public BatchSource {
                        std::string(source.status().message())));
     }
     source_ = *std::move(source);
+    digest_ = source_->index().IdDigest();
     HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
                      << source_->index().records.size() << " samples";
     return absl::OkStatus();
@@ -58,6 +61,7 @@ class IndexBatchSource : public BatchSource {
   int64_t IndexSamples() const override {
     return source_ == nullptr ? 0 : static_cast<int64_t>(source_->index().records.size());
   }
+  uint32_t IndexDigest() const override { return digest_; }
   void Restore(const data::SamplerCursor& cursor) override {
     committed_ = cursor;
     pending_.reset();
@@ -66,6 +70,7 @@ class IndexBatchSource : public BatchSource {
  private:
   v1::RunSpec spec_;
   std::unique_ptr<data::BatchSource> source_;
+  uint32_t digest_ = 0;  // the index's IdDigest, taken when it is opened
   data::SamplerCursor committed_;
   std::optional<data::SamplerCursor> pending_;
 };

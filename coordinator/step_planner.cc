@@ -115,6 +115,7 @@ absl::StatusOr<PlannedStep> PlanLibraryPlanner::Plan(int64_t step, int64_t gener
   PlannedStep planned;
   if (const int64_t index_samples = batches_->IndexSamples(); index_samples > 0) {
     planned.data_after.set_index_samples(index_samples);
+    planned.data_after.set_index_digest(batches_->IndexDigest());
     planned.data_after.set_epoch(planned_->to.epoch);
     planned.data_after.set_offset(planned_->to.offset);
   }
@@ -162,18 +163,19 @@ absl::Status PlanLibraryPlanner::Prepare() {
   std::optional<data::SamplerCursor> recorded;
   if (resume_.has_value() && skip_steps_ > 0 && skip_steps_ < spec_.run().steps()) {
     absl::StatusOr<std::optional<data::SamplerCursor>> cursor =
-        ResumeCursor(spec_, *resume_, batches_->IndexSamples());
+        ResumeCursor(spec_, *resume_, batches_->IndexSamples(), batches_->IndexDigest());
     if (!cursor.ok()) return cursor.status();
     recorded = *cursor;
-    if (recorded.has_value() && resume_->data->index_samples != batches_->IndexSamples()) {
+    if (recorded.has_value() &&
+        !resume_->data->SameIndex(batches_->IndexSamples(), batches_->IndexDigest())) {
       // The steps before the checkpoint trained over another index: none of them is replayed
       // (nor recorded in the ledger); the run goes on with a new epoch over this one.
-      HETPAR_LOG(WARNING) << "the data index changed since checkpoint "
-                          << spec_.checkpoint().resume_from() << " ("
-                          << resume_->data->index_samples << " samples, now "
-                          << batches_->IndexSamples()
-                          << "); it ended an epoch, so the run goes on with epoch "
-                          << recorded->epoch << " over the new index";
+      HETPAR_LOG(WARNING)
+          << "the data index changed since checkpoint " << spec_.checkpoint().resume_from() << " ("
+          << resume_->data->index_samples << " samples, now " << batches_->IndexSamples()
+          << (resume_->data->index_samples == batches_->IndexSamples() ? " other ones" : "")
+          << "); it ended an epoch, so the run goes on with epoch " << recorded->epoch
+          << " over the new index";
       batches_->Restore(*recorded);
       skip_steps_ = 0;
       return absl::OkStatus();
@@ -214,10 +216,11 @@ bool PlanLibraryPlanner::NeedsPreparation() const {
 std::string PlanLibraryPlanner::DataPosition() const { return batches_->Position(); }
 
 absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
-    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples) {
+    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples,
+    uint32_t index_digest) {
   if (!checkpoint.data.has_value() || index_samples <= 0) return std::nullopt;
   const config::CheckpointDataPosition& at = *checkpoint.data;
-  if (at.index_samples == index_samples) return data::SamplerCursor{at.epoch, at.offset};
+  if (at.SameIndex(index_samples, index_digest)) return data::SamplerCursor{at.epoch, at.offset};
   if (at.AtEpochBoundary()) {
     return data::SamplerCursor{at.offset == 0 ? at.epoch : at.epoch + 1, 0};
   }
@@ -225,6 +228,7 @@ absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
       "checkpoint.resume_from='", spec.checkpoint().resume_from(), "' stopped ", at.offset,
       " samples into epoch ", at.epoch, " of a data index of ", at.index_samples,
       " samples, and data.manifest='", spec.data().manifest(), "' now indexes ", index_samples,
+      at.index_samples == index_samples ? " other samples (their ids differ)" : "",
       ": the rest of epoch ", at.epoch,
       " would follow another order, training some of its samples twice and others never. Resume "
       "over the data index it was trained on (the same samples, and the same ones skipped as bad), "

@@ -47,6 +47,8 @@ class BatchSource {
   virtual bool NeedsOpen() const { return false; }
   // Samples in the data index, once open; 0 for a source without one (synthetic batches).
   virtual int64_t IndexSamples() const { return 0; }
+  // data::DataIndex::IdDigest of the index, once open; 0 without one.
+  virtual uint32_t IndexDigest() const { return 0; }
   // Moves the committed position to `cursor` (a resume at an epoch boundary of a data index
   // that changed: see ResumeCursor). Only for a source with an index.
   virtual void Restore(const data::SamplerCursor& cursor) { (void)cursor; }
@@ -93,8 +95,11 @@ absl::StatusOr<std::unique_ptr<BatchSource>> MakeIndexBatchSource(
 // new index).
 // FailedPrecondition, naming both sizes and the epoch, when the index changed mid-epoch: the rest
 // of the epoch's order would be another one, training some of its samples twice and others never.
+// An index of the recorded size whose ids have another digest (both known) counts as another
+// index: other samples, or the same ones in another order.
 absl::StatusOr<std::optional<data::SamplerCursor>> ResumeCursor(
-    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples);
+    const v1::RunSpec& spec, const config::CheckpointSummary& checkpoint, int64_t index_samples,
+    uint32_t index_digest = 0);
 
 // The coordinator's StepPlanner over the plan library. A run resumed from a checkpoint
 // (checkpoint.resume_from) starts at the checkpoint's step: Prepare skips the samples of the

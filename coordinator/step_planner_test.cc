@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/control/plan_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -227,6 +228,30 @@ TEST(StepPlannerTest, AResumeOverAnIndexOfAnotherSizeGoesOnOnlyFromAnEpochBounda
     EXPECT_EQ(step->data_after.index_samples(), 40);
     EXPECT_EQ(step->data_after.epoch(), 0);
     EXPECT_EQ(step->data_after.offset(), 32);
+  }
+  // The same size over other samples (the 40's ids digest otherwise): refused as well; with the
+  // 40's own digest it goes on.
+  {
+    auto opened = data::BatchSource::Create(forty);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    const uint32_t digest = (*opened)->index().IdDigest();
+    checkpoint(3, absl::StrCat(R"({"index_samples": 40, "epoch": 0, "offset": 24, )",
+                               R"("index_digest": )", digest + 1, "}"));
+    auto other = MakeStepPlanner(forty, false);
+    ASSERT_TRUE(other.ok()) << other.status();
+    const absl::Status refused = (*other)->Prepare();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(refused.message()),
+                HasSubstr("now indexes 40 other samples (their ids differ)"));
+    checkpoint(3, absl::StrCat(R"({"index_samples": 40, "epoch": 0, "offset": 24, )",
+                               R"("index_digest": )", digest, "}"));
+    auto same = MakeStepPlanner(forty, false);
+    ASSERT_TRUE(same.ok()) << same.status();
+    ASSERT_TRUE((*same)->Prepare().ok());
+    auto step = (*same)->Plan(3, 1, membership);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->data_after.index_digest(), digest);
+    checkpoint(3, R"({"index_samples": 40, "epoch": 0, "offset": 24})");
   }
   {
     auto changed = MakeStepPlanner(twenty_four, false);

@@ -673,6 +673,10 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
       return data.contains(key) && data[key].is_number_integer() ? data[key].get<int64_t>() : -1;
     };
     CheckpointDataPosition position{count("index_samples"), count("epoch"), count("offset")};
+    if (data.contains("index_digest") && data["index_digest"].is_number_unsigned() &&
+        data["index_digest"].get<uint64_t>() <= 0xffffffffu) {
+      position.index_digest = static_cast<uint32_t>(data["index_digest"].get<uint64_t>());
+    }
     // Only a position that fits its own index: anything else is read as not recorded.
     if (position.index_samples > 0 && position.epoch >= 0 && position.offset >= 0 &&
         position.offset <= position.index_samples) {

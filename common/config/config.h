@@ -88,6 +88,11 @@ struct CheckpointDataPosition {
   int64_t index_samples = 0;
   int64_t epoch = 0;
   int64_t offset = 0;
+  uint32_t index_digest = 0;  // the index's sample-id digest; 0: not recorded
+  // An index of `samples` samples with id digest `digest` (0: unknown) is the one recorded.
+  bool SameIndex(int64_t samples, uint32_t digest) const {
+    return samples == index_samples && (index_digest == 0 || digest == 0 || digest == index_digest);
+  }
   // No sample of an epoch taken yet, or all of them: the next step starts a new epoch's order.
   bool AtEpochBoundary() const { return offset == 0 || offset == index_samples; }
 };

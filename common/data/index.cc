@@ -1,5 +1,7 @@
 #include "common/data/index.h"
 
+#include <zlib.h>
+
 #include <algorithm>
 #include <atomic>
 #include <functional>
@@ -77,6 +79,15 @@ absl::StatusOr<IndexSource> CurrentIndexSource(const LoaderOptions& options) {
 const IndexRecord* DataIndex::Find(const std::string& id) const {
   auto it = by_id.find(id);
   return it == by_id.end() ? nullptr : &records[it->second];
+}
+
+uint32_t DataIndex::IdDigest() const {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  for (const IndexRecord& r : records) {
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>(r.id.data()), static_cast<uInt>(r.id.size()));
+    crc = ::crc32(crc, reinterpret_cast<const Bytef*>("\n"), 1);
+  }
+  return static_cast<uint32_t>(crc);
 }
 
 int64_t DataIndex::total_tokens() const {

@@ -70,6 +70,9 @@ struct DataIndex {
   int64_t total_tokens() const;
   int64_t total_loss_tokens() const;
   int64_t total_images() const;
+  // The CRC-32 of the records' ids in index order, each followed by a newline: two indexes of the
+  // same size over other samples, or the same ones in another order, differ in it.
+  uint32_t IdDigest() const;
 
   std::unordered_map<std::string, size_t> by_id;  // id -> position in records
 };

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <utility>
 
 #include "common/data/file_util.h"
 #include "common/data/synth.h"
@@ -282,6 +283,18 @@ TEST_F(IndexTest, AManifestEditedAfterItsLoaderReadItLeavesTheIndexStale) {
   EXPECT_TRUE(rebuilt);
   ASSERT_EQ(next->records.size(), 41u);
   EXPECT_EQ(next->records.back().id, "late");
+}
+
+// The id digest is the CRC-32 of the ids in index order, each ended by a newline (zlib.crc32 of
+// b"a\nb\n" and b"b\na\n" in Python): the same samples in another order differ.
+TEST(IndexIdDigestTest, IsTheCrcOfTheIdsInIndexOrder) {
+  DataIndex ab;
+  ab.records.resize(2);
+  ab.records[0].id = "a";
+  ab.records[1].id = "b";
+  EXPECT_EQ(ab.IdDigest(), 0x18572a97u);
+  std::swap(ab.records[0], ab.records[1]);
+  EXPECT_EQ(ab.IdDigest(), 0x21cfd6bau);
 }
 
 TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {

@@ -432,6 +432,7 @@ absl::Status ModuleState::StartCheckpoint(int64_t committed, const v1::StepCommi
     extra["data"] = {{"index_samples", data.index_samples()},
                      {"epoch", data.epoch()},
                      {"offset", data.offset()}};
+    if (data.index_digest() != 0) extra["data"]["index_digest"] = data.index_digest();
   }
   // A thread of its own, not std::async, whose future would block its destructor: a write hung
   // on the file system is given up after the deadline (FinishCheckpoint) instead of holding the

@@ -234,7 +234,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   if (resumed.has_value()) {
     // Before any worker starts: a data index that changed mid-epoch cannot continue the order.
     const absl::StatusOr<std::optional<data::SamplerCursor>> cursor = coordinator::ResumeCursor(
-        spec, *resumed, static_cast<int64_t>((*batches)->index().records.size()));
+        spec, *resumed, static_cast<int64_t>((*batches)->index().records.size()),
+        (*batches)->index().IdDigest());
     if (!cursor.ok()) {
       std::cerr << "hetpar run: " << cursor.status().message() << "\n";
       return kExitInvalidInput;
