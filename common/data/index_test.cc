@@ -42,6 +42,16 @@ class IndexTest : public ::testing::Test {
     o.seq_len = 128;
     return o;
   }
+  // Appends a text-only sample to the manifest (changing its size and time).
+  void AppendSample(const std::string& id, const std::string& prompt,
+                    const std::string& text) const {
+    std::ofstream out(dir_ + "/train.jsonl", std::ios::app);
+    ManifestRecord r;
+    r.id = id;
+    r.prompt = prompt;
+    r.text = text;
+    out << ManifestRecordToJson(r) << "\n";
+  }
   // LoadOrBuildIndex at `path` over a new loader of the 40 samples: built anew, with all of them.
   void ExpectBuiltInFull(const std::string& path) const {
     bool rebuilt = false;
@@ -152,14 +162,7 @@ TEST_F(IndexTest, StaleIndexIsDetectedAndRebuilt) {
 
   // Appending a sample changes the manifest's size and time.
   ::usleep(10000);
-  {
-    std::ofstream out(dir_ + "/train.jsonl", std::ios::app);
-    ManifestRecord r;
-    r.id = "extra";
-    r.prompt = "what is one plus one?";
-    r.text = "two.";
-    out << ManifestRecordToJson(r) << "\n";
-  }
+  AppendSample("extra", "what is one plus one?", "two.");
   s = CheckIndexSource(*same, *CurrentIndexSource(Options()));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()), HasSubstr("manifest " + dir_ + "/train.jsonl is now"));
@@ -261,14 +264,7 @@ TEST_F(IndexTest, TheTokenizerConfigBesideTheTokenizerIsPartOfTheIndexSource) {
 TEST_F(IndexTest, AManifestEditedAfterItsLoaderReadItLeavesTheIndexStale) {
   std::unique_ptr<DataLoader> loader = Make(Options());
   ASSERT_NE(loader, nullptr);
-  {
-    std::ofstream out(dir_ + "/train.jsonl", std::ios::app);
-    ManifestRecord r;
-    r.id = "late";
-    r.prompt = "what is two plus two?";
-    r.text = "four.";
-    out << ManifestRecordToJson(r) << "\n";
-  }
+  AppendSample("late", "what is two plus two?", "four.");
   const std::string path = dir_ + "/train.jsonl.index";
   bool rebuilt = false;
   absl::StatusOr<DataIndex> built = LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt);
