@@ -1,11 +1,21 @@
 #include "common/data/index.h"
 
+#include <fcntl.h>
+#include <poll.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/fanotify.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "common/data/file_util.h"
 #include "common/data/synth.h"
@@ -279,6 +289,89 @@ TEST_F(IndexTest, AManifestEditedAfterItsLoaderReadItLeavesTheIndexStale) {
   EXPECT_TRUE(rebuilt);
   ASSERT_EQ(next->records.size(), 41u);
   EXPECT_EQ(next->records.back().id, "late");
+}
+
+// A manifest replaced while its loader reads it (between the loader's two stats; here the same
+// lines in another order, of the same size): an index built from that loader is never taken for
+// fresh, not even once the new file is given the old one's time (`touch -r`, a sync that keeps
+// times), which makes the two files' stamps equal. A fanotify permission event holds the loader's
+// open of the manifest while the test replaces it, so no timing decides the order.
+TEST_F(IndexTest, AManifestReplacedWhileItsLoaderReadItLeavesTheIndexStale) {
+  const std::string manifest = dir_ + "/train.jsonl";
+  // Read before the mark: from then on, each open waits for the test's answer.
+  std::vector<std::string> lines;
+  {
+    std::ifstream in(manifest);
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+  }
+  ASSERT_GE(lines.size(), 2u);
+  std::swap(lines[0], lines[1]);
+  const absl::StatusOr<FileStamp> first = StatFile(manifest);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const int fan = ::fanotify_init(FAN_CLASS_CONTENT | FAN_CLOEXEC, O_RDONLY);
+  if (fan < 0) {
+    GTEST_SKIP() << "fanotify_init: " << ::strerror(errno) << " (it needs CAP_SYS_ADMIN)";
+  }
+  if (::fanotify_mark(fan, FAN_MARK_ADD, FAN_OPEN_PERM, AT_FDCWD, manifest.c_str()) != 0) {
+    const int error = errno;
+    ::close(fan);
+    GTEST_SKIP() << "fanotify_mark FAN_OPEN_PERM: " << ::strerror(error);
+  }
+
+  // Answers every open of the marked manifest, replacing it at the first (the loader's).
+  std::string replace_error = "the loader did not open the manifest within 60 s";
+  std::thread replacer([&] {
+    bool replaced = false;
+    struct pollfd p = {fan, POLLIN, 0};
+    while (!replaced && ::poll(&p, 1, 60000) == 1) {
+      alignas(struct fanotify_event_metadata) char buffer[4096];
+      ssize_t n = ::read(fan, buffer, sizeof(buffer));
+      if (n <= 0) break;
+      for (auto* event = reinterpret_cast<struct fanotify_event_metadata*>(buffer);
+           FAN_EVENT_OK(event, n); event = FAN_EVENT_NEXT(event, n)) {
+        if (!replaced) {
+          replaced = true;
+          std::ostringstream text;
+          for (const std::string& line : lines) text << line << "\n";
+          replace_error.clear();
+          if (absl::Status s = WriteFileAtomically(manifest, text.str()); !s.ok()) {
+            replace_error = s.ToString();
+          }
+        }
+        if (event->fd >= 0) {
+          const struct fanotify_response allow = {event->fd, FAN_ALLOW};
+          (void)!::write(fan, &allow, sizeof(allow));
+          ::close(event->fd);
+        }
+      }
+    }
+  });
+  std::unique_ptr<DataLoader> loader = Make(Options());
+  replacer.join();
+  ::close(fan);
+  ASSERT_TRUE(replace_error.empty()) << replace_error;
+  ASSERT_NE(loader, nullptr);
+  // The replacement is given the first file's time; with the same size, it now looks like it.
+  const struct timespec times[2] = {{first->mtime_ns / 1000000000, first->mtime_ns % 1000000000},
+                                    {first->mtime_ns / 1000000000, first->mtime_ns % 1000000000}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, manifest.c_str(), times, 0), 0) << ::strerror(errno);
+  ASSERT_EQ(*StatFile(manifest), *first);
+
+  const std::string path = dir_ + "/train.jsonl.index";
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> built = LoadOrBuildIndex(*loader, path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(built.ok()) << built.status();
+  ASSERT_EQ(built->records.size(), 40u);
+  const std::string first_read = built->records[0].id;  // the first line of the file read
+  const absl::Status stale = CheckIndexSource(*ReadIndex(path), *CurrentIndexSource(Options()));
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(stale.message()), HasSubstr("manifest " + manifest + " is now"));
+  absl::StatusOr<DataIndex> next =
+      LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions(), &rebuilt);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_TRUE(rebuilt);
+  ASSERT_EQ(next->records.size(), 40u);
+  EXPECT_EQ(next->records[1].id, first_read);  // the replacement's order
 }
 
 // The id digest is the CRC-32 of the ids in index order, each ended by a newline (zlib.crc32 of
