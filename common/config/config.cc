@@ -606,6 +606,14 @@ class Checker {
     return false;
   }
 
+  // A size read into a 32-bit integer (token ids, the loader's sizes): at most INT32_MAX.
+  bool FitsInt32(const std::string& path, int64_t value) {
+    if (value <= std::numeric_limits<int32_t>::max()) return true;
+    Fail(path, absl::StrCat("=", value, " must be <= ", std::numeric_limits<int32_t>::max(),
+                            " (read as a 32-bit integer)"));
+    return false;
+  }
+
   void Divides(const std::string& divisor_path, int64_t divisor, const std::string& path,
                int64_t value, std::string_view why = "") {
     if (divisor <= 0 || value <= 0 || value % divisor == 0) return;
@@ -994,7 +1002,11 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
     c.Fail("encoder.model.activation",
            absl::StrCat("='", em.activation(), "' is not one of: gelu, gelu_tanh"));
   }
-  if (!(em.norm_eps() > 0)) c.Fail("encoder.model.norm_eps", "must be > 0");
+  enc_ok &= c.FitsInt32("encoder.model.image_size", em.image_size());
+  if (!(em.norm_eps() > 0)) {
+    c.Fail("encoder.model.norm_eps",
+           absl::StrCat("=", FormatDouble(em.norm_eps()), " must be > 0"));
+  }
   if (enc_ok) {
     if (em.image_size() % em.patch() != 0) {
       c.Fail("encoder.model.patch", absl::StrCat("=", em.patch(),
@@ -1011,6 +1023,8 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                 "attention is split by heads");
       c.Divides("encoder.layout.tp", el.tp(), "encoder.model.hidden", em.hidden());
       c.Divides("encoder.layout.tp", el.tp(), "encoder.model.mlp", em.mlp());
+      c.Divides("encoder.layout.tp", el.tp(), "encoder.model.out_hidden", em.out_hidden(),
+                "the projector is split by features");
     }
   }
 
@@ -1027,16 +1041,24 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                                                     {"seq_len", lm.seq_len()}}) {
     llm_ok &= c.AtLeast("llm.model." + name, value, 1);
   }
-  if (lm.rope_theta() <= 0) c.Fail("llm.model.rope_theta", "must be > 0");
-  if (lm.norm_eps() <= 0) c.Fail("llm.model.norm_eps", "must be > 0");
+  llm_ok &= c.FitsInt32("llm.model.vocab", lm.vocab());
+  llm_ok &= c.FitsInt32("llm.model.seq_len", lm.seq_len());
+  if (!(lm.rope_theta() > 0)) {
+    c.Fail("llm.model.rope_theta",
+           absl::StrCat("=", FormatDouble(lm.rope_theta()), " must be > 0"));
+  }
+  if (!(lm.norm_eps() > 0)) {
+    c.Fail("llm.model.norm_eps", absl::StrCat("=", FormatDouble(lm.norm_eps()), " must be > 0"));
+  }
   if (llm_ok) {
     if (lm.hidden() % lm.heads() != 0) {
       c.Fail("llm.model.heads",
              absl::StrCat("=", lm.heads(), " does not divide llm.model.hidden=", lm.hidden()));
     } else if ((lm.hidden() / lm.heads()) % 2 != 0) {
-      c.Fail("llm.model.heads", absl::StrCat("gives an odd head size ", lm.hidden() / lm.heads(),
-                                             " (llm.model.hidden=", lm.hidden(),
-                                             "); rotary embeddings need an even head size"));
+      c.Fail("llm.model.heads",
+             absl::StrCat("=", lm.heads(), " gives an odd head size ", lm.hidden() / lm.heads(),
+                          " (llm.model.hidden=", lm.hidden(),
+                          "); rotary embeddings need an even head size"));
     }
     if (lm.heads() % lm.kv_heads() != 0) {
       c.Fail("llm.model.kv_heads",
@@ -1213,7 +1235,9 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
              "between processes on one GPU)");
     }
   }
-  if (s.checkpoint().every() < 0) c.Fail("checkpoint.every", "must be >= 0");
+  if (s.checkpoint().every() < 0) {
+    c.Fail("checkpoint.every", absl::StrCat("=", s.checkpoint().every(), " must be >= 0"));
+  }
   c.AtLeast("checkpoint.keep", s.checkpoint().keep(), 1);
   if (s.checkpoint().every() > 0 && s.checkpoint().dir().empty()) {
     c.Fail("checkpoint.every", absl::StrCat("=", s.checkpoint().every(),
@@ -1252,17 +1276,21 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                         "0.0.0.0:9464; port 0 picks one)"));
   }
   if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
-    c.Fail("coordinator.heartbeat_timeout_s", "must be > 0 seconds");
+    c.Fail("coordinator.heartbeat_timeout_s",
+           absl::StrCat("=", FormatDouble(s.coordinator().heartbeat_timeout_s()),
+                        " must be > 0 seconds"));
   }
   c.AtLeast("failure.max_step_attempts", s.failure().max_step_attempts(), 1);
   for (const auto& [field, value] :
        {std::pair<const char*, double>{"failure.step_timeout_s", s.failure().step_timeout_s()},
         {"failure.peer_timeout_s", s.failure().peer_timeout_s()},
         {"failure.coordinator_timeout_s", s.failure().coordinator_timeout_s()}}) {
-    if (!(value > 0)) c.Fail(field, absl::StrCat("=", value, " must be > 0 seconds"));
+    if (!(value > 0)) c.Fail(field, absl::StrCat("=", FormatDouble(value), " must be > 0 seconds"));
   }
   if (!(s.coordinator().register_timeout_s() > 0)) {
-    c.Fail("coordinator.register_timeout_s", "must be > 0 seconds");
+    c.Fail("coordinator.register_timeout_s",
+           absl::StrCat("=", FormatDouble(s.coordinator().register_timeout_s()),
+                        " must be > 0 seconds"));
   }
   for (const auto& [field, value, module] :
        {std::tuple<const char*, int64_t, const char*>{

@@ -249,6 +249,40 @@ TEST(ConfigTest, TpMustDivideFfn) {
   ExpectIssue(Load(text), "llm.layout.tp", LineOf(text, "  layout: {dp: 2, tp: 2}\ndata"), "");
 }
 
+// The projector is split by features: its output rows too.
+TEST(ConfigTest, TpMustDivideTheEncodersOutHidden) {
+  auto result =
+      Load(kValid, {"encoder.layout.tp=3", "encoder.layout.dp=1", "encoder.model.hidden=96",
+                    "encoder.model.heads=3", "encoder.model.mlp=192"});
+  ExpectIssue(
+      result, "encoder.layout.tp", 0,
+      "=3 does not divide encoder.model.out_hidden=64 (the projector is split by features)");
+}
+
+// Token ids and the loader's sizes are 32-bit: a larger value is refused, not truncated.
+TEST(ConfigTest, SizesReadAs32BitIntegersAreRefusedPastTheirRange) {
+  ExpectIssue(Load(kValid, {"llm.model.seq_len=2147483648"}), "llm.model.seq_len", 0,
+              "=2147483648 must be <= 2147483647");
+  ExpectIssue(Load(kValid, {"llm.model.vocab=4294967552"}), "llm.model.vocab", 0,
+              "=4294967552 must be <= 2147483647");
+  ExpectIssue(Load(kValid, {"encoder.model.image_size=4294967296"}), "encoder.model.image_size", 0,
+              "=4294967296 must be <= 2147483647");
+}
+
+// A bound refused from the file shows the value it refuses, as one from --set does.
+TEST(ConfigTest, RefusedValuesAreShownWithTheirField) {
+  const std::string theta = Replace("    seq_len: 64", "    seq_len: 64\n    rope_theta: -1");
+  ExpectIssue(Load(theta), "llm.model.rope_theta", LineOf(theta, "rope_theta"),
+              "=-1.0 must be > 0");
+  ExpectIssue(Load(kValid, {"llm.model.heads=64", "llm.model.kv_heads=1", "llm.layout.tp=1"}),
+              "llm.model.heads", 0, "=64 gives an odd head size 1");
+  for (const char* field : {"coordinator.heartbeat_timeout_s", "coordinator.register_timeout_s",
+                            "failure.step_timeout_s"}) {
+    ExpectIssue(Load(kValid, {std::string(field) + "=-2.5"}), field, 0,
+                "=-2.5 must be > 0 seconds");
+  }
+}
+
 TEST(ConfigTest, KvHeadsMustDivideHeads) {
   const std::string text = Replace("    kv_heads: 2", "    kv_heads: 3");
   ExpectIssue(Load(text), "llm.model.kv_heads", LineOf(text, "kv_heads: 3"),
@@ -405,9 +439,9 @@ TEST(ConfigTest, FailureDeadlinesHaveDefaultsAndMustBePositive) {
   ExpectIssue(Load(kValid, {"failure.max_step_attempts=0"}), "failure.max_step_attempts", 0,
               "=0 must be >= 1");
   ExpectIssue(Load(kValid, {"failure.peer_timeout_s=-1"}), "failure.peer_timeout_s", 0,
-              "=-1 must be > 0 seconds");
+              "=-1.0 must be > 0 seconds");
   ExpectIssue(Load(kValid, {"failure.step_timeout_s=0"}), "failure.step_timeout_s", 0,
-              "=0 must be > 0 seconds");
+              "=0.0 must be > 0 seconds");
   auto set = Load(kValid, {"failure.coordinator_timeout_s=45.5", "failure.max_step_attempts=5"});
   ASSERT_TRUE(set.ok()) << set.status();
   EXPECT_EQ(set->spec.failure().coordinator_timeout_s(), 45.5);
@@ -473,7 +507,7 @@ TEST(ConfigTest, EncoderActivationAndNormEpsHaveDefaultsAndAreChecked) {
   ExpectIssue(Load(kValid, {"encoder.model.activation=relu"}), "encoder.model.activation", 0,
               "='relu' is not one of: gelu, gelu_tanh");
   ExpectIssue(Load(kValid, {"encoder.model.norm_eps=0"}), "encoder.model.norm_eps", 0,
-              "must be > 0");
+              "=0.0 must be > 0");
   ExpectIssue(Load(kValid, {"data.chat_template=alpaca"}), "data.chat_template", 0,
               "='alpaca' is not one of: plain, vicuna, llama3, chatml");
 }
@@ -579,10 +613,13 @@ TEST(ConfigTest, LayoutsPastTheRankLimitAreRefusedNotOverflowed) {
   ExpectIssue(wave, "run.global_batch", 0, "(their product overflows)");
 }
 
-TEST(ConfigTest, AnImageWhosePatchCountOverflowsIsTooLongForAnySequence) {
-  // 2^33 patches a side: their square wraps int64 to 0, which would pass the length check.
-  auto result = Load(kValid, {"encoder.model.image_size=8589934592", "encoder.model.patch=1"});
-  ExpectIssue(result, "llm.model.seq_len", 0, "is too short for one image's");
+TEST(ConfigTest, AnImageOfTooManyPatchesIsTooLongForAnySequence) {
+  // 2^33 patches a side would wrap their square in int64 to 0, which would pass the length
+  // check: such a side is refused first, and the largest one left is too long.
+  ExpectIssue(Load(kValid, {"encoder.model.image_size=8589934592", "encoder.model.patch=1"}),
+              "encoder.model.image_size", 0, "=8589934592 must be <= 2147483647");
+  ExpectIssue(Load(kValid, {"encoder.model.image_size=2147483647", "encoder.model.patch=1"}),
+              "llm.model.seq_len", 0, "is too short for one image's 4611686014132420609 tokens");
 }
 
 TEST(ConfigTest, ImagesHaveThreeChannels) {
