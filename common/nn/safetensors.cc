@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/errno_status.h"
+#include "common/json_depth.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
@@ -132,12 +133,14 @@ struct Entry {
   int64_t end = 0;
 };
 
-// The JSON header, with a top-level key given twice reported in `repeated`.
-Json ParseHeader(const char* begin, const char* end, std::string* repeated) {
+// The JSON header, with a top-level key given twice reported in `repeated`, and *too_deep set
+// when it nests past kMaxJsonDepth.
+Json ParseHeader(const char* begin, const char* end, std::string* repeated, bool* too_deep) {
   std::set<std::string> keys;
   return Json::parse(
       begin, end,
       [&](int depth, Json::parse_event_t event, Json& parsed) {
+        if (!WithinJsonDepth(depth, too_deep)) return false;
         if (depth == 1 && event == Json::parse_event_t::key && repeated->empty() &&
             !keys.insert(parsed.get<std::string>()).second) {
           *repeated = parsed.get<std::string>();
@@ -241,7 +244,12 @@ absl::StatusOr<SafetensorsFile> ReadMapped(const std::string& path, const Mapped
   }
   const char* header = file.data() + kLengthBytes;
   std::string repeated;
-  const Json json = ParseHeader(header, header + header_bytes, &repeated);
+  bool too_deep = false;
+  const Json json = ParseHeader(header, header + header_bytes, &repeated, &too_deep);
+  if (too_deep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": its header nests deeper than ", kMaxJsonDepth, " levels"));
+  }
   if (json.is_discarded() || !json.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": its ", header_bytes,
                                                    "-byte header is not a JSON object",
@@ -345,12 +353,16 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadSharded(const std::string&
   HETPAR_ASSIGN_OR_RETURN(
       std::unique_ptr<MappedFile> index,
       MappedFile::Open(index_path, absl::StrCat("safetensors index ", index_path)));
-  const Json json = Json::parse(index->data(), index->data() + index->size(), nullptr,
-                                /*allow_exceptions=*/false);
+  bool too_deep = false;
+  const Json json = Json::parse(
+      index->data(), index->data() + index->size(),
+      [&](int depth, Json::parse_event_t, Json&) { return WithinJsonDepth(depth, &too_deep); },
+      /*allow_exceptions=*/false);
   index.reset();
-  if (json.is_discarded() || !json.is_object()) {
+  if (json.is_discarded() || !json.is_object() || too_deep) {
     return absl::InvalidArgumentError(
-        absl::StrCat("safetensors index ", index_path, " is not a JSON object"));
+        absl::StrCat("safetensors index ", index_path, " is not a JSON object",
+                     too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
   }
   const auto weight_map = json.find("weight_map");
   if (weight_map == json.end() || !weight_map->is_object()) {

@@ -16,7 +16,7 @@
 //
 // dtypes: F32, F64, BF16, F16, I64, I32, I16, I8, U8 and BOOL (at::kFloat, kDouble, kBFloat16,
 // kHalf, kLong, kInt, kShort, kChar, kByte, kBool). The other safetensors dtypes (F8_*, U16, U32,
-// U64, complex) have no libtorch 1.13 equivalent and are rejected. This build runs on
+// U64, complex) are rejected: no checkpoint hetpar imports holds them. This build runs on
 // little-endian hosts only, so tensor bytes are copied as they are.
 //
 // Every error names the file and, where there is one, the tensor.

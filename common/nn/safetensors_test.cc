@@ -489,6 +489,13 @@ TEST_F(SafetensorsTest, CorruptHeadersAreRefusedNamingFileAndTensor) {
        "",
        absl::StatusCode::kInvalidArgument,
        {"__metadata__", "'n'"}},
+      // It parses, but printing its shape in the message would recurse 100000 levels deep.
+      {"shape nested 100000 deep",
+       R"({"t":{"dtype":"F32","shape":)" + std::string(100000, '[') + std::string(100000, ']') +
+           R"(,"data_offsets":[0,0]}})",
+       "",
+       absl::StatusCode::kInvalidArgument,
+       {"nests deeper than 64 levels"}},
       {"bool byte not 0 or 1",
        R"({"m":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]}})",
        std::string("\x01\x02\x00", 3),

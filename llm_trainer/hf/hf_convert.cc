@@ -9,10 +9,12 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "common/json_depth.h"
 #include "common/nn/safetensors.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -72,9 +74,14 @@ absl::Status Refuse(const std::string& source, const std::string& key, const jso
 absl::StatusOr<json> ReadJsonFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  json parsed = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (parsed.is_discarded() || !parsed.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
+  bool too_deep = false;
+  json parsed = json::parse(
+      in, [&](int depth, json::parse_event_t, json&) { return WithinJsonDepth(depth, &too_deep); },
+      /*allow_exceptions=*/false);
+  if (parsed.is_discarded() || !parsed.is_object() || too_deep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a JSON object",
+                     too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
   }
   return parsed;
 }
@@ -348,9 +355,8 @@ absl::StatusOr<std::vector<nn::FullParameter>> LlmParametersFromHf(const TensorM
         source, ": tensor 'lm_head.weight' is missing and tie_word_embeddings is false"));
   }
   out.push_back({"llm.output.weight", head});
-  HETPAR_RETURN_IF_ERROR(in.CheckAllTaken([](const std::string& name) {
-    return name.size() > 13 && name.compare(name.size() - 13, 13, "rotary_emb.inv_freq") == 0;
-  }));
+  HETPAR_RETURN_IF_ERROR(in.CheckAllTaken(
+      [](const std::string& name) { return absl::EndsWith(name, ".rotary_emb.inv_freq"); }));
   for (auto& p : out) p.tensor = p.tensor.contiguous();
   return out;
 }

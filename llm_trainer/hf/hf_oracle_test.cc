@@ -342,6 +342,33 @@ TEST_F(HfOracleTest, RunsTrainFromAnImportedModel) {
 }
 
 // Import errors name the tensor or key, and nothing is written.
+// Checkpoints saved by transformers before 4.31 carry each layer's rotary inv_freq buffer: not a
+// weight, it is passed over, and the import gives the same model as without it.
+TEST_F(HfOracleTest, TheRotaryBuffersOfOlderCheckpointsArePassedOver) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
+  auto tensors = nn::ReadSafetensors(Path("llama/model.safetensors"));
+  ASSERT_TRUE(tensors.ok()) << tensors.status();
+  const std::string older = Path("older");
+  fs::create_directories(older);
+  fs::copy_file(Path("llama/config.json"), older + "/config.json");
+  std::vector<nn::SafetensorsTensor> with_buffers = tensors->tensors;
+  for (int layer = 0; layer < 2; ++layer) {
+    with_buffers.push_back({absl::StrCat("model.layers.", layer, ".self_attn.rotary_emb.inv_freq"),
+                            at::arange(8, at::kFloat)});
+  }
+  ASSERT_TRUE(nn::WriteSafetensors(with_buffers, older + "/model.safetensors").ok());
+  auto result = Hetpar({"convert", "from-hf", "--llm", older, "--out", Path("out-older")});
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  result = Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--out", Path("out")});
+  ASSERT_EQ(result.exit_code, 0) << result.stderr_text;
+  std::ifstream a(Path("out-older/llm.hpar"), std::ios::binary);
+  std::ifstream b(Path("out/llm.hpar"), std::ios::binary);
+  const std::string older_bytes((std::istreambuf_iterator<char>(a)), {});
+  const std::string bytes((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_FALSE(bytes.empty());
+  EXPECT_TRUE(older_bytes == bytes) << "the two imports differ";
+}
+
 TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
   ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
   auto tensors = nn::ReadSafetensors(Path("llama/model.safetensors"));

@@ -17,6 +17,7 @@
 #include "common/atomic_file.h"
 #include "common/config/config.h"
 #include "common/data/image.h"
+#include "common/json_depth.h"
 #include "common/nn/communicator.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
@@ -49,9 +50,15 @@ absl::StatusOr<std::vector<Line>> ReadLines(const std::string& path, const Model
   for (int64_t number = 1; std::getline(in, text); ++number) {
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = absl::StrCat(path, ":", number);
-    json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": not a JSON object"));
+    bool too_deep = false;
+    json j = json::parse(
+        text,
+        [&](int depth, json::parse_event_t, json&) { return WithinJsonDepth(depth, &too_deep); },
+        /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object() || too_deep) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": not a JSON object",
+                       too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
     }
     auto tokens = j.find("tokens");
     if (tokens == j.end() || !tokens->is_array()) {
