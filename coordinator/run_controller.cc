@@ -793,8 +793,22 @@ void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
     const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
     if (std::find(active.begin(), active.end(), r) == active.end()) continue;
     if (static_cast<int64_t>(active.size()) - 1 < minimum ||
-        HoldersWithout(v1::MODULE_ENCODER, r) < 1)
+        HoldersWithout(v1::MODULE_ENCODER, r) < 1) {
+      // Granted when asked, but a loss since leaves the run unable to let the replica go: as
+      // Leave does then, the run stops, with a checkpoint of the step that begins now (its worker
+      // is in its grace period meanwhile), and without one where the run writes none.
+      const std::string why = absl::StrCat(
+          "a worker of encoder replica ", r,
+          " asked to leave, and a loss since leaves the run unable to go on without it (",
+          active.size(), " encoder replicas, failure.min_encoder_replicas ", minimum, ")");
+      HETPAR_LOG(WARNING) << why << ": stopping the run";
+      if (spec_.checkpoint().dir().empty()) {
+        BeginStopping(why, now, actions);
+        return;
+      }
+      if (stop_after_step_.empty()) stop_after_step_ = why;
       continue;
+    }
     RemoveEncoderReplica(r, absl::StrCat("a worker of encoder replica ", r, " asked to leave"), now,
                          actions);
   }
@@ -1006,6 +1020,7 @@ void RunController::MaybeStartStep(absl::Time now, Actions* actions) {
   std::vector<WorkerRecord*> live = membership_.TrainingWorkers();
   // A step boundary: the encoder pool changes here (and only here).
   ChangePoolAtBoundary(now, actions);
+  if (state_ != v1::RUN_STATE_RUNNING) return;  // a leave the run could no longer grant
   live = membership_.TrainingWorkers();
   absl::StatusOr<PlannedStep> plan = planner_->Plan(committed_steps_, generation_, membership_);
   if (!plan.ok()) {

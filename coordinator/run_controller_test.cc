@@ -1364,6 +1364,61 @@ TEST_F(RunControllerTest, ALeavingEncoderWorkerTakesItsReplicaOutAndALeavingLlmW
   EXPECT_FALSE(llm_stops[0].stop().leave_run());
 }
 
+// A leave granted while a step was in flight, for encoder replica 2 of 3 with a minimum of 2:
+// replica 0 is lost before the step boundary, so the pool can no longer let replica 2 go. The
+// run stops as a leave that cannot be granted stops it, with a checkpoint of the step that
+// begins then, instead of dropping the request and losing every step since the last checkpoint
+// when the leaving worker's grace period ends.
+TEST_F(RunControllerTest, ALeaveALossMadeImpossibleBeforeTheBoundaryStopsTheRunWithACheckpoint) {
+  v1::RunSpec spec = TinySpec(/*steps=*/4, "/ckpt", /*min_encoder_replicas=*/2);
+  spec.mutable_encoder()->mutable_layout()->set_dp(3);
+  CreateWith(spec);
+  StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER,
+            v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
+  ASSERT_EQ(SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan).size(), 1u);
+  v1::WorkerMessage leave;
+  leave.mutable_leave()->set_reason("SIGTERM");
+  Send(ids_[2], leave);
+  EXPECT_TRUE(SentTo(ids_[2], v1::CoordinatorMessage::kStop).empty());  // granted, at the boundary
+  controller_->SessionEnded(ids_[0], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);  // 2 replicas left: the run goes on
+  HearFrom({1, 2, 3, 4}, kT0 + absl::Seconds(2));
+  auto plans = SentTo(ids_[1], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_EQ(plans[1].step_plan().step(), 0);
+  EXPECT_THAT(plans[1].step_plan().encoder_replicas(), ::testing::ElementsAre(1, 2));
+  // Step 0's new attempt commits, with a checkpoint, and the run stops.
+  const int64_t generation = controller_->generation();
+  for (size_t i : {size_t{1}, size_t{3}, size_t{4}}) {
+    v1::WorkerMessage m;
+    auto* p = m.mutable_grad_norm_partial();
+    p->set_step(0);
+    p->set_generation(generation);
+    p->set_module(i < 3 ? v1::MODULE_ENCODER : v1::MODULE_LLM);
+    p->set_sum_squares(1.0);
+    Send(ids_[i], m, kT0 + absl::Seconds(3));
+  }
+  for (size_t i : {size_t{1}, size_t{2}, size_t{3}, size_t{4}}) {
+    v1::WorkerMessage m;
+    m.mutable_report()->set_step(0);
+    m.mutable_report()->set_generation(generation);
+    m.mutable_report()->set_ok(true);
+    Send(ids_[i], m, kT0 + absl::Seconds(3));
+  }
+  const auto commits = SentTo(ids_[1], v1::CoordinatorMessage::kCommit);
+  ASSERT_EQ(commits.size(), 1u);
+  EXPECT_TRUE(commits[0].commit().checkpoint());
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  EXPECT_EQ(controller_->committed_steps(), 1);
+  const auto stops = SentTo(ids_[2], v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_FALSE(stops[0].stop().leave_run());
+  EXPECT_THAT(stops[0].stop().reason(),
+              HasSubstr("a worker of encoder replica 2 asked to leave, and a loss since leaves the "
+                        "run unable to go on without it (2 encoder replicas, "
+                        "failure.min_encoder_replicas 2) (checkpointed after 1 steps)"));
+}
+
 // A worker about to exit says why (WorkerFailure): its loss carries its error, and the run goes
 // on without its replica as after any loss.
 TEST_F(RunControllerTest, AWorkerThatFailsIsLostWithItsOwnError) {
