@@ -196,6 +196,36 @@ TEST_F(ServerTest, RegisterSessionsStatusAndStop) {
   EXPECT_EQ(status->state(), v1::RUN_STATE_DONE);
 }
 
+// `hetpar stop` while the run waits for its ranks: a worker that waits for the run to start hears
+// the stop, closes its session as asked, and the run ends done, nobody cut off at the stop's
+// deadline (which would have made the coordinator report its outputs incomplete).
+TEST_F(ServerTest, AStopWhileTheRunWaitsForItsRanksEndsTheWaitOfThoseRegistered) {
+  StartServer(TinySpec());
+  auto worker = StartWorker(v1::WORKER_ROLE_ENCODER, "enc-a");
+  ASSERT_NE(worker, nullptr);
+  auto admin = AdminClient(Connect());
+  // The stop reaches the sessions that are open.
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (true) {
+    auto status = admin.Status();
+    ASSERT_TRUE(status.ok()) << status.status();
+    if (status->workers_size() == 1 && status->workers(0).session_open()) break;
+    ASSERT_LT(absl::Now(), deadline) << "the worker's session did not open";
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::StatusOr<v1::Assignment> waited;
+  std::thread waiter([&] { waited = worker->WaitForRunStart(absl::Seconds(60)); });
+  auto stop = admin.Stop("not today");
+  ASSERT_TRUE(stop.ok()) << stop.status();
+  waiter.join();
+  EXPECT_TRUE(IsStoppedBeforeStart(waited.status())) << waited.status();
+  EXPECT_THAT(waited.status().message(),
+              HasSubstr("the run stopped before it started: stop requested: not today"));
+  EXPECT_TRUE(worker->Close(absl::Seconds(10)).ok());
+  EXPECT_EQ(server_->WaitForEnd(absl::Seconds(10)), v1::RUN_STATE_DONE);
+  EXPECT_THAT(server_->CutAtStop(), ::testing::IsEmpty());
+}
+
 // The standard health service answers probes without the run token: a HealthCheckRequest for the
 // whole server (service "", an empty message) gets HealthCheckResponse{status: SERVING}, whose
 // wire form is field 1 (varint) = 1.

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -389,6 +390,14 @@ class WorkerSession::Stream
 // ------------------------------------------------------------------------------------------------
 // WorkerSession
 
+namespace {
+constexpr char kStoppedBeforeStartPayload[] = "type.hetpar/stopped-before-start";
+}  // namespace
+
+bool IsStoppedBeforeStart(const absl::Status& status) {
+  return status.GetPayload(kStoppedBeforeStartPayload).has_value();
+}
+
 WorkerSession::WorkerSession(std::shared_ptr<CoordinatorConnection> connection, Options options)
     : connection_(std::move(connection)), options_(std::move(options)) {}
 
@@ -431,13 +440,19 @@ int64_t WorkerSession::generation() const {
 absl::StatusOr<v1::Assignment> WorkerSession::WaitForRunStart(absl::Duration timeout) const {
   absl::MutexLock lock(&mu_);
   auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return assignment_.peers_complete() || ended_;
+    return assignment_.peers_complete() || ended_ || !stopped_.empty();
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&ready), timeout)) {
     return absl::DeadlineExceededError(
         absl::StrCat("the run did not start within ", absl::FormatDuration(timeout),
                      ": not every rank has registered with coordinator ",
                      connection_->options().address, " (see `hetpar status`)"));
+  }
+  if (!assignment_.peers_complete() && !stopped_.empty()) {
+    absl::Status stopped =
+        absl::CancelledError(absl::StrCat("the run stopped before it started: ", stopped_));
+    stopped.SetPayload(kStoppedBeforeStartPayload, absl::Cord());
+    return stopped;
   }
   if (!assignment_.peers_complete()) {
     return final_status_.ok() ? absl::UnavailableError("the coordinator ended the session")
@@ -609,11 +624,15 @@ void WorkerSession::OnMessage(const v1::CoordinatorMessage& message) {
       case v1::CoordinatorMessage::kAbort:
         beat_now_ = true;
         break;
+      case v1::CoordinatorMessage::kStop:
+        if (!message.stop().run_failed() && stopped_.empty()) {
+          stopped_ = message.stop().reason().empty() ? "stop" : message.stop().reason();
+        }
+        break;
       case v1::CoordinatorMessage::kHeartbeatAck:
       case v1::CoordinatorMessage::kStepPlan:
       case v1::CoordinatorMessage::kGradNorm:
       case v1::CoordinatorMessage::kCommit:
-      case v1::CoordinatorMessage::kStop:
       case v1::CoordinatorMessage::kBatch:
       case v1::CoordinatorMessage::KIND_NOT_SET:
         break;

@@ -134,6 +134,9 @@ class KeyValueClient : public rendezvous::KeyValueStore {
 // step before the stop's deadline.
 inline constexpr char kOutputsPhase[] = "outputs";
 
+// WaitForRunStart's status when the run stopped before it started (see there).
+bool IsStoppedBeforeStart(const absl::Status& status);
+
 // A worker's membership in a run: Register, then the session stream. Messages from the
 // coordinator are queued for Next() (or handed to Options::on_message). Thread-safe.
 //
@@ -177,7 +180,10 @@ class WorkerSession {
   v1::Assignment assignment() const;
   int64_t generation() const;
 
-  // Waits for an Assignment with peers_complete (every rank registered) and returns it.
+  // Waits for an Assignment with peers_complete (every rank registered) and returns it. A stop
+  // that comes first (`hetpar stop` while the run waits for its ranks, or a stop while this
+  // worker waits to join) gives a status for which IsStoppedBeforeStart holds: the worker closes
+  // its session, as the stop asks, and exits as after any stop. A failed run's stop does not.
   absl::StatusOr<v1::Assignment> WaitForRunStart(absl::Duration timeout) const;
   // The next coordinator message. DeadlineExceeded after `timeout`; once the stream has ended
   // and the queue is empty, the stream's final status (Unavailable when it ended with OK).
@@ -220,6 +226,8 @@ class WorkerSession {
   v1::Assignment assignment_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::CoordinatorMessage> inbox_ ABSL_GUARDED_BY(mu_);
   bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  // The reason of a StopRun (not a failed run's) received; empty: none yet.
+  std::string stopped_ ABSL_GUARDED_BY(mu_);
   // OnStreamDone has returned from Options::on_lost (which may never return: a worker's restart
   // replaces the process). Close waits for it, so that the session, and the callback with what it
   // captured, are not destroyed under a restart that is still using them.

@@ -79,6 +79,31 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
                           coordinator::WorkerSession::Start(ctx->connection_, session_options));
+  // From here the coordinator holds a slot for this worker: what fails it is told on the session
+  // (it names the worker's error, not "closed by the worker"), and a stop that came before the
+  // run started closes the session as the stop asks.
+  if (absl::Status s = ctx->Begin(options, std::move(ucx), role_name); !s.ok()) {
+    if (coordinator::IsStoppedBeforeStart(s)) {
+      HETPAR_LOG(INFO) << s.message();
+      (void)ctx->Close(absl::Seconds(10));
+    } else if (!ctx->session_->ended()) {
+      if (absl::Status sent = ctx->session_->SendFailure(std::string(s.message()), IsEndsRun(s));
+          sent.ok()) {
+        (void)ctx->Close(absl::Seconds(10));
+      } else {
+        HETPAR_LOG(WARNING) << "cannot tell the coordinator why this worker fails: "
+                            << StatusText(sent);
+      }
+    }
+    return s;
+  }
+  return ctx;
+}
+
+absl::Status WorkerContext::Begin(const WorkerOptions& options,
+                                  std::unique_ptr<transport::ucx::UcxTransport> ucx,
+                                  const std::string& role_name) {
+  WorkerContext* ctx = this;
   ctx->spec_ = ctx->session_->registration().spec();
   // Each kind of wait has its deadline: the RunSpec's failure section, unless --timeout
   // overrides both (300 s where the spec has none).
@@ -171,8 +196,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
                              ? "in device memory, straight over the data plane"
                              : "through host memory (the data plane moves no CUDA memory here)");
   }
-  HETPAR_RETURN_IF_ERROR(ctx->OpenStore(ctx->assignment_.generation()));
-  return ctx;
+  return ctx->OpenStore(ctx->assignment_.generation());
 }
 
 absl::Status WorkerContext::OpenStore(int64_t generation) {

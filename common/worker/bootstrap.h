@@ -35,6 +35,10 @@
 #include "common/transport/transport.h"
 #include "hetpar/v1/coordinator.pb.h"
 
+namespace hetpar::transport::ucx {
+class UcxTransport;
+}  // namespace hetpar::transport::ucx
+
 namespace hetpar::worker {
 
 enum class Role { kEncoder, kLlm, kColocated };
@@ -141,6 +145,11 @@ class WorkerContext {
 
  private:
   explicit WorkerContext(WorkerOptions options) : options_(std::move(options)) {}
+  // Bootstrap once the session is open: the device, the data plane over `ucx`, the run's start,
+  // the peers and the store.
+  absl::Status Begin(const WorkerOptions& options,
+                     std::unique_ptr<transport::ucx::UcxTransport> ucx,
+                     const std::string& role_name);
 
   WorkerOptions options_;
   // Destroyed in reverse order: the data set, the store and the boundary go before the session,

@@ -599,7 +599,9 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   // run had started or not.
   auto replica_left_flag = std::make_shared<std::atomic<bool>>(false);
   options.on_replica_left = [replica_left_flag] { replica_left_flag->store(true); };
-  const absl::Status status = Serve(options, factory);
+  absl::Status status = Serve(options, factory);
+  // Stopped before the run started: the session closed as the stop asked (Bootstrap said so).
+  if (coordinator::IsStoppedBeforeStart(status)) status = absl::OkStatus();
   run_over.store(true);
   const bool replica_left = replica_left_flag->load();
   if (!status.ok()) {

@@ -66,6 +66,29 @@ class BootstrapTest : public ::testing::Test {
   std::unique_ptr<coordinator::CoordinatorServer> server_;
 };
 
+// A worker that registered and then fails to start (here: run.device cuda with a GPU index no
+// machine has) tells the coordinator why: the run's record of it names its error, not only
+// "closed by the worker".
+TEST_F(BootstrapTest, AWorkerThatFailsAfterRegisteringTellsTheCoordinatorWhy) {
+  v1::RunSpec spec = Spec(v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_run()->set_device("cuda");
+  coordinator::ServerOptions server_options;
+  server_options.listen_address = "127.0.0.1:0";
+  server_options.token = kToken;
+  auto server = coordinator::CoordinatorServer::Create(spec, server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  server_ = *std::move(server);
+  WorkerOptions options = Options(Role::kLlm);
+  options.cuda_device = 4096;
+  auto context = WorkerContext::Bootstrap(options);
+  ASSERT_FALSE(context.ok());
+  EXPECT_THAT(std::string(context.status().message()), HasSubstr("run.device=\"cuda\""));
+  const v1::StatusResponse status = server_->Status();
+  ASSERT_EQ(status.workers_size(), 1);
+  EXPECT_FALSE(status.workers(0).alive());
+  EXPECT_THAT(status.workers(0).dead_reason(), HasSubstr("failed: run.device=\"cuda\""));
+}
+
 TEST_F(BootstrapTest, EveryWorkerGetsItsRankPeersAndGroups) {
   Start(v1::PLACEMENT_NON_COLOCATED);
   const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
