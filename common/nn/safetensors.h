@@ -1,7 +1,7 @@
 // Reading and writing the safetensors format of Hugging Face checkpoints, beside hetpar's own
 // parameter file (export.h): how weights come in from and go out to the Python ecosystem.
 //
-//   HETPAR_ASSIGN_OR_RETURN(auto weights, nn::ReadSafetensorsDirectory("models/llama-3.2-1b"));
+//   HETPAR_ASSIGN_OR_RETURN(auto weights, nn::ReadSafetensorsDirectory("models/tinyllama-1.1b"));
 //   const at::Tensor& embed = weights.at("model.embed_tokens.weight");
 //
 // File layout (https://github.com/huggingface/safetensors):

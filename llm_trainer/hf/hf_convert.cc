@@ -1,6 +1,7 @@
 #include "llm_trainer/hf/hf_convert.h"
 
 #include <ATen/ATen.h>
+#include <stdlib.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -10,10 +11,12 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "common/errno_status.h"
 #include "common/json_depth.h"
 #include "common/nn/safetensors.h"
 #include "common/nn/torch_status.h"
@@ -100,6 +103,11 @@ class TensorSource {
     if (it == hf_.end()) {
       return absl::NotFoundError(absl::StrCat(
           source_, ": tensor '", name, "' is missing (expected shape ", ShapeText(shape), ")"));
+    }
+    if (!at::isFloatingType(it->second.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(source_, ": tensor '", name, "' holds ",
+                                                     c10::toString(it->second.scalar_type()),
+                                                     " values; a weight is floating-point"));
     }
     if (it->second.sizes() != at::IntArrayRef(shape)) {
       return absl::InvalidArgumentError(absl::StrCat(source_, ": tensor '", name, "' has shape ",
@@ -405,7 +413,15 @@ absl::StatusOr<hetpar::v1::EncoderModel> EncoderModelFromHfConfig(const json& fu
   const json* config = &full_config;
   std::string where = source;
   const std::string model_type = StringAt(full_config, "model_type", "");
-  if (model_type == "siglip" || model_type == "llava") {
+  if (model_type == "llava") {
+    // Its tensors are named under vision_tower. beside the language model's and the
+    // projector's, which this reader does not take apart.
+    return Refuse(source, "model_type", full_config.value("model_type", json()),
+                  "a LLaVA checkpoint holds the whole model; pass a directory of its vision tower "
+                  "alone (transformers: model.vision_tower.save_pretrained(DIR), "
+                  "safe_serialization=True) and its projector with --projector");
+  }
+  if (model_type == "siglip") {
     auto it = full_config.find("vision_config");
     if (it == full_config.end() || !it->is_object()) {
       return absl::InvalidArgumentError(absl::StrCat(Key(source, "vision_config"), " is missing"));
@@ -692,6 +708,11 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
       for (auto& t : file.tensors) proj[t.name] = t.tensor;
       HETPAR_ASSIGN_OR_RETURN(projector,
                               ProjectorParametersFromHf(proj, encoder, options.projector));
+      result.notes.push_back(
+          "the projector is imported as weights only: hetpar feeds it the tower's last layer "
+          "after post_layernorm, while LLaVA feeds its projector an earlier layer's states "
+          "(vision_feature_layer, -2 by default) without post_layernorm; train it (encoder.frozen "
+          "with encoder.train_projector trains it alone) before relying on its outputs");
     } else {
       // A fresh projector from hetpar's seeded initialisation (LLaVA's first stage trains it).
       encoder::EncoderOptions init;
@@ -720,9 +741,24 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create ", options.out_dir, ": ", ec.message()));
   }
-  const std::string llm_path = options.out_dir + "/llm.hpar";
+  // Every file is written into a staging directory beside them first, and renamed into place
+  // once all are: a failed write (a full disk, a tokenizer that cannot be copied) leaves the
+  // directory as it was.
+  std::string staging = (fs::path(options.out_dir) / ".hetpar-import.XXXXXX").string();
+  if (::mkdtemp(staging.data()) == nullptr) {
+    return ErrnoStatus(errno, absl::StrCat("creating a staging directory in ", options.out_dir));
+  }
+  struct RemoveStaging {
+    ~RemoveStaging() {
+      std::error_code ignored;
+      fs::remove_all(path, ignored);
+    }
+    std::string path;
+  } remove_staging{staging};
+  std::vector<std::string> staged;  // file names, renamed into out_dir at the end
+  const std::string llm_path = staging + "/llm.hpar";
   HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(llm_params, llm_path));
-  result.written.push_back(llm_path);
+  staged.push_back("llm.hpar");
   std::string yaml = absl::StrCat(
       "# hetpar convert from-hf --llm ", options.llm_dir,
       options.encoder_dir.empty() ? "" : " --encoder " + options.encoder_dir,
@@ -732,9 +768,8 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
   absl::StrAppend(&yaml, "llm:\n", LlmModelYaml(result.llm), "  init_from: ", abs_out,
                   "/llm.hpar\n");
   if (result.encoder.has_value()) {
-    const std::string encoder_path = options.out_dir + "/encoder.hpar";
-    HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(encoder_params, encoder_path));
-    result.written.push_back(encoder_path);
+    HETPAR_RETURN_IF_ERROR(nn::WriteFullParameters(encoder_params, staging + "/encoder.hpar"));
+    staged.push_back("encoder.hpar");
     absl::StrAppend(&yaml, "encoder:\n", EncoderModelYaml(*result.encoder),
                     "  init_from: ", abs_out, "/encoder.hpar\n");
   }
@@ -742,21 +777,42 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
   for (const char* name : {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
     const fs::path from = fs::path(options.llm_dir) / name;
     if (!fs::exists(from)) continue;
-    const fs::path to = fs::path(options.out_dir) / name;
+    const fs::path to = fs::path(staging) / name;
     fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
     if (ec) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("cannot copy ", from.string(), " to ", to.string(), ": ", ec.message()));
+      return absl::PermissionDeniedError(absl::StrCat("cannot copy ", from.string(), " into ",
+                                                      options.out_dir, ": ", ec.message()));
     }
-    result.written.push_back(to.string());
+    staged.push_back(name);
     if (tokenizer.empty() && std::string(name) != "tokenizer_config.json") tokenizer = name;
   }
   if (!tokenizer.empty()) {
     absl::StrAppend(&yaml, "data:\n  tokenizer: ", abs_out, "/", tokenizer, "\n");
   }
-  const std::string yaml_path = options.out_dir + "/model.yaml";
-  HETPAR_RETURN_IF_ERROR(WriteFileAtomically(yaml_path, yaml));
-  result.written.push_back(yaml_path);
+  HETPAR_RETURN_IF_ERROR(WriteFileAtomically(staging + "/model.yaml", yaml));
+  staged.push_back("model.yaml");
+  // An encoder of an earlier import into the directory that this one's model.yaml no longer
+  // describes: the directory would not load (OpenModelDirectory refuses it).
+  if (!result.encoder.has_value() && fs::exists(fs::path(options.out_dir) / "encoder.hpar")) {
+    fs::remove(fs::path(options.out_dir) / "encoder.hpar", ec);
+    if (ec) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot remove ", options.out_dir, "/encoder.hpar of an earlier import: ", ec.message()));
+    }
+    result.notes.push_back(absl::StrCat("removed ", options.out_dir,
+                                        "/encoder.hpar of an earlier import (no --encoder now)"));
+  }
+  for (const std::string& name : staged) {
+    const fs::path to = fs::path(options.out_dir) / name;
+    fs::rename(fs::path(staging) / name, to, ec);
+    if (ec) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "moving ", name, " into ", options.out_dir, ": ", ec.message(), " (the files before it, ",
+          result.written.empty() ? std::string("none") : absl::StrJoin(result.written, ", "),
+          ", are in place)"));
+    }
+    result.written.push_back(to.string());
+  }
   return result;
 }
 
@@ -803,19 +859,59 @@ absl::StatusOr<ModelDirectory> OpenModelDirectory(const std::string& dir) {
   return out;
 }
 
+// The layers a model file holds (its parameters `prefix`N.*) against the config's count: a
+// config edited to fewer layers would otherwise export a truncated model that loads without
+// complaint, and one of more would fail on a missing parameter.
+absl::Status CheckLayerCount(const std::vector<nn::FullParameter>& params,
+                             const std::string& prefix, int64_t layers, const std::string& path,
+                             const std::string& field) {
+  std::set<int64_t> held;
+  for (const nn::FullParameter& p : params) {
+    if (!absl::StartsWith(p.name, prefix)) continue;
+    const std::string rest = p.name.substr(prefix.size());
+    int64_t index = 0;
+    if (absl::SimpleAtoi(rest.substr(0, rest.find('.')), &index)) held.insert(index);
+  }
+  if (static_cast<int64_t>(held.size()) == layers &&
+      (held.empty() || (*held.begin() == 0 && *held.rbegin() == layers - 1))) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(path, " holds ", held.size(), " layers (", prefix,
+                                                 "N), but the model's config says ", field, "=",
+                                                 layers));
+}
+
 absl::StatusOr<ExportResult> ExportToHf(const std::string& model_dir, const std::string& out_dir) {
   HETPAR_ASSIGN_OR_RETURN(ModelDirectory model, OpenModelDirectory(model_dir));
   ExportResult result;
   HETPAR_ASSIGN_OR_RETURN(std::vector<nn::FullParameter> llm_params,
                           nn::ReadFullParameters(model.llm_path));
-  HETPAR_ASSIGN_OR_RETURN(TensorMap llm, HfTensorsFromLlm(llm_params, model.llm));
+  HETPAR_RETURN_IF_ERROR(CheckLayerCount(llm_params, "llm.layers.", model.llm.layers(),
+                                         model.llm_path, "llm.model.layers"));
+  // A config whose shapes the file does not have (heads, kv_heads edited) fails a reshape.
+  const auto fits = [](const absl::Status& status, const std::string& path) {
+    return status.ok() || absl::IsInvalidArgument(status)
+               ? status
+               : absl::InvalidArgumentError(absl::StrCat(
+                     path,
+                     " does not have the shapes the model's config gives: ", status.message()));
+  };
+  absl::StatusOr<TensorMap> converted_llm =
+      nn::RunTorchOr("converting", [&] { return HfTensorsFromLlm(llm_params, model.llm); });
+  HETPAR_RETURN_IF_ERROR(fits(converted_llm.status(), model.llm_path));
+  TensorMap llm = *std::move(converted_llm);
   const std::string dtype = HfDtypeName(llm_params.front().tensor.scalar_type());
   TensorMap tower, projector;
   std::string enc_dtype;
   if (model.encoder.has_value()) {
     HETPAR_ASSIGN_OR_RETURN(std::vector<nn::FullParameter> enc_params,
                             nn::ReadFullParameters(model.encoder_path));
-    HETPAR_ASSIGN_OR_RETURN(tower, HfTensorsFromTower(enc_params, *model.encoder));
+    HETPAR_RETURN_IF_ERROR(CheckLayerCount(enc_params, "encoder.layers.", model.encoder->layers(),
+                                           model.encoder_path, "encoder.model.layers"));
+    absl::StatusOr<TensorMap> converted_tower = nn::RunTorchOr(
+        "converting", [&] { return HfTensorsFromTower(enc_params, *model.encoder); });
+    HETPAR_RETURN_IF_ERROR(fits(converted_tower.status(), model.encoder_path));
+    tower = *std::move(converted_tower);
     HETPAR_ASSIGN_OR_RETURN(projector, HfTensorsFromProjector(enc_params));
     enc_dtype = HfDtypeName(enc_params.front().tensor.scalar_type());
   }

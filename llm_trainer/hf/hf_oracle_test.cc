@@ -369,6 +369,78 @@ TEST_F(HfOracleTest, TheRotaryBuffersOfOlderCheckpointsArePassedOver) {
   EXPECT_TRUE(older_bytes == bytes) << "the two imports differ";
 }
 
+// An import into a directory that holds an earlier one: a failure while writing (here a
+// tokenizer file that cannot be copied) leaves the earlier import whole; a later import without
+// --encoder removes the earlier encoder.hpar its model.yaml no longer describes.
+TEST_F(HfOracleTest, AnImportReplacesAnEarlierOneWholeOrNotAtAll) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
+  ASSERT_NO_FATAL_FAILURE(
+      Oracle({"siglip", "--out", Path("siglip"), "--seed", "6", "--act", "gelu"}));
+  ASSERT_EQ(Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                    "--out", Path("model")})
+                .exit_code,
+            0);
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  const std::string yaml = read(Path("model/model.yaml"));
+  const std::string llm = read(Path("model/llm.hpar"));
+  ASSERT_FALSE(llm.empty());
+  // The same model at another seed's weights, with a tokenizer.json that is a directory.
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama8"), "--seed", "8"}));
+  fs::create_directories(Path("llama8/tokenizer.json"));
+  auto failed = Hetpar({"convert", "from-hf", "--llm", Path("llama8"), "--out", Path("model")});
+  EXPECT_EQ(failed.exit_code, 1) << failed.stderr_text;
+  EXPECT_THAT(failed.stderr_text, HasSubstr("tokenizer.json"));
+  EXPECT_EQ(read(Path("model/model.yaml")), yaml);
+  EXPECT_TRUE(read(Path("model/llm.hpar")) == llm) << "the earlier llm.hpar was replaced";
+  EXPECT_TRUE(fs::exists(Path("model/encoder.hpar")));
+  for (const auto& entry : fs::directory_iterator(Path("model"))) {
+    EXPECT_THAT(entry.path().filename().string(), ::testing::Not(HasSubstr(".hetpar-import")));
+  }
+  fs::remove_all(Path("llama8/tokenizer.json"));
+  auto imported = Hetpar({"convert", "from-hf", "--llm", Path("llama8"), "--out", Path("model")});
+  ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+  EXPECT_FALSE(read(Path("model/llm.hpar")) == llm);
+  EXPECT_FALSE(fs::exists(Path("model/encoder.hpar")));
+  EXPECT_THAT(imported.stderr_text, HasSubstr("encoder.hpar of an earlier import"));
+  auto exported = Hetpar({"convert", "to-hf", "--model", Path("model"), "--out", Path("hf")});
+  EXPECT_EQ(exported.exit_code, 0) << exported.stderr_text;
+}
+
+// to-hf reads the shapes from model.yaml: one edited so that it no longer fits llm.hpar is
+// refused (exit 2) naming both, not exported truncated (fewer layers) or ended by an uncaught
+// libtorch error (other heads).
+TEST_F(HfOracleTest, AnExportWhoseConfigDoesNotFitItsFileIsRefused) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
+  ASSERT_EQ(
+      Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--out", Path("model")}).exit_code, 0);
+  std::ifstream in(Path("model/model.yaml"));
+  const std::string yaml((std::istreambuf_iterator<char>(in)), {});
+  const std::vector<std::pair<std::string, std::string>> edits = {
+      {"    layers: 2\n",
+       "holds 2 layers (llm.layers.N), but the model's config says "
+       "llm.model.layers=1"},
+      {"    kv_heads: 2\n", "does not have the shapes the model's config gives"}};
+  for (const auto& [line, message] : edits) {
+    SCOPED_TRACE(line);
+    const size_t at = yaml.find(line);
+    ASSERT_NE(at, std::string::npos);
+    std::string edited = yaml;
+    edited.replace(at, line.size(),
+                   line.find("layers") != std::string::npos ? std::string("    layers: 1\n")
+                                                            : std::string("    kv_heads: 4\n"));
+    std::ofstream(Path("model/model.yaml")) << edited;
+    const std::string out = Path("hf-" + std::to_string(at));
+    auto result = Hetpar({"convert", "to-hf", "--model", Path("model"), "--out", out});
+    EXPECT_EQ(result.exit_code, 2) << result.stderr_text;
+    EXPECT_THAT(result.stderr_text, HasSubstr(Path("model") + "/llm.hpar"));
+    EXPECT_THAT(result.stderr_text, HasSubstr(message));
+    EXPECT_FALSE(fs::exists(out + "/llm/model.safetensors"));
+  }
+}
+
 TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
   ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
   auto tensors = nn::ReadSafetensors(Path("llama/model.safetensors"));
@@ -379,7 +451,7 @@ TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
   struct Case {
     std::string name;
     std::string tensor_to_drop;
-    std::string tensor_to_reshape;
+    std::string tensor_to_reshape;  // narrowed to 16 rows; "int:" + name: stored as int32
     nlohmann::json config_patch;
     std::string message;
   };
@@ -388,6 +460,8 @@ TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
        "tensor 'model.layers.1.mlp.up_proj.weight' is missing"},
       {"shape", "", "model.layers.0.self_attn.k_proj.weight", nlohmann::json::object(),
        "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [16, 64], expected [32, 64]"},
+      {"dtype", "", "int:model.norm.weight", nlohmann::json::object(),
+       "tensor 'model.norm.weight' holds Int values; a weight is floating-point"},
       {"architecture", "", "", {{"model_type", "mistral"}}, "model_type=\"mistral\""},
       {"activation", "", "", {{"hidden_act", "gelu"}}, "hidden_act=\"gelu\""},
       {"scaling",
@@ -403,8 +477,10 @@ TEST_F(HfOracleTest, BrokenCheckpointsAreRefusedAndNothingIsWritten) {
     std::vector<nn::SafetensorsTensor> kept;
     for (const auto& t : tensors->tensors) {
       if (t.name == c.tensor_to_drop) continue;
-      kept.push_back(
-          {t.name, t.name == c.tensor_to_reshape ? t.tensor.narrow(0, 0, 16) : t.tensor});
+      at::Tensor tensor = t.tensor;
+      if (t.name == c.tensor_to_reshape) tensor = tensor.narrow(0, 0, 16);
+      if ("int:" + t.name == c.tensor_to_reshape) tensor = tensor.to(at::kInt);
+      kept.push_back({t.name, tensor});
     }
     ASSERT_TRUE(nn::WriteSafetensors(kept, broken + "/model.safetensors").ok());
     nlohmann::json patched = config;
