@@ -1163,7 +1163,38 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
     c.Fail("data.synth.samples",
            absl::StrCat("=", s.data().synth().samples(), " must be >= 0 (0 turns generation off)"));
   }
-  if (synth) c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
+  if (synth) {
+    c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
+    if (s.data().val_manifest().empty() && loaded.source.Has("data.synth.val_samples")) {
+      c.Fail("data.synth.val_samples",
+             absl::StrCat("=", s.data().synth().val_samples(),
+                          " needs data.val_manifest: the path the validation samples go to"));
+    }
+    // What the generator needs of the model, said here with the fields rather than when
+    // `hetpar run` generates the set.
+    const int64_t seq_len = s.llm().model().seq_len();
+    const int64_t tokens = TokensPerImage(s.encoder().model());
+    if (seq_len >= 1 && tokens >= 1 && seq_len - tokens < kSynthCaptionTokens) {
+      c.Fail("llm.model.seq_len",
+             absl::StrCat("=", seq_len, " cannot hold one image of ", tokens,
+                          " tokens and a synthetic caption of up to ", kSynthCaptionTokens,
+                          " tokens (data.synth); expected >= ", tokens + kSynthCaptionTokens));
+    }
+    if (s.llm().model().vocab() >= 1 && s.llm().model().vocab() < kSynthMinVocab) {
+      c.Fail("llm.model.vocab", absl::StrCat("=", s.llm().model().vocab(),
+                                             " is too small for the synthetic data "
+                                             "set's tokenizer (data.synth); expected >= ",
+                                             kSynthMinVocab));
+    }
+    const int64_t image_size = s.encoder().model().image_size();
+    if (image_size >= 1 && (image_size < kSynthMinImageSize || image_size > kSynthMaxImageSize)) {
+      c.Fail("encoder.model.image_size",
+             absl::StrCat("=", image_size,
+                          " is outside what the synthetic data set draws "
+                          "(data.synth): expected ",
+                          kSynthMinImageSize, "..", kSynthMaxImageSize, " pixels"));
+    }
+  }
   if (check_files) {
     // A synthetic dataset is generated before a run, so its files may not exist yet.
     if (!synth) {

@@ -146,6 +146,13 @@ std::string FormatDouble(double value);
 // Number of image tokens the encoder produces per image: (image_size / patch)^2.
 int64_t TokensPerImage(const hetpar::v1::EncoderModel& model);
 
+// What the synthetic data set (data.synth) needs of the model: text tokens a caption takes at
+// most beside its images, the smallest vocabulary its captions' pieces fit, and its image sizes.
+inline constexpr int64_t kSynthCaptionTokens = 48;
+inline constexpr int64_t kSynthMinVocab = 64;
+inline constexpr int64_t kSynthMinImageSize = 8;
+inline constexpr int64_t kSynthMaxImageSize = 1024;
+
 }  // namespace hetpar::config
 
 #endif  // HETPAR_COMMON_CONFIG_CONFIG_H_

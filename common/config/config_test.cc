@@ -283,6 +283,26 @@ TEST(ConfigTest, RefusedValuesAreShownWithTheirField) {
   }
 }
 
+// What the synthetic data set's generator needs of the model is refused naming the model's
+// fields when the config is validated, not later by `hetpar data synth` without them.
+TEST(ConfigTest, TheSyntheticDataSetsNeedsAreCheckedAgainstTheModel) {
+  ASSERT_TRUE(Load(kValid, {"data.synth.samples=64"}).ok());
+  ExpectIssue(Load(kValid, {"data.synth.samples=64", "llm.model.vocab=32"}), "llm.model.vocab", 0,
+              "=32 is too small for the synthetic data set's tokenizer (data.synth); expected >= "
+              "64");
+  ExpectIssue(Load(kValid, {"data.synth.samples=64", "llm.model.seq_len=60"}), "llm.model.seq_len",
+              0,
+              "=60 cannot hold one image of 16 tokens and a synthetic caption of up to 48 tokens "
+              "(data.synth); expected >= 64");
+  ExpectIssue(Load(kValid, {"data.synth.samples=64", "encoder.model.image_size=2048",
+                            "llm.model.seq_len=65600"}),
+              "encoder.model.image_size", 0, "=2048 is outside what the synthetic data set draws");
+  ExpectIssue(Load(kValid, {"data.synth.samples=64", "data.synth.val_samples=8"}),
+              "data.synth.val_samples", 0, "=8 needs data.val_manifest");
+  // Without generation, none of it applies.
+  EXPECT_TRUE(Load(kValid, {"llm.model.vocab=32"}).ok());
+}
+
 TEST(ConfigTest, KvHeadsMustDivideHeads) {
   const std::string text = Replace("    kv_heads: 2", "    kv_heads: 3");
   ExpectIssue(Load(text), "llm.model.kv_heads", LineOf(text, "kv_heads: 3"),

@@ -24,7 +24,7 @@ constexpr std::array<const char*, 9> kNumberWords = {"zero", "one", "two",   "th
 constexpr std::array<const char*, 3> kOrdinals = {"first", "second", "third"};
 // Text positions a sample with images may need besides its image rows (bos, prompt, caption,
 // eos); the longest generated caption is well under this.
-constexpr int32_t kTextBudget = 48;
+constexpr int32_t kTextBudget = config::kSynthCaptionTokens;
 
 uint64_t HashString(const std::string& s) {
   uint64_t h = 1469598103934665603ULL;  // FNV-1a
@@ -113,8 +113,10 @@ absl::Status CheckOptions(const SynthOptions& o) {
   if (o.val_samples > 0 && o.val_manifest.empty()) {
     problems.push_back(absl::StrCat("val_samples=", o.val_samples, " but no val manifest path"));
   }
-  if (o.image_size < 8 || o.image_size > 1024) {
-    problems.push_back(absl::StrCat("image_size=", o.image_size, "; expected 8..1024 pixels"));
+  if (o.image_size < config::kSynthMinImageSize || o.image_size > config::kSynthMaxImageSize) {
+    problems.push_back(absl::StrCat("image_size=", o.image_size, "; expected ",
+                                    config::kSynthMinImageSize, "..", config::kSynthMaxImageSize,
+                                    " pixels"));
   }
   if (o.tokens_per_image < 1) {
     problems.push_back(absl::StrCat("tokens_per_image=", o.tokens_per_image, "; expected >= 1"));
@@ -127,9 +129,10 @@ absl::Status CheckOptions(const SynthOptions& o) {
         absl::StrCat("seq_len=", o.seq_len, " cannot hold one image of ", o.tokens_per_image,
                      " tokens and a caption; expected >= ", kTextBudget + o.tokens_per_image));
   }
-  if (o.vocab_size < 64) {
+  if (o.vocab_size < config::kSynthMinVocab) {
     problems.push_back(absl::StrCat("vocab_size=", o.vocab_size,
-                                    "; expected >= 64 (the captions' characters and pieces)"));
+                                    "; expected >= ", config::kSynthMinVocab,
+                                    " (the captions' characters and pieces)"));
   }
   if (o.image_token.empty()) problems.push_back("image_token is empty");
   if (problems.empty()) return absl::OkStatus();
