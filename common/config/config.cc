@@ -387,6 +387,19 @@ void Merge(YAML::Node target, const YAML::Node& value) {
 }
 
 // Applies one `a.b.c=value` override onto the YAML tree.
+// Records `where` as the location of every key under `path` that `value` (a --set's mapping)
+// writes.
+void MarkOverridden(const YAML::Node& value, const std::string& path, const std::string& where,
+                    SourceMap* source) {
+  if (!value.IsMap()) return;
+  for (const auto& entry : value) {
+    if (!entry.first.IsScalar()) continue;
+    const std::string key = absl::StrCat(path, ".", entry.first.Scalar());
+    source->Set(key, where);
+    MarkOverridden(entry.second, key, where, source);
+  }
+}
+
 absl::Status ApplyOverride(YAML::Node root, const std::string& assignment) {
   const size_t eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0) {
@@ -805,10 +818,22 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
   YamlToProto converter(&loaded.source, &issues);
   converter.SetOverrides(overrides);
   converter.Message(root, &loaded.spec, "", 0);
-  // Overridden fields point at the flag that set them.
+  // Overridden fields point at the flag that set them: its path and, for a mapping, every key
+  // the flag wrote under it (its own text's lines are no lines of the file; the keys of the
+  // file's mapping it merged into keep theirs). Relative paths among them resolve against the
+  // current directory, as those of any --set.
   for (const auto& assignment : overrides) {
-    const std::string path = assignment.substr(0, assignment.find('='));
-    loaded.source.Set(path, absl::StrCat("--set ", assignment));
+    const size_t eq = assignment.find('=');
+    const std::string path = assignment.substr(0, eq);
+    const std::string where = absl::StrCat("--set ", assignment);
+    loaded.source.Set(path, where);
+    YAML::Node value;
+    try {
+      value = YAML::Load(assignment.substr(eq + 1));  // parsed once already by ApplyOverride
+    } catch (const YAML::Exception&) {
+      continue;
+    }
+    MarkOverridden(value, path, where, &loaded.source);
   }
   if (!issues.empty()) {
     std::vector<std::string> lines;
@@ -1165,11 +1190,6 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
   }
   if (synth) {
     c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
-    if (s.data().val_manifest().empty() && loaded.source.Has("data.synth.val_samples")) {
-      c.Fail("data.synth.val_samples",
-             absl::StrCat("=", s.data().synth().val_samples(),
-                          " needs data.val_manifest: the path the validation samples go to"));
-    }
     // What the generator needs of the model, said here with the fields rather than when
     // `hetpar run` generates the set.
     const int64_t seq_len = s.llm().model().seq_len();

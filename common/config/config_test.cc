@@ -297,8 +297,6 @@ TEST(ConfigTest, TheSyntheticDataSetsNeedsAreCheckedAgainstTheModel) {
   ExpectIssue(Load(kValid, {"data.synth.samples=64", "encoder.model.image_size=2048",
                             "llm.model.seq_len=65600"}),
               "encoder.model.image_size", 0, "=2048 is outside what the synthetic data set draws");
-  ExpectIssue(Load(kValid, {"data.synth.samples=64", "data.synth.val_samples=8"}),
-              "data.synth.val_samples", 0, "=8 needs data.val_manifest");
   // Without generation, none of it applies.
   EXPECT_TRUE(Load(kValid, {"llm.model.vocab=32"}).ok());
 }
@@ -594,6 +592,14 @@ TEST(ConfigTest, AMappingOverrideMergesIntoTheFilesMapping) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->spec.llm().layout().dp(), 2);
   EXPECT_EQ(result->spec.llm().layout().tp(), 1);
+  // Each key is where it was written: the flag's in the flag, the file's in the file.
+  EXPECT_EQ(result->source.Where("llm.layout.tp"), "--set llm.layout={tp: 1}");
+  EXPECT_EQ(result->source.Where("llm.layout.dp"),
+            "run.yaml:" + std::to_string(LineOf(kValid, "  layout: {dp: 2, tp: 2}\ndata")));
+  // A problem with a key the flag's mapping set names the flag, not a line of the file.
+  ExpectIssue(Load(kValid, {"encoder.layout={dp: 2, tp: 3}"}), "encoder.layout.tp", 0,
+              "=3 does not divide encoder.model.heads=4 (attention is split by heads) (--set "
+              "encoder.layout={dp: 2, tp: 3})");
 }
 
 TEST(ConfigTest, AKeyWrittenTwiceIsRefusedWithBothLines) {
@@ -713,6 +719,19 @@ TEST_F(ConfigFilesTest, RelativePathsResolveAgainstTheConfigFile) {
   Write("tok.model", "");
   auto result = LoadRunSpecFile(Write("run.yaml", kValid));
   ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.data().manifest(), (dir_ / "train.jsonl").string());
+}
+
+// A path set by --set is relative to the current directory, also inside a mapping the flag
+// writes; one written in the file is relative to the file.
+TEST_F(ConfigFilesTest, PathsInAnOverridesMappingResolveAgainstTheCurrentDirectory) {
+  Write("train.jsonl", "");
+  Write("tok.model", "");
+  LoadOptions options;
+  options.overrides = {"checkpoint={dir: ckpt, every: 2}"};
+  auto result = LoadRunSpecFile(Write("run.yaml", kValid), options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->spec.checkpoint().dir(), (fs::current_path() / "ckpt").string());
   EXPECT_EQ(result->spec.data().manifest(), (dir_ / "train.jsonl").string());
 }
 
