@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "common/data/tokenizer.h"
 #include "common/errno_status.h"
 #include "common/json_depth.h"
 #include "common/nn/safetensors.h"
@@ -774,7 +775,9 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
                     "  init_from: ", abs_out, "/encoder.hpar\n");
   }
   std::string tokenizer;
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
+  // generation_config.json holds the bos/eos ids generation stops on; to-hf writes it back.
+  for (const char* name :
+       {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"}) {
     const fs::path from = fs::path(options.llm_dir) / name;
     if (!fs::exists(from)) continue;
     const fs::path to = fs::path(staging) / name;
@@ -784,7 +787,7 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
                                                       options.out_dir, ": ", ec.message()));
     }
     staged.push_back(name);
-    if (tokenizer.empty() && std::string(name) != "tokenizer_config.json") tokenizer = name;
+    if (tokenizer.empty() && absl::StartsWith(name, "tokenizer.")) tokenizer = name;
   }
   if (!tokenizer.empty()) {
     absl::StrAppend(&yaml, "data:\n  tokenizer: ", abs_out, "/", tokenizer, "\n");
@@ -881,6 +884,31 @@ absl::Status CheckLayerCount(const std::vector<nn::FullParameter>& params,
                                                  layers));
 }
 
+// The bos/eos (and pad) ids an exported config.json names, without which transformers falls back
+// to 1 and 2 and generation never stops on the model's own end token: from the
+// generation_config.json from-hf kept, else from the model directory's tokenizer. Neither: none.
+absl::Status AddSpecialTokenIds(const std::string& model_dir, json* config) {
+  const std::string generation = model_dir + "/generation_config.json";
+  if (fs::exists(generation)) {
+    HETPAR_ASSIGN_OR_RETURN(json kept, ReadJsonFile(generation));
+    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+      auto it = kept.find(key);
+      if (it != kept.end() && !it->is_null()) (*config)[key] = *it;
+    }
+    return absl::OkStatus();
+  }
+  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+    const std::string path = model_dir + "/" + name;
+    if (!fs::exists(path)) continue;
+    HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<data::Tokenizer> tokenizer,
+                            data::Tokenizer::Load(path));
+    if (tokenizer->bos_id() >= 0) (*config)["bos_token_id"] = tokenizer->bos_id();
+    if (tokenizer->eos_id() >= 0) (*config)["eos_token_id"] = tokenizer->eos_id();
+    return absl::OkStatus();
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ExportResult> ExportToHf(const std::string& model_dir, const std::string& out_dir) {
   HETPAR_ASSIGN_OR_RETURN(ModelDirectory model, OpenModelDirectory(model_dir));
   ExportResult result;
@@ -919,10 +947,12 @@ absl::StatusOr<ExportResult> ExportToHf(const std::string& model_dir, const std:
   HETPAR_ASSIGN_OR_RETURN(auto llm_list, ToList(llm));
   HETPAR_RETURN_IF_ERROR(
       nn::WriteSafetensors(llm_list, out_dir + "/llm/model.safetensors", metadata));
-  HETPAR_RETURN_IF_ERROR(
-      WriteJson(out_dir + "/llm/config.json", HfConfigFromLlmModel(model.llm, dtype)));
+  json llm_config = HfConfigFromLlmModel(model.llm, dtype);
+  HETPAR_RETURN_IF_ERROR(AddSpecialTokenIds(model_dir, &llm_config));
+  HETPAR_RETURN_IF_ERROR(WriteJson(out_dir + "/llm/config.json", llm_config));
   result.written.push_back(out_dir + "/llm");
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "tokenizer.model"}) {
+  for (const char* name :
+       {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"}) {
     const fs::path from = fs::path(model_dir) / name;
     if (!fs::exists(from)) continue;
     std::error_code ec;

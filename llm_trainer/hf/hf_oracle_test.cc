@@ -409,6 +409,31 @@ TEST_F(HfOracleTest, AnImportReplacesAnEarlierOneWholeOrNotAtAll) {
   EXPECT_EQ(exported.exit_code, 0) << exported.stderr_text;
 }
 
+// The ids generation starts and stops on go through an import and an export (transformers
+// falls back to 1 and 2 without them): here bos 5 and the two eos ids of a Llama-3 style config.
+TEST_F(HfOracleTest, AnExportKeepsTheBosAndEosIds) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
+  for (const std::string name : {"config.json", "generation_config.json"}) {
+    std::ifstream in(Path("llama/" + name));
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["bos_token_id"] = 5;
+    j["eos_token_id"] = {7, 9};
+    std::ofstream(Path("llama/" + name)) << j.dump(2);
+  }
+  ASSERT_EQ(
+      Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--out", Path("model")}).exit_code, 0);
+  auto exported = Hetpar({"convert", "to-hf", "--model", Path("model"), "--out", Path("hf")});
+  ASSERT_EQ(exported.exit_code, 0) << exported.stderr_text;
+  for (const std::string name : {"config.json", "generation_config.json"}) {
+    SCOPED_TRACE(name);
+    std::ifstream in(Path("hf/llm/" + name));
+    ASSERT_TRUE(in) << "no " << name << " in the export";
+    const nlohmann::json j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.value("bos_token_id", nlohmann::json()), nlohmann::json(5));
+    EXPECT_EQ(j.value("eos_token_id", nlohmann::json()), nlohmann::json({7, 9}));
+  }
+}
+
 // to-hf reads the shapes from model.yaml: one edited so that it no longer fits llm.hpar is
 // refused (exit 2) naming both, not exported truncated (fewer layers) or ended by an uncaught
 // libtorch error (other heads).
