@@ -116,6 +116,25 @@ TEST_F(TlsTest, PlaintextOrUntrustedClientsFailTheHandshake) {
   EXPECT_EQ(StatusWith(other).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A client whose CA did not sign the coordinator's certificate learns why at once, instead of
+// waiting out its connect timeout to read "is it running?". (A client without TLS sees only the
+// socket closed, which says nothing certain: it waits, and the error names the last failure.)
+TEST_F(TlsTest, AnUntrustedCertificateEndsTheWaitForTheCoordinatorSayingWhy) {
+  StartServer(false);
+  ClientOptions options;
+  options.address = server_->address();
+  options.token = kToken;
+  options.tls.ca_file = File("other-ca.pem");
+  auto connection = CoordinatorConnection::Create(options);
+  ASSERT_TRUE(connection.ok()) << connection.status();
+  const absl::Status waited = (*connection)->WaitForConnected(absl::Seconds(120));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(waited.message()),
+              ::testing::HasSubstr("cannot connect securely to the coordinator at " +
+                                   server_->address()));
+  EXPECT_THAT(std::string(waited.message()), ::testing::HasSubstr("check --tls-ca"));
+}
+
 TEST_F(TlsTest, TokenIsStillRequiredOverTls) {
   StartServer(false);
   ClientTlsOptions tls;

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -79,10 +80,40 @@ void CoordinatorConnection::PrepareContext(grpc::ClientContext* context,
 }
 
 absl::Status CoordinatorConnection::WaitForConnected(absl::Duration timeout) const {
-  if (channel_->WaitForConnected(DeadlineAfter(timeout))) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("cannot reach the coordinator at ", options_.address,
-                                             " within ", absl::FormatDuration(timeout),
-                                             ": is it running, and is the address right?"));
+  const absl::Time deadline = absl::Now() + timeout;
+  std::string last_error;
+  while (true) {
+    // In slices: between them, what the last attempt failed on.
+    const absl::Duration slice =
+        std::max(absl::ZeroDuration(), std::min(deadline - absl::Now(), absl::Seconds(3)));
+    if (channel_->WaitForConnected(DeadlineAfter(slice))) return absl::OkStatus();
+    // A call that does not wait for the channel fails with the reason of its last attempt.
+    grpc::ClientContext context;
+    PrepareContext(&context, absl::Seconds(2));
+    context.set_wait_for_ready(false);
+    v1::StatusResponse ignored;
+    const grpc::Status probe = admin_->Status(&context, v1::StatusRequest(), &ignored);
+    if (probe.ok()) return absl::OkStatus();
+    if (probe.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      last_error = probe.error_message();
+    }
+    const std::string lower = absl::AsciiStrToLower(last_error);
+    for (const char* sign : {"handshake", "ssl", "tls", "certificate"}) {
+      if (absl::StrContains(lower, sign)) {
+        return absl::UnavailableError(absl::StrCat(
+            "cannot connect securely to the coordinator at ", options_.address, ": ", last_error,
+            options_.tls.ca_file.empty() && options_.tls.cert_file.empty()
+                ? " (this side uses no TLS: --tls-ca and, for mutual TLS, --tls-cert/--tls-key)"
+                : " (check --tls-ca against the coordinator's certificate, and --tls-cert/"
+                  "--tls-key where it requires client certificates)"));
+      }
+    }
+    if (absl::Now() >= deadline) break;
+  }
+  return absl::UnavailableError(
+      absl::StrCat("cannot reach the coordinator at ", options_.address, " within ",
+                   absl::FormatDuration(timeout), ": is it running, and is the address right?",
+                   last_error.empty() ? "" : absl::StrCat(" (last error: ", last_error, ")")));
 }
 
 std::string CoordinatorConnection::Where(std::string_view rpc) const {
