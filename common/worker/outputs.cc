@@ -1,14 +1,21 @@
 #include "common/worker/outputs.h"
 
+#include <signal.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <system_error>
 #include <vector>
 
+#include "absl/base/const_init.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/atomic_file.h"
 #include "common/errno_status.h"
 #include "common/nn/export.h"
@@ -19,17 +26,32 @@
 namespace hetpar::worker {
 namespace {
 
-// A directory of its own under $TMPDIR, removed with everything in it when destroyed.
+constexpr char kScratchPrefix[] = "hetpar-";
+constexpr char kScratchMarker[] = "-outputs-";  // hetpar-<module>-outputs-<pid>.XXXXXX
+
+// The scratch directories that exist now, for RemoveOutputScratch (never destroyed: a signal's
+// thread may use it as the process exits).
+absl::Mutex g_scratch_mu(absl::kConstInit);
+std::set<std::string>* Scratch() ABSL_EXCLUSIVE_LOCKS_REQUIRED(g_scratch_mu) {
+  static auto* paths = new std::set<std::string>();
+  return paths;
+}
+
+// A directory of its own under $TMPDIR, removed with everything in it when destroyed (or by
+// RemoveOutputScratch before an exit that destroys nothing).
 class ScratchDirectory {
  public:
   static absl::StatusOr<ScratchDirectory> Create(const std::string& what) {
     std::error_code ec;
     const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
     if (ec) return ErrnoStatus(ec.value(), "finding the temporary directory ($TMPDIR)");
-    std::string pattern = (base / absl::StrCat("hetpar-", what, "-outputs.XXXXXX")).string();
+    std::string pattern =
+        (base / absl::StrCat(kScratchPrefix, what, kScratchMarker, ::getpid(), ".XXXXXX")).string();
+    absl::MutexLock lock(&g_scratch_mu);
     if (::mkdtemp(pattern.data()) == nullptr) {
       return ErrnoStatus(errno, absl::StrCat("creating a scratch directory like ", pattern));
     }
+    Scratch()->insert(pattern);
     return ScratchDirectory(pattern);
   }
   ScratchDirectory(ScratchDirectory&& other) noexcept : path_(std::move(other.path_)) {
@@ -40,6 +62,8 @@ class ScratchDirectory {
   ScratchDirectory& operator=(ScratchDirectory&&) = delete;
   ~ScratchDirectory() {
     if (path_.empty()) return;
+    absl::MutexLock lock(&g_scratch_mu);
+    Scratch()->erase(path_);
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }
@@ -49,6 +73,47 @@ class ScratchDirectory {
   explicit ScratchDirectory(std::string path) : path_(std::move(path)) {}
   std::string path_;
 };
+
+}  // namespace
+
+void RemoveOutputScratch() {
+  absl::MutexLock lock(&g_scratch_mu);
+  for (const std::string& path : *Scratch()) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  Scratch()->clear();
+}
+
+int SweepStaleOutputScratch() {
+  std::error_code ec;
+  const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+  if (ec) return 0;
+  int removed = 0;
+  for (std::filesystem::directory_iterator it(base, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t marker = name.find(kScratchMarker);
+    if (!absl::StartsWith(name, kScratchPrefix) || marker == std::string::npos) continue;
+    const size_t digits = marker + sizeof(kScratchMarker) - 1;
+    const size_t dot = name.find('.', digits);
+    int64_t pid = 0;
+    if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(digits, dot - digits), &pid) ||
+        pid <= 0) {
+      continue;
+    }
+    // This process's own (from before a restart, which keeps the pid) or a process's that is gone.
+    const bool stale =
+        pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
+    std::error_code kind_error;
+    if (!stale || !it->is_directory(kind_error)) continue;
+    std::error_code remove_error;
+    std::filesystem::remove_all(it->path(), remove_error);
+    if (!remove_error) ++removed;
+  }
+  return removed;
+}
+
+namespace {
 
 absl::Status EnsureDirectory(const std::string& dir) {
   std::error_code ec;

@@ -49,6 +49,13 @@ absl::Status WriteModuleOutputs(const OutputSender& send, int64_t world_rank,
                                 const nn::ParameterSet& params, nn::Communicator& tp,
                                 nn::Communicator& pp);
 
+// Removes the scratch directories of outputs under way (each may hold a whole model file), for an
+// exit that runs no destructor: a signal's, a restart's execve. Thread-safe.
+void RemoveOutputScratch();
+// Removes the output scratch directories in $TMPDIR that this process left before a restart
+// (execve keeps the pid) or that a process now gone left (killed, crashed); returns how many.
+int SweepStaleOutputScratch();
+
 }  // namespace hetpar::worker
 
 #endif  // HETPAR_COMMON_WORKER_OUTPUTS_H_

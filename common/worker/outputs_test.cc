@@ -3,6 +3,8 @@
 #include "common/worker/outputs.h"
 
 #include <ATen/ATen.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -10,6 +12,7 @@
 #include <sstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/nn/export.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -92,6 +95,58 @@ TEST(WorkerOutputsTest, ModuleOutputsHoldTheOwnedSumsAndOnReplicaZeroTheModel) {
   EXPECT_EQ(ReadLines(dir + "/workers/rank-5-encoder.json")[0]["dp"], 1);
   EXPECT_FALSE(std::filesystem::exists(dir + "/model/encoder.hpar"));
   std::filesystem::remove_all(dir);
+}
+
+// The scratch directory of outputs under way (which may hold a whole model file) is removed by
+// RemoveOutputScratch, as a signal's exit does before it ends the process without destructors.
+TEST(WorkerOutputsTest, OutputScratchIsRemovedForAnExitThatSkipsDestructors) {
+  nn::ParameterSet params(7, at::kDouble, 0, 1, nn::InitStyle::kTraining);
+  ASSERT_TRUE(params.Add("w", {2, 3}, -1, nn::InitRule::Constant(1.5)).ok());
+  auto tp = nn::Communicator::CreateSingle();
+  std::string scratch;
+  const OutputSender send = [&](const std::string&, const std::string& local_path) {
+    scratch = std::filesystem::path(local_path).parent_path().string();
+    EXPECT_TRUE(std::filesystem::exists(scratch));
+    RemoveOutputScratch();
+    return absl::CancelledError("the process exits");
+  };
+  EXPECT_EQ(WriteModuleOutputs(send, 4, "llm", 0, params, *tp, *tp).code(),
+            absl::StatusCode::kCancelled);
+  ASSERT_FALSE(scratch.empty());
+  EXPECT_FALSE(std::filesystem::exists(scratch)) << scratch;
+}
+
+// At a worker's start: the scratch directories of a process that is gone, and this process's own
+// from before a restart (execve keeps the pid), are removed; a live process's are not.
+TEST(WorkerOutputsTest, StaleOutputScratchIsSweptAtStart) {
+  const std::string tmp = TempDir();
+  const char* previous = std::getenv("TMPDIR");
+  const std::string saved = previous == nullptr ? "" : previous;
+  ASSERT_EQ(::setenv("TMPDIR", tmp.c_str(), 1), 0);
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // gone from here on
+  const auto make = [&](const std::string& name) {
+    std::filesystem::create_directories(tmp + "/" + name);
+    std::ofstream(tmp + "/" + name + "/llm.hpar") << "model";
+    return tmp + "/" + name;
+  };
+  const std::string gone = make(absl::StrCat("hetpar-llm-outputs-", child, ".aaaaaa"));
+  const std::string own = make(absl::StrCat("hetpar-encoder-outputs-", ::getpid(), ".bbbbbb"));
+  const std::string live = make(absl::StrCat("hetpar-llm-outputs-", ::getppid(), ".cccccc"));
+  const std::string other = make("hetpar-index-XXXX");
+  EXPECT_EQ(SweepStaleOutputScratch(), 2);
+  if (saved.empty()) {
+    ::unsetenv("TMPDIR");
+  } else {
+    ::setenv("TMPDIR", saved.c_str(), 1);
+  }
+  EXPECT_FALSE(std::filesystem::exists(gone));
+  EXPECT_FALSE(std::filesystem::exists(own));
+  EXPECT_TRUE(std::filesystem::exists(live));
+  EXPECT_TRUE(std::filesystem::exists(other));
+  std::filesystem::remove_all(tmp);
 }
 
 }  // namespace

@@ -139,6 +139,7 @@ constexpr int kRestartAttempts = 5;
     HETPAR_LOG(WARNING) << running << " checkpoint write(s) still running past their deadline; "
                         << "restarting without them";
   }
+  RemoveOutputScratch();  // the copy sweeps what is left too (it keeps the pid)
   std::cerr.flush();
   std::clog.flush();
   std::fflush(nullptr);
@@ -589,6 +590,7 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
           writes = CheckpointWritesRunning();
         }
       }
+      RemoveOutputScratch();  // a model file being sent would stay in $TMPDIR
       std::cerr.flush();
       std::clog.flush();
       std::fflush(nullptr);
@@ -599,6 +601,11 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
   // run had started or not.
   auto replica_left_flag = std::make_shared<std::atomic<bool>>(false);
   options.on_replica_left = [replica_left_flag] { replica_left_flag->store(true); };
+  if (const int swept = SweepStaleOutputScratch(); swept > 0) {
+    HETPAR_LOG(INFO) << "removed " << swept << " output scratch director"
+                     << (swept == 1 ? "y" : "ies")
+                     << " in $TMPDIR left by a worker that ended without removing it";
+  }
   absl::Status status = Serve(options, factory);
   // Stopped before the run started: the session closed as the stop asked (Bootstrap said so).
   if (coordinator::IsStoppedBeforeStart(status)) status = absl::OkStatus();
