@@ -23,7 +23,7 @@ namespace hetpar::cli {
 
 absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     std::string name, const std::vector<std::string>& argv,
-    const std::map<std::string, std::string>& env, const std::string& log_path) {
+    const std::map<std::string, std::string>& env, const std::string& log_path, bool own_group) {
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
@@ -43,14 +43,21 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     return absl::PermissionDeniedError(
         absl::StrCat("cannot open log '", log_path, "': ", std::strerror(errno)));
   }
+  const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
     ::close(log_fd);
     return absl::ResourceExhaustedError(absl::StrCat("fork: ", std::strerror(errno)));
   }
   if (pid == 0) {
-    // A worker never outlives the run that started it, however that run ends.
+    // A worker never outlives the run that started it, however that run ends (also when it
+    // ended between the fork and the prctl).
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(127);
+    // A worker's group of its own: a terminal's Ctrl-C reaches the run that started it, which
+    // stops the run through the coordinator, and not the worker, which would end at once and be
+    // lost to the run (an LLM rank's loss fails it) before the stop is sent.
+    if (own_group) ::setpgid(0, 0);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
     // Signals the parent blocked for its signal thread must reach the worker normally.

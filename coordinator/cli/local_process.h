@@ -20,9 +20,12 @@ namespace hetpar::cli {
 class LocalProcess {
  public:
   // Starts argv with the parent's environment plus `env`, stdout and stderr to `log_path`.
+  // `own_group`: in a process group of its own, which a terminal's Ctrl-C does not reach (a
+  // run's workers, which the run stops through its coordinator); otherwise in the parent's.
   static absl::StatusOr<std::unique_ptr<LocalProcess>> Spawn(
       std::string name, const std::vector<std::string>& argv,
-      const std::map<std::string, std::string>& env, const std::string& log_path);
+      const std::map<std::string, std::string>& env, const std::string& log_path,
+      bool own_group = false);
   ~LocalProcess();
   LocalProcess(const LocalProcess&) = delete;
   LocalProcess& operator=(const LocalProcess&) = delete;

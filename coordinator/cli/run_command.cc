@@ -106,7 +106,11 @@ struct RunFlags {
 };
 
 volatile sig_atomic_t g_interrupted = 0;
-void OnSignal(int signal) { g_interrupted = signal; }  // SIGINT or SIGTERM
+volatile sig_atomic_t g_signals = 0;  // how many came: a second one ends the workers at once
+void OnSignal(int signal) {           // SIGINT or SIGTERM
+  g_interrupted = signal;
+  if (g_signals < 2) g_signals = g_signals + 1;
+}
 
 absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
   config::LoadOptions load;
@@ -351,7 +355,8 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         if (std::getenv(variable) == nullptr) worker_env[variable] = value;
       }
     }
-    auto process = LocalProcess::Spawn(name, argv, worker_env, (*run_dir)->LogPath(name));
+    auto process = LocalProcess::Spawn(name, argv, worker_env, (*run_dir)->LogPath(name),
+                                       /*own_group=*/true);
     if (!process.ok()) return process.status();
     processes.push_back(std::move(process).value());
     process_of[i] = processes.back().get();
@@ -501,8 +506,18 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   std::string failure;
   v1::RunState state = v1::RUN_STATE_WAITING;
   bool stop_sent = false;
+  bool ended_at_once = false;  // a second signal: every worker was sent SIGINT
   while (state != v1::RUN_STATE_DONE && state != v1::RUN_STATE_FAILED) {
     state = (*server)->WaitForEnd(absl::Milliseconds(100));
+    if (g_signals >= 2 && stop_sent && !ended_at_once) {
+      // The workers are in process groups of their own (a terminal's signals reach only this
+      // process): a second Ctrl-C is passed on, and each ends at once, once the checkpoint it is
+      // writing is complete.
+      std::cerr << "\nhetpar run: another signal; ending every worker now (each lets the "
+                   "checkpoint it is writing finish)\n";
+      for (auto& process : processes) process->Signal(SIGINT);
+      ended_at_once = true;
+    }
     if (g_interrupted && !stop_sent) {
       // SIGTERM (a scheduler ending the job): the step in flight commits with a checkpoint first
       // when the run writes checkpoints.
@@ -610,6 +625,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   exporter.reset();
   (*server)->Shutdown(absl::Seconds(2));
+  if (ended_at_once) {
+    std::cerr << "hetpar run: " << spec.run().name() << " ended at a second signal after "
+              << final_status.committed_steps() << " of " << final_status.total_steps()
+              << " steps, its workers at once: its final outputs may be missing; run directory "
+              << out_dir << "\n";
+    return 130;
+  }
   if (state == v1::RUN_STATE_FAILED && (failure.empty() || failure == "interrupted")) {
     // A run that failed after a signal (as it stopped) failed: its reason, not "interrupted".
     failure = absl::StrCat(final_status.state_message(), not_told,

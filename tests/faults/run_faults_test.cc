@@ -18,6 +18,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -830,14 +831,19 @@ TEST_F(RunFaultsTest, ANewRunRefusesACheckpointDirectoryThatHoldsAnotherRunsChec
   EXPECT_TRUE(fs::exists(checkpoints + "/step-000004/manifest.json"));
 }
 
+// A terminal's Ctrl-C goes to its whole foreground process group (here made with setsid). The
+// workers are in groups of their own: only `hetpar run` gets it, and it stops the run through
+// the coordinator, instead of every worker ending at once and being lost to the run first.
 TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
-  auto run = ChildProcess::Start(RunArgs(400), dir_ + "/hetpar-run.log");
+  std::vector<std::string> argv = {"setsid"};
+  for (const std::string& a : RunArgs(400)) argv.push_back(a);
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
   ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 2));
   ASSERT_EQ(ProcessesWith("--out " + dir_ + "/run --threads").size(), 4u)
       << ReadFile(dir_ + "/hetpar-run.log");
-  ASSERT_TRUE(run->Signal(SIGINT));
+  ASSERT_EQ(::kill(-run->pid(), SIGINT), 0);
   auto code = run->Wait(60);
   ASSERT_TRUE(code.ok()) << code.status();
   EXPECT_EQ(*code, 130);
@@ -846,6 +852,7 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   EXPECT_THAT(run_log, HasSubstr("hetpar run: tiny stopped (interrupted) after "));
   EXPECT_THAT(run_log, HasSubstr(" of 400 steps; it wrote no checkpoint (no checkpoint.dir)"));
   EXPECT_THAT(run_log, ::testing::Not(HasSubstr("tiny failed")));
+  EXPECT_THAT(run_log, ::testing::Not(HasSubstr("exited with code")));
   // Every worker saw the stop and exited by itself, with no error of its own.
   for (const char* name : {"encoder-0", "encoder-1", "llm-0", "llm-1"}) {
     const std::string log = ReadFile(dir_ + "/run/log/" + name + ".log");
@@ -854,10 +861,10 @@ TEST_F(RunFaultsTest, CtrlCStopsEveryWorkerCleanly) {
   }
 }
 
-// A terminal's Ctrl-C reaches `hetpar run` and every worker at once (one process group, here
-// made with setsid). A worker writing the checkpoint of a committed step lets the write finish
-// before it exits: step 2's write is held (its manifest is a FIFO with no writer, as a slow file
-// system would hold it) until the writer says it waits, and the checkpoint is complete after.
+// A second Ctrl-C of the terminal (here to the group setsid made) ends every worker at once, and
+// a worker writing the checkpoint of a committed step lets the write finish before it exits:
+// step 2's write is held (its manifest is a FIFO with no writer, as a slow file system would hold
+// it) past the first Ctrl-C's stop, until the writer says it waits, and it is complete after.
 TEST_F(RunFaultsTest, CtrlCOfTheTerminalLetsTheCheckpointBeingWrittenFinish) {
   const std::string checkpoints = dir_ + "/ckpt";
   fs::create_directories(checkpoints + "/step-000002");
@@ -877,19 +884,30 @@ TEST_F(RunFaultsTest, CtrlCOfTheTerminalLetsTheCheckpointBeingWrittenFinish) {
   ASSERT_EQ(::kill(-run->pid(), SIGINT), 0);
   ASSERT_TRUE(PollUntil(
       [&] {
+        return ReadFile(dir_ + "/hetpar-run.log").find("interrupted; stopping every worker") !=
+               std::string::npos;
+      },
+      absl::Seconds(60)))
+      << ReadFile(dir_ + "/hetpar-run.log");
+  ASSERT_EQ(::kill(-run->pid(), SIGINT), 0);
+  ASSERT_TRUE(PollUntil(
+      [&] {
         return ReadFile(writer).find(
                    "waiting for the checkpoint being written to finish before "
                    "exiting") != std::string::npos;
       },
       absl::Seconds(60)))
-      << ReadFile(writer);
+      << ReadFile(writer) << ReadFile(dir_ + "/hetpar-run.log");
   // Let the write go on (opened and closed again until the run ends, for a writer that comes to
   // the FIFO late).
+  std::optional<int> code;
   ASSERT_TRUE(PollUntil(
       [&] {
         const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
         if (fd >= 0) ::close(fd);
-        return run->Wait(0).ok();
+        absl::StatusOr<int> ended = run->Wait(0);
+        if (ended.ok()) code = *ended;
+        return ended.ok();
       },
       absl::Seconds(90)))
       << ReadFile(dir_ + "/hetpar-run.log");
@@ -901,6 +919,9 @@ TEST_F(RunFaultsTest, CtrlCOfTheTerminalLetsTheCheckpointBeingWrittenFinish) {
   EXPECT_THAT(text, Not(HasSubstr("exiting without the checkpoint")));
   // Complete: its manifest is a file now, written after every shard.
   EXPECT_TRUE(fs::is_regular_file(fifo)) << ReadFile(dir_ + "/hetpar-run.log");
+  EXPECT_THAT(ReadFile(dir_ + "/hetpar-run.log"),
+              HasSubstr("another signal; ending every worker now"));
+  EXPECT_EQ(code, 130);
 }
 
 // A step whose gradient norm is not finite is committed without an update, and still writes the
