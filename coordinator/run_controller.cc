@@ -1109,17 +1109,32 @@ void RunController::BeginStopping(const std::string& reason, absl::Time now, Act
   // OutputProgress).
   stop_deadline_ = now + options_.stop_timeout;
   HETPAR_LOG(INFO) << "stopping run " << spec_.run().name() << ": " << reason;
+  // A replica that joined at the last boundary and has committed no step since may not hold the
+  // run's state yet (the stop can abort its first step before the transfer ends): its workers
+  // leave without outputs, and the outputs come from the replicas that hold it (the first of
+  // them writes the model).
+  const auto untrained = [this](v1::Module module, int64_t replica) {
+    const std::vector<int64_t>& joining =
+        module == v1::MODULE_ENCODER ? encoder_joining_ : llm_joining_;
+    return std::find(joining.begin(), joining.end(), replica) != joining.end();
+  };
   for (WorkerRecord* worker : membership_.LiveWorkers()) {
     if (!worker->session_open) continue;
     v1::CoordinatorMessage stop = StopMessage(reason, generation_);
     // The replicas the outputs' groups span: a replica lost during the step this stop aborted
     // is no longer among them, though the workers' last plan had it.
     if (membership_.placement() != v1::PLACEMENT_COLOCATED && !worker->joining) {
-      for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) {
-        stop.mutable_stop()->add_encoder_replicas(r);
-      }
-      for (int64_t r : membership_.Replicas(v1::MODULE_LLM)) {
-        stop.mutable_stop()->add_llm_replicas(r);
+      const v1::Module module = ModuleOf(worker->role);
+      if (module != v1::MODULE_UNSPECIFIED &&
+          untrained(module, Membership::ReplicaOf(*worker, module))) {
+        stop.mutable_stop()->set_leave_run(true);
+      } else {
+        for (int64_t r : membership_.Replicas(v1::MODULE_ENCODER)) {
+          if (!untrained(v1::MODULE_ENCODER, r)) stop.mutable_stop()->add_encoder_replicas(r);
+        }
+        for (int64_t r : membership_.Replicas(v1::MODULE_LLM)) {
+          if (!untrained(v1::MODULE_LLM, r)) stop.mutable_stop()->add_llm_replicas(r);
+        }
       }
     }
     actions->messages.emplace_back(worker->worker_id, std::move(stop));

@@ -1272,6 +1272,42 @@ TEST_F(RunControllerTest, AReplacementJoinsAtTheNextStepBoundaryAndTakesALiveRep
   EXPECT_EQ(status.encoder_replicas_open_size(), 0);
 }
 
+// A stop that aborts the first step of a replica that joined at the boundary: the joiner may not
+// have received the run's state yet, so its workers leave without outputs, and the outputs'
+// groups span the replicas that hold the state (the first of them writes the model). Otherwise
+// the joiner, replica 0, would write its untrained weights as the run's final model.
+TEST_F(RunControllerTest, AStopBeforeAJoinedReplicasFirstCommitTakesTheOutputsFromTheOthers) {
+  Create(/*steps=*/4);
+  StartAll();
+  controller_->SessionEnded(ids_[0], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  HearFrom({1, 2, 3}, kT0 + absl::Seconds(1));
+  v1::RegisterRequest request;
+  request.set_role(v1::WORKER_ROLE_ENCODER);
+  request.set_host("new-host");
+  request.set_data_address("new-host:1");
+  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  const std::string joiner = joined->assignment().worker_id();
+  ASSERT_TRUE(controller_->OpenSession(joiner, kT0 + absl::Seconds(2), &actions_).ok());
+  CompleteStep(0, /*encoder_contributor=*/1, /*reporting=*/{1, 2, 3}, kT0 + absl::Seconds(3));
+  ASSERT_EQ(controller_->committed_steps(), 1);
+  const auto plans = SentTo(joiner, v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  ASSERT_THAT(plans[0].step_plan().encoder_joining(), ::testing::ElementsAre(0));
+  controller_->Stop("preempted", false, kT0 + absl::Seconds(4), &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  const auto joiner_stops = SentTo(joiner, v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(joiner_stops.size(), 1u);
+  EXPECT_TRUE(joiner_stops[0].stop().leave_run());
+  for (size_t i : {size_t{1}, size_t{2}, size_t{3}}) {
+    const auto stops = SentTo(ids_[i], v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u);
+    EXPECT_FALSE(stops[0].stop().leave_run());
+    EXPECT_THAT(stops[0].stop().encoder_replicas(), ::testing::ElementsAre(1)) << i;
+    EXPECT_THAT(stops[0].stop().llm_replicas(), ::testing::ElementsAre(0)) << i;
+  }
+}
+
 TEST_F(RunControllerTest, ScaleShrinksThePoolAtTheStepBoundaryAndGrowsItByAdmittingWorkers) {
   Create(/*steps=*/4);
   StartAll();
