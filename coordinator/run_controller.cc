@@ -251,8 +251,18 @@ absl::Status RunController::OpenSession(const std::string& worker_id, absl::Time
   }
   worker->session_open = true;
   worker->last_heartbeat = now;
-  if (state_ == v1::RUN_STATE_STOPPING) {
+  if (state_ == v1::RUN_STATE_STOPPING || state_ == v1::RUN_STATE_DONE) {
+    // Registered before the stop, its session opened after it (a stop with no session open ends
+    // the run at once): it hears the stop, or it would wait for a start that never comes.
     actions->messages.emplace_back(worker_id, StopMessage(state_message_, generation_));
+    return absl::OkStatus();
+  }
+  if (state_ == v1::RUN_STATE_FAILED) {
+    v1::CoordinatorMessage stop = StopMessage(state_message_, generation_);
+    stop.mutable_stop()->set_run_failed(true);
+    actions->messages.emplace_back(worker_id, std::move(stop));
+    actions->end_sessions.emplace_back(worker_id,
+                                       absl::AbortedError("run failed: " + state_message_));
     return absl::OkStatus();
   }
   if (state_ == v1::RUN_STATE_RUNNING && membership_.Complete() && !worker->joining) {
@@ -966,6 +976,12 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
 
 void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions) {
   if (!status.ok()) {
+    if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
+      // Stopped meanwhile: no step would have been planned.
+      HETPAR_LOG(WARNING) << "preparing the step planner failed after the run "
+                          << RunStateName(state_) << ": " << status.message();
+      return;
+    }
     Fail(absl::StrCat("preparing the step planner failed: ", status.message()), now, actions);
     return;
   }
@@ -1059,7 +1075,9 @@ void RunController::Tick(absl::Time now, Actions* actions) {
     }
   }
   if (state_ == v1::RUN_STATE_STOPPING) {
-    if (now >= stop_deadline_) {
+    // A worker the heartbeats above took out may have been the last with a session open.
+    MaybeFinishStopping(now, actions);
+    if (state_ == v1::RUN_STATE_STOPPING && now >= stop_deadline_) {
       std::vector<std::string> open;
       for (WorkerRecord* worker : membership_.LiveWorkers()) {
         if (!worker->session_open) continue;
@@ -1305,7 +1323,10 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   }
   const size_t first = dead.size() > kDeadWorkersShown ? dead.size() - kDeadWorkersShown : 0;
   for (size_t i = first; i < dead.size(); ++i) add_worker(*dead[i]);
-  for (const auto& line : membership_.Missing()) status.add_missing(line);
+  // Once the run ends, the ranks that closed their sessions are no longer missed.
+  if (state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) {
+    for (const auto& line : membership_.Missing()) status.add_missing(line);
+  }
   if ((state_ == v1::RUN_STATE_WAITING || state_ == v1::RUN_STATE_RUNNING) &&
       incomplete_since_ != absl::InfiniteFuture()) {
     status.set_missing_deadline_s(

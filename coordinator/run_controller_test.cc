@@ -1072,6 +1072,66 @@ TEST_F(RunControllerTest, TheStopsDeadlineFollowsOutputsUnderWay) {
   EXPECT_THAT(controller_->cut_at_stop(), ::testing::UnorderedElementsAreArray(open));
 }
 
+// A worker silent past the heartbeat timeout while the run stops (here the last with a session
+// open, its outputs under way) is lost, and with it the stop is over: no wait for the stop's
+// deadline, and nobody is reported cut off by it. Once stopped, no rank is listed as missing.
+TEST_F(RunControllerTest, AStopEndsWhenTheLastWorkerWithASessionIsLostToItsHeartbeats) {
+  Create(5);
+  StartAll();
+  controller_->Stop("maintenance", false, kT0, &actions_);
+  v1::WorkerMessage outputs;
+  outputs.mutable_progress()->set_phase(kOutputsPhase);
+  Send(ids_[0], outputs, kT0 + absl::Seconds(1));  // the deadline is a step's timeout away now
+  for (size_t i : {size_t{1}, size_t{2}, size_t{3}}) {
+    controller_->SessionEnded(ids_[i], "closed by the worker", kT0 + absl::Seconds(2), &actions_);
+  }
+  controller_->Tick(kT0 + absl::Seconds(5), &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_STOPPING);
+  controller_->Tick(kT0 + absl::Seconds(12), &actions_);  // 11 s silent, heartbeat_timeout 10 s
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  EXPECT_TRUE(controller_->cut_at_stop().empty());
+  EXPECT_EQ(controller_->Status(kT0 + absl::Seconds(12)).missing_size(), 0);
+}
+
+// A worker that registered before a stop and opens its session after the run ended (a stop with
+// no session open ends it at once) hears the stop, instead of waiting for a start that never
+// comes; after a failed run, the failure, and its session ends.
+TEST_F(RunControllerTest, ASessionOpenedAfterTheRunEndedHearsHowItEnded) {
+  Create();
+  const std::string early = Register(v1::WORKER_ROLE_ENCODER);
+  controller_->Stop("not today", false, kT0, &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  ASSERT_TRUE(controller_->OpenSession(early, kT0 + absl::Seconds(1), &actions_).ok());
+  auto stops = SentTo(early, v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_FALSE(stops[0].stop().run_failed());
+  EXPECT_EQ(stops[0].stop().reason(), "stop requested: not today");
+
+  ids_.clear();
+  actions_ = {};
+  Create();
+  RegisterAndPassTheRegisterTimeout({v1::WORKER_ROLE_ENCODER});
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  const std::string late = controller_->membership().LiveWorkers().at(0)->worker_id;
+  actions_ = {};
+  ASSERT_TRUE(controller_->OpenSession(late, kT0 + absl::Seconds(62), &actions_).ok());
+  stops = SentTo(late, v1::CoordinatorMessage::kStop);
+  ASSERT_EQ(stops.size(), 1u);
+  EXPECT_TRUE(stops[0].stop().run_failed());
+  ASSERT_EQ(actions_.end_sessions.size(), 1u);
+  EXPECT_EQ(actions_.end_sessions[0].first, late);
+}
+
+// A planner whose preparation fails after the run was stopped leaves the stopped run as it is.
+TEST_F(RunControllerTest, APreparationErrorAfterAStopLeavesTheRunStopped) {
+  Create(5, true, /*needs_preparation=*/true);
+  controller_->Stop("not today", false, kT0, &actions_);
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  controller_->PlannerPrepared(absl::InternalError("interrupted"), kT0, &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_DONE);
+  EXPECT_EQ(controller_->state_message(), "stop requested: not today");
+}
+
 // The messages of `kind` sent to `id` since `actions` was last cleared, in order.
 std::vector<v1::CoordinatorMessage::KindCase> KindsTo(const Actions& actions,
                                                       const std::string& id) {
