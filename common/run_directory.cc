@@ -1,5 +1,9 @@
 #include "common/run_directory.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -10,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "common/errno_status.h"
+#include "common/logging.h"
 #include "nlohmann/json.hpp"
 
 namespace hetpar {
@@ -30,34 +36,86 @@ std::optional<int64_t> StepOfLine(const std::string& line, bool pool_changes = f
   return (*holder)["step"].get<int64_t>();
 }
 
-absl::Status Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
+// Takes `path`/.lock, and writes this process's pid into it for the message of one refused.
+// Returns the open lock file (its flock held), or -1 where the file system has no locks.
+absl::StatusOr<int> Lock(const std::string& path) {
+  const std::string lock = path + "/.lock";
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", lock));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error != EWOULDBLOCK) {
+      ::close(fd);
+      HETPAR_LOG(WARNING) << "cannot lock " << lock << " (" << std::strerror(error)
+                          << "): nothing keeps another process from using the run directory "
+                             "at the same time";
+      return -1;
+    }
+    char holder[32] = {};
+    const ssize_t n = ::pread(fd, holder, sizeof(holder) - 1, 0);
+    ::close(fd);
+    std::string pid = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "";
+    pid.erase(std::remove(pid.begin(), pid.end(), '\n'), pid.end());
+    return absl::FailedPreconditionError(absl::StrCat(
+        "run directory ", path, " is in use by another hetpar process",
+        pid.empty() ? "" : " (pid " + pid + ")",
+        ": wait for it to end, or give this run another directory (run.out_dir, --out)"));
+  }
+  const std::string pid = absl::StrCat(::getpid(), "\n");
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    HETPAR_LOG(WARNING) << "cannot write this process's pid into " << lock << ": "
+                        << std::strerror(errno);
+  }
+  return fd;
+}
+
+// The directory and log/, locked (the lock file's descriptor, or -1), then config.yaml.
+absl::StatusOr<int> Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path) / "log", ec);
   if (ec) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create run directory '", path, "': ", ec.message()));
   }
+  absl::StatusOr<int> lock = Lock(path);
+  if (!lock.ok()) return lock.status();
   // Whole or not at all: a coordinator continuing the run reads it back, and a file cut short
   // by a crash or a full disk would not load.
-  return WriteFileAtomically(path + "/config.yaml", config::RunSpecToYaml(spec));
+  if (absl::Status s = WriteFileAtomically(path + "/config.yaml", config::RunSpecToYaml(spec));
+      !s.ok()) {
+    if (*lock >= 0) ::close(*lock);
+    return s;
+  }
+  return *lock;
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
     const std::string& path, const hetpar::v1::RunSpec& spec) {
-  if (absl::Status s = Prepare(path, spec); !s.ok()) return s;
-  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "w");
+  absl::StatusOr<int> lock = Prepare(path, spec);
+  if (!lock.ok()) return lock.status();
+  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "we");
   if (metrics == nullptr) {
+    const int error = errno;
+    if (*lock >= 0) ::close(*lock);
     return absl::PermissionDeniedError(
-        absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(errno)));
+        absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(error)));
   }
-  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, *lock));
 }
 
 absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
     const std::string& path, const hetpar::v1::RunSpec& spec, int64_t first_step) {
-  if (absl::Status s = Prepare(path, spec); !s.ok()) return s;
+  absl::StatusOr<int> lock = Prepare(path, spec);
+  if (!lock.ok()) return lock.status();
+  // Closed on the returns below that do not hand it to the RunDirectory.
+  struct CloseLock {
+    ~CloseLock() {
+      if (fd >= 0) ::close(fd);
+    }
+    int fd;
+  } close_lock{*lock};
   std::string kept;
   {
     std::ifstream in(path + "/metrics.jsonl");
@@ -68,12 +126,13 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
   }
   // Replaced whole (a crash here leaves the old file), then appended to.
   if (absl::Status s = WriteFileAtomically(path + "/metrics.jsonl", kept); !s.ok()) return s;
-  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "a");
+  std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "ae");
   if (metrics == nullptr) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot append to '", path, "/metrics.jsonl': ", std::strerror(errno)));
   }
-  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics));
+  close_lock.fd = -1;
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, *lock));
 }
 
 int64_t RunDirectory::StepAfterLastLine(const std::string& path, int64_t from) {
@@ -85,7 +144,10 @@ int64_t RunDirectory::StepAfterLastLine(const std::string& path, int64_t from) {
   return after;
 }
 
-RunDirectory::~RunDirectory() { std::fclose(metrics_); }
+RunDirectory::~RunDirectory() {
+  std::fclose(metrics_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+}
 
 absl::Status RunDirectory::AppendMetrics(const std::string& json_line) {
   const std::string line = json_line + "\n";

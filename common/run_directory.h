@@ -24,6 +24,10 @@ namespace hetpar {
 
 class RunDirectory {
  public:
+  // Both hold `path`/.lock (flock) while the RunDirectory lives: another process's Create or
+  // Continue on the same directory (a second coordinator, a run with the same out_dir) fails
+  // with FailedPrecondition before it changes anything.
+  //
   // Creates `path` (and log/) when absent, writes config.yaml and truncates metrics.jsonl.
   static absl::StatusOr<std::unique_ptr<RunDirectory>> Create(const std::string& path,
                                                               const hetpar::v1::RunSpec& spec);
@@ -49,9 +53,11 @@ class RunDirectory {
   absl::Status AppendMetrics(const std::string& json_line);
 
  private:
-  RunDirectory(std::string path, std::FILE* metrics) : path_(std::move(path)), metrics_(metrics) {}
+  RunDirectory(std::string path, std::FILE* metrics, int lock_fd)
+      : path_(std::move(path)), metrics_(metrics), lock_fd_(lock_fd) {}
   std::string path_;
   std::FILE* metrics_;
+  int lock_fd_;  // the open .lock, whose flock is this process's hold on the directory
 };
 
 }  // namespace hetpar

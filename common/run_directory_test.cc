@@ -2,6 +2,8 @@
 // the metrics lines of the steps before the one the run resumes from byte for byte.
 #include "common/run_directory.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -85,6 +87,34 @@ TEST_F(RunDirectoryTest, CreateTruncatesOldMetrics) {
   absl::StatusOr<std::unique_ptr<RunDirectory>> run = RunDirectory::Create(dir_, spec_);
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_EQ(ReadText(dir_ + "/metrics.jsonl"), "");
+}
+
+// One process at a time: a second Create or Continue on a directory in use (a second
+// coordinator, a run with the same out_dir) is refused before it changes anything, naming the
+// holder's pid; once the first is gone, it goes.
+TEST_F(RunDirectoryTest, ADirectoryInUseIsRefusedUntouched) {
+  absl::StatusOr<std::unique_ptr<RunDirectory>> first = RunDirectory::Create(dir_, spec_);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE((*first)->AppendMetrics(StepLine(0)).ok());
+  hetpar::v1::RunSpec other = spec_;
+  other.mutable_run()->set_name("other");
+  for (int continued = 0; continued < 2; ++continued) {
+    absl::StatusOr<std::unique_ptr<RunDirectory>> second =
+        continued ? RunDirectory::Continue(dir_, other, 0) : RunDirectory::Create(dir_, other);
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(second.status().message()),
+                ::testing::HasSubstr("run directory " + dir_ +
+                                     " is in use by another hetpar "
+                                     "process (pid " +
+                                     std::to_string(::getpid()) + ")"));
+    EXPECT_EQ(ReadText(dir_ + "/metrics.jsonl"), StepLine(0) + "\n");
+    EXPECT_EQ(ReadText(dir_ + "/config.yaml"), config::RunSpecToYaml(spec_));
+  }
+  first->reset();
+  absl::StatusOr<std::unique_ptr<RunDirectory>> after = RunDirectory::Continue(dir_, other, 1);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(ReadText(dir_ + "/config.yaml"), config::RunSpecToYaml(other));
 }
 
 TEST_F(RunDirectoryTest, AppendMetricsAppendsWholeLines) {

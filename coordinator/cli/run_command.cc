@@ -221,12 +221,6 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
       spec.checkpoint().resume_from().empty()
           ? std::vector<coordinator::CheckpointWrite>()
           : coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), first_step);
-  auto run_dir = RunDirectory::Create(out_dir, spec);
-  if (!run_dir.ok()) {
-    std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
-    return kExitFailure;
-  }
-  ClearRunOutputs(out_dir);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
   auto batches = data::BatchSource::Create(spec);
@@ -334,6 +328,15 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
                  "moves CUDA memory between processes on one GPU by CUDA IPC\n";
     return kExitInvalidInput;
   }
+  // Every refusal above leaves the run directory as it was (a refused resume keeps the run it
+  // resumes); from here it is this run's, and no other process's (RunDirectory's lock).
+  auto run_dir = RunDirectory::Create(out_dir, spec);
+  if (!run_dir.ok()) {
+    std::cerr << "hetpar run: " << run_dir.status().message() << "\n";
+    (*server)->Shutdown(absl::Seconds(2));
+    return absl::IsFailedPrecondition(run_dir.status()) ? kExitInvalidInput : kExitFailure;
+  }
+  ClearRunOutputs(out_dir);
   auto spawn = [&](int64_t i, const std::string& name) -> absl::Status {
     const bool encoder = i < encoder_ranks;
     const int64_t rank = encoder ? i : i - encoder_ranks;

@@ -783,7 +783,10 @@ TEST_F(RunFaultsTest, AResumeOverDataOfAnotherSizeMidEpochIsRefused) {
     }
     if (arg == "data.synth.samples=128") arg = "data.synth.samples=100";
   }
-  *(std::find(resumed.begin(), resumed.end(), "--out") + 1) = dir_ + "/resumed";
+  // Into the run's own directory, as a resume usually goes: the refusal leaves it as it was.
+  const std::string metrics = ReadFile(dir_ + "/run/metrics.jsonl");
+  const std::string config = ReadFile(dir_ + "/run/config.yaml");
+  ASSERT_THAT(metrics, HasSubstr("final_params"));
   resumed.insert(resumed.end(), {"--resume", checkpoints + "/step-000002", "--set",
                                  "checkpoint.dir=" + checkpoints});
   auto refused = RunCommand(resumed, 120);
@@ -794,6 +797,8 @@ TEST_F(RunFaultsTest, AResumeOverDataOfAnotherSizeMidEpochIsRefused) {
                         "data.manifest='" +
                         dir_ + "/data2/train.jsonl' now indexes 100"));
   EXPECT_TRUE(WorkersOf("hetpar-llm").empty());
+  EXPECT_EQ(ReadFile(dir_ + "/run/metrics.jsonl"), metrics);
+  EXPECT_EQ(ReadFile(dir_ + "/run/config.yaml"), config);
 }
 
 // A new run refuses a checkpoint.dir that holds another run's checkpoints (it would overwrite
