@@ -23,11 +23,23 @@ namespace hetpar::cli {
 
 absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     std::string name, const std::vector<std::string>& argv,
-    const std::map<std::string, std::string>& env, const std::string& log_path, bool own_group) {
+    const std::map<std::string, std::string>& env, const std::string& log_path) {
+  return Spawn(std::move(name), argv, env, log_path, Options());
+}
+
+absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
+    std::string name, const std::vector<std::string>& argv,
+    const std::map<std::string, std::string>& env, const std::string& log_path,
+    const Options& options) {
+  const bool own_group = options.own_group;
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
     const std::string key = entry.substr(0, entry.find('='));
+    if (options.drop_hetpar_env && key.rfind("HETPAR_", 0) == 0 && key != "HETPAR_LOG_LEVEL" &&
+        key != "HETPAR_SENTENCEPIECE_MODULE") {
+      continue;
+    }
     if (env.count(key) == 0) env_strings.push_back(entry);
   }
   for (const auto& [key, value] : env) env_strings.push_back(key + "=" + value);

@@ -19,13 +19,24 @@ namespace hetpar::cli {
 // it is still running.
 class LocalProcess {
  public:
+  struct Options {
+    // In a process group of its own, which a terminal's Ctrl-C does not reach (a run's workers,
+    // which the run stops through its coordinator); otherwise in the parent's.
+    bool own_group = false;
+    // Without the parent's HETPAR_* settings (but its log level and the tokenizer module's
+    // path): a run's workers get theirs from the run, and the user's shell may hold a cluster's
+    // (HETPAR_TOKEN_FILE, HETPAR_TLS_CA, HETPAR_LINGER, HETPAR_RANK, ...), which would override
+    // them.
+    bool drop_hetpar_env = false;
+  };
   // Starts argv with the parent's environment plus `env`, stdout and stderr to `log_path`.
-  // `own_group`: in a process group of its own, which a terminal's Ctrl-C does not reach (a
-  // run's workers, which the run stops through its coordinator); otherwise in the parent's.
+  static absl::StatusOr<std::unique_ptr<LocalProcess>> Spawn(
+      std::string name, const std::vector<std::string>& argv,
+      const std::map<std::string, std::string>& env, const std::string& log_path);
   static absl::StatusOr<std::unique_ptr<LocalProcess>> Spawn(
       std::string name, const std::vector<std::string>& argv,
       const std::map<std::string, std::string>& env, const std::string& log_path,
-      bool own_group = false);
+      const Options& options);
   ~LocalProcess();
   LocalProcess(const LocalProcess&) = delete;
   LocalProcess& operator=(const LocalProcess&) = delete;

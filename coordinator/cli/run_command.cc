@@ -358,8 +358,11 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
         if (std::getenv(variable) == nullptr) worker_env[variable] = value;
       }
     }
-    auto process = LocalProcess::Spawn(name, argv, worker_env, (*run_dir)->LogPath(name),
-                                       /*own_group=*/true);
+    LocalProcess::Options spawn_options;
+    spawn_options.own_group = true;
+    spawn_options.drop_hetpar_env = true;
+    auto process =
+        LocalProcess::Spawn(name, argv, worker_env, (*run_dir)->LogPath(name), spawn_options);
     if (!process.ok()) return process.status();
     processes.push_back(std::move(process).value());
     process_of[i] = processes.back().get();

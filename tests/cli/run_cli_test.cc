@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
 #include <utility>
@@ -125,6 +126,43 @@ std::vector<std::string> CudaRun(const std::string& dir, const std::vector<std::
 // run.device cuda on a machine without a GPU: every worker fails as it registers, naming the
 // field, and the run stops with the worker's reason instead of waiting. On a GPU machine this
 // would train, so the test needs a machine without the NVIDIA driver.
+// A shell set up for a cluster (docs/deploy.md's HETPAR_* settings) does not reach the workers
+// `hetpar run` starts: they take the run's token, plaintext loopback and their ranks from the
+// run, and do not linger after it.
+TEST(CliRunTest, TheShellsHetparSettingsDoNotReachTheRunsWorkers) {
+  char pattern[] = "/tmp/hetpar-run-env-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  std::ofstream(dir + "/other-token") << "not-this-runs-token\n";
+  std::vector<std::string> argv = {"env",
+                                   "HETPAR_TOKEN_FILE=" + dir + "/other-token",
+                                   "HETPAR_TLS_CA=" + dir + "/no-such-ca.pem",
+                                   "HETPAR_LINGER=1",
+                                   "HETPAR_RANK=3",
+                                   kBin,
+                                   "run",
+                                   "--config",
+                                   kSource + "/configs/tiny.yaml",
+                                   "--out",
+                                   dir + "/run",
+                                   "--steps",
+                                   "2",
+                                   "--threads",
+                                   "1",
+                                   "--set",
+                                   "data.manifest=" + dir + "/data/train.jsonl",
+                                   "--set",
+                                   "data.val_manifest=\"\"",
+                                   "--set",
+                                   "data.tokenizer=" + dir + "/data/tokenizer.model",
+                                   "--set",
+                                   "data.synth.samples=64"};
+  auto r = RunCommand(argv, 300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stdout_text, HasSubstr("2 steps"));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
   if (std::filesystem::exists("/proc/driver/nvidia/gpus")) {
     GTEST_SKIP() << "this machine has an NVIDIA driver (/proc/driver/nvidia/gpus)";
