@@ -229,6 +229,12 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
               << "\n";
     return kExitInvalidInput;
   }
+  if (g_interrupted) {
+    // During the data set's generation or indexing, which runs to its end: no worker starts.
+    std::cerr << "hetpar run: " << (g_interrupted == SIGTERM ? "terminated" : "interrupted")
+              << " before the run started; nothing was trained\n";
+    return 130;
+  }
   if (resumed.has_value()) {
     // Before any worker starts: a data index that changed mid-epoch cannot continue the order.
     const absl::StatusOr<std::optional<data::SamplerCursor>> cursor = coordinator::ResumeCursor(
@@ -674,7 +680,18 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
             << (spec.data().val_manifest().empty() ? "" : " and evaluating the validation split")
             << "\n";
   std::string eval_line;
-  if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.threads, &eval_line); !s.ok()) {
+  if (absl::Status s = FinishRunDirectory(**run_dir, spec, flags.threads, &eval_line, nullptr,
+                                          [] { return g_interrupted != 0; });
+      !s.ok()) {
+    if (g_interrupted) {
+      // Trained and saved: only the evaluation is missing (a terminal's Ctrl-C reaches the
+      // evaluator too, which then fails with 130).
+      std::cerr << "hetpar run: " << spec.run().name() << " trained " << metrics.written()
+                << " steps and saved its model in " << out_dir << "/model, but was "
+                << (g_interrupted == SIGTERM ? "terminated" : "interrupted")
+                << " before its evaluation ended: " << s.message() << "\n";
+      return 130;
+    }
     std::cerr << "hetpar run: " << s.message() << "\n";
     if (const std::vector<std::string> cut = (*server)->CutAtStop(); !cut.empty()) {
       std::cerr << "hetpar run: the stop's deadline ended the sessions of "

@@ -114,8 +114,11 @@ void ClearRunOutputs(const std::string& out_dir);
 // default) and appends the {"eval": ...} line. `eval_line` receives that line. Progress goes to
 // the log; errors name what is missing. With `evaluation_error`, a failed evaluation is told
 // there (with how to run it again) instead of failing the call: the model is saved by then.
+// `interrupted` (optional), polled while the evaluation runs: once true, the evaluation is ended
+// (SIGINT) and the call returns Cancelled.
 absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int threads,
-                                std::string* eval_line, std::string* evaluation_error = nullptr);
+                                std::string* eval_line, std::string* evaluation_error = nullptr,
+                                const std::function<bool()>& interrupted = {});
 
 }  // namespace hetpar::cli
 
