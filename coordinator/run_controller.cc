@@ -1265,6 +1265,29 @@ absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& r
   }
   const int64_t before = encoder_target_;
   encoder_target_ = request.encoder_replicas();
+  if (state_ == v1::RUN_STATE_WAITING) {
+    // Before the start no replica holds anything: the highest beyond the target leave now (their
+    // registered ranks told so), and the run starts once the ranks of those left are all here.
+    while (true) {
+      const std::vector<int64_t> active = membership_.Replicas(v1::MODULE_ENCODER);
+      if (static_cast<int64_t>(active.size()) <= encoder_target_) break;
+      const int64_t d = active.back();
+      const std::string cause =
+          absl::StrCat("the encoder pool shrinks to ", encoder_target_, " replicas (hetpar scale)");
+      EndReplicaWorkers(v1::MODULE_ENCODER, d, cause, actions);
+      membership_.RetireReplica(v1::MODULE_ENCODER, d);
+      RecordPoolChange(v1::MODULE_ENCODER, d, v1::POOL_CHANGE_REMOVED, cause, now);
+      HETPAR_LOG(INFO) << "encoder replica " << d << " leaves the run before it starts: " << cause;
+    }
+    if (membership_.Complete()) {
+      incomplete_since_ = absl::InfiniteFuture();
+      state_ = v1::RUN_STATE_RUNNING;
+      HETPAR_LOG(INFO) << "every rank of the " << encoder_target_
+                       << " encoder replicas registered: run " << spec_.run().name()
+                       << " is running, generation " << generation_;
+      SendAssignments(actions);
+    }
+  }
   RebalanceOpen(actions);
   // Without a step in flight the pool changes now; otherwise after its commit.
   MaybeStartStep(now, actions);
@@ -1277,6 +1300,9 @@ absl::StatusOr<v1::ScaleResponse> RunController::Scale(const v1::ScaleRequest& r
                                      before, "), ", training, " training");
   if (training > encoder_target_) {
     absl::StrAppend(&message, "; the pool shrinks when the step in flight commits");
+  }
+  if (state_ == v1::RUN_STATE_WAITING) {
+    absl::StrAppend(&message, "; the run starts once their ranks are registered");
   }
   if (!open.empty()) {
     absl::StrAppend(&message, "; encoder replica(s) ", absl::StrJoin(open, ", "),

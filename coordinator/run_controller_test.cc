@@ -1515,6 +1515,32 @@ TEST_F(RunControllerTest, ALeaveALossMadeImpossibleBeforeTheBoundaryStopsTheRunW
                         "failure.min_encoder_replicas 2) (checkpointed after 1 steps)"));
 }
 
+// `hetpar scale` before the run starts (an encoder replica's pod never comes): the replicas
+// beyond the new target leave at once, a rank of one already registered is told so, and the run
+// starts on those left once their ranks are here, instead of failing at register_timeout.
+TEST_F(RunControllerTest, ScalingDownBeforeTheStartLetsTheRunStartWithoutTheMissingReplica) {
+  Create(/*steps=*/2);
+  ids_.push_back(Register(v1::WORKER_ROLE_ENCODER));  // replica 0
+  ids_.push_back(Register(v1::WORKER_ROLE_LLM));
+  ids_.push_back(Register(v1::WORKER_ROLE_LLM));
+  for (const auto& id : ids_) ASSERT_TRUE(controller_->OpenSession(id, kT0, &actions_).ok());
+  ASSERT_EQ(controller_->state(), v1::RUN_STATE_WAITING);  // encoder replica 1 is missing
+  v1::ScaleRequest request;
+  request.set_encoder_replicas(1);
+  auto scaled = controller_->Scale(request, kT0 + absl::Seconds(5), &actions_);
+  ASSERT_TRUE(scaled.ok()) << scaled.status();
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  const auto plans = SentTo(ids_[0], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().encoder_replicas(), ::testing::ElementsAre(0));
+  for (auto* w : controller_->membership().LiveWorkers()) {
+    w->last_heartbeat = kT0 + absl::Seconds(61);
+  }
+  controller_->Tick(kT0 + absl::Seconds(61), &actions_);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  EXPECT_EQ(controller_->Status(kT0 + absl::Seconds(61)).encoder_replicas(), 1);
+}
+
 // A worker about to exit says why (WorkerFailure): its loss carries its error, and the run goes
 // on without its replica as after any loss.
 TEST_F(RunControllerTest, AWorkerThatFailsIsLostWithItsOwnError) {
