@@ -95,6 +95,7 @@ struct RunFlags {
   bool reference = false;
   int threads = 0;
   std::string listen = "127.0.0.1:0";
+  bool listen_given = false;  // --listen on the command line
   double step_timeout_s = 0;  // 0: failure.step_timeout_s
   std::string trace;          // FIRST:LAST of steps to record a timeline of
   double log_every_s = 0;     // in a log, also a progress line once this many seconds passed
@@ -726,6 +727,29 @@ int Run(const RunFlags& flags) {
               << "\n";
     return kExitInvalidInput;
   }
+  // Flags a run of this kind would not honour are refused, not ignored.
+  std::vector<std::string> unused;
+  if (flags.reference) {
+    if (!flags.trace.empty()) unused.push_back("--trace");
+    if (flags.log_every_s > 0) unused.push_back("--log-every-seconds");
+    if (flags.replace_workers > 0) unused.push_back("--replace-workers");
+    if (flags.listen_given) unused.push_back("--listen");
+    if (flags.step_timeout_s > 0) unused.push_back("--step-timeout");
+    if (!unused.empty()) {
+      std::cerr << "hetpar run: " << absl::StrJoin(unused, ", ")
+                << (unused.size() == 1 ? " is" : " are")
+                << " for a distributed run, and --reference trains in one process without a "
+                   "coordinator or workers; remove "
+                << (unused.size() == 1 ? "it" : "them") << "\n";
+      return kExitInvalidInput;
+    }
+  }
+  if (flags.replace_workers > 0 && loaded->spec.placement() == v1::PLACEMENT_COLOCATED) {
+    std::cerr << "hetpar run: --replace-workers " << flags.replace_workers
+              << ": a colocated run has no replica to refill (each worker holds ranks of both "
+                 "modules, and losing one ends the run); remove it\n";
+    return kExitInvalidInput;
+  }
   if (flags.reference && (!loaded->spec.checkpoint().dir().empty() ||
                           !loaded->spec.checkpoint().resume_from().empty())) {
     std::cerr << "hetpar run: --reference trains from step 0 and writes no checkpoints; remove "
@@ -801,7 +825,10 @@ void AddRunCommand(CLI::App& app, int* exit_code) {
                    "Seconds a step attempt may take before it is aborted (default: "
                    "failure.step_timeout_s)")
       ->check(hetpar::kPositiveNumber);
-  command->callback([flags, exit_code] { *exit_code = Run(*flags); });
+  command->callback([command, flags, exit_code] {
+    flags->listen_given = command->count("--listen") > 0;
+    *exit_code = Run(*flags);
+  });
 }
 
 }  // namespace

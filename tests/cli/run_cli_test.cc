@@ -163,6 +163,25 @@ TEST(CliRunTest, TheShellsHetparSettingsDoNotReachTheRunsWorkers) {
   std::filesystem::remove_all(dir);
 }
 
+// Flags that a run of this kind would not honour are refused naming them, not ignored.
+TEST(CliRunTest, FlagsARunWouldNotHonourAreRefused) {
+  const std::string tiny = kSource + "/configs/tiny.yaml";
+  auto reference = RunCommand({kBin, "run", "--config", tiny, "--reference", "--trace", "0:1",
+                               "--listen", "127.0.0.1:0", "--out", "/tmp/hetpar-never-written"});
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_EQ(reference->exit_code, 2) << reference->stderr_text;
+  EXPECT_THAT(reference->stderr_text,
+              HasSubstr("--trace, --listen are for a distributed run, and --reference trains in "
+                        "one process"));
+  auto colocated = RunCommand({kBin, "run", "--config", kSource + "/configs/tiny-colocated.yaml",
+                               "--replace-workers", "1", "--out", "/tmp/hetpar-never-written"});
+  ASSERT_TRUE(colocated.ok()) << colocated.status();
+  EXPECT_EQ(colocated->exit_code, 2) << colocated->stderr_text;
+  EXPECT_THAT(colocated->stderr_text,
+              HasSubstr("--replace-workers 1: a colocated run has no replica to refill"));
+  EXPECT_FALSE(std::filesystem::exists("/tmp/hetpar-never-written"));
+}
+
 TEST(CliRunTest, ACudaRunWithoutAGpuStopsNamingRunDevice) {
   if (std::filesystem::exists("/proc/driver/nvidia/gpus")) {
     GTEST_SKIP() << "this machine has an NVIDIA driver (/proc/driver/nvidia/gpus)";
