@@ -727,12 +727,17 @@ void RunController::RebalanceOpen(Actions* actions) {
           Membership::ReplicaOf(*worker, v1::MODULE_ENCODER) != d) {
         continue;
       }
-      // It waits for its assignment, not for steps: its session ends with the reason.
-      actions->end_sessions.emplace_back(
-          worker->worker_id,
-          absl::AbortedError(absl::StrCat("encoder replica ", d,
-                                          " is no longer wanted: the pool's target is ",
-                                          encoder_target_, " replicas")));
+      // It waits for its assignment, not for steps: its session ends with the reason. One whose
+      // session is not open yet is out of the run now (its later OpenSession is refused with
+      // the reason), not left holding the closed replica's slot.
+      const std::string why =
+          absl::StrCat("encoder replica ", d, " is no longer wanted: the pool's target is ",
+                       encoder_target_, " replicas");
+      if (worker->session_open) {
+        actions->end_sessions.emplace_back(worker->worker_id, absl::AbortedError(why));
+      } else {
+        membership_.MarkDead(worker->worker_id, why);
+      }
     }
   }
   for (int64_t d = 0;

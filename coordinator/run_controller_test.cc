@@ -1541,6 +1541,33 @@ TEST_F(RunControllerTest, ScalingDownBeforeTheStartLetsTheRunStartWithoutTheMiss
   EXPECT_EQ(controller_->Status(kT0 + absl::Seconds(61)).encoder_replicas(), 1);
 }
 
+// A worker registered into a vacant replica that the pool then no longer wants (hetpar scale
+// down) before it opened its session is out of the run: its session is refused with the reason,
+// and it is not counted as joining.
+TEST_F(RunControllerTest, AJoinerWithoutASessionLeavesWithTheReplicaThatClosed) {
+  Create(/*steps=*/4);
+  StartAll();
+  controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
+  HearFrom({0, 2, 3}, kT0 + absl::Seconds(1));
+  ASSERT_THAT(controller_->Status(kT0).encoder_replicas_open(), ::testing::ElementsAre(1));
+  v1::RegisterRequest request;
+  request.set_role(v1::WORKER_ROLE_ENCODER);
+  request.set_host("new-host");
+  request.set_data_address("new-host:1");
+  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  ASSERT_EQ(controller_->Status(kT0).encoder_workers_joining(), 1);
+  v1::ScaleRequest scale;
+  scale.set_encoder_replicas(1);
+  ASSERT_TRUE(controller_->Scale(scale, kT0 + absl::Seconds(3), &actions_).ok());
+  EXPECT_EQ(controller_->Status(kT0).encoder_workers_joining(), 0);
+  const absl::Status opened =
+      controller_->OpenSession(joined->assignment().worker_id(), kT0 + absl::Seconds(4), &actions_);
+  EXPECT_EQ(opened.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(opened.message()),
+              HasSubstr("encoder replica 1 is no longer wanted: the pool's target is 1 replicas"));
+}
+
 // A worker about to exit says why (WorkerFailure): its loss carries its error, and the run goes
 // on without its replica as after any loss.
 TEST_F(RunControllerTest, AWorkerThatFailsIsLostWithItsOwnError) {
