@@ -72,6 +72,9 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     if (own_group) ::setpgid(0, 0);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
+    // Nothing else of the parent's: descriptors a library opened without O_CLOEXEC (the metrics
+    // exporter's sockets) would keep them open, a port bound, in a child that outlives it.
+    ::close_range(3, ~0U, 0);
     // Signals the parent blocked for its signal thread must reach the worker normally.
     sigset_t none;
     sigemptyset(&none);
