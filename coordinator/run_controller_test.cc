@@ -107,6 +107,15 @@ class RunControllerTest : public ::testing::Test {
     return response.ok() ? response->assignment().worker_id() : "";
   }
 
+  // An encoder worker from another host registering at `now` (into a vacant replica, if any).
+  absl::StatusOr<v1::RegisterResponse> RegisterReplacement(absl::Time now) {
+    v1::RegisterRequest request;
+    request.set_role(v1::WORKER_ROLE_ENCODER);
+    request.set_host("new-host");
+    request.set_data_address("new-host:1");
+    return controller_->Register(request, now, &actions_);
+  }
+
   // A run of two steps with two LLM replicas at tp 1, started: ids_ are encoder 0, encoder 1, LLM
   // replica 0 and LLM replica 1; actions_ is empty.
   // TinySpec of 2 steps with two LLM replicas at tp 1, in `pp` stages each.
@@ -1265,11 +1274,7 @@ TEST_F(RunControllerTest, AReplacementJoinsAtTheNextStepBoundaryAndTakesALiveRep
   EXPECT_EQ(status.encoder_replicas_target(), 2);
   EXPECT_THAT(status.encoder_replicas_open(), ::testing::ElementsAre(1));
 
-  v1::RegisterRequest request;
-  request.set_role(v1::WORKER_ROLE_ENCODER);
-  request.set_host("new-host");
-  request.set_data_address("new-host:1");
-  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  absl::StatusOr<v1::RegisterResponse> joined = RegisterReplacement(kT0 + absl::Seconds(2));
   ASSERT_TRUE(joined.ok()) << joined.status();
   const std::string joiner = joined->assignment().worker_id();
   EXPECT_EQ(joined->assignment().world_rank(), 1);  // the lost worker's rank
@@ -1341,11 +1346,7 @@ TEST_F(RunControllerTest, AStopBeforeAJoinedReplicasFirstCommitTakesTheOutputsFr
   StartAll();
   controller_->SessionEnded(ids_[0], "connection reset", kT0 + absl::Seconds(1), &actions_);
   HearFrom({1, 2, 3}, kT0 + absl::Seconds(1));
-  v1::RegisterRequest request;
-  request.set_role(v1::WORKER_ROLE_ENCODER);
-  request.set_host("new-host");
-  request.set_data_address("new-host:1");
-  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  absl::StatusOr<v1::RegisterResponse> joined = RegisterReplacement(kT0 + absl::Seconds(2));
   ASSERT_TRUE(joined.ok()) << joined.status();
   const std::string joiner = joined->assignment().worker_id();
   ASSERT_TRUE(controller_->OpenSession(joiner, kT0 + absl::Seconds(2), &actions_).ok());
@@ -1550,11 +1551,7 @@ TEST_F(RunControllerTest, AJoinerWithoutASessionLeavesWithTheReplicaThatClosed) 
   controller_->SessionEnded(ids_[1], "connection reset", kT0 + absl::Seconds(1), &actions_);
   HearFrom({0, 2, 3}, kT0 + absl::Seconds(1));
   ASSERT_THAT(controller_->Status(kT0).encoder_replicas_open(), ::testing::ElementsAre(1));
-  v1::RegisterRequest request;
-  request.set_role(v1::WORKER_ROLE_ENCODER);
-  request.set_host("new-host");
-  request.set_data_address("new-host:1");
-  auto joined = controller_->Register(request, kT0 + absl::Seconds(2), &actions_);
+  absl::StatusOr<v1::RegisterResponse> joined = RegisterReplacement(kT0 + absl::Seconds(2));
   ASSERT_TRUE(joined.ok()) << joined.status();
   ASSERT_EQ(controller_->Status(kT0).encoder_workers_joining(), 1);
   v1::ScaleRequest scale;

@@ -67,6 +67,16 @@ class HfOracleTest : public ::testing::Test {
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
+  // A SigLIP tower (seed 6, exact GELU) made by the oracle, imported with the Llama in `llm` into
+  // `out`.
+  void ImportWithTower(const std::string& llm, const std::string& out) {
+    ASSERT_NO_FATAL_FAILURE(
+        Oracle({"siglip", "--out", Path("siglip"), "--seed", "6", "--act", "gelu"}));
+    const auto imported = Hetpar({"convert", "from-hf", "--llm", Path(llm), "--encoder",
+                                  Path("siglip"), "--out", Path(out)});
+    ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+  }
+
   fs::path dir_;
 };
 
@@ -201,12 +211,7 @@ TEST_F(HfOracleTest, MultimodalScoreMatchesTransformers) {
 
 TEST_F(HfOracleTest, ExportLoadsIntoTransformersAndImportsBackIdentically) {
   ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "5"}));
-  ASSERT_NO_FATAL_FAILURE(
-      Oracle({"siglip", "--out", Path("siglip"), "--seed", "6", "--act", "gelu"}));
-  ASSERT_EQ(Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
-                    "--out", Path("model")})
-                .exit_code,
-            0);
+  ASSERT_NO_FATAL_FAILURE(ImportWithTower("llama", "model"));
   auto exported = Hetpar({"convert", "to-hf", "--model", Path("model"), "--out", Path("hf")});
   ASSERT_EQ(exported.exit_code, 0) << exported.stderr_text;
   auto back = Hetpar({"convert", "from-hf", "--llm", Path("hf/llm"), "--encoder", Path("hf/vision"),
@@ -374,12 +379,7 @@ TEST_F(HfOracleTest, TheRotaryBuffersOfOlderCheckpointsArePassedOver) {
 // --encoder removes the earlier encoder.hpar its model.yaml no longer describes.
 TEST_F(HfOracleTest, AnImportReplacesAnEarlierOneWholeOrNotAtAll) {
   ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "7"}));
-  ASSERT_NO_FATAL_FAILURE(
-      Oracle({"siglip", "--out", Path("siglip"), "--seed", "6", "--act", "gelu"}));
-  ASSERT_EQ(Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
-                    "--out", Path("model")})
-                .exit_code,
-            0);
+  ASSERT_NO_FATAL_FAILURE(ImportWithTower("llama", "model"));
   const auto read = [](const std::string& path) {
     std::ifstream in(path, std::ios::binary);
     return std::string((std::istreambuf_iterator<char>(in)), {});
