@@ -28,6 +28,7 @@
 #include "absl/time/time.h"
 #include "common/logging.h"
 #include "common/nn/torch_status.h"
+#include "common/status.h"
 
 namespace hetpar::nn {
 namespace {
@@ -467,7 +468,19 @@ absl::StatusOr<std::unique_ptr<Communicator>> Communicator::Create(
   auto group = c10::make_intrusive<CommGroup>(*std::move(process_group), options.rank, options.size,
                                               options.backend, timeout);
   group->set_interrupt(options.interrupt);
-  return std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+  auto communicator =
+      std::unique_ptr<Communicator>(new Communicator(std::move(group), options.prefix));
+  if (options.backend == Backend::kGloo) {
+    // Gloo's full mesh may be complete on the rank that connected before its peer has read the
+    // connection: a rank that then closed the group at once (a replica with no outputs to send)
+    // would fail its peer's rendezvous with "Connection closed by peer". A barrier ends the
+    // formation on every rank together.
+    at::Tensor barrier = at::ones({1}, at::kFloat);
+    if (absl::Status s = communicator->AllReduce(barrier); !s.ok()) {
+      return Annotate(s, absl::StrCat(what, ", its closing barrier"));
+    }
+  }
+  return communicator;
 }
 
 void Communicator::Adopt(Communicator& fresh) {
