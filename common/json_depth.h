@@ -6,6 +6,9 @@
 #ifndef HETPAR_COMMON_JSON_DEPTH_H_
 #define HETPAR_COMMON_JSON_DEPTH_H_
 
+#include <string>
+#include <utility>
+
 namespace hetpar {
 
 inline constexpr int kMaxJsonDepth = 64;
@@ -16,6 +19,24 @@ inline bool WithinJsonDepth(int depth, bool* too_deep) {
   if (depth <= kMaxJsonDepth) return true;
   *too_deep = true;
   return false;
+}
+
+// Json::parse(input..., without exceptions) with the values nested past kMaxJsonDepth discarded
+// and *too_deep set. Json is nlohmann::json (not included here).
+template <typename Json, typename... Input>
+Json ParseJsonWithinDepth(bool* too_deep, Input&&... input) {
+  return Json::parse(
+      std::forward<Input>(input)...,
+      [too_deep](int depth, typename Json::parse_event_t, Json&) {
+        return WithinJsonDepth(depth, too_deep);
+      },
+      /*allow_exceptions=*/false);
+}
+
+// " of at most <kMaxJsonDepth> levels" after "... is not a JSON object" when the input was too
+// deep; empty otherwise.
+inline std::string JsonDepthNote(bool too_deep) {
+  return too_deep ? " of at most " + std::to_string(kMaxJsonDepth) + " levels" : "";
 }
 
 }  // namespace hetpar

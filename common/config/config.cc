@@ -386,7 +386,6 @@ void Merge(YAML::Node target, const YAML::Node& value) {
   }
 }
 
-// Applies one `a.b.c=value` override onto the YAML tree.
 // Records `where` as the location of every key under `path` that `value` (a --set's mapping)
 // writes.
 void MarkOverridden(const YAML::Node& value, const std::string& path, const std::string& where,
@@ -400,6 +399,7 @@ void MarkOverridden(const YAML::Node& value, const std::string& path, const std:
   }
 }
 
+// Applies one `a.b.c=value` override onto the YAML tree.
 absl::Status ApplyOverride(YAML::Node root, const std::string& assignment) {
   const size_t eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0) {

@@ -63,8 +63,8 @@ class CoordinatorConnection {
   // Adds the token and a deadline `timeout` from now.
   void PrepareContext(grpc::ClientContext* context, absl::Duration timeout) const;
   // Waits until the channel is connected; Unavailable naming the address otherwise, with the
-  // last connection error gRPC gave. A TLS handshake that fails (a certificate the other side
-  // does not trust, a missing client certificate) ends the wait at once: waiting would not help.
+  // last connection error gRPC gave. A TLS handshake that fails (a certificate this side does not
+  // trust) ends the wait at once: waiting would not help.
   absl::Status WaitForConnected(absl::Duration timeout) const;
   // "<rpc> RPC to coordinator <address>", the context of error messages.
   std::string Where(std::string_view rpc) const;

@@ -354,15 +354,12 @@ absl::StatusOr<std::map<std::string, at::Tensor>> ReadSharded(const std::string&
       std::unique_ptr<MappedFile> index,
       MappedFile::Open(index_path, absl::StrCat("safetensors index ", index_path)));
   bool too_deep = false;
-  const Json json = Json::parse(
-      index->data(), index->data() + index->size(),
-      [&](int depth, Json::parse_event_t, Json&) { return WithinJsonDepth(depth, &too_deep); },
-      /*allow_exceptions=*/false);
+  const Json json =
+      ParseJsonWithinDepth<Json>(&too_deep, index->data(), index->data() + index->size());
   index.reset();
   if (json.is_discarded() || !json.is_object() || too_deep) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("safetensors index ", index_path, " is not a JSON object",
-                     too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "safetensors index ", index_path, " is not a JSON object", JsonDepthNote(too_deep)));
   }
   const auto weight_map = json.find("weight_map");
   if (weight_map == json.end() || !weight_map->is_object()) {

@@ -74,47 +74,6 @@ class ScratchDirectory {
   std::string path_;
 };
 
-}  // namespace
-
-void RemoveOutputScratch() {
-  absl::MutexLock lock(&g_scratch_mu);
-  for (const std::string& path : *Scratch()) {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  Scratch()->clear();
-}
-
-int SweepStaleOutputScratch() {
-  std::error_code ec;
-  const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
-  if (ec) return 0;
-  int removed = 0;
-  for (std::filesystem::directory_iterator it(base, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    const size_t marker = name.find(kScratchMarker);
-    if (!absl::StartsWith(name, kScratchPrefix) || marker == std::string::npos) continue;
-    const size_t digits = marker + sizeof(kScratchMarker) - 1;
-    const size_t dot = name.find('.', digits);
-    int64_t pid = 0;
-    if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(digits, dot - digits), &pid) ||
-        pid <= 0) {
-      continue;
-    }
-    // This process's own (from before a restart, which keeps the pid) or a process's that is gone.
-    const bool stale =
-        pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
-    std::error_code kind_error;
-    if (!stale || !it->is_directory(kind_error)) continue;
-    std::error_code remove_error;
-    std::filesystem::remove_all(it->path(), remove_error);
-    if (!remove_error) ++removed;
-  }
-  return removed;
-}
-
-namespace {
-
 absl::Status EnsureDirectory(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
@@ -173,6 +132,43 @@ absl::Status WriteModuleOutputs(const OutputSender& send, int64_t world_rank,
                                ? absl::StrCat("model/", module, ".hpar")
                                : absl::StrCat("model/", module, ".hpar.stage-", pp.rank());
   return send(name, model_file);
+}
+
+void RemoveOutputScratch() {
+  absl::MutexLock lock(&g_scratch_mu);
+  for (const std::string& path : *Scratch()) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  Scratch()->clear();
+}
+
+int SweepStaleOutputScratch() {
+  std::error_code ec;
+  const std::filesystem::path base = std::filesystem::temp_directory_path(ec);
+  if (ec) return 0;
+  int removed = 0;
+  for (std::filesystem::directory_iterator it(base, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const size_t marker = name.find(kScratchMarker);
+    if (!absl::StartsWith(name, kScratchPrefix) || marker == std::string::npos) continue;
+    const size_t digits = marker + sizeof(kScratchMarker) - 1;
+    const size_t dot = name.find('.', digits);
+    int64_t pid = 0;
+    if (dot == std::string::npos || !absl::SimpleAtoi(name.substr(digits, dot - digits), &pid) ||
+        pid <= 0) {
+      continue;
+    }
+    // This process's own (from before a restart, which keeps the pid) or a process's that is gone.
+    const bool stale =
+        pid == ::getpid() || (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH);
+    std::error_code kind_error;
+    if (!stale || !it->is_directory(kind_error)) continue;
+    std::error_code remove_error;
+    std::filesystem::remove_all(it->path(), remove_error);
+    if (!remove_error) ++removed;
+  }
+  return removed;
 }
 
 }  // namespace hetpar::worker

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -31,7 +32,6 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     std::string name, const std::vector<std::string>& argv,
     const std::map<std::string, std::string>& env, const std::string& log_path,
     const Options& options) {
-  const bool own_group = options.own_group;
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry(*e);
@@ -69,7 +69,7 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     // A worker's group of its own: a terminal's Ctrl-C reaches the run that started it, which
     // stops the run through the coordinator, and not the worker, which would end at once and be
     // lost to the run (an LLM rank's loss fails it) before the stop is sent.
-    if (own_group) ::setpgid(0, 0);
+    if (options.own_group) ::setpgid(0, 0);
     ::dup2(log_fd, STDOUT_FILENO);
     ::dup2(log_fd, STDERR_FILENO);
     // Nothing else of the parent's: descriptors a library opened without O_CLOEXEC (the metrics
@@ -112,9 +112,17 @@ void LocalProcess::Signal(int signal) {
   if (!Poll().has_value()) ::kill(pid_, signal);
 }
 
-int LocalProcess::WaitOrKill(absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (!Poll().has_value() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(20));
+int LocalProcess::WaitOrKill(absl::Duration timeout, const std::function<bool()>& interrupted) {
+  absl::Time deadline = absl::Now() + timeout;
+  bool signalled = false;
+  while (!Poll().has_value() && absl::Now() < deadline) {
+    if (!signalled && interrupted && interrupted()) {
+      Signal(SIGINT);
+      signalled = true;
+      deadline = std::min(deadline, absl::Now() + absl::Seconds(10));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
   if (!Poll().has_value()) {
     ::kill(pid_, SIGKILL);
     int status;

@@ -4,6 +4,7 @@
 
 #include <sys/types.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -47,8 +48,9 @@ class LocalProcess {
   // The exit code once it has exited (128 + signal when killed); nullopt while running.
   std::optional<int> Poll();
   void Signal(int signal);
-  // Waits up to `timeout`; then SIGKILL. Returns the exit code.
-  int WaitOrKill(absl::Duration timeout);
+  // Waits up to `timeout`; then SIGKILL. Returns the exit code. `interrupted` (optional), polled
+  // meanwhile: once it holds, the process is sent SIGINT and waited for 10 s more at most.
+  int WaitOrKill(absl::Duration timeout, const std::function<bool()>& interrupted = {});
   // The last `lines` lines of its log.
   std::string LogTail(int lines) const;
 

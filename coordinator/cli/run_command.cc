@@ -728,8 +728,8 @@ int Run(const RunFlags& flags) {
     return kExitInvalidInput;
   }
   // Flags a run of this kind would not honour are refused, not ignored.
-  std::vector<std::string> unused;
   if (flags.reference) {
+    std::vector<std::string> unused;
     if (!flags.trace.empty()) unused.push_back("--trace");
     if (flags.log_every_s > 0) unused.push_back("--log-every-seconds");
     if (flags.replace_workers > 0) unused.push_back("--replace-workers");

@@ -1,7 +1,5 @@
 #include "coordinator/cli/step_metrics.h"
 
-#include <signal.h>
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -13,7 +11,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/plan/flops.h"
 #include "common/status.h"
@@ -285,17 +282,11 @@ absl::Status FinishRunDirectory(RunDirectory& dir, const v1::RunSpec& spec, int 
   absl::StatusOr<std::unique_ptr<LocalProcess>> evaluator =
       LocalProcess::Spawn("evaluate", argv, {}, dir.LogPath("evaluate"));
   if (!evaluator.ok()) return evaluator.status();
-  const absl::Time deadline = absl::Now() + absl::Minutes(30);
-  while (!(*evaluator)->Poll().has_value() && absl::Now() < deadline) {
-    if (interrupted && interrupted()) {
-      (*evaluator)->Signal(SIGINT);
-      (void)(*evaluator)->WaitOrKill(absl::Seconds(10));
-      return absl::CancelledError(absl::StrCat(
-          "interrupted during the evaluation (its log: ", dir.LogPath("evaluate"), ")"));
-    }
-    absl::SleepFor(absl::Milliseconds(50));
+  const int code = (*evaluator)->WaitOrKill(absl::Minutes(30), interrupted);
+  if (interrupted && interrupted()) {
+    return absl::CancelledError(
+        absl::StrCat("interrupted during the evaluation (its log: ", dir.LogPath("evaluate"), ")"));
   }
-  const int code = (*evaluator)->WaitOrKill(absl::ZeroDuration());
   std::ifstream in(out_dir + "/eval.json");
   std::string line;
   if (code != 0 || !std::getline(in, line)) {

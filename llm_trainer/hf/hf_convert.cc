@@ -79,13 +79,10 @@ absl::StatusOr<json> ReadJsonFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   bool too_deep = false;
-  json parsed = json::parse(
-      in, [&](int depth, json::parse_event_t, json&) { return WithinJsonDepth(depth, &too_deep); },
-      /*allow_exceptions=*/false);
+  json parsed = ParseJsonWithinDepth<json>(&too_deep, in);
   if (parsed.is_discarded() || !parsed.is_object() || too_deep) {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, " is not a JSON object",
-                     too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
+        absl::StrCat(path, " is not a JSON object", JsonDepthNote(too_deep)));
   }
   return parsed;
 }
@@ -794,17 +791,6 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
   }
   HETPAR_RETURN_IF_ERROR(WriteFileAtomically(staging + "/model.yaml", yaml));
   staged.push_back("model.yaml");
-  // An encoder of an earlier import into the directory that this one's model.yaml no longer
-  // describes: the directory would not load (OpenModelDirectory refuses it).
-  if (!result.encoder.has_value() && fs::exists(fs::path(options.out_dir) / "encoder.hpar")) {
-    fs::remove(fs::path(options.out_dir) / "encoder.hpar", ec);
-    if (ec) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "cannot remove ", options.out_dir, "/encoder.hpar of an earlier import: ", ec.message()));
-    }
-    result.notes.push_back(absl::StrCat("removed ", options.out_dir,
-                                        "/encoder.hpar of an earlier import (no --encoder now)"));
-  }
   for (const std::string& name : staged) {
     const fs::path to = fs::path(options.out_dir) / name;
     fs::rename(fs::path(staging) / name, to, ec);
@@ -815,6 +801,17 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
           ", are in place)"));
     }
     result.written.push_back(to.string());
+  }
+  // An encoder of an earlier import, which the model.yaml now in place no longer describes: the
+  // directory would not load with it (OpenModelDirectory refuses it).
+  if (!result.encoder.has_value() && fs::exists(fs::path(options.out_dir) / "encoder.hpar")) {
+    fs::remove(fs::path(options.out_dir) / "encoder.hpar", ec);
+    if (ec) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "cannot remove ", options.out_dir, "/encoder.hpar of an earlier import: ", ec.message()));
+    }
+    result.notes.push_back(absl::StrCat("removed ", options.out_dir,
+                                        "/encoder.hpar of an earlier import (no --encoder now)"));
   }
   return result;
 }

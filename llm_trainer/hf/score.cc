@@ -51,14 +51,10 @@ absl::StatusOr<std::vector<Line>> ReadLines(const std::string& path, const Model
     if (text.find_first_not_of(" \t\r") == std::string::npos) continue;
     const std::string where = absl::StrCat(path, ":", number);
     bool too_deep = false;
-    json j = json::parse(
-        text,
-        [&](int depth, json::parse_event_t, json&) { return WithinJsonDepth(depth, &too_deep); },
-        /*allow_exceptions=*/false);
+    json j = ParseJsonWithinDepth<json>(&too_deep, text);
     if (j.is_discarded() || !j.is_object() || too_deep) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": not a JSON object",
-                       too_deep ? absl::StrCat(" of at most ", kMaxJsonDepth, " levels") : ""));
+          absl::StrCat(where, ": not a JSON object", JsonDepthNote(too_deep)));
     }
     auto tokens = j.find("tokens");
     if (tokens == j.end() || !tokens->is_array()) {
