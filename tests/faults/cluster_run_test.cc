@@ -349,8 +349,11 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   // Steps enough that the run is still going when the test sees its first checkpoint (8 of the
   // tiny model's can all pass in half a second, before a poll sees one).
   steps_ = 40;
+  // Every checkpoint kept: the coordinator writes metrics.jsonl's lines up to a few steps behind
+  // the commits, and the restart resumes from the newest checkpoint its lines reach, which
+  // checkpoint.keep's default of 2 may have pruned.
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
-                                                "checkpoint.every=2"};
+                                                "checkpoint.every=2", "checkpoint.keep=100"};
   const Cluster cluster = StartCluster(checkpoints);
   ASSERT_NE(cluster.coordinator, nullptr);
   ChildProcess* first = cluster.coordinator;
@@ -358,8 +361,8 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
   const std::vector<ChildProcess*>& workers = cluster.workers;
   std::vector<pid_t> pids;
   for (ChildProcess* w : workers) pids.push_back(w->pid());
-  // Killed once a checkpoint of step 4 or later is complete and a step after step 4 committed
-  // (checkpoint.keep prunes the older ones as the run goes on).
+  // Killed once a checkpoint of step 4 or later is complete, a step after step 4 committed and
+  // the journal recorded step 4's commit.
   const std::string run = dir_ + "/coordinator/run";
   std::string complete;
   ASSERT_TRUE(WaitFor(
@@ -371,7 +374,13 @@ TEST_F(ClusterRunTest, ACoordinatorKilledMidRunAndRestartedOnItsRunDirectoryFini
             complete = (entry.path() / "manifest.json").string();
           }
         }
-        return !complete.empty() && CountLines(run + "/metrics.jsonl") >= 5;
+        if (complete.empty() || CountLines(run + "/metrics.jsonl") < 5) return false;
+        // The coordinator rewrites its journal right after it appends a step's metrics line: a
+        // kill between the two would leave the journal a step behind the lines.
+        const nlohmann::json j = nlohmann::json::parse(ReadFile(run + "/journal.json"), nullptr,
+                                                       /*allow_exceptions=*/false);
+        return j.is_object() && j.contains("committed_steps") &&
+               j["committed_steps"].is_number_integer() && j["committed_steps"].get<int64_t>() >= 4;
       },
       120))
       << ReadFile(dir_ + "/coordinator.log");
@@ -693,15 +702,21 @@ TEST_F(ClusterRunTest, ARestartAfterAnEncoderReplicaWasLostGoesOnWithoutIt) {
   // Steps enough that the run is still going when the test holds and kills its workers below
   // (eight tiny steps can all be over within a second).
   steps_ = 40;
+  // Every checkpoint kept: metrics.jsonl's lines can end a few steps before the newest
+  // checkpoint, and the restart resumes from the newest one they reach.
   const std::vector<std::string> checkpoints = {"checkpoint.dir=" + dir_ + "/checkpoints",
-                                                "checkpoint.every=2"};
-  const Cluster cluster = StartCluster(checkpoints);
+                                                "checkpoint.every=2", "checkpoint.keep=100"};
+  // The first coordinator must not take LLM rank 0, held below until it is killed, as lost (the
+  // run would fail with it): a heartbeat timeout no loaded machine reaches.
+  std::vector<std::string> first_settings = checkpoints;
+  first_settings.push_back("coordinator.heartbeat_timeout_s=120");
+  const Cluster cluster = StartCluster(first_settings);
   ASSERT_NE(cluster.coordinator, nullptr);
   ChildProcess* first = cluster.coordinator;
   const std::string& port = cluster.port;
   const std::vector<ChildProcess*>& workers = cluster.workers;
   const std::string run = dir_ + "/coordinator/run";
-  // A complete checkpoint to restart from (checkpoint.keep prunes the older ones as it goes).
+  // A complete checkpoint to restart from.
   const auto any_checkpoint = [&] {
     std::error_code error;
     for (const auto& entry : fs::directory_iterator(dir_ + "/checkpoints", error)) {
