@@ -1,17 +1,28 @@
 #include "common/data/synth.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/config/config.h"
 #include "common/data/file_util.h"
 #include "common/data/index.h"
 #include "common/data/loader.h"
 #include "common/data/sampler.h"
 #include "common/data/tokenizer.h"
+#include "common/errno_status.h"
+#include "common/logging.h"
 #include "common/status.h"
 
 namespace hetpar::data {
@@ -140,6 +151,57 @@ absl::Status CheckOptions(const SynthOptions& o) {
   for (const std::string& p : problems) absl::StrAppend(&message, "\n  ", p);
   return absl::InvalidArgumentError(message);
 }
+
+// An flock on `.hetpar-synth.lock` beside the training manifest, held while the data set is
+// generated. Where the file system has no locks, generation goes on without it.
+class SynthLock {
+ public:
+  static absl::StatusOr<SynthLock> Take(const std::string& train_manifest) {
+    const fs::path dir = fs::absolute(fs::path(train_manifest)).parent_path();
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    const std::string path = (dir / ".hetpar-synth.lock").string();
+    SynthLock lock;
+    lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock.fd_ < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", path));
+    const absl::Time deadline = absl::Now() + kSynthLockTimeout;
+    bool said = false;
+    while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      if (error == EINTR) continue;
+      if (error != EWOULDBLOCK) {
+        HETPAR_LOG(WARNING) << "cannot lock " << path << " (" << std::strerror(error)
+                            << "): nothing keeps another process from generating the data set "
+                               "at the same time";
+        return lock;
+      }
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "another process has held ", path, " for ", absl::FormatDuration(kSynthLockTimeout),
+            " while generating the synthetic data set of ", train_manifest,
+            " (a lock ends with its process: that one is alive, and may be stuck)"));
+      }
+      if (!said) {
+        HETPAR_LOG(INFO) << "another process is generating the synthetic data set of "
+                         << train_manifest << "; waiting for it (" << path << ")";
+        said = true;
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    return lock;
+  }
+  SynthLock(SynthLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  SynthLock& operator=(SynthLock&&) = delete;
+  ~SynthLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the flock
+  }
+
+ private:
+  // Generating a large data set takes long; a holder past this is taken as stuck.
+  static constexpr absl::Duration kSynthLockTimeout = absl::Hours(2);
+  SynthLock() = default;
+  int fd_ = -1;
+};
 
 }  // namespace
 
@@ -442,7 +504,13 @@ absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec) {
 absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, SynthReport* report) {
   if (spec.data().synth().samples() <= 0) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthOptions options, SynthOptionsFromRunSpec(spec));
-  HETPAR_ASSIGN_OR_RETURN(const bool present, SyntheticDatasetPresent(spec));
+  HETPAR_ASSIGN_OR_RETURN(bool present, SyntheticDatasetPresent(spec));
+  if (present) return false;
+  // Processes started on one config (a coordinator and its workers' evaluation, jobs on a shared
+  // file system) can find the data set missing at once: one generates it, the others wait for it
+  // and then use it. Two generating at once would remove each other's images.
+  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
+  HETPAR_ASSIGN_OR_RETURN(present, SyntheticDatasetPresent(spec));
   if (present) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthReport generated, GenerateSyntheticDataset(options));
   if (report != nullptr) *report = generated;

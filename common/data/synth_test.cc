@@ -1,9 +1,13 @@
 #include "common/data/synth.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <set>
+#include <thread>
 
 #include "absl/strings/str_format.h"
 #include "common/config/config.h"
@@ -202,6 +206,40 @@ TEST(SynthTest, TheTinyConfigGetsExactlyItsDataSet) {
   ASSERT_TRUE(again.ok());
   EXPECT_FALSE(*again);
   EXPECT_EQ(*StatFile(dir + "/train.jsonl"), before);
+  fs::remove_all(dir);
+}
+
+// Two processes that find the data set missing at once: the one that finds another generating it
+// waits for that one and uses what it wrote, instead of generating over it.
+TEST(SynthTest, AProcessFindingTheDataSetBeingGeneratedWaitsAndUsesIt) {
+  const std::string dir = TempDir();
+  config::LoadOptions load;
+  load.check_files = false;
+  load.overrides = {"data.manifest=" + dir + "/train.jsonl",
+                    "data.val_manifest=" + dir + "/val.jsonl",
+                    "data.tokenizer=" + dir + "/tokenizer.model", "data.synth.samples=64",
+                    "data.synth.val_samples=8"};
+  absl::StatusOr<config::LoadedRunSpec> loaded =
+      config::LoadRunSpecFile(std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml", load);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  absl::StatusOr<SynthOptions> options = SynthOptionsFromRunSpec(loaded->spec);
+  ASSERT_TRUE(options.ok()) << options.status();
+  // This test is the other process: it holds the data set's lock while it generates.
+  const int fd = ::open((dir + "/.hetpar-synth.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  absl::StatusOr<bool> waited = absl::UnknownError("not run");
+  std::thread waiting([&] { waited = EnsureSyntheticDataset(loaded->spec); });
+  const absl::StatusOr<SynthReport> generated = GenerateSyntheticDataset(*options);
+  const absl::StatusOr<FileStamp> written = StatFile(dir + "/train.jsonl");
+  ::close(fd);
+  waiting.join();
+  ASSERT_TRUE(generated.ok()) << generated.status();
+  ASSERT_TRUE(written.ok()) << written.status();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_FALSE(*waited);  // it found the data set complete once it held the lock
+  EXPECT_EQ(*StatFile(dir + "/train.jsonl"), *written);
+  EXPECT_EQ(ReadManifest(dir + "/train.jsonl", false)->records.size(), 64u);
   fs::remove_all(dir);
 }
 
