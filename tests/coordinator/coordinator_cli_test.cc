@@ -192,8 +192,10 @@ TEST_F(CoordinatorCliTest, AStartThatFailsLeavesNoRunToContinue) {
 
 TEST_F(CoordinatorCliTest, MissingWorkersFailTheRunWithTheListOfRanks) {
   setenv("HETPAR_TOKEN", "a-token-for-this-test", 1);
+  // The timeout counts from the coordinator's start: long enough for the one worker to start and
+  // register on a loaded machine, so that exactly the other three are missing.
   auto coordinator = StartCoordinator(
-      {"--config", kTiny, "--set", "coordinator.register_timeout_s=1"}, dir_.File("c.log"));
+      {"--config", kTiny, "--set", "coordinator.register_timeout_s=10"}, dir_.File("c.log"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
   auto worker = StartSimWorker(coordinator->address, "encoder", "enc-a", dir_.File("w.log"));
   ASSERT_TRUE(worker.ok());
@@ -202,7 +204,7 @@ TEST_F(CoordinatorCliTest, MissingWorkersFailTheRunWithTheListOfRanks) {
   EXPECT_EQ(*exit_code, 1);
   const std::string log = ReadFile(coordinator->log);
   EXPECT_THAT(log, HasSubstr("run tiny failed: 3 of 4 ranks not registered within "
-                             "register_timeout 1s; missing: encoder rank 1 (dp 1, tp 0); "
+                             "register_timeout 10s; missing: encoder rank 1 (dp 1, tp 0); "
                              "llm rank 0 (dp 0, tp 0, cp 0, pp 0); "
                              "llm rank 1 (dp 0, tp 1, cp 0, pp 0)"));
   // The registered worker was told to stop.

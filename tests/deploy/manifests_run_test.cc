@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,20 +33,27 @@ using ::testing::HasSubstr;
 
 const std::string kBinDir = std::filesystem::path(kHetparBin).parent_path().string();
 
+// A port for the coordinator, which binds it only after every worker has started: one below the
+// kernel's ephemeral range (which bind(0) never hands out, so no other test's listener or
+// connection takes it meanwhile) that nothing holds now.
 int FreePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr = {};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+  int low = 32768, high = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
+  std::mt19937 random(std::random_device{}());
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = 20000 + static_cast<int>(random() % 10000);
+    if (port >= low && port <= high) continue;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    sockaddr_in addr = {};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
     ::close(fd);
-    return -1;
+    if (free) return port;
   }
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  return -1;
 }
 
 // One container of one pod, turned into a local process's argv (run through `env -i` so it sees

@@ -314,7 +314,10 @@ class ReplicaLossTest : public RunFaultsTest {
     ExpectTheStraightRunsResults(flags, module, module + " rank");
   }
 
-  static constexpr int kSteps = 10;
+  // Steps enough that the run is still training when the kill lands: the kill follows the third
+  // metrics line, which the run writes up to a few steps behind its commits, and a kill after the
+  // last commit is no replica loss.
+  static constexpr int kSteps = 24;
 
   // float64 (where any layout is exact) with `layout`'s --set values.
   static std::vector<std::string> Float64With(const std::vector<std::string>& layout) {
@@ -527,7 +530,9 @@ TEST_F(RunFaultsTest, AKilledRunResumesFromItsNewestCompleteCheckpoint) {
   auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
   ASSERT_TRUE(run.ok());
   const std::string metrics = dir_ + "/run/metrics.jsonl";
-  ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 4));
+  // A worker finishes its shard of step k's checkpoint while it trains step k + 1, so the
+  // checkpoint of step 3 is complete once a fifth step has committed.
+  ASSERT_NO_FATAL_FAILURE(ExpectLines(metrics, 5));
   const std::vector<pid_t> victims = WorkersOf("hetpar-llm");
   ASSERT_FALSE(victims.empty()) << ReadFile(dir_ + "/hetpar-run.log");
   ASSERT_EQ(::kill(victims[0], SIGKILL), 0);

@@ -45,17 +45,25 @@ await() {  # TIMEOUT_S WHAT COMMAND...
   done
 }
 
-metrics_port=$(free_port)
-prometheus_port=$(free_port)
-
+# The endpoint listens on a port the kernel picks, which the run prints: a port picked here and
+# released could be taken by another process (a parallel test's listener) before the run binds it.
 # A run long enough to be scraped; it is interrupted once Prometheus has its series.
 "$bin" run --config "$repo/configs/tiny.yaml" --steps 3000 --out "$work/run" --threads 1 \
-  --set coordinator.metrics_listen="127.0.0.1:$metrics_port" \
+  --set coordinator.metrics_listen=127.0.0.1:0 \
   --set data.manifest="$work/data/train.jsonl" --set data.val_manifest="$work/data/val.jsonl" \
   --set data.tokenizer="$work/data/tokenizer.model" \
   --set data.synth.samples=64 --set data.synth.val_samples=4 >"$work/run.log" 2>&1 &
 run_pid=$!
 pids+=("$run_pid")
+
+metrics_port=
+printed_its_port() {
+  kill -0 "$run_pid" 2>/dev/null || fail "hetpar run exited early"
+  metrics_port=$(sed -n 's|^hetpar run: Prometheus metrics at http://127\.0\.0\.1:\([0-9]*\)/metrics$|\1|p' \
+    "$work/run.log" | head -n 1)
+  [ -n "$metrics_port" ]
+}
+await 240 "the metrics endpoint's address in the run's output" printed_its_port
 
 scraped_a_step() {
   kill -0 "$run_pid" 2>/dev/null || fail "hetpar run exited early"
@@ -76,6 +84,8 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:$metrics_port"]
 CONFIG
+# Picked just before Prometheus binds it (Prometheus cannot take port 0 and say which it got).
+prometheus_port=$(free_port)
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" \
   --web.listen-address="127.0.0.1:$prometheus_port" >"$work/prometheus.log" 2>&1 &
 pids+=("$!")
