@@ -135,6 +135,25 @@ TEST_F(TlsTest, AnUntrustedCertificateEndsTheWaitForTheCoordinatorSayingWhy) {
   EXPECT_THAT(std::string(waited.message()), ::testing::HasSubstr("check --tls-ca"));
 }
 
+// A client without TLS sees the socket closed: the wait goes on (a coordinator going down looks
+// the same), and its error says that a coordinator serving TLS may be why.
+TEST_F(TlsTest, APlaintextClientsWaitEndsSayingTheCoordinatorMayServeTls) {
+  StartServer(false);
+  ClientOptions options;
+  options.address = server_->address();
+  options.token = kToken;
+  auto connection = CoordinatorConnection::Create(options);
+  ASSERT_TRUE(connection.ok()) << connection.status();
+  const absl::Status waited = (*connection)->WaitForConnected(absl::Seconds(4));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(waited.message()),
+              ::testing::HasSubstr("cannot reach the coordinator at " + server_->address()));
+  EXPECT_THAT(std::string(waited.message()),
+              ::testing::HasSubstr("this side uses no TLS, and a coordinator that serves TLS "
+                                   "closes such connections"))
+      << waited;
+}
+
 TEST_F(TlsTest, TokenIsStillRequiredOverTls) {
   StartServer(false);
   ClientTlsOptions tls;

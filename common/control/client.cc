@@ -110,10 +110,18 @@ absl::Status CoordinatorConnection::WaitForConnected(absl::Duration timeout) con
     }
     if (absl::Now() >= deadline) break;
   }
-  return absl::UnavailableError(
-      absl::StrCat("cannot reach the coordinator at ", options_.address, " within ",
-                   absl::FormatDuration(timeout), ": is it running, and is the address right?",
-                   last_error.empty() ? "" : absl::StrCat(" (last error: ", last_error, ")")));
+  // A coordinator that serves TLS closes a connection without it, and a client without TLS sees
+  // only that: said as a possibility, since a coordinator going down looks the same.
+  const bool plaintext = options_.tls.ca_file.empty() && options_.tls.cert_file.empty();
+  const bool closed = absl::StrContains(absl::AsciiStrToLower(last_error), "socket closed");
+  return absl::UnavailableError(absl::StrCat(
+      "cannot reach the coordinator at ", options_.address, " within ",
+      absl::FormatDuration(timeout), ": is it running, and is the address right?",
+      last_error.empty() ? "" : absl::StrCat(" (last error: ", last_error, ")"),
+      plaintext && closed ? "; this side uses no TLS, and a coordinator that serves TLS closes "
+                            "such connections: is it started with --tls-cert? then pass its CA "
+                            "with --tls-ca"
+                          : ""));
 }
 
 std::string CoordinatorConnection::Where(std::string_view rpc) const {
