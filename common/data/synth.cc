@@ -512,6 +512,12 @@ absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, Syn
   HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
   HETPAR_ASSIGN_OR_RETURN(present, SyntheticDatasetPresent(spec));
   if (present) return false;
+  HETPAR_LOG(INFO) << "generating the synthetic data set " << options.train_manifest << " ("
+                   << options.samples << " training samples"
+                   << (options.val_manifest.empty() || options.val_samples <= 0
+                           ? std::string()
+                           : absl::StrCat(", ", options.val_samples, " validation samples"))
+                   << ")";
   HETPAR_ASSIGN_OR_RETURN(SynthReport generated, GenerateSyntheticDataset(options));
   if (report != nullptr) *report = generated;
   return true;

@@ -108,9 +108,30 @@ struct RunFlags {
 
 volatile sig_atomic_t g_interrupted = 0;
 volatile sig_atomic_t g_signals = 0;  // how many came: a second one ends the workers at once
-void OnSignal(int signal) {           // SIGINT or SIGTERM
+// Set while the data set is generated or indexed, which this process does before any worker
+// starts and which runs to its end: a first signal says so, a second ends the process at once.
+// Nothing is lost then: the data set's files and index are written atomically, a manifest only
+// once its set is complete, and the run directory is not taken yet.
+volatile sig_atomic_t g_preparing_data = 0;
+void SayFromHandler(const char* text) {
+  size_t length = 0;
+  while (text[length] != '\0') ++length;
+  (void)!::write(STDERR_FILENO, text, length);  // async-signal-safe, unlike std::cerr
+}
+void OnSignal(int signal) {  // SIGINT or SIGTERM
   g_interrupted = signal;
   if (g_signals < 2) g_signals = g_signals + 1;
+  if (!g_preparing_data) return;
+  if (g_signals == 1) {
+    SayFromHandler(
+        "\nhetpar run: signalled while the data set is prepared; it stops once that is done, "
+        "before any worker starts (signal again to end at once)\n");
+  } else {
+    SayFromHandler(
+        "\nhetpar run: signalled again while the data set is prepared: ended at once; nothing "
+        "was trained; what was not finished is done again on the next start\n");
+    ::_exit(130);
+  }
 }
 
 absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
@@ -224,7 +245,9 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
           : coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), first_step);
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
+  g_preparing_data = 1;
   auto batches = data::BatchSource::Create(spec);
+  g_preparing_data = 0;
   if (!batches.ok()) {
     std::cerr << "hetpar run: cannot open the training data: " << batches.status().message()
               << "\n";

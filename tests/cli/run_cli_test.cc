@@ -1,5 +1,6 @@
 // `hetpar run` as a user pipes it into a log: one progress line every run.log_every steps (or
 // --log-every-seconds) and the last one, with the step, loss, token and FLOP rates.
+#include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -160,6 +161,40 @@ TEST(CliRunTest, TheShellsHetparSettingsDoNotReachTheRunsWorkers) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
   EXPECT_THAT(r->stdout_text, HasSubstr("2 steps"));
+  std::filesystem::remove_all(dir);
+}
+
+// Preparing the data set runs to its end before any worker starts: a first signal says so, and a
+// second ends `hetpar run` at once, leaving no manifest of the unfinished set and no run.
+TEST(CliRunTest, ASecondSignalWhileTheDataSetIsGeneratedEndsTheRunAtOnce) {
+  char pattern[] = "/tmp/hetpar-run-prepare-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  const std::string log = dir + "/hetpar-run.log";
+  // Far more samples than the test lets it generate: all of them would take minutes.
+  auto run = testing::ChildProcess::Start(
+      {kBin, "run", "--config", kSource + "/configs/tiny.yaml", "--out", dir + "/run", "--steps",
+       "2", "--threads", "1", "--set", "data.manifest=" + dir + "/data/train.jsonl", "--set",
+       "data.val_manifest=\"\"", "--set", "data.tokenizer=" + dir + "/data/tokenizer.model",
+       "--set", "data.synth.samples=500000"},
+      log);
+  ASSERT_TRUE(run.ok()) << run.status();
+  const auto logged = [&](const std::string& text) {
+    return testing::PollUntil(
+        [&] { return testing::ReadTextFile(log).find(text) != std::string::npos; },
+        absl::Seconds(120));
+  };
+  ASSERT_TRUE(logged("generating the synthetic data set " + dir + "/data/train.jsonl"))
+      << testing::ReadTextFile(log);
+  ASSERT_TRUE(run->Signal(SIGINT));
+  ASSERT_TRUE(logged("signalled while the data set is prepared")) << testing::ReadTextFile(log);
+  ASSERT_TRUE(run->Signal(SIGINT));
+  const absl::StatusOr<int> code = run->Wait(60);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << testing::ReadTextFile(log);
+  EXPECT_EQ(*code, 130);
+  EXPECT_THAT(testing::ReadTextFile(log),
+              HasSubstr("signalled again while the data set is prepared: ended at once"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/data/train.jsonl"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/run/metrics.jsonl"));
   std::filesystem::remove_all(dir);
 }
 
