@@ -153,7 +153,8 @@ absl::Status CheckOptions(const SynthOptions& o) {
 }
 
 // An flock on `.hetpar-synth.lock` beside the training manifest, held while the data set is
-// generated. Where the file system has no locks, generation goes on without it.
+// generated. Where the file system has no locks, or the lock file cannot be opened (another
+// user's, in a directory shared for writing), generation goes on without it.
 class SynthLock {
  public:
   static absl::StatusOr<SynthLock> Take(const std::string& train_manifest) {
@@ -162,8 +163,14 @@ class SynthLock {
     fs::create_directories(dir, ec);
     const std::string path = (dir / ".hetpar-synth.lock").string();
     SynthLock lock;
-    lock.fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (lock.fd_ < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", path));
+    // Read-only is enough for flock, and opens another user's lock file.
+    lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (lock.fd_ < 0) {
+      HETPAR_LOG(WARNING) << "cannot open " << path << " (" << std::strerror(errno)
+                          << "): nothing keeps another process from generating the data set "
+                             "at the same time";
+      return lock;
+    }
     const absl::Time deadline = absl::Now() + kSynthLockTimeout;
     bool said = false;
     while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -501,14 +508,20 @@ absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec) {
          (options.val_manifest.empty() || fs::exists(options.val_manifest, ec));
 }
 
+absl::StatusOr<SynthReport> GenerateSyntheticDatasetExclusively(const SynthOptions& options) {
+  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
+  return GenerateSyntheticDataset(options);
+}
+
 absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, SynthReport* report) {
   if (spec.data().synth().samples() <= 0) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthOptions options, SynthOptionsFromRunSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(bool present, SyntheticDatasetPresent(spec));
   if (present) return false;
-  // Processes started on one config (a coordinator and its workers' evaluation, jobs on a shared
-  // file system) can find the data set missing at once: one generates it, the others wait for it
-  // and then use it. Two generating at once would remove each other's images.
+  // Processes started on one config (a coordinator and its workers, each opening the data set;
+  // runs or jobs on a shared file system) can find the data set missing at once: one generates
+  // it, the others wait for it and then use it. Two generating at once would remove each other's
+  // images.
   HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
   HETPAR_ASSIGN_OR_RETURN(present, SyntheticDatasetPresent(spec));
   if (present) return false;

@@ -117,6 +117,10 @@ struct SynthReport {
 // complete data set. Every sample is checked to fit seq_len with the trained tokenizer.
 absl::StatusOr<SynthReport> GenerateSyntheticDataset(const SynthOptions& options);
 
+// GenerateSyntheticDataset holding the data set's lock (`.hetpar-synth.lock` beside the training
+// manifest, which EnsureSyntheticDataset also takes): waits while another process generates it.
+absl::StatusOr<SynthReport> GenerateSyntheticDatasetExclusively(const SynthOptions& options);
+
 // Whether the synthetic data set the RunSpec names is on disk (its manifests and tokenizer):
 // EnsureSyntheticDataset then uses it as it is.
 absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec);

@@ -214,7 +214,8 @@ void AddSynthCommand(CLI::App* data, int* exit_code) {
       *exit_code = kExitInvalidInput;
       return;
     }
-    absl::StatusOr<data::SynthReport> report = data::GenerateSyntheticDataset(options);
+    // Under the data set's lock: a run that finds it missing meanwhile waits for it.
+    absl::StatusOr<data::SynthReport> report = data::GenerateSyntheticDatasetExclusively(options);
     if (!report.ok()) {
       *exit_code = Fail(report.status(), "synth");
       return;

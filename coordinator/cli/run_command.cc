@@ -110,8 +110,9 @@ volatile sig_atomic_t g_interrupted = 0;
 volatile sig_atomic_t g_signals = 0;  // how many came: a second one ends the workers at once
 // Set while the data set is generated or indexed, which this process does before any worker
 // starts and which runs to its end: a first signal says so, a second ends the process at once.
-// Nothing is lost then: the data set's files and index are written atomically, a manifest only
-// once its set is complete, and the run directory is not taken yet.
+// Nothing half-written is then taken as complete: every file of the data set and its index is
+// written to a temporary name and renamed, the manifests after the images and the tokenizer (an
+// index missing is built at the next start), and the run directory is not taken yet.
 volatile sig_atomic_t g_preparing_data = 0;
 void SayFromHandler(const char* text) {
   size_t length = 0;
@@ -246,6 +247,12 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   // The data set first (generated when the spec asks for a synthetic one), so no worker races
   // to write it.
   g_preparing_data = 1;
+  if (g_interrupted) {
+    // Signalled before the preparation began (the handler said nothing then).
+    std::cerr << "hetpar run: " << (g_interrupted == SIGTERM ? "terminated" : "interrupted")
+              << " before the run started; nothing was trained\n";
+    return 130;
+  }
   auto batches = data::BatchSource::Create(spec);
   g_preparing_data = 0;
   if (!batches.ok()) {
@@ -783,6 +790,7 @@ int Run(const RunFlags& flags) {
   }
   struct sigaction action = {};
   action.sa_handler = OnSignal;
+  sigfillset(&action.sa_mask);  // one handler at a time: SIGINT and SIGTERM count together
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
   return flags.reference ? RunReferenceProcess(flags, loaded->spec)

@@ -12,6 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -33,27 +34,35 @@ using ::testing::HasSubstr;
 
 const std::string kBinDir = std::filesystem::path(kHetparBin).parent_path().string();
 
-// A port for the coordinator, which binds it only after every worker has started: one below the
-// kernel's ephemeral range (which bind(0) never hands out, so no other test's listener or
-// connection takes it meanwhile) that nothing holds now.
+// A port for the coordinator, which binds it only after every worker has started: one outside
+// the kernel's ephemeral range (which bind(0) never hands out, so no other test's listener or
+// connection takes it meanwhile) that nothing holds now; where that range leaves no room, one
+// that bind(0) picks.
 int FreePort() {
   int low = 32768, high = 60999;
   std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low >> high;
-  std::mt19937 random(std::random_device{}());
-  for (int attempt = 0; attempt < 200; ++attempt) {
-    const int port = 20000 + static_cast<int>(random() % 10000);
-    if (port >= low && port <= high) continue;
+  const auto bound = [](int port) {  // the port bound (the one asked for, or the kernel's), or -1
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
     sockaddr_in addr = {};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     addr.sin_port = htons(static_cast<uint16_t>(port));
-    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    socklen_t len = sizeof(addr);
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
     ::close(fd);
-    if (free) return port;
+    return ok ? static_cast<int>(ntohs(addr.sin_port)) : -1;
+  };
+  // Below the range where it leaves room, else above it.
+  const int first = low - 1024 >= 2000 ? std::max(1024, low - 10000) : high + 1;
+  const int last = low - 1024 >= 2000 ? low - 1 : 65535;
+  std::mt19937 random(std::random_device{}());
+  for (int attempt = 0; last - first >= 1000 && attempt < 200; ++attempt) {
+    const int port = first + static_cast<int>(random() % static_cast<unsigned>(last - first + 1));
+    if (bound(port) == port) return port;
   }
-  return -1;
+  return bound(0);
 }
 
 // One container of one pod, turned into a local process's argv (run through `env -i` so it sees
