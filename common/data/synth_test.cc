@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "common/config/config.h"
@@ -27,6 +28,18 @@ std::string TempDir() {
   std::string dir = (fs::temp_directory_path() / "hetpar_synth_XXXXXX").string();
   EXPECT_NE(::mkdtemp(dir.data()), nullptr);
   return dir;
+}
+
+// configs/tiny.yaml with its data set in `dir`, and `overrides`.
+absl::StatusOr<config::LoadedRunSpec> TinySpecIn(const std::string& dir,
+                                                 const std::vector<std::string>& overrides) {
+  config::LoadOptions load;
+  load.check_files = false;
+  load.overrides = {"data.manifest=" + dir + "/train.jsonl",
+                    "data.val_manifest=" + dir + "/val.jsonl",
+                    "data.tokenizer=" + dir + "/tokenizer.model"};
+  load.overrides.insert(load.overrides.end(), overrides.begin(), overrides.end());
+  return config::LoadRunSpecFile(std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml", load);
 }
 
 TEST(SynthTest, ScenesRenderWhereTheCaptionSays) {
@@ -177,15 +190,8 @@ TEST(SynthTest, InvalidOptionsAreListed) {
 }
 
 TEST(SynthTest, TheTinyConfigGetsExactlyItsDataSet) {
-  // configs/tiny.yaml, pointed at a temporary directory.
   const std::string dir = TempDir();
-  config::LoadOptions load;
-  load.check_files = false;
-  load.overrides = {"data.manifest=" + dir + "/train.jsonl",
-                    "data.val_manifest=" + dir + "/val.jsonl",
-                    "data.tokenizer=" + dir + "/tokenizer.model"};
-  absl::StatusOr<config::LoadedRunSpec> loaded =
-      config::LoadRunSpecFile(std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml", load);
+  absl::StatusOr<config::LoadedRunSpec> loaded = TinySpecIn(dir, {});
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   SynthReport report;
   absl::StatusOr<bool> generated = EnsureSyntheticDataset(loaded->spec, &report);
@@ -213,14 +219,8 @@ TEST(SynthTest, TheTinyConfigGetsExactlyItsDataSet) {
 // waits for that one and uses what it wrote, instead of generating over it.
 TEST(SynthTest, AProcessFindingTheDataSetBeingGeneratedWaitsAndUsesIt) {
   const std::string dir = TempDir();
-  config::LoadOptions load;
-  load.check_files = false;
-  load.overrides = {"data.manifest=" + dir + "/train.jsonl",
-                    "data.val_manifest=" + dir + "/val.jsonl",
-                    "data.tokenizer=" + dir + "/tokenizer.model", "data.synth.samples=64",
-                    "data.synth.val_samples=8"};
   absl::StatusOr<config::LoadedRunSpec> loaded =
-      config::LoadRunSpecFile(std::string(HETPAR_SOURCE_DIR) + "/configs/tiny.yaml", load);
+      TinySpecIn(dir, {"data.synth.samples=64", "data.synth.val_samples=8"});
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   absl::StatusOr<SynthOptions> options = SynthOptionsFromRunSpec(loaded->spec);
   ASSERT_TRUE(options.ok()) << options.status();
