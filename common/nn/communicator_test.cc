@@ -276,6 +276,9 @@ TEST(CommunicatorTest, ARendezvousIsGivenUpOnlyWhenArmedAndRaised) {
 // collective past its deadline fails DeadlineExceeded. (Whether its group is then abandoned
 // depends on whether Gloo's own timeout, the same, ended the collective first.)
 TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
+  // Also the group's formation's (the rendezvous and its closing barrier, which both ranks'
+  // threads must reach): long enough for a loaded machine, short enough for the bound below.
+  constexpr absl::Duration kTimeout = absl::Seconds(3);
   for (const bool with_interrupt : {false, true}) {
     SCOPED_TRACE(with_interrupt ? "with an interrupt" : "without an interrupt");
     const std::string prefix = with_interrupt ? "skipper-interruptible" : "skipper";
@@ -287,7 +290,7 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
       options.prefix = prefix;
       options.rank = 1;
       options.size = 2;
-      options.timeout = absl::Seconds(1);
+      options.timeout = kTimeout;
       auto comm = Communicator::Create(store, options);
       ASSERT_TRUE(comm.ok()) << comm.status();
       // Never joins the all-reduce; stays alive until rank 0 has given up.
@@ -297,7 +300,7 @@ TEST(CommunicatorTest, PeerThatSkipsACollectiveFailsItWithinDeadline) {
     options.prefix = prefix;
     options.rank = 0;
     options.size = 2;
-    options.timeout = absl::Seconds(1);
+    options.timeout = kTimeout;
     if (with_interrupt) options.interrupt = &interrupt;
     auto comm = Communicator::Create(store, options);
     ASSERT_TRUE(comm.ok()) << comm.status();
