@@ -163,25 +163,21 @@ class SynthLock {
     fs::create_directories(dir, ec);
     const std::string path = (dir / ".hetpar-synth.lock").string();
     SynthLock lock;
-    // Read-only is enough for flock, and opens another user's lock file.
-    lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (lock.fd_ < 0) {
-      HETPAR_LOG(WARNING) << "cannot open " << path << " (" << std::strerror(errno)
+    const auto unlocked = [&](const char* what, int error) {
+      HETPAR_LOG(WARNING) << "cannot " << what << " " << path << " (" << std::strerror(error)
                           << "): nothing keeps another process from generating the data set "
                              "at the same time";
-      return lock;
-    }
+      return std::move(lock);
+    };
+    // Read-only is enough for flock, and opens another user's lock file.
+    lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (lock.fd_ < 0) return unlocked("open", errno);
     const absl::Time deadline = absl::Now() + kSynthLockTimeout;
     bool said = false;
     while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
       const int error = errno;
       if (error == EINTR) continue;
-      if (error != EWOULDBLOCK) {
-        HETPAR_LOG(WARNING) << "cannot lock " << path << " (" << std::strerror(error)
-                            << "): nothing keeps another process from generating the data set "
-                               "at the same time";
-        return lock;
-      }
+      if (error != EWOULDBLOCK) return unlocked("lock", error);
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "another process has held ", path, " for ", absl::FormatDuration(kSynthLockTimeout),

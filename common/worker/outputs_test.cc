@@ -135,7 +135,7 @@ TEST(WorkerOutputsTest, StaleOutputScratchIsSweptAtStart) {
   const std::string gone = make(absl::StrCat("hetpar-llm-outputs-", child, ".aaaaaa"));
   const std::string own = make(absl::StrCat("hetpar-encoder-outputs-", ::getpid(), ".bbbbbb"));
   const std::string live = make(absl::StrCat("hetpar-llm-outputs-", ::getppid(), ".cccccc"));
-  const std::string other = make("hetpar-index-XXXX");
+  const std::string other = make("hetpar-index-cache");
   EXPECT_EQ(SweepStaleOutputScratch(), 2);
   if (saved.empty()) {
     ::unsetenv("TMPDIR");

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -115,9 +116,7 @@ volatile sig_atomic_t g_signals = 0;  // how many came: a second one ends the wo
 // index missing is built at the next start), and the run directory is not taken yet.
 volatile sig_atomic_t g_preparing_data = 0;
 void SayFromHandler(const char* text) {
-  size_t length = 0;
-  while (text[length] != '\0') ++length;
-  (void)!::write(STDERR_FILENO, text, length);  // async-signal-safe, unlike std::cerr
+  (void)!::write(STDERR_FILENO, text, std::strlen(text));  // async-signal-safe, unlike std::cerr
 }
 void OnSignal(int signal) {  // SIGINT or SIGTERM
   g_interrupted = signal;
