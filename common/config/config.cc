@@ -577,6 +577,9 @@ void EmitMessage(YAML::Emitter& out, const pb::Message& message) {
 constexpr int64_t kMaxModuleRanks = int64_t{1} << 20;
 // The largest run.grad_bucket_mib (1 TiB): its byte count stays an exact int64.
 constexpr double kMaxGradBucketMib = 1024.0 * 1024.0;
+// Samples in one global batch: far above any batch trained today (thousands to tens of
+// thousands), far below one whose per-step sample lists no worker could hold.
+constexpr int64_t kMaxGlobalBatch = int64_t{1} << 24;
 // The longest run.name.
 constexpr size_t kMaxRunNameChars = 128;
 
@@ -925,7 +928,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
 
   // run
   c.AtLeast("run.steps", s.run().steps(), 1);
-  const bool batch_ok = c.AtLeast("run.global_batch", s.run().global_batch(), 1);
+  bool batch_ok = c.AtLeast("run.global_batch", s.run().global_batch(), 1);
+  if (s.run().global_batch() > kMaxGlobalBatch) {
+    batch_ok = false;
+    c.Fail("run.global_batch",
+           absl::StrCat("=", s.run().global_batch(), " must be <= ", kMaxGlobalBatch, " samples"));
+  }
   const bool micro_ok = c.AtLeast("run.micro_batch", s.run().micro_batch(), 1);
   c.AtLeast("run.max_inflight", s.run().max_inflight(), 1);
   c.AtLeast("run.log_every", s.run().log_every(), 1);

@@ -639,6 +639,14 @@ TEST(ConfigTest, LayoutsPastTheRankLimitAreRefusedNotOverflowed) {
   ExpectIssue(wave, "run.global_batch", 0, "(their product overflows)");
 }
 
+TEST(ConfigTest, AGlobalBatchNoWorkerCouldHoldIsRefused) {
+  // 2^40 samples validated once and ended the workers with std::bad_alloc at the first step.
+  ExpectIssue(Load(kValid, {"run.global_batch=1099511627776"}), "run.global_batch", 0,
+              "=1099511627776 must be <= 16777216 samples");
+  // 2^24 itself is allowed.
+  EXPECT_TRUE(Load(kValid, {"run.global_batch=16777216"}).ok());
+}
+
 TEST(ConfigTest, AnImageOfTooManyPatchesIsTooLongForAnySequence) {
   // 2^33 patches a side would wrap their square in int64 to 0, which would pass the length
   // check: such a side is refused first, and the largest one left is too long.
