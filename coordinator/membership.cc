@@ -162,9 +162,12 @@ absl::StatusOr<WorkerRecord*> Membership::Admit(const v1::RegisterRequest& reque
                   : ", which is out of the run and admits no worker now"));
     }
     if (slots[wanted] != nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
-                                                       " is already held by worker ",
-                                                       slots[wanted]->worker_id));
+      // ALREADY_EXISTS, not RESOURCE_EXHAUSTED: the rank frees once its holder is found gone
+      // (a restarted worker may register before its lost self's session end is seen), and the
+      // worker tries again until its --connect-timeout.
+      return absl::AlreadyExistsError(absl::StrCat(RoleName(request.role()), " rank ", wanted,
+                                                   " is already held by worker ",
+                                                   slots[wanted]->worker_id));
     }
     slot = wanted;
   } else {

@@ -125,7 +125,7 @@ TEST(MembershipTest, RequestedRank) {
   ASSERT_TRUE(w.ok());
   EXPECT_EQ((*w)->slot, 2);
   auto again = m->Admit(request, 1, absl::UnixEpoch());
-  EXPECT_EQ(again.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_THAT(std::string(again.status().message()), HasSubstr("encoder rank 2 is already held"));
   request.set_requested_rank(4);
   auto out_of_range = m->Admit(request, 1, absl::UnixEpoch());

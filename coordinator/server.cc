@@ -547,8 +547,8 @@ class CoordinatorServiceImpl final : public v1::Coordinator::CallbackService {
           return c.Register(*request, now, actions);
         });
     if (!result.ok()) {
-      HETPAR_LOG(WARNING) << "refused registration of a " << RoleName(request->role())
-                          << " worker from " << context->peer() << ": "
+      HETPAR_LOG(WARNING) << "refused the registration of a worker of role "
+                          << RoleName(request->role()) << " from " << context->peer() << ": "
                           << result.status().message();
       reactor->Finish(ToGrpcStatus(result.status()));
       return reactor;

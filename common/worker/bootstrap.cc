@@ -1,5 +1,6 @@
 #include "common/worker/bootstrap.h"
 
+#include <algorithm>
 #include <map>
 #include <utility>
 
@@ -29,6 +30,45 @@ std::string RoleName(Role role) {
 
 WorkerContext::~WorkerContext() = default;
 
+namespace {
+
+// A registration refused for a reason that passes: the coordinator did not answer in time or is
+// going away (UNAVAILABLE, DEADLINE_EXCEEDED), or the rank asked for is still held by a worker it
+// has not yet found gone, typically this worker's own lost process (ALREADY_EXISTS). Any other
+// refusal (a stopped run, a bad request, a wrong token, every rank taken) is final.
+bool RegistrationMayPass(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) ||
+         absl::IsAlreadyExists(status);
+}
+
+// Registers, trying again while the refusal may pass, until `deadline`: 1 s after the first
+// refusal, then 1 s more each time up to 5 s.
+absl::StatusOr<std::unique_ptr<coordinator::WorkerSession>> RegisterUntil(
+    const std::shared_ptr<coordinator::CoordinatorConnection>& connection,
+    const coordinator::WorkerSession::Options& options, absl::Time deadline) {
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<std::unique_ptr<coordinator::WorkerSession>> session =
+        coordinator::WorkerSession::Start(connection, options);
+    if (session.ok() || !RegistrationMayPass(session.status())) return session;
+    const absl::Duration pause = absl::Seconds(std::min(attempt, 5));
+    if (absl::Now() + pause > deadline) {
+      return absl::Status(
+          session.status().code(),
+          absl::StrCat(session.status().message(), " (", attempt, attempt == 1 ? " try" : " tries",
+                       " within --connect-timeout)"));
+    }
+    HETPAR_LOG(WARNING) << "registration refused: " << session.status().message()
+                        << "; trying again in " << absl::FormatDuration(pause) << " (until "
+                        << "--connect-timeout, "
+                        << absl::FormatDuration(
+                               absl::Trunc(deadline - absl::Now(), absl::Seconds(1)))
+                        << " from now)";
+    absl::SleepFor(pause);
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     const WorkerOptions& options) {
   std::unique_ptr<WorkerContext> ctx(new WorkerContext(options));
@@ -47,6 +87,9 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
   client.token = options.token;
   client.tls = options.tls;
   HETPAR_ASSIGN_OR_RETURN(ctx->connection_, coordinator::CoordinatorConnection::Create(client));
+  // Connecting and registering share the bound: a coordinator that accepts the connection but
+  // cannot admit this worker yet is waited for as one that is not up yet.
+  const absl::Time register_by = absl::Now() + options.connect_timeout;
   if (!ctx->connection_->WaitForConnected(absl::Seconds(1)).ok()) {
     HETPAR_LOG(INFO) << "waiting for the coordinator at " << options.coordinator << " (up to "
                      << absl::FormatDuration(options.connect_timeout) << ")";
@@ -78,7 +121,7 @@ absl::StatusOr<std::unique_ptr<WorkerContext>> WorkerContext::Bootstrap(
     }
   };
   HETPAR_ASSIGN_OR_RETURN(ctx->session_,
-                          coordinator::WorkerSession::Start(ctx->connection_, session_options));
+                          RegisterUntil(ctx->connection_, session_options, register_by));
   // From here the coordinator holds a slot for this worker: what fails it is told on the session
   // (it names the worker's error, not "closed by the worker"), and a stop that came before the
   // run started closes the session as the stop asks.

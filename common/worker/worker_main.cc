@@ -392,8 +392,8 @@ int WorkerMain(int argc, char** argv, const WorkerBinary& binary, const ModuleFa
       ->envname("HETPAR_TIMEOUT")
       ->check(hetpar::kPositiveNumber);
   app.add_option("--connect-timeout", connect_timeout_s,
-                 "Seconds to wait for the coordinator to answer at start (a worker may start "
-                 "before it)")
+                 "Seconds to wait for the coordinator to answer at start and admit this worker "
+                 "(a worker may start before it, or before its lost predecessor is found gone)")
       ->envname("HETPAR_CONNECT_TIMEOUT")
       ->capture_default_str()
       ->check(hetpar::kPositiveNumber);

@@ -267,6 +267,64 @@ TEST_F(RunFaultsTest, AWorkerOnTheCoordinatorsMachineUsesItsGeneratedToken) {
   ::unsetenv("XDG_RUNTIME_DIR");
 }
 
+// A worker asking for a rank that is still held (after a crash, by its own lost process until the
+// coordinator sees it gone; here by a live worker) waits within --connect-timeout instead of
+// exiting, and takes the rank once its holder is gone.
+TEST_F(RunFaultsTest, AWorkerAskingForAHeldRankTakesItOnceItsHolderIsGone) {
+  ::setenv("XDG_RUNTIME_DIR", dir_.c_str(), 1);  // where the generated token goes
+  ::unsetenv("HETPAR_TOKEN");
+  ::unsetenv("HETPAR_TOKEN_FILE");
+  auto coordinator = ChildProcess::Start(
+      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
+       "--set", "coordinator.register_timeout_s=300", "--set", "data.manifest=" + dir_ + "/x.jsonl",
+       "--set", "data.tokenizer=" + dir_ + "/x.model"},
+      dir_ + "/coordinator.log");
+  ASSERT_TRUE(coordinator.ok());
+  const std::string address = AwaitCoordinatorAddress();
+  ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
+  const auto registrations = [&] {
+    const std::string log = ReadFile(dir_ + "/coordinator.log");
+    int n = 0;
+    for (size_t at = log.find("registered enc0"); at != std::string::npos;
+         at = log.find("registered enc0", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  auto holder = ChildProcess::Start(
+      {kEncoder, "--coordinator", address, "--rank", "0", "--out", dir_ + "/holder"},
+      dir_ + "/holder.log");
+  ASSERT_TRUE(holder.ok());
+  ASSERT_TRUE(PollUntil([&] { return registrations() == 1; }, absl::Seconds(120)))
+      << ReadFile(dir_ + "/holder.log");
+  auto second = ChildProcess::Start({kEncoder, "--coordinator", address, "--rank", "0",
+                                     "--connect-timeout", "300", "--out", dir_ + "/second"},
+                                    dir_ + "/second.log");
+  ASSERT_TRUE(second.ok());
+  ASSERT_TRUE(PollUntil(
+      [&] {
+        const std::string log = ReadFile(dir_ + "/second.log");
+        return log.find("registration refused: ") != std::string::npos &&
+               log.find("encoder rank 0 is already held by worker enc0-") != std::string::npos &&
+               log.find("trying again") != std::string::npos;
+      },
+      absl::Seconds(120)))
+      << ReadFile(dir_ + "/second.log");
+  EXPECT_EQ(registrations(), 1);
+  holder->Signal(SIGKILL);
+  ASSERT_TRUE(holder->Wait(30).ok());
+  EXPECT_TRUE(PollUntil([&] { return registrations() == 2; }, absl::Seconds(120)))
+      << ReadFile(dir_ + "/coordinator.log") << ReadFile(dir_ + "/second.log");
+  EXPECT_FALSE(second->Wait(0).ok())
+      << "the second worker exited: " << ReadFile(dir_ + "/second.log");
+  coordinator->Signal(SIGTERM);
+  auto code = coordinator->Wait(60);
+  EXPECT_TRUE(code.ok()) << code.status();
+  auto second_code = second->Wait(60);
+  EXPECT_TRUE(second_code.ok()) << second_code.status();
+  ::unsetenv("XDG_RUNTIME_DIR");
+}
+
 // A coordinator address without a port is refused at once (exit 2), not retried until the
 // connect timeout (120 s here, past the 60 s this command is given).
 TEST_F(RunFaultsTest, AWorkerGivenAnAddressWithoutAPortStopsAtOnce) {
