@@ -1,5 +1,6 @@
 // MakeIndexBatchSource over the runs' shared batch source (common/data/batch_source.h), so the
 // coordinator plans exactly the batches the reference trainer trains.
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -24,7 +25,9 @@ class IndexBatchSource : public BatchSource {
   // admit workers) before the data set exists.
   absl::Status Open() override {
     if (source_ != nullptr) return absl::OkStatus();
-    absl::StatusOr<std::unique_ptr<data::BatchSource>> source = data::BatchSource::Create(spec_);
+    absl::StatusOr<std::unique_ptr<data::BatchSource>> source =
+        data::BatchSource::Create(spec_, &open_cancelled_);
+    if (absl::IsCancelled(source.status())) return source.status();
     if (!source.ok()) {
       return absl::FailedPreconditionError(
           absl::StrCat("cannot open the training data (generate it with `hetpar data synth`, "
@@ -39,6 +42,7 @@ class IndexBatchSource : public BatchSource {
   }
 
   bool NeedsOpen() const override { return source_ == nullptr; }
+  void CancelOpen() override { open_cancelled_.store(true, std::memory_order_release); }
 
   absl::StatusOr<std::vector<plan::SampleDescriptor>> Next(int64_t count) override {
     if (source_ == nullptr) {
@@ -73,6 +77,7 @@ class IndexBatchSource : public BatchSource {
   uint32_t digest_ = 0;  // the index's IdDigest, taken when it is opened
   data::SamplerCursor committed_;
   std::optional<data::SamplerCursor> pending_;
+  std::atomic<bool> open_cancelled_{false};  // CancelOpen, from another thread
 };
 
 }  // namespace

@@ -980,6 +980,11 @@ void RunController::HandleOutcome(StepOrchestrator::Outcome outcome, absl::Time 
 }
 
 void RunController::PlannerPrepared(const absl::Status& status, absl::Time now, Actions* actions) {
+  if (absl::IsCancelled(status)) {
+    // Only a shutdown cancels it (StepPlanner::CancelPreparation): the run does not fail.
+    HETPAR_LOG(WARNING) << "preparing the step planner: " << status.message();
+    return;
+  }
   if (!status.ok()) {
     if (state_ != v1::RUN_STATE_WAITING && state_ != v1::RUN_STATE_RUNNING) {
       // Stopped meanwhile: no step would have been planned.

@@ -358,8 +358,10 @@ class ServerCore {
   std::unique_ptr<v1::Admin::CallbackService> admin_service_;
   std::unique_ptr<grpc::Server> server_;
   std::thread watchdog_;
-  // Runs the planner's Prepare (opening the data set) without the lock; joined at shutdown.
+  // Runs the planner's Prepare (opening the data set) without the lock; cancelled and joined
+  // at shutdown.
   std::thread preparer_;
+  StepPlanner* preparing_ = nullptr;  // the planner preparer_ prepares (the controller's)
   bool shut_down_ = false;
 };
 
@@ -844,6 +846,7 @@ absl::Status internal::ServerCore::Start() {
   if (to_prepare != nullptr) {
     // File and data-set I/O stays off the lock: heartbeats and registrations are served while
     // the data index is read or a synthetic data set is generated; no step starts before.
+    preparing_ = to_prepare;
     preparer_ = std::thread([this, to_prepare] {
       const absl::Status status = to_prepare->Prepare();
       WithController([&](RunController& c, absl::Time now, Actions* actions) {
@@ -881,7 +884,11 @@ void internal::ServerCore::Shutdown(absl::Duration grace) {
     sessions_.clear();
   }
   if (watchdog_.joinable()) watchdog_.join();
-  if (preparer_.joinable()) preparer_.join();
+  if (preparer_.joinable()) {
+    // A wait for another process's data set generation (up to hours) is not waited out.
+    preparing_->CancelPreparation();
+    preparer_.join();
+  }
   if (server_ != nullptr) {
     if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
       health->Shutdown();  // NOT_SERVING from now on

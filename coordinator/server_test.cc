@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -60,6 +61,28 @@ class FixedPlanner : public StepPlanner {
     }
     return plan;
   }
+};
+
+// A planner whose Prepare waits (at most 120 s) until CancelPreparation, as one waiting for
+// another process's data set generation does.
+class PreparingPlanner : public FixedPlanner {
+ public:
+  explicit PreparingPlanner(std::shared_ptr<absl::Notification> cancelled)
+      : cancelled_(std::move(cancelled)) {}
+  absl::Status Prepare() override {
+    if (!cancelled_->WaitForNotificationWithTimeout(absl::Seconds(120))) {
+      return absl::DeadlineExceededError("never cancelled");
+    }
+    return absl::CancelledError("cancelled");
+  }
+  void CancelPreparation() override {
+    if (!asked_.exchange(true)) cancelled_->Notify();
+  }
+  bool NeedsPreparation() const override { return true; }
+
+ private:
+  std::shared_ptr<absl::Notification> cancelled_;
+  std::atomic<bool> asked_{false};
 };
 
 class ServerTest : public ::testing::Test {
@@ -691,6 +714,19 @@ TEST_F(ServerTest, PutOutputWritesWholeFilesIntoTheRunDirectoryAndJoinsStagePart
   std::sort(left.begin(), left.end());
   EXPECT_THAT(left, testing::ElementsAre("model/llm.hpar", "workers/rank-2-llm.json"));
   std::filesystem::remove_all(pattern);
+}
+
+// A shutdown does not wait for a preparation that may last hours (another process generating the
+// data set): it cancels it, and the run does not fail for it.
+TEST_F(ServerTest, ShutdownCancelsThePlannersPreparationInsteadOfWaitingForIt) {
+  auto cancelled = std::make_shared<absl::Notification>();
+  StartServer(TinySpec(), std::make_unique<PreparingPlanner>(cancelled));
+  EXPECT_FALSE(cancelled->HasBeenNotified());
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Seconds(2));
+  EXPECT_TRUE(cancelled->HasBeenNotified());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(60));
+  EXPECT_EQ(server_->state(), v1::RUN_STATE_WAITING);
 }
 
 TEST_F(ServerTest, ListenFailureIsReported) {

@@ -75,6 +75,10 @@ class StepPlanner {
   // starts no step until it has returned OK. Called once; no other method runs meanwhile except
   // DataPosition.
   virtual absl::Status Prepare() { return absl::OkStatus(); }
+  // Asks a Prepare running on another thread to end early (Cancelled) where it waits or loops
+  // (a wait for another process's data set generation, the skipped steps of a resume): the
+  // coordinator is shutting down. Thread-safe; may come before Prepare starts.
+  virtual void CancelPreparation() {}
   // Whether Prepare still has to run.
   virtual bool NeedsPreparation() const { return false; }
   // Plans step `step` (0-based; an aborted step is planned again with the same number, over the

@@ -185,6 +185,9 @@ absl::Status PlanLibraryPlanner::Prepare() {
   // steps reach in the epoch orders of this index, as the checkpoint records it.
   SampleLedger replayed;
   for (int64_t step = 0; skip_steps_ > 0; --skip_steps_, ++step) {
+    if (preparation_cancelled_.load(std::memory_order_acquire)) {
+      return absl::CancelledError("stopped while skipping the samples of the resumed steps");
+    }
     const data::SamplerCursor from = batches_->CommittedCursor();
     absl::StatusOr<std::vector<plan::SampleDescriptor>> samples =
         batches_->Next(spec_.run().global_batch());
@@ -207,6 +210,11 @@ absl::Status PlanLibraryPlanner::Prepare() {
   }
   ledger_ = std::move(replayed);
   return absl::OkStatus();
+}
+
+void PlanLibraryPlanner::CancelPreparation() {
+  preparation_cancelled_.store(true, std::memory_order_release);
+  batches_->CancelOpen();
 }
 
 bool PlanLibraryPlanner::NeedsPreparation() const {

@@ -7,6 +7,7 @@
 #ifndef HETPAR_COORDINATOR_STEP_PLANNER_H_
 #define HETPAR_COORDINATOR_STEP_PLANNER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -45,6 +46,8 @@ class BatchSource {
   // successful Open fails. Sources with nothing to open return OK and need no Open.
   virtual absl::Status Open() { return absl::OkStatus(); }
   virtual bool NeedsOpen() const { return false; }
+  // Ends an Open running on another thread early where it waits (StepPlanner::CancelPreparation).
+  virtual void CancelOpen() {}
   // Samples in the data index, once open; 0 for a source without one (synthetic batches).
   virtual int64_t IndexSamples() const { return 0; }
   // data::DataIndex::IdDigest of the index, once open; 0 without one.
@@ -119,6 +122,7 @@ class PlanLibraryPlanner : public StepPlanner {
   void Committed(int64_t step) override;
   std::string DataPosition() const override;
   absl::Status Prepare() override;
+  void CancelPreparation() override;
   bool NeedsPreparation() const override;
   LedgerCounts Ledger() const override;
 
@@ -141,6 +145,7 @@ class PlanLibraryPlanner : public StepPlanner {
   // Replaced by every Plan (an aborted step is planned again), cleared by Committed.
   std::optional<PlannedSamples> planned_;
   SampleLedger ledger_;
+  std::atomic<bool> preparation_cancelled_{false};
 };
 
 // The planner `hetpar coordinator` uses: over the data index, or over synthetic samples.

@@ -1,15 +1,19 @@
 #include "coordinator/step_planner.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "common/control/plan_codec.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -333,6 +337,43 @@ TEST(StepPlannerTest, IndexSourceNeedsAManifest) {
   auto synthetic = MakeStepPlanner(spec, true);
   ASSERT_TRUE(synthetic.ok()) << synthetic.status();
   EXPECT_FALSE((*synthetic)->NeedsPreparation());
+}
+
+// A coordinator shutting down does not wait out another process's generation of the data set (up
+// to two hours): CancelPreparation ends Prepare's wait for the data set's lock with Cancelled.
+TEST(StepPlannerTest, CancelPreparationEndsTheWaitForAnotherProcessesDataSet) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / absl::StrCat("hetpar_planner_cancel_", ::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  v1::RunSpec spec = Spec();
+  spec.mutable_data()->set_manifest((dir / "train.jsonl").string());
+  spec.mutable_data()->set_tokenizer((dir / "tokenizer.model").string());
+  spec.mutable_data()->set_index((dir / "train.jsonl.index").string());
+  spec.mutable_data()->set_image_token("<image>");
+  spec.mutable_data()->mutable_synth()->set_samples(64);
+  auto planner = MakeStepPlanner(spec, /*synthetic_batches=*/false);
+  ASSERT_TRUE(planner.ok()) << planner.status();
+  // This test is the other process: it holds the data set's lock throughout.
+  const int fd = ::open((dir / ".hetpar-synth.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  absl::Status prepared = absl::UnknownError("not run");
+  absl::Notification done;
+  std::thread preparing([&] {
+    prepared = (*planner)->Prepare();
+    done.Notify();
+  });
+  (*planner)->CancelPreparation();
+  const bool ended = done.WaitForNotificationWithTimeout(absl::Seconds(60));
+  ::close(fd);  // if it still waits, it generates the data set now and returns
+  preparing.join();
+  EXPECT_TRUE(ended) << "Prepare still waited 60 s after CancelPreparation";
+  EXPECT_EQ(prepared.code(), absl::StatusCode::kCancelled) << prepared;
+  EXPECT_THAT(std::string(prepared.message()),
+              HasSubstr("stopped waiting for another process to generate the synthetic data set"));
+  EXPECT_FALSE(std::filesystem::exists(dir / "train.jsonl"));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -22,9 +22,10 @@ plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t pos
   return d;
 }
 
-absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v1::RunSpec& spec) {
+absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v1::RunSpec& spec,
+                                                                 const std::atomic<bool>* cancel) {
   data::SynthReport report;
-  HETPAR_ASSIGN_OR_RETURN(bool generated, data::EnsureSyntheticDataset(spec, &report));
+  HETPAR_ASSIGN_OR_RETURN(bool generated, data::EnsureSyntheticDataset(spec, &report, cancel));
   if (generated) {
     HETPAR_LOG(INFO) << "generated the synthetic data set: " << report.train_samples
                      << " training and " << report.val_samples << " validation samples, "

@@ -7,6 +7,7 @@
 #ifndef HETPAR_COMMON_DATA_BATCH_SOURCE_H_
 #define HETPAR_COMMON_DATA_BATCH_SOURCE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -32,8 +33,9 @@ struct GlobalBatch {
 class BatchSource {
  public:
   // Generates the synthetic data set when the spec names one that is absent, opens the training
-  // split and loads (or builds) its index.
-  static absl::StatusOr<std::unique_ptr<BatchSource>> Create(const hetpar::v1::RunSpec& spec);
+  // split and loads (or builds) its index. `cancel`: see EnsureSyntheticDataset.
+  static absl::StatusOr<std::unique_ptr<BatchSource>> Create(
+      const hetpar::v1::RunSpec& spec, const std::atomic<bool>* cancel = nullptr);
   BatchSource(const BatchSource&) = delete;
   BatchSource& operator=(const BatchSource&) = delete;
 

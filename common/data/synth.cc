@@ -157,7 +157,8 @@ absl::Status CheckOptions(const SynthOptions& o) {
 // user's, in a directory shared for writing), generation goes on without it.
 class SynthLock {
  public:
-  static absl::StatusOr<SynthLock> Take(const std::string& train_manifest) {
+  static absl::StatusOr<SynthLock> Take(const std::string& train_manifest,
+                                        const std::atomic<bool>* cancel = nullptr) {
     const fs::path dir = fs::absolute(fs::path(train_manifest)).parent_path();
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -178,6 +179,11 @@ class SynthLock {
       const int error = errno;
       if (error == EINTR) continue;
       if (error != EWOULDBLOCK) return unlocked("lock", error);
+      if (cancel != nullptr && cancel->load(std::memory_order_acquire)) {
+        return absl::CancelledError(absl::StrCat(
+            "stopped waiting for another process to generate the synthetic data set of ",
+            train_manifest, " (", path, ")"));
+      }
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(
             "another process has held ", path, " for ", absl::FormatDuration(kSynthLockTimeout),
@@ -509,7 +515,8 @@ absl::StatusOr<SynthReport> GenerateSyntheticDatasetExclusively(const SynthOptio
   return GenerateSyntheticDataset(options);
 }
 
-absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, SynthReport* report) {
+absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, SynthReport* report,
+                                            const std::atomic<bool>* cancel) {
   if (spec.data().synth().samples() <= 0) return false;
   HETPAR_ASSIGN_OR_RETURN(SynthOptions options, SynthOptionsFromRunSpec(spec));
   HETPAR_ASSIGN_OR_RETURN(bool present, SyntheticDatasetPresent(spec));
@@ -518,7 +525,7 @@ absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, Syn
   // runs or jobs on a shared file system) can find the data set missing at once: one generates
   // it, the others wait for it and then use it. Two generating at once would remove each other's
   // images.
-  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
+  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest, cancel));
   HETPAR_ASSIGN_OR_RETURN(present, SyntheticDatasetPresent(spec));
   if (present) return false;
   HETPAR_LOG(INFO) << "generating the synthetic data set " << options.train_manifest << " ("

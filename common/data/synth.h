@@ -17,6 +17,7 @@
 #define HETPAR_COMMON_DATA_SYNTH_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -128,8 +129,11 @@ absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec);
 // The training runtime's entry point: when data.synth.samples > 0 and the manifest, the
 // validation manifest or the tokenizer is missing, generates the data set the RunSpec names.
 // Returns whether it generated (false: the files were all present, nothing was touched).
+// `cancel`, when given, ends a wait for another process's generation with Cancelled once it is
+// set (a coordinator shutting down does not wait for it).
 absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec,
-                                            SynthReport* report = nullptr);
+                                            SynthReport* report = nullptr,
+                                            const std::atomic<bool>* cancel = nullptr);
 
 }  // namespace hetpar::data
 
