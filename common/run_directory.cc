@@ -5,11 +5,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
@@ -36,37 +38,13 @@ std::optional<int64_t> StepOfLine(const std::string& line, bool pool_changes = f
   return (*holder)["step"].get<int64_t>();
 }
 
-// Takes `path`/.lock, and writes this process's pid into it for the message of one refused.
-// Returns the open lock file (its flock held), or -1 where the file system has no locks.
+// Takes `path`/.lock for a run directory: its descriptor, or -1 where the file system has no locks.
 absl::StatusOr<int> Lock(const std::string& path) {
-  const std::string lock = path + "/.lock";
-  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", lock));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int error = errno;
-    if (error != EWOULDBLOCK) {
-      ::close(fd);
-      HETPAR_LOG(WARNING) << "cannot lock " << lock << " (" << std::strerror(error)
-                          << "): nothing keeps another process from using the run directory "
-                             "at the same time";
-      return -1;
-    }
-    char holder[32] = {};
-    const ssize_t n = ::pread(fd, holder, sizeof(holder) - 1, 0);
-    ::close(fd);
-    std::string pid = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "";
-    pid.erase(std::remove(pid.begin(), pid.end(), '\n'), pid.end());
-    return absl::FailedPreconditionError(absl::StrCat(
-        "run directory ", path, " is in use by another hetpar process",
-        pid.empty() ? "" : " (pid " + pid + ")",
-        ": wait for it to end, or give this run another directory (run.out_dir, --out)"));
-  }
-  const std::string pid = absl::StrCat(::getpid(), "\n");
-  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
-    HETPAR_LOG(WARNING) << "cannot write this process's pid into " << lock << ": "
-                        << std::strerror(errno);
-  }
-  return fd;
+  absl::StatusOr<std::unique_ptr<DirectoryLock>> lock = DirectoryLock::Take(
+      path, ".lock", "run directory",
+      "wait for it to end, or give this run another directory (run.out_dir, --out)");
+  if (!lock.ok()) return lock.status();
+  return (*lock)->Release();
 }
 
 // The directory and log/, locked (the lock file's descriptor, or -1), then config.yaml.
@@ -90,6 +68,51 @@ absl::StatusOr<int> Prepare(const std::string& path, const hetpar::v1::RunSpec& 
 }
 
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<DirectoryLock>> DirectoryLock::Take(const std::string& dir,
+                                                                   const std::string& file,
+                                                                   const std::string& what,
+                                                                   const std::string& remedy,
+                                                                   const std::string& holder) {
+  const std::string lock = dir + "/" + file;
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot open ", lock));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error != EWOULDBLOCK) {
+      ::close(fd);
+      HETPAR_LOG(WARNING) << "cannot lock " << lock << " (" << std::strerror(error)
+                          << "): nothing keeps another process from using the " << what
+                          << " at the same time";
+      return std::unique_ptr<DirectoryLock>(new DirectoryLock(-1));
+    }
+    // The holder's first line: "pid N", and what else it wrote.
+    char text[512] = {};
+    const ssize_t n = ::pread(fd, text, sizeof(text) - 1, 0);
+    ::close(fd);
+    std::string who = n > 0 ? std::string(text, static_cast<size_t>(n)) : "";
+    who = who.substr(0, who.find('\n'));
+    who.erase(std::remove_if(who.begin(), who.end(),
+                             [](char c) { return !std::isprint(static_cast<unsigned char>(c)); }),
+              who.end());
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " ", dir, " is in use by another hetpar process",
+                     who.empty() ? "" : " (" + who + ")", ": ", remedy));
+  }
+  const std::string line =
+      absl::StrCat("pid ", ::getpid(), holder.empty() ? "" : ", ", holder, "\n");
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, line.data(), line.size(), 0) < 0) {
+    HETPAR_LOG(WARNING) << "cannot write this process's pid into " << lock << ": "
+                        << std::strerror(errno);
+  }
+  return std::unique_ptr<DirectoryLock>(new DirectoryLock(fd));
+}
+
+DirectoryLock::~DirectoryLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
+}
+
+int DirectoryLock::Release() { return std::exchange(fd_, -1); }
 
 absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
     const std::string& path, const hetpar::v1::RunSpec& spec) {

@@ -22,6 +22,30 @@
 
 namespace hetpar {
 
+// An flock on a file in a directory, held while the object lives: one hetpar process at a time
+// uses the directory (a run directory, a checkpoint.dir). The file holds the holder's "pid N" and
+// what it adds, which a refused process's message names.
+class DirectoryLock {
+ public:
+  // Takes `dir`/`file` (`dir` must exist). Another process holding it: FailedPrecondition,
+  // "<what> <dir> is in use by another hetpar process (pid N, <holder>): <remedy>". A file
+  // system without locks: a warning, and a lock that holds nothing.
+  static absl::StatusOr<std::unique_ptr<DirectoryLock>> Take(const std::string& dir,
+                                                             const std::string& file,
+                                                             const std::string& what,
+                                                             const std::string& remedy,
+                                                             const std::string& holder = "");
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+  // The open lock file (-1: none), which the caller now owns and closes to release the lock.
+  int Release();
+
+ private:
+  explicit DirectoryLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
 class RunDirectory {
  public:
   // Both hold `path`/.lock (flock) while the RunDirectory lives: another process's Create or

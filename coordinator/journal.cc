@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/config/config.h"
+#include "common/logging.h"
 #include "coordinator/run_controller.h"
 #include "nlohmann/json.hpp"
 
@@ -143,6 +144,22 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   return std::optional<Journal>(std::move(journal));
 }
 
+absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec) {
+  const std::string& dir = spec.checkpoint().dir();
+  if (dir.empty()) return nullptr;
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot create checkpoint.dir '", dir, "': ", error.message()));
+  }
+  return DirectoryLock::Take(
+      dir, ".hetpar-checkpoint.lock", "checkpoint.dir",
+      "two runs writing one checkpoint.dir would overwrite and prune each other's checkpoints; "
+      "wait for that run to end, or give this run another checkpoint.dir",
+      absl::StrCat("run directory ", spec.run().out_dir()));
+}
+
 absl::Status CheckCheckpointDirForNewRun(const v1::RunSpec& spec) {
   const std::string& dir = spec.checkpoint().dir();
   const std::optional<FoundCheckpoint> newest = NewestCompleteCheckpoint(dir);
@@ -179,7 +196,14 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
     if (name.rfind(kStepPrefix, 0) != 0) continue;
     absl::StatusOr<config::CheckpointSummary> summary =
         config::ReadCheckpointSummary(entry.path().string());
-    if (!summary.ok()) continue;  // incomplete, or not a checkpoint
+    if (!summary.ok()) {
+      // Incomplete, or not a checkpoint; one that cannot be read is passed over, saying so.
+      if (!absl::IsNotFound(summary.status()) && !absl::IsDataLoss(summary.status())) {
+        HETPAR_LOG(WARNING) << "passing over " << entry.path().string() << ": "
+                            << summary.status().message();
+      }
+      continue;
+    }
     if (summary->step > at_most) continue;
     if (!run.empty() && !summary->run.empty() && summary->run != run) continue;
     if (std::find(foreign.begin(), foreign.end(),

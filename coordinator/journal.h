@@ -21,12 +21,14 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/run_directory.h"
 #include "hetpar/v1/coordinator.pb.h"
 #include "hetpar/v1/run_spec.pb.h"
 
@@ -96,6 +98,13 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
 // that step finds them (Journal::foreign_checkpoints).
 std::vector<CheckpointWrite> CompleteCheckpointsAfter(const std::string& checkpoint_dir,
                                                       int64_t after);
+
+// Claims the RunSpec's checkpoint.dir for this process's run while the returned lock lives (an
+// flock on `.hetpar-checkpoint.lock` in it, created with the directory; nullptr without a
+// checkpoint.dir). Two live runs writing one checkpoint.dir (a sweep of one config over several
+// run directories) would overwrite and prune each other's checkpoints: the second is refused
+// with FailedPrecondition naming the first's pid and run directory.
+absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec);
 
 // A run started afresh (not continued from its journal) writes into checkpoint.dir only when the
 // directory holds no complete checkpoint, or when the run resumes from one of them: the

@@ -4,6 +4,8 @@
 // entries of checkpoint.dir.
 #include "coordinator/journal.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -457,6 +459,36 @@ TEST_F(JournalTest, ForeignCheckpointsAndFirstStepRoundTripAndAreOptional) {
     EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << bad;
     EXPECT_THAT(std::string(status.message()), HasSubstr("\"foreign_checkpoints\"")) << bad;
   }
+}
+
+// Two live runs never write one checkpoint.dir: the second's claim is refused, naming the
+// first's pid and run directory, until the first ends.
+TEST_F(JournalTest, ASecondRunCannotClaimACheckpointDirInUse) {
+  v1::RunSpec first;
+  first.mutable_run()->set_out_dir(dir_ + "/runs/lr-1e-4");
+  first.mutable_checkpoint()->set_dir(dir_ + "/ckpt");
+  v1::RunSpec second = first;
+  second.mutable_run()->set_out_dir(dir_ + "/runs/lr-3e-4");
+  absl::StatusOr<std::unique_ptr<DirectoryLock>> held = ClaimCheckpointDir(first);
+  ASSERT_TRUE(held.ok()) << held.status();
+  ASSERT_NE(*held, nullptr);
+  EXPECT_TRUE(fs::is_directory(dir_ + "/ckpt"));  // created with its claim
+  const absl::StatusOr<std::unique_ptr<DirectoryLock>> refused = ClaimCheckpointDir(second);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr(absl::StrFormat("checkpoint.dir %s/ckpt is in use by another hetpar "
+                                        "process (pid %d, run directory %s/runs/lr-1e-4): two "
+                                        "runs writing one checkpoint.dir",
+                                        dir_, ::getpid(), dir_)));
+  held->reset();  // the first run ends
+  const absl::StatusOr<std::unique_ptr<DirectoryLock>> after = ClaimCheckpointDir(second);
+  EXPECT_TRUE(after.ok()) << after.status();
+  // Without a checkpoint.dir there is nothing to claim.
+  v1::RunSpec none;
+  const absl::StatusOr<std::unique_ptr<DirectoryLock>> nothing = ClaimCheckpointDir(none);
+  ASSERT_TRUE(nothing.ok());
+  EXPECT_EQ(*nothing, nullptr);
 }
 
 }  // namespace

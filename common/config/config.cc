@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/errno_status.h"
 #include "common/plan/step_plan.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
@@ -664,6 +665,12 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
   }
   std::ifstream in(path);
   if (!in) {
+    const int open_error = errno;
+    if (open_error != ENOENT && open_error != ENOTDIR && open_error != 0) {
+      // Permissions, an I/O error, a stale NFS handle: not an incomplete checkpoint, which a
+      // restart would pass over for an older one.
+      return ErrnoStatus(open_error, absl::StrCat("cannot read checkpoint manifest '", path, "'"));
+    }
     return absl::NotFoundError(
         absl::StrCat("no complete checkpoint: '", path,
                      "' does not exist (expected a step-NNNNNN directory of checkpoint.dir)"));

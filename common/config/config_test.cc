@@ -389,6 +389,15 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   const std::string step4 = (dir / "step-000004").string();
   ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0,
               "no complete checkpoint: '" + step4 + "/manifest.json' does not exist");
+  // A manifest that cannot be read is not taken for a missing one.
+  fs::create_directories(dir / "step-000006");
+  fs::create_symlink("manifest.json", dir / "step-000006" / "manifest.json");  // a loop: ELOOP
+  const absl::StatusOr<CheckpointSummary> unreadable =
+      ReadCheckpointSummary((dir / "step-000006").string());
+  EXPECT_EQ(unreadable.status().code(), absl::StatusCode::kUnavailable) << unreadable.status();
+  EXPECT_THAT(std::string(unreadable.status().message()),
+              HasSubstr("cannot read checkpoint manifest '" + (dir / "step-000006").string() +
+                        "/manifest.json': Too many levels of symbolic links"));
   std::ofstream(dir / "step-000004" / "manifest.json") << "{\"format\": 1}";
   ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0, "is not a checkpoint manifest");
   std::ofstream(dir / "step-000004" / "manifest.json")

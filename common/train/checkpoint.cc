@@ -1295,6 +1295,21 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
       remove = newest_complete.has_value() && dir.step < *newest_complete;
     }
     if (!remove) continue;
+    if (dir.complete) {
+      // The manifest goes first, durably: a removal cut short (the process killed, a file that
+      // cannot be unlinked) leaves an incomplete checkpoint, never one that looks complete
+      // without its shards.
+      // (ENOENT: another writer of the same checkpoint prunes too, and got there first.)
+      if (::unlink(JoinPath(dir.path.string(), kManifest).c_str()) == 0) {
+        if (absl::Status synced = SyncDirectory(dir.path.string());
+            !synced.ok() && fs::exists(dir.path, error)) {
+          return Annotate(synced, absl::StrCat("removing checkpoint ", dir.path.string()));
+        }
+        error.clear();
+      } else if (errno != ENOENT) {
+        return ErrnoStatus(errno, absl::StrCat("removing checkpoint ", dir.path.string()));
+      }
+    }
     fs::remove_all(dir.path, error);
     // Another writer that completed the same checkpoint may be pruning too: what it removed
     // first is simply gone.

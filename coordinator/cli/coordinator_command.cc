@@ -143,6 +143,14 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   const v1::RunSpec& spec = loaded->spec;
   const std::string out_dir = spec.run().out_dir();
+  // Held until this coordinator ends, before anything reads checkpoint.dir: no other live run
+  // writes there (a coordinator lost mid-run no longer holds it).
+  absl::StatusOr<std::unique_ptr<DirectoryLock>> checkpoint_claim =
+      coordinator::ClaimCheckpointDir(spec);
+  if (!checkpoint_claim.ok()) {
+    std::cerr << "hetpar: " << checkpoint_claim.status().message() << "\n";
+    return absl::IsFailedPrecondition(checkpoint_claim.status()) ? kExitInvalidInput : kExitFailure;
+  }
 
   // A journal of an unfinished run in the run directory: its coordinator was lost; continue the
   // run from the newest complete checkpoint (coordinator/journal.h).

@@ -223,6 +223,13 @@ void PrintEvaluation(const std::string& eval_line) {
 int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   const std::string out_dir = spec.run().out_dir();
   const bool colocated = spec.placement() == v1::PLACEMENT_COLOCATED;
+  // Held until the run ends: no other live run writes into checkpoint.dir.
+  absl::StatusOr<std::unique_ptr<DirectoryLock>> checkpoint_claim =
+      coordinator::ClaimCheckpointDir(spec);
+  if (!checkpoint_claim.ok()) {
+    std::cerr << "hetpar run: " << checkpoint_claim.status().message() << "\n";
+    return absl::IsFailedPrecondition(checkpoint_claim.status()) ? kExitInvalidInput : kExitFailure;
+  }
   if (absl::Status s = coordinator::CheckCheckpointDirForNewRun(spec); !s.ok()) {
     std::cerr << "hetpar run: " << s.message() << "\n";
     return kExitInvalidInput;

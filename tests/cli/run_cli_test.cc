@@ -1,6 +1,8 @@
 // `hetpar run` as a user pipes it into a log: one progress line every run.log_every steps (or
 // --log-every-seconds) and the last one, with the step, loss, token and FLOP rates.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -252,6 +254,46 @@ TEST(CliRunTest, NcclWithFewerGpusThanWorkersIsRefusedBeforeAnyWorkerStarts) {
   for (const auto& entry : std::filesystem::directory_iterator(dir + "/run/log", error)) {
     ADD_FAILURE() << "a worker started: " << entry.path();
   }
+  std::filesystem::remove_all(dir);
+}
+
+// A run whose checkpoint.dir another live run writes (a sweep of one config over several run
+// directories) is refused before it starts, naming the other; `hetpar coordinator` too.
+TEST(CliRunTest, ACheckpointDirThatAnotherRunWritesIsRefused) {
+  char pattern[] = "/tmp/hetpar-run-claim-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  std::filesystem::create_directories(dir + "/ckpt");
+  // The other run: its claim held here, as its process holds it.
+  const int fd =
+      ::open((dir + "/ckpt/.hetpar-checkpoint.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  const std::string holder = "pid 4242, run directory /runs/lr-1e-4\n";
+  ASSERT_EQ(::write(fd, holder.data(), holder.size()), static_cast<ssize_t>(holder.size()));
+  const std::vector<std::string> settings = {
+      "--set", "checkpoint.dir=" + dir + "/ckpt",
+      "--set", "data.manifest=" + dir + "/data/train.jsonl",
+      "--set", "data.val_manifest=" + dir + "/data/val.jsonl",
+      "--set", "data.tokenizer=" + dir + "/data/tokenizer.model"};
+  std::vector<std::string> run = {kBin,    "run",       "--config", kSource + "/configs/tiny.yaml",
+                                  "--out", dir + "/run"};
+  std::vector<std::string> coordinator = {
+      kBin,    "coordinator", "--config", kSource + "/configs/tiny.yaml",
+      "--out", dir + "/run2", "--listen", "127.0.0.1:0"};
+  for (std::vector<std::string>* argv : {&run, &coordinator}) {
+    argv->insert(argv->end(), settings.begin(), settings.end());
+    auto r = RunCommand(*argv, 120);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 2) << (*argv)[1] << ": " << r->stderr_text;
+    EXPECT_THAT(r->stderr_text,
+                HasSubstr("checkpoint.dir " + dir +
+                          "/ckpt is in use by another hetpar process "
+                          "(pid 4242, run directory /runs/lr-1e-4): two runs writing one "
+                          "checkpoint.dir would overwrite and prune each other's checkpoints"))
+        << (*argv)[1];
+    EXPECT_FALSE(std::filesystem::exists(dir + "/data/train.jsonl")) << (*argv)[1];
+  }
+  ::close(fd);
   std::filesystem::remove_all(dir);
 }
 
