@@ -18,6 +18,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/data/file_util.h"
+#include "common/json_depth.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
@@ -485,12 +486,24 @@ std::string Show(const Json& value) {
 }
 
 // `what` names the file in messages ("tokenizer /x/tokenizer.json").
+// Nested past kMaxJsonDepth: refused, since printing a value of it in a message would overflow
+// the stack.
 absl::StatusOr<Json> ParseJson(std::string_view text, const std::string& what) {
+  bool too_deep = false;
+  Json parsed;
   try {
-    return Json::parse(text.begin(), text.end());
+    parsed =
+        Json::parse(text.begin(), text.end(), [&too_deep](int depth, Json::parse_event_t, Json&) {
+          return WithinJsonDepth(depth, &too_deep);
+        });
   } catch (const Json::exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(what, " is not valid JSON: ", e.what()));
   }
+  if (too_deep) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " nests JSON values deeper than ", kMaxJsonDepth, " levels"));
+  }
+  return parsed;
 }
 
 const Json* Member(const Json& object, const char* key) {

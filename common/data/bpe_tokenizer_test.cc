@@ -406,6 +406,20 @@ TEST_F(BpeTokenizerFileTest, MalformedJsonNamesTheFile) {
   EXPECT_THAT(t.status().message(), HasSubstr("not valid JSON"));
 }
 
+// A value nested 100000 levels deep parses, but printing it in a message would overflow the stack:
+// the file is refused before.
+TEST_F(BpeTokenizerFileTest, DeeplyNestedJsonIsRefusedNotPrinted) {
+  Json j = HandMade();
+  j.erase("normalizer");
+  std::string text = j.dump();
+  text.insert(1, "\"normalizer\": " + std::string(100000, '[') + std::string(100000, ']') + ", ");
+  const std::string path = Write("tokenizer.json", text);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Load(path);
+  ASSERT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << t.status();
+  EXPECT_THAT(t.status().message(), HasSubstr(path));
+  EXPECT_THAT(t.status().message(), HasSubstr("nests JSON values deeper than 64 levels"));
+}
+
 TEST_F(BpeTokenizerFileTest, RefusesWhatItDoesNotImplementNamingKeyAndValue) {
   struct Case {
     std::function<void(Json&)> edit;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/atomic_file.h"
 #include "common/config/config.h"
 #include "common/data/file_util.h"
 #include "common/data/index.h"
@@ -418,6 +419,25 @@ absl::StatusOr<SynthReport> GenerateSyntheticDataset(const SynthOptions& options
          options.val_index.empty() ? options.val_manifest + ".index" : options.val_index,
          options.val_samples,
          {}});
+  }
+
+  // A data set being replaced (--force, or one found incomplete) has no manifest from here until
+  // the new one is whole: one cut short (Ctrl-C, a crash) is taken for missing and generated
+  // again, never used with the old captions naming the new images.
+  for (const Split& split : splits) {
+    bool removed = false;
+    for (const std::string& path : {split.manifest, split.index}) {
+      std::error_code ec;
+      removed = fs::remove(path, ec) || removed;
+      if (ec) {
+        return absl::PermissionDeniedError(
+            absl::StrCat("cannot remove '", path, "' to replace it: ", ec.message()));
+      }
+    }
+    if (removed) {
+      HETPAR_RETURN_IF_ERROR(
+          SyncDirectory(fs::absolute(fs::path(split.manifest)).parent_path().string()));
+    }
   }
 
   // Samples and their images.

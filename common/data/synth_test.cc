@@ -174,6 +174,29 @@ TEST(SynthTest, GeneratesALoadableDataSetDeterministically) {
   fs::remove_all(b);
 }
 
+// A regeneration cut short (here: its tokenizer cannot be written, after the new images were)
+// leaves no manifest behind: the next start generates the data set again instead of training the
+// old captions against the new images.
+TEST(SynthTest, ARegenerationCutShortLeavesNoManifestOfTheOldDataSet) {
+  const std::string dir = TempDir();
+  SynthOptions o = SynthOptionsForDirectory(dir);
+  o.samples = 16;
+  o.val_samples = 4;
+  o.seed = 5;
+  ASSERT_TRUE(GenerateSyntheticDataset(o).ok());
+  ASSERT_TRUE(fs::exists(dir + "/train.jsonl"));
+  o.seed = 8;                                      // other scenes in the same image files
+  fs::create_directories(dir + "/tokenizer-dir");  // a directory: the rename over it fails
+  o.tokenizer = dir + "/tokenizer-dir";
+  const absl::StatusOr<SynthReport> cut = GenerateSyntheticDataset(o);
+  ASSERT_FALSE(cut.ok());
+  for (const char* file :
+       {"/train.jsonl", "/train.jsonl.index", "/val.jsonl", "/val.jsonl.index"}) {
+    EXPECT_FALSE(fs::exists(dir + file)) << file;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(SynthTest, InvalidOptionsAreListed) {
   SynthOptions o = SynthOptionsForDirectory(TempDir());
   o.samples = 0;
