@@ -1,5 +1,6 @@
 // `hetpar deploy k8s|slurm`: render what a cluster needs to run a RunSpec (coordinator/deploy).
 
+#include <cctype>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -14,9 +15,32 @@
 #include "common/data/file_util.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/deploy/deploy.h"
+#include "yaml-cpp/yaml.h"
 
 namespace hetpar::cli {
 namespace {
+
+// The run token of a Secret `hetpar deploy k8s` rendered before ("" when there is no such file).
+absl::StatusOr<std::string> TokenOfRenderedSecret(const std::string& path) {
+  std::error_code error;
+  if (!std::filesystem::exists(path, error)) return std::string();
+  try {
+    const YAML::Node secret = YAML::LoadFile(path);
+    const YAML::Node data = secret.IsMap() ? secret["stringData"] : YAML::Node();
+    const YAML::Node token = data && data.IsMap() ? data["token"] : YAML::Node();
+    if (!token || !token.IsScalar()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, " holds no stringData.token; delete it to render the run with a new token"));
+    }
+    const std::string value = token.as<std::string>();
+    if (absl::Status valid = coordinator::ValidateToken(value, path); !valid.ok()) return valid;
+    return value;
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not the YAML of a Secret (", e.what(),
+                     "); delete it to render the run with a new token"));
+  }
+}
 
 struct DeployFlags {
   std::string config;
@@ -64,6 +88,21 @@ int Deploy(DeployFlags flags, bool kubernetes) {
       return kExitInvalidInput;
     }
     if (token->value.empty()) {
+      // Rendered again into the same directory: the Secret keeps its token. A new one, applied
+      // under a running run, would lock out every worker started after it (a rejoining replica,
+      // an evicted pod) and `hetpar status`.
+      absl::StatusOr<std::string> kept = TokenOfRenderedSecret(out + "/manifests/secret.yaml");
+      if (!kept.ok()) {
+        std::cerr << what << ": " << kept.status().message() << "\n";
+        return kExitInvalidInput;
+      }
+      if (!kept->empty()) {
+        token->value = *kept;
+        std::cout << "keeping the run token of " << out
+                  << "/manifests/secret.yaml (delete that file for a new one)\n";
+      }
+    }
+    if (token->value.empty()) {
       absl::StatusOr<std::string> fresh = coordinator::GenerateToken();
       if (!fresh.ok()) {
         std::cerr << what << ": " << fresh.status().message() << "\n";
@@ -74,6 +113,18 @@ int Deploy(DeployFlags flags, bool kubernetes) {
     options.token = token->value;
     files = deploy::RenderKubernetes(*loaded, options);
   } else {
+    // sbatch splits its #SBATCH --output directive at whitespace and takes quotes there as its
+    // own, and sbatch and srun expand '%' in --output paths (%j, %t): a run directory with any of
+    // them would send the logs elsewhere.
+    if (const size_t bad = out.find_first_of(" \t\n\r\"'\\%"); bad != std::string::npos) {
+      std::cerr << what << ": --out '" << out << "' has "
+                << (out[bad] == '%'                                      ? "'%'"
+                    : std::isspace(static_cast<unsigned char>(out[bad])) ? "whitespace"
+                                                                         : "a quote or backslash")
+                << ", which Slurm's #SBATCH --output and srun --output paths cannot carry; give "
+                   "the run a directory without whitespace, quotes, backslashes or '%'\n";
+      return kExitInvalidInput;
+    }
     options.run_dir = out;
     if (options.bin_dir.empty()) {
       options.bin_dir = std::filesystem::canonical("/proc/self/exe").parent_path().string();

@@ -150,32 +150,31 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
       "start_step() {  # NAME SRUN-ARGS...\n", "  local name=$1\n", "  shift\n",
       "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \\\n",
       "    --cpus-per-task=\"${SLURM_CPUS_PER_TASK:-", options.cpus_per_rank, "}\" \"$@\" &\n",
-      "  step_names[$!]=$name\n",
-      "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n",
+      "  step_names[$!]=$name\n", "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n",
       "# The run stops by itself near the job's time limit: STOP_BEFORE seconds before the end\n",
-      "# time squeue gives, the coordinator's step alone gets SIGTERM (scancel --signal), so that\n",
+      "# time squeue gives, the coordinator's step alone gets SIGTERM (scancel --signal), so "
+      "that\n",
       "# the step in flight commits with a checkpoint and the run stops; submitting the script\n",
       "# again continues it. (Slurm's own --signal would reach every srun too, and srun ends its\n",
-      "# step on SIGTERM.)\n",
-      "STOP_BEFORE=", options.stop_before_limit_s, "\n",
-      "stop_before_time_limit() {\n",
-      "  local end step\n",
+      "# step on SIGTERM.)\n", "STOP_BEFORE=", options.stop_before_limit_s, "\n",
+      "stop_before_time_limit() {\n", "  local end step\n",
       "  # (A heterogeneous job lists a line per component; they end together.)\n",
-      "  end=$(squeue -h -j \"$SLURM_JOB_ID\" -o %e 2>/dev/null | head -n 1)\n",
-      "  case \"$end\" in  # 2026-12-06T17:00:00; N/A, Unknown or nothing: no limit to stop before\n",
+      "  # (squeue fails while slurmctld is busy: tried again, not left to end this function.)\n",
+      "  for _ in 1 2 3 4 5; do\n",
+      "    end=$(squeue -h -j \"$SLURM_JOB_ID\" -o %e 2>/dev/null | head -n 1 || true)\n",
+      "    if [ -n \"$end\" ]; then break; fi\n", "    sleep 5\n", "  done\n",
+      "  case \"$end\" in  # 2026-12-06T17:00:00; N/A, Unknown or nothing: no limit to stop "
+      "before\n",
       "    [0-9][0-9][0-9][0-9]-*T*) end=$(date -d \"$end\" +%s) || return 0 ;;\n",
-      "    *) return 0 ;;\n",
-      "  esac\n",
+      "    *) return 0 ;;\n", "  esac\n",
       "  sleep $((end - STOP_BEFORE > $(date +%s) ? end - STOP_BEFORE - $(date +%s) : 0))\n",
       "  echo \"hetpar: the job is near its time limit: stopping the run after a checkpoint\"\n",
       "  for _ in 1 2 3 4 5 6 7 8 9 10; do\n",
       "    step=$(squeue -h --steps -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null |\n",
       "      awk '$2 == \"coordinator\" { print $1; exit }' || true)\n",
       "    if [ -n \"$step\" ] && scancel --signal=TERM \"$step\"; then return 0; fi\n",
-      "    sleep 3\n",
-      "  done\n",
-      "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n",
-      "}\n");
+      "    sleep 3\n", "  done\n",
+      "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n", "}\n");
   if (tiled) {
     absl::StrAppend(
         &s,
@@ -367,8 +366,9 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
                                " ranks), component 1 the LLM ranks (", job.llm_ranks,
                                ") and the coordinator. Submit with: sbatch ", options.run_dir,
                                "/hetpar-het.sbatch\n", CommonDirectives(job, options));
-  // A component's tasks: whole nodes, or a task count (the LLM's, with the coordinator's).
-  const auto component = [&](const NodeTiling& tiling, int64_t tasks) {
+  // A component's tasks: whole nodes, or a task count (the LLM's, with the coordinator's); its
+  // GPUs, one per worker rank (the coordinator's task takes none).
+  const auto component = [&](const NodeTiling& tiling, int64_t tasks, int64_t gpus) {
     std::string c;
     if (job.tiled()) {
       absl::StrAppend(&c, "#SBATCH --nodes=", tiling.nodes, "\n",
@@ -381,12 +381,12 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
     if (options.device == Device::kGpu) {
       absl::StrAppend(
           &c, job.tiled() ? absl::StrCat("#SBATCH --gpus-per-node=", tiling.tasks_per_node, "\n")
-                          : absl::StrCat("#SBATCH --gpus=", tasks, "\n"));
+                          : absl::StrCat("#SBATCH --gpus=", gpus, "\n"));
     }
     return c;
   };
-  absl::StrAppend(&s, component(job.encoder_nodes, job.encoder_ranks), "#SBATCH hetjob\n",
-                  component(job.llm_nodes, job.llm_ranks + 1));
+  absl::StrAppend(&s, component(job.encoder_nodes, job.encoder_ranks, job.encoder_ranks),
+                  "#SBATCH hetjob\n", component(job.llm_nodes, job.llm_ranks + 1, job.llm_ranks));
   absl::StrAppend(&s, "\n",
                   Prologue(options, config, "$SLURM_JOB_NODELIST_HET_GROUP_1", job.tiled()), "\n");
   absl::StrAppend(&s,

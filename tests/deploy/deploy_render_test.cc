@@ -323,6 +323,32 @@ TEST(DeployK8sTest, CheckpointsGoOnTheRunVolumeAndWorkersGetSharedMemory) {
   EXPECT_THAT(refused.stderr_text, HasSubstr("'lots' is not a Kubernetes quantity of bytes"));
 }
 
+// Rendered again into the same directory (other options for a running run), the Secret keeps its
+// token: a new one would lock out every worker started after `kubectl apply`. Without the file a
+// new token is made; a damaged file is refused, naming it.
+TEST(DeployK8sTest, RenderingAgainKeepsTheRunToken) {
+  Rendered first;
+  RenderK8s("tiny.yaml", &first);
+  const std::string token =
+      Named(first.objects, "Secret", "tiny-token")["stringData"]["token"].as<std::string>();
+  Rendered again;
+  std::filesystem::copy(first.dir.path() + "/manifests", again.dir.path() + "/manifests");
+  RenderK8s("tiny.yaml", &again, {"--shm-size", "2Gi"});
+  EXPECT_EQ(Named(again.objects, "Secret", "tiny-token")["stringData"]["token"].as<std::string>(),
+            token);
+  Rendered fresh;
+  RenderK8s("tiny.yaml", &fresh);
+  EXPECT_NE(Named(fresh.objects, "Secret", "tiny-token")["stringData"]["token"].as<std::string>(),
+            token);
+  std::ofstream(fresh.dir.path() + "/manifests/secret.yaml") << "kind: Secret\n";
+  const CommandResult damaged =
+      RunOk({kHetparBin, "deploy", "k8s", "--config", kSourceDir + "/configs/tiny.yaml", "--image",
+             "registry.example/hetpar:test", "--out", fresh.dir.path()});
+  EXPECT_EQ(damaged.exit_code, 2);
+  EXPECT_THAT(damaged.stderr_text, HasSubstr(fresh.dir.path() + "/manifests/secret.yaml holds no "
+                                                                "stringData.token; delete it"));
+}
+
 // With pipeline stages a pod still holds one DP replica, its containers that replica's ranks of
 // every stage: the workers get the layout's DP size and stage count to find their ranks
 // (worker::RankRequest).
@@ -513,6 +539,19 @@ TEST(DeploySlurmTest, OnGpusTheCoordinatorStepTakesNoGpu) {
                           "(.|\n)*start_step encoder [^\n]*--gpus-per-task=1 (.|\n)*"))
         << script;
   }
+  // Placed by task counts (--ranks-per-node 0), the heterogeneous job's LLM component holds the
+  // coordinator's task too, which takes no GPU: one GPU per worker rank (2 encoder, 2 LLM ranks),
+  // not per task.
+  ASSERT_EQ(RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+                   "--out", dir.File("counts"), "--interface", "lo", "--device", "gpu", "--set",
+                   "run.device=cuda", "--ranks-per-node", "0"})
+                .exit_code,
+            0);
+  const std::string het = ReadFile(dir.File("counts") + "/hetpar-het.sbatch");
+  EXPECT_THAT(het, ::testing::MatchesRegex("(.|\n)*#SBATCH --ntasks=3\n(.|\n)*"));
+  EXPECT_THAT(het,
+              ::testing::MatchesRegex("(.|\n)*--gpus=2\n#SBATCH hetjob\n(.|\n)*--gpus=2\n(.|\n)*"));
+  EXPECT_THAT(het, ::testing::Not(HasSubstr("--gpus=3")));
   // A metrics port that is the coordinator's own is refused here too.
   const CommandResult same_port =
       RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
@@ -527,6 +566,21 @@ TEST(DeploySlurmTest, OnGpusTheCoordinatorStepTakesNoGpu) {
             0);
   EXPECT_THAT(ReadFile(cpu.File("run") + "/hetpar.sbatch"),
               ::testing::Not(HasSubstr("--gres")));
+}
+
+// A run directory that #SBATCH --output and srun --output patterns cannot carry is refused when
+// rendered, not found out when the job's log goes elsewhere.
+TEST(DeploySlurmTest, ARunDirectoryWithWhitespaceOrPercentIsRefused) {
+  TempDir dir;
+  for (const std::string name : {"my runs", "run-%j", "it's"}) {
+    const CommandResult r =
+        RunOk({kHetparBin, "deploy", "slurm", "--config", kSourceDir + "/configs/tiny.yaml",
+               "--out", dir.File(name), "--interface", "lo"});
+    EXPECT_EQ(r.exit_code, 2) << name << ": " << r.stderr_text;
+    EXPECT_THAT(r.stderr_text, HasSubstr("--out '" + dir.File(name) + "' has ")) << name;
+    EXPECT_THAT(r.stderr_text, HasSubstr("Slurm's #SBATCH --output")) << name;
+    EXPECT_FALSE(std::filesystem::exists(dir.File(name))) << name;
+  }
 }
 
 // --ranks-per-node: whole nodes, each holding as many whole replicas as fit, the encoder's
