@@ -9,6 +9,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/nn/parameters.h"
 #include "common/status.h"
 
@@ -44,8 +45,16 @@ absl::StatusOr<ExecutionContext> ExecutionContext::FromSpec(const hetpar::v1::Ru
   // move and every tensor without an explicit device index land there.
   c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(gpu);
   UseIeeeFloat32OnCuda();
+  if (spec.llm().layout().cp() > 1) {
+    AvoidCudnnMaskedAttention();
+    HETPAR_LOG(INFO) << "cuDNN attention off for this context-parallel run: its masked backward "
+                        "can return NaN query gradients (pytorch/pytorch#196678); masked "
+                        "attention runs in the memory-efficient kernel";
+  }
   return ExecutionContext(gpu, dtype);
 }
+
+void AvoidCudnnMaskedAttention() { at::globalContext().setSDPUseCuDNN(false); }
 
 void UseIeeeFloat32OnCuda() {
   // The legacy setters keep libtorch's old and new precision settings in step.

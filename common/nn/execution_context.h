@@ -35,6 +35,14 @@ namespace hetpar::nn {
 // affected. ExecutionContext::FromSpec calls it for every CUDA context.
 void UseIeeeFloat32OnCuda();
 
+// Turns cuDNN's fused attention off for the whole process, so that scaled_dot_product_attention
+// with an explicit mask (context parallelism's causal masks) runs in the memory-efficient kernel:
+// cuDNN's masked backward returns NaN query gradients on H100/H200 when the key length is 64
+// modulo 128 and a row's scores are very low (pytorch/pytorch#196678, seen with torch 2.11 to
+// 2.13). ExecutionContext::FromSpec calls it for a CUDA context of a run with llm.layout.cp > 1,
+// the only one that passes masks.
+void AvoidCudnnMaskedAttention();
+
 class ExecutionContext {
  public:
   // run.device and run.dtype of `spec`; `cuda_index` is the GPU a "cuda" run uses (the worker's

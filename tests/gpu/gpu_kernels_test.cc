@@ -241,6 +241,58 @@ INSTANTIATE_TEST_SUITE_P(
                       AttentionCase{at::kBFloat16, 2, true, true}),
     AttentionCaseName);
 
+// Context parallelism's masked call where every score of a row is very low (its logsumexp below
+// ln(FLT_MIN), about -88.7): the case in which cuDNN's masked backward returns NaN query gradients
+// on H100/H200 (pytorch/pytorch#196678). A CP run's CUDA context turns cuDNN attention off
+// (nn::AvoidCudnnMaskedAttention), as this test does: the gradients stay finite and right.
+TEST_F(GpuTest, MaskedAttentionWithVeryLowScoresKeepsFiniteGradients) {
+  nn::AvoidCudnnMaskedAttention();
+  const int64_t n = 1, heads = 8, kv_heads = 2, head_dim = 64, keys = 192, chunk = keys / 4;
+  const int64_t queries = 2 * chunk;
+  const at::ScalarType dtype = at::kBFloat16;
+  at::Tensor q = Random({n, heads, queries, head_dim}, 21, dtype) * 0.1;
+  at::Tensor k = Random({n, kv_heads, keys, head_dim}, 22, dtype) * 0.1;
+  const at::Tensor v = Random({n, kv_heads, keys, head_dim}, 23, dtype);
+  const at::Tensor grad_out = Random({n, heads, queries, head_dim}, 24, dtype);
+  // Every score about -120: q[..., 0] = 1, k[..., 0] = -120 sqrt(d) (both exact in bfloat16).
+  q.select(3, 0).fill_(1.0);
+  k.select(3, 0).fill_(-120.0 * std::sqrt(static_cast<double>(head_dim)));
+  const at::Tensor query_pos =
+      at::cat({at::arange(0, chunk, at::kLong), at::arange(3 * chunk, 4 * chunk, at::kLong)});
+  const at::Tensor allowed = at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
+  at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
+  const at::Tensor want = nn::testing::ReferenceAttention(q64, k64, v64, false, allowed);
+  want.backward(grad_out.to(at::kDouble));
+
+  at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
+  const std::optional<at::Tensor> mask = allowed.to(TestDevice());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const bool expands = nn::ExpandsKvHeads(qd, kd, vd, mask, false, scale);
+  const int64_t choice =
+      expands ? at::_fused_sdp_choice(qd, nn::ExpandKvHeads(kd, heads),
+                                      nn::ExpandKvHeads(vd, heads), mask, 0.0, false, scale,
+                                      /*enable_gqa=*/false)
+              : at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, false, scale, /*enable_gqa=*/true);
+  std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";
+  EXPECT_NE(std::string(nn::SdpBackendName(choice)), "cudnn_attention");
+  const at::Tensor got = nn::GroupedQueryAttention(qd, kd, vd, mask, false, scale);
+  got.backward(grad_out.to(TestDevice()));
+  ASSERT_TRUE(qd.grad().defined() && kd.grad().defined() && vd.grad().defined());
+  for (const at::Tensor& grad : {qd.grad(), kd.grad(), vd.grad()}) {
+    EXPECT_TRUE(at::isfinite(grad).all().item<bool>());
+  }
+  // bfloat16 tolerances as above. dq's first column is left out: its true value is 0 (a row's
+  // score gradients sum to 0), and the -960 in every key's first component multiplies the
+  // rounding of that sum.
+  EXPECT_LT(RelativeError(got, want), 2e-2) << "output";
+  EXPECT_LT(
+      RelativeError(qd.grad().narrow(3, 1, head_dim - 1), q64.grad().narrow(3, 1, head_dim - 1)),
+      4e-2)
+      << "dq";
+  EXPECT_LT(RelativeError(kd.grad(), k64.grad()), 4e-2) << "dk";
+  EXPECT_LT(RelativeError(vd.grad(), v64.grad()), 4e-2) << "dv";
+}
+
 // ---- TP operators on a group of one ----
 
 // RmsNorm -> column-parallel linear -> LayerNorm -> row-parallel linear -> vocab-parallel cross

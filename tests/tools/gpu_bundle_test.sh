@@ -121,8 +121,8 @@ assert main["failed"] == 0 and main["passed"] + main["skipped"] > 10, main
 assert nccl["failed"] == 0 and 3 <= nccl["passed"] + nccl["skipped"] < main["passed"] + main["skipped"], nccl
 assert lines.index(nccl) > max(i for i, l in enumerate(lines) if l.get("bench") == "step")
 runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
-assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "cpu_float32_llm_tp2", "master_weights",
-                        "reference_float64_cpu"], sorted(runs)
+assert sorted(runs) == ["cpu_bfloat16", "cpu_float32", "cpu_float32_encoder_dp2",
+                        "cpu_float32_llm_tp2", "master_weights", "reference_float64_cpu"], sorted(runs)
 for name, run in runs.items():
     assert run["rc"] == 0, run
     if name not in ("reference_float64_cpu", "master_weights"):
@@ -158,7 +158,7 @@ assert summary["ctest_rc"] != 0 and summary["nccl_rc"] != 0 and summary["step_rc
 runs = {l["run"]: l for l in lines if l.get("check") == "cpu_train"}
 assert runs["reference_float64_cpu"]["rc"] == 124 and runs["cpu_float32"]["rc"] == 124, runs
 # The float32 run did not run: the later runs are left out, saying why, without trying.
-for name in ("cpu_bfloat16", "master_weights", "cpu_float32_llm_tp2"):
+for name in ("cpu_bfloat16", "master_weights", "cpu_float32_llm_tp2", "cpu_float32_encoder_dp2"):
     assert "rc" not in runs[name] and "cpu_float32 run failed" in runs[name]["not_run"], runs
 step = [l for l in lines if l.get("check") == "step_bench"]
 assert len(step) == 1 and "cpu_float32 run failed" in step[0]["not_run"], lines
@@ -168,8 +168,8 @@ EOF
 
 # ---- A GPU that libtorch does not see ----
 # nvidia-smi lists a GPU (here a stand-in on PATH for the host's) that torch cannot use (a driver
-# too old for its CUDA, say): the check fails, where it used to carry on as on a CPU machine and
-# end ok. (With --deadline 1 nothing else runs.)
+# too old for its CUDA, say): the check fails at once, naming the driver, where it used to carry on
+# as on a CPU machine and end ok.
 # (Only where torch sees no GPU, as the first check's gpu_present line says.)
 if grep -q '"check":"gpu_present",.*"torch_gpus":0}' "$work/check.jsonl"; then
 mkdir -p "$work/smi"
@@ -187,11 +187,13 @@ status=0
 PATH="$work/smi:$PATH" "$repo/tools/gpu-check" --bundle "$work/bundle" --no-train --deadline 1 \
   >"$work/unseen.jsonl" 2>"$work/unseen.log" || status=$?
 [ "$status" = 1 ] || fail "a listed GPU that torch cannot see: exit status $status, expected 1"
-grep -q "FAILED: nvidia-smi lists a GPU that libtorch did not use" "$work/unseen.log" ||
+grep -q "FAILED: NVIDIA driver 550.54.15 is older than 580, the oldest that runs CUDA 13" "$work/unseen.log" ||
   { tail -n 20 "$work/unseen.log" >&2; fail "a listed GPU that torch cannot see: not named as the failure"; }
+! grep -q '"check":"gpu_tests"' "$work/unseen.jsonl" ||
+  { cat "$work/unseen.jsonl" >&2; fail "a listed GPU that torch cannot see: the tests still ran"; }
 grep -q '"check":"gpu_present","nvidia_smi":true,"gpus":1,.*"driver":"550.54.15",.*"torch_gpus":0' \
   "$work/unseen.jsonl" || { cat "$work/unseen.jsonl" >&2; fail "gpu_present without the GPU, driver or torch's count"; }
-grep -q '"check":"gpu_check","ok":false,"gpu":false,"gpu_listed":true' "$work/unseen.jsonl" ||
+grep -q '"check":"gpu_check","ok":false,"failed_step":"gpu_present","gpu":false,"gpu_listed":true,"driver":"550.54.15"' "$work/unseen.jsonl" ||
   { cat "$work/unseen.jsonl" >&2; fail "the summary does not say a listed GPU went unused"; }
 fi
 
