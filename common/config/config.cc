@@ -698,6 +698,26 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
   if (extra.is_object() && extra.contains("run") && extra["run"].is_string()) {
     summary.run = extra["run"].get<std::string>();
   }
+  if (extra.is_object() && extra.contains("runspec") && extra["runspec"].is_string()) {
+    // The normalised YAML of the RunSpec it was written under (module_state.cc).
+    try {
+      const YAML::Node runspec = YAML::Load(extra["runspec"].get<std::string>());
+      const auto layers = [&runspec](const char* module) -> std::optional<int64_t> {
+        if (!runspec.IsMap() || !runspec[module] || !runspec[module].IsMap()) return std::nullopt;
+        const YAML::Node model = runspec[module]["model"];
+        if (!model || !model.IsMap() || !model["layers"] || !model["layers"].IsScalar()) {
+          return std::nullopt;
+        }
+        int64_t value = 0;
+        if (!absl::SimpleAtoi(model["layers"].Scalar(), &value) || value < 1) return std::nullopt;
+        return value;
+      };
+      summary.encoder_layers = layers("encoder");
+      summary.llm_layers = layers("llm");
+    } catch (const YAML::Exception&) {
+      // Not readable: the manifest does not say.
+    }
+  }
   if (extra.is_object() && extra.contains("data") && extra["data"].is_object()) {
     const nlohmann::json& data = extra["data"];
     const auto count = [&data](const char* key) -> int64_t {
@@ -1275,6 +1295,23 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                             " that checkpoint.resume_from='", s.checkpoint().resume_from(),
                             "' was trained with: the data order would change mid-epoch; resume "
                             "with run.seed=", *checkpoint->seed));
+      }
+      // A resume loads the checkpoint's parameters by name, layer by layer: a model of fewer
+      // layers would drop the others without a word.
+      if (checkpoint.ok()) {
+        for (const auto& [field, recorded, configured] :
+             {std::tuple<const char*, std::optional<int64_t>, int64_t>{
+                  "encoder.model.layers", checkpoint->encoder_layers, s.encoder().model().layers()},
+              {"llm.model.layers", checkpoint->llm_layers, s.llm().model().layers()}}) {
+          if (recorded.has_value() && *recorded != configured) {
+            c.Fail(field,
+                   absl::StrCat("=", configured, " differs from the ", *recorded,
+                                " layers of checkpoint.resume_from='", s.checkpoint().resume_from(),
+                                "': a resume continues the model the checkpoint holds; "
+                                "resume with ",
+                                field, "=", *recorded));
+          }
+        }
       }
     }
   } else if (!synth) {

@@ -107,6 +107,9 @@ struct CheckpointSummary {
   std::string run;               // run.name it was written by; empty: the manifest does not say
   uint64_t write_id = 0;         // the write's id (a new one each time a step is written); 0: none
   std::optional<CheckpointDataPosition> data;  // none: the manifest does not say
+  // encoder.model.layers and llm.model.layers of the RunSpec it was written under; none: the
+  // manifest does not say.
+  std::optional<int64_t> encoder_layers, llm_layers;
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

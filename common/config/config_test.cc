@@ -6,10 +6,12 @@
 #include <fstream>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace hetpar::config {
 namespace {
@@ -445,6 +447,29 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
       << R"({"index_samples": 16, "epoch": 2, "offset": 17}}})";
   EXPECT_FALSE(ReadCheckpointSummary(step4)->data.has_value());
   ExpectIssue(with_files(step4, 10), "run.seed", 0, "differs from the seed 99");
+  // Written for 4 LLM layers (kValid has 2): the resume would load layers 0 and 1 and drop the
+  // others without a word.
+  const auto with_runspec = [&](int encoder_layers, int llm_layers) {
+    const nlohmann::json manifest = {
+        {"format", 1},
+        {"step", 4},
+        {"extra",
+         {{"samples_trained", 32},
+          {"runspec", absl::StrCat("encoder:\n  model:\n    layers: ", encoder_layers,
+                                   "\nllm:\n  model:\n    layers: ", llm_layers, "\n")}}}};
+    std::ofstream(dir / "step-000004" / "manifest.json") << manifest.dump();
+  };
+  with_runspec(2, 4);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->llm_layers, 4);
+  EXPECT_EQ(ReadCheckpointSummary(step4)->encoder_layers, 2);
+  ExpectIssue(with_files(step4, 10), "llm.model.layers", 0,
+              "=2 differs from the 4 layers of checkpoint.resume_from='" + step4 +
+                  "': a resume continues the model the checkpoint holds; resume with "
+                  "llm.model.layers=4");
+  with_runspec(3, 2);
+  ExpectIssue(with_files(step4, 10), "encoder.model.layers", 0, "=2 differs from the 3 layers");
+  with_runspec(2, 2);
+  EXPECT_TRUE(with_files(step4, 10).ok());
   fs::remove_all(dir);
   // The spec of a run already under way (its evaluation reads its config.yaml): the checkpoint
   // it started from may be pruned by now; the field is dropped, not checked.
