@@ -144,12 +144,14 @@ absl::StatusOr<std::optional<Journal>> ReadJournal(const std::string& run_dir) {
   return std::optional<Journal>(std::move(journal));
 }
 
-absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec) {
+absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec,
+                                                                  bool create) {
   const std::string& dir = spec.checkpoint().dir();
   if (dir.empty()) return nullptr;
   std::error_code error;
-  std::filesystem::create_directories(dir, error);
-  if (error) {
+  if (!create) {
+    if (!std::filesystem::is_directory(dir, error)) return nullptr;
+  } else if (std::filesystem::create_directories(dir, error); error) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create checkpoint.dir '", dir, "': ", error.message()));
   }

@@ -100,11 +100,14 @@ std::vector<CheckpointWrite> CompleteCheckpointsAfter(const std::string& checkpo
                                                       int64_t after);
 
 // Claims the RunSpec's checkpoint.dir for this process's run while the returned lock lives (an
-// flock on `.hetpar-checkpoint.lock` in it, created with the directory; nullptr without a
-// checkpoint.dir). Two live runs writing one checkpoint.dir (a sweep of one config over several
-// run directories) would overwrite and prune each other's checkpoints: the second is refused
-// with FailedPrecondition naming the first's pid and run directory.
-absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec);
+// flock on `.hetpar-checkpoint.lock` in it; nullptr without a checkpoint.dir). `create`: a new
+// run creates the directory; a continued one claims it only where it exists (one not mounted
+// now must not be replaced by an empty directory). Two live runs writing one checkpoint.dir (a
+// sweep of one config over several run directories) would overwrite and prune each other's
+// checkpoints: the second is refused with FailedPrecondition naming the first's pid and run
+// directory.
+absl::StatusOr<std::unique_ptr<DirectoryLock>> ClaimCheckpointDir(const v1::RunSpec& spec,
+                                                                  bool create = true);
 
 // A run started afresh (not continued from its journal) writes into checkpoint.dir only when the
 // directory holds no complete checkpoint, or when the run resumes from one of them: the

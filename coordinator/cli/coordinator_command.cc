@@ -143,14 +143,6 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   const v1::RunSpec& spec = loaded->spec;
   const std::string out_dir = spec.run().out_dir();
-  // Held until this coordinator ends, before anything reads checkpoint.dir: no other live run
-  // writes there (a coordinator lost mid-run no longer holds it).
-  absl::StatusOr<std::unique_ptr<DirectoryLock>> checkpoint_claim =
-      coordinator::ClaimCheckpointDir(spec);
-  if (!checkpoint_claim.ok()) {
-    std::cerr << "hetpar: " << checkpoint_claim.status().message() << "\n";
-    return absl::IsFailedPrecondition(checkpoint_claim.status()) ? kExitInvalidInput : kExitFailure;
-  }
 
   // A journal of an unfinished run in the run directory: its coordinator was lost; continue the
   // run from the newest complete checkpoint (coordinator/journal.h).
@@ -173,6 +165,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   }
   journal.first_step = first_step;
   const bool restarted = previous->has_value() && (*previous)->Unfinished();
+  // Held until this coordinator ends, before anything reads checkpoint.dir: no other live run
+  // writes there (a coordinator lost mid-run no longer holds it). A continued run's directory is
+  // not created: one out of reach now is refused below.
+  absl::StatusOr<std::unique_ptr<DirectoryLock>> checkpoint_claim =
+      coordinator::ClaimCheckpointDir(spec, /*create=*/!restarted);
+  if (!checkpoint_claim.ok()) {
+    std::cerr << "hetpar: " << checkpoint_claim.status().message() << "\n";
+    return absl::IsFailedPrecondition(checkpoint_claim.status()) ? kExitInvalidInput : kExitFailure;
+  }
   const int64_t run_first_step = first_step;  // where the run itself started
   if (restarted) {
     const coordinator::Journal& lost = **previous;
