@@ -145,8 +145,11 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
   }
   absl::StrAppend(
       &s, "\n",
-      "# Every step in the background; the job ends when all are done, or at the first that\n",
-      "# fails, naming it.\n", "declare -A step_names=()\n",
+      "# Every step in the background; the job ends when all are done, or when the coordinator's\n",
+      "# step fails or a worker step refuses its flags or config (exit 2), naming it. A worker\n",
+      "# step whose tasks fail otherwise (a lost DP replica) is named, and the coordinator\n",
+      "# decides whether the run goes on without them (--kill-on-bad-exit=0: one task's failure\n",
+      "# does not end its step's other tasks).\n", "declare -A step_names=()\n",
       "start_step() {  # NAME SRUN-ARGS...\n", "  local name=$1\n", "  shift\n",
       "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \\\n",
       "    --cpus-per-task=\"${SLURM_CPUS_PER_TASK:-", options.cpus_per_rank, "}\" \"$@\" &\n",
@@ -242,10 +245,17 @@ while [ ${#step_names[@]} -gt 0 ]; do
   wait "$finished" || code=$?
   name=${step_names[$finished]}
   unset "step_names[$finished]"
-  if [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
+  if [ "$code" -ne 0 ] && [ "$status" -eq 0 ] &&
+    { [ "$name" = coordinator ] || [ "$code" -eq 2 ]; }; then
+    # The coordinator's verdict on the run, or a worker's refusal of its flags or config (exit
+    # 2): the job ends.
     echo "hetpar: job step '$name' failed with exit code $code (logs: $RUN_DIR/log/$name-*.log); ending the job" >&2
     status=1
     for pid in "${!step_names[@]}"; do kill "$pid" 2>/dev/null || true; done
+  elif [ "$code" -ne 0 ] && [ "$status" -eq 0 ]; then
+    # A worker step whose tasks ended with a failure (a lost DP replica's ranks exit 1): the
+    # coordinator decides whether the run goes on without them, and its step's end ends the job.
+    echo "hetpar: job step '$name' ended with exit code $code (logs: $RUN_DIR/log/$name-*.log); the coordinator decides whether the run goes on without its failed tasks" >&2
   elif [ "$status" -ne 0 ]; then
     echo "hetpar: job step '$name' ended (exit code $code)"
   else
@@ -342,17 +352,19 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
   const std::string arbitrary = job.tiled() ? " --distribution=arbitrary" : "";
   if (job.colocated) {
     absl::StrAppend(&s, TiledStep("colocated", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
-                    "start_step colocated --exact", arbitrary, " --ntasks=", job.llm_ranks,
-                    GpuFlag(options), " ", WorkerCommand("hetpar-llm", true, options), "\n");
+                    "start_step colocated --exact --kill-on-bad-exit=0", arbitrary,
+                    " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                    WorkerCommand("hetpar-llm", true, options), "\n");
   } else {
     absl::StrAppend(&s,
                     TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$encoder_nodes"),
-                    "start_step encoder --exact", arbitrary, " --ntasks=", job.encoder_ranks,
-                    GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
+                    "start_step encoder --exact --kill-on-bad-exit=0", arbitrary,
+                    " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
+                    WorkerCommand("hetpar-encoder", false, options), "\n");
     absl::StrAppend(&s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
-                    "start_step llm --exact", arbitrary, " --ntasks=", job.llm_ranks,
-                    GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm),
-                    "\n");
+                    "start_step llm --exact --kill-on-bad-exit=0", arbitrary,
+                    " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                    WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   }
   absl::StrAppend(&s, WaitLoop());
   return s;
@@ -399,12 +411,14 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
   absl::StrAppend(
       &s,
       TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_0"),
-      "start_step encoder --het-group=0 --exact", arbitrary, " --ntasks=", job.encoder_ranks,
-      GpuFlag(options), " ", WorkerCommand("hetpar-encoder", false, options), "\n");
-  absl::StrAppend(
-      &s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
-      "start_step llm --het-group=1 --exact", arbitrary, " --ntasks=", job.llm_ranks,
-      GpuFlag(options), " ", WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
+      "start_step encoder --het-group=0 --exact --kill-on-bad-exit=0", arbitrary,
+      " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
+      WorkerCommand("hetpar-encoder", false, options), "\n");
+  absl::StrAppend(&s,
+                  TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
+                  "start_step llm --het-group=1 --exact --kill-on-bad-exit=0", arbitrary,
+                  " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                  WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   absl::StrAppend(&s, WaitLoop());
   return s;
 }

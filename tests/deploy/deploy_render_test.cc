@@ -600,9 +600,16 @@ TEST(DeploySlurmTest, OnWholeNodesEachNodeHoldsWholeReplicas) {
   EXPECT_THAT(single, Not(HasSubstr("#SBATCH --ntasks=")));
   EXPECT_THAT(single, HasSubstr("encoder_nodes=$(IFS=,; echo \"${job_nodes[*]:0:2}\")"));
   EXPECT_THAT(single, HasSubstr("llm_nodes=$(IFS=,; echo \"${job_nodes[*]:2:1}\")"));
-  EXPECT_THAT(single, HasSubstr("write_hosts \"$RUN_DIR/hosts-encoder\" \"$encoder_nodes\" 2 3\n"
-                                "SLURM_HOSTFILE=\"$RUN_DIR/hosts-encoder\" start_step encoder "
-                                "--exact --distribution=arbitrary --ntasks=3 "));
+  EXPECT_THAT(single,
+              HasSubstr("write_hosts \"$RUN_DIR/hosts-encoder\" \"$encoder_nodes\" 2 3\n"
+                        "SLURM_HOSTFILE=\"$RUN_DIR/hosts-encoder\" start_step encoder "
+                        "--exact --kill-on-bad-exit=0 --distribution=arbitrary --ntasks=3 "));
+  // One worker task's failure does not end its step's other tasks (a lost DP replica is the
+  // coordinator's to judge); the coordinator's step has no such flag.
+  EXPECT_THAT(single, HasSubstr("start_step llm --exact --kill-on-bad-exit=0 "));
+  EXPECT_THAT(
+      single,
+      Not(::testing::MatchesRegex("(.|\n)*start_step coordinator [^\n]*kill-on-bad-exit(.|\n)*")));
   EXPECT_THAT(single, HasSubstr("write_hosts \"$RUN_DIR/hosts-llm\" \"$llm_nodes\" 2 2\n"));
   EXPECT_THAT(single, ::testing::MatchesRegex(
                           "(.|\n)*start_step coordinator [^\n]*--overlap [^\n]*(.|\n)*"));

@@ -14,6 +14,8 @@
 #   5. a run stopped by `hetpar stop`: the job completes and its log says the run stopped, not
 #      that it is done.
 #   6. a job near its time limit: the run stops after a checkpoint, and the job says so.
+#   7. an encoder task killed mid-run: its replica leaves, the run trains to its end on the
+#      other, and the job completes (the encoder step's failure is named, not fatal).
 # Usage: slurm_run_test.sh HETPAR_BIN_DIR REPO_ROOT. Exit 77 (skipped) without Slurm or root.
 set -euo pipefail
 
@@ -204,3 +206,35 @@ grep -Eq "hetpar: run stopped after [0-9]+ of 100000 steps" "$out" ||
 ls "$work"/run-limit/checkpoints/step-*/manifest.json >/dev/null 2>&1 ||
   fail "the run stopped for the time limit wrote no checkpoint"
 echo "slurm_run_test: time limit: job $job stopped the run after a checkpoint before its limit"
+
+# 7. An encoder task killed mid-run (as the kernel's OOM killer would): encoder replica 1 leaves,
+# the run goes on over replica 0 to its last step, and the job completes: the encoder step's
+# failure is named in the job's log but does not end the job (--kill-on-bad-exit=0 keeps the
+# step's other task, and the coordinator decides).
+render run-loss --set run.steps=60
+job=$(submit "$work/run-loss/hetpar.sbatch")
+for _ in $(seq 1 600); do
+  grep -q '"step":1' "$work/run-loss/metrics.jsonl" 2>/dev/null && break
+  squeue -h -j "$job" 2>/dev/null | grep -q . || fail "loss job $job ended before its second step"
+  sleep 0.5
+done
+# Encoder rank 1 of this job: its command line, and the run directory in its environment (other
+# tests may run encoders of their own meanwhile).
+victim=""
+for pid in $(pgrep -f "hetpar-encoder --rank 1$" || true); do
+  if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "HETPAR_OUT=$work/run-loss"; then
+    victim=$pid
+  fi
+done
+[ -n "$victim" ] || fail "no encoder task of rank 1 to kill in job $job"
+kill -KILL "$victim"
+"$here/local_slurm.sh" wait-job "$work/slurm" "$job" 600 ||
+  fail "job $job failed after losing an encoder task: $(tail -n 5 "$work/run-loss/slurm-$job.out")"
+out="$work/run-loss/slurm-$job.out"
+grep -q "hetpar: job step 'encoder' ended with exit code" "$out" ||
+  fail "the job's log does not name the encoder step's failure"
+grep -q "hetpar: run done" "$out" || fail "the job with a lost encoder task did not finish the run"
+grep -q '"step":59' "$work/run-loss/metrics.jsonl" || fail "the run lost its last steps"
+grep -q '"pool_change"' "$work/run-loss/metrics.jsonl" ||
+  fail "the run's metrics record no pool change for the lost replica"
+echo "slurm_run_test: lost encoder task: job $job completed over the other replica"
