@@ -2,6 +2,9 @@
 
 #include <zlib.h>
 
+#include <algorithm>
+#include <thread>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/data/synth.h"
@@ -37,6 +40,9 @@ absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v
   HETPAR_ASSIGN_OR_RETURN(source->loader_, data::DataLoader::Create(options));
   data::IndexBuildOptions build;
   build.verify_images = true;
+  // A missing or stale index is built once, decoding every image: on every core (at most 16),
+  // not one, as a run's processes wait for it (the result does not depend on the count).
+  build.threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
   HETPAR_ASSIGN_OR_RETURN(source->index_,
                           data::LoadOrBuildIndex(*source->loader_, spec.data().index(), build));
   if (source->index_.records.empty()) {

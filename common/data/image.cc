@@ -112,6 +112,22 @@ void JpegEmitMessage(j_common_ptr cinfo, int msg_level) {
   }
 }
 
+// A progressive JPEG may hold any number of scans, each a pass over the whole image: a file of a
+// few kilobytes can keep the decoder busy for minutes (libjpeg-turbo's LJT-01-003). Real encoders
+// write at most a few dozen; more than this is refused while the file is read.
+constexpr int kMaxJpegScans = 500;
+
+void JpegProgressMonitor(j_common_ptr cinfo) {
+  if (!cinfo->is_decompressor) return;
+  const auto* decompress = reinterpret_cast<j_decompress_ptr>(cinfo);
+  if (decompress->input_scan_number <= kMaxJpegScans) return;
+  auto* err = reinterpret_cast<JpegErrorManager*>(cinfo->err);
+  std::snprintf(err->message, sizeof(err->message),
+                "more than %d progressive scans (refused: each is a pass over the whole image)",
+                kMaxJpegScans);
+  std::longjmp(err->jump, 1);
+}
+
 // Returns 0 on success, 1 on a decoder error, 2 on bad dimensions (message in err->message).
 // `allocate` is called once with the dimensions and returns the RGB destination buffer.
 using JpegAllocate = uint8_t* (*)(void* context, int width, int height);
@@ -128,6 +144,10 @@ int DecodeJpegInto(const uint8_t* data, size_t size, JpegErrorManager* err, Jpeg
     return 1;
   }
   jpeg_create_decompress(&cinfo);
+  jpeg_progress_mgr progress;
+  std::memset(&progress, 0, sizeof(progress));
+  progress.progress_monitor = JpegProgressMonitor;
+  cinfo.progress = &progress;
   jpeg_mem_src(&cinfo, data, static_cast<unsigned long>(size));
   jpeg_read_header(&cinfo, TRUE);
   // Before jpeg_start_decompress, which allocates whole-image buffers for the declared size (a

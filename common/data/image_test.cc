@@ -204,11 +204,8 @@ int DecodeWithOneGiB(const std::string& bytes, const std::string& expected) {
   return 1;
 }
 
-// A progressive JPEG of a few hundred bytes declaring 40000 x 40000 pixels: refused from its
-// header, before libjpeg allocates whole-image coefficient buffers (about 9 GB here). The check
-// runs in a child with 1 GiB of address space, where an allocation that size fails.
-TEST(ImageTest, AnOversizedProgressiveJpegIsRefusedBeforeItsBuffersAreAllocated) {
-  const RgbImage image = Pattern(64, 64);
+// `image` as a progressive JPEG (jpeg_simple_progression: 10 scans).
+std::string ProgressiveJpeg(const RgbImage& image) {
   std::string jpeg;
   {
     jpeg_compress_struct cinfo;
@@ -234,6 +231,14 @@ TEST(ImageTest, AnOversizedProgressiveJpegIsRefusedBeforeItsBuffersAreAllocated)
     jpeg.assign(reinterpret_cast<char*>(out), out_size);
     std::free(out);
   }
+  return jpeg;
+}
+
+// A progressive JPEG of a few hundred bytes declaring 40000 x 40000 pixels: refused from its
+// header, before libjpeg allocates whole-image coefficient buffers (about 9 GB here). The check
+// runs in a child with 1 GiB of address space, where an allocation that size fails.
+TEST(ImageTest, AnOversizedProgressiveJpegIsRefusedBeforeItsBuffersAreAllocated) {
+  std::string jpeg = ProgressiveJpeg(Pattern(64, 64));
   // SOF2: FF C2, length (2), precision (1), height (2), width (2).
   const size_t sof = jpeg.find("\xff\xc2");
   ASSERT_NE(sof, std::string::npos) << "not progressive";
@@ -243,6 +248,27 @@ TEST(ImageTest, AnOversizedProgressiveJpegIsRefusedBeforeItsBuffersAreAllocated)
   }
   EXPECT_EXIT(std::_Exit(DecodeWithOneGiB(jpeg, "huge.jpg: 40000x40000")),
               ::testing::ExitedWithCode(0), "");
+}
+
+// A progressive JPEG whose last scan comes 600 times: each scan is a pass over the whole image,
+// so such a file of a few kilobytes could keep a decoder busy for minutes; refused past 500.
+TEST(ImageTest, AJpegOfTooManyScansIsRefused) {
+  const std::string jpeg = ProgressiveJpeg(Pattern(64, 64));
+  const size_t last_scan = jpeg.rfind("\xff\xda");
+  const size_t end = jpeg.rfind("\xff\xd9");
+  ASSERT_NE(last_scan, std::string::npos);
+  ASSERT_NE(end, std::string::npos);
+  ASSERT_LT(last_scan, end);
+  std::string many = jpeg.substr(0, end);
+  for (int i = 0; i < 600; ++i) many += jpeg.substr(last_scan, end - last_scan);
+  many += jpeg.substr(end);
+  const absl::StatusOr<RgbImage> decoded = DecodeImage(many, "scans.jpg");
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_EQ(decoded.status().code(), absl::StatusCode::kDataLoss) << decoded.status();
+  EXPECT_THAT(std::string(decoded.status().message()),
+              HasSubstr("scans.jpg: more than 500 progressive scans"));
+  // The file itself, with its 10 scans, decodes.
+  EXPECT_TRUE(DecodeImage(jpeg, "ten.jpg").ok());
 }
 
 TEST(ImageTest, UnknownFormatIsInvalidArgument) {
