@@ -2,6 +2,8 @@
 
 #include <httplib.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <string>
@@ -90,7 +92,13 @@ std::string RenderPrometheus(const v1::StatusResponse& s) {
   w.Family("hetpar_workers_expected", "gauge", "Workers the layouts call for.");
   w.Sample(static_cast<double>(s.expected_workers()));
 
-  w.Family("hetpar_steps_committed_total", "counter", "Committed steps.");
+  // A counter starts at 0 with its process: a coordinator restarted on its run directory (or a
+  // resumed run) counts from 0 again, which Prometheus reads as a reset, not as its resumed
+  // step's worth of commits. Where the run stands is hetpar_step.
+  w.Family("hetpar_steps_committed_total", "counter", "Steps this coordinator committed.");
+  w.Sample(static_cast<double>(std::max<int64_t>(0, s.committed_steps() - s.first_step())));
+  w.Family("hetpar_step", "gauge",
+           "Committed steps of the run (a resumed run starts at its checkpoint's step).");
   w.Sample(static_cast<double>(s.committed_steps()));
   w.Family("hetpar_steps_target", "gauge", "Steps the run trains (run.steps).");
   w.Sample(static_cast<double>(s.total_steps()));

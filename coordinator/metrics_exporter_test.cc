@@ -20,6 +20,7 @@ v1::StatusResponse SampleStatus() {
   s.set_state(v1::RUN_STATE_RUNNING);
   s.set_generation(1);
   s.set_committed_steps(7);
+  s.set_first_step(4);  // resumed from the checkpoint of step 4
   s.set_total_steps(100);
   s.set_aborted_steps(1);
   s.set_tokens_total(3500);
@@ -72,6 +73,9 @@ TEST(RenderPrometheusTest, LatestCommittedStepRatesAndTotals) {
   EXPECT_EQ(samples.at("hetpar_images_per_second{" + run + "}"), "20");
   EXPECT_EQ(samples.at("hetpar_tokens_total{" + run + "}"), "3500");
   EXPECT_EQ(samples.at("hetpar_steps_aborted_total{" + run + "}"), "1");
+  // The counter counts this coordinator's commits (3 since step 4); the gauge where the run is.
+  EXPECT_EQ(samples.at("hetpar_steps_committed_total{" + run + "}"), "3");
+  EXPECT_EQ(samples.at("hetpar_step{" + run + "}"), "7");
   EXPECT_EQ(samples.at("hetpar_run_state{" + run + ",state=\"running\"}"), "1");
   EXPECT_EQ(samples.at("hetpar_run_state{" + run + ",state=\"done\"}"), "0");
   EXPECT_EQ(samples.at("hetpar_workers{" + run + ",role=\"llm\",state=\"alive\"}"), "2");

@@ -104,6 +104,7 @@ absl::StatusOr<std::unique_ptr<RunController>> RunController::Create(
         config::ReadCheckpointSummary(spec.checkpoint().resume_from());
     if (!checkpoint.ok()) return checkpoint.status();
     controller->committed_steps_ = checkpoint->step;
+    controller->first_step_ = checkpoint->step;
   }
   // The encoder pool starts with encoder.initial_replicas of the layout's replicas; the others
   // are vacant until the pool grows (Scale).
@@ -1331,6 +1332,7 @@ v1::StatusResponse RunController::Status(absl::Time now) const {
   status.set_state_message(state_message_);
   status.set_generation(generation_);
   status.set_committed_steps(committed_steps_);
+  status.set_first_step(first_step_);
   status.set_total_steps(spec_.run().steps());
   status.set_step_in_flight(orchestrator_.in_flight() ? orchestrator_.step() : -1);
   status.set_expected_workers(membership_.expected_workers());

@@ -227,6 +227,7 @@ class RunController {
   absl::Time stop_deadline_ = absl::InfiniteFuture();
   std::vector<std::string> cut_at_stop_;  // see cut_at_stop()
   int64_t committed_steps_ = 0;
+  int64_t first_step_ = 0;  // committed_steps_ when this controller started (a resume's step)
   // A stop waiting for the step in flight, or for the next attempt of an aborted one, to commit
   // with a checkpoint (Stop with checkpoint).
   std::string stop_after_step_;

@@ -294,6 +294,10 @@ TEST_F(RunControllerTest, ARunContinuedFromItsLastStepsCheckpointStopsOnceEveryS
   spec.mutable_checkpoint()->set_resume_from(checkpoint);
   CreateWith(spec);
   std::filesystem::remove_all(std::filesystem::path(checkpoint).parent_path());
+  // It starts at the checkpoint's step, having committed none itself (hetpar_step and
+  // hetpar_steps_committed_total).
+  EXPECT_EQ(controller_->Status(kT0).committed_steps(), 2);
+  EXPECT_EQ(controller_->Status(kT0).first_step(), 2);
   for (v1::WorkerRole role : {v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
                               v1::WORKER_ROLE_LLM}) {
     ids_.push_back(Register(role));
