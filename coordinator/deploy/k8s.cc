@@ -222,7 +222,8 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
     // encoder pods' disruption budget counts on. In the container's own /tmp, not in a volume
     // of the pod: a container restarted after a crash must not find its predecessor's file and
     // be Ready before its worker has removed it. Probed every 2 s, and unready at the first
-    // miss, so that a worker that stopped training is not counted for long.
+    // miss, so that a worker that stopped training is not counted for long; an exec that a
+    // loaded node runs slowly has 5 s (the default, 1 s, would count it as a miss).
     const std::string name = absl::StrCat("rank-", local);
     env.push_back(EnvValue("HETPAR_READY_FILE", kReadyFile));
     containers.push_back({{"name", name},
@@ -233,6 +234,7 @@ Json WorkerStatefulSet(const Names& n, const std::string& component, const std::
                           {"readinessProbe",
                            {{"exec", {{"command", Json::array({"test", "-e", kReadyFile})}}},
                             {"periodSeconds", 2},
+                            {"timeoutSeconds", 5},
                             {"failureThreshold", 1}}},
                           {"resources", Resources(options, 1)},
                           {"volumeMounts", WorkerMounts()}});

@@ -144,6 +144,8 @@ void CheckContainers(const YAML::Node& pod_spec, const std::string& secret) {
               (std::vector<std::string>{"test", "-e", ready_file}));
     // Unready at the first miss: a worker that stopped training is not counted for long.
     EXPECT_EQ(c["readinessProbe"]["failureThreshold"].as<int>(), 1);
+    // A slow exec on a loaded node is not a miss.
+    EXPECT_EQ(c["readinessProbe"]["timeoutSeconds"].as<int>(), 5);
     // In the container's own file system, which a restart after a crash replaces: in a volume
     // (which lasts as long as the pod), the file a crashed worker left would make its successor
     // Ready before it had joined.
