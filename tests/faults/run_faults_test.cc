@@ -108,6 +108,18 @@ class RunFaultsTest : public ::testing::Test {
     return false;
   }
 
+  // `hetpar coordinator` on the tiny config, with a run directory and a data set (generated) of
+  // this test's own, admitting workers for `register_timeout_s`.
+  std::vector<std::string> CoordinatorArgs(int register_timeout_s) const {
+    return {kBin,       "coordinator",
+            "--config", kTiny,
+            "--listen", "127.0.0.1:0",
+            "--out",    dir_ + "/run",
+            "--set",    absl::StrCat("coordinator.register_timeout_s=", register_timeout_s),
+            "--set",    "data.manifest=" + dir_ + "/x.jsonl",
+            "--set",    "data.tokenizer=" + dir_ + "/x.model"};
+  }
+
   // The address `hetpar coordinator` prints in <dir>/coordinator.log once listening; "" if it
   // has not within 120 s (it loads the data set first on a loaded machine).
   std::string AwaitCoordinatorAddress() const {
@@ -208,11 +220,7 @@ TEST_F(RunFaultsTest, CorruptImageIsNamedWithItsSample) {
 
 TEST_F(RunFaultsTest, WorkerWithAWrongTokenIsRejected) {
   ::setenv("HETPAR_TOKEN", "the-right-token", 1);
-  auto coordinator = ChildProcess::Start(
-      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
-       "--set", "coordinator.register_timeout_s=30", "--set", "data.manifest=" + dir_ + "/x.jsonl",
-       "--set", "data.tokenizer=" + dir_ + "/x.model"},
-      dir_ + "/coordinator.log");
+  auto coordinator = ChildProcess::Start(CoordinatorArgs(30), dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
   // The coordinator prints its address once listening (within 120 s on a loaded machine).
   const std::string address = AwaitCoordinatorAddress();
@@ -240,11 +248,7 @@ TEST_F(RunFaultsTest, AWorkerOnTheCoordinatorsMachineUsesItsGeneratedToken) {
   ::setenv("XDG_RUNTIME_DIR", dir_.c_str(), 1);  // where the generated token goes
   ::unsetenv("HETPAR_TOKEN");
   ::unsetenv("HETPAR_TOKEN_FILE");
-  auto coordinator = ChildProcess::Start(
-      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
-       "--set", "coordinator.register_timeout_s=120", "--set",
-       "data.manifest=" + dir_ + "/x.jsonl", "--set", "data.tokenizer=" + dir_ + "/x.model"},
-      dir_ + "/coordinator.log");
+  auto coordinator = ChildProcess::Start(CoordinatorArgs(120), dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
   const std::string address = AwaitCoordinatorAddress();
   ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
@@ -274,11 +278,7 @@ TEST_F(RunFaultsTest, AWorkerAskingForAHeldRankTakesItOnceItsHolderIsGone) {
   ::setenv("XDG_RUNTIME_DIR", dir_.c_str(), 1);  // where the generated token goes
   ::unsetenv("HETPAR_TOKEN");
   ::unsetenv("HETPAR_TOKEN_FILE");
-  auto coordinator = ChildProcess::Start(
-      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
-       "--set", "coordinator.register_timeout_s=300", "--set", "data.manifest=" + dir_ + "/x.jsonl",
-       "--set", "data.tokenizer=" + dir_ + "/x.model"},
-      dir_ + "/coordinator.log");
+  auto coordinator = ChildProcess::Start(CoordinatorArgs(300), dir_ + "/coordinator.log");
   ASSERT_TRUE(coordinator.ok());
   const std::string address = AwaitCoordinatorAddress();
   ASSERT_FALSE(address.empty()) << ReadFile(dir_ + "/coordinator.log");
@@ -1070,11 +1070,7 @@ TEST_F(RunFaultsTest, SigtermCheckpointsTheStepInFlightThenStops) {
 
 TEST_F(RunFaultsTest, MissingWorkersAreListedWhenRegistrationTimesOut) {
   ::setenv("HETPAR_TOKEN", "token-for-missing", 1);
-  auto coordinator = RunCommand(
-      {kBin, "coordinator", "--config", kTiny, "--listen", "127.0.0.1:0", "--out", dir_ + "/run",
-       "--set", "coordinator.register_timeout_s=2", "--set", "data.manifest=" + dir_ + "/x.jsonl",
-       "--set", "data.tokenizer=" + dir_ + "/x.model"},
-      60);
+  auto coordinator = RunCommand(CoordinatorArgs(2), 60);
   ::unsetenv("HETPAR_TOKEN");
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();
   EXPECT_EQ(coordinator->exit_code, 1);

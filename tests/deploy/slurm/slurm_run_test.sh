@@ -98,6 +98,18 @@ check_run() {  # RUN_DIR [REFERENCE_DIR]
     fail "hetpar compare $dir against the reference: $(cat "$dir/compare.txt")"
 }
 
+# Waits (at most 5 minutes) until JOB's run in RUN_DIR has committed its second step (step 1);
+# fails, naming WHAT, when the job ends first.
+await_second_step() {  # JOB RUN_DIR WHAT
+  local job=$1 dir=$2 what=$3
+  for _ in $(seq 1 600); do
+    grep -q '"step":1' "$dir/metrics.jsonl" 2>/dev/null && return 0
+    squeue -h -j "$job" 2>/dev/null | grep -q . || fail "$what job $job ended before its second step"
+    sleep 0.5
+  done
+  fail "$what job $job committed no second step"
+}
+
 # The nodes the tasks of RUN_DIR's step NAME ran on, one per line: each task's log begins with
 # "hetpar: task T of step S on node N".
 task_nodes() {  # RUN_DIR NAME
@@ -167,12 +179,7 @@ echo "slurm_run_test: failing workers: job $job failed, naming the step"
 # 5. A run stopped early: the coordinator exits 0, and the job's log says stopped, not done.
 render run-stop --set run.steps=100000
 job=$(submit "$work/run-stop/hetpar.sbatch")
-for _ in $(seq 1 600); do
-  grep -q '"step":1' "$work/run-stop/metrics.jsonl" 2>/dev/null && break
-  squeue -h -j "$job" 2>/dev/null | grep -q . || fail "stop job $job ended before its second step"
-  sleep 0.5
-done
-grep -q '"step":1' "$work/run-stop/metrics.jsonl" || fail "stop job $job committed no second step"
+await_second_step "$job" "$work/run-stop" stop
 "$bin/hetpar" stop --coordinator "127.0.0.1:$port" --token-file "$work/run-stop/token" \
   --reason "slurm_run_test" --timeout 30 >"$work/stop.log" 2>&1 ||
   fail "hetpar stop: $(cat "$work/stop.log")"
@@ -213,11 +220,7 @@ echo "slurm_run_test: time limit: job $job stopped the run after a checkpoint be
 # step's other task, and the coordinator decides).
 render run-loss --set run.steps=60
 job=$(submit "$work/run-loss/hetpar.sbatch")
-for _ in $(seq 1 600); do
-  grep -q '"step":1' "$work/run-loss/metrics.jsonl" 2>/dev/null && break
-  squeue -h -j "$job" 2>/dev/null | grep -q . || fail "loss job $job ended before its second step"
-  sleep 0.5
-done
+await_second_step "$job" "$work/run-loss" loss
 # Encoder rank 1 of this job: its command line, and the run directory in its environment (other
 # tests may run encoders of their own meanwhile).
 victim=""
