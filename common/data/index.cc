@@ -4,17 +4,42 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "common/errno_status.h"
 #include "common/logging.h"
 #include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace hetpar::data {
+
 namespace {
+
+// A sample's own problem (a missing or corrupt file, a bad field) makes a bad sample; a read that
+// failed for another reason does not: an I/O error or a stale NFS handle, no memory, no free
+// descriptors, no permission.
+bool IsFailedRead(const absl::Status& status) {
+  if (const std::optional<int> err = ErrnoOf(status); err.has_value()) {
+    return *err != ENOENT && *err != ENOTDIR && *err != EISDIR && *err != ELOOP &&
+           *err != ENAMETOOLONG;
+  }
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted:
+      return true;
+    default:
+      return false;
+  }
+}
 
 using Json = nlohmann::json;
 
@@ -178,6 +203,16 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
   }
   for (int64_t i = 0; i < n; ++i) {
     absl::StatusOr<IndexRecord>& r = described[static_cast<size_t>(i)];
+    if (!r.ok() && IsFailedRead(r.status())) {
+      // Not the sample's own problem: recorded as bad (data.skip_bad_samples), it would be
+      // skipped by every later run that reuses this index, also once the read works again.
+      const BadSample problem = loader.DescribeProblem(i, r.status());
+      return absl::Status(
+          r.status().code(),
+          absl::StrCat("indexing ", loader.options().manifest, ": ", problem.ToString(),
+                       " (a read that failed, not a bad sample: no index is built; try again "
+                       "once the file system answers)"));
+    }
     if (r.ok()) {
       index.records.push_back(std::move(*r));
     } else {

@@ -469,6 +469,39 @@ TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   EXPECT_TRUE(read->source.skip_bad_samples);
 }
 
+// A read that fails (here EIO: the image is /proc/self/mem, unreadable at offset 0) is not a bad
+// sample: under data.skip_bad_samples it would be recorded in the index, and every later run
+// that reuses the index would skip the sample, also once the file system answers again. The
+// build fails instead, naming the sample and the error.
+TEST_F(IndexTest, AReadThatFailsIsNotABadSample) {
+  fs::create_symlink("/proc/self/mem", dir_ + "/unreadable.png");
+  std::vector<std::string> lines;
+  for (int i = 0; i < 2; ++i) {
+    lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record));
+  }
+  ManifestRecord failing;
+  failing.id = "failing";
+  failing.prompt = "<image>describe the image.";
+  failing.images = {"unreadable.png"};
+  failing.text = "the image is empty.";
+  lines.push_back(ManifestRecordToJson(failing));
+  std::string text;
+  for (const std::string& l : lines) text += l + "\n";
+  const std::string manifest = dir_ + "/failing.jsonl";
+  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  LoaderOptions skip = Options(manifest);
+  skip.skip_bad_samples = true;
+  std::unique_ptr<DataLoader> loader = Make(skip);
+  ASSERT_NE(loader, nullptr);
+  const absl::StatusOr<DataIndex> index = BuildIndex(*loader, IndexBuildOptions());
+  ASSERT_FALSE(index.ok()) << "the failing read was indexed as a bad sample";
+  EXPECT_THAT(std::string(index.status().message()),
+              HasSubstr("sample 'failing' (" + manifest + ":3)"));
+  EXPECT_THAT(std::string(index.status().message()), HasSubstr("Input/output error"));
+  EXPECT_THAT(std::string(index.status().message()),
+              HasSubstr("a read that failed, not a bad sample"));
+}
+
 TEST_F(IndexTest, DamagedIndexFilesAreDataLoss) {
   const std::string path = dir_ + "/train.jsonl.index";
   std::string text = *ReadFileToString(path);
