@@ -18,6 +18,7 @@
 #include "common/config/config.h"
 #include "common/errno_status.h"
 #include "common/logging.h"
+#include "common/status.h"
 #include "nlohmann/json.hpp"
 
 namespace hetpar {
@@ -38,33 +39,24 @@ std::optional<int64_t> StepOfLine(const std::string& line, bool pool_changes = f
   return (*holder)["step"].get<int64_t>();
 }
 
-// Takes `path`/.lock for a run directory: its descriptor, or -1 where the file system has no locks.
-absl::StatusOr<int> Lock(const std::string& path) {
-  absl::StatusOr<std::unique_ptr<DirectoryLock>> lock = DirectoryLock::Take(
-      path, ".lock", "run directory",
-      "wait for it to end, or give this run another directory (run.out_dir, --out)");
-  if (!lock.ok()) return lock.status();
-  return (*lock)->Release();
-}
-
-// The directory and log/, locked (the lock file's descriptor, or -1), then config.yaml.
-absl::StatusOr<int> Prepare(const std::string& path, const hetpar::v1::RunSpec& spec) {
+// The directory and log/, locked (`path`/.lock), then config.yaml.
+absl::StatusOr<std::unique_ptr<DirectoryLock>> Prepare(const std::string& path,
+                                                       const hetpar::v1::RunSpec& spec) {
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path) / "log", ec);
   if (ec) {
     return absl::PermissionDeniedError(
         absl::StrCat("cannot create run directory '", path, "': ", ec.message()));
   }
-  absl::StatusOr<int> lock = Lock(path);
-  if (!lock.ok()) return lock.status();
+  HETPAR_ASSIGN_OR_RETURN(
+      std::unique_ptr<DirectoryLock> lock,
+      DirectoryLock::Take(
+          path, ".lock", "run directory",
+          "wait for it to end, or give this run another directory (run.out_dir, --out)"));
   // Whole or not at all: a coordinator continuing the run reads it back, and a file cut short
   // by a crash or a full disk would not load.
-  if (absl::Status s = WriteFileAtomically(path + "/config.yaml", config::RunSpecToYaml(spec));
-      !s.ok()) {
-    if (*lock >= 0) ::close(*lock);
-    return s;
-  }
-  return *lock;
+  HETPAR_RETURN_IF_ERROR(WriteFileAtomically(path + "/config.yaml", config::RunSpecToYaml(spec)));
+  return lock;
 }
 
 }  // namespace
@@ -112,33 +104,20 @@ DirectoryLock::~DirectoryLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
-int DirectoryLock::Release() { return std::exchange(fd_, -1); }
-
 absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Create(
     const std::string& path, const hetpar::v1::RunSpec& spec) {
-  absl::StatusOr<int> lock = Prepare(path, spec);
-  if (!lock.ok()) return lock.status();
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, Prepare(path, spec));
   std::FILE* metrics = std::fopen((path + "/metrics.jsonl").c_str(), "we");
   if (metrics == nullptr) {
-    const int error = errno;
-    if (*lock >= 0) ::close(*lock);
     return absl::PermissionDeniedError(
-        absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(error)));
+        absl::StrCat("cannot write '", path, "/metrics.jsonl': ", std::strerror(errno)));
   }
-  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, *lock));
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, std::move(lock)));
 }
 
 absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
     const std::string& path, const hetpar::v1::RunSpec& spec, int64_t first_step) {
-  absl::StatusOr<int> lock = Prepare(path, spec);
-  if (!lock.ok()) return lock.status();
-  // Closed on the returns below that do not hand it to the RunDirectory.
-  struct CloseLock {
-    ~CloseLock() {
-      if (fd >= 0) ::close(fd);
-    }
-    int fd;
-  } close_lock{*lock};
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, Prepare(path, spec));
   std::string kept;
   {
     std::ifstream in(path + "/metrics.jsonl");
@@ -154,8 +133,7 @@ absl::StatusOr<std::unique_ptr<RunDirectory>> RunDirectory::Continue(
     return absl::PermissionDeniedError(
         absl::StrCat("cannot append to '", path, "/metrics.jsonl': ", std::strerror(errno)));
   }
-  close_lock.fd = -1;
-  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, *lock));
+  return std::unique_ptr<RunDirectory>(new RunDirectory(path, metrics, std::move(lock)));
 }
 
 int64_t RunDirectory::StepAfterLastLine(const std::string& path, int64_t from) {
@@ -167,10 +145,7 @@ int64_t RunDirectory::StepAfterLastLine(const std::string& path, int64_t from) {
   return after;
 }
 
-RunDirectory::~RunDirectory() {
-  std::fclose(metrics_);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
-}
+RunDirectory::~RunDirectory() { std::fclose(metrics_); }
 
 absl::Status RunDirectory::AppendMetrics(const std::string& json_line) {
   const std::string line = json_line + "\n";

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -35,11 +36,9 @@ class DirectoryLock {
                                                              const std::string& what,
                                                              const std::string& remedy,
                                                              const std::string& holder = "");
-  ~DirectoryLock();
+  ~DirectoryLock();  // releases the lock
   DirectoryLock(const DirectoryLock&) = delete;
   DirectoryLock& operator=(const DirectoryLock&) = delete;
-  // The open lock file (-1: none), which the caller now owns and closes to release the lock.
-  int Release();
 
  private:
   explicit DirectoryLock(int fd) : fd_(fd) {}
@@ -77,11 +76,11 @@ class RunDirectory {
   absl::Status AppendMetrics(const std::string& json_line);
 
  private:
-  RunDirectory(std::string path, std::FILE* metrics, int lock_fd)
-      : path_(std::move(path)), metrics_(metrics), lock_fd_(lock_fd) {}
+  RunDirectory(std::string path, std::FILE* metrics, std::unique_ptr<DirectoryLock> lock)
+      : path_(std::move(path)), metrics_(metrics), lock_(std::move(lock)) {}
   std::string path_;
   std::FILE* metrics_;
-  int lock_fd_;  // the open .lock, whose flock is this process's hold on the directory
+  std::unique_ptr<DirectoryLock> lock_;  // this process's hold on the directory (.lock)
 };
 
 }  // namespace hetpar

@@ -143,41 +143,54 @@ std::string Prologue(const DeployOptions& options, const std::string& config,
     absl::StrAppend(&s, "# Workers advertise this interface's address to their peers.\n",
                     "export HETPAR_INTERFACE=", Quote(options.interface), "\n");
   }
+  // One line of the script per string.
+  // clang-format off
   absl::StrAppend(
       &s, "\n",
       "# Every step in the background; the job ends when all are done, or when the coordinator's\n",
       "# step fails or a worker step refuses its flags or config (exit 2), naming it. A worker\n",
       "# step whose tasks fail otherwise (a lost DP replica) is named, and the coordinator\n",
       "# decides whether the run goes on without them (--kill-on-bad-exit=0: one task's failure\n",
-      "# does not end its step's other tasks).\n", "declare -A step_names=()\n",
-      "start_step() {  # NAME SRUN-ARGS...\n", "  local name=$1\n", "  shift\n",
+      "# does not end its step's other tasks).\n",
+      "declare -A step_names=()\n",
+      "start_step() {  # NAME SRUN-ARGS...\n",
+      "  local name=$1\n",
+      "  shift\n",
       "  srun --job-name=\"$name\" --output=\"$RUN_DIR/log/$name-%t.log\" \\\n",
       "    --cpus-per-task=\"${SLURM_CPUS_PER_TASK:-", options.cpus_per_rank, "}\" \"$@\" &\n",
-      "  step_names[$!]=$name\n", "  echo \"hetpar: started job step '$name' (pid $!)\"\n", "}\n",
+      "  step_names[$!]=$name\n",
+      "  echo \"hetpar: started job step '$name' (pid $!)\"\n",
+      "}\n",
       "# The run stops by itself near the job's time limit: STOP_BEFORE seconds before the end\n",
-      "# time squeue gives, the coordinator's step alone gets SIGTERM (scancel --signal), so "
-      "that\n",
+      "# time squeue gives, the coordinator's step alone gets SIGTERM (scancel --signal), so that\n",
       "# the step in flight commits with a checkpoint and the run stops; submitting the script\n",
       "# again continues it. (Slurm's own --signal would reach every srun too, and srun ends its\n",
-      "# step on SIGTERM.)\n", "STOP_BEFORE=", options.stop_before_limit_s, "\n",
-      "stop_before_time_limit() {\n", "  local end step\n",
+      "# step on SIGTERM.)\n",
+      "STOP_BEFORE=", options.stop_before_limit_s, "\n",
+      "stop_before_time_limit() {\n",
+      "  local end step\n",
       "  # (A heterogeneous job lists a line per component; they end together.)\n",
       "  # (squeue fails while slurmctld is busy: tried again, not left to end this function.)\n",
       "  for _ in 1 2 3 4 5; do\n",
       "    end=$(squeue -h -j \"$SLURM_JOB_ID\" -o %e 2>/dev/null | head -n 1 || true)\n",
-      "    if [ -n \"$end\" ]; then break; fi\n", "    sleep 5\n", "  done\n",
-      "  case \"$end\" in  # 2026-12-06T17:00:00; N/A, Unknown or nothing: no limit to stop "
-      "before\n",
+      "    if [ -n \"$end\" ]; then break; fi\n",
+      "    sleep 5\n",
+      "  done\n",
+      "  case \"$end\" in  # 2026-12-06T17:00:00; N/A, Unknown or nothing: no limit to stop before\n",
       "    [0-9][0-9][0-9][0-9]-*T*) end=$(date -d \"$end\" +%s) || return 0 ;;\n",
-      "    *) return 0 ;;\n", "  esac\n",
+      "    *) return 0 ;;\n",
+      "  esac\n",
       "  sleep $((end - STOP_BEFORE > $(date +%s) ? end - STOP_BEFORE - $(date +%s) : 0))\n",
       "  echo \"hetpar: the job is near its time limit: stopping the run after a checkpoint\"\n",
       "  for _ in 1 2 3 4 5 6 7 8 9 10; do\n",
       "    step=$(squeue -h --steps -j \"$SLURM_JOB_ID\" -o '%i %j' 2>/dev/null |\n",
       "      awk '$2 == \"coordinator\" { print $1; exit }' || true)\n",
       "    if [ -n \"$step\" ] && scancel --signal=TERM \"$step\"; then return 0; fi\n",
-      "    sleep 3\n", "  done\n",
-      "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n", "}\n");
+      "    sleep 3\n",
+      "  done\n",
+      "  echo \"hetpar: found no coordinator step to stop before the time limit\" >&2\n",
+      "}\n");
+  // clang-format on
   if (tiled) {
     absl::StrAppend(
         &s,
@@ -298,8 +311,12 @@ std::string MemoryDirective(const Job& job) {
              : std::string();
 }
 
-std::string GpuFlag(const DeployOptions& options) {
-  return options.device == Device::kGpu ? " --gpus-per-task=1" : "";
+// A worker step's own srun flags: its tasks' GPUs, and one task's failure not ending the step's
+// other tasks (whatever the site's KillOnBadExit): whether the run goes on without a lost DP
+// replica is the coordinator's to decide.
+std::string WorkerStepFlags(const DeployOptions& options) {
+  return absl::StrCat(" --kill-on-bad-exit=0",
+                      options.device == Device::kGpu ? " --gpus-per-task=1" : "");
 }
 
 // A step that asks for no GRES is given all of the job's on its node: the coordinator would
@@ -352,18 +369,18 @@ std::string SingleAllocation(const Job& job, const DeployOptions& options,
   const std::string arbitrary = job.tiled() ? " --distribution=arbitrary" : "";
   if (job.colocated) {
     absl::StrAppend(&s, TiledStep("colocated", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
-                    "start_step colocated --exact --kill-on-bad-exit=0", arbitrary,
-                    " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
-                    WorkerCommand("hetpar-llm", true, options), "\n");
+                    "start_step colocated --exact", WorkerStepFlags(options), arbitrary,
+                    " --ntasks=", job.llm_ranks, " ", WorkerCommand("hetpar-llm", true, options),
+                    "\n");
   } else {
     absl::StrAppend(&s,
                     TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$encoder_nodes"),
-                    "start_step encoder --exact --kill-on-bad-exit=0", arbitrary,
-                    " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
+                    "start_step encoder --exact", WorkerStepFlags(options), arbitrary,
+                    " --ntasks=", job.encoder_ranks, " ",
                     WorkerCommand("hetpar-encoder", false, options), "\n");
     absl::StrAppend(&s, TiledStep("llm", job.llm_nodes, job.llm_ranks, "$llm_nodes"),
-                    "start_step llm --exact --kill-on-bad-exit=0", arbitrary,
-                    " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                    "start_step llm --exact", WorkerStepFlags(options), arbitrary,
+                    " --ntasks=", job.llm_ranks, " ",
                     WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   }
   absl::StrAppend(&s, WaitLoop());
@@ -411,13 +428,12 @@ std::string Heterogeneous(const Job& job, const DeployOptions& options, const st
   absl::StrAppend(
       &s,
       TiledStep("encoder", job.encoder_nodes, job.encoder_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_0"),
-      "start_step encoder --het-group=0 --exact --kill-on-bad-exit=0", arbitrary,
-      " --ntasks=", job.encoder_ranks, GpuFlag(options), " ",
-      WorkerCommand("hetpar-encoder", false, options), "\n");
+      "start_step encoder --het-group=0 --exact", WorkerStepFlags(options), arbitrary,
+      " --ntasks=", job.encoder_ranks, " ", WorkerCommand("hetpar-encoder", false, options), "\n");
   absl::StrAppend(&s,
                   TiledStep("llm", job.llm_nodes, job.llm_ranks, "$SLURM_JOB_NODELIST_HET_GROUP_1"),
-                  "start_step llm --het-group=1 --exact --kill-on-bad-exit=0", arbitrary,
-                  " --ntasks=", job.llm_ranks, GpuFlag(options), " ",
+                  "start_step llm --het-group=1 --exact", WorkerStepFlags(options), arbitrary,
+                  " --ntasks=", job.llm_ranks, " ",
                   WorkerCommand("hetpar-llm", false, options, &job.llm), "\n");
   absl::StrAppend(&s, WaitLoop());
   return s;

@@ -160,6 +160,30 @@ std::string AttentionCaseName(const ::testing::TestParamInfo<AttentionCase>& inf
                                           : "Full");
 }
 
+// The CP mask of a sample of `keys` positions for CP rank 0 of 2 (chunks 0 and 3 of 4): true where
+// the key's position is at most the query's.
+at::Tensor CpMask(int64_t keys) {
+  const int64_t chunk = keys / 4;
+  const at::Tensor query_pos =
+      at::cat({at::arange(0, chunk, at::kLong), at::arange(3 * chunk, 4 * chunk, at::kLong)});
+  return at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
+}
+
+// The kernel hetpar's call (nn::GroupedQueryAttention) runs: with K and V read in place
+// (enable_gqa), or expanded to every query head where no fused kernel takes grouped heads; and
+// whether they are expanded.
+std::pair<int64_t, bool> SdpChoice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const std::optional<at::Tensor>& mask, bool is_causal,
+                                   double scale) {
+  const int64_t heads = q.size(1);
+  const bool expands = nn::ExpandsKvHeads(q, k, v, mask, is_causal, scale);
+  const int64_t choice =
+      expands ? at::_fused_sdp_choice(q, nn::ExpandKvHeads(k, heads), nn::ExpandKvHeads(v, heads),
+                                      mask, 0.0, is_causal, scale, /*enable_gqa=*/false)
+              : at::_fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale, /*enable_gqa=*/true);
+  return {choice, expands};
+}
+
 class ScaledDotProductAttentionTest : public GpuTest,
                                       public ::testing::WithParamInterface<AttentionCase> {};
 
@@ -174,12 +198,7 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   const at::Tensor k = Random({n, c.kv_heads, keys, head_dim}, 2, c.dtype);
   const at::Tensor v = Random({n, c.kv_heads, keys, head_dim}, 3, c.dtype);
   const at::Tensor grad_out = Random({n, heads, queries, head_dim}, 4, c.dtype);
-  at::Tensor allowed;  // the CP mask: true where the key's position is at most the query's
-  if (c.cp_mask) {
-    const at::Tensor query_pos =
-        at::cat({at::arange(0, chunk, at::kLong), at::arange(3 * chunk, 4 * chunk, at::kLong)});
-    allowed = at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
-  }
+  const at::Tensor allowed = c.cp_mask ? CpMask(keys) : at::Tensor();
 
   const bool is_causal = c.causal && !c.cp_mask;  // the CP mask holds the causality itself
   at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
@@ -189,16 +208,9 @@ TEST_P(ScaledDotProductAttentionTest, MatchesFloat64DefinitionForwardAndBackward
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
   const std::optional<at::Tensor> mask =
       c.cp_mask ? std::optional<at::Tensor>(allowed.to(TestDevice())) : std::nullopt;
-  // hetpar's call (nn::GroupedQueryAttention): K and V read in place with enable_gqa, or expanded
-  // to every query head where no fused kernel takes grouped heads (float32 on CUDA).
+  // K and V are expanded where no fused kernel takes grouped heads (float32 on CUDA).
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const bool expands = nn::ExpandsKvHeads(qd, kd, vd, mask, is_causal, scale);
-  const int64_t choice =
-      expands ? at::_fused_sdp_choice(qd, nn::ExpandKvHeads(kd, heads),
-                                      nn::ExpandKvHeads(vd, heads), mask, 0.0, is_causal, scale,
-                                      /*enable_gqa=*/false)
-              : at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, is_causal, scale,
-                                      /*enable_gqa=*/true);
+  const auto [choice, expands] = SdpChoice(qd, kd, vd, mask, is_causal, scale);
   std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice)
             << (expands ? " (K and V expanded to every query head)" : "") << "\n";
   RecordProperty("sdp_backend", nn::SdpBackendName(choice));
@@ -257,9 +269,7 @@ TEST_F(GpuTest, MaskedAttentionWithVeryLowScoresKeepsFiniteGradients) {
   // Every score about -120: q[..., 0] = 1, k[..., 0] = -120 sqrt(d) (both exact in bfloat16).
   q.select(3, 0).fill_(1.0);
   k.select(3, 0).fill_(-120.0 * std::sqrt(static_cast<double>(head_dim)));
-  const at::Tensor query_pos =
-      at::cat({at::arange(0, chunk, at::kLong), at::arange(3 * chunk, 4 * chunk, at::kLong)});
-  const at::Tensor allowed = at::arange(keys, at::kLong).unsqueeze(0).le(query_pos.unsqueeze(1));
+  const at::Tensor allowed = CpMask(keys);
   at::Tensor q64 = Float64Leaf(q), k64 = Float64Leaf(k), v64 = Float64Leaf(v);
   const at::Tensor want = nn::testing::ReferenceAttention(q64, k64, v64, false, allowed);
   want.backward(grad_out.to(at::kDouble));
@@ -267,12 +277,7 @@ TEST_F(GpuTest, MaskedAttentionWithVeryLowScoresKeepsFiniteGradients) {
   at::Tensor qd = CudaLeaf(q), kd = CudaLeaf(k), vd = CudaLeaf(v);
   const std::optional<at::Tensor> mask = allowed.to(TestDevice());
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const bool expands = nn::ExpandsKvHeads(qd, kd, vd, mask, false, scale);
-  const int64_t choice =
-      expands ? at::_fused_sdp_choice(qd, nn::ExpandKvHeads(kd, heads),
-                                      nn::ExpandKvHeads(vd, heads), mask, 0.0, false, scale,
-                                      /*enable_gqa=*/false)
-              : at::_fused_sdp_choice(qd, kd, vd, mask, 0.0, false, scale, /*enable_gqa=*/true);
+  const int64_t choice = SdpChoice(qd, kd, vd, mask, false, scale).first;
   std::cout << "scaled_dot_product_attention backend: " << nn::SdpBackendName(choice) << "\n";
   EXPECT_NE(std::string(nn::SdpBackendName(choice)), "cudnn_attention");
   const at::Tensor got = nn::GroupedQueryAttention(qd, kd, vd, mask, false, scale);

@@ -36,6 +36,14 @@ std::vector<char*> Argv(const std::vector<std::string>& argv) {
   return out;
 }
 
+// In a child just forked from `parent`: the child gets SIGKILL when its parent ends. A test binary
+// that crashes (or is killed at ctest's timeout) runs no destructor: its processes end with it,
+// not live on holding ports and cores for the next tests.
+void DieWithParent(pid_t parent) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(127);  // it ended before the prctl
+}
+
 }  // namespace
 
 absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv, double timeout_s) {
@@ -48,8 +56,7 @@ absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& argv, d
   pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(127);
+    DieWithParent(parent);
     dup2(out_pipe[1], STDOUT_FILENO);
     dup2(err_pipe[1], STDERR_FILENO);
     execvp(args[0], args.data());
@@ -104,10 +111,7 @@ absl::StatusOr<ChildProcess> ChildProcess::Start(const std::vector<std::string>&
   pid_t pid = fork();
   if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
   if (pid == 0) {
-    // A test binary that crashes (or is killed at ctest's timeout) runs no destructor: its
-    // background processes end with it, not live on holding ports and cores for the next tests.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(127);
+    DieWithParent(parent);
     if (!log_path.empty()) {
       int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) {
