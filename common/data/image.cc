@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -36,7 +37,42 @@ absl::Status CheckDimensions(int64_t width, int64_t height, std::string_view sou
 
 // ---- libpng (simplified API: it reports errors through png_image::message, no longjmp) ----
 
+uint32_t BigEndian32(const unsigned char* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
+}
+
+// The PNG without its gAMA chunks (an empty string when it has none). libpng's simplified API
+// converts samples from a gAMA's gamma to sRGB's (a file marked gamma 1.0 has mid-grey 128 read as
+// 188); PIL, which the Hugging Face image processors read images with, ignores gAMA and returns
+// the stored samples, and so does hetpar. A chunk list that does not parse is left to libpng to
+// report.
+std::string WithoutGammaChunks(std::string_view bytes) {
+  constexpr size_t kSignature = sizeof(kPngMagic);
+  std::vector<std::pair<size_t, size_t>> gamma;  // [offset, end) of each gAMA chunk
+  size_t at = kSignature;
+  while (at + 12 <= bytes.size()) {
+    const auto* chunk = reinterpret_cast<const unsigned char*>(bytes.data()) + at;
+    const uint64_t end = at + uint64_t{12} + BigEndian32(chunk);
+    if (end > bytes.size()) break;
+    if (std::memcmp(chunk + 4, "gAMA", 4) == 0) gamma.emplace_back(at, end);
+    if (std::memcmp(chunk + 4, "IDAT", 4) == 0 || std::memcmp(chunk + 4, "IEND", 4) == 0) break;
+    at = end;
+  }
+  if (gamma.empty()) return {};
+  std::string out;
+  out.reserve(bytes.size());
+  size_t kept = 0;
+  for (const auto& [begin, end] : gamma) {
+    out.append(bytes.substr(kept, begin - kept));
+    kept = end;
+  }
+  out.append(bytes.substr(kept));
+  return out;
+}
+
 absl::StatusOr<RgbImage> DecodePng(std::string_view bytes, std::string_view source) {
+  const std::string without_gamma = WithoutGammaChunks(bytes);
+  if (!without_gamma.empty()) bytes = without_gamma;
   png_image png;
   std::memset(&png, 0, sizeof(png));
   png.version = PNG_IMAGE_VERSION;

@@ -44,7 +44,8 @@ inline constexpr int64_t kMaxImageFileBytes = int64_t{520} << 20;
 absl::StatusOr<ImageFormat> DetectImageFormat(std::string_view bytes, std::string_view source);
 
 // Decodes PNG or JPEG bytes to RGB. Grey is expanded to RGB; an alpha channel is dropped, each
-// pixel keeping its colour (as PIL's convert("RGB")); 16-bit PNG samples are reduced to 8 bits.
+// pixel keeping its colour (as PIL's convert("RGB")); 16-bit PNG samples are reduced to 8 bits; a
+// PNG's gAMA chunk is ignored (as PIL does).
 // A corrupt or truncated file (for a JPEG, one whose data is lost, not one with libjpeg's
 // harmless warnings) is DataLoss naming `source` and the decoder's reason.
 absl::StatusOr<RgbImage> DecodeImage(std::string_view bytes, std::string_view source);

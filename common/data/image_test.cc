@@ -115,6 +115,49 @@ TEST(ImageTest, SixteenBitPngIsScaledNotGammaCorrected) {
   EXPECT_EQ(decoded->pixels, (std::vector<uint8_t>{128, 128, 128, 255, 0, 64}));
 }
 
+// The PNG `png` with a gAMA chunk of `gamma` (in units of 1/100000) after its IHDR, and without
+// the sRGB chunk libpng's writer adds (an sRGB chunk overrides gAMA).
+std::string WithGammaChunk(const std::string& png, uint32_t gamma) {
+  const auto u32 = [](const std::string& b, size_t at) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v = (v << 8) | static_cast<uint8_t>(b[at + i]);
+    return v;
+  };
+  const auto put32 = [](std::string* out, uint32_t v) {
+    for (int shift = 24; shift >= 0; shift -= 8) out->push_back(static_cast<char>(v >> shift));
+  };
+  std::string out = png.substr(0, 8);
+  for (size_t at = 8; at + 12 <= png.size();) {
+    const size_t end = at + 12 + u32(png, at);
+    const std::string type = png.substr(at + 4, 4);
+    if (type != "sRGB") out.append(png, at, end - at);
+    if (type == "IHDR") {
+      std::string chunk = "gAMA";
+      put32(&chunk, gamma);
+      put32(&out, 4);
+      out += chunk;
+      put32(&out, static_cast<uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(chunk.data()),
+                                              static_cast<uInt>(chunk.size()))));
+    }
+    at = end;
+  }
+  return out;
+}
+
+// PIL (the Hugging Face image processors' reader) ignores gAMA and returns the stored samples; so
+// does hetpar, for the common 1/2.2 and for the linear 1.0 or 0.5 some tools write.
+TEST(ImageTest, APngGammaChunkDoesNotChangeItsSamples) {
+  const RgbImage image = Pattern(19, 7);
+  const std::string png = *EncodePng(image);
+  for (uint32_t gamma : {45455u, 100000u, 50000u, 220000u}) {
+    SCOPED_TRACE(gamma);
+    const std::string marked = WithGammaChunk(png, gamma);
+    absl::StatusOr<RgbImage> decoded = DecodeImage(marked, "gamma");
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    ExpectSamePixels(image, *decoded, 0);
+  }
+}
+
 TEST(ImageTest, GreyPngExpandsToRgb) {
   const uint8_t grey[] = {0, 77, 255};
   png_image png;
