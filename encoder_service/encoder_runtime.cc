@@ -111,7 +111,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
         }
         HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->RecordFor(*sample));
         HETPAR_ASSIGN_OR_RETURN(data::LoadedSample decoded, data_->loader().Load(record->ordinal));
-        HETPAR_RETURN_IF_ERROR(data::BatchSource::CheckTokens(*record, decoded.tokens));
+        HETPAR_RETURN_IF_ERROR(data_->CheckTokens(*record, decoded.tokens));
         it = loaded.emplace(ref.sample, std::move(decoded)).first;
       }
       if (ref.image < 0 || ref.image >= static_cast<int64_t>(it->second.images.size())) {

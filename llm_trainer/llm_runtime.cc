@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<std::vector<LlmSample>>> LlmRuntime::LoadSamples(
       data::LoadedSample loaded;
       loaded.id = record->id;
       HETPAR_ASSIGN_OR_RETURN(loaded.tokens, data_->loader().Tokenize(record->ordinal));
-      HETPAR_RETURN_IF_ERROR(data::BatchSource::CheckTokens(*record, loaded.tokens));
+      HETPAR_RETURN_IF_ERROR(data_->CheckTokens(*record, loaded.tokens));
       samples.push_back(LlmSampleOf(loaded, record->tokens_per_image));
       if (stats != nullptr) {
         stats->tokens += loaded.tokens.length();

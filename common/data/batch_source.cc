@@ -79,7 +79,8 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
                         absl::StrJoin(d.image_starts, ", "), "]");
   };
   return absl::FailedPreconditionError(absl::StrCat(
-      "data index position ", sample.id, " (sample '", record->id, "') has ", describe(mine),
+      "data index position ", sample.id, " (sample '", record->id, "', ",
+      loader_->manifest().Where(record->line), ") has ", describe(mine),
       " here; the coordinator's plan says ", describe(sample),
       ": this worker's data index differs from the coordinator's (another manifest or "
       "tokenizer, or data.skip_bad_samples dropping other samples here); give every process "
@@ -87,14 +88,14 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
 }
 
 absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
-                                      const TokenSequence& tokens) {
+                                      const TokenSequence& tokens) const {
   if (tokens.text_tokens == record.text_tokens && tokens.loss_tokens == record.loss_tokens &&
       tokens.image_offsets == record.image_offsets) {
     return absl::OkStatus();
   }
   return absl::FailedPreconditionError(absl::StrCat(
-      "sample '", record.id, "' (line ", record.line, ") has ", tokens.text_tokens,
-      " text tokens, ", tokens.loss_tokens, " loss tokens, images at [",
+      "sample '", record.id, "' (", loader_->manifest().Where(record.line), ") has ",
+      tokens.text_tokens, " text tokens, ", tokens.loss_tokens, " loss tokens, images at [",
       absl::StrJoin(tokens.image_offsets, ", "), "] as tokenized now, but the data index says ",
       record.text_tokens, ", ", record.loss_tokens, ", [",
       absl::StrJoin(record.image_offsets, ", "),

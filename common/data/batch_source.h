@@ -55,10 +55,10 @@ class BatchSource {
   // the plan's.
   absl::StatusOr<const data::IndexRecord*> RecordFor(const plan::SampleDescriptor& sample) const;
   // The sample's tokens as loaded now (DataLoader::Tokenize or Load) against its index record.
-  // FailedPrecondition naming the sample and both when they differ: the index is stale (the
-  // tokenizer or its tokenizer_config.json changed after it was built), and the plan's shapes
-  // and loss divisor, made from it, would not be the sample's.
-  static absl::Status CheckTokens(const data::IndexRecord& record, const TokenSequence& tokens);
+  // FailedPrecondition naming the sample (its id, manifest and line) and both when they differ:
+  // the index is stale (the tokenizer or its tokenizer_config.json changed after it was built),
+  // and the plan's shapes and loss divisor, made from it, would not be the sample's.
+  absl::Status CheckTokens(const data::IndexRecord& record, const TokenSequence& tokens) const;
 
  private:
   BatchSource() = default;

@@ -95,7 +95,7 @@ TEST_F(BatchSourceTest, TokensThatNoLongerMatchTheIndexAreRefusedNamingTheSample
   ASSERT_TRUE(record.ok()) << record.status();
   absl::StatusOr<TokenSequence> now = (*source)->loader().Tokenize((*record)->ordinal);
   ASSERT_TRUE(now.ok()) << now.status();
-  EXPECT_TRUE(BatchSource::CheckTokens(**record, *now).ok());
+  EXPECT_TRUE((*source)->CheckTokens(**record, *now).ok());
   SynthOptions small = SynthOptionsForDirectory(dir_ + "/small");
   small.samples = 4;
   small.val_samples = 0;
@@ -111,11 +111,12 @@ TEST_F(BatchSourceTest, TokensThatNoLongerMatchTheIndexAreRefusedNamingTheSample
   absl::StatusOr<TokenSequence> changed = (*other)->Tokenize((*record)->ordinal);
   ASSERT_TRUE(changed.ok()) << changed.status();
   ASSERT_NE(changed->text_tokens, now->text_tokens);
-  const absl::Status refused = BatchSource::CheckTokens(**record, *changed);
+  const absl::Status refused = (*source)->CheckTokens(**record, *changed);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(refused.message()),
-              HasSubstr(absl::StrCat("sample '", (*record)->id, "' (line ", (*record)->line,
-                                     ") has ", changed->text_tokens, " text tokens")));
+              HasSubstr(absl::StrCat("sample '", (*record)->id, "' (", dir_,
+                                     "/train.jsonl:", (*record)->line, ") has ",
+                                     changed->text_tokens, " text tokens")));
   EXPECT_THAT(std::string(refused.message()), HasSubstr("the index is stale"));
 }
 
