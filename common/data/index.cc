@@ -67,8 +67,49 @@ void Reindex(DataIndex* index) {
 }
 
 Json BadToJson(const BadSample& bad) {
-  return Json{{"id", bad.id},     {"where", bad.where},   {"line", bad.line},
-              {"path", bad.path}, {"reason", bad.reason}, {"code", static_cast<int>(bad.code)}};
+  Json json{{"id", bad.id},     {"where", bad.where},   {"line", bad.line},
+            {"path", bad.path}, {"reason", bad.reason}, {"code", static_cast<int>(bad.code)}};
+  if (bad.path_stamp.size != -2) {
+    json["path_size"] = bad.path_stamp.size;
+    json["path_mtime_ns"] = bad.path_stamp.mtime_ns;
+  }
+  return json;
+}
+
+// A bad sample's file as it is now (BadSample::path_stamp): {-1, -1} when it does not exist,
+// {-2, -2} when that cannot be told (no path; a stat that failed otherwise).
+FileStamp PathStamp(const std::string& path) {
+  if (path.empty()) return {-2, -2};
+  absl::StatusOr<FileStamp> stamp = StatFile(path);
+  if (stamp.ok()) return *stamp;
+  if (stamp.status().code() == absl::StatusCode::kNotFound) return {-1, -1};
+  return {-2, -2};
+}
+
+// At most this many of an index's bad samples have their files stat'ed when it is loaded (spread
+// over all of them): a data set whose image folder is missing has as many bad samples as images.
+constexpr size_t kMaxCheckedBadFiles = 10000;
+
+// OK when no checked bad sample's file changed since `index` was built (one repaired, or one
+// that appeared); FailedPrecondition naming the first that did otherwise.
+absl::Status CheckBadSampleFiles(const DataIndex& index) {
+  const size_t n = index.bad.size();
+  const size_t stride =
+      n <= kMaxCheckedBadFiles ? 1 : (n + kMaxCheckedBadFiles - 1) / kMaxCheckedBadFiles;
+  for (size_t i = 0; i < n; i += stride) {
+    const BadSample& bad = index.bad[i];
+    if (bad.path_stamp.size == -2) continue;
+    const FileStamp now = PathStamp(bad.path);
+    if (now.size == -2 || now == bad.path_stamp) continue;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the file ", bad.path, " of skipped sample '", bad.id, "' (", bad.where, ") ",
+        now.size == -1 ? std::string("is gone")
+        : bad.path_stamp.size == -1
+            ? "exists now"
+            : absl::StrCat("changed (now ", now.size, " bytes, mtime ", now.mtime_ns, " ns)"),
+        " since the index was built: the sample may be usable now"));
+  }
+  return absl::OkStatus();
 }
 
 IndexSource IndexSourceWith(const LoaderOptions& options, const SourceStamps& stamps) {
@@ -217,6 +258,9 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
       index.records.push_back(std::move(*r));
     } else {
       BadSample problem = loader.DescribeProblem(i, r.status());
+      // Stat'ed after the sample was found bad: a file repaired since is seen as changed at the
+      // next start, and the index rebuilt.
+      problem.path_stamp = PathStamp(problem.path);
       bad.emplace_back(problem.line, std::move(problem));
     }
   }
@@ -356,6 +400,9 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
         bad.path = b.at("path").get<std::string>();
         bad.reason = b.at("reason").get<std::string>();
         bad.code = static_cast<absl::StatusCode>(b.at("code").get<int>());
+        if (b.contains("path_size")) {
+          bad.path_stamp = {b.at("path_size").get<int64_t>(), b.at("path_mtime_ns").get<int64_t>()};
+        }
         index.bad.push_back(std::move(bad));
         continue;
       }
@@ -466,6 +513,7 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
           "it was built without decoding its images (hetpar data index --no-verify-images), and "
           "training decodes each image once first");
     }
+    if (fresh.ok()) fresh = CheckBadSampleFiles(*existing);
     if (fresh.ok()) {
       for (const BadSample& b : existing->bad) {
         HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();

@@ -467,6 +467,72 @@ TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   EXPECT_EQ(read->bad[2].ToString(), index->bad[2].ToString());
   EXPECT_EQ(read->bad[2].code, absl::StatusCode::kDataLoss);
   EXPECT_TRUE(read->source.skip_bad_samples);
+  // With the files as the build saw them: the missing one missing, the corrupt one its size.
+  EXPECT_EQ(read->bad[0].path_stamp, (FileStamp{-1, -1}));
+  EXPECT_EQ(read->bad[1].path_stamp, (FileStamp{-2, -2}));  // a manifest line: no file
+  EXPECT_EQ(read->bad[2].path_stamp.size, static_cast<int64_t>(png.size()));
+  EXPECT_EQ(read->bad[2].path_stamp, index->bad[2].path_stamp);
+}
+
+// A sample skipped for its file comes back once the file is repaired or appears: the index that
+// skipped it is rebuilt at the next start, where it used to keep skipping it until someone ran
+// `hetpar data index --rebuild`.
+TEST_F(IndexTest, ASkippedSampleComesBackOnceItsFileIsRepaired) {
+  const std::string good_png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
+  ASSERT_TRUE(
+      WriteFileAtomically(dir_ + "/half.png", good_png.substr(0, good_png.size() / 2)).ok());
+  ManifestRecord missing;
+  missing.id = "missing";
+  missing.prompt = "<image>describe the image.";
+  missing.images = {"late.png"};
+  missing.text = "the image is empty.";
+  ManifestRecord corrupt = missing;
+  corrupt.id = "corrupt";
+  corrupt.images = {"half.png"};
+  std::string text;
+  for (int i = 0; i < 2; ++i) {
+    text += ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record) + "\n";
+  }
+  text += ManifestRecordToJson(missing) + "\n" + ManifestRecordToJson(corrupt) + "\n";
+  const std::string manifest = dir_ + "/repair.jsonl";
+  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  LoaderOptions skip = Options(manifest);
+  skip.skip_bad_samples = true;
+  const std::string path = dir_ + "/repair.index";
+  const auto load = [&](bool* rebuilt) {
+    return LoadOrBuildIndex(*Make(skip), path, IndexBuildOptions(), rebuilt);
+  };
+  const auto ids = [](const DataIndex& index) {
+    std::vector<std::string> out;
+    for (const IndexRecord& r : index.records) out.push_back(r.id);
+    return out;
+  };
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> first = load(&rebuilt);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(first->bad.size(), 2u);
+  // Nothing changed: the index is read, not built.
+  absl::StatusOr<DataIndex> again = load(&rebuilt);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(rebuilt);
+  EXPECT_EQ(again->bad.size(), 2u);
+
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/half.png", good_png).ok());
+  absl::StatusOr<DataIndex> repaired = load(&rebuilt);
+  ASSERT_TRUE(repaired.ok()) << repaired.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(ids(*repaired), (std::vector<std::string>{"train-000000", "train-000001", "corrupt"}));
+  ASSERT_EQ(repaired->bad.size(), 1u);
+  EXPECT_EQ(repaired->bad[0].id, "missing");
+
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/late.png", good_png).ok());
+  absl::StatusOr<DataIndex> complete = load(&rebuilt);
+  ASSERT_TRUE(complete.ok()) << complete.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(ids(*complete),
+            (std::vector<std::string>{"train-000000", "train-000001", "missing", "corrupt"}));
+  EXPECT_TRUE(complete->bad.empty());
 }
 
 // A read that fails (here EIO: the image is /proc/self/mem, unreadable at offset 0) is not a bad

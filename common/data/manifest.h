@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/data/chat_template.h"
+#include "common/data/file_util.h"
 
 namespace hetpar::data {
 
@@ -61,6 +62,9 @@ struct BadSample {
   std::string path;
   std::string reason;
   absl::StatusCode code = absl::StatusCode::kInvalidArgument;
+  // The file `path` as the data index saw it when it found the sample bad (data/index.h):
+  // {-1, -1} missing; {-2, -2} not recorded (no path, a stat that failed, an older index).
+  FileStamp path_stamp{-2, -2};
 
   // "sample 'train-000042' (data/train.jsonl:43): image file not found: data/images/x.png"
   std::string ToString() const;
