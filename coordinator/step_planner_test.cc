@@ -371,7 +371,7 @@ TEST(StepPlannerTest, CancelPreparationEndsTheWaitForAnotherProcessesDataSet) {
   EXPECT_TRUE(ended) << "Prepare still waited 60 s after CancelPreparation";
   EXPECT_EQ(prepared.code(), absl::StatusCode::kCancelled) << prepared;
   EXPECT_THAT(std::string(prepared.message()),
-              HasSubstr("stopped waiting for another process to generate the synthetic data set"));
+              HasSubstr("stopped waiting for another process generating the synthetic data set"));
   EXPECT_FALSE(std::filesystem::exists(dir / "train.jsonl"));
   std::filesystem::remove_all(dir);
 }

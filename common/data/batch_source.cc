@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v
   // A missing or stale index is built once, decoding every image: on every core (at most 16),
   // not one, as a run's processes wait for it (the result does not depend on the count).
   build.threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
+  build.cancel = cancel;
   HETPAR_ASSIGN_OR_RETURN(source->index_,
                           data::LoadOrBuildIndex(*source->loader_, spec.data().index(), build));
   if (source->index_.records.empty()) {

@@ -33,7 +33,8 @@ struct GlobalBatch {
 class BatchSource {
  public:
   // Generates the synthetic data set when the spec names one that is absent, opens the training
-  // split and loads (or builds) its index. `cancel`: see EnsureSyntheticDataset.
+  // split and loads (or builds) its index. `cancel`, once set (from another thread), ends the
+  // wait for another process's generation or index build, and an index build, with Cancelled.
   static absl::StatusOr<std::unique_ptr<BatchSource>> Create(
       const hetpar::v1::RunSpec& spec, const std::atomic<bool>* cancel = nullptr);
   BatchSource(const BatchSource&) = delete;

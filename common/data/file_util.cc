@@ -1,6 +1,7 @@
 #include "common/data/file_util.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,9 +10,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/atomic_file.h"
+#include "common/logging.h"
 
 namespace hetpar::data {
 namespace {
@@ -145,6 +149,55 @@ absl::Status SyncFileSystem(const std::string& path) {
   ::close(fd);
   if (rc != 0) return ErrnoStatus(err, "cannot sync the file system of", path);
   return absl::OkStatus();
+}
+
+absl::StatusOr<WaitedFileLock> WaitedFileLock::Take(const std::string& path,
+                                                    const std::string& doing,
+                                                    absl::Duration timeout,
+                                                    const std::atomic<bool>* cancel,
+                                                    bool quiet_when_unlockable) {
+  WaitedFileLock lock;
+  const auto unlocked = [&](const char* what, int error) {
+    if (!quiet_when_unlockable) {
+      HETPAR_LOG(WARNING) << "cannot " << what << " " << path << " (" << std::strerror(error)
+                          << "): nothing keeps another process from " << doing
+                          << " at the same time";
+    }
+    if (lock.fd_ >= 0) ::close(std::exchange(lock.fd_, -1));
+    return std::move(lock);
+  };
+  // Read-only is enough for flock, and opens another user's lock file.
+  lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (lock.fd_ < 0) return unlocked("open", errno);
+  const absl::Time deadline = absl::Now() + timeout;
+  while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error == EINTR) continue;
+    if (error != EWOULDBLOCK) return unlocked("lock", error);
+    if (cancel != nullptr && cancel->load(std::memory_order_acquire)) {
+      return absl::CancelledError(
+          absl::StrCat("stopped waiting for another process ", doing, " (", path, ")"));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "another process has held ", path, " for ", absl::FormatDuration(timeout), " ", doing,
+          " (a lock ends with its process: that one is alive, and may "
+          "be stuck)"));
+    }
+    if (!lock.waited_) {
+      HETPAR_LOG(INFO) << "another process is " << doing << "; waiting for it (" << path << ")";
+      lock.waited_ = true;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return lock;
+}
+
+WaitedFileLock::WaitedFileLock(WaitedFileLock&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), waited_(other.waited_) {}
+
+WaitedFileLock::~WaitedFileLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the flock
 }
 
 }  // namespace hetpar::data

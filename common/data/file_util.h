@@ -3,11 +3,13 @@
 #ifndef HETPAR_COMMON_DATA_FILE_UTIL_H_
 #define HETPAR_COMMON_DATA_FILE_UTIL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace hetpar::data {
 
@@ -43,6 +45,34 @@ absl::Status SyncFileSystem(const std::string& path);
 
 // Creates `path` and its parents if missing.
 absl::Status MakeDirectories(const std::string& path);
+
+// An flock on the file `path` (created when missing), held while the object lives: of the
+// processes that would make the same files (a synthetic data set, a data index), one does while
+// the others wait for it and then use what it made. Where the lock file cannot be opened (a
+// read-only data set, another user's directory) or the file system has no locks, the work goes
+// on without it: a warning, unless `quiet_when_unlockable`, and a lock that holds nothing.
+class WaitedFileLock {
+ public:
+  // Waits for another holder, logging once that it does; `doing` is what a holder does
+  // ("generating the synthetic data set of data/train.jsonl"). Cancelled as soon as *cancel
+  // turns true; DeadlineExceeded, naming the lock, after `timeout`.
+  static absl::StatusOr<WaitedFileLock> Take(const std::string& path, const std::string& doing,
+                                             absl::Duration timeout,
+                                             const std::atomic<bool>* cancel = nullptr,
+                                             bool quiet_when_unlockable = false);
+  WaitedFileLock(WaitedFileLock&& other) noexcept;
+  WaitedFileLock& operator=(WaitedFileLock&&) = delete;
+  ~WaitedFileLock();  // releases the lock
+
+  bool held() const { return fd_ >= 0; }
+  // Whether Take waited for another holder first (which may have made the files meanwhile).
+  bool waited() const { return waited_; }
+
+ private:
+  WaitedFileLock() = default;
+  int fd_ = -1;
+  bool waited_ = false;
+};
 
 }  // namespace hetpar::data
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <thread>
@@ -221,6 +222,7 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
   absl::Notification finished;
   auto work = [&](int t) {
     for (int64_t i = t; i < n; i += threads) {
+      if (options.cancel != nullptr && options.cancel->load(std::memory_order_acquire)) break;
       described[static_cast<size_t>(i)] = loader.Describe(i, options.verify_images);
       done.fetch_add(1, std::memory_order_relaxed);
     }
@@ -232,6 +234,10 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
     progress(done.load(std::memory_order_relaxed), n);
   }
   for (std::thread& th : pool) th.join();
+  if (options.cancel != nullptr && options.cancel->load(std::memory_order_acquire)) {
+    return absl::CancelledError(absl::StrCat("stopped indexing ", loader.options().manifest,
+                                             " after ", done.load(), " of ", n, " samples"));
+  }
   progress(n, n);
 
   DataIndex index;
@@ -497,31 +503,67 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
   return absl::FailedPreconditionError(message);
 }
 
+namespace {
+
+// The index at `path` when it was built from `current` (decoding its images where `options`
+// verify them, and with no skipped sample's file changed since); otherwise why not: NotFound when
+// it is missing, FailedPrecondition when it is stale, the read's error when it is damaged.
+absl::StatusOr<DataIndex> FreshIndexAt(const std::string& path, const IndexSource& current,
+                                       const IndexBuildOptions& options) {
+  absl::StatusOr<DataIndex> existing = ReadIndex(path);
+  if (!existing.ok()) return existing.status();
+  absl::Status fresh = CheckIndexSource(*existing, current);
+  if (fresh.ok() && options.verify_images && !existing->images_verified) {
+    // A bad image it let through would fail a training step, again on every retry, even
+    // under data.skip_bad_samples.
+    fresh = absl::FailedPreconditionError(
+        "it was built without decoding its images (hetpar data index --no-verify-images), and "
+        "training decodes each image once first");
+  }
+  if (fresh.ok()) fresh = CheckBadSampleFiles(*existing);
+  if (!fresh.ok()) return fresh;
+  return existing;
+}
+
+// `.<name>.lock` beside the index `path`.
+std::string IndexLockPath(const std::string& path) {
+  const std::filesystem::path p(path);
+  return (p.parent_path() / ("." + p.filename().string() + ".lock")).string();
+}
+
+// Indexing a large data set takes long; a holder past this is taken as stuck.
+constexpr absl::Duration kIndexLockTimeout = absl::Hours(4);
+
+}  // namespace
+
 absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
                                            const IndexBuildOptions& options, bool* rebuilt) {
   if (rebuilt != nullptr) *rebuilt = false;
   // An index of the files as the loader read them, which it then reads samples of.
   absl::StatusOr<IndexSource> current = LoadedIndexSource(loader, loader.options());
   if (!current.ok()) return current.status();
-  absl::StatusOr<DataIndex> existing = ReadIndex(path);
+  absl::StatusOr<DataIndex> existing = FreshIndexAt(path, *current, options);
+  // Processes opening one data set at once (a run's coordinator and workers, several workers on
+  // a node): one builds the index, the others wait for it and read what it wrote. Without the
+  // lock (a read-only data set, whose index is not saved either), each builds its own.
+  std::optional<WaitedFileLock> lock;
+  if (!existing.ok()) {
+    absl::StatusOr<WaitedFileLock> taken =
+        WaitedFileLock::Take(IndexLockPath(path), absl::StrCat("building the data index ", path),
+                             kIndexLockTimeout, options.cancel, /*quiet_when_unlockable=*/true);
+    if (!taken.ok()) return taken.status();
+    lock.emplace(*std::move(taken));
+    if (lock->waited()) existing = FreshIndexAt(path, *current, options);
+  }
   if (existing.ok()) {
-    absl::Status fresh = CheckIndexSource(*existing, *current);
-    if (fresh.ok() && options.verify_images && !existing->images_verified) {
-      // A bad image it let through would fail a training step, again on every retry, even
-      // under data.skip_bad_samples.
-      fresh = absl::FailedPreconditionError(
-          "it was built without decoding its images (hetpar data index --no-verify-images), and "
-          "training decodes each image once first");
+    for (const BadSample& b : existing->bad) {
+      HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();
     }
-    if (fresh.ok()) fresh = CheckBadSampleFiles(*existing);
-    if (fresh.ok()) {
-      for (const BadSample& b : existing->bad) {
-        HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();
-      }
-      return existing;
-    }
-    HETPAR_LOG(INFO) << "rebuilding " << path << ": " << fresh.message();
-  } else if (existing.status().code() != absl::StatusCode::kNotFound) {
+    return existing;
+  }
+  if (absl::IsFailedPrecondition(existing.status())) {
+    HETPAR_LOG(INFO) << "rebuilding " << path << ": " << existing.status().message();
+  } else if (!absl::IsNotFound(existing.status())) {
     HETPAR_LOG(WARNING) << "rebuilding " << path << ": " << existing.status().message();
   }
   absl::StatusOr<DataIndex> built = BuildIndex(loader, options);

@@ -13,6 +13,7 @@
 #ifndef HETPAR_COMMON_DATA_INDEX_H_
 #define HETPAR_COMMON_DATA_INDEX_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -91,6 +92,9 @@ struct IndexBuildOptions {
   // when it took longer than that.
   std::function<void(int64_t done, int64_t total)> on_progress;
   absl::Duration progress_every = absl::Seconds(10);
+  // Turning true (from another thread) ends a build, or LoadOrBuildIndex's wait for another
+  // process's build, with Cancelled.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // Describes every sample of the loader's manifest. A bad sample (including malformed manifest
@@ -107,7 +111,9 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path);
 absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current);
 
 // Reads the index at `path` when it matches the loader's files and settings (and, when `options`
-// verify images, was built decoding them); otherwise builds it and writes it to `path`. A `path`
+// verify images, was built decoding them); otherwise builds it and writes it to `path`, holding
+// the lock `.<name>.lock` beside it (WaitedFileLock) so that of the processes that would build it
+// at once one does and the others read its result. A `path`
 // that cannot be written (a read-only data set) only warns, unless `options` require the file:
 // the index built is returned.
 // *rebuilt (optional) tells which happened.

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
@@ -245,6 +246,71 @@ TEST_F(IndexTest, AnIndexThatCannotBeSavedIsStillUsed) {
   const std::string path = dir_ + "/train.jsonl/train.jsonl.index";
   ASSERT_FALSE(WriteIndex(*BuildIndex(*Make(Options()), IndexBuildOptions()), path).ok());
   ExpectBuiltInFull(path);
+}
+
+// Processes that find the index missing at once (a run's coordinator and its workers) do not all
+// build it: one holds `.<name>.lock` beside it while it builds, and the others wait for it.
+// Here the test holds the lock: a LoadOrBuildIndex under it builds nothing while it waits, and
+// reads the index the holder wrote once it lets go.
+TEST_F(IndexTest, OneProcessBuildsAMissingIndexWhileTheOthersWaitForIt) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  const std::string lock_path = dir_ + "/.train.jsonl.index.lock";
+  fs::remove(path);  // the generator's
+  std::atomic<int> builds{0};
+  IndexBuildOptions waiting;
+  waiting.on_progress = [&](int64_t done, int64_t) {
+    if (done == 0) builds.fetch_add(1);
+  };
+  std::atomic<bool> cancel{false};
+  waiting.cancel = &cancel;
+  {
+    absl::StatusOr<WaitedFileLock> held =
+        WaitedFileLock::Take(lock_path, "holding the lock in a test", absl::Seconds(10));
+    ASSERT_TRUE(held.ok()) << held.status();
+    ASSERT_TRUE(held->held());
+    // Cancelled while it waits (whenever the cancel comes, the lock is held throughout): no build.
+    cancel.store(true);
+    absl::StatusOr<DataIndex> cancelled = LoadOrBuildIndex(*Make(Options()), path, waiting);
+    EXPECT_TRUE(absl::IsCancelled(cancelled.status())) << cancelled.status();
+    EXPECT_THAT(std::string(cancelled.status().message()),
+                HasSubstr("stopped waiting for another process building the data index " + path));
+    cancel.store(false);
+    // The holder builds and writes the index while the other waits (or before it looks).
+    bool rebuilt = true;
+    absl::StatusOr<DataIndex> waited;
+    std::thread other(
+        [&] { waited = LoadOrBuildIndex(*Make(Options()), path, waiting, &rebuilt); });
+    absl::StatusOr<DataIndex> built = BuildIndex(*Make(Options()), IndexBuildOptions());
+    ASSERT_TRUE(built.ok()) << built.status();
+    const absl::Status written = WriteIndex(*built, path);
+    held = absl::CancelledError("released");  // lets go of the lock
+    other.join();
+    ASSERT_TRUE(written.ok()) << written;
+    ASSERT_TRUE(waited.ok()) << waited.status();
+    EXPECT_FALSE(rebuilt);
+    EXPECT_EQ(waited->records.size(), 40u);
+    EXPECT_EQ(waited->IdDigest(), built->IdDigest());
+  }
+  EXPECT_EQ(builds.load(), 0) << "a process built the index that another was building";
+  // Nobody holds the lock: a stale index is rebuilt by whoever finds it so.
+  AppendSample("late", "a prompt", "a text");
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> fresh = LoadOrBuildIndex(*Make(Options()), path, waiting, &rebuilt);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(fresh->records.size(), 41u);
+  EXPECT_EQ(builds.load(), 1);
+}
+
+// A build cancelled from another thread (a worker or coordinator shutting down) stops.
+TEST_F(IndexTest, ACancelledBuildStops) {
+  std::atomic<bool> cancel{true};
+  IndexBuildOptions options;
+  options.cancel = &cancel;
+  absl::StatusOr<DataIndex> index = BuildIndex(*Make(Options()), options);
+  EXPECT_TRUE(absl::IsCancelled(index.status())) << index.status();
+  EXPECT_THAT(std::string(index.status().message()),
+              HasSubstr("stopped indexing " + dir_ + "/train.jsonl after 0 of 40 samples"));
 }
 
 // A Hugging Face tokenizer's bos and eos come from the tokenizer_config.json beside it: one

@@ -1,9 +1,5 @@
 #include "common/data/synth.h"
 
-#include <fcntl.h>
-#include <sys/file.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -154,64 +150,18 @@ absl::Status CheckOptions(const SynthOptions& o) {
 }
 
 // An flock on `.hetpar-synth.lock` beside the training manifest, held while the data set is
-// generated. Where the file system has no locks, or the lock file cannot be opened (another
-// user's, in a directory shared for writing), generation goes on without it.
-class SynthLock {
- public:
-  static absl::StatusOr<SynthLock> Take(const std::string& train_manifest,
-                                        const std::atomic<bool>* cancel = nullptr) {
-    const fs::path dir = fs::absolute(fs::path(train_manifest)).parent_path();
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    const std::string path = (dir / ".hetpar-synth.lock").string();
-    SynthLock lock;
-    const auto unlocked = [&](const char* what, int error) {
-      HETPAR_LOG(WARNING) << "cannot " << what << " " << path << " (" << std::strerror(error)
-                          << "): nothing keeps another process from generating the data set "
-                             "at the same time";
-      return std::move(lock);
-    };
-    // Read-only is enough for flock, and opens another user's lock file.
-    lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (lock.fd_ < 0) return unlocked("open", errno);
-    const absl::Time deadline = absl::Now() + kSynthLockTimeout;
-    bool said = false;
-    while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
-      const int error = errno;
-      if (error == EINTR) continue;
-      if (error != EWOULDBLOCK) return unlocked("lock", error);
-      if (cancel != nullptr && cancel->load(std::memory_order_acquire)) {
-        return absl::CancelledError(absl::StrCat(
-            "stopped waiting for another process to generate the synthetic data set of ",
-            train_manifest, " (", path, ")"));
-      }
-      if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "another process has held ", path, " for ", absl::FormatDuration(kSynthLockTimeout),
-            " while generating the synthetic data set of ", train_manifest,
-            " (a lock ends with its process: that one is alive, and may be stuck)"));
-      }
-      if (!said) {
-        HETPAR_LOG(INFO) << "another process is generating the synthetic data set of "
-                         << train_manifest << "; waiting for it (" << path << ")";
-        said = true;
-      }
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    return lock;
-  }
-  SynthLock(SynthLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  SynthLock& operator=(SynthLock&&) = delete;
-  ~SynthLock() {
-    if (fd_ >= 0) ::close(fd_);  // releases the flock
-  }
-
- private:
+// generated (WaitedFileLock: without it where it cannot be had).
+absl::StatusOr<WaitedFileLock> TakeSynthLock(const std::string& train_manifest,
+                                             const std::atomic<bool>* cancel = nullptr) {
   // Generating a large data set takes long; a holder past this is taken as stuck.
-  static constexpr absl::Duration kSynthLockTimeout = absl::Hours(2);
-  SynthLock() = default;
-  int fd_ = -1;
-};
+  constexpr absl::Duration kSynthLockTimeout = absl::Hours(2);
+  const fs::path dir = fs::absolute(fs::path(train_manifest)).parent_path();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  return WaitedFileLock::Take((dir / ".hetpar-synth.lock").string(),
+                              absl::StrCat("generating the synthetic data set of ", train_manifest),
+                              kSynthLockTimeout, cancel);
+}
 
 }  // namespace
 
@@ -531,7 +481,7 @@ absl::StatusOr<bool> SyntheticDatasetPresent(const hetpar::v1::RunSpec& spec) {
 }
 
 absl::StatusOr<SynthReport> GenerateSyntheticDatasetExclusively(const SynthOptions& options) {
-  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest));
+  HETPAR_ASSIGN_OR_RETURN(WaitedFileLock lock, TakeSynthLock(options.train_manifest));
   return GenerateSyntheticDataset(options);
 }
 
@@ -545,7 +495,7 @@ absl::StatusOr<bool> EnsureSyntheticDataset(const hetpar::v1::RunSpec& spec, Syn
   // runs or jobs on a shared file system) can find the data set missing at once: one generates
   // it, the others wait for it and then use it. Two generating at once would remove each other's
   // images.
-  HETPAR_ASSIGN_OR_RETURN(SynthLock lock, SynthLock::Take(options.train_manifest, cancel));
+  HETPAR_ASSIGN_OR_RETURN(WaitedFileLock lock, TakeSynthLock(options.train_manifest, cancel));
   HETPAR_ASSIGN_OR_RETURN(present, SyntheticDatasetPresent(spec));
   if (present) return false;
   HETPAR_LOG(INFO) << "generating the synthetic data set " << options.train_manifest << " ("
