@@ -28,7 +28,7 @@ std::string RoleName(Role role) {
   return "unknown";
 }
 
-WorkerContext::~WorkerContext() = default;
+WorkerContext::~WorkerContext() { StopOpeningData(); }
 
 namespace {
 
@@ -156,6 +156,9 @@ absl::Status WorkerContext::Begin(const WorkerOptions& options,
   };
   ctx->peer_timeout_ = deadline(ctx->spec_.failure().peer_timeout_s());
   ctx->coordinator_timeout_ = deadline(ctx->spec_.failure().coordinator_timeout_s());
+  // Before the first step, whose deadline the opening would otherwise count against (an index
+  // built on a node with its own copy of the data set can take minutes).
+  ctx->StartOpeningData();
   // Where this worker computes (run.device, run.dtype, the GPU of its local rank).
   int cuda_index = options.cuda_device;
   if (cuda_index < 0) {
@@ -302,10 +305,34 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   return group;
 }
 
+void WorkerContext::StartOpeningData() {
+  auto opening = std::make_shared<DataOpening>();
+  data_opening_ = opening;
+  data_opener_ = std::thread([opening, spec = spec_] {
+    opening->result = data::BatchSource::Create(spec, &opening->cancel);
+    opening->done.Notify();
+  });
+}
+
+void WorkerContext::StopOpeningData() {
+  if (data_opening_ != nullptr) data_opening_->cancel.store(true, std::memory_order_release);
+  if (data_opener_.joinable()) data_opener_.join();
+}
+
 absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
-  if (data_ == nullptr) {
-    HETPAR_ASSIGN_OR_RETURN(data_, data::BatchSource::Create(spec_));
+  if (data_ != nullptr) return data_.get();
+  if (data_opening_ == nullptr) StartOpeningData();
+  if (!data_opening_->done.HasBeenNotified()) {
+    HETPAR_LOG(INFO) << "waiting for the data set to open";
+    while (!data_opening_->done.WaitForNotificationWithTimeout(kInterruptSlice)) {
+      if (interrupt_->raised()) return InterruptedError();
+    }
   }
+  data_opener_.join();
+  absl::StatusOr<std::unique_ptr<data::BatchSource>> result = std::move(data_opening_->result);
+  data_opening_.reset();
+  if (!result.ok()) return result.status();
+  data_ = *std::move(result);
   return data_.get();
 }
 

@@ -14,16 +14,19 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/control/client.h"
 #include "common/data/batch_source.h"
@@ -132,8 +135,11 @@ class WorkerContext {
   absl::StatusOr<std::unique_ptr<nn::Communicator>> Group(const std::string& prefix, int64_t rank,
                                                           int64_t size) const;
 
-  // The run's data set, opened at the first call. Call it once the coordinator has planned the
-  // first step: it generates a synthetic data set before that, so workers never race to write it.
+  // The run's data set. Its opening (a synthetic data set generated, the index read or built:
+  // data::BatchSource::Create) starts on a thread of its own as soon as the worker has the
+  // RunSpec, beside the wait for the run's start and the coordinator's own opening; the first
+  // call waits for it. An abort of the step (or a stop) ends the wait with Aborted, not the
+  // opening; an opening that failed is tried again at the next call.
   absl::StatusOr<const data::BatchSource*> Data();
 
   // Sends the local file `local_path` into the coordinator's run directory as output `name`
@@ -145,6 +151,10 @@ class WorkerContext {
 
  private:
   explicit WorkerContext(WorkerOptions options) : options_(std::move(options)) {}
+  // Starts opening the data set on data_opener_ (Data).
+  void StartOpeningData();
+  // Cancels an opening in flight and waits for its thread.
+  void StopOpeningData();
   // Bootstrap once the session is open: the device, the data plane over `ucx`, the run's start,
   // the peers and the store.
   absl::Status Begin(const WorkerOptions& options,
@@ -171,6 +181,14 @@ class WorkerContext {
   // of this worker sees the interrupt once a collective is queued; see nn::CollectiveAborter).
   std::shared_ptr<nn::CollectiveAborter> aborter_ = std::make_shared<nn::CollectiveAborter>();
   std::unique_ptr<data::BatchSource> data_;
+  // An opening of the data set in flight or done (shared with its thread).
+  struct DataOpening {
+    std::atomic<bool> cancel{false};
+    absl::Notification done;
+    absl::StatusOr<std::unique_ptr<data::BatchSource>> result;
+  };
+  std::shared_ptr<DataOpening> data_opening_;
+  std::thread data_opener_;
 };
 
 }  // namespace hetpar::worker
