@@ -43,8 +43,14 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
   const auto& em = model_->model();
   const int64_t bytes_sent0 = boundary_->bytes_sent();
   const int64_t bytes_received0 = boundary_->bytes_received();
-  // Decoded samples of this step, by batch index (a sample's images may span jobs).
-  std::map<int64_t, data::LoadedSample> loaded;
+  // The samples of this step whose tokens were checked against their index records, by batch
+  // index (a sample's images may span jobs, and ranks): their records and the images their
+  // sequences keep. Each job decodes only its own images, and frees them once they are a tensor.
+  struct CheckedSample {
+    const data::IndexRecord* record;
+    int64_t images;
+  };
+  std::map<int64_t, CheckedSample> checked;
   std::deque<LiveJob> live;
 
   // A frozen encoder takes no gradients back: a job is done once its rows are sent.
@@ -98,11 +104,12 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
   };
 
   for (const plan::EncoderJob& job : plan.encoder_jobs) {
-    std::vector<const std::vector<float>*> pixels;
+    std::vector<std::vector<float>> job_pixels;
+    job_pixels.reserve(job.images.size());
     const auto t_data = Clock::now();
     for (const plan::ImageRef& ref : job.images) {
-      auto it = loaded.find(ref.sample);
-      if (it == loaded.end()) {
+      auto it = checked.find(ref.sample);
+      if (it == checked.end()) {
         const plan::SampleDescriptor* sample = plan.Sample(ref.sample);
         if (sample == nullptr) {
           return absl::InternalError(absl::StrCat("step ", plan.step, " plan for rank ", plan.rank,
@@ -110,17 +117,23 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
                                                   ref.sample));
         }
         HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, data_->RecordFor(*sample));
-        HETPAR_ASSIGN_OR_RETURN(data::LoadedSample decoded, data_->loader().Load(record->ordinal));
-        HETPAR_RETURN_IF_ERROR(data_->CheckTokens(*record, decoded.tokens));
-        it = loaded.emplace(ref.sample, std::move(decoded)).first;
+        HETPAR_ASSIGN_OR_RETURN(data::TokenSequence tokens,
+                                data_->loader().Tokenize(record->ordinal));
+        HETPAR_RETURN_IF_ERROR(data_->CheckTokens(*record, tokens));
+        it = checked.emplace(ref.sample, CheckedSample{record, tokens.images()}).first;
       }
-      if (ref.image < 0 || ref.image >= static_cast<int64_t>(it->second.images.size())) {
-        return absl::InternalError(absl::StrCat("sample ", it->second.id, " has ",
-                                                it->second.images.size(),
+      const data::IndexRecord& record = *it->second.record;
+      if (ref.image < 0 || ref.image >= it->second.images) {
+        return absl::InternalError(absl::StrCat("sample ", record.id, " has ", it->second.images,
                                                 " images; the plan asks for image ", ref.image));
       }
-      pixels.push_back(&it->second.images[ref.image]);
+      HETPAR_ASSIGN_OR_RETURN(std::vector<float> image,
+                              data_->loader().LoadImage(record.ordinal, ref.image));
+      job_pixels.push_back(std::move(image));
     }
+    std::vector<const std::vector<float>*> pixels;
+    pixels.reserve(job_pixels.size());
+    for (const std::vector<float>& image : job_pixels) pixels.push_back(&image);
     stats.data_s += Since(t_data);
     trace::Record(trace::kEncoderLane, "load images", "data", t_data, {{"wave", job.wave}});
     auto t0 = Clock::now();

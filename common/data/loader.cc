@@ -293,6 +293,21 @@ absl::StatusOr<LoadedSample> DataLoader::Load(int64_t ordinal) const {
   return sample;
 }
 
+absl::StatusOr<std::vector<float>> DataLoader::LoadImage(int64_t ordinal, int64_t k) const {
+  if (absl::Status s = CheckOrdinal(ordinal); !s.ok()) return s;
+  const ManifestRecord& record = manifest_.records[static_cast<size_t>(ordinal)];
+  if (k < 0 || k >= static_cast<int64_t>(record.images.size())) {
+    return absl::OutOfRangeError(
+        absl::StrCat("sample '", record.id, "' (", Where(manifest_, record), ") has ",
+                     record.images.size(), " images; asked for image ", k));
+  }
+  if (options_.blank_images) {
+    return std::vector<float>(static_cast<size_t>(options_.image_size) * options_.image_size * 3,
+                              0.0f);
+  }
+  return LoadImage(record, static_cast<size_t>(k));
+}
+
 absl::StatusOr<LoadedSample> DataLoader::LoadById(const std::string& id) const {
   absl::StatusOr<int64_t> ordinal = Ordinal(id);
   if (!ordinal.ok()) return ordinal.status();

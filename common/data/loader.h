@@ -106,6 +106,10 @@ class DataLoader {
   absl::StatusOr<IndexRecord> Describe(int64_t ordinal, bool verify_images) const;
   // Tokens and decoded, resized, normalised images.
   absl::StatusOr<LoadedSample> Load(int64_t ordinal) const;
+  // Image `k` of the sample alone (LoadedSample::images[k] of Load), decoded, resized and
+  // normalised: an encoder rank that encodes some of a sample's images reads only those. `k` must
+  // be below the images the sample's sequence keeps (TokenSequence::images() of Tokenize).
+  absl::StatusOr<std::vector<float>> LoadImage(int64_t ordinal, int64_t k) const;
   absl::StatusOr<LoadedSample> LoadById(const std::string& id) const;
 
   // The bad-sample description of an error about `ordinal` (for skip logs and reports).

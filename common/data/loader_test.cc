@@ -89,6 +89,10 @@ TEST_F(LoaderTest, ImagesDecodeToTheGeneratedPixels) {
       for (size_t e = 0; e < got.size(); ++e) {
         ASSERT_EQ(got[e], pixels[e]) << sample->id << " image " << k << " element " << e;
       }
+      // One image alone decodes to the same pixels.
+      absl::StatusOr<std::vector<float>> alone = loader->LoadImage(i, static_cast<int64_t>(k));
+      ASSERT_TRUE(alone.ok()) << alone.status();
+      EXPECT_EQ(*alone, pixels) << sample->id << " image " << k;
       ++images;
     }
   }
@@ -149,6 +153,34 @@ TEST_F(LoaderTest, LoadByIdMatchesLoadByOrdinal) {
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("train-999999"));
   EXPECT_EQ(loader->Load(kSamples).status().code(), absl::StatusCode::kOutOfRange);
+}
+
+// An encoder rank that encodes one image of a sample reads that image's file only: here the
+// sample's second image is missing, and its first still loads.
+TEST_F(LoaderTest, OneImageOfASampleLoadsWithoutTheOthers) {
+  const SynthSample synth = MakeSynthSample(kSeed, "train", 0, 3);
+  ASSERT_EQ(synth.record.images.size(), 3u);
+  ManifestRecord record = synth.record;
+  record.id = "half-there";
+  record.images[1] = "nowhere/b.png";
+  const std::string path = WriteManifest("half-there.jsonl", {ManifestRecordToJson(record)});
+  std::unique_ptr<DataLoader> loader = Make(Options(path));
+  ASSERT_NE(loader, nullptr);
+  ASSERT_EQ(loader->Tokenize(0)->images(), 3);
+  EXPECT_EQ(loader->Load(0).status().code(), absl::StatusCode::kNotFound);
+  for (int64_t k : {0, 2}) {
+    absl::StatusOr<std::vector<float>> image = loader->LoadImage(0, k);
+    ASSERT_TRUE(image.ok()) << image.status();
+    EXPECT_EQ(*image, ToNormalizedChw(RenderScene(synth.scenes[static_cast<size_t>(k)], 32),
+                                      Normalization()));
+  }
+  absl::StatusOr<std::vector<float>> missing = loader->LoadImage(0, 1);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("sample 'half-there' (" + path + ":1): image file not found: " + *dir_ +
+                        "/nowhere/b.png"));
+  EXPECT_EQ(loader->LoadImage(0, 3).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(loader->LoadImage(1, 0).status().code(), absl::StatusCode::kOutOfRange);
 }
 
 TEST_F(LoaderTest, BlankImagesAreZerosAndReadNoFile) {
