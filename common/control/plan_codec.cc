@@ -166,6 +166,7 @@ v1::RankStepPlan RankStepPlanToProto(const plan::RankStepPlan& plan) {
     q->set_tokens_per_image(sample.tokens_per_image);
     for (int64_t start : sample.image_starts) q->add_image_starts(start);
     q->set_id_checksum(sample.id_checksum);
+    q->set_token_checksum(sample.token_checksum);
   }
   return p;
 }
@@ -202,6 +203,7 @@ absl::StatusOr<plan::RankStepPlan> RankStepPlanFromProto(const v1::RankStepPlan&
     sample.tokens_per_image = q.tokens_per_image();
     sample.image_starts = ToVector<int64_t>(q.image_starts());
     sample.id_checksum = q.id_checksum();
+    sample.token_checksum = q.token_checksum();
     plan.samples.push_back(std::move(sample));
   }
   auto check_sample = [&](int64_t batch_index, const char* field) -> absl::Status {

@@ -57,6 +57,7 @@ plan::StepPlan MakePlan(plan::PlacementKind kind) {
   // Checksums as a data index gives them, the top bit set in some (fixed32 on the wire).
   for (size_t i = 0; i < samples->size(); ++i) {
     (*samples)[i].id_checksum = 0x9e3779b9u * static_cast<uint32_t>(i + 1);
+    (*samples)[i].token_checksum = 0x85ebca6bu * static_cast<uint32_t>(i + 3);
   }
   plan::StepPlanOptions options;
   options.step = 5;

@@ -22,6 +22,7 @@ plan::SampleDescriptor DescriptorOf(const data::IndexRecord& record, int64_t pos
   d.image_starts.assign(record.image_offsets.begin(), record.image_offsets.end());
   d.id_checksum = static_cast<uint32_t>(::crc32(
       0, reinterpret_cast<const Bytef*>(record.id.data()), static_cast<uInt>(record.id.size())));
+  d.token_checksum = record.token_checksum;
   return d;
 }
 
@@ -73,9 +74,14 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
   HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, Record(sample.id));
   plan::SampleDescriptor mine = DescriptorOf(*record, sample.id);
   if (sample.id_checksum == 0) mine.id_checksum = 0;  // a plan without checksums: shapes only
+  // Either index written before token checksums were: not compared.
+  if (sample.token_checksum == 0 || mine.token_checksum == 0) {
+    mine.token_checksum = sample.token_checksum;
+  }
   if (mine == sample) return record;
   const auto describe = [](const plan::SampleDescriptor& d) {
-    return absl::StrCat("id checksum ", absl::Hex(d.id_checksum, absl::kZeroPad8), ", ",
+    return absl::StrCat("id checksum ", absl::Hex(d.id_checksum, absl::kZeroPad8),
+                        ", token checksum ", absl::Hex(d.token_checksum, absl::kZeroPad8), ", ",
                         d.text_tokens, " text tokens, ", d.loss_tokens, " loss tokens, images at [",
                         absl::StrJoin(d.image_starts, ", "), "]");
   };
@@ -90,17 +96,21 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
 
 absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
                                       const TokenSequence& tokens) const {
+  const uint32_t checksum = tokens.Checksum();
   if (tokens.text_tokens == record.text_tokens && tokens.loss_tokens == record.loss_tokens &&
-      tokens.image_offsets == record.image_offsets) {
+      tokens.image_offsets == record.image_offsets &&
+      (record.token_checksum == 0 || record.token_checksum == checksum)) {
     return absl::OkStatus();
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "sample '", record.id, "' (", loader_->manifest().Where(record.line), ") has ",
       tokens.text_tokens, " text tokens, ", tokens.loss_tokens, " loss tokens, images at [",
-      absl::StrJoin(tokens.image_offsets, ", "), "] as tokenized now, but the data index says ",
+      absl::StrJoin(tokens.image_offsets, ", "), "], token checksum ",
+      absl::Hex(checksum, absl::kZeroPad8), " as tokenized now, but the data index says ",
       record.text_tokens, ", ", record.loss_tokens, ", [",
-      absl::StrJoin(record.image_offsets, ", "),
-      "]: the index is stale (its tokenizer or tokenizer_config.json changed after it was "
+      absl::StrJoin(record.image_offsets, ", "), "], ",
+      absl::Hex(record.token_checksum, absl::kZeroPad8),
+      ": the index is stale (its tokenizer or tokenizer_config.json changed after it was "
       "built); rebuild it (`hetpar data index --rebuild`) and start the run again"));
 }
 

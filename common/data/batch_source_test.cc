@@ -120,6 +120,46 @@ TEST_F(BatchSourceTest, TokensThatNoLongerMatchTheIndexAreRefusedNamingTheSample
   EXPECT_THAT(std::string(refused.message()), HasSubstr("the index is stale"));
 }
 
+// Two tokenizations of a sample with every length alike but another id (another bos, a revised
+// vocabulary) train other labels: the token checksum tells them apart, in the plan (coordinator
+// against worker) and against the index (the index against the tokenizer now). An index or a
+// plan without checksums (written before they were) is compared by its shapes only.
+TEST_F(BatchSourceTest, TheSameShapesWithOtherTokenIdsAreRefused) {
+  auto source = BatchSource::Create(Spec("train.jsonl"));
+  ASSERT_TRUE(source.ok()) << source.status();
+  absl::StatusOr<const IndexRecord*> record = (*source)->Record(5);
+  ASSERT_TRUE(record.ok()) << record.status();
+  ASSERT_NE((*record)->token_checksum, 0u);
+  absl::StatusOr<TokenSequence> now = (*source)->loader().Tokenize((*record)->ordinal);
+  ASSERT_TRUE(now.ok()) << now.status();
+  TokenSequence other_ids = *now;
+  other_ids.input_ids.back() ^= 1;
+  const absl::Status refused = (*source)->CheckTokens(**record, other_ids);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(
+      std::string(refused.message()),
+      HasSubstr(absl::StrCat("token checksum ", absl::Hex(other_ids.Checksum(), absl::kZeroPad8),
+                             " as tokenized now")));
+  IndexRecord unchecked = **record;
+  unchecked.token_checksum = 0;
+  EXPECT_TRUE((*source)->CheckTokens(unchecked, other_ids).ok());
+
+  auto batch = (*source)->Take({}, 4);
+  ASSERT_TRUE(batch.ok()) << batch.status();
+  plan::SampleDescriptor planned = batch->samples.front();
+  ASSERT_TRUE((*source)->RecordFor(planned).ok());
+  planned.token_checksum ^= 0x10u;
+  absl::StatusOr<const IndexRecord*> foreign = (*source)->RecordFor(planned);
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(
+      std::string(foreign.status().message()),
+      HasSubstr(absl::StrCat("the coordinator's plan says id checksum ",
+                             absl::Hex(planned.id_checksum, absl::kZeroPad8), ", token checksum ",
+                             absl::Hex(planned.token_checksum, absl::kZeroPad8))));
+  planned.token_checksum = 0;
+  EXPECT_TRUE((*source)->RecordFor(planned).ok());
+}
+
 TEST_F(BatchSourceTest, ASampleOfTheSameShapeUnderAnotherIdIsRefused) {
   auto coordinator = BatchSource::Create(Spec("train.jsonl"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();

@@ -330,6 +330,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
                  {"loss_tokens", r.loss_tokens},
                  {"image_offsets", r.image_offsets},
                  {"truncated", r.truncated}};
+    if (r.token_checksum != 0) line["token_crc"] = r.token_checksum;
     out += Dump(line);
     out.push_back('\n');
   }
@@ -422,6 +423,7 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
       r.loss_tokens = json.at("loss_tokens").get<int32_t>();
       r.image_offsets = json.at("image_offsets").get<std::vector<int32_t>>();
       r.truncated = json.at("truncated").get<bool>();
+      if (json.contains("token_crc")) r.token_checksum = json.at("token_crc").get<uint32_t>();
       if (static_cast<int32_t>(r.image_offsets.size()) != r.image_count) {
         return absl::DataLossError(absl::StrCat("data index ", path, ":", line_number, ": sample '",
                                                 r.id, "' has ", r.image_count, " images but ",

@@ -6,8 +6,9 @@
 //
 // File format (JSON lines): a header line {"hetpar_data_index": 1, ...}, one line per usable
 // sample {"id", "ordinal", "line", "images", "tokens_per_image", "text_tokens", "loss_tokens",
-// "image_offsets", "truncated"}, then one line per skipped sample {"bad": {...}}. A sample is
-// found again by "ordinal" (its position among the manifest's readable entries, what
+// "image_offsets", "truncated", "token_crc"}, then one line per skipped sample {"bad": {...}}.
+// ("token_crc": TokenSequence::Checksum; absent from older files, which are not compared on it.)
+// A sample is found again by "ordinal" (its position among the manifest's readable entries, what
 // DataLoader::Load takes); "line" is for people: the 1-based line of a JSONL manifest or the
 // 0-based array index of a .json manifest (ManifestRecord::line).
 #ifndef HETPAR_COMMON_DATA_INDEX_H_

@@ -105,6 +105,8 @@ TEST_F(IndexTest, RecordsMatchTheDecodedSamples) {
       EXPECT_EQ(r.text_tokens, sample->tokens.text_tokens);
       EXPECT_EQ(r.loss_tokens, sample->tokens.loss_tokens);
       EXPECT_EQ(r.image_offsets, sample->tokens.image_offsets);
+      EXPECT_EQ(r.token_checksum, sample->tokens.Checksum());
+      EXPECT_NE(r.token_checksum, 0u);
       EXPECT_EQ(r.total_tokens(), sample->tokens.length());
       EXPECT_FALSE(r.truncated);
       tokens += sample->tokens.length();

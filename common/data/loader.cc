@@ -268,6 +268,7 @@ absl::StatusOr<IndexRecord> DataLoader::Describe(int64_t ordinal, bool verify_im
   out.loss_tokens = sequence->loss_tokens;
   out.image_offsets = sequence->image_offsets;
   out.truncated = sequence->truncated;
+  out.token_checksum = sequence->Checksum();
   return out;
 }
 

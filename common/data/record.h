@@ -19,6 +19,9 @@ struct IndexRecord {
   int32_t loss_tokens = 0;             // positions with loss (see sequence.h)
   std::vector<int32_t> image_offsets;  // where each image's placeholder rows start
   bool truncated = false;
+  // TokenSequence::Checksum of the sample's sequence; 0: not recorded (an index written before
+  // it was), not compared.
+  uint32_t token_checksum = 0;
 
   // Sequence length: text and image placeholders together (<= seq_len).
   int32_t total_tokens() const { return text_tokens + image_count * tokens_per_image; }
@@ -26,7 +29,7 @@ struct IndexRecord {
     return id == o.id && ordinal == o.ordinal && line == o.line && image_count == o.image_count &&
            tokens_per_image == o.tokens_per_image && text_tokens == o.text_tokens &&
            loss_tokens == o.loss_tokens && image_offsets == o.image_offsets &&
-           truncated == o.truncated;
+           truncated == o.truncated && token_checksum == o.token_checksum;
   }
 };
 

@@ -1,5 +1,7 @@
 #include "common/data/sequence.h"
 
+#include <zlib.h>
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
@@ -123,6 +125,19 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& seg
         "end-of-turn marker)");
   }
   return seq;
+}
+
+uint32_t TokenSequence::Checksum() const {
+  std::string bytes;
+  bytes.reserve(input_ids.size() * 4 + loss_mask.size());
+  for (int32_t id : input_ids) {
+    const auto u = static_cast<uint32_t>(id);
+    for (int shift = 0; shift < 32; shift += 8) bytes.push_back(static_cast<char>(u >> shift));
+  }
+  bytes.append(reinterpret_cast<const char*>(loss_mask.data()), loss_mask.size());
+  const auto crc = static_cast<uint32_t>(
+      ::crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
+  return crc == 0 ? 1 : crc;
 }
 
 }  // namespace hetpar::data

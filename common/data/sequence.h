@@ -59,6 +59,11 @@ struct TokenSequence {
 
   int32_t length() const { return static_cast<int32_t>(input_ids.size()); }
   int32_t images() const { return static_cast<int32_t>(image_offsets.size()); }
+  // CRC-32 of the token ids and the loss mask (ids as 4 little-endian bytes each, then one byte
+  // per mask entry), never 0 (a 0 is taken as 1): what a sample trains on, beyond its shape. Two
+  // tokenizers that give a sample the same lengths but other ids (another bos, a revised vocab)
+  // differ in it.
+  uint32_t Checksum() const;
 };
 
 // Builds the sequence of `segments`, in order; a text segment's tokens are targets when its

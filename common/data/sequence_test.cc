@@ -40,6 +40,24 @@ TEST(SequenceTest, ExpandsImagesAndShiftsLabelsOntoTheResponse) {
   EXPECT_FALSE(s->truncated);
 }
 
+// The checksum is zlib's CRC-32 of the ids (4 little-endian bytes each) and the mask (a byte
+// each); the expected values are Python's zlib.crc32 of those bytes.
+TEST(SequenceTest, TheChecksumCoversEveryIdAndTheLossMask) {
+  absl::StatusOr<TokenSequence> s = BuildTokenSequence(
+      {Image(), Text({10, 11})}, {Text({20, 21, 22})}, Options(3, 32, OverlongPolicy::kReject));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->Checksum(), 0xf998bee2u);
+  // Another id of the same length: another checksum, where every length agrees.
+  absl::StatusOr<TokenSequence> other = BuildTokenSequence(
+      {Image(), Text({10, 11})}, {Text({20, 21, 23})}, Options(3, 32, OverlongPolicy::kReject));
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(other->Checksum(), 0x16ca0803u);
+  // The same ids with another target: another checksum.
+  TokenSequence masked = *s;
+  masked.loss_mask[5] = 0;
+  EXPECT_NE(masked.Checksum(), s->Checksum());
+}
+
 TEST(SequenceTest, ImagesInsideTheResponseAreNeverTargets) {
   absl::StatusOr<TokenSequence> s = BuildTokenSequence({Image()}, {Text({30}), Image(), Text({31})},
                                                        Options(2, 32, OverlongPolicy::kReject));

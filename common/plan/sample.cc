@@ -9,7 +9,7 @@ namespace hetpar::plan {
 bool operator==(const SampleDescriptor& a, const SampleDescriptor& b) {
   return a.id == b.id && a.text_tokens == b.text_tokens && a.loss_tokens == b.loss_tokens &&
          a.tokens_per_image == b.tokens_per_image && a.image_starts == b.image_starts &&
-         a.id_checksum == b.id_checksum;
+         a.id_checksum == b.id_checksum && a.token_checksum == b.token_checksum;
 }
 
 SampleDescriptor MakeSample(int64_t id, int64_t image_count, int64_t tokens_per_image,

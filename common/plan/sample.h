@@ -30,6 +30,9 @@ struct SampleDescriptor {
   // CRC-32 of the sample's manifest id (0: not given, e.g. samples no data index named): a worker
   // checks that its index holds the same sample at `id` (data::BatchSource::RecordFor).
   uint32_t id_checksum = 0;
+  // data::TokenSequence::Checksum of the sample's token ids and loss mask in the coordinator's
+  // index (0: not given): a worker checks that its index tokenized the sample alike.
+  uint32_t token_checksum = 0;
 
   int64_t image_count() const { return static_cast<int64_t>(image_starts.size()); }
   int64_t image_tokens() const { return image_count() * tokens_per_image; }
