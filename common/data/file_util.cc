@@ -170,6 +170,7 @@ absl::StatusOr<WaitedFileLock> WaitedFileLock::Take(const std::string& path,
   lock.fd_ = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0644);
   if (lock.fd_ < 0) return unlocked("open", errno);
   const absl::Time deadline = absl::Now() + timeout;
+  bool said = false;
   while (::flock(lock.fd_, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
     if (error == EINTR) continue;
@@ -184,9 +185,9 @@ absl::StatusOr<WaitedFileLock> WaitedFileLock::Take(const std::string& path,
           " (a lock ends with its process: that one is alive, and may "
           "be stuck)"));
     }
-    if (!lock.waited_) {
+    if (!said) {
       HETPAR_LOG(INFO) << "another process is " << doing << "; waiting for it (" << path << ")";
-      lock.waited_ = true;
+      said = true;
     }
     absl::SleepFor(absl::Milliseconds(100));
   }
@@ -194,7 +195,7 @@ absl::StatusOr<WaitedFileLock> WaitedFileLock::Take(const std::string& path,
 }
 
 WaitedFileLock::WaitedFileLock(WaitedFileLock&& other) noexcept
-    : fd_(std::exchange(other.fd_, -1)), waited_(other.waited_) {}
+    : fd_(std::exchange(other.fd_, -1)) {}
 
 WaitedFileLock::~WaitedFileLock() {
   if (fd_ >= 0) ::close(fd_);  // releases the flock

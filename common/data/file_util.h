@@ -65,13 +65,10 @@ class WaitedFileLock {
   ~WaitedFileLock();  // releases the lock
 
   bool held() const { return fd_ >= 0; }
-  // Whether Take waited for another holder first (which may have made the files meanwhile).
-  bool waited() const { return waited_; }
 
  private:
   WaitedFileLock() = default;
   int fd_ = -1;
-  bool waited_ = false;
 };
 
 }  // namespace hetpar::data

@@ -263,10 +263,9 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
     if (r.ok()) {
       index.records.push_back(std::move(*r));
     } else {
+      // Its path_stamp is the file's before it was read (DataLoader::Describe): a file repaired
+      // since, also while the build still ran, is seen as changed at the next start.
       BadSample problem = loader.DescribeProblem(i, r.status());
-      // Stat'ed after the sample was found bad: a file repaired since is seen as changed at the
-      // next start, and the index rebuilt.
-      problem.path_stamp = PathStamp(problem.path);
       bad.emplace_back(problem.line, std::move(problem));
     }
   }
@@ -555,7 +554,8 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
                              kIndexLockTimeout, options.cancel, /*quiet_when_unlockable=*/true);
     if (!taken.ok()) return taken.status();
     lock.emplace(*std::move(taken));
-    if (lock->waited()) existing = FreshIndexAt(path, *current, options);
+    // Another process may have built it, while this one waited or before it asked.
+    existing = FreshIndexAt(path, *current, options);
   }
   if (existing.ok()) {
     for (const BadSample& b : existing->bad) {

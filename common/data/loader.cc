@@ -6,7 +6,9 @@
 #include <utility>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/config/config.h"
 #include "common/data/file_util.h"
 #include "common/status.h"
@@ -16,6 +18,13 @@ namespace {
 
 // Status payload carrying the file a sample error is about (BadSample::path).
 constexpr char kPathPayload[] = "type.hetpar.dev/data.path";
+// Status payload carrying that file's stamp, "size mtime_ns", taken before it was read
+// (BadSample::path_stamp).
+constexpr char kPathStampPayload[] = "type.hetpar.dev/data.path-stamp";
+
+void SetPathStamp(absl::Status* error, const FileStamp& stamp) {
+  error->SetPayload(kPathStampPayload, absl::Cord(absl::StrCat(stamp.size, " ", stamp.mtime_ns)));
+}
 
 std::string Where(const Manifest& manifest, const ManifestRecord& record) {
   return manifest.Where(record.line);
@@ -176,6 +185,14 @@ BadSample DataLoader::DescribeProblem(int64_t ordinal, const absl::Status& statu
   if (auto path = status.GetPayload(kPathPayload)) {
     bad.path = std::string(*path);
   }
+  if (auto stamp = status.GetPayload(kPathStampPayload)) {
+    const std::vector<std::string> parts = absl::StrSplit(std::string(*stamp), ' ');
+    FileStamp parsed;
+    if (parts.size() == 2 && absl::SimpleAtoi(parts[0], &parsed.size) &&
+        absl::SimpleAtoi(parts[1], &parsed.mtime_ns)) {
+      bad.path_stamp = parsed;
+    }
+  }
   return bad;
 }
 
@@ -251,11 +268,17 @@ absl::StatusOr<IndexRecord> DataLoader::Describe(int64_t ordinal, bool verify_im
                                            ? absl::StrCat("image file not found: ", path)
                                            : std::string(stamp.status().message()));
       error.SetPayload(kPathPayload, absl::Cord(path));
+      if (absl::IsNotFound(stamp.status())) SetPathStamp(&error, FileStamp{-1, -1});
       return error;
     }
     if (verify_images) {
       absl::StatusOr<std::vector<float>> image = LoadImage(record, k);
-      if (!image.ok()) return image.status();
+      if (!image.ok()) {
+        // The stamp from before the read: a file repaired since differs from it.
+        absl::Status error = image.status();
+        SetPathStamp(&error, *stamp);
+        return error;
+      }
     }
   }
   IndexRecord out;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/data/synth.h"
 #include "common/logging.h"
 #include "common/nn/device_copy.h"
 #include "common/nn/torch_status.h"
@@ -309,6 +310,18 @@ void WorkerContext::StartOpeningData() {
   auto opening = std::make_shared<DataOpening>();
   data_opening_ = opening;
   data_opener_ = std::thread([opening, spec = spec_] {
+    // A synthetic data set not there yet is the coordinator's to generate, before it plans the
+    // first step: two processes generating it where flock does not hold across nodes (NFS
+    // without locks, Lustre without flock) would remove each other's images. Its opening waits
+    // for the first step.
+    if (spec.data().synth().samples() > 0) {
+      absl::StatusOr<bool> present = data::SyntheticDatasetPresent(spec);
+      if (!present.ok() || !*present) {
+        opening->deferred = true;
+        opening->done.Notify();
+        return;
+      }
+    }
     opening->result = data::BatchSource::Create(spec, &opening->cancel);
     opening->done.Notify();
   });
@@ -329,7 +342,8 @@ absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
     }
   }
   data_opener_.join();
-  absl::StatusOr<std::unique_ptr<data::BatchSource>> result = std::move(data_opening_->result);
+  absl::StatusOr<std::unique_ptr<data::BatchSource>> result =
+      data_opening_->deferred ? data::BatchSource::Create(spec_) : std::move(data_opening_->result);
   data_opening_.reset();
   if (!result.ok()) return result.status();
   data_ = *std::move(result);

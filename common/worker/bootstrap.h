@@ -138,8 +138,10 @@ class WorkerContext {
   // The run's data set. Its opening (a synthetic data set generated, the index read or built:
   // data::BatchSource::Create) starts on a thread of its own as soon as the worker has the
   // RunSpec, beside the wait for the run's start and the coordinator's own opening; the first
-  // call waits for it. An abort of the step (or a stop) ends the wait with Aborted, not the
-  // opening; an opening that failed is tried again at the next call.
+  // call waits for it. (A synthetic data set that is not there yet is the coordinator's to
+  // generate: it is opened at the first call, as the coordinator has planned a step by then.) An
+  // abort of the step (or a stop) ends the wait with Aborted, not the opening; an opening that
+  // failed is tried again at the next call.
   absl::StatusOr<const data::BatchSource*> Data();
 
   // Sends the local file `local_path` into the coordinator's run directory as output `name`
@@ -185,6 +187,8 @@ class WorkerContext {
   struct DataOpening {
     std::atomic<bool> cancel{false};
     absl::Notification done;
+    // The synthetic data set was not there yet: Data opens it, the coordinator having made it.
+    bool deferred = false;
     absl::StatusOr<std::unique_ptr<data::BatchSource>> result;
   };
   std::shared_ptr<DataOpening> data_opening_;
