@@ -5,6 +5,8 @@
 //   read_only  reading every sample's image files (the I/O floor),
 //   tokenize   the text path alone (manifest record -> token sequence),
 //   load       DataLoader::Load: read + decode + resize + normalise + tokenise,
+//   one_image  what an encoder rank given one image of each sample reads: the tokens and that
+//              image (DataLoader::LoadImage), with its ratio to load in the same run,
 //   encoder    the tiny encoder's forward + backward over the same samples, in jobs of
 //              global_batch / (waves x encoder dp) samples (1 for tiny), images stacked,
 // and prints one JSON object per measurement plus a summary with the ratios
@@ -171,7 +173,25 @@ int Run(const Flags& flags) {
     }
     return true;
   });
-  if (read_rate < 0 || tokenize_rate < 0 || load_rate < 0) {
+  // one_image: what an encoder rank given one image of each sample reads: the sample's tokens
+  // (checked against the index) and that image alone (DataLoader::LoadImage), where `load` is
+  // what it read before (every image of the sample).
+  const double one_image_rate = PassesPerSecond(flags.min_seconds, [&] {
+    for (int64_t i = 0; i < n; ++i) {
+      absl::StatusOr<TokenSequence> t = data.Tokenize(i);
+      if (!t.ok()) return false;
+      sink += t->length();
+      if (t->images() == 0) continue;
+      absl::StatusOr<std::vector<float>> image = data.LoadImage(i, 0);
+      if (!image.ok()) {
+        std::cerr << "data_bench: " << image.status().message() << "\n";
+        return false;
+      }
+      sink += static_cast<int64_t>(image->size());
+    }
+    return true;
+  });
+  if (read_rate < 0 || tokenize_rate < 0 || load_rate < 0 || one_image_rate < 0) {
     fs::remove_all(dir);
     return 1;
   }
@@ -184,6 +204,8 @@ int Run(const Flags& flags) {
             << std::endl;
   std::cout << head << ",\"what\":\"load\",\"samples_per_s\":" << Num(load_sps)
             << ",\"images_per_s\":" << Num(load_sps * images_per_sample) << "}" << std::endl;
+  std::cout << head << ",\"what\":\"one_image\",\"samples_per_s\":" << Num(one_image_rate * n)
+            << ",\"over_load\":" << Num(one_image_rate / load_rate) << "}" << std::endl;
 
   std::string summary =
       absl::StrCat(head, ",\"what\":\"summary\",\"load_samples_per_s\":", Num(load_sps),
