@@ -5,12 +5,17 @@
 #include "common/worker/bootstrap.h"
 
 #include <ATen/ATen.h>
+#include <stdlib.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include "common/data/file_util.h"
+#include "common/data/synth.h"
 #include "coordinator/server.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -160,6 +165,98 @@ TEST_F(BootstrapTest, EveryWorkerGetsItsRankPeersAndGroups) {
   auto single = llm.Group("llm/dp0/tp", 0, 1);
   ASSERT_TRUE(single.ok()) << single.status();
   EXPECT_EQ((*single)->size(), 1);
+}
+
+// A worker opens its data set from the start, beside its wait for the run's start, and its first
+// Data() waits for what is left. Here the data index is missing and another process (the test)
+// holds its lock, so every worker's opening waits: an abort of the step ends Data()'s wait (not
+// the opening), a worker that ends meanwhile does not wait for its opening, and once the lock is
+// let go the opening builds the index and Data() returns it.
+TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
+  char pattern[] = "/tmp/hetpar-bootstrap-data-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  data::SynthOptions synth = data::SynthOptionsForDirectory(dir);
+  synth.samples = 12;
+  synth.val_samples = 0;
+  synth.val_manifest.clear();
+  synth.image_size = 32;
+  synth.tokens_per_image = 16;
+  synth.seq_len = 128;
+  synth.vocab_size = 256;
+  ASSERT_TRUE(data::GenerateSyntheticDataset(synth).ok());
+  const std::string index = synth.train_manifest + ".index";
+  std::filesystem::remove(index);  // the generator's
+  v1::RunSpec spec = Spec(v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_encoder()->mutable_model()->set_image_size(32);
+  spec.mutable_encoder()->mutable_model()->set_patch(8);
+  spec.mutable_llm()->mutable_model()->set_seq_len(128);
+  spec.mutable_llm()->mutable_model()->set_vocab(256);
+  spec.mutable_data()->set_manifest(synth.train_manifest);
+  spec.mutable_data()->set_tokenizer(synth.tokenizer);
+  spec.mutable_data()->set_index(index);
+  const std::string lock = dir + "/.train.jsonl.index.lock";
+  // A coordinator of `spec` and its three workers, bootstrapped.
+  const auto start = [&](std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>>* contexts) {
+    coordinator::ServerOptions server_options;
+    server_options.listen_address = "127.0.0.1:0";
+    server_options.token = kToken;
+    auto server = coordinator::CoordinatorServer::Create(spec, server_options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
+    contexts->clear();
+    contexts->resize(roles.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      threads.emplace_back(
+          [&, i] { (*contexts)[i] = WorkerContext::Bootstrap(Options(roles[i])); });
+    }
+    for (auto& t : threads) t.join();
+    for (const auto& c : *contexts) ASSERT_TRUE(c.ok()) << c.status();
+  };
+
+  // The lock held by "another process" (this test) while `held` has it.
+  std::optional<data::WaitedFileLock> held;
+  const auto hold = [&] {
+    absl::StatusOr<data::WaitedFileLock> taken =
+        data::WaitedFileLock::Take(lock, "holding the lock in a test", absl::Seconds(10));
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    ASSERT_TRUE(taken->held());
+    held.emplace(*std::move(taken));
+  };
+  hold();
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts;
+  start(&contexts);
+  WorkerContext& llm = **contexts[2];
+  // The step is aborted while the opening waits for the lock.
+  llm.interrupt().Raise(1);
+  absl::StatusOr<const data::BatchSource*> aborted = llm.Data();
+  EXPECT_TRUE(absl::IsAborted(aborted.status())) << aborted.status();
+  EXPECT_FALSE(std::filesystem::exists(index));
+  // The next attempt; the other process lets go of the lock.
+  llm.interrupt().Arm(2);
+  held.reset();
+  absl::StatusOr<const data::BatchSource*> opened = llm.Data();
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ((*opened)->index().records.size(), 12u);
+  EXPECT_TRUE(std::filesystem::exists(index));
+  // Opened once: the same data set at every later call.
+  absl::StatusOr<const data::BatchSource*> again = llm.Data();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *opened);
+  contexts.clear();
+  server_.reset();
+
+  // Workers that end while their openings wait for the lock do not wait for them (the test would
+  // hang otherwise), and leave no index behind.
+  std::filesystem::remove(index);
+  hold();
+  start(&contexts);
+  contexts.clear();
+  EXPECT_FALSE(std::filesystem::exists(index));
+  held.reset();
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(BootstrapTest, AWrongTokenIsRefused) {
