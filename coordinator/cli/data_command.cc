@@ -347,17 +347,23 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
       if (index == nullptr) continue;
       const data::IndexRecord* record = index->Find(sample->id);
       const data::TokenSequence& t = sample->tokens;
+      // An index written before token checksums were is compared on its shapes only.
+      const uint32_t checksum = t.Checksum();
       if (record == nullptr || record->image_count != t.images() ||
           record->text_tokens != t.text_tokens || record->loss_tokens != t.loss_tokens ||
           record->image_offsets != t.image_offsets ||
+          (record->token_checksum != 0 && record->token_checksum != checksum) ||
           static_cast<int64_t>(sample->images.size()) != t.images()) {
         std::cout << "index mismatch: sample '" << sample->id << "' loads as " << t.images()
                   << " images, " << t.text_tokens << " text and " << t.loss_tokens
-                  << " loss tokens; the index says "
+                  << " loss tokens, token checksum "
+                  << absl::StrCat(absl::Hex(checksum, absl::kZeroPad8)) << "; the index says "
                   << (record == nullptr
                           ? std::string("nothing (not indexed)")
                           : absl::StrCat(record->image_count, " images, ", record->text_tokens,
-                                         " text and ", record->loss_tokens, " loss tokens"))
+                                         " text and ", record->loss_tokens,
+                                         " loss tokens, token checksum ",
+                                         absl::Hex(record->token_checksum, absl::kZeroPad8)))
                   << "\n";
         ++mismatched;
       }

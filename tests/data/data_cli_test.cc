@@ -135,6 +135,21 @@ TEST_F(DataCliTest, SynthFromTheTinyConfigThenIndexCheckShow) {
   r = Run({"data", "check", "--config", config, "--split", "val"});
   ASSERT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text;
   EXPECT_THAT(r.stdout_text, HasSubstr("128 good, 0 bad, 0 index mismatches"));
+  // An index whose token checksum of one sample is not the sample's (the same shapes, other ids):
+  // a mismatch, named.
+  {
+    const std::string path = dir_ + "/tiny/val.jsonl.index";
+    std::string text = *data::ReadFileToString(path);
+    const size_t at = text.find("\"token_crc\":");
+    ASSERT_NE(at, std::string::npos) << "no token_crc in " << path;
+    const size_t digit = at + std::string("\"token_crc\":").size();
+    text[digit] = text[digit] == '1' ? '2' : '1';
+    ASSERT_TRUE(data::WriteFileAtomically(path, text).ok());
+    r = Run({"data", "check", "--config", config, "--split", "val"});
+    EXPECT_EQ(r.exit_code, 1) << r.stdout_text << r.stderr_text;
+    EXPECT_THAT(r.stdout_text, HasSubstr("128 good, 0 bad, 1 index mismatches"));
+    EXPECT_THAT(r.stdout_text, HasSubstr("loss tokens, token checksum "));
+  }
 
   r = Run({"data", "show", "--config", config, "--id", "train-000000"});
   ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
