@@ -50,11 +50,13 @@ v1::RunSpec Spec(v1::Placement placement) {
 
 class BootstrapTest : public ::testing::Test {
  protected:
-  void Start(v1::Placement placement) {
+  void Start(v1::Placement placement) { Start(Spec(placement)); }
+  // An in-process coordinator of `spec` on loopback.
+  void Start(const v1::RunSpec& spec) {
     coordinator::ServerOptions options;
     options.listen_address = "127.0.0.1:0";
     options.token = kToken;
-    auto server = coordinator::CoordinatorServer::Create(Spec(placement), options);
+    auto server = coordinator::CoordinatorServer::Create(spec, options);
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = *std::move(server);
   }
@@ -77,12 +79,7 @@ class BootstrapTest : public ::testing::Test {
 TEST_F(BootstrapTest, AWorkerThatFailsAfterRegisteringTellsTheCoordinatorWhy) {
   v1::RunSpec spec = Spec(v1::PLACEMENT_NON_COLOCATED);
   spec.mutable_run()->set_device("cuda");
-  coordinator::ServerOptions server_options;
-  server_options.listen_address = "127.0.0.1:0";
-  server_options.token = kToken;
-  auto server = coordinator::CoordinatorServer::Create(spec, server_options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  server_ = *std::move(server);
+  Start(spec);
   WorkerOptions options = Options(Role::kLlm);
   options.cuda_device = 4096;
   auto context = WorkerContext::Bootstrap(options);
@@ -198,12 +195,7 @@ TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
   const std::string lock = dir + "/.train.jsonl.index.lock";
   // A coordinator of `spec` and its three workers, bootstrapped.
   const auto start = [&](std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>>* contexts) {
-    coordinator::ServerOptions server_options;
-    server_options.listen_address = "127.0.0.1:0";
-    server_options.token = kToken;
-    auto server = coordinator::CoordinatorServer::Create(spec, server_options);
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
+    Start(spec);
     const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
     contexts->clear();
     contexts->resize(roles.size());
