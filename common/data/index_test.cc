@@ -72,6 +72,23 @@ class IndexTest : public ::testing::Test {
     EXPECT_TRUE(rebuilt);
     EXPECT_EQ(index->records.size(), 40u);
   }
+  // A sample of one image, `image` (relative to the test's directory), and a caption.
+  static ManifestRecord OneImageSample(const std::string& id, const std::string& image) {
+    ManifestRecord r;
+    r.id = id;
+    r.prompt = "<image>describe the image.";
+    r.images = {image};
+    r.text = "the image is empty.";
+    return r;
+  }
+  // The JSONL manifest `name` in the test's directory: `lines`, each ended by a newline.
+  std::string WriteManifest(const std::string& name, const std::vector<std::string>& lines) const {
+    std::string text;
+    for (const std::string& l : lines) text += l + "\n";
+    const std::string path = dir_ + "/" + name;
+    EXPECT_TRUE(WriteFileAtomically(path, text).ok()) << path;
+    return path;
+  }
   std::unique_ptr<DataLoader> Make(const LoaderOptions& o) const {
     absl::StatusOr<std::unique_ptr<DataLoader>> loader = DataLoader::Create(o);
     EXPECT_TRUE(loader.ok()) << loader.status();
@@ -204,16 +221,9 @@ TEST_F(IndexTest, AnIndexBuiltWithoutDecodingImagesIsRebuiltByACallerThatDecodes
   std::string png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
   png.resize(png.size() / 2);
   ASSERT_TRUE(WriteFileAtomically(dir_ + "/half.png", png).ok());
-  ManifestRecord corrupt;
-  corrupt.id = "corrupt";
-  corrupt.prompt = "<image>describe the image.";
-  corrupt.images = {"half.png"};
-  corrupt.text = "the image is cut.";
-  const std::string manifest = dir_ + "/cut.jsonl";
-  ASSERT_TRUE(
-      WriteFileAtomically(manifest, ManifestRecordToJson(MakeSynthSample(3, "train", 0, 3).record) +
-                                        "\n" + ManifestRecordToJson(corrupt) + "\n")
-          .ok());
+  const std::string manifest =
+      WriteManifest("cut.jsonl", {ManifestRecordToJson(MakeSynthSample(3, "train", 0, 3).record),
+                                  ManifestRecordToJson(OneImageSample("corrupt", "half.png"))});
   LoaderOptions skip = Options(manifest);
   skip.skip_bad_samples = true;
   std::unique_ptr<DataLoader> loader = Make(skip);
@@ -462,32 +472,18 @@ TEST_F(IndexTest, BadSamplesFailTheBuildOrAreSkippedWithoutShiftingOthers) {
   std::vector<std::string> lines;
   for (int i = 0; i < 3; ++i)
     lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record));
-  ManifestRecord missing;
-  missing.id = "missing";
-  missing.prompt = "<image>describe the image.";
-  missing.images = {"images/none.png"};
-  missing.text = "the image is empty.";
-  lines.push_back(ManifestRecordToJson(missing));
+  lines.push_back(ManifestRecordToJson(OneImageSample("missing", "images/none.png")));
   lines.push_back("{\"id\": \"broken\"");
   lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", 5, 3).record));
-  ManifestRecord corrupt = missing;
-  corrupt.id = "corrupt";
-  corrupt.images = {"half.png"};
-  lines.push_back(ManifestRecordToJson(corrupt));
-  std::string text;
-  for (const std::string& l : lines) text += l + "\n";
-  const std::string manifest = dir_ + "/mixed.jsonl";
-  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  lines.push_back(ManifestRecordToJson(OneImageSample("corrupt", "half.png")));
+  const std::string manifest = WriteManifest("mixed.jsonl", lines);
 
   // Strict: the manifest line already fails loading.
   EXPECT_FALSE(DataLoader::Create(Options(manifest)).ok());
   // Strict over a manifest without the malformed line: the build lists both bad images.
-  std::string no_broken;
-  for (size_t i = 0; i < lines.size(); ++i) {
-    if (i != 4) no_broken += lines[i] + "\n";
-  }
-  const std::string manifest2 = dir_ + "/mixed2.jsonl";
-  ASSERT_TRUE(WriteFileAtomically(manifest2, no_broken).ok());
+  std::vector<std::string> no_broken = lines;
+  no_broken.erase(no_broken.begin() + 4);
+  const std::string manifest2 = WriteManifest("mixed2.jsonl", no_broken);
   absl::StatusOr<DataIndex> strict = BuildIndex(*Make(Options(manifest2)), IndexBuildOptions());
   ASSERT_FALSE(strict.ok());
   EXPECT_EQ(strict.status().code(), absl::StatusCode::kNotFound);
@@ -549,21 +545,11 @@ TEST_F(IndexTest, ASkippedSampleComesBackOnceItsFileIsRepaired) {
   const std::string good_png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
   ASSERT_TRUE(
       WriteFileAtomically(dir_ + "/half.png", good_png.substr(0, good_png.size() / 2)).ok());
-  ManifestRecord missing;
-  missing.id = "missing";
-  missing.prompt = "<image>describe the image.";
-  missing.images = {"late.png"};
-  missing.text = "the image is empty.";
-  ManifestRecord corrupt = missing;
-  corrupt.id = "corrupt";
-  corrupt.images = {"half.png"};
-  std::string text;
-  for (int i = 0; i < 2; ++i) {
-    text += ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record) + "\n";
-  }
-  text += ManifestRecordToJson(missing) + "\n" + ManifestRecordToJson(corrupt) + "\n";
-  const std::string manifest = dir_ + "/repair.jsonl";
-  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  const std::string manifest =
+      WriteManifest("repair.jsonl", {ManifestRecordToJson(MakeSynthSample(3, "train", 0, 3).record),
+                                     ManifestRecordToJson(MakeSynthSample(3, "train", 1, 3).record),
+                                     ManifestRecordToJson(OneImageSample("missing", "late.png")),
+                                     ManifestRecordToJson(OneImageSample("corrupt", "half.png"))});
   LoaderOptions skip = Options(manifest);
   skip.skip_bad_samples = true;
   const std::string path = dir_ + "/repair.index";
@@ -613,16 +599,8 @@ TEST_F(IndexTest, AReadThatFailsIsNotABadSample) {
   for (int i = 0; i < 2; ++i) {
     lines.push_back(ManifestRecordToJson(MakeSynthSample(3, "train", i, 3).record));
   }
-  ManifestRecord failing;
-  failing.id = "failing";
-  failing.prompt = "<image>describe the image.";
-  failing.images = {"unreadable.png"};
-  failing.text = "the image is empty.";
-  lines.push_back(ManifestRecordToJson(failing));
-  std::string text;
-  for (const std::string& l : lines) text += l + "\n";
-  const std::string manifest = dir_ + "/failing.jsonl";
-  ASSERT_TRUE(WriteFileAtomically(manifest, text).ok());
+  lines.push_back(ManifestRecordToJson(OneImageSample("failing", "unreadable.png")));
+  const std::string manifest = WriteManifest("failing.jsonl", lines);
   LoaderOptions skip = Options(manifest);
   skip.skip_bad_samples = true;
   std::unique_ptr<DataLoader> loader = Make(skip);
