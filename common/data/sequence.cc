@@ -128,16 +128,22 @@ absl::StatusOr<TokenSequence> BuildTokenSequence(const std::vector<Segment>& seg
 }
 
 uint32_t TokenSequence::Checksum() const {
-  std::string bytes;
-  bytes.reserve(input_ids.size() * 4 + loss_mask.size());
+  // Run for every sample a step loads: the ids go through a small buffer, not a copy of them all.
+  uLong crc = 0;
+  Bytef block[1024];
+  size_t used = 0;
   for (int32_t id : input_ids) {
     const auto u = static_cast<uint32_t>(id);
-    for (int shift = 0; shift < 32; shift += 8) bytes.push_back(static_cast<char>(u >> shift));
+    for (int shift = 0; shift < 32; shift += 8) block[used++] = static_cast<Bytef>(u >> shift);
+    if (used == sizeof(block)) {
+      crc = ::crc32(crc, block, static_cast<uInt>(used));
+      used = 0;
+    }
   }
-  bytes.append(reinterpret_cast<const char*>(loss_mask.data()), loss_mask.size());
-  const auto crc = static_cast<uint32_t>(
-      ::crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), static_cast<uInt>(bytes.size())));
-  return crc == 0 ? 1 : crc;
+  crc = ::crc32(crc, block, static_cast<uInt>(used));
+  crc = ::crc32(crc, loss_mask.data(), static_cast<uInt>(loss_mask.size()));
+  const auto checksum = static_cast<uint32_t>(crc);
+  return checksum == 0 ? 1 : checksum;
 }
 
 }  // namespace hetpar::data

@@ -56,6 +56,14 @@ TEST(SequenceTest, TheChecksumCoversEveryIdAndTheLossMask) {
   TokenSequence masked = *s;
   masked.loss_mask[5] = 0;
   EXPECT_NE(masked.Checksum(), s->Checksum());
+  // Longer than the checksum's 1 KiB buffer of ids: 700 ids (i * 7) % 251, every other one a
+  // target.
+  TokenSequence long_sequence;
+  for (int32_t i = 0; i < 700; ++i) {
+    long_sequence.input_ids.push_back((i * 7) % 251);
+    long_sequence.loss_mask.push_back(static_cast<uint8_t>(i % 2));
+  }
+  EXPECT_EQ(long_sequence.Checksum(), 0x99dfbcf4u);
 }
 
 TEST(SequenceTest, ImagesInsideTheResponseAreNeverTargets) {
