@@ -13,6 +13,12 @@
 
 namespace hetpar::data {
 
+// Whether `cancel` (set from another thread to end a long read or build) has turned true; never
+// when it is null.
+inline bool IsCancelled(const std::atomic<bool>* cancel) {
+  return cancel != nullptr && cancel->load(std::memory_order_acquire);
+}
+
 // Size and modification time of a file, as stat(2) reports them.
 struct FileStamp {
   int64_t size = 0;

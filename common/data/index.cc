@@ -222,7 +222,7 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
   absl::Notification finished;
   auto work = [&](int t) {
     for (int64_t i = t; i < n; i += threads) {
-      if (options.cancel != nullptr && options.cancel->load(std::memory_order_acquire)) break;
+      if (IsCancelled(options.cancel)) break;
       described[static_cast<size_t>(i)] = loader.Describe(i, options.verify_images);
       done.fetch_add(1, std::memory_order_relaxed);
     }
@@ -234,7 +234,7 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
     progress(done.load(std::memory_order_relaxed), n);
   }
   for (std::thread& th : pool) th.join();
-  if (options.cancel != nullptr && options.cancel->load(std::memory_order_acquire)) {
+  if (IsCancelled(options.cancel)) {
     return absl::CancelledError(absl::StrCat("stopped indexing ", loader.options().manifest,
                                              " after ", done.load(), " of ", n, " samples"));
   }
@@ -340,7 +340,7 @@ absl::Status WriteIndex(const DataIndex& index, const std::string& path) {
   return Annotate(WriteFileAtomically(path, out), absl::StrCat("writing data index ", path));
 }
 
-absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
+absl::StatusOr<DataIndex> ReadIndex(const std::string& path, const std::atomic<bool>* cancel) {
   absl::StatusOr<std::string> contents = ReadFileToString(path);
   if (!contents.ok()) return Annotate(contents.status(), "data index");
   DataIndex index;
@@ -355,6 +355,10 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path) {
       const std::string line = contents->substr(start, end - start);
       start = end + 1;
       ++line_number;
+      if (line_number % 4096 == 1 && IsCancelled(cancel)) {
+        return absl::CancelledError(
+            absl::StrCat("stopped reading the data index ", path, " at line ", line_number));
+      }
       if (line.empty()) continue;
       const Json json = Json::parse(line);
       if (line_number == 1) {
@@ -511,7 +515,7 @@ namespace {
 // it is missing, FailedPrecondition when it is stale, the read's error when it is damaged.
 absl::StatusOr<DataIndex> FreshIndexAt(const std::string& path, const IndexSource& current,
                                        const IndexBuildOptions& options) {
-  absl::StatusOr<DataIndex> existing = ReadIndex(path);
+  absl::StatusOr<DataIndex> existing = ReadIndex(path, options.cancel);
   if (!existing.ok()) return existing.status();
   absl::Status fresh = CheckIndexSource(*existing, current);
   if (fresh.ok() && options.verify_images && !existing->images_verified) {
@@ -544,6 +548,7 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
   absl::StatusOr<IndexSource> current = LoadedIndexSource(loader, loader.options());
   if (!current.ok()) return current.status();
   absl::StatusOr<DataIndex> existing = FreshIndexAt(path, *current, options);
+  if (absl::IsCancelled(existing.status())) return existing.status();
   // Processes opening one data set at once (a run's coordinator and workers, several workers on
   // a node): one builds the index, the others wait for it and read what it wrote. Without the
   // lock (a read-only data set, whose index is not saved either), each builds its own.
@@ -556,6 +561,7 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
     lock.emplace(*std::move(taken));
     // Another process may have built it, while this one waited or before it asked.
     existing = FreshIndexAt(path, *current, options);
+    if (absl::IsCancelled(existing.status())) return existing.status();
   }
   if (existing.ok()) {
     for (const BadSample& b : existing->bad) {

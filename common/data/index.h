@@ -105,8 +105,10 @@ struct IndexBuildOptions {
 absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options);
 
 absl::Status WriteIndex(const DataIndex& index, const std::string& path);
-// NotFound when missing; DataLoss for a file that is not a complete index.
-absl::StatusOr<DataIndex> ReadIndex(const std::string& path);
+// NotFound when missing; DataLoss for a file that is not a complete index. Cancelled, between
+// lines, once *cancel turns true.
+absl::StatusOr<DataIndex> ReadIndex(const std::string& path,
+                                    const std::atomic<bool>* cancel = nullptr);
 
 // OK when `index` was built from `current`; FailedPrecondition naming what changed otherwise.
 absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current);

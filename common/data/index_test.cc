@@ -325,6 +325,32 @@ TEST_F(IndexTest, ACancelledBuildStops) {
               HasSubstr("stopped indexing " + dir_ + "/train.jsonl after 0 of 40 samples"));
 }
 
+// So is a read of an existing index (a worker that ends while it opens its data set): cancelled,
+// it neither returns the index nor builds another; the index is left as it was.
+TEST_F(IndexTest, ACancelledReadOfAnIndexStopsWithoutBuilding) {
+  const std::string path = dir_ + "/train.jsonl.index";
+  ASSERT_TRUE(LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions()).ok());
+  absl::StatusOr<std::string> before = ReadFileToString(path);
+  ASSERT_TRUE(before.ok()) << before.status();
+  std::atomic<bool> cancel{true};
+  IndexBuildOptions options;
+  options.cancel = &cancel;
+  int builds = 0;
+  options.on_progress = [&](int64_t done, int64_t) { builds += done == 0 ? 1 : 0; };
+  bool rebuilt = true;
+  absl::StatusOr<DataIndex> index = LoadOrBuildIndex(*Make(Options()), path, options, &rebuilt);
+  EXPECT_EQ(index.status().code(), absl::StatusCode::kCancelled) << index.status();
+  EXPECT_EQ(index.status().message(), "stopped reading the data index " + path + " at line 1");
+  EXPECT_FALSE(rebuilt);
+  EXPECT_EQ(builds, 0);
+  EXPECT_EQ(*ReadFileToString(path), *before);
+  cancel = false;
+  index = LoadOrBuildIndex(*Make(Options()), path, options, &rebuilt);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->records.size(), 40u);
+  EXPECT_FALSE(rebuilt);
+}
+
 // A Hugging Face tokenizer's bos and eos come from the tokenizer_config.json beside it: one
 // added, changed or removed makes the index stale.
 TEST_F(IndexTest, TheTokenizerConfigBesideTheTokenizerIsPartOfTheIndexSource) {

@@ -82,7 +82,8 @@ absl::StatusOr<SourceStamps> StampSources(const LoaderOptions& options) {
   return stamps;
 }
 
-absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptions& options) {
+absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptions& options,
+                                                               const std::atomic<bool>* cancel) {
   if (options.image_size <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("loader image_size=", options.image_size, "; expected >= 1"));
@@ -122,7 +123,8 @@ absl::StatusOr<std::unique_ptr<DataLoader>> DataLoader::Create(const LoaderOptio
                      options.image_token, "'; train it with '", options.image_token,
                      "' as a user-defined symbol (hetpar data synth does)"));
   }
-  absl::StatusOr<Manifest> manifest = ReadManifest(options.manifest, options.skip_bad_samples);
+  absl::StatusOr<Manifest> manifest =
+      ReadManifest(options.manifest, options.skip_bad_samples, cancel);
   if (!manifest.ok()) return manifest.status();
   std::unique_ptr<DataLoader> loader(
       new DataLoader(options, std::move(*manifest), std::move(*tokenizer), *image_id));

@@ -10,6 +10,7 @@
 #ifndef HETPAR_COMMON_DATA_LOADER_H_
 #define HETPAR_COMMON_DATA_LOADER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -80,8 +81,10 @@ absl::StatusOr<SourceStamps> StampSources(const LoaderOptions& options);
 class DataLoader {
  public:
   // Reads the manifest and the tokenizer and checks the options (the image token must be one
-  // tokenizer piece; the vocabulary must fit max_vocab).
-  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(const LoaderOptions& options);
+  // tokenizer piece; the vocabulary must fit max_vocab). `cancel`, once set (from another
+  // thread), ends the manifest's read with Cancelled.
+  static absl::StatusOr<std::unique_ptr<DataLoader>> Create(
+      const LoaderOptions& options, const std::atomic<bool>* cancel = nullptr);
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 

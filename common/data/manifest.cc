@@ -213,7 +213,8 @@ ManifestFormat ManifestFormatOf(const std::string& path) {
                                                : ManifestFormat::kJsonLines;
 }
 
-absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad) {
+absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad,
+                                      const std::atomic<bool>* cancel) {
   absl::StatusOr<std::string> contents = ReadFileToString(path);
   if (!contents.ok()) {
     return absl::Status(contents.status().code(),
@@ -226,6 +227,10 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad) {
   const bool array = manifest.format == ManifestFormat::kJsonArray;
   const std::string file_name = fs::path(path).filename().string();
   std::vector<BadSample> problems;
+  const auto stopped = [&](int64_t at) {
+    return absl::CancelledError(absl::StrCat("stopped reading the manifest ", path, " at ",
+                                             array ? "index " : "line ", at));
+  };
   // Adds the sample at `line` (a line number or an array index): `json`, or the reason it could
   // not be parsed.
   auto add = [&](int64_t line, const Json* json, std::optional<std::string> reason) {
@@ -266,7 +271,10 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad) {
                        "; expected one JSON array of samples (name a file of one JSON object per "
                        "line .jsonl)"));
     }
-    for (size_t i = 0; i < json.size(); ++i) add(static_cast<int64_t>(i), &json[i], std::nullopt);
+    for (size_t i = 0; i < json.size(); ++i) {
+      if (i % 4096 == 0 && IsCancelled(cancel)) return stopped(static_cast<int64_t>(i));
+      add(static_cast<int64_t>(i), &json[i], std::nullopt);
+    }
   } else {
     int64_t line_number = 0;
     size_t start = 0;
@@ -276,6 +284,7 @@ absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad) {
       std::string line = contents->substr(start, end - start);
       start = end + 1;
       ++line_number;
+      if (line_number % 4096 == 1 && IsCancelled(cancel)) return stopped(line_number);
       if (!line.empty() && line.back() == '\r') line.pop_back();
       if (line.find_first_not_of(" \t") == std::string::npos) continue;  // blank lines are allowed
       Json json;

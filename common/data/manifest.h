@@ -26,6 +26,7 @@
 #ifndef HETPAR_COMMON_DATA_MANIFEST_H_
 #define HETPAR_COMMON_DATA_MANIFEST_H_
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -95,8 +96,10 @@ ManifestFormat ManifestFormatOf(const std::string& path);
 // conversation turns, a duplicate id) are InvalidArgument listing every one with its line or
 // index, the id and the field, unless `skip_bad`, which records them in Manifest::bad instead.
 // A .json file that is not one JSON array of objects is InvalidArgument even with `skip_bad`.
-// A missing file is NotFound.
-absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad);
+// A missing file is NotFound. Cancelled, between entries, once *cancel turns true (from another
+// thread).
+absl::StatusOr<Manifest> ReadManifest(const std::string& path, bool skip_bad,
+                                      const std::atomic<bool>* cancel = nullptr);
 
 // One manifest entry (a JSON object, no newline) for `record`: the prompt/text form, or, when
 // `conversation` is set, the LLaVA-style form ("images" and "conversations" with from = system,

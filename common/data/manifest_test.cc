@@ -2,8 +2,11 @@
 
 #include <stdlib.h>
 
+#include <atomic>
 #include <filesystem>
+#include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/data/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -299,6 +302,34 @@ TEST_F(ManifestTest, AJsonFileMustHoldOneArray) {
               HasSubstr("manifest " + lines + " is not valid JSON"));
   EXPECT_EQ(ReadManifest(dir_ + "/missing.json", false).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// A worker that ends while it opens its data set (WorkerContext's opening, BatchSource::Create)
+// cancels the read of a long manifest instead of waiting for its end.
+TEST_F(ManifestTest, ACancelledReadStopsWithCancelled) {
+  std::string lines;
+  std::string array = "[";
+  for (int i = 0; i < 5000; ++i) {
+    const std::string sample = absl::StrCat("{\"id\": \"s", i, "\", \"text\": \"t\"}");
+    absl::StrAppend(&lines, sample, "\n");
+    absl::StrAppend(&array, i > 0 ? "," : "", sample);
+  }
+  array += "]";
+  const std::string jsonl = Write(lines, "many.jsonl");
+  const std::string json = Write(array, "many.json");
+  std::atomic<bool> cancel{false};
+  for (const std::string& path : {jsonl, json}) {
+    absl::StatusOr<Manifest> m = ReadManifest(path, false, &cancel);
+    ASSERT_TRUE(m.ok()) << m.status();
+    EXPECT_EQ(m->records.size(), 5000u);
+  }
+  cancel = true;
+  absl::StatusOr<Manifest> m = ReadManifest(jsonl, false, &cancel);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(m.status().message(), "stopped reading the manifest " + jsonl + " at line 1");
+  m = ReadManifest(json, false, &cancel);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(m.status().message(), "stopped reading the manifest " + json + " at index 0");
 }
 
 TEST_F(ManifestTest, ConversationRecordJsonRoundTrips) {
