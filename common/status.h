@@ -54,9 +54,11 @@ inline std::string StatusText(const absl::Status& status) {
   return status.ToString(absl::StatusToStringMode::kWithNoExtraData);
 }
 
-// Marks an error whose cause is not one worker's own: every replica of the run would meet it in
-// turn (a checkpoint that cannot be written to checkpoint.dir). A worker that fails with it asks
-// the coordinator to fail the run instead of going on without the worker's replica.
+// Marks an error that retrying or replacing the worker would not cure: every replica of the run
+// would meet it in turn (a checkpoint that cannot be written to checkpoint.dir), or every attempt
+// of a step (the worker's data set differs from the plan's). A worker that fails with it, or
+// reports a step failed with it, asks the coordinator to fail the run instead of going on without
+// the worker's replica or planning the step again.
 inline constexpr char kEndsRunPayload[] = "type.hetpar/ends-run";
 
 inline absl::Status EndsRun(absl::Status status) {

@@ -330,6 +330,17 @@ absl::Status RunController::HandleMessage(const std::string& worker_id,
       if (!message.report().ok()) {
         worker->ended_generation =
             std::max(worker->ended_generation, message.report().generation());
+        if (message.report().ends_run() && state_ == v1::RUN_STATE_RUNNING) {
+          // Planned again, the step would fail the same way (this worker's data set is not the
+          // plan's): the run fails now, with the worker's words, not after every attempt.
+          Fail(absl::StrCat("worker ", worker->Describe(), " failed step ", message.report().step(),
+                            ": ", Printable(message.report().error(), kMaxErrorBytes),
+                            "; every attempt of the step would fail the same way, so the run "
+                            "stops; ",
+                            FixThenResume()),
+               now, actions);
+          return absl::OkStatus();
+        }
       }
       HandleOutcome(orchestrator_.OnReport(*worker, message.report(), now, &actions->messages), now,
                     actions);
@@ -528,6 +539,12 @@ std::string RunController::HowToResume() const {
                             "`hetpar run --resume`, or set checkpoint.resume_from)");
 }
 
+std::string RunController::FixThenResume() const {
+  return spec_.checkpoint().dir().empty()
+             ? "fix the cause and start the run again (it writes no checkpoints: checkpoint.dir)"
+             : absl::StrCat("fix the cause, then ", HowToResume());
+}
+
 void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& failure,
                                  absl::Time now, Actions* actions) {
   const std::string error = Printable(failure.error(), kMaxErrorBytes);
@@ -556,9 +573,8 @@ void RunController::WorkerFailed(WorkerRecord* worker, const v1::WorkerFailure& 
   // Another replica would take over the failed one's part and meet the same error: the run
   // stops with it, its checkpoints (but the failed one) as they were.
   Fail(absl::StrCat("worker ", worker->Describe(), " failed: ", error,
-                    "; every replica would meet this error in turn, so the run stops; fix the "
-                    "cause, then ",
-                    HowToResume()),
+                    "; every replica would meet this error in turn, so the run stops; ",
+                    FixThenResume()),
        now, actions);
 }
 

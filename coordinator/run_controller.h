@@ -17,7 +17,9 @@
 //    lost worker's rank is freed for another.
 //  * Steps run while every rank is held and every worker's session is open: plan, StepPlan to
 //    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
-//    max_step_attempts times in a row fails the run. After run.steps commits the run stops.
+//    max_step_attempts times in a row fails the run; a report of a failure that every attempt
+//    would meet (StepReport.ends_run: a worker's data set that is not the plan's) fails it at
+//    once. After run.steps commits the run stops.
 //  * stopping: StopRun has been sent; the run is done when every session has closed, or at
 //    the stop's deadline: stop_timeout after the stop; a worker that says it began its outputs
 //    (Progress.phase kOutputsPhase: its wait for its last checkpoint, the model's gather, the
@@ -177,6 +179,9 @@ class RunController {
                     Actions* actions);
   // How a failed run goes on: from its newest checkpoint, or from the start without any.
   std::string HowToResume() const;
+  // After an error the user must fix first: "fix the cause, then <HowToResume>", or, without
+  // checkpoints, "fix the cause and start the run again".
+  std::string FixThenResume() const;
   // Opens vacant encoder replicas (lowest first) until the replicas training and open reach the
   // target; closes open ones beyond it (stopping their joining workers).
   void RebalanceOpen(Actions* actions);

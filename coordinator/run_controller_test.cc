@@ -1621,6 +1621,51 @@ TEST_F(RunControllerTest, AFailureEveryReplicaWouldMeetFailsTheRunWithTheWorkers
   }
 }
 
+// A step that failed for a cause every attempt would meet (a worker's data index that is not the
+// coordinator's) fails the run at once, naming the worker and the step, instead of being planned
+// again until max_step_attempts; a failed report without the mark is retried, as before.
+TEST_F(RunControllerTest, AStepFailureEveryAttemptWouldMeetFailsTheRunAtOnce) {
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  const int64_t attempt = controller_->generation();
+  v1::WorkerMessage failed;
+  failed.mutable_report()->set_step(0);
+  failed.mutable_report()->set_generation(attempt);
+  failed.mutable_report()->set_ok(false);
+  failed.mutable_report()->set_error(
+      "data index position 5 (sample 'b', data/train.jsonl:6) has id checksum 0000abcd here");
+  failed.mutable_report()->set_ends_run(true);
+  actions_ = {};
+  Send(ids_[3], failed);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("worker " + ids_[3] +
+                        " (llm rank 1 (dp 0, tp 1, cp 0, pp 0), host host) failed "
+                        "step 0: data index position 5 (sample 'b', data/train.jsonl:6) has id "
+                        "checksum 0000abcd here; every attempt of the step would fail the same "
+                        "way, so the run stops"));
+  EXPECT_THAT(controller_->state_message(),
+              HasSubstr("resume it from its newest checkpoint under /runs/ckpt"));
+  for (size_t i : {0, 1, 2, 3}) {
+    auto stops = SentTo(ids_[i], v1::CoordinatorMessage::kStop);
+    ASSERT_EQ(stops.size(), 1u) << i;
+    EXPECT_TRUE(stops[0].stop().run_failed());
+    EXPECT_THAT(stops[0].stop().reason(), HasSubstr("data index position 5"));
+    EXPECT_TRUE(SentTo(ids_[i], v1::CoordinatorMessage::kStepPlan).empty()) << i;
+  }
+
+  // Without the mark, the same report aborts the attempt and the run goes on.
+  ids_.clear();
+  actions_ = {};
+  Create(/*steps=*/4, true, false, "/runs/ckpt");
+  StartAll();
+  failed.mutable_report()->set_generation(controller_->generation());
+  failed.mutable_report()->set_ends_run(false);
+  Send(ids_[3], failed);
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING);
+  EXPECT_GT(controller_->generation(), failed.report().generation());
+}
+
 // A worker that fails as the run stops (its last checkpoint: a full disk) cuts nobody off: the
 // others finish their outputs, and the run ends as it would, its message naming the failure.
 TEST_F(RunControllerTest, AWorkerFailingAsTheRunStopsLetsTheOthersFinishAndIsNamedAtTheEnd) {

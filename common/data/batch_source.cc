@@ -38,7 +38,7 @@ absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v
   HETPAR_ASSIGN_OR_RETURN(data::LoaderOptions options,
                           data::LoaderOptionsFromRunSpec(spec, data::Split::kTrain));
   std::unique_ptr<BatchSource> source(new BatchSource());
-  HETPAR_ASSIGN_OR_RETURN(source->loader_, data::DataLoader::Create(options));
+  HETPAR_ASSIGN_OR_RETURN(source->loader_, data::DataLoader::Create(options, cancel));
   data::IndexBuildOptions build;
   build.verify_images = true;
   // A missing or stale index is built once, decoding every image: on every core (at most 16),
@@ -71,7 +71,10 @@ absl::StatusOr<GlobalBatch> BatchSource::Take(const data::SamplerCursor& cursor,
 
 absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
     const plan::SampleDescriptor& sample) const {
-  HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record, Record(sample.id));
+  absl::StatusOr<const data::IndexRecord*> found = Record(sample.id);
+  // The plan names a sample this index does not hold: no attempt of the step would find it.
+  if (!found.ok()) return EndsRun(found.status());
+  const data::IndexRecord* record = *found;
   plan::SampleDescriptor mine = DescriptorOf(*record, sample.id);
   if (sample.id_checksum == 0) mine.id_checksum = 0;  // a plan without checksums: shapes only
   // Either index written before token checksums were: not compared.
@@ -85,13 +88,13 @@ absl::StatusOr<const data::IndexRecord*> BatchSource::RecordFor(
                         d.text_tokens, " text tokens, ", d.loss_tokens, " loss tokens, images at [",
                         absl::StrJoin(d.image_starts, ", "), "]");
   };
-  return absl::FailedPreconditionError(absl::StrCat(
+  return EndsRun(absl::FailedPreconditionError(absl::StrCat(
       "data index position ", sample.id, " (sample '", record->id, "', ",
       loader_->manifest().Where(record->line), ") has ", describe(mine),
       " here; the coordinator's plan says ", describe(sample),
       ": this worker's data index differs from the coordinator's (another manifest or "
       "tokenizer, or data.skip_bad_samples dropping other samples here); give every process "
-      "the same data set"));
+      "the same data set")));
 }
 
 absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
@@ -102,7 +105,7 @@ absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
       (record.token_checksum == 0 || record.token_checksum == checksum)) {
     return absl::OkStatus();
   }
-  return absl::FailedPreconditionError(absl::StrCat(
+  return EndsRun(absl::FailedPreconditionError(absl::StrCat(
       "sample '", record.id, "' (", loader_->manifest().Where(record.line), ") has ",
       tokens.text_tokens, " text tokens, ", tokens.loss_tokens, " loss tokens, images at [",
       absl::StrJoin(tokens.image_offsets, ", "), "], token checksum ",
@@ -110,8 +113,9 @@ absl::Status BatchSource::CheckTokens(const data::IndexRecord& record,
       record.text_tokens, ", ", record.loss_tokens, ", [",
       absl::StrJoin(record.image_offsets, ", "), "], ",
       absl::Hex(record.token_checksum, absl::kZeroPad8),
-      ": the index is stale (its tokenizer or tokenizer_config.json changed after it was "
-      "built); rebuild it (`hetpar data index --rebuild`) and start the run again"));
+      ": the index is stale (the manifest, the tokenizer or its tokenizer_config.json changed "
+      "after it was built, keeping its size and modification time); rebuild it (`hetpar data "
+      "index --rebuild`) and start the run again")));
 }
 
 absl::StatusOr<const data::IndexRecord*> BatchSource::Record(int64_t id) const {

@@ -34,7 +34,8 @@ class BatchSource {
  public:
   // Generates the synthetic data set when the spec names one that is absent, opens the training
   // split and loads (or builds) its index. `cancel`, once set (from another thread), ends the
-  // wait for another process's generation or index build, and an index build, with Cancelled.
+  // wait for another process's generation or index build, an index build, and the reads of the
+  // manifest and of the index, with Cancelled.
   static absl::StatusOr<std::unique_ptr<BatchSource>> Create(
       const hetpar::v1::RunSpec& spec, const std::atomic<bool>* cancel = nullptr);
   BatchSource(const BatchSource&) = delete;
@@ -53,12 +54,13 @@ class BatchSource {
   // text and loss tokens and image positions. FailedPrecondition, naming both, when they differ:
   // this worker's data index is not the coordinator's (another manifest or tokenizer, or
   // data.skip_bad_samples dropping other samples here), and it would train other samples than
-  // the plan's.
+  // the plan's. Both errors are marked EndsRun: every attempt of the step would meet them.
   absl::StatusOr<const data::IndexRecord*> RecordFor(const plan::SampleDescriptor& sample) const;
   // The sample's tokens as loaded now (DataLoader::Tokenize or Load) against its index record.
   // FailedPrecondition naming the sample (its id, manifest and line) and both when they differ:
   // the index is stale (the tokenizer or its tokenizer_config.json changed after it was built),
-  // and the plan's shapes and loss divisor, made from it, would not be the sample's.
+  // and the plan's shapes and loss divisor, made from it, would not be the sample's. Marked
+  // EndsRun.
   absl::Status CheckTokens(const data::IndexRecord& record, const TokenSequence& tokens) const;
 
  private:

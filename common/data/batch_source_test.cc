@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/config/config.h"
 #include "common/data/synth.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -74,6 +75,8 @@ TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamp
     if (other.ok()) continue;
     ++refused;
     EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition);
+    // No attempt of the step would go otherwise: the coordinator fails the run at once.
+    EXPECT_TRUE(IsEndsRun(other.status()));
     EXPECT_THAT(std::string(other.status().message()),
                 HasSubstr(absl::StrCat("data index position ", sample.id, " (sample '")));
     EXPECT_THAT(std::string(other.status().message()),
@@ -81,10 +84,18 @@ TEST_F(BatchSourceTest, AWorkerWhoseIndexIsNotTheCoordinatorsRefusesThePlansSamp
   }
   // Each position holds another sample, whatever its shape: its id differs.
   EXPECT_EQ(refused, 8) << "of 8 samples";
+
+  // A position past the end of this worker's index (the coordinator's holds more samples).
+  plan::SampleDescriptor past = batch->samples.front();
+  past.id = static_cast<int64_t>((*worker)->index().records.size());
+  auto missing = (*worker)->RecordFor(past);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr(absl::StrCat("sample id ", past.id, " is outside the data index of ",
+                                     past.id, " samples")));
+  EXPECT_TRUE(IsEndsRun(missing.status()));
 }
 
-// The same samples, shapes and images under other ids (another copy of the data set, renamed):
-// no shape tells them apart, the ids do.
 // A sample that tokenizes otherwise now than when the index was built (here with the tokenizer of
 // another synthetic data set, of half the vocabulary) is refused, named, instead of being trained
 // in the shapes and loss divisor of the stale index.
@@ -118,6 +129,7 @@ TEST_F(BatchSourceTest, TokensThatNoLongerMatchTheIndexAreRefusedNamingTheSample
                                      "/train.jsonl:", (*record)->line, ") has ",
                                      changed->text_tokens, " text tokens")));
   EXPECT_THAT(std::string(refused.message()), HasSubstr("the index is stale"));
+  EXPECT_TRUE(IsEndsRun(refused));
 }
 
 // Two tokenizations of a sample with every length alike but another id (another bos, a revised
@@ -136,6 +148,7 @@ TEST_F(BatchSourceTest, TheSameShapesWithOtherTokenIdsAreRefused) {
   other_ids.input_ids.back() ^= 1;
   const absl::Status refused = (*source)->CheckTokens(**record, other_ids);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(IsEndsRun(refused));
   EXPECT_THAT(
       std::string(refused.message()),
       HasSubstr(absl::StrCat("token checksum ", absl::Hex(other_ids.Checksum(), absl::kZeroPad8),
@@ -151,6 +164,7 @@ TEST_F(BatchSourceTest, TheSameShapesWithOtherTokenIdsAreRefused) {
   planned.token_checksum ^= 0x10u;
   absl::StatusOr<const IndexRecord*> foreign = (*source)->RecordFor(planned);
   EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(IsEndsRun(foreign.status()));
   EXPECT_THAT(
       std::string(foreign.status().message()),
       HasSubstr(absl::StrCat("the coordinator's plan says id checksum ",
@@ -160,6 +174,8 @@ TEST_F(BatchSourceTest, TheSameShapesWithOtherTokenIdsAreRefused) {
   EXPECT_TRUE((*source)->RecordFor(planned).ok());
 }
 
+// The same samples, shapes and images under other ids (another copy of the data set, renamed):
+// no shape tells them apart, the ids do.
 TEST_F(BatchSourceTest, ASampleOfTheSameShapeUnderAnotherIdIsRefused) {
   auto coordinator = BatchSource::Create(Spec("train.jsonl"));
   ASSERT_TRUE(coordinator.ok()) << coordinator.status();

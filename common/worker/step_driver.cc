@@ -259,6 +259,7 @@ absl::Status StepDriver::RunOneStep(const v1::StepPlan& step_message) {
                         << ") failed on this rank: " << StatusText(outcome.status());
     report.set_ok(false);
     report.set_error(std::string(outcome.status().message()));
+    report.set_ends_run(IsEndsRun(outcome.status()));
     modules_->Discard();
     ++steps_failed_;
     failed_step_ = step;

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/control/plan_codec.h"
+#include "common/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -75,7 +76,7 @@ class RecordingModule : public ModuleRuntime {
  public:
   absl::StatusOr<StepOutcome> RunStep(const plan::RankStepPlan& plan) override {
     calls.push_back(absl::StrCat("run ", plan.step));
-    if (plan.step == fail_at_step) return absl::UnavailableError("peer llm-1 died");
+    if (plan.step == fail_at_step) return fail_with;
     // A step's waits on its peers end at once when the interrupt is raised.
     if (interrupt != nullptr && interrupt->raised()) return InterruptedError();
     pending = true;
@@ -129,6 +130,7 @@ class RecordingModule : public ModuleRuntime {
   bool pending = false;
   int updates = 0;
   int64_t fail_at_step = -1;
+  absl::Status fail_with = absl::UnavailableError("peer llm-1 died");  // RunStep at fail_at_step
   absl::Status regroup_error;
   // When set, RunStep fails as an interrupted wait would while it is raised, and Regroup counts
   // calls while it is raised.
@@ -365,9 +367,32 @@ TEST(StepDriverTest, AFailedStepIsReportedDiscardedAndTheCoordinatorsRetryRuns) 
   EXPECT_EQ(driver.steps_failed(), 1);
   EXPECT_THAT(channel.sent, ElementsAre("report 2 failed", "partial 3", "report 3 ok"));
   EXPECT_THAT(channel.reports[0].error(), HasSubstr("peer llm-1 died"));
+  EXPECT_FALSE(channel.reports[0].ends_run());  // a peer's death: the retry may go otherwise
   EXPECT_THAT(module.calls, ElementsAre("run 2", "discard", "discard", "regroup 2 []", "run 3",
                                         "apply 3 clip 1"));
   EXPECT_EQ(module.updates, 1);
+}
+
+// A failure that every attempt of the step would meet (BatchSource::RecordFor: this worker's data
+// index is not the coordinator's) is reported so: the coordinator fails the run instead of
+// planning the step again. The driver waits for its word as after any failure.
+TEST(StepDriverTest, AFailureEveryAttemptWouldMeetIsReportedAsEndingTheRun) {
+  ScriptedChannel channel;
+  RecordingModule module;
+  module.fail_at_step = 2;
+  module.fail_with = EndsRun(absl::FailedPreconditionError(
+      "data index position 7 (sample 'a', train.jsonl:8) has other tokens here"));
+  for (auto m : {Plan(2), FailedStop(2)}) channel.Push(m);
+  StepDriver driver(&channel, &module, Gen1());
+  const absl::Status status = driver.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kAborted);
+  ASSERT_EQ(channel.reports.size(), 1u);
+  EXPECT_FALSE(channel.reports[0].ok());
+  EXPECT_TRUE(channel.reports[0].ends_run());
+  // The words, without the mark's payload.
+  EXPECT_EQ(channel.reports[0].error(),
+            "data index position 7 (sample 'a', train.jsonl:8) has other tokens here");
+  EXPECT_THAT(module.calls, ElementsAre("run 2", "discard"));
 }
 
 // A collective group that failed without the coordinator's abort (an NCCL communicator aborted

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -197,6 +198,67 @@ TEST(CliRunTest, ASecondSignalWhileTheDataSetIsGeneratedEndsTheRunAtOnce) {
               HasSubstr("signalled again while the data set is prepared: ended at once"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/data/train.jsonl"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/run/metrics.jsonl"));
+  std::filesystem::remove_all(dir);
+}
+
+// A manifest edited in place after its index was built, its size and modification time kept
+// (a copy that preserves times, a word for a word of the same length): coordinator and workers
+// take the index as fresh, and the workers tokenize other captions than it records. The first
+// worker that meets it fails the run, naming the sample and the fix, without retrying the step:
+// every attempt would meet it.
+TEST(CliRunTest, AStaleIndexFailsTheRunAtItsFirstStepWithoutRetrying) {
+  char pattern[] = "/tmp/hetpar-run-stale-XXXXXX";
+  const std::string dir = ::mkdtemp(pattern);
+  const std::string manifest = dir + "/data/train.jsonl";
+  const std::vector<std::string> settings = {
+      "--set", "data.manifest=" + manifest,
+      "--set", "data.val_manifest=\"\"",
+      "--set", "data.tokenizer=" + dir + "/data/tokenizer.model",
+      "--set", "data.synth.samples=64"};
+  std::vector<std::string> synth = {kBin, "data", "synth", "--config",
+                                    kSource + "/configs/tiny.yaml"};
+  synth.insert(synth.end(), settings.begin(), settings.end());
+  auto made = RunCommand(synth, 300);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->exit_code, 0) << made->stderr_text;
+  ASSERT_TRUE(std::filesystem::exists(manifest + ".index"));
+
+  struct stat before {};
+  ASSERT_EQ(::stat(manifest.c_str(), &before), 0);
+  std::string text = testing::ReadTextFile(manifest);
+  int swapped = 0;
+  for (size_t at = 0; (at = text.find("small", at)) != std::string::npos; at += 5, ++swapped) {
+    text.replace(at, 5, "large");
+  }
+  ASSERT_GT(swapped, 0) << text;
+  std::ofstream(manifest, std::ios::trunc) << text;
+  const struct timespec times[2] = {before.st_atim, before.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, manifest.c_str(), times, 0), 0);
+  struct stat after {};
+  ASSERT_EQ(::stat(manifest.c_str(), &after), 0);
+  ASSERT_EQ(after.st_size, before.st_size);
+
+  std::vector<std::string> run = {
+      kBin,        "run",        "--config", kSource + "/configs/tiny.yaml",
+      "--out",     dir + "/run", "--steps",  "4",
+      "--threads", "1"};
+  run.insert(run.end(), settings.begin(), settings.end());
+  auto r = RunCommand(run, 300);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NE(r->exit_code, 0) << r->stderr_text;
+  EXPECT_THAT(r->stderr_text, HasSubstr("failed step 0: sample '"));
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("the index is stale (the manifest, the tokenizer or its "
+                        "tokenizer_config.json changed after it was built, keeping its size and "
+                        "modification time); rebuild it (`hetpar data index --rebuild`)"));
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("so the run stops; fix the cause and start the run again (it writes no "
+                        "checkpoints: checkpoint.dir)"));
+  EXPECT_THAT(r->stderr_text,
+              HasSubstr("every attempt of the step would fail the same way, so the run stops"));
+  // One attempt: no retry was planned.
+  EXPECT_THAT(r->stderr_text, ::testing::Not(HasSubstr("aborted (attempt")));
+  EXPECT_THAT(r->stderr_text, ::testing::Not(HasSubstr("times in a row")));
   std::filesystem::remove_all(dir);
 }
 
