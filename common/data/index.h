@@ -93,8 +93,8 @@ struct IndexBuildOptions {
   // when it took longer than that.
   std::function<void(int64_t done, int64_t total)> on_progress;
   absl::Duration progress_every = absl::Seconds(10);
-  // Turning true (from another thread) ends a build, or LoadOrBuildIndex's wait for another
-  // process's build, with Cancelled.
+  // Turning true (from another thread) ends a build, LoadOrBuildIndex's read of an existing
+  // index, or its wait for another process's build, with Cancelled.
   const std::atomic<bool>* cancel = nullptr;
 };
 
