@@ -128,9 +128,11 @@ absl::Status VisionEncoder::Build() {
                             p.Add(n + "mlp.fc2.bias", {hidden}, -1, p.BiasInit(), sp));
     layers_.push_back(std::move(layer));
   }
-  HETPAR_ASSIGN_OR_RETURN(norm_weight_,
-                          p.Add("encoder.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
-  HETPAR_ASSIGN_OR_RETURN(norm_bias_, p.Add("encoder.norm.bias", {hidden}, -1, p.BiasInit(), sp));
+  if (!model_.no_final_norm()) {
+    HETPAR_ASSIGN_OR_RETURN(norm_weight_,
+                            p.Add("encoder.norm.weight", {hidden}, -1, p.NormScaleInit(), sp));
+    HETPAR_ASSIGN_OR_RETURN(norm_bias_, p.Add("encoder.norm.bias", {hidden}, -1, p.BiasInit(), sp));
+  }
   const int64_t out = model_.out_hidden();
   HETPAR_ASSIGN_OR_RETURN(proj1_weight_,
                           p.Add("encoder.projector.fc1.weight", {out, hidden}, 0, weight));
@@ -248,7 +250,8 @@ at::Tensor VisionEncoder::Tower(const at::Tensor& images) {
         at::gelu(nn::ColumnParallelLinear(h, layer.fc1_weight, layer.fc1_bias), approximate);
     x = x + nn::RowParallelLinear(inner, layer.fc2_weight, layer.fc2_bias, tp_);
   }
-  return nn::LayerNorm(x, norm_weight_, norm_bias_, eps);
+  // Without the final norm (encoder.model.no_final_norm), the last layer's states as they are.
+  return model_.no_final_norm() ? x : nn::LayerNorm(x, norm_weight_, norm_bias_, eps);
 }
 
 absl::Status VisionEncoder::Backward(const at::Tensor& output, const at::Tensor& grad_output) {

@@ -25,7 +25,7 @@
 //   encoder.layers.<i>.norm2.{weight,bias}
 //   encoder.layers.<i>.mlp.fc1.{weight [mlp, hidden], bias [mlp]}  split on dim 0
 //   encoder.layers.<i>.mlp.fc2.{weight [hidden, mlp] split on dim 1, bias [hidden]}
-//   encoder.norm.{weight,bias}
+//   encoder.norm.{weight,bias}   (not with encoder.model.no_final_norm)
 //   encoder.projector.fc1.{weight [out_hidden, hidden], bias [out_hidden]}  split on dim 0
 //   encoder.projector.fc2.{weight [out_hidden, out_hidden] split on dim 1, bias [out_hidden]}
 //

@@ -110,6 +110,39 @@ TEST(EncoderTest, PlannerCountsEveryParameter) {
             static_cast<int64_t>(plan::EncoderParameters(TinyModel())));
 }
 
+// encoder.model.no_final_norm: the same tower without its final LayerNorm, which is not built
+// (nor counted by the planner); its features, normalised by the other's final norm, are the
+// other's.
+TEST(EncoderTest, WithoutTheFinalNormTheTowerGivesTheLastLayersStates) {
+  static auto single = nn::Communicator::CreateSingle();
+  EncoderOptions options;
+  options.dtype = at::kDouble;
+  options.seed = 5;
+  options.init_style = nn::InitStyle::kAllRandom;
+  hetpar::v1::EncoderModel model = TinyModel();
+  model.set_no_final_norm(true);
+  auto without = VisionEncoder::Create(model, options, *single);
+  ASSERT_TRUE(without.ok()) << without.status();
+  auto with = Make();
+  EXPECT_EQ((*without)->parameters().Find("encoder.norm.weight"), nullptr);
+  EXPECT_EQ((*without)->parameters().Find("encoder.norm.bias"), nullptr);
+  EXPECT_EQ((*without)->parameters().FullNumel(),
+            static_cast<int64_t>(plan::EncoderParameters(model)));
+  EXPECT_EQ((*without)->parameters().FullNumel() + 2 * 16, with->parameters().FullNumel());
+  const at::Tensor images = Images(2, 4);
+  auto raw = (*without)->TowerFeatures(images);
+  auto normed = with->TowerFeatures(images);
+  ASSERT_TRUE(raw.ok() && normed.ok());
+  const at::Tensor expected =
+      at::layer_norm(*raw, {16}, with->parameters().Find("encoder.norm.weight")->tensor,
+                     with->parameters().Find("encoder.norm.bias")->tensor, 1e-6);
+  EXPECT_LE(RelativeError(*normed, expected), 1e-13);
+  EXPECT_GT((*raw - *normed).abs().max().item<double>(), 1e-3);
+  auto rows = (*without)->Forward(images);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->sizes(), at::IntArrayRef({18, 12}));
+}
+
 // Finite differences of a weighted sum of the output against the autograd gradient, for a few
 // elements of several parameters.
 TEST(EncoderTest, BackwardMatchesFiniteDifferences) {

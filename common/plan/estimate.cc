@@ -202,7 +202,8 @@ double EncoderParameters(const v1::EncoderModel& m) {
   const double patches = per_side * per_side;
   const double embed = channels * m.patch() * m.patch() * h + h + patches * h;
   const double layer = 3 * h * h + 3 * h + h * h + h + h * mlp + mlp + mlp * h + h + 4 * h;
-  return embed + m.layers() * layer + 2 * h + EncoderProjectorParameters(m);
+  const double final_norm = m.no_final_norm() ? 0 : 2 * h;
+  return embed + m.layers() * layer + final_norm + EncoderProjectorParameters(m);
 }
 
 double EncoderProjectorParameters(const v1::EncoderModel& m) {

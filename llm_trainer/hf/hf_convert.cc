@@ -188,7 +188,8 @@ std::string EncoderModelYaml(const hetpar::v1::EncoderModel& m) {
                       "\n    heads: ", m.heads(), "\n    mlp: ", m.mlp(),
                       "\n    out_hidden: ", m.out_hidden(), "\n    channels: ", m.channels(),
                       "\n    activation: ", m.activation(),
-                      "\n    norm_eps: ", config::FormatDouble(m.norm_eps()), "\n");
+                      "\n    norm_eps: ", config::FormatDouble(m.norm_eps()), "\n",
+                      m.no_final_norm() ? "    no_final_norm: true\n" : "");
 }
 
 }  // namespace
@@ -562,13 +563,27 @@ absl::StatusOr<std::vector<nn::FullParameter>> TowerParametersFromHf(
     out.push_back({hp + "mlp.fc2.weight", f2w});
     out.push_back({hp + "mlp.fc2.bias", f2b});
   }
-  HETPAR_ASSIGN_OR_RETURN(at::Tensor nw, in.Take("post_layernorm.weight", {hidden}));
-  HETPAR_ASSIGN_OR_RETURN(at::Tensor nb, in.Take("post_layernorm.bias", {hidden}));
-  out.push_back({"encoder.norm.weight", nw});
-  out.push_back({"encoder.norm.bias", nb});
-  HETPAR_RETURN_IF_ERROR(in.CheckAllTaken([](const std::string& name) {
+  if (!m.no_final_norm()) {
+    HETPAR_ASSIGN_OR_RETURN(at::Tensor nw, in.Take("post_layernorm.weight", {hidden}));
+    HETPAR_ASSIGN_OR_RETURN(at::Tensor nb, in.Take("post_layernorm.bias", {hidden}));
+    out.push_back({"encoder.norm.weight", nw});
+    out.push_back({"encoder.norm.bias", nb});
+  }
+  // Without the final norm (a LLaVA projector's input, ImportOptions::vision_feature_layer), the
+  // tower stops at its feature layer: post_layernorm and the layers after it are left out.
+  const auto left_out = [&m](const std::string& name) {
+    if (!m.no_final_norm()) return false;
+    if (name.rfind("post_layernorm.", 0) == 0) return true;
+    int64_t layer = -1;
+    const std::string prefix = "encoder.layers.";
+    return name.rfind(prefix, 0) == 0 &&
+           absl::SimpleAtoi(
+               name.substr(prefix.size(), name.find('.', prefix.size()) - prefix.size()), &layer) &&
+           layer >= m.layers();
+  };
+  HETPAR_RETURN_IF_ERROR(in.CheckAllTaken([&left_out](const std::string& name) {
     return name.rfind("text_model.", 0) == 0 || name == "logit_scale" || name == "logit_bias" ||
-           name == "embeddings.position_ids";
+           name == "embeddings.position_ids" || left_out(name);
   }));
   for (auto& p : out) p.tensor = p.tensor.contiguous();
   return out;
@@ -645,6 +660,14 @@ absl::StatusOr<TensorMap> HfTensorsFromTower(const std::vector<nn::FullParameter
       out[hfp + hf_name] = p->tensor;
     }
   }
+  if (m.no_final_norm()) {
+    // A SiglipVisionModel always has one. This one is the identity's affine part (weight 1, bias
+    // 0), which a LLaVA model reading the last layer's states (vision_feature_layer -1) never
+    // applies.
+    out[v + "post_layernorm.weight"] = at::ones({hidden}, pos->tensor.options());
+    out[v + "post_layernorm.bias"] = at::zeros({hidden}, pos->tensor.options());
+    return out;
+  }
   HETPAR_ASSIGN_OR_RETURN(const nn::FullParameter* nw, get("encoder.norm.weight"));
   HETPAR_ASSIGN_OR_RETURN(const nn::FullParameter* nb, get("encoder.norm.bias"));
   out[v + "post_layernorm.weight"] = nw->tensor;
@@ -671,6 +694,10 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
   if (!options.projector.empty() && options.encoder_dir.empty()) {
     return absl::InvalidArgumentError("--projector needs --encoder (the tower it projects)");
   }
+  if (options.vision_feature_layer != 0 && options.encoder_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "--vision-feature-layer needs --encoder (the tower whose layer it names)");
+  }
   ImportResult result;
   // Everything is read and converted first: nothing is written unless all of it succeeds.
   const std::string llm_config_path = options.llm_dir + "/config.json";
@@ -694,6 +721,23 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
     HETPAR_ASSIGN_OR_RETURN(
         hetpar::v1::EncoderModel encoder,
         EncoderModelFromHfConfig(enc_config, enc_config_path, result.llm.hidden()));
+    const int64_t tower_layers = encoder.layers();
+    if (options.vision_feature_layer != 0) {
+      // LLaVA's index into the tower's hidden states: 0 the embeddings, 1..L each layer's output
+      // (before post_layernorm), negative from the end (-1 the last layer).
+      const int64_t k = options.vision_feature_layer;
+      const int64_t layers = k > 0 ? k : tower_layers + 1 + k;
+      if (layers < 1 || layers > tower_layers) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--vision-feature-layer=", k, " is out of range: ", enc_config_path, " has ",
+            tower_layers,
+            " layers (num_hidden_layers), so LLaVA's vision_feature_layer names "
+            "one of them as 1..",
+            tower_layers, " or -", tower_layers, "..-1 (0, the embeddings, feeds no layer)"));
+      }
+      encoder.set_layers(layers);
+      encoder.set_no_final_norm(true);
+    }
     HETPAR_ASSIGN_OR_RETURN(TensorMap enc_tensors,
                             nn::ReadSafetensorsDirectory(options.encoder_dir));
     HETPAR_ASSIGN_OR_RETURN(
@@ -706,11 +750,15 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
       for (auto& t : file.tensors) proj[t.name] = t.tensor;
       HETPAR_ASSIGN_OR_RETURN(projector,
                               ProjectorParametersFromHf(proj, encoder, options.projector));
-      result.notes.push_back(
-          "the projector is imported as weights only: hetpar feeds it the tower's last layer "
-          "after post_layernorm, while LLaVA feeds its projector an earlier layer's states "
-          "(vision_feature_layer, -2 by default) without post_layernorm; train it (encoder.frozen "
-          "with encoder.train_projector trains it alone) before relying on its outputs");
+      if (options.vision_feature_layer == 0) {
+        result.notes.push_back(
+            "the projector is imported as weights only: hetpar feeds it the tower's last layer "
+            "after post_layernorm, while LLaVA feeds its projector an earlier layer's states "
+            "(vision_feature_layer, -2 by default) without post_layernorm; pass LLaVA's "
+            "vision_feature_layer as --vision-feature-layer to feed it the same, or train it "
+            "(encoder.frozen with encoder.train_projector trains it alone) before relying on its "
+            "outputs");
+      }
     } else {
       // A fresh projector from hetpar's seeded initialisation (LLaVA's first stage trains it).
       encoder::EncoderOptions init;
@@ -729,6 +777,18 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
                        options.seed, "; pass --projector to import one"));
     }
     for (auto& p : projector) encoder_params.push_back(std::move(p));
+    if (options.vision_feature_layer != 0) {
+      result.notes.push_back(absl::StrCat(
+          "--vision-feature-layer ", options.vision_feature_layer, ": the projector reads layer ",
+          encoder.layers(), " of ", tower_layers,
+          "'s states without post_layernorm, as LLaVA's with that vision_feature_layer and "
+          "vision_feature_select_strategy 'full' (every patch row); left out post_layernorm",
+          encoder.layers() < tower_layers
+              ? absl::StrCat(" and layers ", encoder.layers(), "..", tower_layers - 1,
+                             " (encoder.model.layers: ", encoder.layers(), ")")
+              : "",
+          ", encoder.model.no_final_norm: true"));
+    }
     result.encoder = encoder;
   }
 
@@ -939,6 +999,13 @@ absl::StatusOr<ExportResult> ExportToHf(const std::string& model_dir, const std:
     tower = *std::move(converted_tower);
     HETPAR_ASSIGN_OR_RETURN(projector, HfTensorsFromProjector(enc_params));
     enc_dtype = HfDtypeName(enc_params.front().tensor.scalar_type());
+    if (model.encoder->no_final_norm()) {
+      result.notes.push_back(
+          "the tower has no final norm (encoder.model.no_final_norm): vision/ holds an identity "
+          "post_layernorm (weight 1, bias 0) that LLaVA does not apply with vision_feature_layer "
+          "-1, the projector's input; the SiglipVisionModel's last_hidden_state is normalised by "
+          "it, unlike what hetpar's projector reads");
+    }
   }
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
   HETPAR_ASSIGN_OR_RETURN(auto llm_list, ToList(llm));

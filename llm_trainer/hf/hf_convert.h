@@ -92,6 +92,11 @@ struct ImportOptions {
   std::string out_dir;      // required
   int64_t seq_len = 0;      // llm.model.seq_len; 0: min(max_position_embeddings, 4096)
   int64_t seed = 1234;      // seeds a fresh projector
+  // With encoder_dir: LLaVA's vision_feature_layer, the tower's hidden state its projector reads
+  // (1..L a layer's output, -L..-1 from the end; before post_layernorm). The tower is imported up
+  // to that layer without post_layernorm (encoder.model.no_final_norm). 0: hetpar's own, the
+  // last layer after post_layernorm.
+  int64_t vision_feature_layer = 0;
 };
 
 struct ImportResult {
@@ -115,6 +120,7 @@ struct ModelDirectory {
 absl::StatusOr<ModelDirectory> OpenModelDirectory(const std::string& dir);
 
 struct ExportResult {
+  std::vector<std::string> notes;  // what the user should know (a tower without its final norm)
   std::vector<std::string> written;
 };
 // Writes <out_dir>/llm, and with an encoder <out_dir>/vision and <out_dir>/projector.safetensors.

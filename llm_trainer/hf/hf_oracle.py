@@ -7,7 +7,9 @@
       DIR/expected-float32.jsonl and DIR/expected-float64.jsonl.
   hf_oracle.py siglip --out DIR --seed S [--act gelu_pytorch_tanh]
       A random SiglipVisionModel saved in float64 to DIR, random pixels in DIR/pixels.safetensors
-      and the last hidden state in DIR/features.safetensors ("float32", "float64").
+      and the last hidden state in DIR/features.safetensors ("float32", "float64"), with, in
+      float64, the hidden states LLaVA's projector reads (before post_layernorm):
+      "float64_layer_-1" and "float64_layer_-2" (vision_feature_layer -1 and -2).
   hf_oracle.py multimodal --llama DIR --siglip DIR --out DIR --seed S
       A random LLaVA-style projector (DIR/projector.safetensors, multi_modal_projector.*), PNG
       images at the tower's size, DIR/tokens.jsonl whose -1 entries are images, and
@@ -138,6 +140,12 @@ def cmd_siglip(args):
 def siglip_features(model, pixels):
     out = {}
     with torch.no_grad():
+        # In float64 first: Module.to converts the model in place, and a float32 round trip would
+        # round its weights.
+        states = model.to(torch.float64)(pixel_values=pixels.to(torch.float64),
+                                         output_hidden_states=True).hidden_states
+        for k in (-1, -2):
+            out[f"float64_layer_{k}"] = states[k].contiguous()
         for name, dtype in (("float64", torch.float64), ("float32", torch.float32)):
             m = model.to(dtype)
             out[name] = m(pixel_values=pixels.to(dtype)).last_hidden_state.contiguous()

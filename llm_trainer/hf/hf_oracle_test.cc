@@ -179,6 +179,98 @@ TEST_F(HfOracleTest, VisionTowerMatchesTransformers) {
   }
 }
 
+// LLaVA's projector reads a hidden state of the tower before post_layernorm
+// (vision_feature_layer, -2 by default): imported with --vision-feature-layer, the tower stops at
+// that layer without its final norm, and its features are transformers' hidden_states[k]. Its
+// export loads into transformers and imports back identically.
+TEST_F(HfOracleTest, AVisionFeatureLayerImportsTheTowerUpToThatLayerWithoutItsFinalNorm) {
+  ASSERT_NO_FATAL_FAILURE(Oracle({"llama", "--out", Path("llama"), "--seed", "3"}));
+  ASSERT_NO_FATAL_FAILURE(Oracle({"siglip", "--out", Path("siglip"), "--seed", "4"}));
+  auto pixels = nn::ReadSafetensors(Path("siglip/pixels.safetensors"));
+  ASSERT_TRUE(pixels.ok()) << pixels.status();
+  auto expected = nn::ReadSafetensors(Path("siglip/features.safetensors"));
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  for (const int k : {-2, -1}) {
+    SCOPED_TRACE(k);
+    const std::string out = Path(absl::StrCat("model", k));
+    auto imported =
+        Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                "--vision-feature-layer", std::to_string(k), "--out", out});
+    ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
+    const int64_t layers = 2 + 1 + k;  // the oracle's tower has 2 layers
+    EXPECT_THAT(imported.stderr_text,
+                HasSubstr(absl::StrCat("the projector reads layer ", layers,
+                                       " of 2's states without post_layernorm")));
+    auto model = OpenModelDirectory(out);
+    ASSERT_TRUE(model.ok()) << model.status();
+    ASSERT_TRUE(model->encoder.has_value());
+    EXPECT_EQ(model->encoder->layers(), layers);
+    EXPECT_TRUE(model->encoder->no_final_norm());
+    encoder::EncoderOptions options;
+    options.dtype = at::kDouble;
+    auto comm = nn::Communicator::CreateSingle();
+    auto encoder = encoder::VisionEncoder::Create(*model->encoder, options, *comm);
+    ASSERT_TRUE(encoder.ok()) << encoder.status();
+    EXPECT_EQ((*encoder)->parameters().Find("encoder.norm.weight"), nullptr);
+    ASSERT_TRUE(nn::LoadFullParameters((*encoder)->parameters(), model->encoder_path).ok());
+    auto ours = (*encoder)->TowerFeatures(pixels->tensors.at(0).tensor);
+    ASSERT_TRUE(ours.ok()) << ours.status();
+    at::Tensor theirs;
+    for (const auto& t : expected->tensors) {
+      if (t.name == absl::StrCat("float64_layer_", k)) theirs = t.tensor;
+    }
+    ASSERT_TRUE(theirs.defined());
+    const double worst = (*ours - theirs.reshape({2 * 16, 48})).abs().max().item<double>();
+    EXPECT_LT(worst, 1e-10) << "largest difference " << worst;
+  }
+  // The layer -2 feeds differs from the last one's: the comparison above tells them apart.
+  at::Tensor last, penultimate;
+  for (const auto& t : expected->tensors) {
+    if (t.name == "float64_layer_-1") last = t.tensor;
+    if (t.name == "float64_layer_-2") penultimate = t.tensor;
+  }
+  EXPECT_GT((last - penultimate).abs().max().item<double>(), 1e-3);
+
+  auto exported = Hetpar({"convert", "to-hf", "--model", Path("model-1"), "--out", Path("hf")});
+  ASSERT_EQ(exported.exit_code, 0) << exported.stderr_text;
+  EXPECT_THAT(exported.stderr_text, HasSubstr("the tower has no final norm"));
+  // transformers loads it with no missing or unexpected weight (exit 3 otherwise), and its last
+  // layer's states are the original's.
+  ASSERT_NO_FATAL_FAILURE(
+      Oracle({"load-siglip", "--dir", Path("hf/vision"), "--pixels",
+              Path("siglip/pixels.safetensors"), "--out", Path("reloaded.safetensors")}));
+  auto reloaded = nn::ReadSafetensors(Path("reloaded.safetensors"));
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  for (const auto& t : reloaded->tensors) {
+    if (t.name == "float64_layer_-1") {
+      EXPECT_TRUE(t.tensor.equal(last));
+    }
+  }
+  auto back = Hetpar({"convert", "from-hf", "--llm", Path("hf/llm"), "--encoder", Path("hf/vision"),
+                      "--projector", Path("hf/projector.safetensors"), "--vision-feature-layer",
+                      "-1", "--out", Path("back")});
+  ASSERT_EQ(back.exit_code, 0) << back.stderr_text;
+  auto a = nn::ReadFullParameters(Path("model-1/encoder.hpar"));
+  auto b = nn::ReadFullParameters(Path("back/encoder.hpar"));
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ(a->size(), b->size());
+  for (size_t i = 0; i < a->size(); ++i) {
+    EXPECT_EQ((*a)[i].name, (*b)[i].name);
+    EXPECT_TRUE((*a)[i].tensor.equal((*b)[i].tensor)) << (*a)[i].name;
+  }
+
+  // A layer the tower does not have is refused, naming the range; nothing is written.
+  for (const std::string k : {"-3", "3"}) {
+    auto refused = Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder",
+                           Path("siglip"), "--vision-feature-layer", k, "--out", Path("refused")});
+    EXPECT_EQ(refused.exit_code, 2) << k;
+    EXPECT_THAT(refused.stderr_text, HasSubstr("--vision-feature-layer=" + k +
+                                               " is out of range: " + Path("siglip/config.json") +
+                                               " has 2 layers (num_hidden_layers)"));
+    EXPECT_FALSE(fs::exists(Path("refused/encoder.hpar"))) << k;
+  }
+}
+
 // Scoring with images: transformers' SigLIP, a LLaVA projector and the Llama, images spliced as
 // input embeddings, against the imported model's `hetpar score` of the same PNG files.
 TEST_F(HfOracleTest, MultimodalScoreMatchesTransformers) {

@@ -76,6 +76,7 @@ int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
       HETPAR_LOG(ERROR) << "export failed: " << hetpar::StatusText(exported.status());
       return ExitCodeOf(exported.status());
     }
+    for (const std::string& note : exported->notes) HETPAR_LOG(INFO) << "note: " << note;
     for (const std::string& file : exported->written) HETPAR_LOG(INFO) << "wrote " << file;
     return 0;
   }
@@ -139,6 +140,12 @@ int main(int argc, char** argv) {
                    "llm.model.seq_len to write (default: min(max_position_embeddings, 4096))")
       ->check(hetpar::kNonNegativeNumber);
   from_hf->add_option("--seed", import_options.seed, "Seed of a fresh projector (default 1234)");
+  from_hf->add_option(
+      "--vision-feature-layer", import_options.vision_feature_layer,
+      "With --encoder: LLaVA's vision_feature_layer, the tower's hidden state the projector reads "
+      "(-2: the next-to-last layer's output; 1..L or -L..-1; without post_layernorm). The tower is "
+      "imported up to it, with encoder.model.no_final_norm (default: the last layer after "
+      "post_layernorm)");
   CLI::App* to_hf = convert->add_subcommand(
       "to-hf",
       "Export a model (from-hf's output or a run's model/ directory) as Hugging Face "
