@@ -5,7 +5,7 @@
 //     -> patch embedding (linear) + learned position embedding
 //     -> `layers` pre-norm blocks: x += Attn(LN(x)); x += MLP(LN(x))
 //        (GELU MLP, exact or tanh-approximated: encoder.model.activation; LN epsilon norm_eps)
-//     -> final LayerNorm (TowerFeatures ends here)
+//     -> final LayerNorm, unless encoder.model.no_final_norm (TowerFeatures ends here)
 //     -> projector: Linear(hidden, out_hidden), GELU, Linear(out_hidden, out_hidden)
 //   output [n * T, out_hidden]: rows [i * T, (i + 1) * T) are image i's block, in input order.
 //
@@ -88,7 +88,8 @@ class VisionEncoder {
 
   // The vision tower's output for `images` (as Forward takes them): the final LayerNorm's
   // [n * tokens_per_image(), hidden], before the projector, identical on every TP rank, without
-  // autograd. What a Hugging Face vision model calls its last hidden state.
+  // autograd. What a Hugging Face vision model calls its last hidden state; with
+  // encoder.model.no_final_norm, the last layer's output, its hidden_states[-1].
   absl::StatusOr<at::Tensor> TowerFeatures(const at::Tensor& images);
 
   // Backpropagates grad_output (the gradient of the loss with respect to `output`, same shape)
@@ -120,7 +121,8 @@ class VisionEncoder {
   absl::Status Build();
   absl::Status CheckImages(const at::Tensor& images) const;
   at::Tensor ForwardUnchecked(const at::Tensor& images);
-  // Patch embedding through the final LayerNorm (the sequence layout under SP).
+  // Patch embedding through the final LayerNorm, or the last layer without it (the sequence
+  // layout under SP).
   at::Tensor Tower(const at::Tensor& images);
 
   hetpar::v1::EncoderModel model_;

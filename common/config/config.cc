@@ -714,6 +714,12 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
       };
       summary.encoder_layers = layers("encoder");
       summary.llm_layers = layers("llm");
+      if (runspec.IsMap()) {
+        const YAML::Node encoder = runspec["encoder"];
+        const YAML::Node model = encoder && encoder.IsMap() ? encoder["model"] : YAML::Node();
+        const YAML::Node flag = model && model.IsMap() ? model["no_final_norm"] : YAML::Node();
+        summary.encoder_no_final_norm = flag && flag.IsScalar() && flag.as<bool>();
+      }
     } catch (const YAML::Exception&) {
       // Not readable: the manifest does not say.
     }
@@ -1311,6 +1317,19 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                                 "resume with ",
                                 field, "=", *recorded));
           }
+        }
+        // A checkpoint with the final norm resumed without it would drop the trained norm
+        // without a word (the other way, its parameters are missing).
+        const bool configured = s.encoder().model().no_final_norm();
+        if (checkpoint->encoder_no_final_norm.has_value() &&
+            *checkpoint->encoder_no_final_norm != configured) {
+          c.Fail("encoder.model.no_final_norm",
+                 absl::StrCat(
+                     "=", configured ? "true" : "false", " differs from checkpoint.resume_from='",
+                     s.checkpoint().resume_from(), "', written ", configured ? "with" : "without",
+                     " the tower's final norm: a resume continues the model the "
+                     "checkpoint holds; resume with encoder.model.no_final_norm=",
+                     configured ? "false" : "true"));
         }
       }
     }

@@ -110,6 +110,9 @@ struct CheckpointSummary {
   // encoder.model.layers and llm.model.layers of the RunSpec it was written under; none: the
   // manifest does not say.
   std::optional<int64_t> encoder_layers, llm_layers;
+  // encoder.model.no_final_norm of that RunSpec (false where it is absent: written before the
+  // field, or false); none: the manifest holds no readable RunSpec.
+  std::optional<bool> encoder_no_final_norm;
 };
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 

@@ -470,6 +470,38 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   ExpectIssue(with_files(step4, 10), "encoder.model.layers", 0, "=2 differs from the 3 layers");
   with_runspec(2, 2);
   EXPECT_TRUE(with_files(step4, 10).ok());
+  EXPECT_EQ(ReadCheckpointSummary(step4)->encoder_no_final_norm, false);
+  // Written without the tower's final norm: resumed with it, its norm would be missing; written
+  // with it and resumed without, the trained norm would be dropped without a word.
+  const nlohmann::json without_norm = {
+      {"format", 1},
+      {"step", 4},
+      {"extra",
+       {{"samples_trained", 32},
+        {"runspec",
+         "encoder:\n  model:\n    layers: 2\n    no_final_norm: true\nllm:\n  model:\n"
+         "    layers: 2\n"}}}};
+  std::ofstream(dir / "step-000004" / "manifest.json") << without_norm.dump();
+  EXPECT_EQ(ReadCheckpointSummary(step4)->encoder_no_final_norm, true);
+  ExpectIssue(with_files(step4, 10), "encoder.model.no_final_norm", 0,
+              "=false differs from checkpoint.resume_from='" + step4 +
+                  "', written without the tower's final norm: a resume continues the model the "
+                  "checkpoint holds; resume with encoder.model.no_final_norm=true");
+  {
+    LoadOptions o;
+    o.overrides = {"checkpoint.resume_from=" + step4, "run.steps=10", "data.synth.samples=64",
+                   "encoder.model.no_final_norm=true"};
+    EXPECT_TRUE(LoadRunSpecFromString(kValid, "run.yaml", o).ok());
+  }
+  with_runspec(2, 2);
+  {
+    LoadOptions o;
+    o.overrides = {"checkpoint.resume_from=" + step4, "run.steps=10", "data.synth.samples=64",
+                   "encoder.model.no_final_norm=true"};
+    ExpectIssue(LoadRunSpecFromString(kValid, "run.yaml", o), "encoder.model.no_final_norm", 0,
+                "=true differs from checkpoint.resume_from='" + step4 +
+                    "', written with the tower's final norm");
+  }
   fs::remove_all(dir);
   // The spec of a run already under way (its evaluation reads its config.yaml): the checkpoint
   // it started from may be pruned by now; the field is dropped, not checked.

@@ -778,16 +778,18 @@ absl::StatusOr<ImportResult> ImportFromHf(const ImportOptions& options) {
     }
     for (auto& p : projector) encoder_params.push_back(std::move(p));
     if (options.vision_feature_layer != 0) {
+      const int64_t dropped = tower_layers - encoder.layers();
       result.notes.push_back(absl::StrCat(
-          "--vision-feature-layer ", options.vision_feature_layer, ": the projector reads layer ",
-          encoder.layers(), " of ", tower_layers,
-          "'s states without post_layernorm, as LLaVA's with that vision_feature_layer and "
+          "--vision-feature-layer ", options.vision_feature_layer,
+          ": the projector reads the output of layer ", encoder.layers(), " of ", tower_layers,
+          " without post_layernorm, as LLaVA's with that vision_feature_layer and "
           "vision_feature_select_strategy 'full' (every patch row); left out post_layernorm",
-          encoder.layers() < tower_layers
-              ? absl::StrCat(" and layers ", encoder.layers(), "..", tower_layers - 1,
-                             " (encoder.model.layers: ", encoder.layers(), ")")
+          dropped > 0
+              ? absl::StrCat(" and the last ", dropped, " layer", dropped > 1 ? "s" : "",
+                             " (tensors encoder.layers.", encoder.layers(), " to ",
+                             tower_layers - 1, "), so encoder.model.layers: ", encoder.layers())
               : "",
-          ", encoder.model.no_final_norm: true"));
+          "; encoder.model.no_final_norm: true"));
     }
     result.encoder = encoder;
   }
@@ -993,6 +995,13 @@ absl::StatusOr<ExportResult> ExportToHf(const std::string& model_dir, const std:
                             nn::ReadFullParameters(model.encoder_path));
     HETPAR_RETURN_IF_ERROR(CheckLayerCount(enc_params, "encoder.layers.", model.encoder->layers(),
                                            model.encoder_path, "encoder.model.layers"));
+    if (model.encoder->no_final_norm() && Find(enc_params, "encoder.norm.weight").ok()) {
+      // Exported without it, the trained norm would be replaced by the identity without a word.
+      return absl::InvalidArgumentError(absl::StrCat(
+          model.encoder_path,
+          " holds the tower's final norm (encoder.norm.*), but the model's config says "
+          "encoder.model.no_final_norm=true"));
+    }
     absl::StatusOr<TensorMap> converted_tower = nn::RunTorchOr(
         "converting", [&] { return HfTensorsFromTower(enc_params, *model.encoder); });
     HETPAR_RETURN_IF_ERROR(fits(converted_tower.status(), model.encoder_path));

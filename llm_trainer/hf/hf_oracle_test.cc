@@ -199,8 +199,8 @@ TEST_F(HfOracleTest, AVisionFeatureLayerImportsTheTowerUpToThatLayerWithoutItsFi
     ASSERT_EQ(imported.exit_code, 0) << imported.stderr_text;
     const int64_t layers = 2 + 1 + k;  // the oracle's tower has 2 layers
     EXPECT_THAT(imported.stderr_text,
-                HasSubstr(absl::StrCat("the projector reads layer ", layers,
-                                       " of 2's states without post_layernorm")));
+                HasSubstr(absl::StrCat("the projector reads the output of layer ", layers,
+                                       " of 2 without post_layernorm")));
     auto model = OpenModelDirectory(out);
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE(model->encoder.has_value());
@@ -241,11 +241,14 @@ TEST_F(HfOracleTest, AVisionFeatureLayerImportsTheTowerUpToThatLayerWithoutItsFi
               Path("siglip/pixels.safetensors"), "--out", Path("reloaded.safetensors")}));
   auto reloaded = nn::ReadSafetensors(Path("reloaded.safetensors"));
   ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  bool compared = false;
   for (const auto& t : reloaded->tensors) {
     if (t.name == "float64_layer_-1") {
       EXPECT_TRUE(t.tensor.equal(last));
+      compared = true;
     }
   }
+  EXPECT_TRUE(compared);
   auto back = Hetpar({"convert", "from-hf", "--llm", Path("hf/llm"), "--encoder", Path("hf/vision"),
                       "--projector", Path("hf/projector.safetensors"), "--vision-feature-layer",
                       "-1", "--out", Path("back")});
@@ -269,6 +272,33 @@ TEST_F(HfOracleTest, AVisionFeatureLayerImportsTheTowerUpToThatLayerWithoutItsFi
                                                " has 2 layers (num_hidden_layers)"));
     EXPECT_FALSE(fs::exists(Path("refused/encoder.hpar"))) << k;
   }
+  auto embeddings =
+      Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+              "--vision-feature-layer", "0", "--out", Path("refused")});
+  EXPECT_EQ(embeddings.exit_code, 2);
+  EXPECT_THAT(embeddings.stderr_text,
+              HasSubstr("--vision-feature-layer=0 names the embeddings, which feed no layer"));
+  EXPECT_FALSE(fs::exists(Path("refused/encoder.hpar")));
+
+  // A model.yaml edited to no_final_norm over a file that holds the trained norm: exported, the
+  // norm would become the identity without a word.
+  auto plain = Hetpar({"convert", "from-hf", "--llm", Path("llama"), "--encoder", Path("siglip"),
+                       "--out", Path("plain")});
+  ASSERT_EQ(plain.exit_code, 0) << plain.stderr_text;
+  std::string yaml;
+  {
+    std::ifstream in(Path("plain/model.yaml"));
+    yaml.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const std::string activation = "    activation: gelu_tanh\n";
+  ASSERT_NE(yaml.find(activation), std::string::npos) << yaml;
+  yaml.replace(yaml.find(activation), activation.size(), activation + "    no_final_norm: true\n");
+  std::ofstream(Path("plain/model.yaml"), std::ios::trunc) << yaml;
+  auto edited = Hetpar({"convert", "to-hf", "--model", Path("plain"), "--out", Path("plain-hf")});
+  EXPECT_EQ(edited.exit_code, 2);
+  EXPECT_THAT(edited.stderr_text,
+              HasSubstr("holds the tower's final norm (encoder.norm.*), but the model's config "
+                        "says encoder.model.no_final_norm=true"));
 }
 
 // Scoring with images: transformers' SigLIP, a LLaVA projector and the Llama, images spliced as

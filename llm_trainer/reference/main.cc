@@ -176,6 +176,12 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kExitInvalidInput;
   }
 
+  if (from_hf->parsed() && from_hf->count("--vision-feature-layer") > 0 &&
+      import_options.vision_feature_layer == 0) {
+    std::cerr << "hetpar convert from-hf: --vision-feature-layer=0 names the embeddings, which "
+                 "feed no layer: give a layer, 1..L or -L..-1 (LLaVA 1.5: -2)\n";
+    return kExitInvalidInput;
+  }
   if (convert->parsed() || score->parsed()) {
     at::set_num_threads(flags.threads > 0
                             ? flags.threads
