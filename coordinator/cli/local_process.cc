@@ -156,7 +156,7 @@ std::string WorkerBinary(const std::string& name) {
 
 int ExecWorkerBinary(const std::string& name, const std::vector<std::string>& args) {
   const std::string binary = WorkerBinary(name);
-  std::vector<std::string> argv = {binary};
+  std::vector<std::string> argv = {"hetpar"};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> pointers;
   for (std::string& arg : argv) pointers.push_back(arg.data());

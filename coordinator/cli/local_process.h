@@ -69,7 +69,8 @@ std::string WorkerBinary(const std::string& name);
 
 // Replaces this process with WorkerBinary(name) run with `args`: the `hetpar` subcommands whose
 // work needs libtorch (convert, score), which `hetpar` itself never links. Returns only when the
-// exec fails, with the exit code to use after printing why.
+// exec fails, with the exit code to use after printing why. Its argv[0] is "hetpar": the help and
+// usage it prints name the command the user typed (`hetpar convert from-hf`), not the binary.
 int ExecWorkerBinary(const std::string& name, const std::vector<std::string>& args);
 
 }  // namespace hetpar::cli

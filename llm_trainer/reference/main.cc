@@ -92,7 +92,9 @@ int RunHfCommand(const hetpar::hf::ImportOptions* import_options,
 
 int main(int argc, char** argv) {
   CLI::App app{"hetpar-reference: both modules in one process (normally started by `hetpar run`)"};
-  app.name("hetpar-reference");
+  // `hetpar convert` and `hetpar score` run this binary with argv[0] "hetpar": its usage names
+  // the command the user typed.
+  app.name(argc > 0 && std::string(argv[0]) == "hetpar" ? "hetpar" : "hetpar-reference");
   app.set_version_flag("--version", std::string("hetpar-reference ") + HETPAR_VERSION);
   app.require_subcommand(1);
   Flags flags;

@@ -30,6 +30,23 @@ TEST(CliValidateTest, Help) {
   EXPECT_THAT(r->stdout_text, HasSubstr("heterogeneous parallelism"));
 }
 
+// The subcommands hetpar hands to hetpar-reference (convert, score) name the command typed.
+TEST(CliValidateTest, ForwardedCommandsHelpNamesHetpar) {
+  for (const std::vector<std::string>& command :
+       std::vector<std::vector<std::string>>{{"convert", "from-hf"}, {"score"}}) {
+    std::vector<std::string> argv = {kBin};
+    argv.insert(argv.end(), command.begin(), command.end());
+    argv.push_back("--help");
+    auto r = RunCommand(argv);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 0) << r->stderr_text;
+    std::string typed = "hetpar";
+    for (const std::string& word : command) typed += " " + word;
+    EXPECT_THAT(r->stdout_text, HasSubstr("Usage: " + typed + " [OPTIONS]")) << r->stdout_text;
+    EXPECT_THAT(r->stdout_text, ::testing::Not(HasSubstr("hetpar-reference")));
+  }
+}
+
 TEST(CliValidateTest, Version) {
   auto r = RunCommand({kBin, "--version"});
   ASSERT_TRUE(r.ok()) << r.status();
