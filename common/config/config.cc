@@ -702,23 +702,27 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
     // The normalised YAML of the RunSpec it was written under (module_state.cc).
     try {
       const YAML::Node runspec = YAML::Load(extra["runspec"].get<std::string>());
-      const auto layers = [&runspec](const char* module) -> std::optional<int64_t> {
+      // <module>.model.<field>, a scalar; none when absent.
+      const auto model_field = [&runspec](const char* module,
+                                          const char* field) -> std::optional<std::string> {
         if (!runspec.IsMap() || !runspec[module] || !runspec[module].IsMap()) return std::nullopt;
         const YAML::Node model = runspec[module]["model"];
-        if (!model || !model.IsMap() || !model["layers"] || !model["layers"].IsScalar()) {
+        if (!model || !model.IsMap() || !model[field] || !model[field].IsScalar()) {
           return std::nullopt;
         }
+        return model[field].Scalar();
+      };
+      const auto layers = [&model_field](const char* module) -> std::optional<int64_t> {
+        const std::optional<std::string> text = model_field(module, "layers");
         int64_t value = 0;
-        if (!absl::SimpleAtoi(model["layers"].Scalar(), &value) || value < 1) return std::nullopt;
+        if (!text || !absl::SimpleAtoi(*text, &value) || value < 1) return std::nullopt;
         return value;
       };
       summary.encoder_layers = layers("encoder");
       summary.llm_layers = layers("llm");
       if (runspec.IsMap()) {
-        const YAML::Node encoder = runspec["encoder"];
-        const YAML::Node model = encoder && encoder.IsMap() ? encoder["model"] : YAML::Node();
-        const YAML::Node flag = model && model.IsMap() ? model["no_final_norm"] : YAML::Node();
-        summary.encoder_no_final_norm = flag && flag.IsScalar() && flag.as<bool>();
+        // The emitter writes true or false (config::RunSpecToYaml).
+        summary.encoder_no_final_norm = model_field("encoder", "no_final_norm") == "true";
       }
     } catch (const YAML::Exception&) {
       // Not readable: the manifest does not say.

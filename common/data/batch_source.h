@@ -58,9 +58,9 @@ class BatchSource {
   absl::StatusOr<const data::IndexRecord*> RecordFor(const plan::SampleDescriptor& sample) const;
   // The sample's tokens as loaded now (DataLoader::Tokenize or Load) against its index record.
   // FailedPrecondition naming the sample (its id, manifest and line) and both when they differ:
-  // the index is stale (the tokenizer or its tokenizer_config.json changed after it was built),
-  // and the plan's shapes and loss divisor, made from it, would not be the sample's. Marked
-  // EndsRun.
+  // the index is stale (the manifest, the tokenizer or its tokenizer_config.json changed after it
+  // was built, keeping its size and modification time), and the plan's shapes and loss divisor,
+  // made from it, would not be the sample's. Marked EndsRun.
   absl::Status CheckTokens(const data::IndexRecord& record, const TokenSequence& tokens) const;
 
  private:

@@ -277,7 +277,7 @@ TEST_F(HfOracleTest, AVisionFeatureLayerImportsTheTowerUpToThatLayerWithoutItsFi
               "--vision-feature-layer", "0", "--out", Path("refused")});
   EXPECT_EQ(embeddings.exit_code, 2);
   EXPECT_THAT(embeddings.stderr_text,
-              HasSubstr("--vision-feature-layer=0 names the embeddings, which feed no layer"));
+              HasSubstr("--vision-feature-layer: 0 names the embeddings, which feed no layer"));
   EXPECT_FALSE(fs::exists(Path("refused/encoder.hpar")));
 
   // A model.yaml edited to no_final_norm over a file that holds the trained norm: exported, the

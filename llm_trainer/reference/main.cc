@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
 #include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/logging.h"
@@ -142,12 +143,25 @@ int main(int argc, char** argv) {
                    "llm.model.seq_len to write (default: min(max_position_embeddings, 4096))")
       ->check(hetpar::kNonNegativeNumber);
   from_hf->add_option("--seed", import_options.seed, "Seed of a fresh projector (default 1234)");
-  from_hf->add_option(
-      "--vision-feature-layer", import_options.vision_feature_layer,
-      "With --encoder: LLaVA's vision_feature_layer, the tower's hidden state the projector reads "
-      "(-2: the next-to-last layer's output; 1..L or -L..-1; without post_layernorm). The tower is "
-      "imported up to it, with encoder.model.no_final_norm (default: the last layer after "
-      "post_layernorm)");
+  from_hf
+      ->add_option(
+          "--vision-feature-layer", import_options.vision_feature_layer,
+          "With --encoder: LLaVA's vision_feature_layer, the tower's hidden state the projector "
+          "reads "
+          "(-2: the next-to-last layer's output; 1..L or -L..-1; without post_layernorm). The "
+          "tower is "
+          "imported up to it, with encoder.model.no_final_norm (default: the last layer after "
+          "post_layernorm)")
+      ->check(CLI::Validator(
+          [](std::string& input) -> std::string {
+            int64_t layer = 0;
+            if (!absl::SimpleAtoi(input, &layer) || layer != 0) return "";
+            // 0 is also the option's default (hetpar's own tower): given, it is refused.
+            return input +
+                   " names the embeddings, which feed no layer: give a layer, 1..L or -L..-1 "
+                   "(LLaVA 1.5: -2)";
+          },
+          "a layer, not 0"));
   CLI::App* to_hf = convert->add_subcommand(
       "to-hf",
       "Export a model (from-hf's output or a run's model/ directory) as Hugging Face "
@@ -178,12 +192,6 @@ int main(int argc, char** argv) {
     return code == 0 ? 0 : kExitInvalidInput;
   }
 
-  if (from_hf->parsed() && from_hf->count("--vision-feature-layer") > 0 &&
-      import_options.vision_feature_layer == 0) {
-    std::cerr << "hetpar convert from-hf: --vision-feature-layer=0 names the embeddings, which "
-                 "feed no layer: give a layer, 1..L or -L..-1 (LLaVA 1.5: -2)\n";
-    return kExitInvalidInput;
-  }
   if (convert->parsed() || score->parsed()) {
     at::set_num_threads(flags.threads > 0
                             ? flags.threads
