@@ -36,7 +36,9 @@ class IndexBatchSource : public BatchSource {
     }
     source_ = *std::move(source);
     digest_ = source_->index().IdDigest();
-    HETPAR_LOG(INFO) << "data index " << spec_.data().index() << ": "
+    const std::string& file = source_->index().file;
+    HETPAR_LOG(INFO) << "data index "
+                     << (file.empty() ? spec_.data().index() + " (not saved)" : file) << ": "
                      << source_->index().records.size() << " samples";
     return absl::OkStatus();
   }

@@ -45,6 +45,7 @@ absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v
   // not one, as a run's processes wait for it (the result does not depend on the count).
   build.threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
   build.cancel = cancel;
+  build.fallback_path = data::IndexFallbackPath(spec);
   HETPAR_ASSIGN_OR_RETURN(source->index_,
                           data::LoadOrBuildIndex(*source->loader_, spec.data().index(), build));
   if (source->index_.records.empty()) {

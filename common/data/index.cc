@@ -1,10 +1,12 @@
 #include "common/data/index.h"
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -103,7 +105,7 @@ absl::Status CheckBadSampleFiles(const DataIndex& index) {
     const FileStamp now = PathStamp(bad.path);
     if (now.size == -2 || now == bad.path_stamp) continue;
     return absl::FailedPreconditionError(absl::StrCat(
-        "the file ", bad.path, " of skipped sample '", bad.id, "' (", bad.where, ") ",
+        "the file ", bad.path, " of bad sample '", bad.id, "' (", bad.where, ") ",
         now.size == -1 ? std::string("is gone")
         : bad.path_stamp.size == -1
             ? "exists now"
@@ -175,7 +177,35 @@ int64_t DataIndex::total_images() const {
   return sum;
 }
 
-absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options) {
+namespace {
+
+// Why a training run cannot use `index`: bad samples without skip_bad_samples (every problem
+// listed, up to kMaxListedProblems), or no usable sample; OK when it can.
+absl::Status UnusableIndex(const DataIndex& index) {
+  const std::string& manifest = index.source.manifest;
+  if (!index.bad.empty() && !index.source.skip_bad_samples) {
+    std::string message =
+        absl::StrCat(index.bad.size(), " bad sample(s) in ", manifest,
+                     " (fix them, or set data.skip_bad_samples: true to skip them):");
+    for (size_t i = 0; i < index.bad.size() && i < kMaxListedProblems; ++i) {
+      absl::StrAppend(&message, "\n  ", index.bad[i].ToString());
+    }
+    if (index.bad.size() > kMaxListedProblems) {
+      absl::StrAppend(&message, "\n  ... and ", index.bad.size() - kMaxListedProblems, " more");
+    }
+    return absl::Status(index.bad.front().code, message);
+  }
+  if (index.records.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("manifest ", manifest, " has no usable sample (", index.bad.size(), " bad)"));
+  }
+  return absl::OkStatus();
+}
+
+// Every sample of the loader's manifest described: the usable ones as records, the bad ones
+// (malformed manifest lines too) in `bad`, whether or not the loader skips them. Fails only for
+// what is not a sample's own problem (a read that failed) and when cancelled.
+absl::StatusOr<DataIndex> DescribeAll(const DataLoader& loader, const IndexBuildOptions& options) {
   // The files as the loader read them: a manifest edited since then looks stale.
   absl::StatusOr<IndexSource> source = LoadedIndexSource(loader, loader.options());
   if (!source.ok()) return source.status();
@@ -272,28 +302,23 @@ absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildO
   std::stable_sort(bad.begin(), bad.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
   for (auto& entry : bad) index.bad.push_back(std::move(entry.second));
-
-  if (!index.bad.empty() && !loader.options().skip_bad_samples) {
-    std::string message =
-        absl::StrCat(index.bad.size(), " bad sample(s) in ", loader.options().manifest,
-                     " (fix them, or set data.skip_bad_samples: true to skip them):");
-    for (size_t i = 0; i < index.bad.size() && i < kMaxListedProblems; ++i) {
-      absl::StrAppend(&message, "\n  ", index.bad[i].ToString());
-    }
-    if (index.bad.size() > kMaxListedProblems) {
-      absl::StrAppend(&message, "\n  ... and ", index.bad.size() - kMaxListedProblems, " more");
-    }
-    return absl::Status(index.bad.front().code, message);
-  }
-  for (const BadSample& b : index.bad) {
-    HETPAR_LOG(WARNING) << "skipping bad sample: " << b.ToString();
-  }
-  if (index.records.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("manifest ", loader.options().manifest,
-                                                      " has no usable sample (", index.bad.size(),
-                                                      " bad)"));
-  }
   Reindex(&index);
+  return index;
+}
+
+void LogSkipped(const DataIndex& index, const std::string& from) {
+  for (const BadSample& b : index.bad) {
+    HETPAR_LOG(WARNING) << "skipping bad sample" << from << ": " << b.ToString();
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<DataIndex> BuildIndex(const DataLoader& loader, const IndexBuildOptions& options) {
+  absl::StatusOr<DataIndex> index = DescribeAll(loader, options);
+  if (!index.ok()) return index.status();
+  if (absl::Status unusable = UnusableIndex(*index); !unusable.ok()) return unusable;
+  LogSkipped(*index, "");
   return index;
 }
 
@@ -367,9 +392,10 @@ absl::StatusOr<DataIndex> ReadIndex(const std::string& path, const std::atomic<b
               absl::StrCat("data index ", path, ": line 1 is not an index header"));
         }
         const int version = json.at("hetpar_data_index").get<int>();
-        if (version != kIndexFormatVersion) {
+        if (version != kIndexFormatVersion && version != 1) {
           return absl::DataLossError(absl::StrCat("data index ", path, " has format version ",
-                                                  version, "; expected ", kIndexFormatVersion));
+                                                  version, "; expected 1 to ",
+                                                  kIndexFormatVersion));
         }
         IndexSource& s = index.source;
         s.manifest = json.at("manifest").get<std::string>();
@@ -539,34 +565,81 @@ std::string IndexLockPath(const std::string& path) {
 // Indexing a large data set takes long; a holder past this is taken as stuck.
 constexpr absl::Duration kIndexLockTimeout = absl::Hours(4);
 
-}  // namespace
+// Why no file can be made beside `path` (its directory is missing and cannot be made, is not a
+// directory, is on a read-only file system or is not this user's to write); "" when one can.
+std::string CannotWriteBeside(const std::string& path) {
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  if (absl::Status made = MakeDirectories(dir.string()); !made.ok()) {
+    return std::string(made.message());
+  }
+  if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::StrCat("cannot write in ", dir.string(), ": ", std::strerror(errno));
+  }
+  return "";
+}
 
-absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
-                                           const IndexBuildOptions& options, bool* rebuilt) {
+// LoadOrBuildIndex at `path`; `fallback` when `path` is options.fallback_path, which has none of
+// its own.
+absl::StatusOr<DataIndex> LoadOrBuildIndexAt(const DataLoader& loader, const std::string& path,
+                                             const IndexBuildOptions& options, bool* rebuilt,
+                                             bool fallback) {
   if (rebuilt != nullptr) *rebuilt = false;
   // An index of the files as the loader read them, which it then reads samples of.
   absl::StatusOr<IndexSource> current = LoadedIndexSource(loader, loader.options());
   if (!current.ok()) return current.status();
-  absl::StatusOr<DataIndex> existing = FreshIndexAt(path, *current, options);
+  absl::StatusOr<DataIndex> existing = options.rebuild ? absl::NotFoundError("rebuilding as asked")
+                                                       : FreshIndexAt(path, *current, options);
   if (absl::IsCancelled(existing.status())) return existing.status();
+  if (!fallback && !existing.ok() && !options.fallback_path.empty() &&
+      options.fallback_path != path) {
+    if (const std::string why = CannotWriteBeside(path); !why.empty()) {
+      // A read-only data set: its index is kept (and shared by the run's processes) elsewhere,
+      // rather than built again by each of them at every start.
+      const std::string state =
+          options.rebuild ? std::string("is to be rebuilt")
+          : absl::IsNotFound(existing.status())
+              ? std::string("is missing")
+              : absl::StrCat("is not usable (", existing.status().message(), ")");
+      HETPAR_LOG(INFO) << "the data index " << path << " " << state
+                       << " and cannot be written there (" << why << "): using "
+                       << options.fallback_path;
+      return LoadOrBuildIndexAt(loader, options.fallback_path, options, rebuilt,
+                                /*fallback=*/true);
+    }
+  }
   // Processes opening one data set at once (a run's coordinator and workers, several workers on
   // a node): one builds the index, the others wait for it and read what it wrote. Without the
   // lock (a read-only data set, whose index is not saved either), each builds its own.
   std::optional<WaitedFileLock> lock;
   if (!existing.ok()) {
+    // The lock file's directory first: a fallback's (under checkpoint.dir) is new at a run's first
+    // start, and without it every process would build its own.
+    if (const std::string dir = std::filesystem::path(path).parent_path().string(); !dir.empty()) {
+      (void)MakeDirectories(dir);  // a directory that cannot be made: no lock, and no file
+    }
     absl::StatusOr<WaitedFileLock> taken =
         WaitedFileLock::Take(IndexLockPath(path), absl::StrCat("building the data index ", path),
                              kIndexLockTimeout, options.cancel, /*quiet_when_unlockable=*/true);
     if (!taken.ok()) return taken.status();
     lock.emplace(*std::move(taken));
     // Another process may have built it, while this one waited or before it asked.
-    existing = FreshIndexAt(path, *current, options);
+    if (!options.rebuild) existing = FreshIndexAt(path, *current, options);
     if (absl::IsCancelled(existing.status())) return existing.status();
   }
   if (existing.ok()) {
-    for (const BadSample& b : existing->bad) {
-      HETPAR_LOG(WARNING) << "skipping bad sample (from index " << path << "): " << b.ToString();
+    if (absl::Status unusable = UnusableIndex(*existing); !unusable.ok()) {
+      // A build that found the data set unusable, recorded so that its waiters and later starts
+      // need not decode every image again to learn it.
+      return absl::Status(
+          unusable.code(),
+          absl::StrCat(unusable.message(), "\n(as the data index ", path,
+                       " records them: the manifest, the tokenizer and the files checked are "
+                       "unchanged since its build; repair them and the next start indexes "
+                       "again, or rebuild it with `hetpar data index --rebuild`)"));
     }
+    LogSkipped(*existing, absl::StrCat(" (from index ", path, ")"));
+    existing->file = path;
     return existing;
   }
   if (absl::IsFailedPrecondition(existing.status())) {
@@ -574,18 +647,39 @@ absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::
   } else if (!absl::IsNotFound(existing.status())) {
     HETPAR_LOG(WARNING) << "rebuilding " << path << ": " << existing.status().message();
   }
-  absl::StatusOr<DataIndex> built = BuildIndex(loader, options);
+  absl::StatusOr<DataIndex> built = DescribeAll(loader, options);
   if (!built.ok()) return built.status();
-  if (absl::Status s = WriteIndex(*built, path); !s.ok()) {
+  // An unusable data set's index is written all the same: the processes waiting for this build,
+  // and later starts while the files stay as they are, read the same failure from it instead of
+  // each decoding every image again (its bad samples' file stamps tell when they are repaired).
+  const absl::Status unusable = UnusableIndex(*built);
+  const absl::Status saved = WriteIndex(*built, path);
+  if (!unusable.ok()) return unusable;
+  LogSkipped(*built, "");
+  if (absl::Status s = saved; !s.ok()) {
     if (options.require_saved) return s;
     // A data set on a read-only mount: the index is good, only not kept for the next start.
     HETPAR_LOG(WARNING) << "the data index built for " << loader.options().manifest
                         << " is not saved (" << s.message() << "); it is built again at every "
-                        << "start: set data.index to a writable path, or write it once with "
-                        << "`hetpar data index`";
+                        << "start: "
+                        << (fallback ? "make this path writable, or set data.index to a "
+                                       "writable path"
+                                     : "set data.index to a writable path, or checkpoint.dir "
+                                       "(which keeps the index of a read-only data set when "
+                                       "data.index is the default), or write it once with "
+                                       "`hetpar data index`");
+  } else {
+    built->file = path;
   }
   if (rebuilt != nullptr) *rebuilt = true;
   return built;
+}
+
+}  // namespace
+
+absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
+                                           const IndexBuildOptions& options, bool* rebuilt) {
+  return LoadOrBuildIndexAt(loader, path, options, rebuilt, /*fallback=*/false);
 }
 
 }  // namespace hetpar::data

@@ -32,7 +32,9 @@
 
 namespace hetpar::data {
 
-inline constexpr int kIndexFormatVersion = 1;
+// 2: an index may record a failed build (bad samples without skip_bad_samples), which a reader
+// of format 1 would take for an index that skips them. Format 1 files are read as before.
+inline constexpr int kIndexFormatVersion = 2;
 
 // What an index was built from; an index is valid only while all of it still holds.
 struct IndexSource {
@@ -77,6 +79,9 @@ struct DataIndex {
   uint32_t IdDigest() const;
 
   std::unordered_map<std::string, size_t> by_id;  // id -> position in records
+  // The file LoadOrBuildIndex read it from or wrote it to (the fallback path, when it went
+  // there); empty when it was built and could not be saved, or not made by LoadOrBuildIndex.
+  std::string file;
 };
 
 struct IndexBuildOptions {
@@ -84,6 +89,8 @@ struct IndexBuildOptions {
   bool verify_images = true;
   // Worker threads for building (samples are independent).
   int threads = 1;
+  // LoadOrBuildIndex builds (and writes) the index even when its file is up to date.
+  bool rebuild = false;
   // LoadOrBuildIndex fails when the index it built cannot be written (`hetpar data index`, whose
   // job is the file), instead of warning and returning it.
   bool require_saved = false;
@@ -96,6 +103,11 @@ struct IndexBuildOptions {
   // Turning true (from another thread) ends a build, LoadOrBuildIndex's read of an existing
   // index, or its wait for another process's build, with Cancelled.
   const std::atomic<bool>* cancel = nullptr;
+  // Where LoadOrBuildIndex keeps the index when its path holds no usable one and no file can be
+  // made beside it (a data set on a read-only mount, another user's directory): read there when
+  // it is fresh, built and written there otherwise, under a lock of its own. Empty: nowhere
+  // else (the index is built, used and not saved).
+  std::string fallback_path;
 };
 
 // Describes every sample of the loader's manifest. A bad sample (including malformed manifest
@@ -117,8 +129,11 @@ absl::Status CheckIndexSource(const DataIndex& index, const IndexSource& current
 // verify images, was built decoding them); otherwise builds it and writes it to `path`, holding
 // the lock `.<name>.lock` beside it (WaitedFileLock) so that of the processes that would build it
 // at once one does and the others read its result. A `path`
-// that cannot be written (a read-only data set) only warns, unless `options` require the file:
-// the index built is returned.
+// that cannot be written (a read-only data set) goes to options.fallback_path when there is one;
+// otherwise, or when that cannot be written either, it only warns, unless `options` require the
+// file: the index built is returned. A data set that cannot train (bad samples without
+// skip_bad_samples, no usable sample) fails as BuildIndex does, and its index is written all the
+// same: the next call over unchanged files reads the failure instead of building again.
 // *rebuilt (optional) tells which happened.
 absl::StatusOr<DataIndex> LoadOrBuildIndex(const DataLoader& loader, const std::string& path,
                                            const IndexBuildOptions& options,

@@ -258,6 +258,61 @@ TEST_F(IndexTest, AnIndexThatCannotBeSavedIsStillUsed) {
   const std::string path = dir_ + "/train.jsonl/train.jsonl.index";
   ASSERT_FALSE(WriteIndex(*BuildIndex(*Make(Options()), IndexBuildOptions()), path).ok());
   ExpectBuiltInFull(path);
+  absl::StatusOr<DataIndex> index = LoadOrBuildIndex(*Make(Options()), path, IndexBuildOptions());
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->file, "") << "an index that was not saved names a file";
+}
+
+// An index that cannot be written at its path (here a path below a regular file; a read-only
+// data set in a run) is kept at the fallback path instead: built and written there once, then
+// read from there. A fresh index at the path itself still comes first.
+TEST_F(IndexTest, AnIndexThatCannotBeWrittenAtItsPathIsKeptAtTheFallback) {
+  std::atomic<int> builds{0};
+  IndexBuildOptions options;
+  options.on_progress = [&](int64_t done, int64_t) {
+    if (done == 0) builds.fetch_add(1);
+  };
+  options.fallback_path = dir_ + "/ckpt/data-index/train.jsonl-0.index";
+  const std::string unwritable = dir_ + "/train.jsonl/train.jsonl.index";
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> built =
+      LoadOrBuildIndex(*Make(Options()), unwritable, options, &rebuilt);
+  ASSERT_TRUE(built.ok()) << built.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(built->file, options.fallback_path);
+  EXPECT_EQ(built->records.size(), 40u);
+  // Built under the lock beside it, whose directory was new: the run's other processes waited.
+  EXPECT_TRUE(fs::exists(dir_ + "/ckpt/data-index/.train.jsonl-0.index.lock"));
+  absl::StatusOr<DataIndex> written = ReadIndex(options.fallback_path);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->IdDigest(), built->IdDigest());
+  EXPECT_EQ(builds.load(), 1);
+
+  absl::StatusOr<DataIndex> again =
+      LoadOrBuildIndex(*Make(Options()), unwritable, options, &rebuilt);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(rebuilt);
+  EXPECT_EQ(again->file, options.fallback_path);
+  EXPECT_EQ(builds.load(), 1) << "the index kept at the fallback was built again";
+
+  // Asked to rebuild: built again, into the fallback.
+  IndexBuildOptions rebuild = options;
+  rebuild.rebuild = true;
+  absl::StatusOr<DataIndex> rebuilt_index =
+      LoadOrBuildIndex(*Make(Options()), unwritable, rebuild, &rebuilt);
+  ASSERT_TRUE(rebuilt_index.ok()) << rebuilt_index.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(rebuilt_index->file, options.fallback_path);
+  EXPECT_EQ(builds.load(), 2);
+
+  // The generator's index beside the manifest is fresh: it is used, not the fallback.
+  const std::string beside = dir_ + "/train.jsonl.index";
+  ASSERT_TRUE(fs::exists(beside));
+  absl::StatusOr<DataIndex> used = LoadOrBuildIndex(*Make(Options()), beside, options, &rebuilt);
+  ASSERT_TRUE(used.ok()) << used.status();
+  EXPECT_FALSE(rebuilt);
+  EXPECT_EQ(used->file, beside);
+  EXPECT_EQ(builds.load(), 2);
 }
 
 // Processes that find the index missing at once (a run's coordinator and its workers) do not all
@@ -613,6 +668,82 @@ TEST_F(IndexTest, ASkippedSampleComesBackOnceItsFileIsRepaired) {
   EXPECT_EQ(ids(*complete),
             (std::vector<std::string>{"train-000000", "train-000001", "missing", "corrupt"}));
   EXPECT_TRUE(complete->bad.empty());
+}
+
+// A build that finds the data set unusable (bad samples without data.skip_bad_samples, or no
+// usable sample) writes its index all the same: the next LoadOrBuildIndex over unchanged files
+// fails the same way from it, without decoding any image again (what a process that waited for
+// the build, or a run started again, meets), and one over a repaired file builds anew.
+TEST_F(IndexTest, AnUnusableDataSetIsRecordedSoTheNextOpeningFailsWithoutBuilding) {
+  const std::string good_png = *ReadFileToString(dir_ + "/images/train/train-000001-0.png");
+  ASSERT_TRUE(
+      WriteFileAtomically(dir_ + "/half.png", good_png.substr(0, good_png.size() / 2)).ok());
+  const std::string strict_manifest =
+      WriteManifest("strict.jsonl", {ManifestRecordToJson(MakeSynthSample(3, "train", 0, 3).record),
+                                     ManifestRecordToJson(MakeSynthSample(3, "train", 1, 3).record),
+                                     ManifestRecordToJson(OneImageSample("corrupt", "half.png"))});
+  const std::string only_bad_manifest = WriteManifest(
+      "only_bad.jsonl", {ManifestRecordToJson(OneImageSample("corrupt", "half.png"))});
+  std::atomic<int> builds{0};
+  IndexBuildOptions counted;
+  counted.on_progress = [&](int64_t done, int64_t) {
+    if (done == 0) builds.fetch_add(1);
+  };
+  const auto load = [&](const LoaderOptions& o, const std::string& path, bool* rebuilt) {
+    return LoadOrBuildIndex(*Make(o), path, counted, rebuilt);
+  };
+
+  const std::string strict_path = dir_ + "/strict.index";
+  bool rebuilt = false;
+  absl::StatusOr<DataIndex> first = load(Options(strict_manifest), strict_path, &rebuilt);
+  ASSERT_FALSE(first.ok());
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(first.status().message()), HasSubstr("1 bad sample(s)"));
+  EXPECT_THAT(std::string(first.status().message()),
+              HasSubstr("sample 'corrupt' (" + strict_manifest + ":3): corrupt PNG"));
+  EXPECT_EQ(builds.load(), 1);
+  ASSERT_TRUE(fs::exists(strict_path)) << "the failed build left no record";
+
+  absl::StatusOr<DataIndex> again = load(Options(strict_manifest), strict_path, &rebuilt);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(again.status().message()),
+              HasSubstr("sample 'corrupt' (" + strict_manifest + ":3): corrupt PNG"));
+  EXPECT_THAT(std::string(again.status().message()),
+              HasSubstr("as the data index " + strict_path + " records them"));
+  EXPECT_EQ(builds.load(), 1) << "the unchanged data set was indexed again";
+
+  // The same files under data.skip_bad_samples train without the corrupt sample.
+  LoaderOptions skip = Options(strict_manifest);
+  skip.skip_bad_samples = true;
+  absl::StatusOr<DataIndex> skipping = load(skip, dir_ + "/skip.index", &rebuilt);
+  ASSERT_TRUE(skipping.ok()) << skipping.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(skipping->records.size(), 2u);
+  EXPECT_EQ(builds.load(), 2);
+
+  // Skipping every sample leaves none: recorded too.
+  LoaderOptions only_bad = Options(only_bad_manifest);
+  only_bad.skip_bad_samples = true;
+  const std::string only_bad_path = dir_ + "/only_bad.index";
+  absl::StatusOr<DataIndex> none = load(only_bad, only_bad_path, &rebuilt);
+  ASSERT_FALSE(none.ok());
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("has no usable sample (1 bad)"));
+  EXPECT_EQ(builds.load(), 3);
+  absl::StatusOr<DataIndex> none_again = load(only_bad, only_bad_path, &rebuilt);
+  ASSERT_FALSE(none_again.ok());
+  EXPECT_THAT(std::string(none_again.status().message()),
+              HasSubstr("has no usable sample (1 bad)"));
+  EXPECT_EQ(builds.load(), 3) << "the unchanged data set was indexed again";
+
+  // The image repaired: the strict data set is indexed anew, and whole.
+  ASSERT_TRUE(WriteFileAtomically(dir_ + "/half.png", good_png).ok());
+  absl::StatusOr<DataIndex> repaired = load(Options(strict_manifest), strict_path, &rebuilt);
+  ASSERT_TRUE(repaired.ok()) << repaired.status();
+  EXPECT_TRUE(rebuilt);
+  EXPECT_EQ(repaired->records.size(), 3u);
+  EXPECT_TRUE(repaired->bad.empty());
+  EXPECT_EQ(builds.load(), 4);
 }
 
 // A read that fails (here EIO: the image is /proc/self/mem, unreadable at offset 0) is not a bad

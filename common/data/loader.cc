@@ -1,6 +1,7 @@
 #include "common/data/loader.h"
 
 #include <sys/stat.h>
+#include <zlib.h>
 
 #include <filesystem>
 #include <utility>
@@ -55,6 +56,19 @@ absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec
                          : OverlongPolicy::kReject;
   options.skip_bad_samples = spec.data().skip_bad_samples();
   return options;
+}
+
+std::string IndexFallbackPath(const hetpar::v1::RunSpec& spec) {
+  const std::string& manifest = spec.data().manifest();
+  if (manifest.empty() || spec.checkpoint().dir().empty() ||
+      spec.data().index() != manifest + ".index") {
+    return "";
+  }
+  const uint32_t crc = static_cast<uint32_t>(::crc32(
+      0, reinterpret_cast<const Bytef*>(manifest.data()), static_cast<uInt>(manifest.size())));
+  return absl::StrCat(spec.checkpoint().dir(), "/data-index/",
+                      std::filesystem::path(manifest).filename().string(), "-",
+                      absl::Hex(crc, absl::kZeroPad8), ".index");
 }
 
 DataLoader::DataLoader(LoaderOptions options, Manifest manifest,

@@ -56,6 +56,12 @@ enum class Split { kTrain, kVal };
 absl::StatusOr<LoaderOptions> LoaderOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
                                                        Split split);
 
+// Where a run keeps the training index when it cannot be written beside the manifest (a read-only
+// data set; IndexBuildOptions::fallback_path): `<checkpoint.dir>/data-index/<manifest file
+// name>-<CRC-32 of the manifest path, 8 hex digits>.index`, which every process of the run can
+// write. Empty when the spec has no checkpoint.dir, or names data.index itself.
+std::string IndexFallbackPath(const hetpar::v1::RunSpec& spec);
+
 // One sample, ready for the workers.
 struct LoadedSample {
   std::string id;

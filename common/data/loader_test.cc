@@ -584,5 +584,20 @@ TEST(LoaderOptionsTest, ChatTemplateFromTheRunSpec) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A read-only data set's training index goes under checkpoint.dir, named by the manifest's file
+// name and the CRC-32 of its path (two manifests of one name in other directories differ), and
+// only when data.index is the default one beside the manifest.
+TEST(LoaderOptionsTest, TheIndexFallbackIsUnderTheCheckpointDirectory) {
+  hetpar::v1::RunSpec spec;
+  spec.mutable_data()->set_manifest("/data/set/train.jsonl");
+  spec.mutable_data()->set_index("/data/set/train.jsonl.index");
+  EXPECT_EQ(IndexFallbackPath(spec), "") << "without checkpoint.dir";
+  spec.mutable_checkpoint()->set_dir("/ckpt");
+  // 6f922097: zlib.crc32(b"/data/set/train.jsonl") in Python.
+  EXPECT_EQ(IndexFallbackPath(spec), "/ckpt/data-index/train.jsonl-6f922097.index");
+  spec.mutable_data()->set_index("/elsewhere/train.index");
+  EXPECT_EQ(IndexFallbackPath(spec), "") << "data.index named by the config";
+}
+
 }  // namespace
 }  // namespace hetpar::data

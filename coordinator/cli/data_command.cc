@@ -59,6 +59,11 @@ std::string IndexPath(const hetpar::v1::RunSpec& spec, data::Split split) {
   return split == data::Split::kTrain ? spec.data().index() : spec.data().val_manifest() + ".index";
 }
 
+// Where the split's index goes when it cannot be written at IndexPath, as in a run.
+std::string IndexFallbackPath(const hetpar::v1::RunSpec& spec, data::Split split) {
+  return split == data::Split::kTrain ? data::IndexFallbackPath(spec) : "";
+}
+
 // A split of a config opened for reading: the spec, the split, its loader options and loader.
 struct OpenedSplit {
   config::LoadedRunSpec loaded;
@@ -266,16 +271,11 @@ void AddIndexCommand(CLI::App* data, int* exit_code) {
     build.verify_images = !o->no_verify;
     build.threads = o->threads;
     build.require_saved = true;  // the file is what this command makes
+    build.rebuild = o->rebuild;
+    build.fallback_path = IndexFallbackPath(opened->loaded.spec, opened->split);
     bool rebuilt = true;
-    absl::StatusOr<data::DataIndex> index;
-    if (o->rebuild) {
-      index = data::BuildIndex(*opened->loader, build);
-      if (index.ok()) {
-        if (absl::Status s = data::WriteIndex(*index, path); !s.ok()) index = s;
-      }
-    } else {
-      index = data::LoadOrBuildIndex(*opened->loader, path, build, &rebuilt);
-    }
+    absl::StatusOr<data::DataIndex> index =
+        data::LoadOrBuildIndex(*opened->loader, path, build, &rebuilt);
     if (!index.ok()) {
       *exit_code = Fail(index.status(), "index");
       return;
@@ -283,7 +283,7 @@ void AddIndexCommand(CLI::App* data, int* exit_code) {
     for (const data::BadSample& bad : index->bad) {
       std::cerr << "skipped bad sample: " << bad.ToString() << "\n";
     }
-    std::cout << "index " << path << (rebuilt ? " (built)" : " (up to date)") << ": "
+    std::cout << "index " << index->file << (rebuilt ? " (built)" : " (up to date)") << ": "
               << index->records.size() << " samples, " << index->bad.size() << " skipped, "
               << index->total_images() << " images, " << index->total_tokens() << " tokens, "
               << index->total_loss_tokens() << " loss tokens\n";
@@ -305,21 +305,36 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
                                                   /*keep_bad_entries=*/true);
     if (!opened.has_value()) return;
     // The index, when there is an up-to-date one, must agree with every loaded sample.
-    const std::string path = IndexPath(opened->loaded.spec, opened->split);
+    // It is beside the manifest, or where a run keeps the index of a read-only data set.
     std::unique_ptr<data::DataIndex> index;
-    absl::StatusOr<data::DataIndex> read = data::ReadIndex(path);
     // The files as the loader read them, with the split's own options.
     absl::StatusOr<data::IndexSource> current =
         data::LoadedIndexSource(*opened->loader, opened->options);
-    if (read.ok() && current.ok()) {
-      absl::Status fresh = data::CheckIndexSource(*read, *current);
-      if (fresh.ok()) {
-        index = std::make_unique<data::DataIndex>(std::move(*read));
-      } else {
-        std::cerr << "not comparing with " << path << ": " << fresh.message() << "\n";
+    std::string missing;     // the first index not found, when no other was
+    std::string index_path;  // the one compared with
+    bool said = false;
+    for (const std::string& path : {IndexPath(opened->loaded.spec, opened->split),
+                                    IndexFallbackPath(opened->loaded.spec, opened->split)}) {
+      if (path.empty() || index != nullptr) continue;
+      absl::StatusOr<data::DataIndex> read = data::ReadIndex(path);
+      if (read.ok() && current.ok()) {
+        absl::Status fresh = data::CheckIndexSource(*read, *current);
+        if (fresh.ok()) {
+          index = std::make_unique<data::DataIndex>(std::move(*read));
+          index_path = path;
+        } else {
+          std::cerr << "not comparing with " << path << ": " << fresh.message() << "\n";
+          said = true;
+        }
+      } else if (absl::IsNotFound(read.status())) {
+        if (missing.empty()) missing = std::string(read.status().message());
+      } else if (!read.ok()) {
+        std::cerr << "not comparing with an index: " << read.status().message() << "\n";
+        said = true;
       }
-    } else if (!read.ok()) {
-      std::cerr << "not comparing with an index: " << read.status().message() << "\n";
+    }
+    if (index == nullptr && !said && !missing.empty()) {
+      std::cerr << "not comparing with an index: " << missing << "\n";
     }
     int64_t good = 0;
     int64_t bad = 0;
@@ -369,7 +384,9 @@ void AddCheckCommand(CLI::App* data, int* exit_code) {
       }
     }
     std::cout << "checked " << opened->loader->manifest().path << ": " << good << " good, " << bad
-              << " bad" << (index ? absl::StrCat(", ", mismatched, " index mismatches") : "")
+              << " bad"
+              << (index ? absl::StrCat(", ", mismatched, " index mismatches (", index_path, ")")
+                        : "")
               << "\n";
     *exit_code = bad == 0 && mismatched == 0 ? kExitOk : kExitFailure;
   });
@@ -408,25 +425,29 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
     if (o->position >= 0) {
       // Positions are the index's (samples skipped as bad shift those after them): load it, or
       // build it as training would.
-      const std::string path = IndexPath(opened->loaded.spec, opened->split);
+      data::IndexBuildOptions build;
+      build.fallback_path = IndexFallbackPath(opened->loaded.spec, opened->split);
       bool rebuilt = false;
-      absl::StatusOr<data::DataIndex> index =
-          data::LoadOrBuildIndex(*opened->loader, path, data::IndexBuildOptions(), &rebuilt);
+      absl::StatusOr<data::DataIndex> index = data::LoadOrBuildIndex(
+          *opened->loader, IndexPath(opened->loaded.spec, opened->split), build, &rebuilt);
       if (!index.ok()) {
         *exit_code = Fail(index.status(), "show");
         return;
       }
       if (rebuilt) {
-        std::cerr << "hetpar data show: the data index " << path << " was built anew (its files "
+        std::cerr << "hetpar data show: the data index "
+                  << (index->file.empty() ? "(not saved)" : index->file)
+                  << " was built anew (its files "
                   << "changed, or it was missing): a run started before uses the positions of "
                   << "its own index, which may differ\n";
       }
       if (o->position >= static_cast<int64_t>(index->records.size())) {
-        *exit_code = Fail(absl::InvalidArgumentError(absl::StrCat(
-                              "--position ", o->position, " is outside the data index ", path,
-                              " of ", index->records.size(), " samples (positions 0 to ",
-                              index->records.size() - 1, ")")),
-                          "show");
+        *exit_code = Fail(
+            absl::InvalidArgumentError(absl::StrCat(
+                "--position ", o->position, " is outside the data index ",
+                index->file.empty() ? "(not saved)" : index->file, " of ", index->records.size(),
+                " samples (positions 0 to ", index->records.size() - 1, ")")),
+            "show");
         return;
       }
       ordinal = index->records[static_cast<size_t>(o->position)].ordinal;

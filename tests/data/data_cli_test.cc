@@ -134,7 +134,8 @@ TEST_F(DataCliTest, SynthFromTheTinyConfigThenIndexCheckShow) {
 
   r = Run({"data", "check", "--config", config, "--split", "val"});
   ASSERT_EQ(r.exit_code, 0) << r.stdout_text << r.stderr_text;
-  EXPECT_THAT(r.stdout_text, HasSubstr("128 good, 0 bad, 0 index mismatches"));
+  EXPECT_THAT(r.stdout_text,
+              HasSubstr("128 good, 0 bad, 0 index mismatches (" + dir_ + "/tiny/val.jsonl.index)"));
   // An index whose token checksum of one sample is not the sample's (the same shapes, other ids):
   // a mismatch, named.
   {

@@ -180,6 +180,33 @@ class RunFaultsTest : public ::testing::Test {
     return wrapped;
   }
 
+  // Why `dir` cannot be made read-only (a bind mount remounted read-only) in a mount namespace
+  // of its own here, or "" when it can.
+  static std::string CannotMountReadOnly(const std::string& dir) {
+    if (::geteuid() != 0) return "a read-only bind mount in a mount namespace needs root";
+    auto probe = RunCommand(WithReadOnly(dir, {"true"}), 30);
+    if (probe.ok() && probe->exit_code == 0) return "";
+    return "cannot remount a directory read-only in a mount namespace here: " +
+           (probe.ok() ? probe->stderr_text : probe.status().ToString());
+  }
+
+  // `argv` run in a mount namespace of its own, where `dir` is read-only.
+  static std::vector<std::string> WithReadOnly(const std::string& dir,
+                                               const std::vector<std::string>& argv) {
+    std::vector<std::string> wrapped = {
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        "mount --bind \"$0\" \"$0\" && mount -o remount,bind,ro \"$0\" && shift && exec \"$@\"",
+        dir,
+        "--"};
+    wrapped.insert(wrapped.end(), argv.begin(), argv.end());
+    return wrapped;
+  }
+
   std::string dir_;
   int samples_ = 128;  // training samples of the synthetic data set
 };
@@ -730,6 +757,64 @@ TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
   EXPECT_THAT(log, HasSubstr("No space left on device; every replica would meet this error in "
                              "turn, so the run stops"));
   EXPECT_THAT(log, Not(HasSubstr("left the run")));
+}
+
+// A data set on a read-only mount (a bind mount remounted read-only, in a mount namespace of the
+// run's own), shipped without its index: the run's processes keep the index under
+// checkpoint.dir, where one of them builds it while the others wait and read it, instead of each
+// building its own at every start; a later `hetpar data index` finds it there, up to date.
+TEST_F(RunFaultsTest, AReadOnlyDataSetHasItsIndexKeptUnderTheCheckpointDirectory) {
+  const std::string data = dir_ + "/data";
+  fs::create_directories(data);
+  if (const std::string why = CannotMountReadOnly(data); !why.empty()) GTEST_SKIP() << why;
+  std::vector<std::string> synth = {kBin, "data", "synth", "--config", kTiny};
+  for (const std::string& flag : DataFlags()) synth.push_back(flag);
+  auto made = RunCommand(synth, 120);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->exit_code, 0) << made->stderr_text;
+  ASSERT_TRUE(fs::remove(data + "/train.jsonl.index"));
+
+  const std::string checkpoints = dir_ + "/ckpt";
+  std::vector<std::string> argv = RunArgs(2);
+  argv.insert(argv.end(),
+              {"--set", "checkpoint.dir=" + checkpoints, "--set", "data.val_manifest=\"\""});
+  auto result = RunCommand(WithReadOnly(data, argv), 240);
+  ASSERT_TRUE(result.ok()) << result.status();
+  std::string log = result->stdout_text + result->stderr_text;
+  for (const auto& entry : fs::directory_iterator(dir_ + "/run/log")) {
+    absl::StrAppend(&log, ReadFile(entry.path().string()));
+  }
+  ASSERT_EQ(result->exit_code, 0) << log;
+  EXPECT_FALSE(fs::exists(data + "/train.jsonl.index")) << "the read-only data set was written";
+  std::vector<std::string> kept;
+  for (const auto& entry : fs::directory_iterator(checkpoints + "/data-index")) {
+    if (entry.path().extension() == ".index") kept.push_back(entry.path().string());
+  }
+  ASSERT_EQ(kept.size(), 1u) << log;
+  EXPECT_EQ(fs::path(kept[0]).filename().string().rfind("train.jsonl-", 0), 0u) << kept[0];
+  std::istringstream index(ReadFile(kept[0]));
+  std::string header;
+  ASSERT_TRUE(std::getline(index, header)) << kept[0];
+  EXPECT_EQ(nlohmann::json::parse(header).at("samples").get<int>(), samples_) << header;
+  const std::string indexing = "indexing " + data + "/train.jsonl: ";
+  size_t builds = 0;
+  for (size_t at = log.find(indexing); at != std::string::npos; at = log.find(indexing, at + 1)) {
+    ++builds;
+  }
+  EXPECT_EQ(builds, 1u) << "the run's processes did not share one build of the index\n" << log;
+  EXPECT_THAT(log, HasSubstr("the data index " + data +
+                             "/train.jsonl.index is missing and cannot be written there ("));
+  EXPECT_THAT(log, HasSubstr("): using " + kept[0]));
+
+  std::vector<std::string> reindex = {kBin, "data", "index", "--config", kTiny};
+  for (const std::string& flag : DataFlags()) reindex.push_back(flag);
+  reindex.insert(reindex.end(), {"--set", "checkpoint.dir=" + checkpoints});
+  auto again = RunCommand(WithReadOnly(data, reindex), 120);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->exit_code, 0) << again->stderr_text;
+  EXPECT_THAT(
+      again->stdout_text,
+      HasSubstr("index " + kept[0] + " (up to date): " + std::to_string(samples_) + " samples"));
 }
 
 // A checkpoint that is complete stays a success when the older ones cannot be pruned: here an
