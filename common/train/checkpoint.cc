@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/atomic_file.h"
+#include "common/checkpoint_pin.h"
 #include "common/errno_status.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
@@ -1288,6 +1289,8 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
     bool remove = false;
     if (dir.complete) {
       if (!newest_complete.has_value()) newest_complete = dir.step;
+      // A restarted coordinator resumes from it: neither removed nor counted.
+      if (IsCheckpointPinned(dir.path.string())) continue;
       remove = kept >= keep;
       if (!remove) ++kept;
     } else {
@@ -1295,6 +1298,8 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
       remove = newest_complete.has_value() && dir.step < *newest_complete;
     }
     if (!remove) continue;
+    // Pinned since it was listed (a restart picking it right now): kept after all.
+    if (dir.complete && IsCheckpointPinned(dir.path.string())) continue;
     if (dir.complete) {
       // The manifest goes first, durably: a removal cut short (the process killed, a file that
       // cannot be unlinked) leaves an incomplete checkpoint, never one that looks complete

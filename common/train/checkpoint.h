@@ -172,7 +172,9 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
 // too, newer ones (being written) stay. Other entries of `parent` are left alone; a missing
 // `parent` has nothing to prune. Directories of steps after `newest_step` (the checkpoint just
 // completed) are left alone and not counted: they are of another run that went further (this one
-// resumed from an earlier step), not this run's to remove. InvalidArgument for keep < 1.
+// resumed from an earlier step), not this run's to remove. A complete checkpoint pinned by a
+// restarted coordinator (common/checkpoint_pin.h) is neither removed nor counted. InvalidArgument
+// for keep < 1.
 absl::Status PruneCheckpoints(const std::string& parent, int64_t keep,
                               int64_t newest_step = std::numeric_limits<int64_t>::max());
 

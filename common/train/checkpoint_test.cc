@@ -15,6 +15,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "common/checkpoint_pin.h"
 #include "common/nn/export.h"
 #include "common/nn/test_ranks.h"
 #include "common/status.h"
@@ -1037,6 +1038,44 @@ TEST_F(CheckpointTest, PruneKeepsTheNewestCompleteCheckpoints) {
                                               "step-000005", "other", "step-notes.txt"}));
   EXPECT_EQ(PruneCheckpoints(parent, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(PruneCheckpoints(dir_ + "/missing", 2).ok());
+}
+
+// A restarted coordinator resumes from step 2 and pins it; a worker of the coordinator it
+// replaced then completes step 4 and prunes with keep 1: step 2 stays (not counted: step 4 is
+// kept too), and goes at the first pruning after the pin is let go.
+TEST_F(CheckpointTest, APinnedCheckpointIsNotPruned) {
+  const std::string parent = dir_ + "/ckpts";
+  const auto complete = [&](int step) {
+    const std::string dir = absl::StrCat(parent, "/", CheckpointDirName(step));
+    fs::create_directories(dir);
+    std::ofstream(dir + "/manifest.json") << json{
+        {"format", 1},
+        {"step", step},
+        {"shards", json::array()},
+        {"extra", json::object()}}.dump();
+    return dir;
+  };
+  const std::string picked = complete(2);
+  const std::string older = complete(1);
+  ASSERT_TRUE(PinCheckpoint(picked, "a test's coordinator").ok());
+  ASSERT_TRUE(PinCheckpoint(older, "an earlier coordinator").ok());
+  ASSERT_TRUE(UnpinCheckpoints(parent, picked + "/").ok());  // every pin but the picked one goes
+  EXPECT_TRUE(IsCheckpointPinned(picked));
+  EXPECT_FALSE(IsCheckpointPinned(older));
+  complete(4);
+  ASSERT_TRUE(PruneCheckpoints(parent, 1, 4).ok());
+  EXPECT_TRUE(fs::exists(picked + "/manifest.json")) << "the pinned checkpoint was pruned";
+  EXPECT_FALSE(fs::exists(older)) << "the unpinned older checkpoint was kept";
+  EXPECT_TRUE(fs::exists(absl::StrCat(parent, "/", CheckpointDirName(4), "/manifest.json")));
+
+  ASSERT_TRUE(UnpinCheckpoints(parent).ok());
+  EXPECT_FALSE(IsCheckpointPinned(picked));
+  complete(6);
+  ASSERT_TRUE(PruneCheckpoints(parent, 1, 6).ok());
+  EXPECT_FALSE(fs::exists(picked));
+  EXPECT_FALSE(fs::exists(absl::StrCat(parent, "/", CheckpointDirName(4))));
+  EXPECT_TRUE(fs::exists(absl::StrCat(parent, "/", CheckpointDirName(6), "/manifest.json")));
+  EXPECT_TRUE(UnpinCheckpoints(dir_ + "/missing").ok());
 }
 
 }  // namespace

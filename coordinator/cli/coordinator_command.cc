@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/checkpoint_pin.h"
 #include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
@@ -290,6 +291,54 @@ int RunCoordinator(const CoordinatorFlags& flags) {
         coordinator::CompleteCheckpointsAfter(spec.checkpoint().dir(), first_step);
   }
   journal.committed_steps = first_step;
+  // A restart holds the checkpoint it resumes from against the pruning of the workers of the
+  // coordinator it replaces, which may still be completing a later checkpoint
+  // (common/checkpoint_pin.h), until its first commit; the pins an earlier coordinator of this
+  // checkpoint.dir left go.
+  bool pinned = false;
+  if (!spec.checkpoint().dir().empty()) {
+    const std::string& from = run_spec.checkpoint().resume_from();
+    // The step directory's parent, however either path is written (a trailing slash, a link).
+    std::error_code error;
+    const std::filesystem::path step = std::filesystem::weakly_canonical(from, error);
+    const bool in_dir =
+        !from.empty() && !error &&
+        std::filesystem::equivalent(step.parent_path(), spec.checkpoint().dir(), error) && !error;
+    const std::string pin = restarted && in_dir ? from : "";
+    if (!pin.empty()) {
+      absl::Status s = PinCheckpoint(
+          pin, absl::StrCat("hetpar coordinator of run ", spec.run().name(), ", generation ",
+                            journal.generation, ", pid ", ::getpid()));
+      // Pruned between the pick and the pin by a worker of the lost coordinator, which completed
+      // a later checkpoint meanwhile: that one is there now for the next start to pick.
+      if (s.ok()) s = config::ReadCheckpointSummary(pin).status();
+      if (!s.ok() && (absl::IsNotFound(s) || absl::IsDataLoss(s))) {
+        std::cerr << "hetpar: cannot continue run " << spec.run().name() << " from " << pin
+                  << ": it was removed as this coordinator picked it (a worker of the lost "
+                  << "coordinator completed a later checkpoint and pruned the older ones, "
+                  << "checkpoint.keep): start the coordinator again, and it continues from the "
+                  << "newest (" << s.message() << ")\n";
+        return kExitFailure;
+      }
+      if (s.ok()) {
+        pinned = true;
+      } else {
+        HETPAR_LOG(WARNING) << "pinning " << pin << ": " << s.message()
+                            << "; a worker of the lost coordinator that completes a later "
+                            << "checkpoint may prune it before this run has read it";
+      }
+    }
+    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir(), pin); !s.ok()) {
+      HETPAR_LOG(WARNING) << s.message();
+    }
+  }
+  const auto unpin = [&] {
+    if (!pinned) return;
+    pinned = false;
+    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir()); !s.ok()) {
+      HETPAR_LOG(WARNING) << s.message() << " (a pinned checkpoint is not pruned)";
+    }
+  };
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
@@ -428,6 +477,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     next.state = run_state;
     next.generation = status.generation();
     next.committed_steps = status.committed_steps();
+    // Every worker has read the resumed checkpoint once a step of this run commits.
+    if (status.committed_steps() > first_step) unpin();
     if (next.committed_steps != journal.committed_steps || run_state != journal.state) {
       if (std::optional<coordinator::FoundCheckpoint> newest =
               coordinator::NewestCompleteCheckpoint(
@@ -491,6 +542,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       HETPAR_LOG(ERROR) << "the run is done, but " << evaluation_error;
     }
   }
+  // The workers wrote the outputs (from the pinned checkpoint itself, when it was of the last
+  // step), or are gone.
+  unpin();
   // Done with every step committed and the run directory complete: a coordinator started on it
   // later starts a new run. Stopped early or failed: it continues this one.
   follow_journal(final_status, state);

@@ -32,6 +32,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/checkpoint_pin.h"
 #include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
@@ -233,6 +234,13 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
   if (absl::Status s = coordinator::CheckCheckpointDirForNewRun(spec); !s.ok()) {
     std::cerr << "hetpar run: " << s.message() << "\n";
     return kExitInvalidInput;
+  }
+  // No earlier coordinator of this checkpoint.dir is live (the claim): its pins hold nothing now
+  // and would keep their checkpoints from ever being pruned (common/checkpoint_pin.h).
+  if (!spec.checkpoint().dir().empty()) {
+    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir()); !s.ok()) {
+      HETPAR_LOG(WARNING) << s.message();
+    }
   }
   int64_t first_step = 0;  // a resumed run starts at its checkpoint's step
   std::optional<config::CheckpointSummary> resumed;

@@ -529,6 +529,69 @@ TEST_F(ClusterRunTest, AWorkerRestartingItselfWaitsForTheCheckpointItIsWriting) 
   EXPECT_THAT(text, Not(HasSubstr("still running past their deadline"))) << text;
 }
 
+// A restart picks its checkpoint while the workers of the lost coordinator still write a later
+// one; with checkpoint.keep 1, their completion of that one prunes the older ones, and would
+// remove the picked one before the restart's workers have read it. The restart pins it
+// (common/checkpoint_pin.h). Here step 4's write blocks (its manifest a FIFO with no writer) until
+// the restarted coordinator has pinned step 2; then the writers complete step 4 and prune, and
+// the run still resumes from step 2 and finishes, pruning as before once the pin is let go.
+TEST_F(ClusterRunTest, ARestartKeepsTheCheckpointItResumesFromFromTheLostRunsPruning) {
+  steps_ = 40;
+  const std::string checkpoints = dir_ + "/checkpoints";
+  fs::create_directories(checkpoints + "/step-000004");
+  const std::string fifo = checkpoints + "/step-000004/manifest.json";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  // Half of step_timeout_s bounds a restarting worker's wait for its write: far longer than the
+  // test holds the write back on a loaded machine.
+  const std::vector<std::string> settings = {"checkpoint.dir=" + checkpoints, "checkpoint.every=2",
+                                             "checkpoint.keep=1", "failure.step_timeout_s=600",
+                                             "coordinator.register_timeout_s=600"};
+  const Cluster cluster = StartCluster(settings);
+  ASSERT_NE(cluster.coordinator, nullptr);
+  const std::string run = dir_ + "/coordinator/run";
+  ASSERT_TRUE(WaitFor([&] { return CountLines(run + "/metrics.jsonl") >= 5; }, 120))
+      << ReadFile(dir_ + "/coordinator.log");
+  ASSERT_TRUE(fs::exists(checkpoints + "/step-000002/manifest.json"));
+  ASSERT_TRUE(cluster.coordinator->Signal(SIGKILL));
+  ASSERT_TRUE(cluster.coordinator->Wait(30).ok());
+  const std::string pin = checkpoints + "/step-000002/resume-pin";
+  ChildProcess* second = StartCoordinator("127.0.0.1:" + cluster.port, settings, "restarted.log");
+  ASSERT_NE(second, nullptr);
+  ASSERT_TRUE(WaitFor([&] { return fs::exists(pin); }, 120)) << ReadFile(dir_ + "/restarted.log");
+  EXPECT_THAT(ReadFile(pin), HasSubstr("hetpar coordinator of run tiny, generation 2"));
+  const auto logs = [&] {
+    std::string text;
+    for (int i = 0; i < 4; ++i) text += ReadFile(absl::StrCat(dir_, "/worker-", i, ".log"));
+    return text;
+  };
+  // Let the write go on (opened and closed again until every writer has come to it).
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+        if (fd >= 0) ::close(fd);
+        return logs().find("checkpoint of step 4 complete") != std::string::npos;
+      },
+      120))
+      << logs();
+  auto code = second->Wait(300);
+  ASSERT_TRUE(code.ok()) << code.status();
+  const std::string restarted = ReadFile(dir_ + "/restarted.log");
+  ASSERT_EQ(*code, 0) << restarted << logs();
+  EXPECT_THAT(restarted,
+              HasSubstr(absl::StrFormat("resuming at step 2 from %s/step-000002", checkpoints)));
+  for (ChildProcess* w : cluster.workers) ASSERT_TRUE(w->Wait(60).ok());
+  // The lost run's writers completed step 4 after the restart had pinned step 2, and the
+  // restart's workers read step 2 all the same.
+  const std::string text = logs();
+  EXPECT_THAT(text, HasSubstr("AdamW state from " + checkpoints + "/step-000002")) << text;
+  const nlohmann::json after = nlohmann::json::parse(ReadFile(run + "/journal.json"));
+  EXPECT_EQ(after["state"], "done");
+  EXPECT_EQ(after["committed_steps"].get<int64_t>(), steps_);
+  // Let go after the restart's first commit: pruned since, as checkpoint.keep 1 says.
+  EXPECT_FALSE(fs::exists(checkpoints + "/step-000002")) << "the pin was never let go";
+  EXPECT_TRUE(fs::exists(absl::StrFormat("%s/step-%06d/manifest.json", checkpoints, steps_)));
+}
+
 // The coordinator lost after the last step committed, while it gathered the outputs: its journal
 // says "stopping" with every step committed, and the newest checkpoint is of the last step. A
 // coordinator restarted on the run directory, with fresh workers, finishes the run from that

@@ -1,0 +1,75 @@
+#include "common/checkpoint_pin.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <filesystem>
+#include <system_error>
+
+#include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
+#include "common/errno_status.h"
+#include "common/status.h"
+
+namespace hetpar {
+namespace {
+
+constexpr char kStepPrefix[] = "step-";
+
+std::string PinPath(const std::string& dir) {
+  return (std::filesystem::path(dir) / kCheckpointPinFile).string();
+}
+
+}  // namespace
+
+absl::Status PinCheckpoint(const std::string& dir, const std::string& holder) {
+  // Written in place, not through a temporary file and a rename, which would make the directory
+  // again were it pruned meanwhile: only the pin's existence counts.
+  const std::string path = PinPath(dir);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("pinning checkpoint ", dir));
+  const std::string text = holder + "\n";
+  const ssize_t wrote = ::write(fd, text.data(), text.size());
+  const int write_error = errno;
+  const int synced = ::fsync(fd);
+  const int sync_error = errno;
+  ::close(fd);
+  if (wrote != static_cast<ssize_t>(text.size())) {
+    return ErrnoStatus(wrote < 0 ? write_error : EIO, absl::StrCat("writing the pin ", path));
+  }
+  if (synced != 0) return ErrnoStatus(sync_error, absl::StrCat("writing the pin ", path));
+  return Annotate(SyncDirectory(dir), absl::StrCat("pinning checkpoint ", dir));
+}
+
+bool IsCheckpointPinned(const std::string& dir) {
+  struct stat st;
+  if (::stat(PinPath(dir).c_str(), &st) == 0) return true;
+  return errno != ENOENT && errno != ENOTDIR;
+}
+
+absl::Status UnpinCheckpoints(const std::string& parent, const std::string& except) {
+  std::filesystem::path except_dir = std::filesystem::path(except).lexically_normal();
+  if (!except_dir.has_filename()) except_dir = except_dir.parent_path();  // "…/step-000006/"
+  const std::string kept = except.empty() ? "" : except_dir.filename().string();
+  std::error_code error;
+  if (!std::filesystem::exists(parent, error)) {
+    if (!error) return absl::OkStatus();
+    return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent));
+  }
+  // Not a range-for: its increment throws on an error (a file system that stops answering).
+  for (std::filesystem::directory_iterator it(parent, error), end; !error && it != end;
+       it.increment(error)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind(kStepPrefix, 0) != 0 || name == kept) continue;
+    const std::string pin = PinPath(it->path().string());
+    if (::unlink(pin.c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) {
+      return ErrnoStatus(errno, absl::StrCat("removing the pin ", pin));
+    }
+  }
+  if (error) return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent));
+  return absl::OkStatus();
+}
+
+}  // namespace hetpar

@@ -1,0 +1,39 @@
+// A restarted coordinator's hold on the checkpoint it resumes from. The workers of the coordinator
+// it replaces may still be completing a later checkpoint when it picks one; with checkpoint.keep
+// they then prune the older ones, the picked one among them, before the restart's workers have
+// read it. PruneCheckpoints (train/checkpoint.h) leaves a pinned checkpoint in place, without
+// counting it toward `keep`; the coordinator lets go once every worker has read it (its first
+// commit) and, when it starts, of the pins an earlier coordinator left.
+//
+//   PinCheckpoint(resume_from, "coordinator generation 3");  // before any worker starts
+//   UnpinCheckpoints(checkpoint_dir, resume_from);          // every other pin goes
+//   ...the first step commits...
+//   UnpinCheckpoints(checkpoint_dir);
+#ifndef HETPAR_COMMON_CHECKPOINT_PIN_H_
+#define HETPAR_COMMON_CHECKPOINT_PIN_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace hetpar {
+
+// The file in a checkpoint directory (step-NNNNNN) that pins it; it holds who pinned it.
+inline constexpr char kCheckpointPinFile[] = "resume-pin";
+
+// Writes the pin into the checkpoint directory `dir`, saying `holder`, and syncs it; NotFound
+// when `dir` is gone (it is never made again). A checkpoint pruned as it was pinned may still
+// look complete right after: read it again after the pin to be sure it stays.
+absl::Status PinCheckpoint(const std::string& dir, const std::string& holder);
+
+// Whether `dir` holds a pin; true also when that cannot be told (a stat that fails otherwise than
+// with ENOENT): a checkpoint is kept rather than risk removing one a restart reads.
+bool IsCheckpointPinned(const std::string& dir);
+
+// Removes the pins of the step-* directories of `parent`, except that of the directory named like
+// `except`'s last component (a checkpoint path, or "" for none). A missing `parent` holds none.
+absl::Status UnpinCheckpoints(const std::string& parent, const std::string& except = "");
+
+}  // namespace hetpar
+
+#endif  // HETPAR_COMMON_CHECKPOINT_PIN_H_
