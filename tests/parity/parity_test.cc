@@ -248,6 +248,22 @@ TEST_F(ParityTest, EncoderSequenceParallelFloat64) {
   }
 }
 
+// A tower without its final norm (encoder.model.no_final_norm, LLaVA's vision_feature_layer) at
+// TP 2 with sequence parallelism: its last layer's states leave it split by rows, as the norm's
+// would have, and the run agrees with the reference. The saved model holds no final norm.
+TEST_F(ParityTest, EncoderWithoutItsFinalNormAtTensorParallelFloat64) {
+  const std::vector<std::string> flags = {"--set", "encoder.layout.sequence_parallel=true", "--set",
+                                          "encoder.model.no_final_norm=true"};
+  const Layouts l{"enc_dp1_tp2_sp_no_final_norm_llm_dp2_tp2", 1, 2, 2, 2};
+  const std::string dist = Train(l.name + "_f64", l, "float64", 3, false, kTiny, flags);
+  const std::string ref = Train(l.name + "_f64_ref", l, "float64", 3, true, kTiny, flags);
+  ExpectAgree(dist, ref, 3, 1e-9);
+  std::ifstream in(dist + "/model/encoder.hpar", std::ios::binary);
+  const std::string model((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(model, HasSubstr("encoder.projector.fc1.weight"));
+  EXPECT_EQ(model.find("encoder.norm.weight"), std::string::npos) << "a final norm was trained";
+}
+
 // A frozen encoder (the vision tower of the common recipe): no gradients cross the boundary and
 // the encoder's parameters never change; with train_projector only the projector trains, its
 // gradients coming back over the boundary.
