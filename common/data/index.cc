@@ -604,6 +604,15 @@ absl::StatusOr<DataIndex> LoadOrBuildIndexAt(const DataLoader& loader, const std
       HETPAR_LOG(INFO) << "the data index " << path << " " << state
                        << " and cannot be written there (" << why << "): using "
                        << options.fallback_path;
+      // Rebuilt at the fallback, it is read only where the one beside the manifest is not.
+      if (options.rebuild && FreshIndexAt(path, *current, options).ok()) {
+        HETPAR_LOG(WARNING) << "the data index " << path << " matches the files as far as their "
+                            << "sizes and modification times tell, and runs read it before "
+                            << options.fallback_path
+                            << ": a rebuild there changes nothing for them; rebuild it where it "
+                            << "can be written, remove it, or set data.index to "
+                            << options.fallback_path;
+      }
       return LoadOrBuildIndexAt(loader, options.fallback_path, options, rebuilt,
                                 /*fallback=*/true);
     }

@@ -4,9 +4,10 @@
 // remembers the manifest's and the tokenizer's size and modification time and the sequence
 // settings, and is rebuilt when any of them changed.
 //
-// File format (JSON lines): a header line {"hetpar_data_index": 1, ...}, one line per usable
-// sample {"id", "ordinal", "line", "images", "tokens_per_image", "text_tokens", "loss_tokens",
-// "image_offsets", "truncated", "token_crc"}, then one line per skipped sample {"bad": {...}}.
+// File format (JSON lines): a header line {"hetpar_data_index": 2, ...} (format 1 is read too),
+// one line per usable sample {"id", "ordinal", "line", "images", "tokens_per_image",
+// "text_tokens", "loss_tokens", "image_offsets", "truncated", "token_crc"}, then one line per bad
+// sample {"bad": {...}} (skipped, or the reason a recorded build failed).
 // ("token_crc": TokenSequence::Checksum; absent from older files, which are not compared on it.)
 // A sample is found again by "ordinal" (its position among the manifest's readable entries, what
 // DataLoader::Load takes); "line" is for people: the 1-based line of a JSONL manifest or the

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 #include <utility>
 
@@ -1289,7 +1290,8 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
     bool remove = false;
     if (dir.complete) {
       if (!newest_complete.has_value()) newest_complete = dir.step;
-      // A restarted coordinator resumes from it: neither removed nor counted.
+      // A restarted coordinator resumes from it: neither removed nor counted (and looked at
+      // again before a removal, below).
       if (IsCheckpointPinned(dir.path.string())) continue;
       remove = kept >= keep;
       if (!remove) ++kept;
@@ -1298,26 +1300,39 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
       remove = newest_complete.has_value() && dir.step < *newest_complete;
     }
     if (!remove) continue;
-    // Pinned since it was listed (a restart picking it right now): kept after all.
-    if (dir.complete && IsCheckpointPinned(dir.path.string())) continue;
+    fs::path doomed = dir.path;
     if (dir.complete) {
-      // The manifest goes first, durably: a removal cut short (the process killed, a file that
-      // cannot be unlinked) leaves an incomplete checkpoint, never one that looks complete
-      // without its shards.
-      // (ENOENT: another writer of the same checkpoint prunes too, and got there first.)
-      if (::unlink(JoinPath(dir.path.string(), kManifest).c_str()) == 0) {
-        if (absl::Status synced = SyncDirectory(dir.path.string());
-            !synced.ok() && fs::exists(dir.path, error)) {
-          return Annotate(synced, absl::StrCat("removing checkpoint ", dir.path.string()));
-        }
-        error.clear();
-      } else if (errno != ENOENT) {
+      // Out of sight first (a name no reader takes for a checkpoint), then the pin looked at
+      // again: a restart pins before it reads the checkpoint once more, so either its pin is
+      // seen here and the checkpoint goes back, or its pin or its read finds no checkpoint.
+      // Its own name: the checkpoint's writers on other hosts may prune at the same time.
+      doomed =
+          dir.path.parent_path() / absl::StrCat(".pruned-", dir.path.filename().string(), "-",
+                                                absl::Hex(std::random_device()(), absl::kZeroPad8),
+                                                absl::Hex(std::random_device()(), absl::kZeroPad8));
+      if (::rename(dir.path.c_str(), doomed.c_str()) != 0) {
+        // ENOENT: another writer of the same checkpoint prunes too, and got there first.
+        if (errno == ENOENT) continue;
         return ErrnoStatus(errno, absl::StrCat("removing checkpoint ", dir.path.string()));
       }
+      if (IsCheckpointPinned(doomed.string())) {
+        if (::rename(doomed.c_str(), dir.path.c_str()) != 0) {
+          return ErrnoStatus(errno,
+                             absl::StrCat("putting back the pinned checkpoint ", dir.path.string(),
+                                          " (now ", doomed.string(), ")"));
+        }
+        continue;
+      }
+      // Durably out of sight before its files go: a removal cut short (the process killed, a
+      // file that cannot be unlinked) leaves a .pruned-* directory, never a step directory that
+      // looks complete without its shards.
+      if (absl::Status synced = SyncDirectory(parent); !synced.ok()) {
+        return Annotate(synced, absl::StrCat("removing checkpoint ", dir.path.string()));
+      }
     }
-    fs::remove_all(dir.path, error);
-    // Another writer that completed the same checkpoint may be pruning too: what it removed
-    // first is simply gone.
+    fs::remove_all(doomed, error);
+    // Another writer that completed the same checkpoint may be pruning an incomplete one too:
+    // what it removed first is simply gone.
     if (error == std::errc::no_such_file_or_directory) error.clear();
     if (error) {
       return ErrnoStatus(error.value(), absl::StrCat("removing checkpoint ", dir.path.string()));

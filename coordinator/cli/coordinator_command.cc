@@ -320,15 +320,17 @@ int RunCoordinator(const CoordinatorFlags& flags) {
                   << "newest (" << s.message() << ")\n";
         return kExitFailure;
       }
-      if (s.ok()) {
-        pinned = true;
-      } else {
+      if (!s.ok()) {
         HETPAR_LOG(WARNING) << "pinning " << pin << ": " << s.message()
                             << "; a worker of the lost coordinator that completes a later "
                             << "checkpoint may prune it before this run has read it";
       }
+      pinned = true;  // a pin written in part, too, goes at the first commit
     }
-    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir(), pin); !s.ok()) {
+    // The pin kept is the step directory's, named as it is (not as a link to it may be).
+    if (absl::Status s =
+            UnpinCheckpoints(spec.checkpoint().dir(), pin.empty() ? "" : step.string());
+        !s.ok()) {
       HETPAR_LOG(WARNING) << s.message();
     }
   }

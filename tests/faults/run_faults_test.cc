@@ -761,8 +761,9 @@ TEST_F(RunFaultsTest, AFullCheckpointDirectoryFailsTheRunWithTheWritersError) {
 
 // A data set on a read-only mount (a bind mount remounted read-only, in a mount namespace of the
 // run's own), shipped without its index: the run's processes keep the index under
-// checkpoint.dir, where one of them builds it while the others wait and read it, instead of each
-// building its own at every start; a later `hetpar data index` finds it there, up to date.
+// checkpoint.dir, built once (by `hetpar run` before the workers start; the workers read it)
+// instead of by each of them at every start; a later `hetpar data index` finds it there, up to
+// date. (Processes building it at once share the build through its lock: index_test.)
 TEST_F(RunFaultsTest, AReadOnlyDataSetHasItsIndexKeptUnderTheCheckpointDirectory) {
   const std::string data = dir_ + "/data";
   fs::create_directories(data);
