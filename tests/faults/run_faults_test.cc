@@ -163,21 +163,27 @@ class RunFaultsTest : public ::testing::Test {
     ASSERT_EQ(trained->exit_code, 0) << trained->stderr_text;
   }
 
+  // `argv` run in a mount namespace of its own, once the shell command `mount` (which names the
+  // directory `dir` as "$0") has run there.
+  static std::vector<std::string> InMountNamespace(const std::string& mount, const std::string& dir,
+                                                   const std::vector<std::string>& argv) {
+    std::vector<std::string> wrapped = {"unshare",
+                                        "--mount",
+                                        "--propagation",
+                                        "private",
+                                        "sh",
+                                        "-c",
+                                        mount + " && shift && exec \"$@\"",
+                                        dir,
+                                        "--"};
+    wrapped.insert(wrapped.end(), argv.begin(), argv.end());
+    return wrapped;
+  }
+
   // `argv` run in a mount namespace of its own, with a tmpfs of `size` mounted on `dir` first.
   static std::vector<std::string> WithTmpfsOn(const std::string& dir, const std::string& size,
                                               const std::vector<std::string>& argv) {
-    std::vector<std::string> wrapped = {
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        "mount -t tmpfs -o size=" + size + " hetpar-test \"$0\" && shift && exec \"$@\"",
-        dir,
-        "--"};
-    wrapped.insert(wrapped.end(), argv.begin(), argv.end());
-    return wrapped;
+    return InMountNamespace("mount -t tmpfs -o size=" + size + " hetpar-test \"$0\"", dir, argv);
   }
 
   // Why `dir` cannot be made read-only (a bind mount remounted read-only) in a mount namespace
@@ -193,18 +199,8 @@ class RunFaultsTest : public ::testing::Test {
   // `argv` run in a mount namespace of its own, where `dir` is read-only.
   static std::vector<std::string> WithReadOnly(const std::string& dir,
                                                const std::vector<std::string>& argv) {
-    std::vector<std::string> wrapped = {
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "sh",
-        "-c",
-        "mount --bind \"$0\" \"$0\" && mount -o remount,bind,ro \"$0\" && shift && exec \"$@\"",
-        dir,
-        "--"};
-    wrapped.insert(wrapped.end(), argv.begin(), argv.end());
-    return wrapped;
+    return InMountNamespace("mount --bind \"$0\" \"$0\" && mount -o remount,bind,ro \"$0\"", dir,
+                            argv);
   }
 
   std::string dir_;
