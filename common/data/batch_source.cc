@@ -46,12 +46,9 @@ absl::StatusOr<std::unique_ptr<BatchSource>> BatchSource::Create(const hetpar::v
   build.threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 16u));
   build.cancel = cancel;
   build.fallback_path = data::IndexFallbackPath(spec);
+  // A data set with no usable sample fails here (LoadOrBuildIndex).
   HETPAR_ASSIGN_OR_RETURN(source->index_,
                           data::LoadOrBuildIndex(*source->loader_, spec.data().index(), build));
-  if (source->index_.records.empty()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("the training data '", spec.data().manifest(), "' has no usable sample"));
-  }
   HETPAR_ASSIGN_OR_RETURN(source->sampler_, data::EpochSampler::Create(
                                                 static_cast<int64_t>(source->index_.records.size()),
                                                 static_cast<uint64_t>(spec.run().seed())));

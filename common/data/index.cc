@@ -565,13 +565,15 @@ std::string IndexLockPath(const std::string& path) {
 // Indexing a large data set takes long; a holder past this is taken as stuck.
 constexpr absl::Duration kIndexLockTimeout = absl::Hours(4);
 
-// Why no file can be made beside `path` (its directory is missing and cannot be made, is not a
-// directory, is on a read-only file system or is not this user's to write); "" when one can.
+// Why no file can be made beside `path` (its directory is missing, is not a directory, is on a
+// read-only file system or is not this user's to write); "" when one can.
 std::string CannotWriteBeside(const std::string& path) {
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
   if (dir.empty()) dir = ".";
-  if (absl::Status made = MakeDirectories(dir.string()); !made.ok()) {
-    return std::string(made.message());
+  std::error_code error;
+  if (!std::filesystem::is_directory(dir, error)) {
+    return absl::StrCat(dir.string(), " is not a directory",
+                        error ? absl::StrCat(" (", error.message(), ")") : "");
   }
   if (::access(dir.c_str(), W_OK | X_OK) != 0) {
     return absl::StrCat("cannot write in ", dir.string(), ": ", std::strerror(errno));

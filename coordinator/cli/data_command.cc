@@ -64,6 +64,11 @@ std::string IndexFallbackPath(const hetpar::v1::RunSpec& spec, data::Split split
   return split == data::Split::kTrain ? data::IndexFallbackPath(spec) : "";
 }
 
+// The file an index was read from or written to, for a message.
+std::string IndexFileName(const data::DataIndex& index) {
+  return index.file.empty() ? "(not saved)" : index.file;
+}
+
 // A split of a config opened for reading: the spec, the split, its loader options and loader.
 struct OpenedSplit {
   config::LoadedRunSpec loaded;
@@ -435,19 +440,17 @@ void AddShowCommand(CLI::App* data, int* exit_code) {
         return;
       }
       if (rebuilt) {
-        std::cerr << "hetpar data show: the data index "
-                  << (index->file.empty() ? "(not saved)" : index->file)
+        std::cerr << "hetpar data show: the data index " << IndexFileName(*index)
                   << " was built anew (its files "
                   << "changed, or it was missing): a run started before uses the positions of "
                   << "its own index, which may differ\n";
       }
       if (o->position >= static_cast<int64_t>(index->records.size())) {
-        *exit_code = Fail(
-            absl::InvalidArgumentError(absl::StrCat(
-                "--position ", o->position, " is outside the data index ",
-                index->file.empty() ? "(not saved)" : index->file, " of ", index->records.size(),
-                " samples (positions 0 to ", index->records.size() - 1, ")")),
-            "show");
+        *exit_code = Fail(absl::InvalidArgumentError(absl::StrCat(
+                              "--position ", o->position, " is outside the data index ",
+                              IndexFileName(*index), " of ", index->records.size(),
+                              " samples (positions 0 to ", index->records.size() - 1, ")")),
+                          "show");
         return;
       }
       ordinal = index->records[static_cast<size_t>(o->position)].ordinal;
