@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <system_error>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
 #include "common/errno_status.h"
@@ -16,13 +17,26 @@
 namespace hetpar {
 namespace {
 
-constexpr char kStepPrefix[] = "step-";
-
 std::string PinPath(const std::string& dir) {
   return (std::filesystem::path(dir) / kCheckpointPinFile).string();
 }
 
 }  // namespace
+
+std::string PrunedCheckpointOrigin(const std::string& name) {
+  constexpr size_t kSuffix = 17;  // "-" and 16 hex digits
+  const size_t prefix = sizeof(kPrunedCheckpointPrefix) - 1;
+  if (name.rfind(kPrunedCheckpointPrefix, 0) != 0 || name.size() <= prefix + kSuffix ||
+      name[name.size() - kSuffix] != '-') {
+    return "";
+  }
+  const std::string origin = name.substr(prefix, name.size() - prefix - kSuffix);
+  if (origin.rfind(kCheckpointDirPrefix, 0) != 0) return "";
+  for (size_t i = name.size() - kSuffix + 1; i < name.size(); ++i) {
+    if (!absl::ascii_isxdigit(name[i])) return "";
+  }
+  return origin;
+}
 
 absl::Status PinCheckpoint(const std::string& dir, const std::string& holder) {
   // Written in place, not through a temporary file and a rename, which would make the directory
@@ -49,6 +63,30 @@ bool IsCheckpointPinned(const std::string& dir) {
   return errno != ENOENT && errno != ENOTDIR;
 }
 
+absl::StatusOr<bool> PutBackPinnedCheckpoint(const std::string& dir) {
+  std::filesystem::path path = std::filesystem::path(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();  // "…/step-000006/"
+  const std::filesystem::path parent = path.parent_path().empty() ? "." : path.parent_path();
+  std::error_code error;
+  for (std::filesystem::directory_iterator it(parent, error), end; !error && it != end;
+       it.increment(error)) {
+    if (PrunedCheckpointOrigin(it->path().filename().string()) != path.filename().string() ||
+        !IsCheckpointPinned(it->path().string())) {
+      continue;
+    }
+    // ENOENT: the pruner put it back first. ENOTEMPTY or EEXIST: it is there again.
+    if (::rename(it->path().c_str(), path.c_str()) != 0 && errno != ENOENT && errno != ENOTEMPTY &&
+        errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("putting back the pinned checkpoint ", dir, " (now ",
+                                             it->path().string(), ")"));
+    }
+    break;
+  }
+  if (error)
+    return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent.string()));
+  return std::filesystem::is_directory(path, error);
+}
+
 absl::Status UnpinCheckpoints(const std::string& parent, const std::string& except) {
   std::filesystem::path except_dir = std::filesystem::path(except).lexically_normal();
   if (!except_dir.has_filename()) except_dir = except_dir.parent_path();  // "…/step-000006/"
@@ -62,7 +100,7 @@ absl::Status UnpinCheckpoints(const std::string& parent, const std::string& exce
   for (std::filesystem::directory_iterator it(parent, error), end; !error && it != end;
        it.increment(error)) {
     const std::string name = it->path().filename().string();
-    if (name.rfind(kStepPrefix, 0) != 0 || name == kept) continue;
+    if (name.rfind(kCheckpointDirPrefix, 0) != 0 || name == kept) continue;
     const std::string pin = PinPath(it->path().string());
     if (::unlink(pin.c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) {
       return ErrnoStatus(errno, absl::StrCat("removing the pin ", pin));

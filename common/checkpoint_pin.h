@@ -15,8 +15,19 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace hetpar {
+
+// The names of the checkpoints in checkpoint.dir: step-NNNNNN, and a complete checkpoint that the
+// pruner (train/checkpoint.h) took out of sight before it removes it:
+// .pruned-step-NNNNNN-<16 hex digits>.
+inline constexpr char kCheckpointDirPrefix[] = "step-";
+inline constexpr char kPrunedCheckpointPrefix[] = ".pruned-";
+
+// The step directory name a .pruned-* directory was taken from ("step-000004" for
+// ".pruned-step-000004-0123456789abcdef"); "" for any other name.
+std::string PrunedCheckpointOrigin(const std::string& name);
 
 // The file in a checkpoint directory (step-NNNNNN) that pins it; it holds who pinned it.
 inline constexpr char kCheckpointPinFile[] = "resume-pin";
@@ -29,6 +40,11 @@ absl::Status PinCheckpoint(const std::string& dir, const std::string& holder);
 // Whether `dir` holds a pin; true also when that cannot be told (a stat that fails otherwise than
 // with ENOENT): a checkpoint is kept rather than risk removing one a restart reads.
 bool IsCheckpointPinned(const std::string& dir);
+
+// Puts the pinned checkpoint `dir` back where it was when the pruner has taken it out of sight (a
+// .pruned-* directory beside it holding the pin) and not yet put it back: it does so on seeing the
+// pin, unless it was killed first. True when `dir` is there afterwards.
+absl::StatusOr<bool> PutBackPinnedCheckpoint(const std::string& dir);
 
 // Removes the pins of the step-* directories of `parent`, except that of the directory named like
 // `except`'s last component (a checkpoint path, or "" for none). A missing `parent` holds none.

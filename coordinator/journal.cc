@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/atomic_file.h"
+#include "common/checkpoint_pin.h"
 #include "common/config/config.h"
 #include "common/logging.h"
 #include "coordinator/run_controller.h"
@@ -18,7 +19,6 @@ namespace hetpar::coordinator {
 namespace {
 
 constexpr int kFormat = 1;
-constexpr char kStepPrefix[] = "step-";
 
 std::optional<v1::RunState> StateFromName(const std::string& name) {
   for (v1::RunState state : {v1::RUN_STATE_WAITING, v1::RUN_STATE_RUNNING, v1::RUN_STATE_STOPPING,
@@ -195,7 +195,7 @@ std::optional<FoundCheckpoint> NewestCompleteCheckpoint(
        it.increment(ec)) {
     const std::filesystem::directory_entry& entry = *it;
     const std::string name = entry.path().filename().string();
-    if (name.rfind(kStepPrefix, 0) != 0) continue;
+    if (name.rfind(kCheckpointDirPrefix, 0) != 0) continue;
     absl::StatusOr<config::CheckpointSummary> summary =
         config::ReadCheckpointSummary(entry.path().string());
     if (!summary.ok()) {
@@ -227,7 +227,7 @@ std::vector<CheckpointWrite> CompleteCheckpointsAfter(const std::string& checkpo
   if (checkpoint_dir.empty()) return found;
   for (std::filesystem::directory_iterator it(checkpoint_dir, ec), end; !ec && it != end;
        it.increment(ec)) {
-    if (it->path().filename().string().rfind(kStepPrefix, 0) != 0) continue;
+    if (it->path().filename().string().rfind(kCheckpointDirPrefix, 0) != 0) continue;
     absl::StatusOr<config::CheckpointSummary> summary =
         config::ReadCheckpointSummary(it->path().string());
     if (summary.ok() && summary->step > after) found.push_back({summary->step, summary->write_id});

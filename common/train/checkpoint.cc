@@ -24,6 +24,7 @@
 #include "common/atomic_file.h"
 #include "common/checkpoint_pin.h"
 #include "common/errno_status.h"
+#include "common/logging.h"
 #include "common/nn/export.h"
 #include "common/nn/torch_status.h"
 #include "common/status.h"
@@ -38,7 +39,6 @@ constexpr int kFormat = 1;
 // A shard file's header (common/nn/export.h): its entries start after it.
 constexpr int64_t kShardHeaderBytes = 32;
 constexpr char kManifest[] = "manifest.json";
-constexpr char kStepPrefix[] = "step-";
 // Checksums read files this many bytes at a time.
 constexpr size_t kChunkBytes = size_t{1} << 20;
 // The most one pread of an entry asks for (Linux moves at most about 2 GiB per call).
@@ -930,7 +930,9 @@ std::string ShardName(const ShardId& id) {
   return absl::StrCat(id.module, "-pp", id.pp, "-tp", id.tp);
 }
 
-std::string CheckpointDirName(int64_t step) { return absl::StrFormat("%s%06d", kStepPrefix, step); }
+std::string CheckpointDirName(int64_t step) {
+  return absl::StrFormat("%s%06d", kCheckpointDirPrefix, step);
+}
 
 int64_t ShardSnapshot::bytes() const {
   int64_t total = 0;
@@ -1251,6 +1253,47 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
   return absl::OkStatus();
 }
 
+namespace {
+
+// What a pruning cut short left in `parent` (the process killed between taking a checkpoint out of
+// sight and removing its files) goes; one pinned meanwhile goes back (PutBackPinnedCheckpoint).
+// A .pruned-* directory's pin never changes: a pin is written through the step-* name only.
+absl::Status ClearPrunedCheckpoints(const std::string& parent) {
+  std::vector<fs::path> left;
+  std::error_code error;
+  for (fs::directory_iterator it(parent, error), end; !error && it != end; it.increment(error)) {
+    std::error_code kind_error;
+    if (!PrunedCheckpointOrigin(it->path().filename().string()).empty() &&
+        it->is_directory(kind_error)) {
+      left.push_back(it->path());
+    }
+  }
+  if (error) return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent));
+  for (const fs::path& doomed : left) {
+    if (IsCheckpointPinned(doomed.string())) {
+      const fs::path origin =
+          doomed.parent_path() / PrunedCheckpointOrigin(doomed.filename().string());
+      // ENOENT: its pruner put it back. ENOTEMPTY or EEXIST: the step was written again; the
+      // pinned copy stays, untouched, for whoever pinned it.
+      if (::rename(doomed.c_str(), origin.c_str()) != 0 && errno != ENOENT && errno != ENOTEMPTY &&
+          errno != EEXIST) {
+        return ErrnoStatus(errno, absl::StrCat("putting back the pinned checkpoint ",
+                                               origin.string(), " (now ", doomed.string(), ")"));
+      }
+      continue;
+    }
+    HETPAR_LOG(INFO) << "removing " << doomed.string()
+                     << ", a checkpoint whose pruning was cut short";
+    fs::remove_all(doomed, error);
+    // Its pruner, or another writer's pruning, removes it at the same time.
+    if (error == std::errc::no_such_file_or_directory) error.clear();
+    if (error) return ErrnoStatus(error.value(), absl::StrCat("removing ", doomed.string()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t newest_step) {
   if (keep < 1) {
     return absl::InvalidArgumentError(
@@ -1258,11 +1301,12 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
   }
   std::error_code error;
   if (!fs::exists(parent, error)) return absl::OkStatus();
+  HETPAR_RETURN_IF_ERROR(ClearPrunedCheckpoints(parent));
   std::vector<StepDir> steps;
   for (fs::directory_iterator it(parent, error), end; !error && it != end; it.increment(error)) {
     const std::string name = it->path().filename().string();
-    const std::string digits = name.substr(0, sizeof(kStepPrefix) - 1) == kStepPrefix
-                                   ? name.substr(sizeof(kStepPrefix) - 1)
+    const std::string digits = name.rfind(kCheckpointDirPrefix, 0) == 0
+                                   ? name.substr(sizeof(kCheckpointDirPrefix) - 1)
                                    : "";
     StepDir dir;
     std::error_code kind_error;  // the throwing is_directory() would end the writer's thread
@@ -1316,7 +1360,8 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
         return ErrnoStatus(errno, absl::StrCat("removing checkpoint ", dir.path.string()));
       }
       if (IsCheckpointPinned(doomed.string())) {
-        if (::rename(doomed.c_str(), dir.path.c_str()) != 0) {
+        // ENOENT: another pruner's ClearPrunedCheckpoints put it back first.
+        if (::rename(doomed.c_str(), dir.path.c_str()) != 0 && errno != ENOENT) {
           return ErrnoStatus(errno,
                              absl::StrCat("putting back the pinned checkpoint ", dir.path.string(),
                                           " (now ", doomed.string(), ")"));

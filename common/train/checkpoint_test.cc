@@ -1078,5 +1078,69 @@ TEST_F(CheckpointTest, APinnedCheckpointIsNotPruned) {
   EXPECT_TRUE(UnpinCheckpoints(dir_ + "/missing").ok());
 }
 
+// A pruning killed between taking checkpoints out of sight and removing them: the next pruning
+// removes what it left, and puts back the one a restart pinned before the rename.
+TEST_F(CheckpointTest, WhatAPruningCutShortLeftIsClearedByTheNext) {
+  const std::string parent = dir_ + "/ckpts";
+  const auto complete = [&](const std::string& name, int step) {
+    const std::string dir = parent + "/" + name;
+    fs::create_directories(dir);
+    std::ofstream(dir + "/llm-pp0-tp0.hpar") << "shard";
+    std::ofstream(dir + "/manifest.json") << json{
+        {"format", 1},
+        {"step", step},
+        {"shards", json::array()},
+        {"extra", json::object()}}.dump();
+    return dir;
+  };
+  const std::string left = complete(".pruned-step-000001-00c0ffee12345678", 1);
+  const std::string pinned = complete(".pruned-step-000002-0123456789abcdef", 2);
+  ASSERT_TRUE(PinCheckpoint(pinned, "a restart").ok());
+  // Not what a pruning leaves: kept.
+  const std::string other = complete(".pruned-notes", 0);
+  complete("step-000003", 3);
+
+  ASSERT_TRUE(PruneCheckpoints(parent, 1, 3).ok());
+  EXPECT_FALSE(fs::exists(left)) << "a checkpoint whose pruning was cut short is kept";
+  EXPECT_FALSE(fs::exists(pinned));
+  const std::string back = absl::StrCat(parent, "/", CheckpointDirName(2));
+  EXPECT_TRUE(fs::exists(back + "/llm-pp0-tp0.hpar")) << "the pinned checkpoint is not back";
+  EXPECT_TRUE(IsCheckpointPinned(back));
+  EXPECT_TRUE(fs::exists(other));
+  EXPECT_TRUE(fs::exists(absl::StrCat(parent, "/", CheckpointDirName(3), "/manifest.json")));
+}
+
+TEST_F(CheckpointTest, ARestartPutsBackTheCheckpointItPinnedWhenAPruningTookIt) {
+  const std::string parent = dir_ + "/ckpts";
+  const std::string step = absl::StrCat(parent, "/", CheckpointDirName(4));
+  fs::create_directories(step);
+  std::ofstream(step + "/manifest.json") << "{}";
+  ASSERT_TRUE(PinCheckpoint(step, "a restart").ok());
+  // An unpinned one of the same step (another pruner's) is not taken for it.
+  fs::create_directories(parent + "/.pruned-step-000004-aaaaaaaaaaaaaaaa");
+  const std::string taken = parent + "/.pruned-step-000004-0123456789abcdef";
+  fs::rename(step, taken);
+
+  absl::StatusOr<bool> put = PutBackPinnedCheckpoint(step + "/");
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_TRUE(*put);
+  EXPECT_TRUE(fs::exists(step + "/manifest.json"));
+  EXPECT_FALSE(fs::exists(taken));
+  EXPECT_TRUE(fs::exists(parent + "/.pruned-step-000004-aaaaaaaaaaaaaaaa"));
+  // Already there: nothing to do. Removed for good: not there.
+  put = PutBackPinnedCheckpoint(step);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_TRUE(*put);
+  put = PutBackPinnedCheckpoint(absl::StrCat(parent, "/", CheckpointDirName(5)));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_FALSE(*put);
+
+  EXPECT_EQ(PrunedCheckpointOrigin(".pruned-step-000004-0123456789abcdef"), "step-000004");
+  EXPECT_EQ(PrunedCheckpointOrigin(".pruned-step-000004-0123456789abcdeg"), "");
+  EXPECT_EQ(PrunedCheckpointOrigin(".pruned-step-000004"), "");
+  EXPECT_EQ(PrunedCheckpointOrigin(".pruned-notes-0123456789abcdef"), "");
+  EXPECT_EQ(PrunedCheckpointOrigin("step-000004"), "");
+}
+
 }  // namespace
 }  // namespace hetpar::train

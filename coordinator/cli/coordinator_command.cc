@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -309,9 +310,22 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       absl::Status s = PinCheckpoint(
           pin, absl::StrCat("hetpar coordinator of run ", spec.run().name(), ", generation ",
                             journal.generation, ", pid ", ::getpid()));
+      if (s.ok()) {
+        s = config::ReadCheckpointSummary(pin).status();
+        // Pinned, and then taken out of sight by a pruner before this read: the pruner puts it
+        // back on seeing the pin; this puts it back first, or in its place if it was killed.
+        if (absl::IsNotFound(s)) {
+          absl::StatusOr<bool> back = PutBackPinnedCheckpoint(pin);
+          if (back.ok() && *back) {
+            HETPAR_LOG(INFO) << pin << " was being pruned as it was pinned; it is back";
+            s = config::ReadCheckpointSummary(pin).status();
+          } else if (!back.ok()) {
+            HETPAR_LOG(WARNING) << back.status().message();
+          }
+        }
+      }
       // Pruned between the pick and the pin by a worker of the lost coordinator, which completed
       // a later checkpoint meanwhile: that one is there now for the next start to pick.
-      if (s.ok()) s = config::ReadCheckpointSummary(pin).status();
       if (!s.ok() && (absl::IsNotFound(s) || absl::IsDataLoss(s))) {
         std::cerr << "hetpar: cannot continue run " << spec.run().name() << " from " << pin
                   << ": it was removed as this coordinator picked it (a worker of the lost "
@@ -341,6 +355,8 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       HETPAR_LOG(WARNING) << s.message() << " (a pinned checkpoint is not pruned)";
     }
   };
+  // A start that fails from here on (a token, the server, the metrics listener) lets go too.
+  absl::Cleanup unpin_at_exit = unpin;
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
