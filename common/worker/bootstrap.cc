@@ -306,15 +306,15 @@ absl::StatusOr<std::unique_ptr<nn::Communicator>> WorkerContext::Group(const std
   return group;
 }
 
-void WorkerContext::StartOpeningData() {
+void WorkerContext::StartOpeningData(bool may_defer) {
   auto opening = std::make_shared<DataOpening>();
   data_opening_ = opening;
-  data_opener_ = std::thread([opening, spec = spec_] {
+  data_opener_ = std::thread([opening, spec = spec_, may_defer] {
     // A synthetic data set not there yet is the coordinator's to generate, before it plans the
     // first step: two processes generating it where flock does not hold across nodes (NFS
     // without locks, Lustre without flock) would remove each other's images. Its opening waits
     // for the first step.
-    if (spec.data().synth().samples() > 0) {
+    if (may_defer && spec.data().synth().samples() > 0) {
       absl::StatusOr<bool> present = data::SyntheticDatasetPresent(spec);
       if (!present.ok() || !*present) {
         opening->deferred = true;
@@ -334,16 +334,25 @@ void WorkerContext::StopOpeningData() {
 
 absl::StatusOr<const data::BatchSource*> WorkerContext::Data() {
   if (data_ != nullptr) return data_.get();
-  if (data_opening_ == nullptr) StartOpeningData();
-  if (!data_opening_->done.HasBeenNotified()) {
-    HETPAR_LOG(INFO) << "waiting for the data set to open";
-    while (!data_opening_->done.WaitForNotificationWithTimeout(kInterruptSlice)) {
-      if (interrupt_->raised()) return InterruptedError();
+  if (data_opening_ == nullptr) StartOpeningData(/*may_defer=*/false);
+  for (;;) {
+    // On the opener's thread, not this one: an opening that waits on a lock another process
+    // holds, or builds the index, ends this wait when the step is aborted or the session ends.
+    if (!data_opening_->done.HasBeenNotified()) {
+      HETPAR_LOG(INFO) << "waiting for the data set to open";
+      while (!data_opening_->done.WaitForNotificationWithTimeout(kInterruptSlice)) {
+        if (interrupt_->raised()) return InterruptedError();
+        if (session_ != nullptr && session_->ended()) {
+          return absl::UnavailableError(
+              "the coordinator's session ended while the data set was opening");
+        }
+      }
     }
+    data_opener_.join();
+    if (!data_opening_->deferred) break;
+    StartOpeningData(/*may_defer=*/false);
   }
-  data_opener_.join();
-  absl::StatusOr<std::unique_ptr<data::BatchSource>> result =
-      data_opening_->deferred ? data::BatchSource::Create(spec_) : std::move(data_opening_->result);
+  absl::StatusOr<std::unique_ptr<data::BatchSource>> result = std::move(data_opening_->result);
   data_opening_.reset();
   if (!result.ok()) return result.status();
   data_ = *std::move(result);

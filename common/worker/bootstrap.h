@@ -153,8 +153,10 @@ class WorkerContext {
 
  private:
   explicit WorkerContext(WorkerOptions options) : options_(std::move(options)) {}
-  // Starts opening the data set on data_opener_ (Data).
-  void StartOpeningData();
+  // Starts opening the data set on data_opener_ (Data). `may_defer`: a synthetic data set not
+  // generated yet is left to the coordinator (the worker is starting); else it is opened (the
+  // first step has come, so the coordinator has made it).
+  void StartOpeningData(bool may_defer = true);
   // Cancels an opening in flight and waits for its thread.
   void StopOpeningData();
   // Bootstrap once the session is open: the device, the data plane over `ucx`, the run's start,
@@ -187,7 +189,8 @@ class WorkerContext {
   struct DataOpening {
     std::atomic<bool> cancel{false};
     absl::Notification done;
-    // The synthetic data set was not there yet: Data opens it, the coordinator having made it.
+    // The synthetic data set was not there yet: Data opens it again, without deferring, the
+    // coordinator having made it.
     bool deferred = false;
     absl::StatusOr<std::unique_ptr<data::BatchSource>> result;
   };

@@ -176,8 +176,17 @@ int RunReferenceProcess(const RunFlags& flags, const v1::RunSpec& spec) {
   }
   std::cerr << "hetpar run: reference trainer (pid " << (*process)->pid() << "), log "
             << (*process)->log_path() << "\n";
+  // Each signal is passed on once: SIGTERM, and SIGKILL for a second one, which ends a run's
+  // workers at once too.
+  int passed_on = 0;
   while (!(*process)->Poll().has_value()) {
-    if (g_interrupted) (*process)->Signal(SIGTERM);
+    if (g_signals > passed_on) {
+      passed_on = g_signals;
+      if (passed_on >= 2) {
+        std::cerr << "\nhetpar run: signalled again: the reference trainer is killed\n";
+      }
+      (*process)->Signal(passed_on >= 2 ? SIGKILL : SIGTERM);
+    }
     absl::SleepFor(absl::Milliseconds(100));
   }
   const int code = *(*process)->Poll();
