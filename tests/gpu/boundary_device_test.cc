@@ -200,6 +200,12 @@ TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {
     if (hetpar::testing::CudaUcxRequired()) FAIL() << why << " on a machine with a GPU";
     GTEST_SKIP() << why;
   }
+  for (transport::Transport* t : {enc_t->get(), llm_t->get()}) {
+    auto* ucx = dynamic_cast<transport::ucx::UcxTransport*>(t);
+    ASSERT_NE(ucx, nullptr) << "the kUcx backend is not a UcxTransport";
+    absl::Status selected = hetpar::testing::SelectProgressThreadDevice(*ucx, 0);
+    ASSERT_TRUE(selected.ok()) << selected;
+  }
   CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCUDA, 0));
 }
 

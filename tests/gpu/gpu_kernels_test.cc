@@ -31,6 +31,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/nn/attention.h"
@@ -258,6 +259,9 @@ INSTANTIATE_TEST_SUITE_P(
 // on H100/H200 (pytorch/pytorch#196678). A CP run's CUDA context turns cuDNN attention off
 // (nn::AvoidCudnnMaskedAttention), as this test does: the gradients stay finite and right.
 TEST_F(GpuTest, MaskedAttentionWithVeryLowScoresKeepsFiniteGradients) {
+  // Process-wide: the tests after this one get cuDNN attention back.
+  const bool cudnn_was_on = at::globalContext().userEnabledCuDNNSDP();
+  absl::Cleanup restore = [cudnn_was_on] { at::globalContext().setSDPUseCuDNN(cudnn_was_on); };
   nn::AvoidCudnnMaskedAttention();
   const int64_t n = 1, heads = 8, kv_heads = 2, head_dim = 64, keys = 192, chunk = keys / 4;
   const int64_t queries = 2 * chunk;

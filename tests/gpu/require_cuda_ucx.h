@@ -1,13 +1,42 @@
-// Whether a UCX that moves no CUDA memory fails a UCX device test instead of skipping it.
-// tools/gpu-check sets HETPAR_GPU_REQUIRE_CUDA_UCX=1 where it sees a GPU: there such a UCX is the
-// build's or the bundle's fault (a CUDA module missing), not the machine's.
+// What the UCX device tests share. CudaUcxRequired: whether a UCX that moves no CUDA memory fails
+// a UCX device test instead of skipping it. tools/gpu-check sets HETPAR_GPU_REQUIRE_CUDA_UCX=1
+// where it sees a GPU: there such a UCX is the build's or the bundle's fault (a CUDA module
+// missing), not the machine's. SelectProgressThreadDevice: what a worker does for its transport
+// (common/worker/bootstrap.cc).
 #ifndef HETPAR_TESTS_GPU_REQUIRE_CUDA_UCX_H_
 #define HETPAR_TESTS_GPU_REQUIRE_CUDA_UCX_H_
 
+#include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
 #include <cstdlib>
+#include <memory>
 #include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/transport/ucx/ucx_transport.h"
+
 namespace hetpar::testing {
+
+// Makes cuda:`index` the current device of `ucx`'s progress thread: UCX's CUDA transports (its
+// copies, IPC and the event fds it arms as the thread sleeps) run there.
+inline absl::Status SelectProgressThreadDevice(transport::ucx::UcxTransport& ucx, int index) {
+  auto selected = std::make_shared<absl::Status>();
+  absl::Status ran = ucx.RunOnProgressThread(
+      [index, selected] {
+        try {
+          c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, index));
+        } catch (const c10::Error& e) {
+          *selected = absl::InternalError(
+              absl::StrCat("selecting cuda:", index, " on UCX's progress thread: ", e.what()));
+        }
+      },
+      absl::Now() + absl::Seconds(30));
+  return ran.ok() ? *selected : ran;
+}
 
 inline bool CudaUcxRequired() {
   const char* value = std::getenv("HETPAR_GPU_REQUIRE_CUDA_UCX");

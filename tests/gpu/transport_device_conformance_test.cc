@@ -98,18 +98,26 @@ std::string NoCudaReason() {
   return reason;
 }
 
+// On a GPU its progress thread works on cuda:`device`, as a worker's does.
 absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> CreateUcx(const std::string& name,
-                                                             bool same_host_zero_copy = true) {
+                                                             bool same_host_zero_copy = true,
+                                                             int device = 0) {
   ucx::UcxTransport::Options options;
   options.name = name;
   options.same_host_zero_copy = same_host_zero_copy;
-  return ucx::UcxTransport::Create(options);
+  absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> ucx = ucx::UcxTransport::Create(options);
+  if (ucx.ok() && torch::cuda::is_available()) {
+    if (absl::Status s = hetpar::testing::SelectProgressThreadDevice(**ucx, device); !s.ok()) {
+      return s;
+    }
+  }
+  return ucx;
 }
 
 // A transport of `flavor` whose device buffers live on `device`.
 absl::StatusOr<std::unique_ptr<Transport>> Create(Flavor flavor, const std::string& name,
                                                   int device) {
-  auto ucx = CreateUcx(name);
+  auto ucx = CreateUcx(name, /*same_host_zero_copy=*/true, device);
   if (!ucx.ok()) return ucx.status();
   if (flavor == Flavor::kUcx) return std::unique_ptr<Transport>(std::move(ucx).value());
   nccl::NcclTransport::Options options;
