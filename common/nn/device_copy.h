@@ -39,8 +39,10 @@ at::Tensor IndexTensor(const std::vector<int64_t>& values, const c10::Device& de
 // until that work is done. On the CPU a plain tensor.
 at::Tensor EmptyForTransport(int64_t size, const c10::Device& device);
 
-// Marks `tensor` (a CUDA tensor from EmptyForTransport) as used by the work queued so far on its
-// device's current stream; nothing on the CPU.
+// Marks `tensor` (a CUDA tensor from EmptyForTransport) as used by its device's current stream:
+// once freed, its block is reused only after the work queued on that stream by then (the caching
+// allocator's record_stream), so a call before the reading copies are queued covers them too.
+// Nothing on the CPU.
 void RecordStreamUse(const at::Tensor& tensor);
 
 // A host tensor of `size` bytes that a non-blocking device-to-host copy may write into: pinned

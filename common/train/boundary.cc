@@ -588,7 +588,11 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
           static_cast<int64_t>(kPrefixBytes) +
           plan::EncodedHeaderSize(static_cast<int64_t>(transfer.pieces.size()));
       DeviceHeader& header = device_headers_.emplace_back();
+      // The copies queued from here read the message: its block is not handed to a later
+      // receive before they are done (the allocator waits for the stream's work queued when the
+      // block is freed), however this returns.
       HETPAR_RETURN_IF_ERROR(nn::RunTorch("copying a boundary header from the device", [&] {
+        nn::RecordStreamUse(receive.device_message);
         header.head = nn::HostBytesFor(head_bytes, device_);
         header.head.copy_(receive.device_message.narrow(0, 0, head_bytes), /*non_blocking=*/true);
       }));
@@ -605,10 +609,6 @@ absl::Status BoundaryCommunicator::Receive(const plan::RankStepPlan& plan,
       HETPAR_RETURN_IF_ERROR(PlaceFromDevice(receive.device_message,
                                              static_cast<size_t>(head_bytes), transfer, wave,
                                              row_bytes, rows, add));
-      // The copies just queued read the message: its block is not handed to a later receive
-      // before they are done.
-      HETPAR_RETURN_IF_ERROR(nn::RunTorch("recording the use of a boundary receive",
-                                          [&] { nn::RecordStreamUse(receive.device_message); }));
       continue;
     }
     const std::string_view message(receive.buffer.data(), receive.buffer.size());

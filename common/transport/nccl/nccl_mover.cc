@@ -63,12 +63,17 @@ struct CallState {
   void* dst = nullptr;
   size_t size = 0;
   cudaEvent_t event = nullptr;
+  // The GPU of the event: a thread that polls or destroys it makes it current first (the
+  // transport's Close runs on the thread that destroys it, which may have none, or GPU 0).
+  int device = 0;
   Stage stage = Stage::kWaiting;
   absl::Status failed;
   std::shared_ptr<AbortState> abort;
 
   ~CallState() {
-    if (event != nullptr) cudaEventDestroy(event);
+    if (event == nullptr) return;
+    cudaSetDevice(device);
+    cudaEventDestroy(event);
   }
 };
 
@@ -92,6 +97,7 @@ class NcclTransfer final : public MoverTransfer {
       if (call_->abort->aborted) return call_->abort->why;
       return std::nullopt;
     }
+    cudaSetDevice(call_->device);
     const cudaError_t result = cudaEventQuery(call_->event);
     if (result == cudaSuccess) return absl::OkStatus();
     if (result == cudaErrorNotReady) {
@@ -278,6 +284,7 @@ class NcclMover final : public DeviceMover {
     }
     Peer& peer = it->second;
     call->abort = peer.abort;
+    call->device = device_;
     cudaSetDevice(device_);
     if (absl::Status s =
             CudaToStatus(cudaEventCreateWithFlags(&call->event, cudaEventDisableTiming),
