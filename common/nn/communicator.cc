@@ -94,17 +94,25 @@ at::Tensor ForBackend(const at::Tensor& tensor, Backend backend) {
 
 }  // namespace
 
+void CommGroup::CheckNotInterrupted(const char* what) const {
+  // Gloo looks at the interrupt while it waits, when the work has not completed in a slice.
+  if (backend_ != Backend::kNccl) return;
+  if (interrupt_ != nullptr && interrupt_->raised()) {
+    // The peers may have queued their part: the group is not used again.
+    abandoned_.store(true);
+    TORCH_CHECK(false, what, " interrupted: the coordinator aborted the step");
+  }
+}
+
 void CommGroup::Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
   if (backend_ == Backend::kNccl) {
     // NCCL: the caller's stream waits for the collective (Work::wait without a timeout) and the
     // host goes on queueing work. With a timeout, ProcessGroupNCCL's wait would hold the host
     // until the device had caught up, once per collective. A collective that never completes
     // is caught by ProcessGroupNCCL's watchdog after this group's timeout (its Options), and
-    // the step's host read waits for the device meanwhile.
-    if (interrupt_ != nullptr && interrupt_->raised()) {
-      abandoned_.store(true);
-      TORCH_CHECK(false, what, " interrupted: the coordinator aborted the step");
-    }
+    // the step's host read waits for the device meanwhile. The abort is looked at before the
+    // collective is queued (CheckNotInterrupted) and again here, before the next one.
+    CheckNotInterrupted(what);
     work->wait();
     return;
   }
@@ -244,6 +252,7 @@ void CommGroup::AllReduce(at::Tensor& tensor, ReduceOp op) const {
   c10d::AllreduceOptions options;
   options.reduceOp = ToC10d(op);
   options.timeout = timeout_;
+  CheckNotInterrupted("all-reduce");
   Wait(c10d_backend_->allreduce(buffers, options), "all-reduce");
   if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
@@ -256,6 +265,7 @@ at::Tensor CommGroup::AllGatherRows(const at::Tensor& tensor) const {
   for (int r = 0; r < size_; ++r) outputs[0].push_back(at::empty_like(input));
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
+  CheckNotInterrupted("all-gather");
   Wait(c10d_backend_->allgather(outputs, inputs, options), "all-gather");
   return at::cat(outputs[0], 0).to(tensor.device(), tensor.scalar_type());
 }
@@ -274,6 +284,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     output = at::empty(shape, input.options());
     c10d::ReduceScatterOptions options;
     options.timeout = timeout_;
+    CheckNotInterrupted("reduce-scatter");
     Wait(c10d_backend_->_reduce_scatter_base(output, input, options), "reduce-scatter");
   } else {
     // Gloo in this libtorch has no reduce-scatter: exchange the row blocks all-to-all (block r of
@@ -282,6 +293,7 @@ at::Tensor CommGroup::ReduceScatterRows(const at::Tensor& tensor) const {
     std::vector<int64_t> equal_splits;
     c10d::AllToAllOptions options;
     options.timeout = timeout_;
+    CheckNotInterrupted("reduce-scatter (all-to-all)");
     Wait(c10d_backend_->alltoall_base(exchanged, input, equal_splits, equal_splits, options),
          "reduce-scatter (all-to-all)");
     shape[0] = rows;
@@ -300,6 +312,7 @@ c10::intrusive_ptr<c10d::Work> CommGroup::StartAllReduce(at::Tensor& tensor) con
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.timeout = timeout_;
+  CheckNotInterrupted("all-reduce");
   return c10d_backend_->allreduce(buffers, options);
 }
 
@@ -316,6 +329,7 @@ void CommGroup::Broadcast(at::Tensor& tensor, int root) const {
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.timeout = timeout_;
+  CheckNotInterrupted("broadcast");
   Wait(c10d_backend_->broadcast(buffers, options), "broadcast");
   if (!buffers[0].is_same(tensor)) tensor.copy_(buffers[0]);
 }
@@ -329,6 +343,7 @@ void CommGroup::Barrier() const {
   if (backend_ == Backend::kNccl) {
     options.device = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice();
   }
+  CheckNotInterrupted("barrier");
   Wait(c10d_backend_->barrier(options), "barrier");
 }
 

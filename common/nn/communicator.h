@@ -145,6 +145,9 @@ class CommGroup : public torch::CustomClassHolder {
   // current CUDA stream wait for it and returns without waiting on the host (the result is
   // there for work queued after it on that stream); a collective that hangs is
   // ProcessGroupNCCL's watchdog's, after timeout_.
+  // NCCL: throws (c10::Error) when the interrupt is raised, before a collective is queued (once
+  // queued, the stream waits for it). Gloo: nothing (Wait looks at the interrupt).
+  void CheckNotInterrupted(const char* what) const;
   void Wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
   void Release();
 
