@@ -1,6 +1,7 @@
 #include "common/checkpoint_pin.h"
 
 #include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,10 +58,29 @@ absl::Status PinCheckpoint(const std::string& dir, const std::string& holder) {
   return Annotate(SyncDirectory(dir), absl::StrCat("pinning checkpoint ", dir));
 }
 
-bool IsCheckpointPinned(const std::string& dir) {
+PinState CheckpointPinState(const std::string& dir) {
   struct stat st;
-  if (::stat(PinPath(dir).c_str(), &st) == 0) return true;
-  return errno != ENOENT && errno != ENOTDIR;
+  if (::stat(PinPath(dir).c_str(), &st) == 0) return PinState::kPinned;
+  return errno == ENOENT || errno == ENOTDIR ? PinState::kNotPinned : PinState::kUnknown;
+}
+
+bool IsCheckpointPinned(const std::string& dir) {
+  return CheckpointPinState(dir) != PinState::kNotPinned;
+}
+
+absl::Status PutBackCheckpoint(const std::string& taken, const std::string& origin) {
+  int renamed = ::renameat2(AT_FDCWD, taken.c_str(), AT_FDCWD, origin.c_str(), RENAME_NOREPLACE);
+  if (renamed != 0 && errno == EINVAL) {
+    // A file system without RENAME_NOREPLACE: a plain rename, unless `origin` is there.
+    struct stat st;
+    if (::lstat(origin.c_str(), &st) == 0) return absl::OkStatus();
+    renamed = ::rename(taken.c_str(), origin.c_str());
+  }
+  if (renamed == 0 || errno == ENOENT || errno == EEXIST || errno == ENOTEMPTY) {
+    return absl::OkStatus();
+  }
+  return ErrnoStatus(errno,
+                     absl::StrCat("putting back the checkpoint ", origin, " (now ", taken, ")"));
 }
 
 absl::StatusOr<bool> PutBackPinnedCheckpoint(const std::string& dir) {
@@ -70,20 +90,18 @@ absl::StatusOr<bool> PutBackPinnedCheckpoint(const std::string& dir) {
   std::error_code error;
   for (std::filesystem::directory_iterator it(parent, error), end; !error && it != end;
        it.increment(error)) {
+    // Pinned for sure: one whose pin cannot be told is left to the pruners.
     if (PrunedCheckpointOrigin(it->path().filename().string()) != path.filename().string() ||
-        !IsCheckpointPinned(it->path().string())) {
+        CheckpointPinState(it->path().string()) != PinState::kPinned) {
       continue;
     }
-    // ENOENT: the pruner put it back first. ENOTEMPTY or EEXIST: it is there again.
-    if (::rename(it->path().c_str(), path.c_str()) != 0 && errno != ENOENT && errno != ENOTEMPTY &&
-        errno != EEXIST) {
-      return ErrnoStatus(errno, absl::StrCat("putting back the pinned checkpoint ", dir, " (now ",
-                                             it->path().string(), ")"));
-    }
-    break;
+    HETPAR_RETURN_IF_ERROR(PutBackCheckpoint(it->path().string(), path.string()));
+    std::error_code kind_error;
+    if (std::filesystem::is_directory(path, kind_error)) break;
   }
-  if (error)
+  if (error) {
     return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent.string()));
+  }
   return std::filesystem::is_directory(path, error);
 }
 
@@ -100,7 +118,11 @@ absl::Status UnpinCheckpoints(const std::string& parent, const std::string& exce
   for (std::filesystem::directory_iterator it(parent, error), end; !error && it != end;
        it.increment(error)) {
     const std::string name = it->path().filename().string();
-    if (name.rfind(kCheckpointDirPrefix, 0) != 0 || name == kept) continue;
+    const std::string origin = PrunedCheckpointOrigin(name);
+    if (name == kept || (!origin.empty() && origin == kept) ||
+        (name.rfind(kCheckpointDirPrefix, 0) != 0 && origin.empty())) {
+      continue;
+    }
     const std::string pin = PinPath(it->path().string());
     if (::unlink(pin.c_str()) != 0 && errno != ENOENT && errno != ENOTDIR) {
       return ErrnoStatus(errno, absl::StrCat("removing the pin ", pin));

@@ -1255,41 +1255,70 @@ absl::Status LoadModuleState(const std::string& dir, const std::string& module,
 
 namespace {
 
-// What a pruning cut short left in `parent` (the process killed between taking a checkpoint out of
-// sight and removing its files) goes; one pinned meanwhile goes back (PutBackPinnedCheckpoint).
-// A .pruned-* directory's pin never changes: a pin is written through the step-* name only.
-absl::Status ClearPrunedCheckpoints(const std::string& parent) {
-  std::vector<fs::path> left;
+// The name a .pruned-* directory `taken` is removed under: .removing-step-NNNNNN-<hex>.
+fs::path RemovingName(const fs::path& taken) {
+  return taken.parent_path() /
+         absl::StrCat(kRemovedCheckpointPrefix,
+                      taken.filename().string().substr(sizeof(kPrunedCheckpointPrefix) - 1));
+}
+
+// What a pruning cut short left in `parent` (the process killed, a file that cannot be unlinked)
+// goes: a .removing-* directory, and a .pruned-* one that is not pinned, after a rename to its
+// .removing-* name (the one process that renames it removes it; no other puts it back). A pinned
+// one goes back (PutBackCheckpoint); one whose pin cannot be told stays. What cannot be done is
+// logged: it does not stop the pruning of the step directories.
+void ClearPrunedCheckpoints(const std::string& parent) {
+  std::vector<fs::path> taken;
+  std::vector<fs::path> removing;
   std::error_code error;
   for (fs::directory_iterator it(parent, error), end; !error && it != end; it.increment(error)) {
+    const std::string name = it->path().filename().string();
     std::error_code kind_error;
-    if (!PrunedCheckpointOrigin(it->path().filename().string()).empty() &&
-        it->is_directory(kind_error)) {
-      left.push_back(it->path());
+    if (!it->is_directory(kind_error)) continue;
+    if (!PrunedCheckpointOrigin(name).empty()) taken.push_back(it->path());
+    if (name.rfind(absl::StrCat(kRemovedCheckpointPrefix, kCheckpointDirPrefix), 0) == 0) {
+      removing.push_back(it->path());
     }
   }
-  if (error) return ErrnoStatus(error.value(), absl::StrCat("listing checkpoints in ", parent));
-  for (const fs::path& doomed : left) {
-    if (IsCheckpointPinned(doomed.string())) {
-      const fs::path origin =
-          doomed.parent_path() / PrunedCheckpointOrigin(doomed.filename().string());
-      // ENOENT: its pruner put it back. ENOTEMPTY or EEXIST: the step was written again; the
-      // pinned copy stays, untouched, for whoever pinned it.
-      if (::rename(doomed.c_str(), origin.c_str()) != 0 && errno != ENOENT && errno != ENOTEMPTY &&
-          errno != EEXIST) {
-        return ErrnoStatus(errno, absl::StrCat("putting back the pinned checkpoint ",
-                                               origin.string(), " (now ", doomed.string(), ")"));
+  if (error) {
+    HETPAR_LOG(WARNING) << "listing checkpoints in " << parent << ": " << error.message();
+    return;
+  }
+  for (const fs::path& dir : taken) {
+    const fs::path origin = dir.parent_path() / PrunedCheckpointOrigin(dir.filename().string());
+    switch (CheckpointPinState(dir.string())) {
+      case PinState::kPinned:
+        if (absl::Status s = PutBackCheckpoint(dir.string(), origin.string()); !s.ok()) {
+          HETPAR_LOG(WARNING) << s.message();
+        }
+        break;
+      case PinState::kUnknown:
+        HETPAR_LOG(WARNING) << "leaving " << dir.string()
+                            << ": whether a restart pinned it cannot be told";
+        break;
+      case PinState::kNotPinned: {
+        const fs::path to = RemovingName(dir);
+        // ENOENT: its pruner, or another, put it back or removes it.
+        if (::rename(dir.c_str(), to.c_str()) != 0) {
+          if (errno != ENOENT) {
+            HETPAR_LOG(WARNING) << "removing " << dir.string() << ": " << std::strerror(errno);
+          }
+          break;
+        }
+        removing.push_back(to);
+        break;
       }
-      continue;
     }
-    HETPAR_LOG(INFO) << "removing " << doomed.string()
-                     << ", a checkpoint whose pruning was cut short";
-    fs::remove_all(doomed, error);
-    // Its pruner, or another writer's pruning, removes it at the same time.
-    if (error == std::errc::no_such_file_or_directory) error.clear();
-    if (error) return ErrnoStatus(error.value(), absl::StrCat("removing ", doomed.string()));
   }
-  return absl::OkStatus();
+  for (const fs::path& dir : removing) {
+    HETPAR_LOG(INFO) << "removing " << dir.string() << ", a checkpoint whose pruning was cut short";
+    fs::remove_all(dir, error);
+    // Its pruner, or another writer's pruning, removes it at the same time.
+    if (error && error != std::errc::no_such_file_or_directory) {
+      HETPAR_LOG(WARNING) << "removing " << dir.string() << ": " << error.message();
+    }
+    error.clear();
+  }
 }
 
 }  // namespace
@@ -1301,7 +1330,7 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
   }
   std::error_code error;
   if (!fs::exists(parent, error)) return absl::OkStatus();
-  HETPAR_RETURN_IF_ERROR(ClearPrunedCheckpoints(parent));
+  ClearPrunedCheckpoints(parent);
   std::vector<StepDir> steps;
   for (fs::directory_iterator it(parent, error), end; !error && it != end; it.increment(error)) {
     const std::string name = it->path().filename().string();
@@ -1350,27 +1379,30 @@ absl::Status PruneCheckpoints(const std::string& parent, int64_t keep, int64_t n
       // again: a restart pins before it reads the checkpoint once more, so either its pin is
       // seen here and the checkpoint goes back, or its pin or its read finds no checkpoint.
       // Its own name: the checkpoint's writers on other hosts may prune at the same time.
-      doomed =
-          dir.path.parent_path() / absl::StrCat(".pruned-", dir.path.filename().string(), "-",
-                                                absl::Hex(std::random_device()(), absl::kZeroPad8),
-                                                absl::Hex(std::random_device()(), absl::kZeroPad8));
-      if (::rename(dir.path.c_str(), doomed.c_str()) != 0) {
+      const fs::path taken = dir.path.parent_path() /
+                             absl::StrCat(kPrunedCheckpointPrefix, dir.path.filename().string(),
+                                          "-", absl::Hex(std::random_device()(), absl::kZeroPad8),
+                                          absl::Hex(std::random_device()(), absl::kZeroPad8));
+      if (::rename(dir.path.c_str(), taken.c_str()) != 0) {
         // ENOENT: another writer of the same checkpoint prunes too, and got there first.
         if (errno == ENOENT) continue;
         return ErrnoStatus(errno, absl::StrCat("removing checkpoint ", dir.path.string()));
       }
-      if (IsCheckpointPinned(doomed.string())) {
-        // ENOENT: another pruner's ClearPrunedCheckpoints put it back first.
-        if (::rename(doomed.c_str(), dir.path.c_str()) != 0 && errno != ENOENT) {
-          return ErrnoStatus(errno,
-                             absl::StrCat("putting back the pinned checkpoint ", dir.path.string(),
-                                          " (now ", doomed.string(), ")"));
-        }
+      if (IsCheckpointPinned(taken.string())) {
+        HETPAR_RETURN_IF_ERROR(PutBackCheckpoint(taken.string(), dir.path.string()));
         continue;
       }
+      // Then under a name that is never put back, before its files go: only a .removing-*
+      // directory is ever removed in part (ClearPrunedCheckpoints may put a .pruned-* one back).
+      doomed = RemovingName(taken);
+      if (::rename(taken.c_str(), doomed.c_str()) != 0) {
+        // ENOENT: another pruner's ClearPrunedCheckpoints took it first, to put it back or remove.
+        if (errno == ENOENT) continue;
+        return ErrnoStatus(errno, absl::StrCat("removing checkpoint ", dir.path.string()));
+      }
       // Durably out of sight before its files go: a removal cut short (the process killed, a
-      // file that cannot be unlinked) leaves a .pruned-* directory, never a step directory that
-      // looks complete without its shards.
+      // file that cannot be unlinked) leaves a .removing-* directory, never a step directory
+      // that looks complete without its shards.
       if (absl::Status synced = SyncDirectory(parent); !synced.ok()) {
         return Annotate(synced, absl::StrCat("removing checkpoint ", dir.path.string()));
       }

@@ -1094,24 +1094,45 @@ TEST_F(CheckpointTest, WhatAPruningCutShortLeftIsClearedByTheNext) {
     return dir;
   };
   const std::string left = complete(".pruned-step-000001-00c0ffee12345678", 1);
+  const std::string removing = complete(".removing-step-000001-0123456789abcdef", 1);
   const std::string pinned = complete(".pruned-step-000002-0123456789abcdef", 2);
   ASSERT_TRUE(PinCheckpoint(pinned, "a restart").ok());
+  // Pinned, but its step is being written again (an empty directory so far): not put over it.
+  const std::string rewritten = complete(".pruned-step-000004-0123456789abcdef", 4);
+  ASSERT_TRUE(PinCheckpoint(rewritten, "a restart").ok());
+  const std::string step4 = absl::StrCat(parent, "/", CheckpointDirName(4));
+  fs::create_directories(step4);
   // Not what a pruning leaves: kept.
   const std::string other = complete(".pruned-notes", 0);
   complete("step-000003", 3);
 
   ASSERT_TRUE(PruneCheckpoints(parent, 1, 3).ok());
   EXPECT_FALSE(fs::exists(left)) << "a checkpoint whose pruning was cut short is kept";
+  EXPECT_FALSE(fs::exists(removing)) << "a checkpoint whose removal was cut short is kept";
   EXPECT_FALSE(fs::exists(pinned));
   const std::string back = absl::StrCat(parent, "/", CheckpointDirName(2));
   EXPECT_TRUE(fs::exists(back + "/llm-pp0-tp0.hpar")) << "the pinned checkpoint is not back";
   EXPECT_TRUE(IsCheckpointPinned(back));
+  EXPECT_TRUE(fs::is_empty(step4)) << "a pinned copy was put over a step being written";
+  EXPECT_TRUE(fs::exists(rewritten + "/manifest.json"));
   EXPECT_TRUE(fs::exists(other));
   EXPECT_TRUE(fs::exists(absl::StrCat(parent, "/", CheckpointDirName(3), "/manifest.json")));
+
+  // Its pin goes with the others' (the restart's first commit), and the next pruning removes it.
+  ASSERT_TRUE(UnpinCheckpoints(parent).ok());
+  EXPECT_FALSE(IsCheckpointPinned(rewritten));
+  EXPECT_FALSE(IsCheckpointPinned(back));
+  ASSERT_TRUE(PruneCheckpoints(parent, 1, 3).ok());
+  EXPECT_FALSE(fs::exists(rewritten));
 }
 
 TEST_F(CheckpointTest, ARestartPutsBackTheCheckpointItPinnedWhenAPruningTookIt) {
   const std::string parent = dir_ + "/ckpts";
+  const auto complete_at = [](const std::string& dir) {
+    fs::create_directories(dir);
+    std::ofstream(dir + "/manifest.json") << "{}";
+    return dir;
+  };
   const std::string step = absl::StrCat(parent, "/", CheckpointDirName(4));
   fs::create_directories(step);
   std::ofstream(step + "/manifest.json") << "{}";
@@ -1120,6 +1141,13 @@ TEST_F(CheckpointTest, ARestartPutsBackTheCheckpointItPinnedWhenAPruningTookIt) 
   fs::create_directories(parent + "/.pruned-step-000004-aaaaaaaaaaaaaaaa");
   const std::string taken = parent + "/.pruned-step-000004-0123456789abcdef";
   fs::rename(step, taken);
+  // Pins that go (an earlier coordinator's, of another step) and one that stays (this restart's,
+  // in the copy a pruner took).
+  const std::string stale = complete_at(parent + "/.pruned-step-000003-0123456789abcdef");
+  ASSERT_TRUE(PinCheckpoint(stale, "an earlier coordinator").ok());
+  ASSERT_TRUE(UnpinCheckpoints(parent, step).ok());
+  EXPECT_FALSE(IsCheckpointPinned(stale));
+  EXPECT_TRUE(IsCheckpointPinned(taken));
 
   absl::StatusOr<bool> put = PutBackPinnedCheckpoint(step + "/");
   ASSERT_TRUE(put.ok()) << put.status();

@@ -297,6 +297,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   // (common/checkpoint_pin.h), until its first commit; the pins an earlier coordinator of this
   // checkpoint.dir left go.
   bool pinned = false;
+  const auto unpin = [&] {
+    if (!pinned) return;
+    pinned = false;
+    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir()); !s.ok()) {
+      HETPAR_LOG(WARNING) << s.message() << " (a pinned checkpoint is not pruned)";
+    }
+  };
+  // A start that fails after the pin (the checkpoint gone, a token, the server) lets go too.
+  absl::Cleanup unpin_at_exit = unpin;
   if (!spec.checkpoint().dir().empty()) {
     const std::string& from = run_spec.checkpoint().resume_from();
     // The step directory's parent, however either path is written (a trailing slash, a link).
@@ -310,12 +319,13 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       absl::Status s = PinCheckpoint(
           pin, absl::StrCat("hetpar coordinator of run ", spec.run().name(), ", generation ",
                             journal.generation, ", pid ", ::getpid()));
+      pinned = true;  // a pin written in part, too, goes at the first commit
       if (s.ok()) {
         s = config::ReadCheckpointSummary(pin).status();
         // Pinned, and then taken out of sight by a pruner before this read: the pruner puts it
         // back on seeing the pin; this puts it back first, or in its place if it was killed.
         if (absl::IsNotFound(s)) {
-          absl::StatusOr<bool> back = PutBackPinnedCheckpoint(pin);
+          absl::StatusOr<bool> back = PutBackPinnedCheckpoint(step.string());
           if (back.ok() && *back) {
             HETPAR_LOG(INFO) << pin << " was being pruned as it was pinned; it is back";
             s = config::ReadCheckpointSummary(pin).status();
@@ -339,7 +349,6 @@ int RunCoordinator(const CoordinatorFlags& flags) {
                             << "; a worker of the lost coordinator that completes a later "
                             << "checkpoint may prune it before this run has read it";
       }
-      pinned = true;  // a pin written in part, too, goes at the first commit
     }
     // The pin kept is the step directory's, named as it is (not as a link to it may be).
     if (absl::Status s =
@@ -348,15 +357,6 @@ int RunCoordinator(const CoordinatorFlags& flags) {
       HETPAR_LOG(WARNING) << s.message();
     }
   }
-  const auto unpin = [&] {
-    if (!pinned) return;
-    pinned = false;
-    if (absl::Status s = UnpinCheckpoints(spec.checkpoint().dir()); !s.ok()) {
-      HETPAR_LOG(WARNING) << s.message() << " (a pinned checkpoint is not pruned)";
-    }
-  };
-  // A start that fails from here on (a token, the server, the metrics listener) lets go too.
-  absl::Cleanup unpin_at_exit = unpin;
 
   coordinator::ServerOptions options;
   options.listen_address = flags.listen.empty() ? spec.coordinator().listen() : flags.listen;
