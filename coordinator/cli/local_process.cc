@@ -75,7 +75,11 @@ absl::StatusOr<std::unique_ptr<LocalProcess>> LocalProcess::Spawn(
     // Nothing else of the parent's: descriptors a library opened without O_CLOEXEC (the metrics
     // exporter's sockets) would keep them open, a port bound, in a child that outlives it.
     ::close_range(3, ~0U, 0);
-    // Signals the parent blocked for its signal thread must reach the worker normally.
+    // Signals the parent blocked for its signal thread must reach the worker normally, and one
+    // that comes before the exec ends it, as it would after, rather than run a handler of the
+    // parent's (which would only set a flag of the parent's copy, lost at the exec).
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     ::sigprocmask(SIG_SETMASK, &none, nullptr);
