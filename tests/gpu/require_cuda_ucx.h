@@ -7,8 +7,6 @@
 #define HETPAR_TESTS_GPU_REQUIRE_CUDA_UCX_H_
 
 #include <c10/core/Device.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <memory>
@@ -17,6 +15,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/nn/device_copy.h"
+#include "common/nn/torch_status.h"
 #include "common/transport/ucx/ucx_transport.h"
 
 namespace hetpar::testing {
@@ -27,12 +27,11 @@ inline absl::Status SelectProgressThreadDevice(transport::ucx::UcxTransport& ucx
   auto selected = std::make_shared<absl::Status>();
   absl::Status ran = ucx.RunOnProgressThread(
       [index, selected] {
-        try {
-          c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(c10::Device(c10::kCUDA, index));
-        } catch (const c10::Error& e) {
-          *selected = absl::InternalError(
-              absl::StrCat("selecting cuda:", index, " on UCX's progress thread: ", e.what()));
-        }
+        // Its context current too (a new thread's current device is 0 already, so selecting
+        // cuda:0 alone would bind nothing).
+        *selected =
+            nn::RunTorch(absl::StrCat("selecting cuda:", index, " on UCX's progress thread"),
+                         [&] { nn::MakeDeviceCurrent(c10::Device(c10::kCUDA, index)); });
       },
       absl::Now() + absl::Seconds(30));
   return ran.ok() ? *selected : ran;
