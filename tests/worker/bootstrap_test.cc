@@ -251,6 +251,65 @@ TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
   std::filesystem::remove_all(dir);
 }
 
+// A synthetic data set is the coordinator's to make: one not there yet when the workers start is
+// opened at the first Data(), after the coordinator made it, on the opener's thread like any
+// other. So an abort of the step ends the wait for an index another process is building (here:
+// the test holds its lock), and so does the end of the coordinator's session.
+TEST_F(BootstrapTest, ASyntheticDataSetMadeAfterTheStartOpensWhereAnAbortEndsTheWait) {
+  char pattern[] = "/tmp/hetpar-bootstrap-synth-XXXXXX";
+  ASSERT_NE(::mkdtemp(pattern), nullptr);
+  const std::string dir = pattern;
+  v1::RunSpec spec = Spec(v1::PLACEMENT_NON_COLOCATED);
+  spec.mutable_encoder()->mutable_model()->set_image_size(32);
+  spec.mutable_encoder()->mutable_model()->set_patch(8);
+  spec.mutable_llm()->mutable_model()->set_seq_len(128);
+  spec.mutable_llm()->mutable_model()->set_vocab(256);
+  spec.mutable_data()->set_manifest(dir + "/train.jsonl");
+  spec.mutable_data()->set_tokenizer(dir + "/tokenizer.model");
+  spec.mutable_data()->set_index(dir + "/train.jsonl.index");
+  spec.mutable_data()->mutable_synth()->set_samples(12);
+  Start(spec);
+  const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts(roles.size());
+  {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      threads.emplace_back([&, i] { contexts[i] = WorkerContext::Bootstrap(Options(roles[i])); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (const auto& c : contexts) ASSERT_TRUE(c.ok()) << c.status();
+  WorkerContext& llm = **contexts[2];
+
+  // The coordinator makes the data set; another process holds the index's lock.
+  absl::StatusOr<data::SynthOptions> synth = data::SynthOptionsFromRunSpec(spec);
+  ASSERT_TRUE(synth.ok()) << synth.status();
+  absl::StatusOr<data::SynthReport> made = data::GenerateSyntheticDataset(*synth);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::filesystem::remove(spec.data().index());  // the generator's
+  absl::StatusOr<data::WaitedFileLock> taken = data::WaitedFileLock::Take(
+      dir + "/.train.jsonl.index.lock", "holding the lock in a test", absl::Seconds(10));
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ASSERT_TRUE(taken->held());
+  std::optional<data::WaitedFileLock> held(*std::move(taken));
+
+  llm.interrupt().Raise(1);
+  absl::StatusOr<const data::BatchSource*> aborted = llm.Data();
+  EXPECT_TRUE(absl::IsAborted(aborted.status())) << aborted.status();
+  EXPECT_FALSE(std::filesystem::exists(spec.data().index()));
+  // The next attempt, and the coordinator goes away while the opening still waits.
+  llm.interrupt().Arm(2);
+  server_.reset();
+  absl::StatusOr<const data::BatchSource*> lost = llm.Data();
+  EXPECT_TRUE(absl::IsUnavailable(lost.status())) << lost.status();
+  EXPECT_THAT(std::string(lost.status().message()), HasSubstr("session ended"));
+  // The workers end without waiting for their openings, and leave no index behind.
+  contexts.clear();
+  EXPECT_FALSE(std::filesystem::exists(spec.data().index()));
+  held.reset();
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(BootstrapTest, AWrongTokenIsRefused) {
   Start(v1::PLACEMENT_NON_COLOCATED);
   auto context = WorkerContext::Bootstrap(Options(Role::kLlm, "not-the-token"));
