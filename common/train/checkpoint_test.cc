@@ -1040,20 +1040,24 @@ TEST_F(CheckpointTest, PruneKeepsTheNewestCompleteCheckpoints) {
   EXPECT_TRUE(PruneCheckpoints(dir_ + "/missing", 2).ok());
 }
 
+// A complete checkpoint of `step` at `dir` as pruning sees one: a manifest (of no shards).
+std::string CompleteCheckpointAt(const std::string& dir, int step) {
+  fs::create_directories(dir);
+  std::ofstream(dir + "/manifest.json") << json{
+      {"format", 1},
+      {"step", step},
+      {"shards", json::array()},
+      {"extra", json::object()}}.dump();
+  return dir;
+}
+
 // A restarted coordinator resumes from step 2 and pins it; a worker of the coordinator it
 // replaced then completes step 4 and prunes with keep 1: step 2 stays (not counted: step 4 is
 // kept too), and goes at the first pruning after the pin is let go.
 TEST_F(CheckpointTest, APinnedCheckpointIsNotPruned) {
   const std::string parent = dir_ + "/ckpts";
   const auto complete = [&](int step) {
-    const std::string dir = absl::StrCat(parent, "/", CheckpointDirName(step));
-    fs::create_directories(dir);
-    std::ofstream(dir + "/manifest.json") << json{
-        {"format", 1},
-        {"step", step},
-        {"shards", json::array()},
-        {"extra", json::object()}}.dump();
-    return dir;
+    return CompleteCheckpointAt(absl::StrCat(parent, "/", CheckpointDirName(step)), step);
   };
   const std::string picked = complete(2);
   const std::string older = complete(1);
@@ -1083,14 +1087,8 @@ TEST_F(CheckpointTest, APinnedCheckpointIsNotPruned) {
 TEST_F(CheckpointTest, WhatAPruningCutShortLeftIsClearedByTheNext) {
   const std::string parent = dir_ + "/ckpts";
   const auto complete = [&](const std::string& name, int step) {
-    const std::string dir = parent + "/" + name;
-    fs::create_directories(dir);
+    const std::string dir = CompleteCheckpointAt(parent + "/" + name, step);
     std::ofstream(dir + "/llm-pp0-tp0.hpar") << "shard";
-    std::ofstream(dir + "/manifest.json") << json{
-        {"format", 1},
-        {"step", step},
-        {"shards", json::array()},
-        {"extra", json::object()}}.dump();
     return dir;
   };
   const std::string left = complete(".pruned-step-000001-00c0ffee12345678", 1);
