@@ -61,6 +61,29 @@ class BootstrapTest : public ::testing::Test {
     server_ = *std::move(server);
   }
 
+  // A fresh directory under /tmp (mkdtemp's template), removed when the test ends.
+  std::string TempDir() {
+    char pattern[] = "/tmp/hetpar-bootstrap-test-XXXXXX";
+    if (::mkdtemp(pattern) == nullptr) return "";
+    temp_dirs_.emplace_back(pattern);
+    return pattern;
+  }
+  void TearDown() override {
+    for (const std::string& dir : temp_dirs_) std::filesystem::remove_all(dir);
+  }
+
+  // Two encoder ranks (one replica at tp 2) and one LLM rank, bootstrapped at once.
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> BootstrapAll() const {
+    const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
+    std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts(roles.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < roles.size(); ++i) {
+      threads.emplace_back([&, i] { contexts[i] = WorkerContext::Bootstrap(Options(roles[i])); });
+    }
+    for (auto& t : threads) t.join();
+    return contexts;
+  }
+
   WorkerOptions Options(Role role, const std::string& token = kToken) const {
     WorkerOptions options;
     options.role = role;
@@ -71,6 +94,7 @@ class BootstrapTest : public ::testing::Test {
   }
 
   std::unique_ptr<coordinator::CoordinatorServer> server_;
+  std::vector<std::string> temp_dirs_;
 };
 
 // A worker that registered and then fails to start (here: run.device cuda with a GPU index no
@@ -170,9 +194,8 @@ TEST_F(BootstrapTest, EveryWorkerGetsItsRankPeersAndGroups) {
 // the opening), a worker that ends meanwhile does not wait for its opening, and once the lock is
 // let go the opening builds the index and Data() returns it.
 TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
-  char pattern[] = "/tmp/hetpar-bootstrap-data-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const std::string dir = TempDir();
+  ASSERT_FALSE(dir.empty());
   data::SynthOptions synth = data::SynthOptionsForDirectory(dir);
   synth.samples = 12;
   synth.val_samples = 0;
@@ -196,15 +219,7 @@ TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
   // A coordinator of `spec` and its three workers, bootstrapped.
   const auto start = [&](std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>>* contexts) {
     Start(spec);
-    const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
-    contexts->clear();
-    contexts->resize(roles.size());
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < roles.size(); ++i) {
-      threads.emplace_back(
-          [&, i] { (*contexts)[i] = WorkerContext::Bootstrap(Options(roles[i])); });
-    }
-    for (auto& t : threads) t.join();
+    *contexts = BootstrapAll();
     for (const auto& c : *contexts) ASSERT_TRUE(c.ok()) << c.status();
   };
 
@@ -248,7 +263,6 @@ TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
   contexts.clear();
   EXPECT_FALSE(std::filesystem::exists(index));
   held.reset();
-  std::filesystem::remove_all(dir);
 }
 
 // A synthetic data set is the coordinator's to make: one not there yet when the workers start is
@@ -256,9 +270,8 @@ TEST_F(BootstrapTest, TheDataSetOpensFromTheStartAndAnAbortEndsTheWaitForIt) {
 // other. So an abort of the step ends the wait for an index another process is building (here:
 // the test holds its lock), and so does the end of the coordinator's session.
 TEST_F(BootstrapTest, ASyntheticDataSetMadeAfterTheStartOpensWhereAnAbortEndsTheWait) {
-  char pattern[] = "/tmp/hetpar-bootstrap-synth-XXXXXX";
-  ASSERT_NE(::mkdtemp(pattern), nullptr);
-  const std::string dir = pattern;
+  const std::string dir = TempDir();
+  ASSERT_FALSE(dir.empty());
   v1::RunSpec spec = Spec(v1::PLACEMENT_NON_COLOCATED);
   spec.mutable_encoder()->mutable_model()->set_image_size(32);
   spec.mutable_encoder()->mutable_model()->set_patch(8);
@@ -269,15 +282,7 @@ TEST_F(BootstrapTest, ASyntheticDataSetMadeAfterTheStartOpensWhereAnAbortEndsThe
   spec.mutable_data()->set_index(dir + "/train.jsonl.index");
   spec.mutable_data()->mutable_synth()->set_samples(12);
   Start(spec);
-  const std::vector<Role> roles = {Role::kEncoder, Role::kEncoder, Role::kLlm};
-  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts(roles.size());
-  {
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < roles.size(); ++i) {
-      threads.emplace_back([&, i] { contexts[i] = WorkerContext::Bootstrap(Options(roles[i])); });
-    }
-    for (auto& t : threads) t.join();
-  }
+  std::vector<absl::StatusOr<std::unique_ptr<WorkerContext>>> contexts = BootstrapAll();
   for (const auto& c : contexts) ASSERT_TRUE(c.ok()) << c.status();
   WorkerContext& llm = **contexts[2];
 
@@ -307,7 +312,6 @@ TEST_F(BootstrapTest, ASyntheticDataSetMadeAfterTheStartOpensWhereAnAbortEndsThe
   contexts.clear();
   EXPECT_FALSE(std::filesystem::exists(spec.data().index()));
   held.reset();
-  std::filesystem::remove_all(dir);
 }
 
 TEST_F(BootstrapTest, AWrongTokenIsRefused) {
