@@ -59,7 +59,6 @@
 // and HETPAR_UCX_LIBDIR replace it and its libraries), so both run the same UCX.
 #include <ATen/ATen.h>
 #include <arpa/inet.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -93,6 +92,9 @@
 #include "absl/time/clock.h"
 #include "bench/built_path.h"
 #include "common/atomic_file.h"
+#include "common/nn/device_copy.h"
+#include "common/nn/torch_status.h"
+#include "common/transport/ucx/progress_device.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "nlohmann/json.hpp"
 
@@ -213,17 +215,15 @@ class HetparPair {
     }
     if (config.cuda()) {
       // As a hetpar worker does (bootstrap.cc): this thread and UCX's progress thread, which
-      // drives its CUDA transports, compute on --cuda-device. The driver checked it against the
-      // visible devices, so the call below does not throw; the progress thread makes the same one.
+      // drives its CUDA transports, compute on --cuda-device, each with its context bound.
       const c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(config.cuda_device));
-      auto select = [device] {
-        try {
-          c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
-        } catch (const c10::Error&) {
-        }
-      };
-      select();
-      if (absl::Status s = (*transport)->RunOnProgressThread(select, absl::Now() + kWait);
+      if (absl::Status s = nn::RunTorch(absl::StrCat("selecting ", device.str()),
+                                        [&] { nn::MakeDeviceCurrent(device); });
+          !s.ok()) {
+        return s;
+      }
+      if (absl::Status s =
+              transport::ucx::SelectProgressThreadDevice(**transport, device, absl::Now() + kWait);
           !s.ok()) {
         return s;
       }

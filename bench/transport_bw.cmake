@@ -1,10 +1,11 @@
 # transport_bw: hetpar's UCX data plane against raw ucx_perftest, c10d Gloo send/recv and memcpy,
 # one pair of processes over loopback; with --memory cuda, CUDA buffers on one GPU against
-# ucx_perftest -m cuda and a device-to-device copy. JSON lines on stdout. libtorch is linked here
-# only, for the Gloo baseline and the CUDA buffers; the transport targets never link it.
+# ucx_perftest -m cuda and a device-to-device copy. JSON lines on stdout. libtorch is linked for
+# the Gloo baseline, the CUDA buffers and the GPU of UCX's progress thread (as a worker's).
 add_executable(transport_bw "${CMAKE_CURRENT_LIST_DIR}/transport_bw.cc")
 hetpar_target_defaults(transport_bw)
-target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx hetpar_common ${TORCH_LIBRARIES}
+target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx hetpar_transport_ucx_device
+                                           hetpar_common ${TORCH_LIBRARIES}
                                            nlohmann_json::nlohmann_json)
 # The raw baseline is the ucx_perftest of the UCX hetpar links, with that UCX's libraries.
 target_compile_definitions(transport_bw PRIVATE HETPAR_UCX_PERFTEST="${HETPAR_UCX_PERFTEST}"

@@ -52,6 +52,7 @@
 #include "common/transport/factory.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "common/transport/transport.h"
+#include "common/transport/ucx/progress_device.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -107,7 +108,10 @@ absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> CreateUcx(const std::string& 
   options.same_host_zero_copy = same_host_zero_copy;
   absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> ucx = ucx::UcxTransport::Create(options);
   if (ucx.ok() && torch::cuda::is_available()) {
-    if (absl::Status s = hetpar::testing::SelectProgressThreadDevice(**ucx, device); !s.ok()) {
+    if (absl::Status s = ucx::SelectProgressThreadDevice(
+            **ucx, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)),
+            absl::Now() + absl::Seconds(30));
+        !s.ok()) {
       return s;
     }
   }
