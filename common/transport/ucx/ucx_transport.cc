@@ -326,6 +326,8 @@ class Core {
   bool shutting_down_ = false;
   absl::Time shutdown_deadline_;
   bool released_ = false;
+  // Set while ucp_worker_destroy runs: the callbacks it makes only free their requests.
+  bool destroying_ = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -495,10 +497,15 @@ void Core::Close() {
       for (int i = 0; i < 100 && control_request_ != nullptr; ++i) ucp_worker_progress(worker_);
     }
     // Whatever UCX did not finish by the shutdown deadline completes here; the worker is
-    // destroyed below, so nothing touches the callers' buffers afterwards.
+    // destroyed below, so nothing touches the callers' buffers afterwards. UCX still holds the
+    // requests of endpoints that did not close by then (a send queued to a peer that stopped
+    // answering) and completes them as it destroys the worker, calling back with their ops as
+    // user data: the ops stay alive until it returns, whoever else let go of them.
     const absl::Status destroyed = absl::CancelledError("cancelled: the transport was destroyed");
+    std::vector<std::shared_ptr<UcxOp>> held;
     for (auto& [id, conn] : conns_) {
       for (auto& [raw, op] : conn->in_flight) {
+        held.push_back(op);
         if (op->completion != nullptr) {
           op->completion->Complete(absl::CancelledError(
               absl::StrCat(op->completion->description(), ": ", destroyed.message())));
@@ -523,8 +530,11 @@ void Core::Close() {
           absl::StrCat(read.op->completion->description(), ": ", destroyed.message())));
     }
     pending_reads_.clear();
+    destroying_ = true;
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
+    destroying_ = false;
+    held.clear();
   }
   if (context_ != nullptr) ucp_cleanup(context_);
   context_ = nullptr;
@@ -1019,6 +1029,8 @@ void Core::OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_inf
 void Core::OnOpDone(UcxOp* op, void* request, ucs_status_t status, size_t length,
                     ucp_tag_t sender_tag) {
   if (request != nullptr) ucp_request_free(request);
+  // The op was completed as the transport was released; its connection is going away.
+  if (destroying_) return;
   PeerConn* conn = FindConn(op->peer);
   std::shared_ptr<UcxOp> hold;
   if (conn != nullptr) {
@@ -1259,6 +1271,7 @@ void Core::ForceClose(PeerConn* conn) {
 void Core::OnCloseDone(void* request, ucs_status_t /*status*/, void* user_data) {
   auto* conn = static_cast<PeerConn*>(user_data);
   ucp_request_free(request);
+  if (conn->core->destroying_) return;
   conn->stage = PeerConn::Stage::kClosed;
   conn->core->FinishCloseIfDone(conn);
 }

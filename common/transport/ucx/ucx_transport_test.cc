@@ -7,7 +7,9 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -200,6 +202,52 @@ Pair Connected(const UcxTransport::Options& a_options, const UcxTransport::Optio
     EXPECT_TRUE((*send)->Wait(absl::Now() + kWait).ok());
   }
   return pair;
+}
+
+// A peer that stops answering (its progress thread held) leaves UCX holding a's rendezvous
+// send: destroying a still ends within its shutdown deadline, and its pending operations end
+// Cancelled, also for a thread that lets go of them the moment they end (while the transport is
+// still releasing UCX's worker).
+TEST(UcxTransportTest, DestructionEndsInTimeWhenThePeerStopsAnswering) {
+  // Outlive the transports: b's progress thread holds on to them.
+  absl::Notification held, release;
+  std::vector<uint8_t> out = Bytes(2, 8 << 20), in(16);
+  UcxTransport::Options a_options = Named("a"), b_options = Named("b");
+  // The large send stays UCX's own rendezvous, which waits for b.
+  a_options.same_host_zero_copy = b_options.same_host_zero_copy = false;
+  a_options.shutdown_timeout = absl::Milliseconds(500);
+  Pair pair = Connected(a_options, b_options);
+  ASSERT_NE(pair.a, nullptr);
+  absl::Cleanup unblock = [&release] { release.Notify(); };
+  // b's progress thread stops in here until the test ends: b answers nothing.
+  (void)pair.b->RunOnProgressThread(
+      [&] {
+        held.Notify();
+        release.WaitForNotification();
+      },
+      absl::Now() + absl::Milliseconds(1));
+  ASSERT_TRUE(held.WaitForNotificationWithTimeout(kWait));
+  auto send = pair.a->Send(pair.b_at_a, 5, ConstBuffer::Host(out.data(), out.size()));
+  auto recv = pair.a->Recv(pair.b_at_a, 6, MutableBuffer::Host(in.data(), in.size()));
+  ASSERT_TRUE(send.ok() && recv.ok());
+  EXPECT_EQ((*send)->Wait(absl::Now() + absl::Milliseconds(100)).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  absl::Status send_status, recv_status;
+  std::thread waiter([&] {
+    send_status = (*send)->Wait(absl::Now() + kWait);
+    send->reset();
+    recv_status = (*recv)->Wait(absl::Now() + kWait);
+    recv->reset();
+  });
+  const absl::Time start = absl::Now();
+  pair.a.reset();
+  const absl::Duration took = absl::Now() - start;
+  waiter.join();
+  EXPECT_LT(took, absl::Seconds(10)) << "a 500 ms shutdown deadline";
+  for (const absl::Status& status : {send_status, recv_status}) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+    EXPECT_THAT(std::string(status.message()), HasSubstr("transport was destroyed"));
+  }
 }
 
 // Sends `size` bytes a -> b and checks them.
