@@ -2,7 +2,7 @@
 // transformer layer written with ATen ops measured against them. JSON lines on stdout.
 //
 //   gpu_bench [--hidden 2048] [--mlp 8192] [--heads 16] [--kv-heads 8] [--tokens 4096]
-//             [--seq-len 4096] [--iters 20] [--repeats 5] [--copy-mib 32] [--device cuda|cpu]
+//             [--seq-len 2048] [--iters 20] [--repeats 5] [--copy-mib 32] [--device cuda|cpu]
 //
 // The default sizes are one layer of a ~1B-parameter LLM. Lines (each names its figure and
 // units; "value" is the figure):
@@ -67,13 +67,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::ordered_json;
 
+constexpr int64_t kDefaultSeqLen = 2048;
+
 struct LayerShape {
   int64_t hidden = 2048;
   int64_t mlp = 8192;
   int64_t heads = 16;
   int64_t kv_heads = 8;
   int64_t tokens = 4096;   // rows of the packed microbatch
-  int64_t seq_len = 4096;  // tokens per sample (attention runs per sample)
+  int64_t seq_len = 2048;  // tokens per sample (attention runs per sample)
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t samples() const { return tokens / seq_len; }
@@ -357,7 +359,8 @@ int Main(int argc, char** argv) {
   app.add_option("--tokens", shape.tokens, "tokens of the packed microbatch")
       ->check(CLI::PositiveNumber);
   CLI::Option* seq_len =
-      app.add_option("--seq-len", shape.seq_len, "tokens per sample (default: --tokens)")
+      app.add_option("--seq-len", shape.seq_len,
+                     "tokens per sample (default: 2048 where it divides --tokens, else --tokens)")
           ->check(CLI::PositiveNumber);
   app.add_option("--iters", timing.iters, "iterations per timed loop")->check(CLI::PositiveNumber);
   app.add_option("--repeats", timing.repeats, "timed loops (the median is reported)")
@@ -369,7 +372,11 @@ int Main(int argc, char** argv) {
       ->check(CLI::IsMember({"cuda", "cpu"}));
   CLI11_PARSE(app, argc, argv);
   g_device = device == "cpu" ? at::Device(at::kCPU) : at::Device(at::kCUDA);
-  if (seq_len->count() == 0) shape.seq_len = shape.tokens;
+  // By default two samples of 2048 in the 4096 rows, as model_bench --configs gpu packs its LLM
+  // microbatch, so layer_bf16 and model_bench's LLM line attend over the same lengths.
+  if (seq_len->count() == 0) {
+    shape.seq_len = shape.tokens % kDefaultSeqLen == 0 ? kDefaultSeqLen : shape.tokens;
+  }
   if (shape.hidden % shape.heads != 0 || shape.heads % shape.kv_heads != 0 ||
       shape.tokens % shape.seq_len != 0) {
     std::cerr << "gpu_bench: --hidden " << shape.hidden << " must divide by --heads " << shape.heads

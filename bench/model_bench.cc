@@ -387,12 +387,14 @@ absl::Status RunWorker(const BenchCase& c, const std::string& store_path, int ra
   return absl::OkStatus();
 }
 
-// Starts `argv` with stderr appended to `log`; returns the pid or -1.
+// Starts `argv` with stdout and stderr appended to `log` (this process's stdout carries only its
+// JSON lines); returns the pid or -1.
 pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, log.c_str(),
                                    O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDERR_FILENO, STDOUT_FILENO);
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
@@ -546,6 +548,18 @@ int Main(int argc, char** argv) {
   if (!ok) {
     std::cerr << "model_bench: --tp, --rank and --iters take positive integers\n";
     return 2;
+  }
+  for (const std::string& config : is_worker ? std::vector<std::string>{worker.config} : configs) {
+    if (config != "tiny" && config != "mid" && config != "gpu") {
+      std::cerr << "model_bench: config '" << config << "': expected tiny, mid or gpu\n";
+      return 2;
+    }
+  }
+  for (const std::string& module : is_worker ? std::vector<std::string>{worker.module} : modules) {
+    if (module != "encoder" && module != "llm") {
+      std::cerr << "model_bench: module '" << module << "': expected encoder or llm\n";
+      return 2;
+    }
   }
   if (is_worker) {
     absl::Status status = RunWorker(worker, store, rank, out);

@@ -16,6 +16,11 @@
 //                                         compute + collectives (1.0 = perfect overlap)
 //   bridge_gbps, bridge_message_bytes     bytes / transfer time over the measured steps (both
 //                                         directions), and the mean message size
+//   split_timing                          "host" where run.device is cuda: the workers time their
+//                                         compute around kernel launches that do not wait for
+//                                         the GPU, so the compute/wait split (and the efficiency
+//                                         and hidden fraction built on it) is not the GPU's;
+//                                         step_time_s and tokens_per_s are. "device" on the CPU.
 //
 // Then, in the same run, `transport_bw` (hetpar's UCX transport between two processes) at each
 // case's mean message size, once with its default window of 4 messages in flight and once with 1
@@ -165,6 +170,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool colocated = loaded->spec.placement() == hetpar::v1::PLACEMENT_COLOCATED;
+  // The workers time their compute on the host, around kernel launches that do not wait for
+  // the GPU: on CUDA the split between compute and bridge waits is not the GPU's (step time and
+  // tokens per second are).
+  const std::string timing = loaded->spec.run().device() == "cuda" ? "host" : "device";
   const auto pipeline = [&](int stages) {
     return " --set run.micro_batch=1" +
            (colocated ? std::string() : std::string(" --set run.max_inflight=4")) +
@@ -237,10 +246,18 @@ int main(int argc, char** argv) {
       tokens += j["tokens"].get<int64_t>();
       tokens_time += t;
     }
+    if (step_time.empty()) {
+      std::fprintf(stderr,
+                   "step_bench: case %s: %s/metrics.jsonl has no step line past the %d warm-up "
+                   "steps with both modules' split\n",
+                   c.name.c_str(), out.c_str(), warmup);
+      return 1;
+    }
     nlohmann::json result = {
         {"bench", "step"},
         {"case", c.name},
         {"steps_measured", step_time.size()},
+        {"split_timing", timing},
         {"step_time_s", Median(step_time)},
         {"encoder_compute_s", Median(enc_compute)},
         {"llm_compute_s", Median(llm_compute)},

@@ -136,6 +136,7 @@ steps = [l for l in lines if l.get("bench") == "step"]
 assert sorted(s["case"] for s in steps) == ["as_configured", "micro_batch_1"], steps
 for s in steps:
     assert s["steps_measured"] >= 1 and s["step_time_s"] > 0 and s["llm_compute_s"] > 0, s
+    assert s["split_timing"] == "device", s  # on the CPU compute is timed as it runs
 summary = checks["gpu_check"]
 assert summary["ok"] is True and summary["train_rc"] == 0 and summary["step_rc"] == 0, summary
 assert summary["incomplete"] is False and summary["cut_by_deadline"] == [], summary
