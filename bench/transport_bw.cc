@@ -94,7 +94,7 @@
 #include "common/atomic_file.h"
 #include "common/nn/device_copy.h"
 #include "common/nn/torch_status.h"
-#include "common/transport/ucx/progress_device.h"
+#include "common/nn/ucx_progress_device.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "nlohmann/json.hpp"
 
@@ -222,8 +222,7 @@ class HetparPair {
           !s.ok()) {
         return s;
       }
-      if (absl::Status s =
-              transport::ucx::SelectProgressThreadDevice(**transport, device, absl::Now() + kWait);
+      if (absl::Status s = nn::SelectProgressThreadDevice(**transport, device, absl::Now() + kWait);
           !s.ok()) {
         return s;
       }

@@ -4,7 +4,7 @@
 # the Gloo baseline, the CUDA buffers and the GPU of UCX's progress thread (as a worker's).
 add_executable(transport_bw "${CMAKE_CURRENT_LIST_DIR}/transport_bw.cc")
 hetpar_target_defaults(transport_bw)
-target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx hetpar_transport_ucx_device
+target_link_libraries(transport_bw PRIVATE hetpar_transport_ucx hetpar_nn_ucx
                                            hetpar_common ${TORCH_LIBRARIES}
                                            nlohmann_json::nlohmann_json)
 # The raw baseline is the ucx_perftest of the UCX hetpar links, with that UCX's libraries.

@@ -8,10 +8,10 @@
 #include "absl/time/clock.h"
 #include "common/data/synth.h"
 #include "common/logging.h"
+#include "common/nn/ucx_progress_device.h"
 #include "common/rendezvous/c10d_store.h"
 #include "common/status.h"
 #include "common/transport/nccl/nccl_transport.h"
-#include "common/transport/ucx/progress_device.h"
 #include "common/transport/ucx/ucx_transport.h"
 
 namespace hetpar::worker {
@@ -167,8 +167,8 @@ absl::Status WorkerContext::Begin(const WorkerOptions& options,
   HETPAR_ASSIGN_OR_RETURN(ctx->execution_, nn::ExecutionContext::FromSpec(ctx->spec_, cuda_index));
   // UCX's progress thread drives its CUDA transports (copies, IPC, their event fds): it makes
   // this rank's GPU its current device, as this thread did, rather than GPU 0 (or none).
-  HETPAR_RETURN_IF_ERROR(transport::ucx::SelectProgressThreadDevice(
-      *ucx, ctx->execution_.device(), absl::Now() + ctx->peer_timeout_));
+  HETPAR_RETURN_IF_ERROR(nn::SelectProgressThreadDevice(*ucx, ctx->execution_.device(),
+                                                        absl::Now() + ctx->peer_timeout_));
   if (ctx->spec_.transport() == v1::TRANSPORT_KIND_NCCL) {
     transport::nccl::NcclTransport::Options nccl_options;
     nccl_options.cuda_device = ctx->execution_.device().index();

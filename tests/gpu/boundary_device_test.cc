@@ -18,12 +18,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/config/config.h"
+#include "common/nn/ucx_progress_device.h"
 #include "common/plan/layout.h"
 #include "common/plan/sample.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
 #include "common/transport/factory.h"
-#include "common/transport/ucx/progress_device.h"
 
 #if HETPAR_GPU_HAS_C10_CUDA
 #include "tests/gpu/host_sync_counter.h"
@@ -205,8 +205,8 @@ TEST(BoundaryDeviceTest, RowsAndGradientsCrossInDeviceMemory) {
   for (transport::Transport* t : {enc_t->get(), llm_t->get()}) {
     auto* ucx = dynamic_cast<transport::ucx::UcxTransport*>(t);
     ASSERT_NE(ucx, nullptr) << "the kUcx backend is not a UcxTransport";
-    absl::Status selected = transport::ucx::SelectProgressThreadDevice(
-        *ucx, c10::Device(c10::kCUDA, 0), absl::Now() + absl::Seconds(30));
+    absl::Status selected = nn::SelectProgressThreadDevice(*ucx, c10::Device(c10::kCUDA, 0),
+                                                           absl::Now() + absl::Seconds(30));
     ASSERT_TRUE(selected.ok()) << selected;
   }
   CrossAndCompare(enc_t->get(), llm_t->get(), c10::Device(c10::kCUDA, 0));

@@ -2,7 +2,7 @@
 // a UCX device test instead of skipping it. tools/gpu-check sets HETPAR_GPU_REQUIRE_CUDA_UCX=1
 // where it sees a GPU: there such a UCX is the build's or the bundle's fault (a CUDA module
 // missing), not the machine's. (The tests make their GPU current on UCX's progress thread as a
-// worker does: transport::ucx::SelectProgressThreadDevice.)
+// worker does: nn::SelectProgressThreadDevice.)
 #ifndef HETPAR_TESTS_GPU_REQUIRE_CUDA_UCX_H_
 #define HETPAR_TESTS_GPU_REQUIRE_CUDA_UCX_H_
 

@@ -49,10 +49,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/nn/ucx_progress_device.h"
 #include "common/transport/factory.h"
 #include "common/transport/nccl/nccl_transport.h"
 #include "common/transport/transport.h"
-#include "common/transport/ucx/progress_device.h"
 #include "common/transport/ucx/ucx_transport.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -108,7 +108,7 @@ absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> CreateUcx(const std::string& 
   options.same_host_zero_copy = same_host_zero_copy;
   absl::StatusOr<std::unique_ptr<ucx::UcxTransport>> ucx = ucx::UcxTransport::Create(options);
   if (ucx.ok() && torch::cuda::is_available()) {
-    if (absl::Status s = ucx::SelectProgressThreadDevice(
+    if (absl::Status s = hetpar::nn::SelectProgressThreadDevice(
             **ucx, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)),
             absl::Now() + absl::Seconds(30));
         !s.ok()) {

@@ -4,10 +4,10 @@
 // transport bench and the device tests all make the GPU they compute on current there, with its
 // context bound, through this one function.
 //
-//   HETPAR_RETURN_IF_ERROR(transport::ucx::SelectProgressThreadDevice(
+//   HETPAR_RETURN_IF_ERROR(nn::SelectProgressThreadDevice(
 //       *ucx, execution.device(), absl::Now() + peer_timeout));
-#ifndef HETPAR_COMMON_TRANSPORT_UCX_PROGRESS_DEVICE_H_
-#define HETPAR_COMMON_TRANSPORT_UCX_PROGRESS_DEVICE_H_
+#ifndef HETPAR_COMMON_NN_UCX_PROGRESS_DEVICE_H_
+#define HETPAR_COMMON_NN_UCX_PROGRESS_DEVICE_H_
 
 #include <c10/core/Device.h>
 
@@ -15,16 +15,16 @@
 #include "absl/time/time.h"
 #include "common/transport/ucx/ucx_transport.h"
 
-namespace hetpar::transport::ucx {
+namespace hetpar::nn {
 
 // Makes `device` the current device of `ucx`'s progress thread, its CUDA context bound (as
-// nn::MakeDeviceCurrent does on the calling thread). Nothing to do for a CPU device. Fails with
-// libtorch's error, as nn::RunTorch maps it, when the device cannot be made current there (a
+// MakeDeviceCurrent does on the calling thread). Nothing to do for a CPU device. Fails with
+// libtorch's error, as RunTorch maps it, when the device cannot be made current there (a
 // CUDA error, an index the process cannot see); with DeadlineExceeded when the progress thread
 // has not run the call by `deadline`; with Unavailable once the transport is shutting down.
-absl::Status SelectProgressThreadDevice(UcxTransport& ucx, const c10::Device& device,
-                                        absl::Time deadline);
+absl::Status SelectProgressThreadDevice(transport::ucx::UcxTransport& ucx,
+                                        const c10::Device& device, absl::Time deadline);
 
-}  // namespace hetpar::transport::ucx
+}  // namespace hetpar::nn
 
-#endif  // HETPAR_COMMON_TRANSPORT_UCX_PROGRESS_DEVICE_H_
+#endif  // HETPAR_COMMON_NN_UCX_PROGRESS_DEVICE_H_
