@@ -2,7 +2,8 @@
 # tools/gpu-bundle and tools/gpu-check --bundle, as on a GPU machine that cannot build hetpar: packs
 # the build folder's binaries, then (as root, in a private mount namespace) hides the build folder,
 # the venv's UCX wheel and every system copy of a library the bundle carries, and runs gpu-check
-# from the bundle with --cpu-train: the gpu tests (they skip without a GPU), three 4-step training
+# from the bundle with --cpu-train: the gpu tests (they skip without a GPU, but for gpu_kernels_test,
+# which checks itself on the CPU), three 4-step training
 # runs compared with the float64 reference, two 8-step runs of the master-weights check, and
 # step_bench, packing its logs (--logs); then with --deadline 1 (nothing runs, and the runs after
 # the float32 run are left out, saying why). Then the refusals: a bundle built against another
@@ -88,8 +89,10 @@ if [ "$(id -u)" != 0 ] || ! unshare -m --propagation private true 2>/dev/null; t
 fi
 
 status=0
-"${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 \
-  --master-weights-steps 8 --logs "$work/logs.tar.gz" >"$work/check.jsonl" 2>"$work/check.log" ||
+# gpu_kernels_test's self-check on the CPU runs its cases, which record the attention kernel they
+# saw (RecordProperty): the gpu_tests line must carry those properties.
+HETPAR_GPU_TEST_ON_CPU=1 "${hide[@]}" "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train \
+  --train-steps 4 --master-weights-steps 8 --logs "$work/logs.tar.gz" >"$work/check.jsonl" 2>"$work/check.log" ||
   status=$?
 if [ "$status" != 0 ]; then
   tail -n 60 "$work/check.log" >&2
@@ -115,6 +118,9 @@ assert checks["bundle"]["undefined_symbols"] == "", checks["bundle"]
 parts = {l["part"]: l for l in lines if l.get("check") == "gpu_tests"}
 assert sorted(parts) == ["main", "nccl"], parts
 # Every gpu test but NCCL's first, NCCL's (the NCCL cases of three binaries) last.
+backends = {case: p["sdp_backend"] for case, p in parts["main"]["properties"].items()
+            if "sdp_backend" in p}
+assert len(backends) >= 4 and all(backends.values()), parts["main"]["properties"]
 assert [l.get("part") for l in lines if l.get("check") == "gpu_tests"] == ["main", "nccl"]
 main, nccl = parts["main"], parts["nccl"]
 assert main["failed"] == 0 and main["passed"] + main["skipped"] > 10, main
