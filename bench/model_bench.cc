@@ -189,15 +189,25 @@ std::vector<Gemm> LlmGemms(const hetpar::v1::LlmModel& m, const std::vector<int6
 
 // at::matmul over a GEMM list: each GEMM `passes` times, with the operand shapes of the forward
 // and of the two backward products, over the GEMM's work rows (half of a causal product's).
-// Unbatched GEMMs (the linear layers, which the model runs as mm/addmm) are 2-D products.
+// Unbatched GEMMs (the linear layers, which the model runs as mm/addmm) are 2-D products laid out
+// as at::linear's are: x @ W^T with W stored [n, k], the weight gradient dY^T @ x, the input
+// gradient dY @ W (cuBLAS's speed depends on which operand is transposed).
 class MatmulBaseline {
  public:
   MatmulBaseline(const std::vector<Gemm>& gemms, at::ScalarType dtype, c10::Device device) {
     const auto o = at::TensorOptions().dtype(dtype).device(device);
     for (const Gemm& g : gemms) {
       const int64_t m = g.WorkRows();
+      if (g.batch == 1) {
+        const at::Tensor x = at::randn({m, g.k}, o), w = at::randn({g.n, g.k}, o);
+        const at::Tensor dy = at::randn({m, g.n}, o);
+        operands_.push_back({x, w.t()});
+        if (g.passes >= 2) operands_.push_back({dy.t(), x});
+        if (g.passes >= 3) operands_.push_back({dy, w});
+        continue;
+      }
       auto operand = [&](int64_t rows, int64_t cols) {
-        return g.batch == 1 ? at::randn({rows, cols}, o) : at::randn({g.batch, rows, cols}, o);
+        return at::randn({g.batch, rows, cols}, o);
       };
       operands_.push_back({operand(m, g.k), operand(g.k, g.n)});
       if (g.passes >= 2) operands_.push_back({operand(g.k, m), operand(m, g.n)});
