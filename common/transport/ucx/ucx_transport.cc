@@ -946,6 +946,9 @@ void Core::IssueSend(PeerConn* conn, const std::shared_ptr<UcxOp>& op) {
                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   param.cb.send = &Core::OnSendDone;
   param.user_data = op.get();
+  // Host memory skips UCX's detection of the buffer. A CUDA type does not: UCX's protocols (v2,
+  // its default) still look the buffer up, its GPU included, which their choice of CUDA IPC or a
+  // copy needs.
   param.memory_type = op->zero_copy ? UCS_MEMORY_TYPE_HOST : op->memory_type;
   void* request = ucp_tag_send_nbx(conn->ep, data, length, wire_tag, &param);
   if (UCS_PTR_IS_ERR(request)) {
