@@ -496,45 +496,37 @@ void Core::Close() {
       ucp_request_cancel(worker_, control_request_);
       for (int i = 0; i < 100 && control_request_ != nullptr; ++i) ucp_worker_progress(worker_);
     }
-    // Whatever UCX did not finish by the shutdown deadline completes here; the worker is
-    // destroyed below, so nothing touches the callers' buffers afterwards. UCX still holds the
-    // requests of endpoints that did not close by then (a send queued to a peer that stopped
-    // answering) and completes them as it destroys the worker, calling back with their ops as
-    // user data: the ops stay alive until it returns, whoever else let go of them.
-    const absl::Status destroyed = absl::CancelledError("cancelled: the transport was destroyed");
+    // Whatever UCX did not finish by the shutdown deadline completes here, once the worker is
+    // destroyed: until then UCX still holds the requests of endpoints that did not close by the
+    // deadline (a send queued to a peer that stopped answering), and a caller woken earlier could
+    // free a buffer UCX may still touch. As it destroys the worker UCX completes those requests,
+    // calling back with their ops as user data: the ops stay alive until it returns, and those
+    // callbacks only free their requests (destroying_).
     std::vector<std::shared_ptr<UcxOp>> held;
+    std::vector<std::shared_ptr<Completion>> closes;
     for (auto& [id, conn] : conns_) {
-      for (auto& [raw, op] : conn->in_flight) {
-        held.push_back(op);
-        if (op->completion != nullptr) {
-          op->completion->Complete(absl::CancelledError(
-              absl::StrCat(op->completion->description(), ": ", destroyed.message())));
-        }
-      }
-      for (auto& op : conn->waiting_sends) {
-        op->completion->Complete(absl::CancelledError(
-            absl::StrCat(op->completion->description(), ": ", destroyed.message())));
-      }
-      for (auto& [id, op] : conn->zero_copy_sends) {
-        op->completion->Complete(absl::CancelledError(
-            absl::StrCat(op->completion->description(), ": ", destroyed.message())));
-      }
+      for (auto& [raw, op] : conn->in_flight) held.push_back(op);
+      for (auto& op : conn->waiting_sends) held.push_back(op);
+      for (auto& [id, op] : conn->zero_copy_sends) held.push_back(op);
       conn->zero_copy_sends.clear();
       conn->in_flight.clear();
       conn->waiting_sends.clear();
-      for (auto& waiter : conn->close_waiters) waiter->Complete(absl::OkStatus());
+      closes.insert(closes.end(), conn->close_waiters.begin(), conn->close_waiters.end());
       conn->close_waiters.clear();
     }
-    for (PendingRead& read : pending_reads_) {
-      read.op->completion->Complete(absl::CancelledError(
-          absl::StrCat(read.op->completion->description(), ": ", destroyed.message())));
-    }
+    for (PendingRead& read : pending_reads_) held.push_back(read.op);
     pending_reads_.clear();
     destroying_ = true;
     ucp_worker_destroy(worker_);
     worker_ = nullptr;
     destroying_ = false;
-    held.clear();
+    const absl::Status destroyed = absl::CancelledError("cancelled: the transport was destroyed");
+    for (const std::shared_ptr<UcxOp>& op : held) {
+      if (op->completion == nullptr) continue;  // a control message
+      op->completion->Complete(absl::CancelledError(
+          absl::StrCat(op->completion->description(), ": ", destroyed.message())));
+    }
+    for (const std::shared_ptr<Completion>& close : closes) close->Complete(absl::OkStatus());
   }
   if (context_ != nullptr) ucp_cleanup(context_);
   context_ = nullptr;
