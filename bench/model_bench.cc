@@ -74,7 +74,7 @@ struct Gemm {
 
 struct BenchCase {
   std::string module;  // encoder | llm
-  std::string config;  // tiny | mid
+  std::string config;  // tiny | mid | gpu
   int tp = 1;
   bool sp = false;
   at::ScalarType dtype = at::kFloat;

@@ -387,7 +387,8 @@ absl::Status RunHetparWorker(const Config& config) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Gloo worker (libtorch c10d). c10::Error is translated to Status here and only here.
+// Gloo worker (libtorch c10d). Its c10::Error is translated to Status here (the CUDA set-up
+// above goes through nn::RunTorch).
 
 absl::Status RunGlooWorkerOrThrow(const Config& config) {
   auto store = c10::make_intrusive<c10d::FileStore>(config.dir + "/gloo.store", 2);

@@ -120,7 +120,10 @@ assert sorted(parts) == ["main", "nccl"], parts
 # Every gpu test but NCCL's first, NCCL's (the NCCL cases of three binaries) last.
 backends = {case: p["sdp_backend"] for case, p in parts["main"]["properties"].items()
             if "sdp_backend" in p}
-assert len(backends) >= 4 and all(backends.values()), parts["main"]["properties"]
+# gpu_kernels_test's eight attention cases, each with the kernel it saw.
+assert len(backends) >= 8, parts["main"]["properties"]
+assert set(backends.values()) <= {"math", "flash_attention", "efficient_attention",
+                                  "cudnn_attention"}, backends
 assert [l.get("part") for l in lines if l.get("check") == "gpu_tests"] == ["main", "nccl"]
 main, nccl = parts["main"], parts["nccl"]
 assert main["failed"] == 0 and main["passed"] + main["skipped"] > 10, main
@@ -155,7 +158,7 @@ status=0
 "$repo/tools/gpu-check" --bundle "$work/bundle" --cpu-train --train-steps 4 --deadline 1 \
   >"$work/deadline.jsonl" 2>"$work/deadline.log" || status=$?
 [ "$status" = 1 ] || { tail -n 20 "$work/deadline.log" >&2; fail "--deadline 1: exit status $status, expected 1"; }
-grep -q "not run: less than 20 s of the --deadline (1 s) left" "$work/deadline.log" ||
+grep -q "not run: under 45 s of the --deadline (1 s) left" "$work/deadline.log" ||
   fail "--deadline 1: no step was refused for the deadline"
 "$python" - "$work/deadline.jsonl" <<'EOF' || { cat "$work/deadline.jsonl" >&2; fail "--deadline 1's lines"; }
 import json, sys
@@ -178,6 +181,19 @@ assert len(step) == 1 and "cpu_float32 run failed" in step[0]["not_run"], lines
 main = [l for l in lines if l.get("part") == "main"][0]
 assert main["not_run"] and main["failed"] == 0 and main["failures"] == [], main
 EOF
+
+# ---- An archive is never unpacked over a build folder ----
+# (A stand-in folder: a regression must not delete the real build.)
+mkdir -p "$work/a-build"
+touch "$work/a-build/CMakeCache.txt" "$work/a-build/kept" "$work/not-unpacked.tar.xz"
+status=0
+"$repo/tools/gpu-check" --bundle "$work/not-unpacked.tar.xz" --build-dir "$work/a-build" --no-train \
+  >"$work/over-build.jsonl" 2>"$work/over-build.log" || status=$?
+[ "$status" = 1 ] || { cat "$work/over-build.log" >&2; fail "a bundle over a build folder: exit $status"; }
+grep -q "a-build is a CMake build folder: not unpacking the bundle over it" "$work/over-build.log" ||
+  { cat "$work/over-build.log" >&2; fail "a bundle over a build folder: no refusal naming it"; }
+[ -e "$work/a-build/kept" ] || fail "the build folder was deleted"
+grep -q '"failed_step":"bundle"' "$work/over-build.jsonl" || fail "a bundle over a build folder: no summary"
 
 # ---- A GPU that libtorch does not see ----
 # nvidia-smi lists a GPU (here a stand-in on PATH for the host's) that torch cannot use (a driver
