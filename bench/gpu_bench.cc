@@ -75,7 +75,7 @@ struct LayerShape {
   int64_t heads = 16;
   int64_t kv_heads = 8;
   int64_t tokens = 4096;   // rows of the packed microbatch
-  int64_t seq_len = 2048;  // tokens per sample (attention runs per sample)
+  int64_t seq_len = kDefaultSeqLen;  // tokens per sample (attention runs per sample)
 
   int64_t head_dim() const { return hidden / heads; }
   int64_t samples() const { return tokens / seq_len; }

@@ -1024,7 +1024,7 @@ void Core::OnRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_inf
 void Core::OnOpDone(UcxOp* op, void* request, ucs_status_t status, size_t length,
                     ucp_tag_t sender_tag) {
   if (request != nullptr) ucp_request_free(request);
-  // The op was completed as the transport was released; its connection is going away.
+  // The transport is being released: Close completes the op once the worker is gone.
   if (destroying_) return;
   PeerConn* conn = FindConn(op->peer);
   std::shared_ptr<UcxOp> hold;
