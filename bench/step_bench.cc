@@ -16,11 +16,15 @@
 //                                         compute + collectives (1.0 = perfect overlap)
 //   bridge_gbps, bridge_message_bytes     bytes / transfer time over the measured steps (both
 //                                         directions), and the mean message size
-//   split_timing                          "host" where run.device is cuda: the workers time their
-//                                         compute around kernel launches that do not wait for
-//                                         the GPU, so the compute/wait split (and the efficiency
-//                                         and hidden fraction built on it) is not the GPU's;
-//                                         step_time_s and tokens_per_s are. "device" on the CPU.
+//   split_timing                          "device" on the CPU, where every time is the one
+//   device's.
+//                                         "device_compute" where run.device is cuda: compute is
+//                                         the GPU's time in each forward and backward (CUDA
+//                                         events), while the waits and collectives are the host's,
+//                                         and the GPU may compute during a host wait, so the
+//                                         parts may add up to more than the step (the efficiency
+//                                         and hidden fraction built on them are approximate);
+//                                         step_time_s and tokens_per_s are exact either way.
 //
 // Then, in the same run, `transport_bw` (hetpar's UCX transport between two processes) at each
 // case's mean message size, once with its default window of 4 messages in flight and once with 1
@@ -170,10 +174,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool colocated = loaded->spec.placement() == hetpar::v1::PLACEMENT_COLOCATED;
-  // The workers time their compute on the host, around kernel launches that do not wait for
-  // the GPU: on CUDA the split between compute and bridge waits is not the GPU's (step time and
-  // tokens per second are).
-  const std::string timing = loaded->spec.run().device() == "cuda" ? "host" : "device";
+  // On CUDA the workers' compute is the GPU's time (CUDA events) and their waits the host's.
+  const std::string timing = loaded->spec.run().device() == "cuda" ? "device_compute" : "device";
   const auto pipeline = [&](int stages) {
     return " --set run.micro_batch=1" +
            (colocated ? std::string() : std::string(" --set run.max_inflight=4")) +

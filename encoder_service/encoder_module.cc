@@ -49,7 +49,7 @@ absl::StatusOr<EncoderStepStats> EncoderModule::RunModel(
 worker::ModuleTimings EncoderModule::Timings(const EncoderStepStats& stats) {
   worker::ModuleTimings timings;
   timings.module = "encoder";
-  timings.values = {{"compute_s", stats.compute_s},
+  timings.values = {{"compute_s", worker::ComputeSeconds(stats.compute, "encoder")},
                     {"bridge_wait_s", stats.bridge_wait_s},
                     {"collective_s", stats.collective_s},
                     {"data_s", stats.data_s},

@@ -32,7 +32,8 @@ class EncoderModule : public worker::SingleModuleRuntime {
   // with `between` the colocated schedule (every forward, `between`, every backward).
   absl::StatusOr<EncoderStepStats> RunModel(const plan::RankStepPlan& plan,
                                             const std::function<absl::Status()>& between);
-  // The step's figures, without the bridge figures, from RunModel's stats.
+  // The step's figures, without the bridge figures, from RunModel's stats; after the step's read
+  // of the device, which its compute time on a GPU needs (worker::ComputeSeconds).
   static worker::ModuleTimings Timings(const EncoderStepStats& stats);
   worker::ModuleState& state() { return state_; }
 

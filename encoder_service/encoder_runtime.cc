@@ -40,6 +40,7 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStep(const plan::RankStepPla
 absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     const plan::RankStepPlan& plan, const std::function<absl::Status()>& between) {
   EncoderStepStats stats;
+  stats.compute = nn::ComputeSpans(model_->options().device);
   const auto& em = model_->model();
   const int64_t bytes_sent0 = boundary_->bytes_sent();
   const int64_t bytes_received0 = boundary_->bytes_received();
@@ -92,8 +93,10 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
       trace::Record(trace::kEncoderLane, "tp all-reduce gradients", "collective", t0,
                     {{"wave", wave}});
       t0 = Clock::now();
-      HETPAR_RETURN_IF_ERROR(model_->Backward(job.output, grad));
-      stats.compute_s += Since(t0);
+      stats.compute.Begin();
+      const absl::Status backward = model_->Backward(job.output, grad);
+      stats.compute.End();
+      HETPAR_RETURN_IF_ERROR(backward);
       trace::Record(trace::kEncoderLane, "backward", "compute", t0, {{"wave", wave}});
       t0 = Clock::now();
     }
@@ -137,11 +140,12 @@ absl::StatusOr<EncoderStepStats> EncoderRuntime::RunStepAround(
     stats.data_s += Since(t_data);
     trace::Record(trace::kEncoderLane, "load images", "data", t_data, {{"wave", job.wave}});
     auto t0 = Clock::now();
-    HETPAR_ASSIGN_OR_RETURN(
-        at::Tensor images,
-        train::ImagesTensor(pixels, em.channels(), em.image_size(), model_->parameters().dtype()));
-    HETPAR_ASSIGN_OR_RETURN(at::Tensor output, model_->Forward(images));
-    stats.compute_s += Since(t0);
+    stats.compute.Begin();
+    absl::StatusOr<at::Tensor> encoded =
+        train::ImagesTensor(pixels, em.channels(), em.image_size(), model_->parameters().dtype());
+    if (encoded.ok()) encoded = model_->Forward(*encoded);
+    stats.compute.End();
+    HETPAR_ASSIGN_OR_RETURN(at::Tensor output, std::move(encoded));
     trace::Record(trace::kEncoderLane, "forward", "compute", t0,
                   {{"wave", job.wave}, {"images", static_cast<int64_t>(job.images.size())}});
     if (output.size(0) != job.rows) {

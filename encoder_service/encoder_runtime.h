@@ -22,6 +22,7 @@
 #include "absl/time/time.h"
 #include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
+#include "common/nn/compute_spans.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
 #include "common/train/grad_reducer.h"
@@ -32,7 +33,9 @@ namespace hetpar::encoder {
 struct EncoderStepStats {
   int64_t jobs = 0;
   int64_t images = 0;
-  double compute_s = 0;      // forward and backward
+  // Forward and backward, each a span: the device's time on a GPU, read (Seconds) after the
+  // step's host sync (EncoderModule::RunStep).
+  nn::ComputeSpans compute;
   double bridge_wait_s = 0;  // waiting for gradients and for sends to complete
   double collective_s = 0;   // TP gradient share and DP gradient sum
   double data_s = 0;         // loading and decoding the images

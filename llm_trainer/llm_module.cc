@@ -90,7 +90,7 @@ worker::StepOutcome LlmModule::Outcome(const plan::RankStepPlan& plan, const Llm
   outcome.loss_tokens = stats.loss_tokens;
   worker::ModuleTimings& timings = outcome.modules.emplace_back();
   timings.module = "llm";
-  timings.values = {{"compute_s", stats.compute_s},
+  timings.values = {{"compute_s", worker::ComputeSeconds(stats.compute, "llm")},
                     {"bridge_wait_s", stats.bridge_wait_s},
                     {"collective_s", stats.collective_s},
                     {"data_s", stats.data_s},

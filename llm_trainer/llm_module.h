@@ -33,7 +33,8 @@ class LlmModule : public worker::SingleModuleRuntime {
   // the device: the loss stays on the device (stats.loss) for the caller's read
   // (ModuleState::EndSteps, with the encoder's share when colocated).
   absl::StatusOr<LlmStepStats> RunModel(const plan::RankStepPlan& plan);
-  // The step's outcome, without the bridge figures, from RunModel's stats and the loss read.
+  // The step's outcome, without the bridge figures, from RunModel's stats and the loss read (the
+  // step's read of the device, which its compute time on a GPU also needs).
   worker::StepOutcome Outcome(const plan::RankStepPlan& plan, const LlmStepStats& stats,
                               double loss) const;
   // Colocated: waits for the gradient sends RunModel left pending.

@@ -163,6 +163,7 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
   // The data plane's messages land in host memory (pinned when the model is on a GPU), or on the
   // device when the boundary moves device memory; the model's tensors live on its device.
   const c10::Device device = model_->options().device;
+  stats.compute = nn::ComputeSpans(device);
   const at::TensorOptions row_options =
       at::TensorOptions().dtype(model_->parameters().dtype()).device(device);
   const at::TensorOptions host_rows =
@@ -276,9 +277,11 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
       f.input.requires_grad_(true);
     }
     auto t0 = Clock::now();
-    HETPAR_ASSIGN_OR_RETURN(LlmStageResult result,
-                            model_->ForwardStage(samples, f.image_rows, f.input, plan.n_global));
-    stats.compute_s += Since(t0);
+    stats.compute.Begin();
+    absl::StatusOr<LlmStageResult> forwarded =
+        model_->ForwardStage(samples, f.image_rows, f.input, plan.n_global);
+    stats.compute.End();
+    HETPAR_ASSIGN_OR_RETURN(LlmStageResult result, std::move(forwarded));
     trace::Record(trace::kLlmLane, "forward", "compute", t0,
                   {{"wave", wave}, {"samples", static_cast<int64_t>(samples.size())}});
     if (last) {
@@ -307,12 +310,11 @@ absl::StatusOr<LlmStepStats> LlmRuntime::RunStep(const plan::RankStepPlan& plan)
     auto t0 = Clock::now();
     // The step's last backward starts the DP all-reduce of each gradient bucket it completes.
     if (m + 1 == waves) reducer_->ArmLastBackward();
-    if (last) {
-      HETPAR_RETURN_IF_ERROR(model_->Backward(f.loss));
-    } else {
-      HETPAR_RETURN_IF_ERROR(model_->BackwardStage(f.output, output_grad));
-    }
-    stats.compute_s += Since(t0);
+    stats.compute.Begin();
+    const absl::Status backward =
+        last ? model_->Backward(f.loss) : model_->BackwardStage(f.output, output_grad);
+    stats.compute.End();
+    HETPAR_RETURN_IF_ERROR(backward);
     trace::Record(trace::kLlmLane, "backward", "compute", t0, {{"wave", wave}});
     if (!first) {
       at::Tensor grad = f.input.grad();

@@ -33,6 +33,7 @@
 #include "absl/time/time.h"
 #include "common/data/batch_source.h"
 #include "common/nn/communicator.h"
+#include "common/nn/compute_spans.h"
 #include "common/plan/step_plan.h"
 #include "common/train/boundary.h"
 #include "common/train/grad_reducer.h"
@@ -49,7 +50,9 @@ struct LlmStepStats {
   int64_t loss_tokens = 0;  // loss tokens of this replica's microbatches
   int64_t tokens = 0;       // sequence positions of this replica's microbatches
   int64_t images = 0;
-  double compute_s = 0;        // forward and backward
+  // Forward and backward, each a span: the device's time on a GPU, read (Seconds) after the
+  // step's host sync (LlmModule::RunStep).
+  nn::ComputeSpans compute;
   double bridge_wait_s = 0;    // waiting for image rows and for gradient sends to complete
   double collective_s = 0;     // TP share of image rows and gradients, DP gradient sum
   double pipeline_wait_s = 0;  // waiting for the neighbouring stages' activations and gradients

@@ -365,6 +365,18 @@ absl::Duration HalfStepTimeout(const v1::RunSpec& spec) {
 }
 }  // namespace
 
+double ComputeSeconds(const nn::ComputeSpans& spans, std::string_view module) {
+  absl::StatusOr<double> seconds = spans.Seconds();
+  if (seconds.ok()) return *seconds;
+  static std::atomic<bool> warned{false};
+  if (!warned.exchange(true)) {
+    HETPAR_LOG(WARNING) << module << " compute time: " << StatusText(seconds.status())
+                        << "; reporting the host's time between the same marks instead (not "
+                           "said again)";
+  }
+  return spans.host_seconds();
+}
+
 RunningCheckpointWrites CheckpointWritesRunning() {
   absl::MutexLock lock(&g_writes_mu);
   // A save given up as hung is not waited for again.

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/nn/communicator.h"
+#include "common/nn/compute_spans.h"
 #include "common/nn/parameters.h"
 #include "common/train/optimizer.h"
 #include "common/worker/bootstrap.h"
@@ -155,6 +157,11 @@ struct RunningCheckpointWrites {
   absl::Time bound = absl::InfinitePast();
 };
 RunningCheckpointWrites CheckpointWritesRunning();
+
+// A module's "compute_s" for its step line: the runtime's spans (nn::ComputeSpans), read after
+// the step's EndStep(s), which on a GPU is the device's time. Where that cannot be read, the
+// host's time between the same marks, with a warning naming `module` and why (once per process).
+double ComputeSeconds(const nn::ComputeSpans& spans, std::string_view module);
 
 // ModuleRuntime::Regroup for the module states of one worker: opens the rendezvous store of
 // `generation` (once), then forms each state's groups in it.

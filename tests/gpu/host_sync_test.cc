@@ -4,7 +4,9 @@
 // gradient norm parts, checked with libtorch's CUDA sync debug mode
 // (tests/gpu/host_sync_counter.h): the compute with syncs made to throw on every thread
 // (autograd runs a CUDA backward on its own device thread), the read with them counted. The
-// training thread may wait for the device once per step: that read.
+// training thread may wait for the device once per step: that read. The compute is timed as the
+// runtimes time it (nn::ComputeSpans: CUDA events around each forward and backward), which must
+// add no sync, and whose device time is readable after the step-end read without another.
 //
 // Skips, saying why, where no CUDA device is visible or this libtorch has no CUDA.
 #include <ATen/ATen.h>
@@ -18,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "common/nn/communicator.h"
+#include "common/nn/compute_spans.h"
 #include "common/train/optimizer.h"
 #include "encoder_service/encoder.h"
 #include "llm_trainer/language_model.h"
@@ -101,33 +104,45 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
                                                Sample(14, 3, {1, 2, 3, 4, 8, 9, 10, 11})};
   const at::Tensor images = at::randn({3, 3, 8, 8});  // on the host, as the data loader makes them
 
-  // The step's loss, or undefined after a failure (reported).
-  auto run_step = [&]() -> at::Tensor {
+  // The step's loss, or undefined after a failure (reported). Each forward and backward is a
+  // span of `spans`, as in the runtimes.
+  auto run_step = [&](nn::ComputeSpans& spans) -> at::Tensor {
+    spans.Begin();
     auto rows = (*encoder)->Forward(images);
+    spans.End();
     if (!rows.ok()) {
       ADD_FAILURE() << "encoder forward: " << rows.status();
       return at::Tensor();
     }
     // The LLM takes the encoder's rows as a leaf, as across the boundary.
     const at::Tensor image_rows = rows->detach().requires_grad_(true);
+    spans.Begin();
     auto result = (*lm)->ForwardStage(samples, image_rows, at::Tensor(), /*n_global=*/3);
+    spans.End();
     if (!result.ok()) {
       ADD_FAILURE() << "llm forward: " << result.status();
       return at::Tensor();
     }
     // Backward runs on autograd's device thread: a sync there fails it (SyncsThrow).
-    if (const absl::Status s = (*lm)->Backward(result->loss); !s.ok()) {
-      ADD_FAILURE() << "llm backward: " << s;
+    spans.Begin();
+    const absl::Status llm_backward = (*lm)->Backward(result->loss);
+    spans.End();
+    if (!llm_backward.ok()) {
+      ADD_FAILURE() << "llm backward: " << llm_backward;
       return at::Tensor();
     }
-    if (const absl::Status s = (*encoder)->Backward(*rows, image_rows.grad()); !s.ok()) {
-      ADD_FAILURE() << "encoder backward: " << s;
+    spans.Begin();
+    const absl::Status encoder_backward = (*encoder)->Backward(*rows, image_rows.grad());
+    spans.End();
+    if (!encoder_backward.ok()) {
+      ADD_FAILURE() << "encoder backward: " << encoder_backward;
       return at::Tensor();
     }
     return result->loss.detach().to(at::kDouble).reshape({1});
   };
   // A first step outside the check: one-time set-up (cuBLAS handles, the pinned memory pool).
-  ASSERT_TRUE(run_step().defined());
+  nn::ComputeSpans warm_up_spans(gpu);
+  ASSERT_TRUE(run_step(warm_up_spans).defined());
   const bool varlen = GetParam() == at::kBFloat16;
   if (varlen) {
     // The checked step must take the varlen kernel's path; a GPU without it fails here.
@@ -136,11 +151,12 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
   const int64_t varlen_layers = (*lm)->varlen_attention_layers();
 
   at::Tensor loss;
+  nn::ComputeSpans spans(gpu);
   {
     // No host sync in the step's compute, on this thread or autograd's: one throws, and the
     // step fails naming it.
     testing::SyncsThrow syncs_throw;
-    loss = run_step();
+    loss = run_step(spans);
   }
   ASSERT_TRUE(loss.defined()) << "the step's compute made a host sync (above)";
   if (varlen) {
@@ -154,6 +170,13 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
                                     train::OwnedGradSumParts((*encoder)->parameters())});
   const at::Tensor host = parts.cpu();
   EXPECT_EQ(counter.syncs(), 1) << "host syncs in the step end's read:" << Where(counter);
+  // The compute's device time, read after that sync and without another.
+  testing::HostSyncCounter span_reads;
+  const absl::StatusOr<double> compute_s = spans.Seconds();
+  EXPECT_EQ(span_reads.syncs(), 0) << "host syncs in reading the spans:" << Where(span_reads);
+  ASSERT_TRUE(compute_s.ok()) << compute_s.status();
+  EXPECT_EQ(spans.spans(), 4);
+  EXPECT_GT(*compute_s, 0.0);
   EXPECT_TRUE(std::isfinite(host[0].item<double>()));
   EXPECT_GT(host[0].item<double>(), 0.0);
 #endif
