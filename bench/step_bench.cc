@@ -16,15 +16,14 @@
 //                                         compute + collectives (1.0 = perfect overlap)
 //   bridge_gbps, bridge_message_bytes     bytes / transfer time over the measured steps (both
 //                                         directions), and the mean message size
-//   split_timing                          "device" on the CPU, where every time is the one
-//   device's.
+//   split_timing                          "device" on the CPU, where every time is the CPU's.
 //                                         "device_compute" where run.device is cuda: compute is
 //                                         the GPU's time in each forward and backward (CUDA
 //                                         events), while the waits and collectives are the host's,
 //                                         and the GPU may compute during a host wait, so the
-//                                         parts may add up to more than the step (the efficiency
-//                                         and hidden fraction built on them are approximate);
-//                                         step_time_s and tokens_per_s are exact either way.
+//                                         parts may add up to more than the step and
+//                                         pipelining_efficiency is approximate; step_time_s and
+//                                         tokens_per_s are exact either way.
 //
 // Then, in the same run, `transport_bw` (hetpar's UCX transport between two processes) at each
 // case's mean message size, once with its default window of 4 messages in flight and once with 1

@@ -285,6 +285,19 @@ absl::StatusOr<std::vector<double>> ModuleState::EndSteps(
     offset += grads.numel();
     parts.push_back(std::move(grads));
   }
+  // A rank with nothing to read (a DP replica other than 0 off the LLM's last stage, a frozen
+  // encoder) still waits for its GPU here, once: its compute spans (nn::ComputeSpans) are read
+  // after this, and its report then means that the step's work is done on every rank alike.
+  if (parts.empty()) {
+    for (const auto& [state, extra] : states) {
+      const auto& params = state->params_->parameters();
+      if (params.empty() || !params.front().tensor.is_cuda()) continue;
+      HETPAR_RETURN_IF_ERROR(nn::RunTorch("marking the step's end on the device", [&] {
+        parts.push_back(at::zeros({1}, params.front().tensor.options().dtype(at::kDouble)));
+      }));
+      break;
+    }
+  }
   at::Tensor host;
   if (!parts.empty()) {
     HETPAR_RETURN_IF_ERROR(nn::RunTorch(

@@ -84,7 +84,9 @@ class ModuleState {
   // step's work: this rank's gradient norm share (where GradNormShares sends one) and `extra`
   // (a scalar on the module's device, such as the LLM's loss; undefined: none) come to the host
   // in one copy. Returns `extra`'s value (0 without it); GradNormShares then sends what it read
-  // (and reads the gradients itself without an EndStep first). Apply and Discard drop it.
+  // (and reads the gradients itself without an EndStep first). Apply and Discard drop it. On a
+  // GPU it waits for the device even where there is nothing to read, so that every rank's
+  // compute spans (nn::ComputeSpans) can be read after it.
   absl::StatusOr<double> EndStep(const at::Tensor& extra);
   // EndStep for the module states of one worker (colocated: the encoder's and the LLM's), in one
   // copy for all of them. Returns each state's `extra` value, in order.

@@ -6,7 +6,7 @@
 // (autograd runs a CUDA backward on its own device thread), the read with them counted. The
 // training thread may wait for the device once per step: that read. The compute is timed as the
 // runtimes time it (nn::ComputeSpans: CUDA events around each forward and backward), which must
-// add no sync, and whose device time is readable after the step-end read without another.
+// add no sync, and whose device time is readable after the step-end read.
 //
 // Skips, saying why, where no CUDA device is visible or this libtorch has no CUDA.
 #include <ATen/ATen.h>
@@ -170,10 +170,9 @@ TEST_P(HostSyncTest, AnEncoderJobAndAnLlmMicrobatchQueueWithoutWaitingForTheDevi
                                     train::OwnedGradSumParts((*encoder)->parameters())});
   const at::Tensor host = parts.cpu();
   EXPECT_EQ(counter.syncs(), 1) << "host syncs in the step end's read:" << Where(counter);
-  // The compute's device time, read after that sync and without another.
-  testing::HostSyncCounter span_reads;
+  // The compute's device time: Seconds never waits, so it reads only if that sync passed every
+  // span's end (event queries and elapsed times are not syncs to libtorch's debug mode).
   const absl::StatusOr<double> compute_s = spans.Seconds();
-  EXPECT_EQ(span_reads.syncs(), 0) << "host syncs in reading the spans:" << Where(span_reads);
   ASSERT_TRUE(compute_s.ok()) << compute_s.status();
   EXPECT_EQ(spans.spans(), 4);
   EXPECT_GT(*compute_s, 0.0);
