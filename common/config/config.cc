@@ -653,6 +653,21 @@ class Checker {
   std::vector<ConfigIssue>* issues_;
 };
 
+// The scalar at `path` ("llm.model.heads": a module, its model, a field) of a RunSpec's YAML, as
+// its text; none when absent or not a scalar.
+std::optional<std::string> ModelScalarAt(const YAML::Node& runspec, std::string_view path) {
+  const std::vector<std::string> parts =
+      absl::StrSplit(absl::string_view(path.data(), path.size()), '.');
+  if (parts.size() != 3 || !runspec.IsMap()) return std::nullopt;
+  const YAML::Node module = runspec[parts[0]];
+  if (!module || !module.IsMap()) return std::nullopt;
+  const YAML::Node model = module[parts[1]];
+  if (!model || !model.IsMap()) return std::nullopt;
+  const YAML::Node value = model[parts[2]];
+  if (!value || !value.IsScalar()) return std::nullopt;
+  return value.Scalar();
+}
+
 }  // namespace
 
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) {
@@ -720,6 +735,11 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
       };
       summary.encoder_layers = layers("encoder");
       summary.llm_layers = layers("llm");
+      for (std::string_view path : kCheckpointArchitectureFields) {
+        if (std::optional<std::string> text = ModelScalarAt(runspec, path)) {
+          summary.architecture.emplace(path, *std::move(text));
+        }
+      }
       if (runspec.IsMap()) {
         // The emitter writes true or false (config::RunSpecToYaml).
         summary.encoder_no_final_norm = model_field("encoder", "no_final_norm") == "true";
@@ -1320,6 +1340,21 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                                 "': a resume continues the model the checkpoint holds; "
                                 "resume with ",
                                 field, "=", *recorded));
+          }
+        }
+        // Heads, sizes and the activation: the stored tensors read as the model they were
+        // trained as. The configured values as the same emitter writes them.
+        if (!checkpoint->architecture.empty()) {
+          const YAML::Node configured = YAML::Load(RunSpecToYaml(s));
+          for (const auto& [path, recorded] : checkpoint->architecture) {
+            const std::string text = ModelScalarAt(configured, path).value_or("(unset)");
+            if (text == recorded) continue;
+            c.Fail(path,
+                   absl::StrCat("=", text, " differs from the ", recorded,
+                                " that checkpoint.resume_from='", s.checkpoint().resume_from(),
+                                "' was trained with: a resume continues the model the "
+                                "checkpoint holds; resume with ",
+                                path, "=", recorded));
           }
         }
         // A checkpoint with the final norm resumed without it would drop the trained norm

@@ -113,7 +113,20 @@ struct CheckpointSummary {
   // encoder.model.no_final_norm of that RunSpec (false where it is absent: written before the
   // field, or false); none: the manifest holds no readable RunSpec.
   std::optional<bool> encoder_no_final_norm;
+  // The fields of that RunSpec that decide how the stored parameters are read, apart from the
+  // layers ("encoder.model.heads" -> "16"; kCheckpointArchitectureFields), as its YAML writes
+  // them; only those it holds.
+  std::map<std::string, std::string> architecture;
 };
+// The model fields a resume must keep, besides the layers and encoder.model.no_final_norm: a
+// change of size fails to load, and a change of heads or activation would read the same tensors
+// as another model without a word.
+inline constexpr std::string_view kCheckpointArchitectureFields[] = {
+    "encoder.model.image_size", "encoder.model.patch",      "encoder.model.hidden",
+    "encoder.model.heads",      "encoder.model.mlp",        "encoder.model.out_hidden",
+    "encoder.model.channels",   "encoder.model.activation", "llm.model.hidden",
+    "llm.model.heads",          "llm.model.kv_heads",       "llm.model.ffn",
+    "llm.model.vocab"};
 absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown

@@ -471,6 +471,42 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   with_runspec(2, 2);
   EXPECT_TRUE(with_files(step4, 10).ok());
   EXPECT_EQ(ReadCheckpointSummary(step4)->encoder_no_final_norm, false);
+  // Trained with 8 query heads over 2 KV heads and a tanh GELU: the same tensors, read as 4 heads
+  // and an exact GELU, would be another model. Each field named, with the value to resume with.
+  {
+    const auto with_model = [&](const std::string& encoder_model, const std::string& llm_model) {
+      const nlohmann::json manifest = {
+          {"format", 1},
+          {"step", 4},
+          {"extra",
+           {{"samples_trained", 32},
+            {"runspec", "encoder:\n  model:\n    layers: 2\n" + encoder_model +
+                            "llm:\n  model:\n    layers: 2\n" + llm_model}}}};
+      std::ofstream(dir / "step-000004" / "manifest.json") << manifest.dump();
+    };
+    with_model("    heads: 4\n    activation: \"gelu_tanh\"\n",
+               "    heads: 8\n    kv_heads: 2\n    vocab: 256\n");
+    EXPECT_EQ(ReadCheckpointSummary(step4)->architecture,
+              (std::map<std::string, std::string>{{"encoder.model.heads", "4"},
+                                                  {"encoder.model.activation", "gelu_tanh"},
+                                                  {"llm.model.heads", "8"},
+                                                  {"llm.model.kv_heads", "2"},
+                                                  {"llm.model.vocab", "256"}}));
+    const auto changed = with_files(step4, 10);
+    ExpectIssue(changed, "llm.model.heads", LineOf(kValid, "    heads: 4\n    kv_heads"),
+                "=4 differs from the 8 that checkpoint.resume_from='" + step4 +
+                    "' was trained with: a resume continues the model the checkpoint holds; "
+                    "resume with llm.model.heads=8");
+    ExpectIssue(changed, "encoder.model.activation", 0,
+                "=gelu differs from the gelu_tanh that checkpoint.resume_from='" + step4);
+    EXPECT_THAT(std::string(changed.status().message()),
+                ::testing::Not(HasSubstr("kv_heads:")));  // 2 in both
+    // The same values: resumed.
+    with_model("    heads: 4\n    activation: \"gelu\"\n",
+               "    heads: 4\n    kv_heads: 2\n    vocab: 256\n");
+    const auto same = with_files(step4, 10);
+    EXPECT_TRUE(same.ok()) << same.status();
+  }
   // Written without the tower's final norm: resumed with it, its norm would be missing; written
   // with it and resumed without, the trained norm would be dropped without a word.
   const nlohmann::json without_norm = {
