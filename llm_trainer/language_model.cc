@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -290,6 +292,33 @@ absl::Status LanguageModel::Build() {
     // Parameters are drawn on the host; the model computes on its device.
     parameters_->MoveTo(options_.device);
   });
+}
+
+bool LanguageModel::WholeModelHas(std::string_view name) const {
+  if (name == "llm.embed.weight" || name == "llm.norm.weight" || name == "llm.output.weight") {
+    return true;
+  }
+  // llm.layers.<i>.<one of each layer's parameters, as Build adds them>
+  constexpr std::string_view kLayers = "llm.layers.";
+  constexpr std::string_view kLayerParameters[] = {
+      "attn_norm.weight", "attn.qkv.weight", "attn.proj.weight", "mlp_norm.weight",
+      "mlp.gate.weight",  "mlp.up.weight",   "mlp.down.weight"};
+  if (name.substr(0, kLayers.size()) != kLayers) return false;
+  name.remove_prefix(kLayers.size());
+  const size_t dot = name.find('.');
+  int64_t layer = -1;
+  const char* end = name.data() + (dot == std::string_view::npos ? 0 : dot);
+  // Decimal digits only, with no leading zero: the index as Build writes it.
+  if (dot == std::string_view::npos || dot == 0 || (dot > 1 && name[0] == '0') ||
+      std::from_chars(name.data(), end, layer).ptr != end || layer < 0 ||
+      layer >= model_.layers()) {
+    return false;
+  }
+  name.remove_prefix(dot + 1);
+  for (std::string_view parameter : kLayerParameters) {
+    if (name == parameter) return true;
+  }
+  return false;
 }
 
 absl::Status LanguageModel::Validate(const std::vector<LlmSample>& samples,

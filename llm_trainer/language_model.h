@@ -179,6 +179,9 @@ class LanguageModel {
   // Backpropagates a non-last stage's `output` with `output_grad`, its gradient from the next
   // stage: parameter gradients accumulate, and so does the gradient of the stage's input.
   absl::Status BackwardStage(const at::Tensor& output, const at::Tensor& output_grad);
+  // Whether the whole model (every pipeline stage of it) has a parameter of this name; a stage
+  // loading the whole model's file skips the others' parameters, and only those (init_from).
+  bool WholeModelHas(std::string_view name) const;
   bool first_stage() const { return options_.pp_stage == 0; }
   bool last_stage() const { return options_.pp_stage == options_.pp_stages - 1; }
 

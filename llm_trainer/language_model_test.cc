@@ -439,6 +439,20 @@ TEST(LanguageModelTest, PipelineStagesComposeToTheWholeModel) {
             whole->parameters().FullNumel());
   EXPECT_LE((stage_rows.grad() - whole_rows.grad()).abs().max().item<double>(), 1e-12);
 
+  // Each stage knows the whole model's names (what it may skip in the whole model's file) and
+  // nothing more: not a third layer, not a name written otherwise.
+  for (const auto& stage : stages) {
+    for (const auto& p : whole->parameters().parameters()) {
+      EXPECT_TRUE(stage->WholeModelHas(p.name)) << p.name;
+    }
+    for (const char* name :
+         {"llm.layers.2.mlp.up.weight", "llm.layers.01.mlp.up.weight",
+          "llm.layers.-1.mlp.up.weight", "llm.layers.0.mlp.up.bias", "llm.layers.0",
+          "llm.layers..mlp.up.weight", "llm.lm_head.weight", "vision.embed.weight"}) {
+      EXPECT_FALSE(stage->WholeModelHas(name)) << name;
+    }
+  }
+
   // More stages than layers is refused.
   LlmOptions options;
   options.pp_stages = 3;

@@ -57,7 +57,8 @@ absl::StatusOr<std::unique_ptr<LlmModule>> LlmModule::Create(worker::WorkerConte
   if (!spec.llm().init_from().empty() && spec.checkpoint().resume_from().empty()) {
     HETPAR_RETURN_IF_ERROR(nn::LoadInitialParameters(
         m->model_->parameters(), "llm.init_from", spec.llm().init_from(),
-        model_options.pp_stages > 1 ? nn::FileScope::kModelIsPart : nn::FileScope::kWholeModel));
+        model_options.pp_stages > 1 ? nn::FileScope::kModelIsPart : nn::FileScope::kWholeModel,
+        [model = m->model_.get()](std::string_view name) { return model->WholeModelHas(name); }));
     HETPAR_LOG(INFO) << "llm parameters from " << spec.llm().init_from();
   }
   HETPAR_RETURN_IF_ERROR(m->state_.Train(&m->model_->parameters(), spec.llm().optimizer()));

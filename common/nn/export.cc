@@ -420,7 +420,8 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path) {
   return LoadFullParameters(params, path, FileScope::kWholeModel);
 }
 
-absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope) {
+absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope,
+                                const WholeModelHas& whole_model_has) {
   HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<FileReader> file, FileReader::Open(path));
   HETPAR_ASSIGN_OR_RETURN(std::vector<Entry> entries, ReadIndex(*file));
   std::map<std::string, const Entry*> by_name;
@@ -429,13 +430,21 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, F
       return absl::DataLossError(
           absl::StrCat("parameter file ", path, " holds parameter '", e.name, "' twice"));
     }
-    if (params.Find(e.name) == nullptr && scope == FileScope::kWholeModel) {
+    if (params.Find(e.name) != nullptr) continue;
+    if (scope == FileScope::kWholeModel) {
       // A corrupt name is corruption, not a model mismatch.
       HETPAR_RETURN_IF_ERROR(ReadTensor(*file, e).status());
       return absl::InvalidArgumentError(
           absl::StrCat("parameter file ", path, " holds parameter '", e.name,
                        "', which the model does not have (the model has ",
                        params.parameters().size(), " parameters, the file ", entries.size(), ")"));
+    }
+    if (whole_model_has != nullptr && !whole_model_has(e.name)) {
+      HETPAR_RETURN_IF_ERROR(ReadTensor(*file, e).status());
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter file ", path, " holds parameter '", e.name,
+                       "', which no part of the model has (a file of another or larger model: "
+                       "every part would load what it has and leave the rest)"));
     }
   }
   for (const NamedParameter& p : params.parameters()) {
@@ -479,8 +488,9 @@ absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, F
 }
 
 absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
-                                   const std::string& path, FileScope scope) {
-  absl::Status status = LoadFullParameters(params, path, scope);
+                                   const std::string& path, FileScope scope,
+                                   const WholeModelHas& whole_model_has) {
+  absl::Status status = LoadFullParameters(params, path, scope, whole_model_has);
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat(field, ": ", status.message()));
 }

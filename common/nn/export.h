@@ -36,7 +36,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -71,13 +73,21 @@ enum class FileScope {
   // the model lacks are skipped; every parameter of the model must still be in the file.
   kModelIsPart,
 };
-absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope);
+// Whether a parameter name is one of the whole model's, of which the loading model is a part
+// (LanguageModel::WholeModelHas).
+using WholeModelHas = std::function<bool(std::string_view name)>;
+// With kModelIsPart and `whole_model_has`, an entry the part lacks is skipped only where the
+// whole model has it; any other (a layer past the model's last, from a larger model's file) is
+// InvalidArgument naming it, as kWholeModel has it.
+absl::Status LoadFullParameters(ParameterSet& params, const std::string& path, FileScope scope,
+                                const WholeModelHas& whole_model_has = nullptr);
 
 // LoadFullParameters for a RunSpec field naming the file a run starts from (encoder.init_from,
 // llm.init_from): its errors begin with the field and keep their code.
 absl::Status LoadInitialParameters(ParameterSet& params, const std::string& field,
                                    const std::string& path,
-                                   FileScope scope = FileScope::kWholeModel);
+                                   FileScope scope = FileScope::kWholeModel,
+                                   const WholeModelHas& whole_model_has = nullptr);
 
 // One entry of a parameter file with its full tensor (checksum verified).
 struct FullParameter {

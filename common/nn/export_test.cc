@@ -318,6 +318,20 @@ TEST_F(ExportTest, StagePartsJoinIntoOneFileAndAStageLoadsItsPart) {
                                      [&](const Spec& s) { return s.name == p.name; });
     ExpectIdentical(p.tensor, SliceOf(Trained(spec, at::kFloat), p), p.name);
   }
+  // What the stage skips must be the whole model's: a file holding more (a larger model's) is
+  // refused, naming the first entry no part has, and the stage's parameters stay as they were.
+  const std::string last_name = specs.back().name;
+  const WholeModelHas all_but_last = [&](std::string_view name) { return name != last_name; };
+  auto untouched = MakeSet(first, 0, 1, at::kFloat);
+  const at::Tensor before = untouched->parameters().front().tensor.clone();
+  const absl::Status larger =
+      LoadFullParameters(*untouched, joined, FileScope::kModelIsPart, all_but_last);
+  EXPECT_EQ(larger.code(), absl::StatusCode::kInvalidArgument) << larger;
+  EXPECT_THAT(std::string(larger.message()),
+              HasSubstr("holds parameter '" + last_name + "', which no part of the model has"));
+  ExpectIdentical(untouched->parameters().front().tensor, before, "the first parameter");
+  const WholeModelHas every = [](std::string_view) { return true; };
+  EXPECT_TRUE(LoadFullParameters(*untouched, joined, FileScope::kModelIsPart, every).ok());
   // A repeated name is refused before anything is written.
   whole.push_back(whole.front());
   EXPECT_EQ(WriteFullParameters(whole, dir_ + "/twice.hpar").code(),
