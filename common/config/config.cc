@@ -943,7 +943,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   }
   d.Enum("transport", hetpar::v1::TRANSPORT_KIND_UCX);
   d.Int("checkpoint.every", 0);
-  d.Int("checkpoint.keep", 2);
+  d.Int("checkpoint.keep", kDefaultCheckpointKeep);
   d.String("coordinator.listen", "127.0.0.1:50051");
   d.Double("coordinator.heartbeat_timeout_s", 10.0);
   d.Double("coordinator.register_timeout_s", 120.0);
@@ -1129,7 +1129,8 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
                                                     {"ffn", lm.ffn()},
                                                     {"vocab", lm.vocab()},
                                                     {"seq_len", lm.seq_len()}}) {
-    llm_ok &= c.AtLeast("llm.model." + name, value, 1);
+    // A sample holds at least one position to predict and one token before it.
+    llm_ok &= c.AtLeast("llm.model." + name, value, name == "seq_len" ? 2 : 1);
   }
   llm_ok &= c.FitsInt32("llm.model.vocab", lm.vocab());
   llm_ok &= c.FitsInt32("llm.model.seq_len", lm.seq_len());
@@ -1255,6 +1256,23 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
   }
   if (synth) {
     c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
+    // The generator writes JSONL manifests and a sentencepiece model, while a path ending in
+    // .json is read back as a LLaVA JSON array or a tokenizer.json: such a set would be generated
+    // in full, then fail to load, on every start.
+    for (const auto& [field, path, writes, suffix] :
+         {std::tuple<const char*, std::string, const char*, const char*>{
+              "data.manifest", s.data().manifest(), "a JSONL manifest", ".jsonl"},
+          {"data.val_manifest", s.data().val_manifest(), "a JSONL manifest", ".jsonl"},
+          {"data.tokenizer", s.data().tokenizer(), "a sentencepiece model", ".model"}}) {
+      if (fs::path(path).extension() == ".json") {
+        c.Fail(field, absl::StrCat("='", path, "' ends in .json, which is read as ",
+                                   std::string_view(field) == "data.tokenizer"
+                                       ? "a Hugging Face tokenizer.json"
+                                       : "a LLaVA JSON array",
+                                   ", but data.synth writes ", writes, " there; name a ", suffix,
+                                   " file"));
+      }
+    }
     // What the generator needs of the model, said here with the fields rather than when
     // `hetpar run` generates the set.
     const int64_t seq_len = s.llm().model().seq_len();
@@ -1400,6 +1418,14 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
     c.Fail("checkpoint.every", absl::StrCat("=", s.checkpoint().every(), " must be >= 0"));
   }
   c.AtLeast("checkpoint.keep", s.checkpoint().keep(), 1);
+  // Without a directory nothing is kept. The default stays accepted because written configs
+  // (config.yaml) carry it.
+  if (s.checkpoint().dir().empty() && s.checkpoint().keep() != kDefaultCheckpointKeep &&
+      s.checkpoint().keep() >= 1) {
+    c.Fail("checkpoint.keep", absl::StrCat("=", s.checkpoint().keep(),
+                                           " has no effect without checkpoint.dir (no checkpoint "
+                                           "is written); set checkpoint.dir or leave it unset"));
+  }
   if (s.checkpoint().every() > 0 && s.checkpoint().dir().empty()) {
     c.Fail("checkpoint.every", absl::StrCat("=", s.checkpoint().every(),
                                             " needs checkpoint.dir: expected the directory "
@@ -1436,10 +1462,12 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
            absl::StrCat("='", m, "' is not host:port with a port in [0, 65535] (e.g. "
                         "0.0.0.0:9464; port 0 picks one)"));
   }
-  if (!(s.coordinator().heartbeat_timeout_s() > 0)) {
+  if (!(s.coordinator().heartbeat_timeout_s() >= kMinHeartbeatTimeoutS)) {
     c.Fail("coordinator.heartbeat_timeout_s",
            absl::StrCat("=", FormatDouble(s.coordinator().heartbeat_timeout_s()),
-                        " must be > 0 seconds"));
+                        " must be >= ", FormatDouble(kMinHeartbeatTimeoutS),
+                        " seconds: workers heartbeat every fifth of it (at most every second), "
+                        "and a shorter one takes a busy worker for a lost one"));
   }
   c.AtLeast("failure.max_step_attempts", s.failure().max_step_attempts(), 1);
   for (const auto& [field, value] :

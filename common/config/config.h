@@ -81,6 +81,10 @@ struct LoadOptions {
 
 // run.max_inflight when a config leaves it out, and the only value a colocated run accepts.
 inline constexpr int64_t kDefaultMaxInflight = 2;
+// checkpoint.keep when a config leaves it out, and the only value accepted without a directory.
+inline constexpr int64_t kDefaultCheckpointKeep = 2;
+// The shortest coordinator.heartbeat_timeout_s accepted.
+inline constexpr double kMinHeartbeatTimeoutS = 1.0;
 
 // Where the training data stood at a checkpoint (StepCommit.data): `offset` samples of epoch
 // `epoch`'s order taken over a data index of `index_samples` samples.

@@ -278,11 +278,22 @@ TEST(ConfigTest, RefusedValuesAreShownWithTheirField) {
               "=-1.0 must be > 0");
   ExpectIssue(Load(kValid, {"llm.model.heads=64", "llm.model.kv_heads=1", "llm.layout.tp=1"}),
               "llm.model.heads", 0, "=64 gives an odd head size 1");
-  for (const char* field : {"coordinator.heartbeat_timeout_s", "coordinator.register_timeout_s",
-                            "failure.step_timeout_s"}) {
+  for (const char* field : {"coordinator.register_timeout_s", "failure.step_timeout_s"}) {
     ExpectIssue(Load(kValid, {std::string(field) + "=-2.5"}), field, 0,
                 "=-2.5 must be > 0 seconds");
   }
+  // Workers heartbeat every fifth of the timeout: a timeout of milliseconds loses them all.
+  for (const char* value : {"-2.5", "0.02", "0.99"}) {
+    ExpectIssue(Load(kValid, {std::string("coordinator.heartbeat_timeout_s=") + value}),
+                "coordinator.heartbeat_timeout_s", 0,
+                std::string("=") + (std::string(value) == "0.02" ? "0.02" : value) +
+                    " must be >= 1.0 seconds: workers heartbeat every fifth of it");
+  }
+  EXPECT_TRUE(Load(kValid, {"coordinator.heartbeat_timeout_s=1"}).ok());
+  // A sample needs a position to predict and a token before it.
+  ExpectIssue(
+      Load(kValid, {"llm.model.seq_len=1", "encoder.model.image_size=8", "encoder.model.patch=8"}),
+      "llm.model.seq_len", 0, "=1 must be >= 2");
 }
 
 // What the synthetic data set's generator needs of the model is refused naming the model's
@@ -299,6 +310,18 @@ TEST(ConfigTest, TheSyntheticDataSetsNeedsAreCheckedAgainstTheModel) {
   ExpectIssue(Load(kValid, {"data.synth.samples=64", "encoder.model.image_size=2048",
                             "llm.model.seq_len=65600"}),
               "encoder.model.image_size", 0, "=2048 is outside what the synthetic data set draws");
+  // The generator writes JSONL and a sentencepiece model: paths that would be read back as a
+  // LLaVA JSON array or a tokenizer.json are refused, each named.
+  const auto json_paths =
+      Load(kValid, {"data.synth.samples=64", "data.manifest=train.json",
+                    "data.val_manifest=val.json", "data.tokenizer=tokenizer.json"});
+  ExpectIssue(json_paths, "data.manifest", 0,
+              "/train.json' ends in .json, which is read as a LLaVA JSON array, but data.synth "
+              "writes a JSONL manifest there; name a .jsonl file");
+  ExpectIssue(json_paths, "data.val_manifest", 0, "/val.json' ends in .json");
+  ExpectIssue(json_paths, "data.tokenizer", 0,
+              "/tokenizer.json' ends in .json, which is read as a Hugging Face tokenizer.json, "
+              "but data.synth writes a sentencepiece model there; name a .model file");
   // Without generation, none of it applies.
   EXPECT_TRUE(Load(kValid, {"llm.model.vocab=32"}).ok());
 }
@@ -378,6 +401,11 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
               "=5 needs checkpoint.dir");
   ExpectIssue(Load(kValid, {"checkpoint.dir=c", "checkpoint.keep=0"}), "checkpoint.keep", 0,
               "=0 must be >= 1");
+  // keep without a directory keeps nothing; the default is what written configs carry.
+  ExpectIssue(Load(kValid, {"checkpoint.keep=5"}), "checkpoint.keep", 0,
+              "=5 has no effect without checkpoint.dir (no checkpoint is written)");
+  EXPECT_TRUE(Load(kValid, {"checkpoint.keep=2"}).ok());
+  EXPECT_TRUE(Load(kValid, {"checkpoint.dir=c", "checkpoint.keep=5"}).ok());
   // resume_from must name a complete checkpoint before run.steps.
   const fs::path dir =
       fs::temp_directory_path() / ("hetpar_config_ckpt_" + std::to_string(::getpid()));
