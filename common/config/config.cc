@@ -170,6 +170,13 @@ bool ParseBool(const std::string& text, bool* out) {
 }
 
 // Converts a YAML tree onto a proto message by reflection, collecting every problem.
+// How the user gave an override: the flag override_flags names for it, else its --set.
+std::string OverrideFlag(const std::string& assignment,
+                         const std::map<std::string, std::string>& flags) {
+  auto it = flags.find(assignment);
+  return it != flags.end() ? it->second : absl::StrCat("--set ", assignment);
+}
+
 class YamlToProto {
  public:
   YamlToProto(SourceMap* source, std::vector<ConfigIssue>* issues)
@@ -343,20 +350,22 @@ class YamlToProto {
     // A node a --set put there has its line in the flag's text, not in the file. A mapping on
     // the way to a --set's key that the file did not have (no line: the --set made it, so a
     // misspelt `--set llm.modle.heads=2` is told at its flag) is the flag's too.
-    for (const auto& [overridden, assignment] : overrides_) {
+    for (const auto& [overridden, flag] : overrides_) {
       if (path == overridden || absl::StartsWith(path, overridden + ".") ||
           (at.Mark().line < 0 && absl::StartsWith(overridden, path + "."))) {
-        where = absl::StrCat("--set ", assignment);
+        where = flag;
       }
     }
     issues_->push_back({path, std::move(message), where});
   }
 
  public:
-  // The paths set by --set flags (path -> the flag's KEY=VALUE), for Issue's locations.
-  void SetOverrides(const std::vector<std::string>& assignments) {
+  // The paths set by --set flags (path -> the flag that set it), for Issue's locations.
+  void SetOverrides(const std::vector<std::string>& assignments,
+                    const std::map<std::string, std::string>& flags) {
     for (const std::string& assignment : assignments) {
-      overrides_.emplace_back(assignment.substr(0, assignment.find('=')), assignment);
+      overrides_.emplace_back(assignment.substr(0, assignment.find('=')),
+                              OverrideFlag(assignment, flags));
     }
   }
 
@@ -845,9 +854,10 @@ int64_t TokensPerImage(const hetpar::v1::EncoderModel& model) {
   return tokens;
 }
 
-absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
-                                               std::string_view source_name,
-                                               const std::vector<std::string>& overrides) {
+absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(
+    std::string_view yaml_text, std::string_view source_name,
+    const std::vector<std::string>& overrides,
+    const std::map<std::string, std::string>& override_flags) {
   LoadedRunSpec loaded;
   loaded.source = SourceMap(std::string(source_name));
   YAML::Node root;
@@ -876,7 +886,7 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
   }
   std::vector<ConfigIssue> issues;
   YamlToProto converter(&loaded.source, &issues);
-  converter.SetOverrides(overrides);
+  converter.SetOverrides(overrides, override_flags);
   converter.Message(root, &loaded.spec, "", 0);
   // Overridden fields point at the flag that set them: its path and, for a mapping, every key
   // the flag wrote under it (its own text's lines are no lines of the file; the keys of the
@@ -885,7 +895,7 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
   for (const auto& assignment : overrides) {
     const size_t eq = assignment.find('=');
     const std::string path = assignment.substr(0, eq);
-    const std::string where = absl::StrCat("--set ", assignment);
+    const std::string where = OverrideFlag(assignment, override_flags);
     loaded.source.Set(path, where);
     YAML::Node value;
     try {
@@ -1542,7 +1552,7 @@ absl::StatusOr<LoadedRunSpec> Finish(LoadedRunSpec loaded, const LoadOptions& op
 absl::StatusOr<LoadedRunSpec> LoadRunSpecFromString(std::string_view yaml_text,
                                                     std::string_view source_name,
                                                     const LoadOptions& options) {
-  auto parsed = ParseRunSpecYaml(yaml_text, source_name, options.overrides);
+  auto parsed = ParseRunSpecYaml(yaml_text, source_name, options.overrides, options.override_flags);
   if (!parsed.ok()) return parsed.status();
   return Finish(std::move(parsed).value(), options);
 }
@@ -1559,7 +1569,7 @@ absl::StatusOr<LoadedRunSpec> LoadRunSpecFile(const std::string& path, const Loa
   }
   std::stringstream buffer;
   buffer << in.rdbuf();
-  auto parsed = ParseRunSpecYaml(buffer.str(), path, options.overrides);
+  auto parsed = ParseRunSpecYaml(buffer.str(), path, options.overrides, options.override_flags);
   if (!parsed.ok()) return parsed.status();
   LoadedRunSpec loaded = std::move(parsed).value();
   loaded.base_dir = fs::absolute(fs::path(path), ec).parent_path().string();

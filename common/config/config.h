@@ -58,6 +58,9 @@ struct ConfigIssue {
 struct LoadOptions {
   // `key.path=value` overrides applied on top of the file, as from `--set`.
   std::vector<std::string> overrides;
+  // The flag a user gave for an override that did not come from `--set` (its `key.path=value` ->
+  // "--resume /ckpt/step-000040"): errors name that flag where they name a --set otherwise.
+  std::map<std::string, std::string> override_flags;
   // Check that input files (manifest, tokenizer, token file) exist.
   bool check_files = true;
   // Keep (and check) checkpoint.resume_from. Off where the spec is that of a run already under
@@ -135,9 +138,11 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir);
 
 // Parses YAML text into a RunSpec without defaults or semantic checks. Syntax errors, unknown
 // keys (with a "did you mean") and wrong types are returned together as InvalidArgument.
-absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(std::string_view yaml_text,
-                                               std::string_view source_name,
-                                               const std::vector<std::string>& overrides = {});
+// An override's location in errors: LoadOptions::override_flags names the flag that set it.
+absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(
+    std::string_view yaml_text, std::string_view source_name,
+    const std::vector<std::string>& overrides = {},
+    const std::map<std::string, std::string>& override_flags = {});
 
 // Fills every field the input left out with its documented default and resolves relative paths.
 void ApplyDefaults(LoadedRunSpec* loaded);

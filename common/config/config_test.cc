@@ -419,6 +419,25 @@ TEST(ConfigTest, CheckpointFieldsAreChecked) {
   const std::string step4 = (dir / "step-000004").string();
   ExpectIssue(with_files(step4, 10), "checkpoint.resume_from", 0,
               "no complete checkpoint: '" + step4 + "/manifest.json' does not exist");
+  // Given by a flag of its own (hetpar run --resume), an override's errors name that flag.
+  {
+    LoadOptions o;
+    o.overrides = {"checkpoint.resume_from=" + step4, "run.steps=x10", "data.synth.samples=64"};
+    o.override_flags = {{"checkpoint.resume_from=" + step4, "--resume " + step4}};
+    const auto flagged = LoadRunSpecFromString(kValid, "run.yaml", o);
+    EXPECT_THAT(std::string(flagged.status().message()),
+                HasSubstr("run.steps: expected an integer"));
+    EXPECT_THAT(std::string(flagged.status().message()), HasSubstr("(--set run.steps=x10)"));
+    o.override_flags.emplace("run.steps=x10", "--steps x10");
+    EXPECT_THAT(std::string(LoadRunSpecFromString(kValid, "run.yaml", o).status().message()),
+                HasSubstr("(--steps x10)"));
+    o.overrides[1] = "run.steps=10";
+    const std::string message(LoadRunSpecFromString(kValid, "run.yaml", o).status().message());
+    EXPECT_THAT(message, HasSubstr("/manifest.json' does not exist (expected a step-NNNNNN "
+                                   "directory of checkpoint.dir) (--resume " +
+                                   step4 + ")"));
+    EXPECT_THAT(message, ::testing::Not(HasSubstr("--set checkpoint.resume_from")));
+  }
   // A manifest that cannot be read is not taken for a missing one.
   fs::create_directories(dir / "step-000006");
   fs::create_symlink("manifest.json", dir / "step-000006" / "manifest.json");  // a loop: ELOOP

@@ -109,9 +109,15 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   config::LoadOptions load;
   load.overrides = flags.overrides;
-  if (!flags.out.empty()) load.overrides.push_back(absl::StrCat("run.out_dir=", flags.out));
+  // Errors about these name the flag the user gave, not a --set.
+  const auto add = [&load](std::string assignment, std::string flag) {
+    load.override_flags.emplace(assignment, std::move(flag));
+    load.overrides.push_back(std::move(assignment));
+  };
+  if (!flags.out.empty()) add(absl::StrCat("run.out_dir=", flags.out), "--out " + flags.out);
   if (!flags.metrics_listen.empty()) {
-    load.overrides.push_back(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen));
+    add(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen),
+        "--metrics-listen " + flags.metrics_listen);
   }
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
   // A run continued from its journal needs not the checkpoint it was first resumed from, which
@@ -255,7 +261,10 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
     if (newest.has_value() && newest->step > first_step) {
       config::LoadOptions resume = load;
-      resume.overrides.push_back(absl::StrCat("checkpoint.resume_from=", newest->path));
+      const std::string assignment = absl::StrCat("checkpoint.resume_from=", newest->path);
+      resume.overrides.push_back(assignment);
+      resume.override_flags.emplace(
+          assignment, absl::StrCat("the newest checkpoint of checkpoint.dir, ", newest->path));
       resume.resume_at_end = true;  // a checkpoint of the last step: only the outputs are left
       absl::StatusOr<config::LoadedRunSpec> continued =
           config::LoadRunSpecFile(flags.config, resume);
