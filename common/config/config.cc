@@ -780,7 +780,10 @@ std::string SourceMap::Where(std::string_view path) const {
   std::string p(path);
   while (true) {
     auto it = locations_.find(p);
-    if (it != locations_.end()) return it->second;
+    if (it != locations_.end()) {
+      if (p.size() == path.size()) return it->second;
+      return absl::StrCat(it->second, "; ", std::string(path), " is not set there");
+    }
     size_t dot = p.rfind('.');
     if (dot == std::string::npos) break;
     p.resize(dot);

@@ -32,7 +32,8 @@ class SourceMap {
     locations_[path] = std::move(location);
   }
   bool Has(const std::string& path) const { return locations_.count(path) > 0; }
-  // The location of `path`, else of its nearest written ancestor, else the source name.
+  // The location of `path`; else that of its nearest written ancestor, saying that `path` itself
+  // is not written (so a value reported is its default); else the source name.
   std::string Where(std::string_view path) const;
   const std::string& source_name() const { return source_name_; }
 

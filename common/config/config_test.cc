@@ -81,7 +81,8 @@ void ExpectIssue(const absl::StatusOr<LoadedRunSpec>& result, const std::string&
   const std::string message(result.status().message());
   EXPECT_THAT(message, HasSubstr(field + ":"));
   if (line > 0) {
-    EXPECT_THAT(message, HasSubstr("run.yaml:" + std::to_string(line) + ")"));
+    // The field's own line, or its section's where the field is not written.
+    EXPECT_THAT(message, ::testing::ContainsRegex("run\\.yaml:" + std::to_string(line) + "[);]"));
   }
   EXPECT_THAT(message, HasSubstr(detail));
 }
@@ -227,6 +228,14 @@ TEST(ConfigTest, MissingRequiredField) {
   ExpectIssue(Load(text), "llm.model.vocab",
               LineOf(text, "  model:\n    hidden: 64\n    layers: 2\n    heads: 4\n    kv"),
               "is required");
+  // Its section's line, saying that the field is not there.
+  ExpectIssue(Load(text), "llm.model.vocab", 0, "llm.model.vocab is not set there)");
+  // A default reported against the value of another field says so too.
+  ExpectIssue(Load(kValid, {"llm.model.layers=4", "llm.layout.pp=4"}), "run.max_inflight",
+              LineOf(kValid, "run:"), "=2 is less than llm.layout.pp=4");
+  EXPECT_THAT(
+      std::string(Load(kValid, {"llm.model.layers=4", "llm.layout.pp=4"}).status().message()),
+      HasSubstr("; run.max_inflight is not set there)"));
 }
 
 TEST(ConfigTest, TpMustDivideHeads) {
