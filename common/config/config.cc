@@ -170,6 +170,9 @@ bool ParseBool(const std::string& text, bool* out) {
 }
 
 // Converts a YAML tree onto a proto message by reflection, collecting every problem.
+// data.synth.val_samples when a config leaves it out: an eighth of the training samples.
+int64_t DefaultSynthValSamples(int64_t samples) { return std::max<int64_t>(1, samples / 8); }
+
 // How the user gave an override: the flag override_flags names for it, else its --set.
 std::string OverrideFlag(const std::string& assignment,
                          const std::map<std::string, std::string>& flags) {
@@ -951,7 +954,7 @@ void ApplyDefaults(LoadedRunSpec* loaded) {
   d.String("data.chat_template", "plain");
   d.Enum("data.overlong", hetpar::v1::OVERLONG_POLICY_REJECT);
   if (s.data().synth().samples() > 0) {
-    d.Int("data.synth.val_samples", std::max<int64_t>(1, s.data().synth().samples() / 8));
+    d.Int("data.synth.val_samples", DefaultSynthValSamples(s.data().synth().samples()));
     d.Int("data.synth.seed", 7);
   }
   d.Enum("transport", hetpar::v1::TRANSPORT_KIND_UCX);
@@ -1266,6 +1269,13 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
   if (s.data().synth().samples() < 0) {
     c.Fail("data.synth.samples",
            absl::StrCat("=", s.data().synth().samples(), " must be >= 0 (0 turns generation off)"));
+  }
+  // Checked with generation off too (data.synth.samples=0 over a config that generates keeps
+  // the other fields, as does data.val_manifest="" to skip evaluation): a negative count is
+  // wrong whatever turns it off.
+  if (!synth && s.data().synth().val_samples() < 0) {
+    c.Fail("data.synth.val_samples",
+           absl::StrCat("=", s.data().synth().val_samples(), " must be >= 1 (or left unset)"));
   }
   if (synth) {
     c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);

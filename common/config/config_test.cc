@@ -331,6 +331,13 @@ TEST(ConfigTest, TheSyntheticDataSetsNeedsAreCheckedAgainstTheModel) {
   ExpectIssue(json_paths, "data.tokenizer", 0,
               "/tokenizer.json' ends in .json, which is read as a Hugging Face tokenizer.json, "
               "but data.synth writes a sentencepiece model there; name a .model file");
+  // A negative validation count is refused with generation off too; the other fields stay, as
+  // when data.synth.samples=0 turns off a config's generation.
+  ExpectIssue(Load(kValid, {"data.synth.val_samples=-5"}), "data.synth.val_samples", 0,
+              "=-5 must be >= 1 (or left unset)");
+  EXPECT_TRUE(
+      Load(kValid, {"data.synth.samples=0", "data.synth.val_samples=16", "data.synth.seed=3"})
+          .ok());
   // Without generation, none of it applies.
   EXPECT_TRUE(Load(kValid, {"llm.model.vocab=32"}).ok());
 }
