@@ -298,7 +298,8 @@ bool LanguageModel::WholeModelHas(std::string_view name) const {
   if (name == "llm.embed.weight" || name == "llm.norm.weight" || name == "llm.output.weight") {
     return true;
   }
-  // llm.layers.<i>.<one of each layer's parameters, as Build adds them>
+  // llm.layers.<i>.<one of each layer's parameters, as Build adds them: language_model_test
+  // checks that every parameter of a built model is here>
   constexpr std::string_view kLayers = "llm.layers.";
   constexpr std::string_view kLayerParameters[] = {
       "attn_norm.weight", "attn.qkv.weight", "attn.proj.weight", "mlp_norm.weight",

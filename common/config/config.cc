@@ -169,7 +169,6 @@ bool ParseBool(const std::string& text, bool* out) {
   return true;
 }
 
-// Converts a YAML tree onto a proto message by reflection, collecting every problem.
 // data.synth.val_samples when a config leaves it out: an eighth of the training samples.
 int64_t DefaultSynthValSamples(int64_t samples) { return std::max<int64_t>(1, samples / 8); }
 
@@ -180,6 +179,7 @@ std::string OverrideFlag(const std::string& assignment,
   return it != flags.end() ? it->second : absl::StrCat("--set ", assignment);
 }
 
+// Converts a YAML tree onto a proto message by reflection, collecting every problem.
 class YamlToProto {
  public:
   YamlToProto(SourceMap* source, std::vector<ConfigIssue>* issues)
@@ -407,7 +407,7 @@ void MarkOverridden(const YAML::Node& value, const std::string& path, const std:
   for (const auto& entry : value) {
     if (!entry.first.IsScalar()) continue;
     const std::string key = absl::StrCat(path, ".", entry.first.Scalar());
-    source->Set(key, where);
+    source->Set(key, where, /*from_flag=*/true);
     MarkOverridden(entry.second, key, where, source);
   }
 }
@@ -516,9 +516,8 @@ void ResolvePath(LoadedRunSpec* loaded, const std::string& path) {
   if (value.empty()) return;
   fs::path p(value);
   if (p.is_relative()) {
-    // Written in the file: relative to the file. Otherwise (--set, default): to the cwd.
-    const std::string where = loaded->source.Where(path);
-    const bool from_file = loaded->source.Has(path) && where.rfind("--set", 0) != 0;
+    // Written in the file: relative to the file. Otherwise (a flag, default): to the cwd.
+    const bool from_file = loaded->source.InFile(path);
     fs::path base =
         from_file && !loaded->base_dir.empty() ? fs::path(loaded->base_dir) : fs::current_path();
     p = base / p;
@@ -902,7 +901,7 @@ absl::StatusOr<LoadedRunSpec> ParseRunSpecYaml(
     const size_t eq = assignment.find('=');
     const std::string path = assignment.substr(0, eq);
     const std::string where = OverrideFlag(assignment, override_flags);
-    loaded.source.Set(path, where);
+    loaded.source.Set(path, where, /*from_flag=*/true);
     YAML::Node value;
     try {
       value = YAML::Load(assignment.substr(eq + 1));  // parsed once already by ApplyOverride
@@ -1275,19 +1274,21 @@ std::vector<ConfigIssue> Validate(const LoadedRunSpec& loaded, const LoadOptions
   // wrong whatever turns it off.
   if (!synth && s.data().synth().val_samples() < 0) {
     c.Fail("data.synth.val_samples",
-           absl::StrCat("=", s.data().synth().val_samples(), " must be >= 1 (or left unset)"));
+           absl::StrCat("=", s.data().synth().val_samples(), " must be >= 0"));
   }
   if (synth) {
     c.AtLeast("data.synth.val_samples", s.data().synth().val_samples(), 1);
-    // The generator writes JSONL manifests and a sentencepiece model, while a path ending in
-    // .json is read back as a LLaVA JSON array or a tokenizer.json: such a set would be generated
-    // in full, then fail to load, on every start.
+    // The generator writes JSONL manifests and a sentencepiece model where the files are
+    // missing, while a path ending in .json is read back as a LLaVA JSON array or a
+    // tokenizer.json: such a set would be generated in full, then fail to load, on every start.
+    // Files already there are not generated, and are read as their names say.
     for (const auto& [field, path, writes, suffix] :
          {std::tuple<const char*, std::string, const char*, const char*>{
               "data.manifest", s.data().manifest(), "a JSONL manifest", ".jsonl"},
           {"data.val_manifest", s.data().val_manifest(), "a JSONL manifest", ".jsonl"},
           {"data.tokenizer", s.data().tokenizer(), "a sentencepiece model", ".model"}}) {
-      if (fs::path(path).extension() == ".json") {
+      std::error_code missing;
+      if (fs::path(path).extension() == ".json" && !fs::exists(path, missing)) {
         c.Fail(field, absl::StrCat("='", path, "' ends in .json, which is read as ",
                                    std::string_view(field) == "data.tokenizer"
                                        ? "a Hugging Face tokenizer.json"

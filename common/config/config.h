@@ -13,6 +13,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -28,10 +29,18 @@ class SourceMap {
  public:
   explicit SourceMap(std::string source_name = "") : source_name_(std::move(source_name)) {}
 
-  void Set(const std::string& path, std::string location) {
+  // `from_flag`: a command-line flag set it (--set, or hetpar run's --out...), not the file.
+  void Set(const std::string& path, std::string location, bool from_flag = false) {
     locations_[path] = std::move(location);
+    if (from_flag) {
+      from_flags_.insert(path);
+    } else {
+      from_flags_.erase(path);
+    }
   }
   bool Has(const std::string& path) const { return locations_.count(path) > 0; }
+  // Written in the file itself (not set by a flag): its relative paths are the file's.
+  bool InFile(const std::string& path) const { return Has(path) && !from_flags_.count(path); }
   // The location of `path`; else that of its nearest written ancestor, saying that `path` itself
   // is not written (so a value reported is its default); else the source name.
   std::string Where(std::string_view path) const;
@@ -40,6 +49,7 @@ class SourceMap {
  private:
   std::string source_name_;
   std::map<std::string, std::string> locations_;
+  std::set<std::string> from_flags_;
 };
 
 struct LoadedRunSpec {

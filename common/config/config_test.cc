@@ -334,7 +334,7 @@ TEST(ConfigTest, TheSyntheticDataSetsNeedsAreCheckedAgainstTheModel) {
   // A negative validation count is refused with generation off too; the other fields stay, as
   // when data.synth.samples=0 turns off a config's generation.
   ExpectIssue(Load(kValid, {"data.synth.val_samples=-5"}), "data.synth.val_samples", 0,
-              "=-5 must be >= 1 (or left unset)");
+              "=-5 must be >= 0");
   EXPECT_TRUE(
       Load(kValid, {"data.synth.samples=0", "data.synth.val_samples=16", "data.synth.seed=3"})
           .ok());
@@ -906,6 +906,39 @@ TEST_F(ConfigFilesTest, PathsInAnOverridesMappingResolveAgainstTheCurrentDirecto
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->spec.checkpoint().dir(), (fs::current_path() / "ckpt").string());
   EXPECT_EQ(result->spec.data().manifest(), (dir_ / "train.jsonl").string());
+}
+
+// hetpar run's --out and --resume are overrides named after their flags: their relative paths
+// are the current directory's, as a --set's, not the config file's.
+TEST_F(ConfigFilesTest, PathsOfFlagsNamedInErrorsResolveAgainstTheCurrentDirectory) {
+  Write("train.jsonl", "");
+  Write("tok.model", "");
+  LoadOptions options;
+  options.overrides = {"run.out_dir=runs/try", "checkpoint.dir=ckpt"};
+  options.override_flags = {{"run.out_dir=runs/try", "--out runs/try"}};
+  auto result = LoadRunSpecFile(Write("run.yaml", kValid), options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_NE(dir_, fs::current_path());
+  EXPECT_EQ(result->spec.run().out_dir(), (fs::current_path() / "runs/try").string());
+  EXPECT_EQ(result->spec.checkpoint().dir(), (fs::current_path() / "ckpt").string());
+  // Written in the file, the same field is the file's.
+  auto in_file = LoadRunSpecFile(
+      Write("out.yaml", std::string(kValid) + "checkpoint:\n  dir: ckpt\n"), LoadOptions());
+  ASSERT_TRUE(in_file.ok()) << in_file.status();
+  EXPECT_EQ(in_file->spec.checkpoint().dir(), (dir_ / "ckpt").string());
+}
+
+// data.synth generates only missing files: LLaVA JSON and a tokenizer.json already there are
+// read as such, so their .json names are not refused.
+TEST_F(ConfigFilesTest, ExistingJsonDataUnderSynthIsNotRefused) {
+  LoadOptions options;
+  options.overrides = {"data.synth.samples=64", "data.manifest=" + Write("train.json", "[]"),
+                       "data.tokenizer=" + Write("tokenizer.json", "{}")};
+  const auto result = LoadRunSpecFile(Write("run.yaml", kValid), options);
+  EXPECT_THAT(std::string(result.status().message()), ::testing::Not(HasSubstr("ends in .json")));
+  options.overrides[2] = "data.tokenizer=" + (dir_ / "absent.json").string();
+  EXPECT_THAT(std::string(LoadRunSpecFile(Write("run.yaml", kValid), options).status().message()),
+              HasSubstr("absent.json' ends in .json, which is read as a Hugging Face"));
 }
 
 TEST_F(ConfigFilesTest, SynthesisedDataMayBeAbsent) {

@@ -201,15 +201,23 @@ int main(int argc, char** argv) {
         to_hf->parsed() ? std::make_pair(model_dir, hf_out) : std::pair<std::string, std::string>(),
         score->parsed() ? &score_options : nullptr);
   }
-  if (flags.steps > 0) flags.overrides.push_back("run.steps=" + std::to_string(flags.steps));
   hetpar::config::LoadOptions load;
   load.overrides = flags.overrides;
+  if (flags.steps > 0) {
+    // Errors about it name the flag the user gave.
+    const std::string steps = "run.steps=" + std::to_string(flags.steps);
+    load.overrides.push_back(steps);
+    load.override_flags.emplace(steps, "--steps " + std::to_string(flags.steps));
+  }
   // The evaluation of a finished run needs no checkpoint it may have started from.
   load.resume = !evaluate->parsed();
   if (evaluate->parsed() || export_command->parsed()) {
     // Their parameters all come from the model files or the checkpoint: the files the run
     // started from (init_from) may be gone.
-    load.overrides.insert(load.overrides.end(), {"encoder.init_from=\"\"", "llm.init_from=\"\""});
+    for (const char* cleared : {"encoder.init_from=\"\"", "llm.init_from=\"\""}) {
+      load.overrides.push_back(cleared);
+      load.override_flags.emplace(cleared, "cleared: the model's files or checkpoint hold it");
+    }
   }
   auto loaded = hetpar::config::LoadRunSpecFile(flags.config_path, load);
   if (!loaded.ok()) {
