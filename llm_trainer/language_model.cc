@@ -298,12 +298,9 @@ bool LanguageModel::WholeModelHas(std::string_view name) const {
   if (name == "llm.embed.weight" || name == "llm.norm.weight" || name == "llm.output.weight") {
     return true;
   }
-  // llm.layers.<i>.<one of each layer's parameters, as Build adds them: language_model_test
-  // checks that every parameter of a built model is here>
+  // llm.layers.<i>.<p>: any layer of the model, with a parameter p that this stage's own first
+  // layer has (every stage holds a layer, and every layer the same parameters).
   constexpr std::string_view kLayers = "llm.layers.";
-  constexpr std::string_view kLayerParameters[] = {
-      "attn_norm.weight", "attn.qkv.weight", "attn.proj.weight", "mlp_norm.weight",
-      "mlp.gate.weight",  "mlp.up.weight",   "mlp.down.weight"};
   if (name.substr(0, kLayers.size()) != kLayers) return false;
   name.remove_prefix(kLayers.size());
   const size_t dot = name.find('.');
@@ -316,10 +313,10 @@ bool LanguageModel::WholeModelHas(std::string_view name) const {
     return false;
   }
   name.remove_prefix(dot + 1);
-  for (std::string_view parameter : kLayerParameters) {
-    if (name == parameter) return true;
-  }
-  return false;
+  const int64_t own_layer =
+      plan::PipelineStageLayers(model_.layers(), options_.pp_stages, options_.pp_stage).first;
+  return parameters_->Find(std::string(kLayers) + std::to_string(own_layer) + "." +
+                           std::string(name)) != nullptr;
 }
 
 absl::Status LanguageModel::Validate(const std::vector<LlmSample>& samples,

@@ -728,18 +728,10 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
     // The normalised YAML of the RunSpec it was written under (module_state.cc).
     try {
       const YAML::Node runspec = YAML::Load(extra["runspec"].get<std::string>());
-      // <module>.model.<field>, a scalar; none when absent.
-      const auto model_field = [&runspec](const char* module,
-                                          const char* field) -> std::optional<std::string> {
-        if (!runspec.IsMap() || !runspec[module] || !runspec[module].IsMap()) return std::nullopt;
-        const YAML::Node model = runspec[module]["model"];
-        if (!model || !model.IsMap() || !model[field] || !model[field].IsScalar()) {
-          return std::nullopt;
-        }
-        return model[field].Scalar();
-      };
-      const auto layers = [&model_field](const char* module) -> std::optional<int64_t> {
-        const std::optional<std::string> text = model_field(module, "layers");
+      // <module>.model.layers; none when absent or not a positive integer.
+      const auto layers = [&runspec](const char* module) -> std::optional<int64_t> {
+        const std::optional<std::string> text =
+            ModelScalarAt(runspec, absl::StrCat(module, ".model.layers"));
         int64_t value = 0;
         if (!text || !absl::SimpleAtoi(*text, &value) || value < 1) return std::nullopt;
         return value;
@@ -753,7 +745,8 @@ absl::StatusOr<CheckpointSummary> ReadCheckpointSummary(const std::string& dir) 
       }
       if (runspec.IsMap()) {
         // The emitter writes true or false (config::RunSpecToYaml).
-        summary.encoder_no_final_norm = model_field("encoder", "no_final_norm") == "true";
+        summary.encoder_no_final_norm =
+            ModelScalarAt(runspec, "encoder.model.no_final_norm") == "true";
       }
     } catch (const YAML::Exception&) {
       // Not readable: the manifest does not say.
