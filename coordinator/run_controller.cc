@@ -413,7 +413,7 @@ std::string RunController::WhyALossEndsTheRun(const WorkerRecord& worker) const 
                         " replicas, below failure.min_", name, "_replicas=", minimum);
   }
   if (module == v1::MODULE_LLM) {
-    // The global batch must still split over the LLM replicas left.
+    // Each LLM replica left must take at least one of the batch's microbatches.
     if (absl::Status splits = plan::LlmWaves(spec_, left_after).status(); !splits.ok()) {
       return std::string(splits.message());
     }
@@ -623,7 +623,7 @@ bool RunController::StartWithoutMissingReplicas(absl::Time now, Actions* actions
                                             : spec_.failure().min_llm_replicas())) {
       return false;
     }
-    // As for a loss mid-run: the global batch must split over the LLM replicas left.
+    // As for a loss mid-run: each LLM replica left takes at least one microbatch.
     if (!encoder && !plan::LlmWaves(spec_, left).ok()) {
       return false;
     }
@@ -857,7 +857,7 @@ void RunController::ChangePoolAtBoundary(absl::Time now, Actions* actions) {
   }
   RebalanceOpen(actions);
   // Then joins: every open encoder replica whose ranks are all registered, up to the target, and
-  // every LLM replica whose ranks are (while the global batch splits over the replicas then).
+  // every LLM replica whose ranks are.
   std::vector<WorkerRecord*> joined;
   std::vector<std::pair<v1::Module, int64_t>> joined_replicas;
   for (int64_t d : membership_.OpenReplicas(v1::MODULE_ENCODER)) {

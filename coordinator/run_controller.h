@@ -10,11 +10,11 @@
 //    is running, is dead. In a non-colocated run its DP replica leaves the run (its other ranks
 //    are ended too): the generation is bumped, the others are told (MembershipChange), the step
 //    in flight is aborted and planned again over the replicas left, as long as
-//    failure.min_encoder_replicas / min_llm_replicas remain (and, for the LLM, the global batch
-//    still splits over them). Any other loss (a colocated rank, an LLM without another replica,
-//    a pool below its minimum) fails the run at once, with a message saying how to resume it
-//    from its newest checkpoint. Every aborted attempt bumps the generation. While waiting, a
-//    lost worker's rank is freed for another.
+//    failure.min_encoder_replicas / min_llm_replicas remain (for the LLM, each takes at least one
+//    of the batch's microbatches: plan::LlmWaves). Any other loss (a colocated rank, an LLM without
+//    another replica, a pool below its minimum) fails the run at once, with a message saying how to
+//    resume it from its newest checkpoint. Every aborted attempt bumps the generation. While
+//    waiting, a lost worker's rank is freed for another.
 //  * Steps run while every rank is held and every worker's session is open: plan, StepPlan to
 //    each worker, grad norm, reports, commit or abort (see step_orchestrator.h). A step aborted
 //    max_step_attempts times in a row fails the run; a report of a failure that every attempt
@@ -70,8 +70,7 @@ struct ControllerOptions {
   // coordinator ran cannot be told apart from one lost mid-run. When register_timeout passes
   // before the first step with ranks of DP replicas still missing, the run starts without those
   // replicas (a pool change, as a loss mid-run) if enough are left (failure.min_encoder_replicas,
-  // failure.min_llm_replicas) and, for the LLM, the global batch still splits over those left,
-  // instead of failing.
+  // failure.min_llm_replicas) instead of failing.
   bool continues_lost_run = false;
 };
 

@@ -709,7 +709,9 @@ TEST_F(RunControllerTest, TheNextAttemptWaitsToHearFromEveryWorkerOfTheAbortedOn
   EXPECT_EQ(controller_->Status(t1).aborted_steps(), 1);
 }
 
-TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) {
+// The batch's three microbatches do not divide over the two LLM replicas left: the run goes on,
+// one replica taking a wave fewer (plan::AssignLlm).
+TEST_F(RunControllerTest, ALostLlmReplicaLeavesTheRunThoughTheBatchNoLongerDividesEvenly) {
   v1::RunSpec spec = TinySpec(/*steps=*/2, "/runs/ckpt");
   spec.mutable_llm()->mutable_layout()->set_dp(3);
   spec.mutable_llm()->mutable_layout()->set_tp(1);
@@ -718,12 +720,18 @@ TEST_F(RunControllerTest, ALostLlmReplicaFailsTheRunWhenTheBatchNoLongerSplits) 
   CreateWith(spec);
   StartAll({v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_ENCODER, v1::WORKER_ROLE_LLM,
             v1::WORKER_ROLE_LLM, v1::WORKER_ROLE_LLM});
+  actions_ = {};
   controller_->SessionEnded(ids_[4], "connection reset", kT0 + absl::Seconds(1), &actions_);
-  EXPECT_EQ(controller_->state(), v1::RUN_STATE_FAILED);
-  EXPECT_THAT(controller_->state_message(),
-              HasSubstr("run.global_batch=3 is not divisible into run.micro_batch=1 per LLM "
-                        "replica x 2 LLM replicas taking part"));
-  EXPECT_THAT(controller_->state_message(), HasSubstr("under /runs/ckpt"));
+  EXPECT_EQ(controller_->state(), v1::RUN_STATE_RUNNING) << controller_->state_message();
+  HearFrom({0, 1, 2, 3}, kT0 + absl::Seconds(1));
+  auto plans = SentTo(ids_[2], v1::CoordinatorMessage::kStepPlan);
+  ASSERT_EQ(plans.size(), 1u);
+  EXPECT_THAT(plans[0].step_plan().llm_replicas(), ::testing::ElementsAre(0, 1));
+  EXPECT_TRUE(SentTo(ids_[4], v1::CoordinatorMessage::kStepPlan).empty());
+  const v1::StatusResponse status = controller_->Status(kT0 + absl::Seconds(1));
+  EXPECT_EQ(status.llm_replicas(), 2);
+  ASSERT_EQ(status.pool_changes_size(), 1);
+  EXPECT_EQ(status.pool_changes(0).replica(), 2);
 }
 
 TEST_F(RunControllerTest, WithPipelineStagesALostEncoderReplicaLeavesAndTheRunGoesOn) {

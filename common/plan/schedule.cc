@@ -68,11 +68,21 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
                      " waves=", waves, " micro_batch=", micro_batch));
   }
   const int64_t batch = static_cast<int64_t>(samples.size());
-  if (batch != replicas * waves * micro_batch) {
+  // Microbatches of micro_batch samples, `waves` for each of the first `full` replicas and one
+  // fewer for the others: all replicas take the same waves unless some left the run.
+  const int64_t microbatches = batch / micro_batch;
+  const int64_t full = microbatches - (waves - 1) * replicas;
+  if (batch % micro_batch != 0 || full < 1 || full > replicas || (waves == 1 && full != replicas)) {
+    const int64_t least = std::max(replicas, (waves - 1) * replicas + 1);
     return absl::InvalidArgumentError(absl::StrCat(
-        "the global batch has ", batch, " samples; expected waves ", waves, " x micro_batch ",
-        micro_batch, " x llm dp ", replicas, " = ", replicas * waves * micro_batch));
+        "the global batch has ", batch, " samples; expected micro_batch ", micro_batch, " x ",
+        least == waves * replicas ? absl::StrCat(least)
+                                  : absl::StrCat(least, " to ", waves * replicas),
+        " microbatches for ", waves, " waves over llm dp ", replicas,
+        " (a replica may take one wave fewer)"));
   }
+  std::vector<int64_t> replica_waves(replicas, waves);
+  for (int64_t d = full; d < replicas; ++d) replica_waves[d] = waves - 1;
   std::vector<double> cost(batch);
   std::vector<double> enc(batch);
   std::vector<uint64_t> tie(batch);
@@ -90,7 +100,7 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
   out.sample_wave.assign(batch, -1);
   out.replica_cost.assign(replicas, 0.0);
 
-  // Replicas: LPT with a capacity of waves * micro_batch samples each.
+  // Replicas: LPT with a capacity of their waves x micro_batch samples each.
   std::vector<int64_t> order(batch);
   for (int64_t i = 0; i < batch; ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
@@ -98,7 +108,6 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
     if (tie[a] != tie[b]) return tie[a] < tie[b];
     return a < b;
   });
-  const int64_t capacity = waves * micro_batch;
   using Load = std::pair<double, int64_t>;  // (cost so far, replica)
   std::priority_queue<Load, std::vector<Load>, std::greater<Load>> open;
   for (int64_t d = 0; d < replicas; ++d) open.push({0.0, d});
@@ -108,7 +117,7 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
     open.pop();
     out.sample_replica[i] = d;
     out.replica_cost[d] = load + cost[i];
-    if (++count[d] < capacity) open.push({out.replica_cost[d], d});
+    if (++count[d] < replica_waves[d] * micro_batch) open.push({out.replica_cost[d], d});
   }
 
   // Waves: most encoder work first, each to the wave with the least encoder work (then LLM
@@ -125,7 +134,7 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
   for (int64_t i : order) {
     const int64_t d = out.sample_replica[i];
     int64_t best = -1;
-    for (int64_t m = 0; m < waves; ++m) {
+    for (int64_t m = 0; m < replica_waves[d]; ++m) {
       if (filled[d * waves + m] >= micro_batch) continue;
       if (best < 0 ||
           std::tie(wave_enc[m], wave_llm[m]) < std::tie(wave_enc[best], wave_llm[best])) {

@@ -1,8 +1,11 @@
 // Step scheduling: which LLM replica trains each sample in which wave, and which encoder
 // replica encodes each image.
 //
-// LLM assignment. The global batch of B samples is split into waves x replicas microbatches of
-// exactly micro_batch samples each (B = waves * replicas * micro_batch). Samples go to replicas
+// LLM assignment. The global batch of B samples is split into microbatches of exactly
+// micro_batch samples each, `waves` per replica (B = waves * replicas * micro_batch). Over fewer
+// replicas than the layout's (some left the run) the microbatches may not divide evenly: the
+// first replicas then take `waves` and the others one fewer, their last wave's microbatch left
+// empty (every replica takes at least one). Samples go to replicas
 // by longest-processing-time first on the LLM cost model (the most expensive sample goes to the
 // replica with the least cost so far that still has room), then to waves within the replica so
 // that every wave carries about the same encoder work (images) across all replicas. A
@@ -48,7 +51,8 @@ struct LlmAssignment {
   int64_t replicas = 0;
   int64_t waves = 0;
   int64_t micro_batch = 0;
-  // replicas * waves microbatches; index replica * waves + wave.
+  // replicas * waves microbatches; index replica * waves + wave. Empty only in the last wave of
+  // a replica taking one wave fewer.
   std::vector<LlmMicrobatch> microbatches;
   std::vector<int64_t> sample_replica;  // per batch index
   std::vector<int64_t> sample_wave;     // per batch index
@@ -62,7 +66,8 @@ struct LlmAssignment {
 
 bool operator==(const LlmAssignment& a, const LlmAssignment& b);
 
-// InvalidArgument when samples.size() != waves * replicas * micro_batch or a size is < 1.
+// InvalidArgument when a size is < 1 or samples.size() is not micro_batch x a count of
+// microbatches that gives every replica `waves` of them, or one fewer (at least one).
 absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& samples,
                                         int64_t replicas, int64_t waves, int64_t micro_batch,
                                         const CostModel& llm_cost, const CostModel& encoder_cost,

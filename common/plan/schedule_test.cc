@@ -45,7 +45,14 @@ void CheckAssignments(const std::vector<SampleDescriptor>& samples, const LlmAss
       const LlmMicrobatch& mb = llm.At(d, m);
       ASSERT_EQ(mb.replica, d);
       ASSERT_EQ(mb.wave, m);
-      ASSERT_EQ(static_cast<int64_t>(mb.samples.size()), micro_batch);
+      if (mb.samples.empty()) {
+        // Only the last wave of a replica taking one wave fewer, after the ones taking them all.
+        ASSERT_EQ(m, llm.waves - 1) << "replica " << d;
+        ASSERT_GT(d, 0);
+        ASSERT_TRUE(d + 1 == llm.replicas || llm.At(d + 1, m).samples.empty()) << "replica " << d;
+      } else {
+        ASSERT_EQ(static_cast<int64_t>(mb.samples.size()), micro_batch);
+      }
       ASSERT_TRUE(std::is_sorted(mb.samples.begin(), mb.samples.end()));
       int64_t tokens = 0;
       int64_t loss = 0;
@@ -222,12 +229,42 @@ TEST(ScheduleTest, StepChangesTieBreaksButStaysValid) {
   EXPECT_TRUE(any_difference);
 }
 
+// Over fewer replicas than the layout's (some left the run) the microbatches need not divide:
+// the first replicas take every wave, the others one fewer.
+TEST(ScheduleTest, ReplicasMayTakeOneWaveFewer) {
+  struct Case {
+    int64_t batch, replicas, waves, micro_batch;
+    std::vector<int64_t> samples_per_replica;
+  };
+  for (const Case& c : {Case{9, 2, 5, 1, {5, 4}}, Case{10, 3, 2, 2, {4, 4, 2}},
+                        Case{4, 3, 2, 1, {2, 1, 1}}, Case{21, 4, 6, 1, {6, 5, 5, 5}}}) {
+    SCOPED_TRACE(::testing::Message() << c.batch << " samples over " << c.replicas << " replicas");
+    const auto samples = Batch(c.batch, 7);
+    auto llm = AssignLlm(samples, c.replicas, c.waves, c.micro_batch, kLlmCost, kEncoderCost, 3, 1);
+    ASSERT_TRUE(llm.ok()) << llm.status();
+    std::vector<int64_t> per_replica(c.replicas, 0);
+    for (int64_t s = 0; s < c.batch; ++s) ++per_replica[llm->sample_replica[s]];
+    EXPECT_EQ(per_replica, c.samples_per_replica);
+    auto enc = AssignEncoder(samples, *llm, 2, kEncoderCost, 3, 1);
+    ASSERT_TRUE(enc.ok()) << enc.status();
+    CheckAssignments(samples, *llm, *enc, c.micro_batch);
+  }
+}
+
 TEST(ScheduleTest, RejectsWrongBatchSize) {
   auto samples = Batch(7, 1);
   auto llm = AssignLlm(samples, 2, 2, 2, kLlmCost, kEncoderCost, 0, 0);
   ASSERT_FALSE(llm.ok());
   EXPECT_THAT(std::string(llm.status().message()),
-              HasSubstr("has 7 samples; expected waves 2 x micro_batch 2 x llm dp 2 = 8"));
+              HasSubstr("has 7 samples; expected micro_batch 2 x 3 to 4 microbatches for 2 waves "
+                        "over llm dp 2 (a replica may take one wave fewer)"));
+  // Too many samples for the waves, and too few for every replica to take one.
+  EXPECT_FALSE(AssignLlm(Batch(8, 1), 3, 2, 1, kLlmCost, kEncoderCost, 0, 0).ok());
+  auto too_few = AssignLlm(Batch(2, 1), 3, 1, 1, kLlmCost, kEncoderCost, 0, 0);
+  ASSERT_FALSE(too_few.ok());
+  EXPECT_THAT(std::string(too_few.status().message()),
+              HasSubstr("has 2 samples; expected micro_batch 1 x 3 microbatches for 1 waves over "
+                        "llm dp 3"));
   EXPECT_FALSE(AssignLlm(samples, 0, 1, 1, kLlmCost, kEncoderCost, 0, 0).ok());
   auto ok = AssignLlm(Batch(4, 1), 2, 2, 1, kLlmCost, kEncoderCost, 0, 0);
   ASSERT_TRUE(ok.ok());

@@ -63,16 +63,27 @@ absl::StatusOr<int64_t> LlmWaves(const hetpar::v1::RunSpec& spec, int64_t llm_re
   const int64_t micro_batch = spec.run().micro_batch();
   const int64_t llm_dp = llm_replicas > 0 ? llm_replicas : spec.llm().layout().dp();
   const int64_t global_batch = spec.run().global_batch();
-  if (micro_batch < 1 || llm_dp < 1 || global_batch < 1 ||
-      global_batch % (micro_batch * llm_dp) != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("run.global_batch=", global_batch,
-                     " is not divisible into run.micro_batch=", micro_batch, " per LLM replica x ",
-                     llm_replicas > 0 ? absl::StrCat(llm_dp, " LLM replicas taking part")
-                                      : absl::StrCat("llm.layout.dp=", llm_dp),
-                     "; expected a positive multiple of ", micro_batch * llm_dp));
+  if (llm_replicas <= 0) {
+    // The configured layout: every replica takes the same waves.
+    if (micro_batch < 1 || llm_dp < 1 || global_batch < 1 ||
+        global_batch % (micro_batch * llm_dp) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "run.global_batch=", global_batch, " is not divisible into run.micro_batch=", micro_batch,
+          " per LLM replica x llm.layout.dp=", llm_dp, "; expected a positive multiple of ",
+          micro_batch * llm_dp));
+    }
+    return global_batch / (micro_batch * llm_dp);
   }
-  return global_batch / (micro_batch * llm_dp);
+  // Fewer replicas taking part (some left the run): the batch's microbatches of run.micro_batch
+  // samples spread over them as evenly as they go; a replica may take one wave fewer.
+  if (micro_batch < 1 || global_batch < 1 || global_batch % micro_batch != 0 ||
+      global_batch / micro_batch < llm_replicas) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "run.global_batch=", global_batch, " does not split into microbatches of run.micro_batch=",
+        micro_batch, " for each of ", llm_replicas, " LLM replicas taking part"));
+  }
+  const int64_t microbatches = global_batch / micro_batch;
+  return (microbatches + llm_replicas - 1) / llm_replicas;
 }
 
 absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
@@ -181,9 +192,11 @@ absl::StatusOr<RankStepPlan> ExtractRankPlan(const StepPlan& plan, int64_t rank)
     out.microbatches.reserve(plan.llm.waves);
     out.image_rows.reserve(plan.llm.waves);
     for (int64_t m = 0; m < plan.llm.waves; ++m) {
-      out.microbatches.push_back(plan.llm.At(out.llm_coords.dp, m));
       out.image_rows.push_back(plan.boundary.LlmBufferRows(rank, m));
-      for (int64_t s : out.microbatches.back().samples) referenced.push_back(s);
+      const LlmMicrobatch& mb = plan.llm.At(out.llm_coords.dp, m);
+      if (mb.samples.empty()) continue;  // the last wave of a replica taking one fewer
+      out.microbatches.push_back(mb);
+      for (int64_t s : mb.samples) referenced.push_back(s);
     }
     out.forward_receives = Copy(ForwardTo(plan.boundary, rank));
     if (plan.options.image_gradients) out.backward_sends = Copy(BackwardFrom(plan.boundary, rank));

@@ -29,7 +29,7 @@ struct StepPlanOptions {
   int64_t step = 0;
   int64_t generation = 0;
   uint64_t seed = 0;
-  int64_t waves = 1;        // M = global_batch / (micro_batch * llm dp)
+  int64_t waves = 1;        // M = global_batch / (micro_batch * llm dp), rounded up (LlmWaves)
   int64_t micro_batch = 1;  // samples per LLM replica per wave
   int64_t seq_len = 0;      // llm.model.seq_len
   int64_t row_bytes = 0;    // llm.model.hidden x dtype size
@@ -47,15 +47,19 @@ bool ImageGradientsCross(const hetpar::v1::RunSpec& spec);
 // Bytes per element: float32 4, float64 8, bfloat16 2; 0 for an unspecified dtype.
 int64_t DtypeBytes(hetpar::v1::Dtype dtype);
 
-// The waves of a step: run.global_batch / (run.micro_batch x the LLM DP replicas: llm.layout.dp,
-// or `llm_replicas` when > 0). InvalidArgument when the batch does not divide.
+// The waves of a step. With llm_replicas = 0 (llm.layout.dp replicas): run.global_batch /
+// (run.micro_batch x llm.layout.dp), InvalidArgument when the batch does not divide. With
+// `llm_replicas` > 0 (the replicas taking part after some left the run): the batch's
+// run.global_batch / run.micro_batch microbatches spread over them, ceil(microbatches /
+// llm_replicas) waves, some replicas taking one wave fewer (AssignLlm); InvalidArgument when
+// there are fewer microbatches than replicas.
 absl::StatusOr<int64_t> LlmWaves(const hetpar::v1::RunSpec& spec, int64_t llm_replicas = 0);
 
 // Options from a RunSpec with defaults applied: seed = run.seed, waves = run.global_batch /
 // (run.micro_batch x llm.layout.dp), seq_len = llm.model.seq_len, row_bytes = llm.model.hidden
 // x dtype size, cost models from both models. InvalidArgument when the batch does not divide.
 // `llm_replicas` > 0: the LLM DP replicas taking part when fewer than llm.layout.dp (some left
-// the run); the waves and the divisibility check follow them.
+// the run); the waves follow them (LlmWaves).
 absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
                                                            int64_t step, int64_t generation,
                                                            int64_t llm_replicas = 0);
@@ -101,7 +105,8 @@ struct RankStepPlan {
 
   bool llm_role = false;
   RankCoords llm_coords;
-  std::vector<LlmMicrobatch> microbatches;  // its replica's, one per wave
+  std::vector<LlmMicrobatch> microbatches;  // its replica's, one per wave it takes (all or
+                                            // all but the last: LlmWaves)
   std::vector<int64_t> image_rows;          // per wave: rows of its image-row buffer
   std::vector<Transfer> forward_receives;   // by (wave, src_rank)
   std::vector<Transfer> backward_sends;     // by (wave, dst_rank)

@@ -83,9 +83,14 @@ TEST(StepPlanTest, OptionsFromRunSpec) {
   auto one_replica = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2, /*llm_replicas=*/1);
   ASSERT_TRUE(one_replica.ok()) << one_replica.status();
   EXPECT_EQ(one_replica->waves, 4);  // 8 / (2 x 1)
+  // The 4 microbatches of 2 samples over 3 replicas: 2 waves, one replica taking only the first.
   auto three = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2, /*llm_replicas=*/3);
-  EXPECT_THAT(std::string(three.status().message()),
-              HasSubstr("per LLM replica x 3 LLM replicas taking part"));
+  ASSERT_TRUE(three.ok()) << three.status();
+  EXPECT_EQ(three->waves, 2);
+  auto five = StepPlanOptionsFromRunSpec(TinySpec(), 5, 2, /*llm_replicas=*/5);
+  EXPECT_THAT(std::string(five.status().message()),
+              HasSubstr("run.global_batch=8 does not split into microbatches of "
+                        "run.micro_batch=2 for each of 5 LLM replicas taking part"));
   EXPECT_EQ(options->micro_batch, 2);
   EXPECT_EQ(options->seq_len, 128);
   EXPECT_EQ(options->row_bytes, 256);  // 64 x float32
@@ -322,7 +327,8 @@ TEST(StepPlanTest, RejectsBadBatchesWithClearErrors) {
   auto r = BuildStepPlan(*placement, wrong_size, *options);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()),
-              HasSubstr("has 7 samples; expected waves 2 x micro_batch 2 x llm dp 2 = 8"));
+              HasSubstr("has 7 samples; expected micro_batch 2 x 3 to 4 microbatches for 2 "
+                        "waves over llm dp 2"));
 
   // A sample twice (a batch across an epoch's end): planned at both positions.
   auto duplicate = samples;
@@ -519,6 +525,36 @@ TEST(ReplicaSubsetTest, AStepOverSomeLlmReplicasAddressesEveryRankByItsOwnWorldR
   const auto parts = CheckSubsetPlan(spec, *full, *subset);
   EXPECT_EQ(parts.size(), 4u + 8u);                   // 4 encoder + the 8 ranks of LLM replica 1
   EXPECT_EQ(parts.at(rank).microbatches.size(), 4u);  // 8 samples / (micro_batch 2 x 1 replica)
+}
+
+// LLM replica 1 of three left the run: the batch's three microbatches do not divide over the two
+// left, so replica 0 takes two waves and replica 2 one, its second wave empty on every stage.
+TEST(ReplicaSubsetTest, LlmReplicasLeftTakeTheMicrobatchesThatDoNotDivideOneWaveApart) {
+  hetpar::v1::RunSpec spec = TinySpec();
+  spec.mutable_llm()->mutable_layout()->set_dp(3);
+  spec.mutable_run()->set_global_batch(6);  // micro_batch 2: three microbatches
+  auto full = PlacementFromRunSpec(spec);
+  ASSERT_TRUE(full.ok()) << full.status();
+  auto subset = ReplicaSubset::Create(*full, {0, 1}, {0, 2});
+  ASSERT_TRUE(subset.ok()) << subset.status();
+  const auto parts = CheckSubsetPlan(spec, *full, *subset);
+  EXPECT_EQ(parts.size(), 4u + 16u);  // 4 encoder + the 8 ranks of each LLM replica left
+  for (int64_t tp = 0; tp < 2; ++tp) {
+    for (int64_t cp = 0; cp < 2; ++cp) {
+      for (int64_t pp = 0; pp < 2; ++pp) {
+        const RankStepPlan& first = parts.at(full->llm.RankOf(0, tp, cp, pp));
+        const RankStepPlan& last = parts.at(full->llm.RankOf(2, tp, cp, pp));
+        ASSERT_EQ(first.microbatches.size(), 2u);
+        ASSERT_EQ(last.microbatches.size(), 1u);
+        EXPECT_EQ(last.microbatches[0].wave, 0);
+        EXPECT_EQ(first.microbatches[1].samples.size(), 2u);
+        EXPECT_EQ(last.microbatches[0].samples.size(), 2u);
+        if (pp == 0) {
+          EXPECT_EQ(last.image_rows.at(1), 0);  // nothing lands in its second wave
+        }
+      }
+    }
+  }
 }
 
 TEST(ReplicaSubsetTest, RefusesWhatItCannotPlan) {

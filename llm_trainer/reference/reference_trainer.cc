@@ -88,6 +88,7 @@ absl::StatusOr<ReferenceStepResult> RunReferenceStep(const data::BatchSource& ba
   for (int64_t wave = 0; wave < waves; ++wave) {
     for (int64_t replica = 0; replica < replicas; ++replica) {
       const plan::LlmMicrobatch& mb = step_plan.llm.microbatches[replica * waves + wave];
+      if (mb.samples.empty()) continue;  // a replica taking one wave fewer
       std::vector<data::LoadedSample> loaded;
       for (int64_t index : mb.samples) {
         HETPAR_ASSIGN_OR_RETURN(const data::IndexRecord* record,

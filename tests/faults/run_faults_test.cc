@@ -363,17 +363,17 @@ TEST_F(RunFaultsTest, AWorkerGivenAnAddressWithoutAPortStopsAtOnce) {
                         "(1 to 65535)"));
 }
 
-// A worker killed (SIGKILL, at whatever point of a step it is) in a module with two DP replicas
-// takes its replica out of the run; the step is planned again over the other replica and the run
-// goes on. Any layout is exact, so in float64 the losses and final parameters are an
+// A worker killed (SIGKILL, at whatever point of a step it is) in a module with two or three DP
+// replicas takes its replica out of the run; the step is planned again over the others and the
+// run goes on. Any layout is exact, so in float64 the losses and final parameters are an
 // uninterrupted run's (which the parity tests hold to the single-process reference).
 class ReplicaLossTest : public RunFaultsTest {
  protected:
   // Runs with `layout` flags, kills the last of the `workers` processes whose command line starts
   // with `binary`, and compares with a straight run of the same layout; `module` names the pool
-  // that shrank.
+  // that shrank to `replicas_left`.
   void KillOneAndCompare(const std::string& binary, const std::vector<std::string>& layout,
-                         const std::string& module, size_t workers = 2) {
+                         const std::string& module, size_t workers = 2, int64_t replicas_left = 1) {
     const std::vector<std::string> flags = Float64With(layout);
     std::vector<std::string> argv = RunArgs(kSteps);
     argv.insert(argv.end(), flags.begin(), flags.end());
@@ -392,7 +392,7 @@ class ReplicaLossTest : public RunFaultsTest {
                 log.find("exited with code 137; the coordinator had taken its replica out") !=
                     std::string::npos)
         << log;
-    ExpectTheStraightRunsResults(flags, module, module + " rank");
+    ExpectTheStraightRunsResults(flags, module, module + " rank", replicas_left);
   }
 
   // Steps enough that the run is still training when the kill lands: the kill follows the third
@@ -409,9 +409,10 @@ class ReplicaLossTest : public RunFaultsTest {
 
   // Runs kSteps straight (no fault) with `flags` into <dir>/straight and holds the run in
   // <dir>/run to its losses and final parameters; its one pool change is `module` shrinking to
-  // one replica, for a cause that says `cause`.
+  // `replicas_left`, for a cause that says `cause`.
   void ExpectTheStraightRunsResults(const std::vector<std::string>& flags,
-                                    const std::string& module, const std::string& cause) {
+                                    const std::string& module, const std::string& cause,
+                                    int64_t replicas_left = 1) {
     std::vector<std::string> straight = RunArgs(kSteps);
     straight[5] = dir_ + "/straight";  // the value of --out
     straight.insert(straight.end(), flags.begin(), flags.end());
@@ -455,7 +456,7 @@ class ReplicaLossTest : public RunFaultsTest {
     // The loss is on record, with the pool left and the time to the next committed step.
     ASSERT_EQ(a.pool_changes.size(), 1u) << ReadFile(metrics);
     EXPECT_EQ(a.pool_changes[0]["module"].get<std::string>(), module);
-    EXPECT_EQ(a.pool_changes[0]["replicas"].get<int64_t>(), 1);
+    EXPECT_EQ(a.pool_changes[0]["replicas"].get<int64_t>(), replicas_left);
     EXPECT_GE(a.pool_changes[0]["step"].get<int64_t>(), 2);
     EXPECT_GE(a.pool_changes[0]["recovery_s"].get<double>(), 0);
     EXPECT_THAT(a.pool_changes[0]["cause"].get<std::string>(), HasSubstr(cause));
@@ -467,8 +468,13 @@ TEST_F(ReplicaLossTest, AKilledEncoderReplicaIsDroppedAndTheRunMatchesAnUninterr
   KillOneAndCompare("hetpar-encoder", {}, "encoder");  // tiny: encoder dp 2, llm dp 1 x tp 2
 }
 
+// Three LLM replicas of three waves of one sample: the nine microbatches go 5 and 4 over the two
+// left, one replica taking a wave fewer.
 TEST_F(ReplicaLossTest, AKilledLlmReplicaIsDroppedAndTheRunMatchesAnUninterruptedOne) {
-  KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1"}, "llm");
+  KillOneAndCompare(
+      "hetpar-llm",
+      {"llm.layout.dp=3", "llm.layout.tp=1", "run.micro_batch=1", "run.global_batch=9"}, "llm",
+      /*workers=*/3, /*replicas_left=*/2);
 }
 
 // With pipeline stages, an attempt aborted mid-pipeline leaves stage messages in flight between
