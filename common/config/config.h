@@ -72,6 +72,11 @@ struct LoadOptions {
   // The flag a user gave for an override that did not come from `--set` (its `key.path=value` ->
   // "--resume /ckpt/step-000040"): errors name that flag where they name a --set otherwise.
   std::map<std::string, std::string> override_flags;
+  // Appends `assignment` (`key.path=value`) to the overrides, named `flag` in errors.
+  void AddFlagOverride(std::string assignment, std::string flag) {
+    override_flags.emplace(assignment, std::move(flag));
+    overrides.push_back(std::move(assignment));
+  }
   // Check that input files (manifest, tokenizer, token file) exist.
   bool check_files = true;
   // Keep (and check) checkpoint.resume_from. Off where the spec is that of a run already under

@@ -914,8 +914,8 @@ TEST_F(ConfigFilesTest, PathsOfFlagsNamedInErrorsResolveAgainstTheCurrentDirecto
   Write("train.jsonl", "");
   Write("tok.model", "");
   LoadOptions options;
-  options.overrides = {"run.out_dir=runs/try", "checkpoint.dir=ckpt"};
-  options.override_flags = {{"run.out_dir=runs/try", "--out runs/try"}};
+  options.overrides = {"checkpoint.dir=ckpt"};
+  options.AddFlagOverride("run.out_dir=runs/try", "--out runs/try");
   auto result = LoadRunSpecFile(Write("run.yaml", kValid), options);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_NE(dir_, fs::current_path());

@@ -110,14 +110,12 @@ int RunCoordinator(const CoordinatorFlags& flags) {
   config::LoadOptions load;
   load.overrides = flags.overrides;
   // Errors about these name the flag the user gave, not a --set.
-  const auto add = [&load](std::string assignment, std::string flag) {
-    load.override_flags.emplace(assignment, std::move(flag));
-    load.overrides.push_back(std::move(assignment));
-  };
-  if (!flags.out.empty()) add(absl::StrCat("run.out_dir=", flags.out), "--out " + flags.out);
+  if (!flags.out.empty()) {
+    load.AddFlagOverride(absl::StrCat("run.out_dir=", flags.out), "--out " + flags.out);
+  }
   if (!flags.metrics_listen.empty()) {
-    add(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen),
-        "--metrics-listen " + flags.metrics_listen);
+    load.AddFlagOverride(absl::StrCat("coordinator.metrics_listen=", flags.metrics_listen),
+                         "--metrics-listen " + flags.metrics_listen);
   }
   absl::StatusOr<config::LoadedRunSpec> loaded = config::LoadRunSpecFile(flags.config, load);
   // A run continued from its journal needs not the checkpoint it was first resumed from, which
@@ -261,10 +259,9 @@ int RunCoordinator(const CoordinatorFlags& flags) {
     }
     if (newest.has_value() && newest->step > first_step) {
       config::LoadOptions resume = load;
-      const std::string assignment = absl::StrCat("checkpoint.resume_from=", newest->path);
-      resume.overrides.push_back(assignment);
-      resume.override_flags.emplace(
-          assignment, absl::StrCat("the newest checkpoint of checkpoint.dir, ", newest->path));
+      resume.AddFlagOverride(
+          absl::StrCat("checkpoint.resume_from=", newest->path),
+          absl::StrCat("the newest checkpoint of checkpoint.dir, ", newest->path));
       resume.resume_at_end = true;  // a checkpoint of the last step: only the outputs are left
       absl::StatusOr<config::LoadedRunSpec> continued =
           config::LoadRunSpecFile(flags.config, resume);

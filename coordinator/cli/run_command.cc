@@ -139,15 +139,16 @@ absl::StatusOr<config::LoadedRunSpec> LoadSpec(const RunFlags& flags) {
   config::LoadOptions load;
   load.overrides = flags.overrides;
   // Errors about these name the flag the user gave, not a --set.
-  const auto add = [&load](std::string assignment, std::string flag) {
-    load.override_flags.emplace(assignment, std::move(flag));
-    load.overrides.push_back(std::move(assignment));
-  };
-  if (flags.steps > 0)
-    add(absl::StrCat("run.steps=", flags.steps), absl::StrCat("--steps ", flags.steps));
-  if (!flags.out.empty()) add(absl::StrCat("run.out_dir=", flags.out), "--out " + flags.out);
+  if (flags.steps > 0) {
+    load.AddFlagOverride(absl::StrCat("run.steps=", flags.steps),
+                         absl::StrCat("--steps ", flags.steps));
+  }
+  if (!flags.out.empty()) {
+    load.AddFlagOverride(absl::StrCat("run.out_dir=", flags.out), "--out " + flags.out);
+  }
   if (!flags.resume.empty()) {
-    add(absl::StrCat("checkpoint.resume_from=", flags.resume), "--resume " + flags.resume);
+    load.AddFlagOverride(absl::StrCat("checkpoint.resume_from=", flags.resume),
+                         "--resume " + flags.resume);
   }
   return config::LoadRunSpecFile(flags.config, load);
 }

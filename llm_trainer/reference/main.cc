@@ -205,9 +205,8 @@ int main(int argc, char** argv) {
   load.overrides = flags.overrides;
   if (flags.steps > 0) {
     // Errors about it name the flag the user gave.
-    const std::string steps = "run.steps=" + std::to_string(flags.steps);
-    load.overrides.push_back(steps);
-    load.override_flags.emplace(steps, "--steps " + std::to_string(flags.steps));
+    load.AddFlagOverride("run.steps=" + std::to_string(flags.steps),
+                         "--steps " + std::to_string(flags.steps));
   }
   // The evaluation of a finished run needs no checkpoint it may have started from.
   load.resume = !evaluate->parsed();
@@ -215,8 +214,7 @@ int main(int argc, char** argv) {
     // Their parameters all come from the model files or the checkpoint: the files the run
     // started from (init_from) may be gone.
     for (const char* cleared : {"encoder.init_from=\"\"", "llm.init_from=\"\""}) {
-      load.overrides.push_back(cleared);
-      load.override_flags.emplace(cleared, "cleared: the model's files or checkpoint hold it");
+      load.AddFlagOverride(cleared, "cleared: the model's files or checkpoint hold it");
     }
   }
   auto loaded = hetpar::config::LoadRunSpecFile(flags.config_path, load);
