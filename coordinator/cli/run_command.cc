@@ -307,7 +307,19 @@ int RunDistributed(const RunFlags& flags, const v1::RunSpec& spec) {
     }
   }
 
-  auto token = coordinator::GenerateToken();
+  // The run's token: coordinator.token_file's where the config names one (then `hetpar status`
+  // and workers elsewhere can hold it beforehand), else a fresh one.
+  absl::StatusOr<std::string> token;
+  if (const std::string& file = spec.coordinator().token_file(); !file.empty()) {
+    absl::StatusOr<coordinator::RunToken> read = coordinator::ReadTokenFile(file);
+    if (!read.ok()) {
+      std::cerr << "hetpar run: coordinator.token_file: " << read.status().message() << "\n";
+      return kExitInvalidInput;
+    }
+    token = read->value;
+  } else {
+    token = coordinator::GenerateToken();
+  }
   if (!token.ok()) {
     std::cerr << "hetpar run: " << token.status().message() << "\n";
     return kExitFailure;

@@ -294,6 +294,37 @@ TEST_F(RunFaultsTest, AWorkerOnTheCoordinatorsMachineUsesItsGeneratedToken) {
   ::unsetenv("XDG_RUNTIME_DIR");
 }
 
+// `hetpar run` takes the run token of coordinator.token_file: its workers train with it, and the
+// copy it keeps for `hetpar status` on this machine is that token.
+TEST_F(RunFaultsTest, ARunTakesTheTokenOfItsConfigsTokenFile) {
+  ::setenv("XDG_RUNTIME_DIR", dir_.c_str(), 1);  // where the run keeps its copy
+  ::unsetenv("HETPAR_TOKEN");
+  ::unsetenv("HETPAR_TOKEN_FILE");
+  const std::string token_file = dir_ + "/chosen.token";
+  std::ofstream(token_file) << "a-token-the-user-chose\n";
+  std::vector<std::string> argv = RunArgs(40);
+  argv.insert(argv.end(), {"--set", "coordinator.token_file=" + token_file});
+  auto run = ChildProcess::Start(argv, dir_ + "/hetpar-run.log");
+  ASSERT_TRUE(run.ok());
+  ASSERT_NO_FATAL_FAILURE(ExpectLines(dir_ + "/run/metrics.jsonl", 1));
+  std::string kept;
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        std::error_code error;
+        for (const auto& entry : std::filesystem::directory_iterator(dir_ + "/hetpar", error)) {
+          const std::string name = entry.path().filename().string();
+          if (name.rfind("coordinator-", 0) == 0) kept = ReadFile(entry.path().string());
+        }
+        return !kept.empty();
+      },
+      absl::Seconds(60)));
+  EXPECT_EQ(kept.substr(0, kept.find_last_not_of("\n") + 1), "a-token-the-user-chose");
+  auto code = run->Wait(120);
+  ::unsetenv("XDG_RUNTIME_DIR");
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << ReadFile(dir_ + "/hetpar-run.log");
+}
+
 // A worker asking for a rank that is still held (after a crash, by its own lost process until the
 // coordinator sees it gone; here by a live worker) waits within --connect-timeout instead of
 // exiting, and takes the rank once its holder is gone.
