@@ -326,6 +326,7 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   for (int64_t d = 0; d < ll.dp; ++d) {
     for (int64_t m = 0; m < waves; ++m) {
       const LlmMicrobatch& mb = plan.llm.At(d, m);
+      if (mb.samples.empty()) continue;  // a replica taking one wave fewer: no time
       double flops = 0;
       std::vector<double> lengths;
       // The model's attention calls per layer: one per run of consecutive samples of one length,
@@ -457,10 +458,13 @@ absl::StatusOr<StepEstimate> EstimateWith(const v1::RunSpec& spec, const StepPla
   double bubble = 0;
   {
     double stage_sum = 0;
-    for (const auto& row : llm_wave) {
-      for (double t : row) stage_sum += t;
+    int64_t microbatches = 0;
+    for (const LlmMicrobatch& mb : plan.llm.microbatches) {
+      if (mb.samples.empty()) continue;
+      stage_sum += llm_wave[mb.replica][mb.wave];
+      ++microbatches;
     }
-    const double mean_stage = waves > 0 ? stage_sum / static_cast<double>(ll.dp * waves) : 0;
+    const double mean_stage = microbatches > 0 ? stage_sum / static_cast<double>(microbatches) : 0;
     bubble = static_cast<double>(ll.pp - 1) * mean_stage;
   }
   double schedule_end = 0;

@@ -131,15 +131,20 @@ absl::StatusOr<LlmAssignment> AssignLlm(const std::vector<SampleDescriptor>& sam
   std::vector<double> wave_enc(waves, 0.0);
   std::vector<double> wave_llm(waves, 0.0);
   std::vector<int64_t> filled(replicas * waves, 0);
+  // A wave's work per replica taking it: a last wave of only `full` replicas counts its work as
+  // the others' would be with every replica in it.
+  const auto load = [&](int64_t m) {
+    const double scale = m + 1 == waves && full < replicas
+                             ? static_cast<double>(replicas) / static_cast<double>(full)
+                             : 1.0;
+    return std::make_pair(wave_enc[m] * scale, wave_llm[m] * scale);
+  };
   for (int64_t i : order) {
     const int64_t d = out.sample_replica[i];
     int64_t best = -1;
     for (int64_t m = 0; m < replica_waves[d]; ++m) {
       if (filled[d * waves + m] >= micro_batch) continue;
-      if (best < 0 ||
-          std::tie(wave_enc[m], wave_llm[m]) < std::tie(wave_enc[best], wave_llm[best])) {
-        best = m;
-      }
+      if (best < 0 || load(m) < load(best)) best = m;
     }
     out.sample_wave[i] = best;
     ++filled[d * waves + best];

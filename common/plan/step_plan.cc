@@ -106,6 +106,7 @@ absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::Run
   o.seed = static_cast<uint64_t>(spec.run().seed());
   o.waves = *waves;
   o.micro_batch = spec.run().micro_batch();
+  o.global_batch = spec.run().global_batch();
   o.seq_len = spec.llm().model().seq_len();
   o.row_bytes = spec.llm().model().hidden() * dtype_bytes;
   o.encoder_cost = EncoderCostModel(spec.encoder().model());
@@ -123,6 +124,11 @@ absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
                                        const StepPlanOptions& options) {
   if (absl::Status s = ValidatePlacement(placement); !s.ok()) return s;
   if (absl::Status s = ValidateBatch(samples, options.seq_len); !s.ok()) return s;
+  if (options.global_batch > 0 && static_cast<int64_t>(samples.size()) != options.global_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the global batch has ", samples.size(),
+                     " samples; expected run.global_batch=", options.global_batch));
+  }
   StepPlan plan;
   plan.step = options.step;
   plan.generation = options.generation;

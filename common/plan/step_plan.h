@@ -31,6 +31,9 @@ struct StepPlanOptions {
   uint64_t seed = 0;
   int64_t waves = 1;        // M = global_batch / (micro_batch * llm dp), rounded up (LlmWaves)
   int64_t micro_batch = 1;  // samples per LLM replica per wave
+  // run.global_batch: the batch's size, checked by BuildStepPlan (0: whatever size AssignLlm
+  // takes for the waves, which may leave replicas a wave short).
+  int64_t global_batch = 0;
   int64_t seq_len = 0;      // llm.model.seq_len
   int64_t row_bytes = 0;    // llm.model.hidden x dtype size
   CostModel encoder_cost;   // per image
@@ -56,8 +59,9 @@ int64_t DtypeBytes(hetpar::v1::Dtype dtype);
 absl::StatusOr<int64_t> LlmWaves(const hetpar::v1::RunSpec& spec, int64_t llm_replicas = 0);
 
 // Options from a RunSpec with defaults applied: seed = run.seed, waves = run.global_batch /
-// (run.micro_batch x llm.layout.dp), seq_len = llm.model.seq_len, row_bytes = llm.model.hidden
-// x dtype size, cost models from both models. InvalidArgument when the batch does not divide.
+// (run.micro_batch x llm.layout.dp), global_batch = run.global_batch, seq_len =
+// llm.model.seq_len, row_bytes = llm.model.hidden x dtype size, cost models from both models.
+// InvalidArgument when the batch does not divide.
 // `llm_replicas` > 0: the LLM DP replicas taking part when fewer than llm.layout.dp (some left
 // the run); the waves follow them (LlmWaves).
 absl::StatusOr<StepPlanOptions> StepPlanOptionsFromRunSpec(const hetpar::v1::RunSpec& spec,
@@ -77,8 +81,9 @@ struct StepPlan {
   BoundaryPlan boundary;
 };
 
-// Validates the batch (every sample fits seq_len, batch size = waves x micro_batch x
-// llm dp) and builds the assignments and the boundary plan.
+// Validates the batch (every sample fits seq_len; options.global_batch samples where set, and a
+// size AssignLlm takes for the waves, micro_batch and llm dp) and builds the assignments and the
+// boundary plan.
 absl::StatusOr<StepPlan> BuildStepPlan(const Placement& placement,
                                        std::vector<SampleDescriptor> samples,
                                        const StepPlanOptions& options);
@@ -91,7 +96,7 @@ struct RankStepPlan {
   int64_t step = 0;
   int64_t generation = 0;
   int64_t attempt = 0;  // set by the coordinator when it sends the plan
-  int64_t waves = 0;
+  int64_t waves = 0;    // the step's; an LLM rank's replica may take one fewer (microbatches)
   int64_t n_global = 0;
   int64_t seq_len = 0;
   int64_t row_bytes = 0;

@@ -327,8 +327,19 @@ TEST(StepPlanTest, RejectsBadBatchesWithClearErrors) {
   auto r = BuildStepPlan(*placement, wrong_size, *options);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()),
-              HasSubstr("has 7 samples; expected micro_batch 2 x 3 to 4 microbatches for 2 "
-                        "waves over llm dp 2"));
+              HasSubstr("has 7 samples; expected run.global_batch=8"));
+  // Six would fill the waves with one replica a wave short, as after a loss; with every replica
+  // taking part the batch is the configured one.
+  wrong_size.pop_back();
+  r = BuildStepPlan(*placement, wrong_size, *options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("has 6 samples; expected run.global_batch=8"));
+  StepPlanOptions unchecked = *options;
+  unchecked.global_batch = 0;
+  r = BuildStepPlan(*placement, wrong_size, unchecked);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->llm.At(1, 1).samples.empty());
 
   // A sample twice (a batch across an epoch's end): planned at both positions.
   auto duplicate = samples;

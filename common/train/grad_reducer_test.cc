@@ -76,6 +76,36 @@ TEST(GradientReducerTest, SumsOverRanksAndWavesWithBucketsStartedDuringTheLastBa
   EXPECT_TRUE(status.ok()) << status;
 }
 
+// After an LLM replica left the run, the replicas left may take different numbers of waves
+// (plan::AssignLlm): each arms its own last backward, and the sums are over every wave of every
+// rank.
+TEST(GradientReducerTest, RanksTakingDifferentNumbersOfWavesSumThemAll) {
+  constexpr int kRanks = 2;
+  const int waves_of[kRanks] = {3, 2};
+  absl::Status status = RunRanks(kRanks, [&](int rank, nn::Communicator& dp) -> absl::Status {
+    auto set = MakeSet();
+    GradientReducer reducer(set.get(), 6 * 8);
+    HETPAR_RETURN_IF_ERROR(reducer.BeginStep(&dp));
+    for (int wave = 0; wave < waves_of[rank]; ++wave) {
+      if (wave + 1 == waves_of[rank]) reducer.ArmLastBackward();
+      Backward(*set, {"a", "b", "c"}, rank, wave);
+    }
+    HETPAR_RETURN_IF_ERROR(reducer.Finish());
+    EXPECT_EQ(reducer.started_during_backward(), 3);
+    for (const char* name : {"a", "b", "c"}) {
+      const at::Tensor& p = set->Find(name)->tensor;
+      at::Tensor expected = at::zeros(p.sizes(), at::kDouble);
+      for (int r = 0; r < kRanks; ++r) {
+        for (int wave = 0; wave < waves_of[r]; ++wave) expected += Input(name, r, wave, p.sizes());
+      }
+      EXPECT_TRUE(at::allclose(p.grad(), expected, 1e-14, 0))
+          << "rank " << rank << " parameter " << name;
+    }
+    return absl::OkStatus();
+  });
+  EXPECT_TRUE(status.ok()) << status;
+}
+
 TEST(GradientReducerTest, AParameterWithoutAGradientInTheLastBackwardIsSummedByFinish) {
   constexpr int kRanks = 2;
   absl::Status status = RunRanks(kRanks, [&](int rank, nn::Communicator& dp) -> absl::Status {

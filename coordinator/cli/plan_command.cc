@@ -358,15 +358,17 @@ void PrintText(const StepPlan& p, const PlanStats& stats, const Context& ctx, in
   for (int64_t d = 0; d < p.llm.replicas; ++d) {
     int64_t tokens = 0;
     int64_t images = 0;
+    size_t samples = 0;
     for (int64_t m = 0; m < p.llm.waves; ++m) {
       tokens += p.llm.At(d, m).tokens;
+      samples += p.llm.At(d, m).samples.size();
       for (int64_t s : p.llm.At(d, m).samples) images += p.samples[s].image_count();
     }
-    std::cout << "  replica " << d << ": " << p.llm.waves * p.llm.micro_batch << " samples, "
-              << images << " images, " << tokens << " tokens, " << Flops(p.llm.replica_cost[d])
-              << " forward\n";
+    std::cout << "  replica " << d << ": " << samples << " samples, " << images << " images, "
+              << tokens << " tokens, " << Flops(p.llm.replica_cost[d]) << " forward\n";
     if (!small) continue;
     for (int64_t m = 0; m < p.llm.waves; ++m) {
+      if (p.llm.At(d, m).samples.empty()) continue;  // a replica taking one wave fewer
       std::vector<std::string> items;
       for (int64_t s : p.llm.At(d, m).samples) {
         items.push_back(absl::StrCat("sample ", p.samples[s].id, " (", p.samples[s].image_count(),

@@ -515,9 +515,12 @@ TEST_F(ReplicaLossTest, AKilledEncoderReplicaOfAPipelinedRunIsDroppedAndTheRunMa
 }
 
 TEST_F(ReplicaLossTest, AKilledLlmStageTakesItsReplicaOutAndThePipelinedRunMatches) {
-  // Four LLM ranks (dp 2 x pp 2); the last is stage 1 of replica 1, whose stage 0 leaves with it.
-  KillOneAndCompare("hetpar-llm", {"llm.layout.dp=2", "llm.layout.tp=1", "llm.layout.pp=2"}, "llm",
-                    4);
+  // Six LLM ranks (dp 3 x pp 2); the last is stage 1 of replica 2, whose stage 0 leaves with it.
+  // The batch's nine microbatches then go 5 and 4: both stages of one replica run a wave fewer.
+  KillOneAndCompare("hetpar-llm",
+                    {"llm.layout.dp=3", "llm.layout.tp=1", "llm.layout.pp=2", "run.micro_batch=1",
+                     "run.global_batch=9"},
+                    "llm", /*workers=*/6, /*replicas_left=*/2);
 }
 
 // A worker whose step hangs while its session thread goes on heartbeating is never declared dead
