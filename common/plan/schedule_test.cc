@@ -145,8 +145,11 @@ TEST(ScheduleTest, RandomBatchesKeepEveryPropertyAndBound) {
     const int64_t waves = 1 + rng() % 5;
     const int64_t micro_batch = 1 + rng() % 3;
     const int64_t enc_replicas = 1 + rng() % 9;
-    auto samples =
-        Batch(replicas * waves * micro_batch, rng(), rng() % 7, 1 + rng() % 12, rng() % 1000);
+    // Every other trial over fewer microbatches than replicas x waves, as after a lost replica:
+    // `short_replicas` of them take one wave fewer.
+    const int64_t short_replicas = waves > 1 && trial % 2 == 1 ? rng() % replicas : 0;
+    auto samples = Batch((replicas * waves - short_replicas) * micro_batch, rng(), rng() % 7,
+                         1 + rng() % 12, rng() % 1000);
     // Vary tokens per image inside the batch too.
     for (auto& s : samples) {
       if (rng() % 3 == 0 && s.image_count() > 0) {
@@ -160,9 +163,15 @@ TEST(ScheduleTest, RandomBatchesKeepEveryPropertyAndBound) {
     ASSERT_TRUE(enc.ok()) << enc.status();
     SCOPED_TRACE(::testing::Message()
                  << "trial " << trial << " llm dp " << replicas << " waves " << waves << " mb "
-                 << micro_batch << " enc dp " << enc_replicas);
+                 << micro_batch << " enc dp " << enc_replicas << " short " << short_replicas);
     CheckAssignments(samples, *llm, *enc, micro_batch);
     if (HasFatalFailure()) return;
+    std::vector<int64_t> per_replica(replicas, 0);
+    for (int64_t r : llm->sample_replica) ++per_replica[r];
+    for (int64_t d = 0; d < replicas; ++d) {
+      const int64_t expected = d < replicas - short_replicas ? waves : waves - 1;
+      ASSERT_EQ(per_replica[d], expected * micro_batch) << "replica " << d;
+    }
     // Deterministic.
     auto llm2 = AssignLlm(samples, replicas, waves, micro_batch, kLlmCost, kEncoderCost, seed, 3);
     auto enc2 = AssignEncoder(samples, *llm2, enc_replicas, kEncoderCost, seed, 3);
