@@ -8,6 +8,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <filesystem>
+#include <functional>
+#include <random>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,10 +23,41 @@ namespace {
 // Bytes per write call.
 constexpr size_t kChunkBytes = size_t{1} << 26;
 
+// "<path>.tmp-" and six random letters or digits.
+std::string RandomTemporaryName(const std::string& path) {
+  static constexpr char kChars[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                   (static_cast<uint64_t>(::getpid()) << 32) ^
+                                   std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  std::string name = absl::StrCat(path, ".tmp-");
+  for (int i = 0; i < 6; ++i) name.push_back(kChars[rng() % (sizeof(kChars) - 1)]);
+  return name;
+}
+
+// Gives the unnamed (O_TMPFILE) file open as `fd` a name beside `path`, to be renamed over it:
+// linkat cannot replace a file.
+absl::StatusOr<std::string> LinkUnnamed(int fd, const std::string& path) {
+  const std::string self = absl::StrCat("/proc/self/fd/", fd);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string temp = RandomTemporaryName(path);
+    if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, temp.c_str(), AT_SYMLINK_FOLLOW) == 0) {
+      return temp;
+    }
+    const int err = errno;
+    if (err == EEXIST) continue;
+    // Without /proc: linking by the descriptor itself, which needs CAP_DAC_READ_SEARCH.
+    if (::linkat(fd, "", AT_FDCWD, temp.c_str(), AT_EMPTY_PATH) == 0) return temp;
+    if (errno == EEXIST) continue;
+    return ErrnoStatus(err, absl::StrCat("naming the temporary file of ", path, " ", temp));
+  }
+  return absl::AlreadyExistsError(
+      absl::StrCat("naming the temporary file of ", path, ": 100 random names were all taken"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
-    const std::string& path) {
+    const std::string& path, const AtomicFileOptions& options) {
   const std::filesystem::path target(path);
   if (target.has_parent_path()) {
     std::error_code error;
@@ -32,20 +66,36 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
       return ErrnoStatus(error.value(), absl::StrCat("creating the directory of ", path));
     }
   }
-  std::string temp = absl::StrCat(path, ".tmp-XXXXXX");
-  const int fd = ::mkostemp(temp.data(), O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("creating a temporary file for ", path));
-  std::unique_ptr<AtomicFileWriter> writer(new AtomicFileWriter(path, std::move(temp), fd));
-  // mkostemp creates it 0600; the target is an ordinary file.
-  if (::fchmod(fd, 0644) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("setting the mode of ", writer->temp_));
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  int fd = options.unnamed_temporary
+               ? ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, options.mode)
+               : -1;
+  if (fd >= 0) {
+    return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, "", fd, options.durable));
   }
-  return writer;
+  // No O_TMPFILE on this file system: a named temporary file, which a killed process leaves.
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    std::string temp = RandomTemporaryName(path);
+    fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, options.mode);
+    if (fd >= 0) {
+      return std::unique_ptr<AtomicFileWriter>(
+          new AtomicFileWriter(path, std::move(temp), fd, options.durable));
+    }
+    if (errno != EEXIST) {
+      return ErrnoStatus(errno, absl::StrCat("creating a temporary file for ", path));
+    }
+  }
+  return absl::AlreadyExistsError(
+      absl::StrCat("creating a temporary file for ", path, ": 100 random names were all taken"));
 }
 
 AtomicFileWriter::~AtomicFileWriter() {
   if (fd_ >= 0) ::close(fd_);
-  if (!committed_) ::unlink(temp_.c_str());
+  if (!committed_ && !temp_.empty()) ::unlink(temp_.c_str());
+}
+
+std::string AtomicFileWriter::TemporaryName() const {
+  return temp_.empty() ? absl::StrCat(path_, " (its unnamed temporary file)") : temp_;
 }
 
 absl::Status AtomicFileWriter::Append(const void* data, size_t bytes) {
@@ -56,7 +106,7 @@ absl::Status AtomicFileWriter::Append(const void* data, size_t bytes) {
     const ssize_t n = ::write(fd_, p, std::min(bytes, kChunkBytes));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("writing ", temp_));
+      return ErrnoStatus(errno, absl::StrCat("writing ", TemporaryName()));
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -65,7 +115,12 @@ absl::Status AtomicFileWriter::Append(const void* data, size_t bytes) {
 }
 
 absl::Status AtomicFileWriter::Commit() {
-  if (::fsync(fd_) != 0) return ErrnoStatus(errno, absl::StrCat("syncing ", temp_));
+  if (durable_ && ::fsync(fd_) != 0) {
+    return ErrnoStatus(errno, absl::StrCat("syncing ", TemporaryName()));
+  }
+  if (temp_.empty()) {
+    HETPAR_ASSIGN_OR_RETURN(temp_, LinkUnnamed(fd_, path_));
+  }
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", temp_));
@@ -73,6 +128,7 @@ absl::Status AtomicFileWriter::Commit() {
     return ErrnoStatus(errno, absl::StrCat("renaming ", temp_, " to ", path_));
   }
   committed_ = true;
+  if (!durable_) return absl::OkStatus();
   std::string dir = std::filesystem::path(path_).parent_path().string();
   return SyncDirectory(dir.empty() ? "." : dir);
 }
@@ -87,8 +143,10 @@ absl::Status SyncDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents) {
-  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file, AtomicFileWriter::Create(path));
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                                 const AtomicFileOptions& options) {
+  HETPAR_ASSIGN_OR_RETURN(std::unique_ptr<AtomicFileWriter> file,
+                          AtomicFileWriter::Create(path, options));
   HETPAR_RETURN_IF_ERROR(file->Append(contents.data(), contents.size()));
   return file->Commit();
 }

@@ -15,6 +15,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/atomic_file.h"
+#include "common/status.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace hetpar::coordinator {
@@ -129,21 +131,10 @@ absl::Status WriteLocalTokenFile(const std::string& path, const std::string& tok
         absl::StrCat("directory ", dir,
                      " for the run token must be a directory owned by this user with mode 0700"));
   }
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot write run token file ", tmp, ": ", std::strerror(errno)));
-  }
-  const std::string text = token + "\n";
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  ::close(fd);
-  if (!ok || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    ::unlink(tmp.c_str());
-    return absl::UnavailableError(
-        absl::StrCat("cannot write run token file ", path, ": ", std::strerror(errno)));
-  }
-  return absl::OkStatus();
+  // Never more open than 0600, not even while it is written; two coordinators writing it at once
+  // each write a temporary file of their own.
+  return Annotate(WriteFileAtomically(path, token + "\n", AtomicFileOptions{0600}),
+                  absl::StrCat("cannot write run token file ", path));
 }
 
 bool TokenMatches(std::string_view expected, std::string_view presented) {

@@ -97,50 +97,6 @@ absl::Status MakeDirectories(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents, bool durable,
-                                 int mode) {
-  static std::atomic<uint64_t> counter{0};
-  const fs::path target(path);
-  if (absl::Status s = MakeDirectories(target.parent_path().string()); !s.ok()) return s;
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", counter.fetch_add(1));
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, mode);
-  if (fd < 0) return ErrnoStatus(errno, "cannot create", tmp);
-  size_t written = 0;
-  while (written < contents.size()) {
-    const ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      return ErrnoStatus(err, "cannot write", tmp);
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (durable && ::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    return ErrnoStatus(err, "cannot fsync", tmp);
-  }
-  if (::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoStatus(err, "cannot close", tmp);
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return ErrnoStatus(err, "cannot rename onto", path);
-  }
-  // The rename itself survives a crash once the directory is synced.
-  if (durable) {
-    const std::string dir = target.parent_path().string();
-    return SyncDirectory(dir.empty() ? "." : dir);
-  }
-  return absl::OkStatus();
-}
-
 absl::Status SyncFileSystem(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return ErrnoStatus(errno, "cannot open", path);

@@ -1,4 +1,5 @@
-// Small file helpers for the data pipeline: whole-file reads, atomic writes, and the
+// Small file helpers for the data pipeline: whole-file reads (atomic writes are
+// common/atomic_file.h's), and the
 // (size, modification time) stamp that data index files are validated against.
 #ifndef HETPAR_COMMON_DATA_FILE_UTIL_H_
 #define HETPAR_COMMON_DATA_FILE_UTIL_H_
@@ -10,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/atomic_file.h"  // WriteFileAtomically, for the data files written
 
 namespace hetpar::data {
 
@@ -37,14 +39,6 @@ absl::StatusOr<FileStamp> StatFile(const std::string& path);
 // it: a path naming /dev/zero or a huge file costs no more memory than that.
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
                                              int64_t max_bytes = INT64_MAX);
-
-// Writes `contents` to `path` through a temporary file in the same directory, fsync and rename,
-// so a reader sees either the old file or the whole new one. Creates missing parent directories.
-// `durable` = false skips the fsync (for many small files made durable at once by SyncFileSystem).
-// The new file is created with permission bits `mode` (less the umask): 0600 for a file that
-// holds a secret is never more open, not even while it is written.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                                 bool durable = true, int mode = 0644);
 
 // Flushes the file system that holds `path` (syncfs(2)).
 absl::Status SyncFileSystem(const std::string& path);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "common/atomic_file.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -61,7 +62,8 @@ TEST(FileUtilTest, AFileLongerThanAllowedIsRefusedNamingItsPath) {
 
 TEST(FileUtilTest, NonDurableWriteAndSync) {
   const std::string dir = MakeTempDir();
-  ASSERT_TRUE(WriteFileAtomically(dir + "/x", "hello", /*durable=*/false).ok());
+  ASSERT_TRUE(
+      WriteFileAtomically(dir + "/x", "hello", AtomicFileOptions{0644, /*durable=*/false}).ok());
   EXPECT_TRUE(SyncFileSystem(dir).ok());
   EXPECT_EQ(*ReadFileToString(dir + "/x"), "hello");
   fs::remove_all(dir);

@@ -401,7 +401,8 @@ absl::StatusOr<SynthReport> GenerateSyntheticDataset(const SynthOptions& options
         HETPAR_ASSIGN_OR_RETURN(std::string png,
                                 EncodePng(RenderScene(sample.scenes[k], options.image_size)));
         HETPAR_RETURN_IF_ERROR(WriteFileAtomically(PathFor(split.manifest, sample.record.images[k]),
-                                                   png, /*durable=*/false));
+                                                   png,
+                                                   AtomicFileOptions{0644, /*durable=*/false}));
         ++report.images;
       }
       if (split.name == "train") ++report.train_samples_by_images[sample.scenes.size()];

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/atomic_file.h"
 #include "common/cli_checks.h"
 #include "common/config/config.h"
 #include "common/control/security.h"
-#include "common/data/file_util.h"
 #include "coordinator/cli/commands.h"
 #include "coordinator/deploy/deploy.h"
 #include "yaml-cpp/yaml.h"
@@ -139,8 +139,8 @@ int Deploy(DeployFlags flags, bool kubernetes) {
   }
   for (const deploy::RenderedFile& file : *files) {
     const std::string path = out + "/" + file.name;
-    if (absl::Status s = data::WriteFileAtomically(path, file.content, /*durable=*/true,
-                                                   file.secret ? 0600 : 0644);
+    if (absl::Status s =
+            WriteFileAtomically(path, file.content, AtomicFileOptions{file.secret ? 0600 : 0644});
         !s.ok()) {
       std::cerr << what << ": " << s.message() << "\n";
       return kExitFailure;

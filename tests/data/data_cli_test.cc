@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "common/atomic_file.h"
 #include "common/data/file_util.h"
 #include "common/data/index.h"
 #include "common/data/loader.h"
@@ -145,7 +146,7 @@ TEST_F(DataCliTest, SynthFromTheTinyConfigThenIndexCheckShow) {
     ASSERT_NE(at, std::string::npos) << "no token_crc in " << path;
     const size_t digit = at + std::string("\"token_crc\":").size();
     text[digit] = text[digit] == '1' ? '2' : '1';
-    ASSERT_TRUE(data::WriteFileAtomically(path, text).ok());
+    ASSERT_TRUE(WriteFileAtomically(path, text).ok());
     r = Run({"data", "check", "--config", config, "--split", "val"});
     EXPECT_EQ(r.exit_code, 1) << r.stdout_text << r.stderr_text;
     EXPECT_THAT(r.stdout_text, HasSubstr("128 good, 0 bad, 1 index mismatches"));
@@ -182,7 +183,7 @@ TEST_F(DataCliTest, BadSamplesAreNamedAndCanBeSkipped) {
   const std::string gone = m->ResolveImagePath(with_images[1]->images[0]);
   std::string png = *data::ReadFileToString(corrupt);
   png.resize(png.size() - 20);
-  ASSERT_TRUE(data::WriteFileAtomically(corrupt, png).ok());
+  ASSERT_TRUE(WriteFileAtomically(corrupt, png).ok());
   fs::remove(gone);
 
   testing::CommandResult r = Run({"data", "check", "--config", config});
