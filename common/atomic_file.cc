@@ -67,13 +67,18 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
     }
   }
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  int fd = options.unnamed_temporary
+  // An unnamed file is named through /proc/self/fd once it is whole (LinkUnnamed): without /proc
+  // (or with it hidden) only a process with CAP_DAC_READ_SEARCH could, so it is named from the
+  // start.
+  static const bool can_link = ::access("/proc/self/fd", X_OK) == 0;
+  int fd = options.unnamed_temporary && can_link
                ? ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, options.mode)
                : -1;
   if (fd >= 0) {
     return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, "", fd, options.durable));
   }
-  // No O_TMPFILE on this file system: a named temporary file, which a killed process leaves.
+  // No O_TMPFILE on this file system (or no /proc): a named temporary file, which a killed
+  // process leaves.
   for (int attempt = 0; attempt < 100; ++attempt) {
     std::string temp = RandomTemporaryName(path);
     fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, options.mode);

@@ -6,7 +6,8 @@
 // until it is complete: a process killed while it writes leaves nothing behind, and the file is
 // named "<path>.tmp-XXXXXX" only for the moment between its link and its rename. Elsewhere (NFS,
 // overlayfs before Linux 6.6) it is "<path>.tmp-XXXXXX" from the start, and a killed writer leaves
-// it. A write that fails or is abandoned removes its temporary file either way.
+// it, as does a process without /proc (through which the unnamed file gets its name). A write that
+// fails or is abandoned removes its temporary file either way.
 //
 //   HETPAR_ASSIGN_OR_RETURN(auto file, AtomicFileWriter::Create(path));
 //   HETPAR_RETURN_IF_ERROR(file->Append(data, bytes));
