@@ -27,6 +27,7 @@
 // again plus one step time (the groups formed anew); a join or a resize costs about one step more
 // than the step it happens at. `--case NAME` (repeatable) runs only those cases.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -220,15 +221,26 @@ int main(int argc, char** argv) {
                                   std::to_string(threads) + c.flags + " " + extra + " --out " +
                                   hetpar::bench::Quote(out) + " > " +
                                   hetpar::bench::Quote(out + ".log") + " 2>&1";
+      const pid_t bench = ::getpid();
       const pid_t child = ::fork();
       if (child == 0) {
+        // A run of a million steps must not outlive a bench that died.
+        ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+        if (::getppid() != bench) std::_Exit(127);
         ::execl("/bin/sh", "sh", "-c", command.c_str(), static_cast<char*>(nullptr));
         std::_Exit(127);
       }
+      int status = 0;
+      bool exited = false;
+      const auto ended = [&] {
+        exited = exited || ::waitpid(child, &status, WNOHANG) == child;
+        return exited;
+      };
       // Wait for the committed steps (at most 10 minutes), then the event.
       const std::string metrics = out + "/metrics.jsonl";
-      bool happened = WaitFor([&] { return CountSteps(metrics) >= kill_after; });
-      const double event_at = UnixNow();
+      bool happened =
+          WaitFor([&] { return ended() || CountSteps(metrics) >= kill_after; }) && !exited;
+      double event_at = 0;
       double shrink_at = 0;
       if (!happened) {
         // The run is slow or failed before the event; the check below says which.
@@ -239,10 +251,12 @@ int main(int argc, char** argv) {
                        c.binary.c_str(), out.c_str(), out.c_str());
           happened = false;
         } else {
+          event_at = UnixNow();
           ::kill(workers.back(), SIGKILL);
         }
       } else {
         // Grow to 3; once the new replica joined and trained a step, shrink back to 2.
+        event_at = UnixNow();
         happened = Control(out + ".log", "scale --encoders 3") &&
                    WaitFor([&] { return !PoolChanges(metrics, "joined").empty(); });
         shrink_at = UnixNow();
@@ -250,11 +264,8 @@ int main(int argc, char** argv) {
       }
       // The pool changes the case makes, then --steps-after committed steps after the last.
       const bool replaced = c.flags.find("--replace-workers") != std::string::npos;
-      int status = 0;
-      bool exited = false;
       happened = happened && WaitFor([&] {
-                   exited = exited || ::waitpid(child, &status, WNOHANG) == child;
-                   if (exited) return true;
+                   if (ended()) return true;
                    std::vector<nlohmann::json> changes;
                    for (const char* kind : {"lost", "joined", "removed"}) {
                      for (nlohmann::json& j : PoolChanges(metrics, kind)) changes.push_back(j);
@@ -268,17 +279,29 @@ int main(int argc, char** argv) {
                  });
       if (happened && !exited) happened = Control(out + ".log", "stop --reason recovery_bench");
       if (!happened) {
-        std::fprintf(stderr,
-                     "%s: the event, its pool changes or the %d steps after them did not happen; "
-                     "see %s.log\n",
-                     c.name.c_str(), steps_after, out.c_str());
+        if (exited) {
+          std::fprintf(stderr, "%s: the run ended early (wait status %d); see %s.log\n",
+                       c.name.c_str(), status, out.c_str());
+        } else {
+          std::fprintf(stderr,
+                       "%s: the event, its pool changes or the %d steps after them did not happen "
+                       "within 10 minutes; see %s.log\n",
+                       c.name.c_str(), steps_after, out.c_str());
+        }
         if (!exited) {
           ::kill(child, SIGTERM);
           ::waitpid(child, nullptr, 0);
         }
         return 1;
       }
-      if (!exited) ::waitpid(child, &status, 0);
+      if (!WaitFor(ended)) {
+        std::fprintf(stderr,
+                     "%s: the run did not end within 10 minutes of hetpar stop; see %s.log\n",
+                     c.name.c_str(), out.c_str());
+        ::kill(child, SIGKILL);
+        ::waitpid(child, nullptr, 0);
+        return 1;
+      }
       if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         std::fprintf(stderr, "the run did not end cleanly after the %s; see %s.log\n",
                      c.event == Event::kKill ? "kill" : "resize", out.c_str());

@@ -87,7 +87,8 @@ absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
           new AtomicFileWriter(path, std::move(temp), fd, options.durable));
     }
     if (errno != EEXIST) {
-      return ErrnoStatus(errno, absl::StrCat("creating a temporary file for ", path));
+      const int err = errno;
+      return ErrnoStatus(err, absl::StrCat("creating a temporary file for ", path));
     }
   }
   return absl::AlreadyExistsError(
@@ -111,7 +112,8 @@ absl::Status AtomicFileWriter::Append(const void* data, size_t bytes) {
     const ssize_t n = ::write(fd_, p, std::min(bytes, kChunkBytes));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus(errno, absl::StrCat("writing ", TemporaryName()));
+      const int err = errno;
+      return ErrnoStatus(err, absl::StrCat("writing ", TemporaryName()));
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -121,16 +123,21 @@ absl::Status AtomicFileWriter::Append(const void* data, size_t bytes) {
 
 absl::Status AtomicFileWriter::Commit() {
   if (durable_ && ::fsync(fd_) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("syncing ", TemporaryName()));
+    const int err = errno;
+    return ErrnoStatus(err, absl::StrCat("syncing ", TemporaryName()));
   }
   if (temp_.empty()) {
     HETPAR_ASSIGN_OR_RETURN(temp_, LinkUnnamed(fd_, path_));
   }
   const int fd = fd_;
   fd_ = -1;
-  if (::close(fd) != 0) return ErrnoStatus(errno, absl::StrCat("closing ", temp_));
+  if (::close(fd) != 0) {
+    const int err = errno;
+    return ErrnoStatus(err, absl::StrCat("closing ", temp_));
+  }
   if (::rename(temp_.c_str(), path_.c_str()) != 0) {
-    return ErrnoStatus(errno, absl::StrCat("renaming ", temp_, " to ", path_));
+    const int err = errno;
+    return ErrnoStatus(err, absl::StrCat("renaming ", temp_, " to ", path_));
   }
   committed_ = true;
   if (!durable_) return absl::OkStatus();
@@ -140,7 +147,10 @@ absl::Status AtomicFileWriter::Commit() {
 
 absl::Status SyncDirectory(const std::string& dir) {
   const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) return ErrnoStatus(errno, absl::StrCat("opening directory ", dir));
+  if (dir_fd < 0) {
+    const int err = errno;
+    return ErrnoStatus(err, absl::StrCat("opening directory ", dir));
+  }
   const int synced = ::fsync(dir_fd);
   const int err = errno;
   ::close(dir_fd);

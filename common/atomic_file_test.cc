@@ -50,8 +50,10 @@ std::string Pattern(size_t bytes, int seed) {
   return s;
 }
 
-// Whether the file system of `dir` makes unnamed files (O_TMPFILE).
+// Whether the writer makes unnamed files in `dir`: the file system has O_TMPFILE, and /proc
+// names them once they are whole.
 bool HasUnnamedFiles(const std::string& dir) {
+  if (::access("/proc/self/fd", X_OK) != 0) return false;
   const int fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600);
   if (fd < 0) return false;
   ::close(fd);
@@ -68,7 +70,8 @@ class AtomicFileTest : public ::testing::TestWithParam<bool> {
     options_.unnamed_temporary = GetParam();
     if (GetParam() && !HasUnnamedFiles(dir_)) {
       GTEST_SKIP() << "the file system of " << dir_
-                   << " has no O_TMPFILE; the named temporary files are tested alone";
+                   << " has no O_TMPFILE (or there is no /proc/self/fd); the named temporary "
+                      "files are tested alone";
     }
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -97,8 +100,19 @@ TEST_P(AtomicFileTest, ACommittedFileIsWhatWasAppendedWithItsSizeAndChecksum) {
   EXPECT_THAT(Entries(dir_ + "/a/b"), ElementsAre("shard.bin"));
 }
 
+// Sets the process's umask for a scope; the old one comes back however the scope ends.
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(mode_t mask) : old_(::umask(mask)) {}
+  ~ScopedUmask() { ::umask(old_); }
+  void Set(mode_t mask) { ::umask(mask); }
+
+ private:
+  mode_t old_;
+};
+
 TEST_P(AtomicFileTest, TheFileHasTheModeAskedLessTheUmask) {
-  const mode_t umask = ::umask(022);
+  ScopedUmask umask(022);
   for (const int mode : {0644, 0600}) {
     AtomicFileOptions options = options_;
     options.mode = mode;
@@ -108,12 +122,11 @@ TEST_P(AtomicFileTest, TheFileHasTheModeAskedLessTheUmask) {
     ASSERT_EQ(::stat(path.c_str(), &st), 0);
     EXPECT_EQ(st.st_mode & 0777, static_cast<mode_t>(mode & ~022)) << path;
   }
-  ::umask(077);
+  umask.Set(077);
   ASSERT_TRUE(WriteFileAtomically(dir_ + "/private", "x", options_).ok());
   struct stat st;
   ASSERT_EQ(::stat((dir_ + "/private").c_str(), &st), 0);
   EXPECT_EQ(st.st_mode & 0777, 0600u);
-  ::umask(umask);
 }
 
 TEST_P(AtomicFileTest, AnAbandonedOrNonDurableWriteLeavesNothingButTheFile) {
