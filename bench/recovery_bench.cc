@@ -59,29 +59,25 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
-int CountSteps(const std::string& metrics) {
-  int n = 0;
+// The JSON lines of `metrics` (a line still being written is left out).
+std::vector<nlohmann::json> ReadMetrics(const std::string& metrics) {
+  std::vector<nlohmann::json> lines;
   std::istringstream in(ReadFile(metrics));
   std::string line;
   while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    n += !j.is_discarded() && j.contains("step") ? 1 : 0;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded()) lines.push_back(std::move(j));
   }
-  return n;
+  return lines;
 }
 
-// The highest committed step of `metrics`, -1 before the first.
-int LastStep(const std::string& metrics) {
-  int last = -1;
-  std::istringstream in(ReadFile(metrics));
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.contains("step") && j["step"].is_number()) {
-      last = std::max(last, j["step"].get<int>());
-    }
+// The step numbers of the committed steps' lines, in file order.
+std::vector<int> Steps(const std::vector<nlohmann::json>& lines) {
+  std::vector<int> steps;
+  for (const nlohmann::json& j : lines) {
+    if (j.contains("step") && j["step"].is_number()) steps.push_back(j["step"].get<int>());
   }
-  return last;
+  return steps;
 }
 
 // Pids of `binary` processes whose command line names `out`.
@@ -113,14 +109,12 @@ struct Case {
   std::string flags;   // the layout that gives its module two (or three) replicas
 };
 
-// The pool_change lines of `metrics` of `kind` ("lost", "joined", "removed"), oldest first.
-std::vector<nlohmann::json> PoolChanges(const std::string& metrics, const std::string& kind) {
+// The pool_change lines of `kind` ("lost", "joined", "removed"), oldest first; all of them for "".
+std::vector<nlohmann::json> PoolChanges(const std::vector<nlohmann::json>& lines,
+                                        const std::string& kind) {
   std::vector<nlohmann::json> changes;
-  std::istringstream in(ReadFile(metrics));
-  std::string line;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.contains("pool_change") && j["pool_change"]["kind"] == kind) {
+  for (const nlohmann::json& j : lines) {
+    if (j.contains("pool_change") && (kind.empty() || j["pool_change"]["kind"] == kind)) {
       changes.push_back(j["pool_change"]);
     }
   }
@@ -239,7 +233,10 @@ int main(int argc, char** argv) {
       // Wait for the committed steps (at most 10 minutes), then the event.
       const std::string metrics = out + "/metrics.jsonl";
       bool happened =
-          WaitFor([&] { return ended() || CountSteps(metrics) >= kill_after; }) && !exited;
+          WaitFor([&] {
+            return ended() || static_cast<int>(Steps(ReadMetrics(metrics)).size()) >= kill_after;
+          }) &&
+          !exited;
       double event_at = 0;
       double shrink_at = 0;
       if (!happened) {
@@ -258,7 +255,7 @@ int main(int argc, char** argv) {
         // Grow to 3; once the new replica joined and trained a step, shrink back to 2.
         event_at = UnixNow();
         happened = Control(out + ".log", "scale --encoders 3") &&
-                   WaitFor([&] { return !PoolChanges(metrics, "joined").empty(); });
+                   WaitFor([&] { return !PoolChanges(ReadMetrics(metrics), "joined").empty(); });
         shrink_at = UnixNow();
         happened = happened && Control(out + ".log", "scale --encoders 2");
       }
@@ -266,16 +263,16 @@ int main(int argc, char** argv) {
       const bool replaced = c.flags.find("--replace-workers") != std::string::npos;
       happened = happened && WaitFor([&] {
                    if (ended()) return true;
-                   std::vector<nlohmann::json> changes;
-                   for (const char* kind : {"lost", "joined", "removed"}) {
-                     for (nlohmann::json& j : PoolChanges(metrics, kind)) changes.push_back(j);
-                   }
+                   const std::vector<nlohmann::json> lines = ReadMetrics(metrics);
+                   const std::vector<nlohmann::json> changes = PoolChanges(lines, "");
                    const size_t wanted = c.event == Event::kResize ? 2 : replaced ? 2 : 1;
                    if (changes.size() < wanted) return false;
                    int last = 0;
                    for (const nlohmann::json& j : changes)
                      last = std::max(last, j["step"].get<int>());
-                   return LastStep(metrics) >= last + steps_after;
+                   const std::vector<int> steps = Steps(lines);
+                   return !steps.empty() &&
+                          *std::max_element(steps.begin(), steps.end()) >= last + steps_after;
                  });
       if (happened && !exited) happened = Control(out + ".log", "stop --reason recovery_bench");
       if (!happened) {
@@ -307,9 +304,10 @@ int main(int argc, char** argv) {
                      c.event == Event::kKill ? "kill" : "resize", out.c_str());
         return 1;
       }
-      const std::vector<nlohmann::json> lost = PoolChanges(metrics, "lost");
-      const std::vector<nlohmann::json> joined = PoolChanges(metrics, "joined");
-      const std::vector<nlohmann::json> removed = PoolChanges(metrics, "removed");
+      const std::vector<nlohmann::json> lines = ReadMetrics(metrics);
+      const std::vector<nlohmann::json> lost = PoolChanges(lines, "lost");
+      const std::vector<nlohmann::json> joined = PoolChanges(lines, "joined");
+      const std::vector<nlohmann::json> removed = PoolChanges(lines, "removed");
       // The first pool change marks the end of the baseline.
       const nlohmann::json& first = c.event == Event::kKill
                                         ? (lost.empty() ? nlohmann::json() : lost[0])
@@ -321,11 +319,8 @@ int main(int argc, char** argv) {
       }
       std::vector<double> before;
       std::vector<double> after;
-      std::istringstream in(ReadFile(metrics));
-      std::string line;
-      while (std::getline(in, line)) {
-        nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-        if (j.is_discarded() || !j.contains("step") || !j.contains("step_time_s")) continue;
+      for (const nlohmann::json& j : lines) {
+        if (!j.contains("step") || !j.contains("step_time_s")) continue;
         const int step = j["step"].get<int>();
         // The first two steps warm up; the step that recovered counts in neither median.
         if (step >= 2 && step < kill_after - 1) before.push_back(j["step_time_s"].get<double>());

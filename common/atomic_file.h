@@ -4,10 +4,11 @@
 //
 // Where the file system has O_TMPFILE (ext4, XFS, btrfs, tmpfs) the temporary file has no name
 // until it is complete: a process killed while it writes leaves nothing behind, and the file is
-// named "<path>.tmp-XXXXXX" only for the moment between its link and its rename. Elsewhere (NFS,
-// overlayfs before Linux 6.6) it is "<path>.tmp-XXXXXX" from the start, and a killed writer leaves
-// it, as does a process without /proc (through which the unnamed file gets its name). A write that
-// fails or is abandoned removes its temporary file either way.
+// given a name, "<path>" + ".tmp-" + six random characters, only for the moment between its link
+// and its rename. On a file system without O_TMPFILE (NFS), or in a process without /proc (through
+// which the unnamed file gets its name), the temporary file is named so from the start, and a
+// killed writer leaves it. A write that fails or is abandoned removes its temporary file either
+// way.
 //
 //   HETPAR_ASSIGN_OR_RETURN(auto file, AtomicFileWriter::Create(path));
 //   HETPAR_RETURN_IF_ERROR(file->Append(data, bytes));
